@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Corpus and model locations for the CHiME-3 recipe, in one place.
+# Edit the defaults below or export the variables before running run.sh.
+
+# CHiME-3 root: the folder that contains data/audio/16kHz/enhanced/et05_* and data/transcriptions.
+CHIME3=${CHIME3:-}
+# Source model: a local directory with a transformers CTC model + processor, or a hub name
+# (a hub name needs the files in the local Hugging Face cache when offline).
+W2V2=${W2V2:-facebook/wav2vec2-base-960h}
+
+# db_require VAR HINT: stop with an actionable message when VAR is empty.
+db_require() {
+  local var=$1 hint=$2 value=${!1:-}
+  if [ -z "${value}" ]; then
+    echo "ERROR: ${var} is not set. ${hint}" >&2
+    echo "       Set it in $(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/db.sh or export ${var}=... before running." >&2
+    exit 1
+  fi
+}

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# CHiME-3 recipe: continual test-time adaptation on the enhanced et05 set (real noisy speech),
+# all utterances in one random order (Dynamic SUTA paper, table 1, column CHiME-3).
+#
+#   stage 0: et05 enhanced audio + transcripts -> manifest      (needs CHIME3)
+#   stage 1: data check (manifest columns, utterances per split; nothing to corrupt)
+#   stage 2: the randomly ordered stream -> data/streams/<stream_name>.csv
+#   stage 3: decode every method x seed                         (needs CHIME3 and W2V2)
+#   stage 4: RESULTS.md
+set -euo pipefail
+
+recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo_root=$(cd "${recipe_dir}/../.." && pwd)
+export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
+. "${repo_root}/tools/log.sh"
+. "${recipe_dir}/db.sh"
+
+# Options (each can be given as --name value).
+stage=0               # first stage to run
+stop_stage=4          # last stage to run
+python=python3
+include_ped_real=false  # the official code leaves et05_ped_real out (7 splits); true: all 8
+keep_raw_text=false   # true: keep verbalised punctuation (.PERIOD) / markers in references
+stream_name=chime3
+stream_seed=0         # seed of the random order (fixed across method seeds)
+max_duration=         # leave out utterances longer than this (s); empty: keep all
+methods="source suta sgem csuta sdpl awmc dsuta"   # yaml names in hparams_dir
+seeds="0 1 2"         # the paper averages 3 runs
+hparams_dir=${repo_root}/recipes/hparams
+conf_dir=${recipe_dir}/conf   # <method>.opts: extra decode overrides per method token
+model=                # source model (empty: W2V2 from db.sh)
+decode_opts=          # extra --key=value overrides for every decode
+data_dir=${recipe_dir}/data
+exp_dir=${recipe_dir}/exp
+dry_run=false         # print the decode/report commands instead of running them
+
+help_message=$(cat <<EOM
+Usage: $0 [options]
+  CHiME-3 (et05, enhanced) continual TTA recipe. Corpus locations are set in ${recipe_dir}/db.sh.
+Options (default):
+  --stage N (${stage})  --stop_stage N (${stop_stage})
+  --include_ped_real true|false (${include_ped_real})  --keep_raw_text true|false (${keep_raw_text})
+  --stream_name NAME (${stream_name})  --stream_seed N (${stream_seed})  --max_duration SEC
+  --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
+  --hparams_dir DIR  --conf_dir DIR  --model DIR_OR_NAME  --decode_opts "OPTS"
+  --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false
+Stages: 0 manifest, 1 data check, 2 stream, 3 decode, 4 report.
+EOM
+)
+. "${repo_root}/tools/parse_options.sh"
+if [ $# -gt 0 ]; then
+  echo "$0: unexpected argument(s): $*" >&2
+  exit 1
+fi
+# absolute paths: manifests and decode commands must not depend on the working directory
+case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
+case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
+
+manifest=${data_dir}/chime3_et05.csv
+stream_csv=${data_dir}/streams/${stream_name}.csv
+
+run() {  # run or print a command
+  if ${dry_run}; then
+    printf 'DRY-RUN:'; printf ' %q' "$@"; printf '\n'
+  else
+    "$@"
+  fi
+}
+
+# A method token is a yaml name in hparams_dir (suta) or a variant tag (dsuta+dynamic): its yaml is
+# <tag>.yaml if present, else the part before "+"; conf/<tag>.opts (if present) holds extra
+# --key=value overrides for it. The token names the experiment folder.
+method_hparams() {
+  if [ -f "${hparams_dir}/$1.yaml" ]; then
+    echo "${hparams_dir}/$1.yaml"
+  else
+    echo "${hparams_dir}/${1%%+*}.yaml"
+  fi
+}
+method_opts() {
+  if [ -f "${conf_dir}/$1.opts" ]; then
+    grep -v '^[[:space:]]*#' "${conf_dir}/$1.opts" | tr '\n' ' ' || true
+  fi
+}
+
+if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
+  log "Stage 0: CHiME-3 et05 (enhanced) -> ${manifest}"
+  db_require CHIME3 "It must be the CHiME-3 root (the folder that contains data/audio/16kHz/enhanced)."
+  prep_opts=()
+  ${include_ped_real} && prep_opts+=(--include_ped_real)
+  ${keep_raw_text} && prep_opts+=(--keep_raw_text)
+  ${python} -m tta_brain.data.prepare chime3 --root "${CHIME3}" --out "${manifest}" \
+    --data_root "${CHIME3}" ${prep_opts[@]+"${prep_opts[@]}"}
+fi
+
+if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
+  log "Stage 1: data check of ${manifest} (CHiME-3 is noisy already: nothing to corrupt)"
+  ${python} -m tta_brain.data.prepare validate "${manifest}"
+  # utterances per split
+  ${python} - "${manifest}" <<'PY'
+import collections, csv, sys
+with open(sys.argv[1], newline="") as f:
+    counts = collections.Counter(row["domain"] for row in csv.DictReader(f))
+print("utterances per split: " + ", ".join(f"{d}={n}" for d, n in sorted(counts.items())))
+PY
+fi
+
+if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
+  log "Stage 2: random-order stream -> ${stream_csv}"
+  dur_opts=()
+  [ -n "${max_duration}" ] && dur_opts+=(--max_duration "${max_duration}")
+  ${python} -m tta_brain.data.prepare streams --manifest "${manifest}" --out "${data_dir}" \
+    --names "${stream_name}=random" --seed "${stream_seed}" ${dur_opts[@]+"${dur_opts[@]}"}
+fi
+
+if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
+  db_require CHIME3 "The stream's audio paths are relative to it (\$data_root)."
+  if [ -z "${model}" ]; then
+    db_require W2V2 "It must be a local CTC model directory or a hub name (or pass --model)."
+    model=${W2V2}
+  fi
+  if [ ! -f "${stream_csv}" ]; then
+    echo "ERROR: stream ${stream_csv} not found; run stages 0-2 first (--stage 0)." >&2
+    exit 1
+  fi
+  for method in ${methods}; do
+    hparams=$(method_hparams "${method}")
+    method_extra=$(method_opts "${method}")
+    if [ ! -f "${hparams}" ]; then
+      echo "ERROR: ${hparams} not found (methods: $(cd "${hparams_dir}" && ls -- *.yaml 2>/dev/null | sed 's/\.yaml$//' | tr '\n' ' '))" >&2
+      exit 1
+    fi
+    for seed in ${seeds}; do
+      out=${exp_dir}/${stream_name}/${method}/seed${seed}
+      if [ -f "${out}/summary.json" ]; then
+        log "Stage 3: ${out} done, skipping"
+        continue
+      fi
+      log "Stage 3: decode ${stream_name} with ${method}, seed ${seed} -> ${out}"
+      # shellcheck disable=SC2086
+      run ${python} -m tta_brain.decode "${hparams}" --source="${model}" \
+        --stream_csv="${stream_csv}" --output_folder="${out}" --seed="${seed}" \
+        --data_root="${CHIME3}" ${method_extra} ${decode_opts}
+    done
+  done
+fi
+
+if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
+  log "Stage 4: report ${exp_dir}/RESULTS.md"
+  run ${python} -m tta_brain.report --exp_dir "${exp_dir}" --out "${exp_dir}/RESULTS.md"
+fi
+
+log "Finished (stages ${stage}-${stop_stage})."

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# LS-C recipe: LibriSpeech test-other + MS-SNSD noises (10 domains), continual test-time
+# adaptation of a CTC model on single-domain and multi-domain streams (Dynamic SUTA paper).
+#
+#   stage 0: LibriSpeech split -> manifest                        (needs LIBRISPEECH)
+#   stage 1: noise-corrupted sets for every SNR and domain        (needs MS_SNSD unless only GS)
+#   stage 2: stream manifests (single domains, MD-Easy/Hard with s=500/100/20, MD-Long)
+#   stage 3: decode every method x stream x seed                  (needs W2V2)
+#   stage 4: RESULTS.md per SNR
+set -euo pipefail
+
+recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo_root=$(cd "${recipe_dir}/../.." && pwd)
+export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
+. "${repo_root}/tools/log.sh"
+. "${recipe_dir}/db.sh"
+
+# Options (each can be given as --name value).
+stage=0               # first stage to run
+stop_stage=4          # last stage to run
+python=python3
+split=test-other      # LibriSpeech split
+snrs="5"              # SNRs in dB (the paper: 5; also 0 and 10)
+domains="AA AC BA CM GS MU NB SD TP VC"
+noise_seed=666        # seed of the Gaussian (GS) noise
+streams="AA AC BA CM GS MU NB SD TP VC md_easy md_hard md_easy_s100 md_easy_s20 md_hard_s100 md_hard_s20 md_long"
+stream_seed=0         # seed of the stream orders (fixed across method seeds)
+max_duration=20       # utterances longer than this (s) are left out of the streams, as in the paper
+per_domain=           # MD-Easy/Hard utterances per domain (empty: 500)
+md_long_total=        # MD-Long length (empty: 10000)
+md_long_min=          # MD-Long shortest run (empty: 20)
+md_long_max=          # MD-Long longest run (empty: 500)
+methods="source suta sgem csuta sdpl awmc dsuta"   # yaml names in hparams_dir
+seeds="0 1 2"         # the paper averages 3 runs
+hparams_dir=${repo_root}/recipes/hparams
+conf_dir=${recipe_dir}/conf   # <method>.opts: extra decode overrides per method token
+model=                # source model (empty: W2V2 from db.sh)
+decode_opts=          # extra --key=value overrides for every decode
+md_decode_opts=       # extra overrides for multi-domain streams (md_*) only
+data_dir=${recipe_dir}/data
+exp_dir=${recipe_dir}/exp
+dry_run=false         # print the decode/report commands instead of running them
+
+help_message=$(cat <<EOM
+Usage: $0 [options]
+  LS-C continual TTA recipe. Corpus locations are set in ${recipe_dir}/db.sh.
+Options (default):
+  --stage N (${stage})  --stop_stage N (${stop_stage})
+  --split NAME (${split})  --snrs "LIST" (${snrs})  --domains "LIST" (${domains})
+  --streams "LIST" (${streams})
+  --stream_seed N (${stream_seed})  --max_duration SEC (${max_duration})
+  --per_domain N  --md_long_total N  --md_long_min N  --md_long_max N  (paper sizes if empty)
+  --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
+  --hparams_dir DIR  --conf_dir DIR  --model DIR_OR_NAME  --decode_opts "OPTS"  --md_decode_opts "OPTS"
+  --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false
+Stages: 0 manifest, 1 corrupt, 2 streams, 3 decode, 4 report.
+EOM
+)
+. "${repo_root}/tools/parse_options.sh"
+if [ $# -gt 0 ]; then
+  echo "$0: unexpected argument(s): $*" >&2
+  exit 1
+fi
+# absolute paths: manifests and decode commands must not depend on the working directory
+case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
+case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
+
+clean_csv=${data_dir}/librispeech_${split//-/_}.csv
+lsc_dir=${data_dir}/ls_c
+
+run() {  # run or print a command
+  if ${dry_run}; then
+    printf 'DRY-RUN:'; printf ' %q' "$@"; printf '\n'
+  else
+    "$@"
+  fi
+}
+
+# A method token is a yaml name in hparams_dir (suta) or a variant tag (dsuta+dynamic): its yaml is
+# <tag>.yaml if present, else the part before "+"; conf/<tag>.opts (if present) holds extra
+# --key=value overrides for it. The token names the experiment folder.
+method_hparams() {
+  if [ -f "${hparams_dir}/$1.yaml" ]; then
+    echo "${hparams_dir}/$1.yaml"
+  else
+    echo "${hparams_dir}/${1%%+*}.yaml"
+  fi
+}
+method_opts() {
+  if [ -f "${conf_dir}/$1.opts" ]; then
+    grep -v '^[[:space:]]*#' "${conf_dir}/$1.opts" | tr '\n' ' ' || true
+  fi
+}
+
+if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
+  log "Stage 0: LibriSpeech ${split} -> ${clean_csv}"
+  db_require LIBRISPEECH "It must be the folder that contains LibriSpeech/${split} (openslr.org/12)."
+  ${python} -m tta_brain.data.prepare librispeech --root "${LIBRISPEECH}" --split "${split}" \
+    --out "${clean_csv}"
+fi
+
+if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
+  log "Stage 1: corrupt ${clean_csv} with [${domains}] at SNR [${snrs}] dB -> ${lsc_dir}"
+  if [ "${domains}" != "GS" ]; then
+    db_require MS_SNSD "It must be a clone of https://github.com/microsoft/MS-SNSD (with noise_test/)."
+  fi
+  # shellcheck disable=SC2086
+  ${python} -m tta_brain.data.prepare corrupt --manifest "${clean_csv}" --out "${lsc_dir}" \
+    --noise_dir "${MS_SNSD:-}" --snrs ${snrs} --domains ${domains} --seed "${noise_seed}" \
+    --data_root "${data_dir}"
+fi
+
+if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
+  size_opts=()
+  [ -n "${per_domain}" ] && size_opts+=(--per_domain "${per_domain}")
+  [ -n "${md_long_total}" ] && size_opts+=(--total "${md_long_total}")
+  [ -n "${md_long_min}" ] && size_opts+=(--min_len "${md_long_min}")
+  [ -n "${md_long_max}" ] && size_opts+=(--max_len "${md_long_max}")
+  for snr in ${snrs}; do
+    log "Stage 2: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
+    # shellcheck disable=SC2086
+    ${python} -m tta_brain.data.prepare streams --manifest_dir "${lsc_dir}/manifests" \
+      --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
+      --max_duration "${max_duration}" ${size_opts[@]+"${size_opts[@]}"}
+  done
+fi
+
+if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
+  if [ -z "${model}" ]; then
+    db_require W2V2 "It must be a local CTC model directory or a hub name (or pass --model)."
+    model=${W2V2}
+  fi
+  for snr in ${snrs}; do
+    for stream in ${streams}; do
+      csv=${data_dir}/snr${snr}/streams/${stream}.csv
+      if [ ! -f "${csv}" ]; then
+        echo "ERROR: stream ${csv} not found; run stages 0-2 first (--stage 0)." >&2
+        exit 1
+      fi
+      extra=${decode_opts}
+      case "${stream}" in md_*) extra="${extra} ${md_decode_opts}" ;; esac
+      for method in ${methods}; do
+        hparams=$(method_hparams "${method}")
+        method_extra=$(method_opts "${method}")
+        if [ ! -f "${hparams}" ]; then
+          echo "ERROR: ${hparams} not found (methods: $(cd "${hparams_dir}" && ls -- *.yaml 2>/dev/null | sed 's/\.yaml$//' | tr '\n' ' '))" >&2
+          exit 1
+        fi
+        for seed in ${seeds}; do
+          out=${exp_dir}/snr${snr}/${stream}/${method}/seed${seed}
+          if [ -f "${out}/summary.json" ]; then
+            log "Stage 3: ${out} done, skipping"
+            continue
+          fi
+          log "Stage 3: decode ${stream} (${snr} dB) with ${method}, seed ${seed} -> ${out}"
+          # shellcheck disable=SC2086
+          run ${python} -m tta_brain.decode "${hparams}" --source="${model}" \
+            --stream_csv="${csv}" --output_folder="${out}" --seed="${seed}" \
+            --data_root="${data_dir}" ${method_extra} ${extra}
+        done
+      done
+    done
+  done
+fi
+
+if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
+  for snr in ${snrs}; do
+    log "Stage 4: report ${exp_dir}/snr${snr}/RESULTS.md"
+    run ${python} -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
+      --out "${exp_dir}/snr${snr}/RESULTS.md"
+  done
+fi
+
+log "Finished (stages ${stage}-${stop_stage})."

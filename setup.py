@@ -1,0 +1,35 @@
+"""tta-brain: continual test-time adaptation of CTC speech recognisers (SpeechBrain-style recipes)."""
+from setuptools import find_packages, setup
+
+# A pinned working set: torch and torchaudio must come from the same release (speechbrain imports
+# torchaudio at start-up), and the CPU-only torch 2.13 wheel has no matching torchaudio.
+INSTALL_REQUIRES = [
+    "torch==2.11.0",
+    "torchaudio==2.11.0",
+    "speechbrain==1.1.2",
+    "hyperpyyaml>=1.2.2",
+    "transformers==4.57.6",
+    "sentencepiece>=0.2.0",
+    "jiwer>=3.0",
+    "tqdm>=4.66",
+    "soundfile>=0.12",
+    "matplotlib>=3.8",
+    "numpy>=1.26",
+    "scipy>=1.11",
+    "espeakng-loader==0.2.4",
+]
+
+setup(
+    name="tta_brain",
+    version="0.1.0",
+    description="Continual test-time adaptation (SUTA, SGEM, CSUTA, AWMC, Dynamic SUTA) of CTC ASR models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["tta_brain", "tta_brain.*"]),
+    python_requires=">=3.9",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": ["pytest>=7"]},
+    include_package_data=True,
+    package_data={"tta_brain": ["hparams/*.yaml", "hparams/*/*.yaml"]},
+    entry_points={"console_scripts": ["tta-decode=tta_brain.decode:main"]},
+)

@@ -1,0 +1,320 @@
+"""Audio I/O, manifests, and corpus preparation (LibriSpeech, MS-SNSD corruption, CHiME-3, CLI)."""
+import logging
+import os
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from fake_corpora import (estimate_snr_db, make_chime3, make_librispeech, make_ms_snsd,
+                          fake_speech)
+from tta_brain.data import audio as audio_mod
+from tta_brain.data import prepare
+from tta_brain.data.audio import AudioError, load_audio, write_audio
+from tta_brain.data.chime3 import clean_transcript, prepare_chime3
+from tta_brain.data.librispeech import prepare_librispeech
+from tta_brain.data.manifest import (STREAM_COLUMNS, ManifestError, ManifestNotFoundError,
+                                     read_manifest, resolve_path, validate_manifest,
+                                     write_manifest)
+from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
+from tta_brain.data.ms_snsd import LS_C_NOISES, corrupt_manifest, manifest_path
+
+SR = 16000
+
+
+# ----------------------------------------------------------------------------------------------
+# audio
+# ----------------------------------------------------------------------------------------------
+def test_write_load_roundtrip_wav_and_flac(tmp_path):
+    x = fake_speech(0.3, seed=0)
+    for ext in ("wav", "flac"):
+        path = tmp_path / "sub" / f"a.{ext}"
+        write_audio(path, torch.from_numpy(x))
+        assert sf.info(str(path)).subtype == "PCM_16"
+        assert sf.info(str(path)).format == ext.upper()
+        y = load_audio(path)
+        assert y.dtype == torch.float32 and y.ndim == 1 and y.numel() == x.size
+        np.testing.assert_allclose(y.numpy(), x, atol=1 / 32767)
+    assert not list(tmp_path.rglob(".*tmp*"))  # no leftovers of the atomic write
+
+
+def test_write_audio_clips_instead_of_wrapping(tmp_path, caplog):
+    x = np.array([0.5, 1.7, -2.0, 0.0], dtype=np.float32)
+    with caplog.at_level(logging.WARNING):
+        write_audio(tmp_path / "c.wav", x)
+    y = load_audio(tmp_path / "c.wav").numpy()
+    assert y[1] > 0.99 and y[2] <= -0.99  # saturated, not wrapped around
+    assert "clipped" in caplog.text
+    with pytest.raises(ValueError, match="extension"):
+        write_audio(tmp_path / "c.mp3", x)
+
+
+def test_load_audio_downmixes_and_resamples_with_one_warning(tmp_path, caplog):
+    audio_mod._warned.clear()
+    stereo = np.stack([np.full(800, 0.2), np.full(800, 0.4)], axis=1).astype(np.float32)
+    for i in range(2):
+        sf.write(str(tmp_path / f"st{i}.wav"), stereo, SR)
+    with caplog.at_level(logging.WARNING):
+        a = load_audio(tmp_path / "st0.wav")
+        load_audio(tmp_path / "st1.wav")
+    np.testing.assert_allclose(a.numpy(), 0.3, atol=1e-4)
+    assert caplog.text.count("averaged to mono") == 1
+    t = np.arange(8000) / 8000
+    tone = (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32)
+    sf.write(str(tmp_path / "r8k.wav"), tone, 8000)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        r = load_audio(tmp_path / "r8k.wav")
+    assert r.numel() == 16000
+    assert "resampled from 8000 Hz to 16000 Hz" in caplog.text
+    # the 200 Hz tone survives resampling
+    spec = np.abs(np.fft.rfft(r.numpy()))
+    assert np.argmax(spec) == 200
+
+
+def test_load_audio_errors_name_file_and_reason(tmp_path):
+    with pytest.raises(AudioError, match=r"missing\.wav: file not found"):
+        load_audio(tmp_path / "missing.wav")
+    (tmp_path / "junk.wav").write_bytes(os.urandom(300))
+    with pytest.raises(AudioError, match=r"junk\.wav: unreadable or corrupt"):
+        load_audio(tmp_path / "junk.wav")
+    sf.write(str(tmp_path / "empty.wav"), np.zeros(0, dtype=np.float32), SR)
+    with pytest.raises(AudioError, match=r"empty\.wav: empty audio"):
+        load_audio(tmp_path / "empty.wav")
+    bad = np.zeros(100, dtype=np.float32)
+    bad[10] = np.nan
+    sf.write(str(tmp_path / "nan.wav"), bad, SR, subtype="FLOAT")
+    with pytest.raises(AudioError, match=r"nan\.wav: audio contains NaN"):
+        load_audio(tmp_path / "nan.wav")
+    assert issubclass(AudioError, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------
+# manifests
+# ----------------------------------------------------------------------------------------------
+def test_manifest_roundtrip_placeholders_and_column_order(tmp_path):
+    rows = [{"wrd": "A B", "ID": "u1", "extra": "x", "duration": 1.25, "spk_id": "s",
+             "wav": "$data_root/a/u1.wav"}]
+    path = write_manifest(tmp_path / "m.csv", rows)
+    assert path.read_text().splitlines()[0] == "ID,duration,wav,spk_id,wrd,extra"
+    raw = read_manifest(path)
+    assert raw[0]["wav"] == "$data_root/a/u1.wav" and raw[0]["duration"] == 1.25
+    resolved = read_manifest(path, replacements={"data_root": "/corpus"})
+    assert resolved[0]["wav"] == "/corpus/a/u1.wav"
+    with pytest.raises(ManifestError, match="needs \\$data_root"):
+        read_manifest(path, replacements={})
+    assert resolve_path("$data_root/x.wav", "/r") == "/r/x.wav"
+    assert resolve_path("/abs/x.wav") == "/abs/x.wav"
+
+
+def test_validate_manifest_errors(tmp_path):
+    with pytest.raises(ManifestNotFoundError, match="nope.csv"):
+        validate_manifest(tmp_path / "nope.csv")
+    assert issubclass(ManifestNotFoundError, FileNotFoundError)
+    p = tmp_path / "bad.csv"
+    p.write_text("ID,wav\nu1,/a.wav\n")
+    with pytest.raises(ManifestError, match=r"bad\.csv: missing required column\(s\) duration, "
+                                            r"spk_id, wrd"):
+        validate_manifest(p)
+    p.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a,s,A\nu1,1,/b,s,B\n")
+    with pytest.raises(ManifestError, match="duplicate ID 'u1'"):
+        validate_manifest(p)
+    p.write_text("ID,duration,wav,spk_id,wrd\nu1,x,/a,s,A\n")
+    with pytest.raises(ManifestError, match="not a number"):
+        validate_manifest(p)
+    header = ",".join(STREAM_COLUMNS)
+    p.write_text(f"{header}\nu1,1,/a,s,A,AC,0,0\nu2,1,/b,s,B,AC,0,2\n")
+    with pytest.raises(ManifestError, match="position"):
+        validate_manifest(p, required=STREAM_COLUMNS)
+    p.write_text(f"{header}\nu1,1,/a,s,A,AC,0,0\nu2,1,/b,s,B,CM,2,1\n")
+    with pytest.raises(ManifestError, match="segment"):
+        validate_manifest(p, required=STREAM_COLUMNS)
+    p.write_text(f"{header}\nu1,1,/a,s,A,AC,0,0\nu1,1,/a,s,A,CM,1,1\n")
+    assert len(validate_manifest(p, required=STREAM_COLUMNS)) == 2  # streams may repeat an ID
+
+
+# ----------------------------------------------------------------------------------------------
+# LibriSpeech
+# ----------------------------------------------------------------------------------------------
+def test_prepare_librispeech(tmp_path):
+    utts = make_librispeech(tmp_path / "ls")
+    out = tmp_path / "data" / "test_other.csv"
+    prepare_librispeech(tmp_path / "ls", out, data_root=tmp_path / "ls")
+    rows = validate_manifest(out)
+    assert [r["ID"] for r in rows] == sorted(utts)
+    for r in rows:
+        path, text = utts[r["ID"]]
+        assert r["wrd"] == text and r["spk_id"] == r["ID"].split("-")[0]
+        assert r["wav"] == "$data_root/" + path.relative_to(tmp_path / "ls").as_posix()
+        assert r["duration"] == pytest.approx(sf.info(str(path)).duration, abs=1e-3)
+    # same options: skipped (file untouched); another option: rewritten with absolute paths
+    mtime = out.stat().st_mtime_ns
+    prepare_librispeech(tmp_path / "ls", out, data_root=tmp_path / "ls")
+    assert out.stat().st_mtime_ns == mtime
+    prepare_librispeech(tmp_path / "ls" / "LibriSpeech", out)  # root may be LibriSpeech/ itself
+    assert read_manifest(out)[0]["wav"].startswith(str(tmp_path))
+
+
+def test_prepare_librispeech_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="set LIBRISPEECH="):
+        prepare_librispeech(tmp_path / "nowhere", tmp_path / "o.csv")
+    with pytest.raises(FileNotFoundError, match="LIBRISPEECH"):
+        prepare_librispeech("", tmp_path / "o.csv")
+    utts = make_librispeech(tmp_path / "ls", speakers=(11,), utts=2)
+    next(iter(utts.values()))[0].unlink()
+    with pytest.raises(ValueError, match="transcript"):
+        prepare_librispeech(tmp_path / "ls", tmp_path / "o.csv")
+
+
+# ----------------------------------------------------------------------------------------------
+# MS-SNSD corruption
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def clean_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpora")
+    make_librispeech(root / "ls", speakers=(7, 8), utts=2)
+    noise_dir = make_ms_snsd(root / "snsd")
+    manifest = prepare_librispeech(root / "ls", root / "clean.csv")
+    return root, noise_dir, manifest
+
+
+def test_ls_c_table_is_data():
+    assert LS_C_NOISES["AC"] == "AirConditioner_6.wav" and LS_C_NOISES["GS"] is None
+    assert sorted(LS_C_NOISES) == ["AA", "AC", "BA", "CM", "GS", "MU", "NB", "SD", "TP", "VC"]
+
+
+def test_corrupt_layout_manifest_and_measured_snr(clean_set, tmp_path):
+    root, noise_dir, manifest = clean_set
+    out = tmp_path / "ls_c"
+    written = corrupt_manifest(manifest, out, snrs=[5, 0], codes=["AC", "GS", "SD"],
+                               noise_dir=root / "snsd", data_root=tmp_path)
+    assert set(written) == {(c, s) for c in ("AC", "GS", "SD") for s in (5, 0)}
+    clean = {r["ID"]: r for r in read_manifest(manifest)}
+    for (code, snr), path in written.items():
+        assert path == manifest_path(out, code, snr) == out / "manifests" / f"{code}_{snr}dB.csv"
+        rows = validate_manifest(path, required=("ID", "duration", "wav", "spk_id", "wrd",
+                                                  "domain", "snr", "source_id"))
+        assert len(rows) == len(clean)
+        for r in rows:
+            src = clean[r["source_id"]]
+            assert r["ID"] == f"{r['source_id']}_{code}" and r["domain"] == code
+            assert r["snr"] == str(snr) and r["wrd"] == src["wrd"]
+            wav = out / f"{snr}dB" / code / f"{r['source_id']}.wav"
+            assert r["wav"] == f"$data_root/ls_c/{snr}dB/{code}/{r['source_id']}.wav"
+            speech = load_audio(src["wav"]).numpy()
+            mixed = load_audio(wav).numpy()
+            assert mixed.size == speech.size
+            if code == "GS":
+                noise = gaussian_noise(speech.size, utterance_seed(666, r["source_id"]))
+            else:
+                noise = tile_or_cut(load_audio(noise_dir / LS_C_NOISES[code]).numpy(), speech.size)
+            assert estimate_snr_db(mixed, speech, noise) == pytest.approx(snr, abs=0.1)
+
+
+def test_corrupt_is_reproducible_and_skips_existing(clean_set, tmp_path):
+    root, _, manifest = clean_set
+    a = corrupt_manifest(manifest, tmp_path / "a", codes=["GS"], noise_dir=None)
+    b = corrupt_manifest(manifest, tmp_path / "b", codes=["GS"])
+    for ra, rb in zip(read_manifest(a[("GS", 5)]), read_manifest(b[("GS", 5)])):
+        assert (tmp_path / "a" / "5dB" / "GS" / f"{ra['source_id']}.wav").read_bytes() == \
+            (tmp_path / "b" / "5dB" / "GS" / f"{rb['source_id']}.wav").read_bytes()
+    wav = next((tmp_path / "a" / "5dB" / "GS").glob("*.wav"))
+    mtimes = (wav.stat().st_mtime_ns, a[("GS", 5)].stat().st_mtime_ns)
+    corrupt_manifest(manifest, tmp_path / "a", codes=["GS"])
+    assert (wav.stat().st_mtime_ns, a[("GS", 5)].stat().st_mtime_ns) == mtimes
+    # another seed: the files are rewritten, not silently reused
+    corrupt_manifest(manifest, tmp_path / "a", codes=["GS"], seed=1)
+    assert wav.read_bytes() != (tmp_path / "b" / "5dB" / "GS" / wav.name).read_bytes()
+
+
+def test_custom_domain_table_from_yaml(clean_set, tmp_path):
+    root, noise_dir, manifest = clean_set
+    table = tmp_path / "table.yaml"
+    table.write_text("HUM: Typing_2\nWN: gaussian\n")
+    written = corrupt_manifest(manifest, tmp_path / "syn", snrs=[10], table=table,
+                               noise_dir=noise_dir)
+    assert set(written) == {("HUM", 10), ("WN", 10)}
+    assert (tmp_path / "syn" / "10dB" / "HUM").is_dir()
+    with pytest.raises(ValueError, match="unknown domain code"):
+        corrupt_manifest(manifest, tmp_path / "x", codes=["AC"], table=table, noise_dir=noise_dir)
+
+
+def test_corrupt_errors(clean_set, tmp_path):
+    root, _, manifest = clean_set
+    with pytest.raises(FileNotFoundError, match="MS_SNSD"):
+        corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=None)
+    empty = tmp_path / "empty_snsd" / "noise_test"
+    empty.mkdir(parents=True)
+    sf.write(str(empty / "Other.wav"), np.ones(10, dtype=np.float32) * 0.1, SR)
+    with pytest.raises(FileNotFoundError, match="AirConditioner_6.wav"):
+        corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=empty.parent)
+
+
+# ----------------------------------------------------------------------------------------------
+# CHiME-3
+# ----------------------------------------------------------------------------------------------
+def test_prepare_chime3_default_splits(tmp_path):
+    expected = make_chime3(tmp_path / "CHiME3")
+    out = prepare_chime3(tmp_path / "CHiME3", tmp_path / "et05.csv", data_root=tmp_path / "CHiME3")
+    rows = validate_manifest(out, required=("ID", "duration", "wav", "spk_id", "wrd", "domain"))
+    assert {r["domain"] for r in rows} == {"bus_real", "bus_simu", "caf_real", "caf_simu",
+                                           "ped_simu", "str_real", "str_simu"}
+    assert len(rows) == 14
+    for r in rows:
+        assert r["wrd"] == expected[r["ID"]]  # .PERIOD of the simulated transcripts removed
+        kind = r["domain"].split("_")[1]
+        assert r["ID"].endswith("_" + kind.upper())
+        assert r["wav"].startswith(f"$data_root/data/audio/16kHz/enhanced/et05_{r['domain']}/")
+        assert r["spk_id"] in ("F05", "F06")
+    all8 = prepare_chime3(tmp_path / "CHiME3", tmp_path / "all.csv", include_ped_real=True)
+    assert len(read_manifest(all8)) == 16
+
+
+def test_prepare_chime3_trn_all_raw_text_and_errors(tmp_path):
+    make_chime3(tmp_path / "c", transcripts="trn_all")
+    rows = read_manifest(prepare_chime3(tmp_path / "c", tmp_path / "m.csv", clean_text=False))
+    simu = [r for r in rows if r["domain"].endswith("simu")]
+    real = [r for r in rows if r["domain"].endswith("real")]
+    assert simu and all(r["wrd"].endswith(".PERIOD") for r in simu)
+    assert real and not any(r["wrd"].endswith(".PERIOD") for r in real)  # et05_real.trn_all
+    assert clean_transcript('THE RATE ,COMMA <NOISE> "QUOTE ROSE .PERIOD') == "THE RATE ROSE"
+    assert clean_transcript("DON'T STOP") == "DON'T STOP"
+    with pytest.raises(FileNotFoundError, match="set CHIME3="):
+        prepare_chime3(tmp_path / "missing", tmp_path / "m2.csv")
+    make_chime3(tmp_path / "d", splits=("bus_real",))
+    next((tmp_path / "d" / "data" / "transcriptions" / "et05_bus_real").glob("*.trn")).unlink()
+    with pytest.raises(FileNotFoundError, match="no transcript"):
+        prepare_chime3(tmp_path / "d", tmp_path / "m3.csv", splits=["bus_real"])
+    with pytest.raises(FileNotFoundError, match="no .wav files"):
+        prepare_chime3(tmp_path / "d", tmp_path / "m4.csv", splits=["caf_real"])
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+def test_cli_streams_written_once(clean_set, tmp_path, capsys):
+    root, noise_dir, manifest = clean_set
+    assert prepare.main(["corrupt", "--manifest", str(manifest), "--out", str(tmp_path / "c"),
+                         "--domains", "GS", "AC", "CM", "--noise_dir", str(noise_dir)]) == 0
+    args = ["streams", "--manifest_dir", str(tmp_path / "c" / "manifests"), "--snr", "5",
+            "--out", str(tmp_path / "s"), "--per_domain", "2"]
+    assert prepare.main(args + ["--names", "GS", "mini=md_easy", "--seed", "1"]) == 1
+    assert "domain 'TP'" in capsys.readouterr().err  # md_easy needs TP: a message, no traceback
+    assert prepare.main(args + ["--names", "GS", "--seed", "1"]) == 0
+    gs = tmp_path / "s" / "streams" / "GS.csv"
+    first = gs.read_text()
+    assert prepare.main(args + ["--names", "GS", "--seed", "1"]) == 0  # same options: kept
+    assert prepare.main(args + ["--names", "GS", "--seed", "2"]) == 1  # other options: refused
+    assert "written once" in capsys.readouterr().err
+    assert gs.read_text() == first
+    assert prepare.main(args + ["--names", "GS", "--seed", "2", "--force"]) == 0
+    assert gs.read_text() != first
+    assert prepare.main(["validate", str(gs), "--stream"]) == 0
+    assert "OK, 4 rows" in capsys.readouterr().out
+
+
+def test_cli_missing_data_message(tmp_path, capsys):
+    assert prepare.main(["librispeech", "--root", str(tmp_path / "none"),
+                         "--out", str(tmp_path / "x.csv")]) == 1
+    assert "set LIBRISPEECH=" in capsys.readouterr().err

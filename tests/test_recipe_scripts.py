@@ -1,0 +1,230 @@
+"""The LS-C and CHiME-3 run.sh scripts on tiny fake corpora (stages 0-2, dry-run 3-4)."""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fake_corpora import estimate_snr_db, make_chime3, make_librispeech, make_ms_snsd
+from tta_brain.data.audio import load_audio
+from tta_brain.data.manifest import STREAM_COLUMNS, read_manifest, validate_manifest
+from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
+from tta_brain.data.ms_snsd import LS_C_NOISES
+from tta_brain.data.streams import LS_C_DOMAINS, MD_EASY_ORDER, MD_HARD_ORDER, runs
+
+REPO = Path(__file__).resolve().parents[1]
+LSC = REPO / "recipes" / "librispeech_c" / "run.sh"
+CHIME = REPO / "recipes" / "chime3" / "run.sh"
+PER_DOMAIN = 25   # scaled-down MD-Easy/Hard (s=100 -> 5 cycles of 5, s=20 -> 25 cycles of 1)
+MD_LONG = dict(total=240, min_len=3, max_len=30)
+
+
+def run(script, *args, env=None):
+    base = {k: v for k, v in os.environ.items() if k not in ("LIBRISPEECH", "MS_SNSD", "CHIME3")}
+    base.update(env or {})
+    return subprocess.run(["bash", str(script), *map(str, args)], env=base, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def lsc(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lsc")
+    make_librispeech(root / "corpus", speakers=(11, 12, 13, 14, 15), chapters=(100,), utts=5)
+    make_ms_snsd(root / "MS-SNSD")
+    env = {"LIBRISPEECH": str(root / "corpus"), "MS_SNSD": str(root / "MS-SNSD")}
+    data = root / "data"
+    res = run(LSC, "--stop_stage", 2, "--data_dir", data, "--per_domain", PER_DOMAIN,
+              "--md_long_total", MD_LONG["total"], "--md_long_min", MD_LONG["min_len"],
+              "--md_long_max", MD_LONG["max_len"], env=env)
+    assert res.returncode == 0, res.stderr
+    return root, data, env, res
+
+
+def test_lsc_stage0_manifest(lsc):
+    _, data, _, res = lsc
+    rows = validate_manifest(data / "librispeech_test_other.csv")
+    assert len(rows) == 25
+    assert "Stage 0" in res.stderr and "Stage 2" in res.stderr
+
+
+def test_lsc_stage1_corrupted_sets_and_measured_snr(lsc):
+    root, data, _, _ = lsc
+    clean = {r["ID"]: r for r in read_manifest(data / "librispeech_test_other.csv")}
+    for code in LS_C_DOMAINS:
+        rows = validate_manifest(data / "ls_c" / "manifests" / f"{code}_5dB.csv")
+        assert len(rows) == 25 and {r["domain"] for r in rows} == {code}
+        for r in rows[:2]:
+            wav = read_manifest(data / "ls_c" / "manifests" / f"{code}_5dB.csv",
+                                replacements={"data_root": data})[rows.index(r)]["wav"]
+            assert wav == str(data / "ls_c" / "5dB" / code / f"{r['source_id']}.wav")
+            speech = load_audio(clean[r["source_id"]]["wav"]).numpy()
+            if code == "GS":
+                noise = gaussian_noise(speech.size, utterance_seed(666, r["source_id"]))
+            else:
+                noise = tile_or_cut(load_audio(root / "MS-SNSD" / "noise_test" /
+                                               LS_C_NOISES[code]).numpy(), speech.size)
+            assert estimate_snr_db(load_audio(wav).numpy(), speech, noise) == \
+                pytest.approx(5.0, abs=0.1)
+
+
+def test_lsc_stage2_streams(lsc):
+    _, data, _, _ = lsc
+    sdir = data / "snr5" / "streams"
+    names = {p.stem for p in sdir.glob("*.csv")}
+    assert names == set(LS_C_DOMAINS) | {"md_easy", "md_hard", "md_easy_s100", "md_easy_s20",
+                                         "md_hard_s100", "md_hard_s20", "md_long"}
+    for name in names:
+        validate_manifest(sdir / f"{name}.csv", required=STREAM_COLUMNS)
+    single = read_manifest(sdir / "AC.csv")
+    assert len(single) == 25 and {r["segment"] for r in single} == {"0"}
+    for name, order in (("md_easy", MD_EASY_ORDER), ("md_hard", MD_HARD_ORDER)):
+        for suffix, block in (("", PER_DOMAIN), ("_s100", 5), ("_s20", 1)):
+            stream = read_manifest(sdir / f"{name}{suffix}.csv")
+            blocks = runs(stream)
+            assert len(stream) == 5 * PER_DOMAIN
+            assert [b[0] for b in blocks] == list(order) * (PER_DOMAIN // block)
+            assert all(b[2] == block for b in blocks)
+            assert {r["snr"] for r in stream} == {"5"}
+    long_blocks = runs(read_manifest(sdir / "md_long.csv"))
+    assert sum(b[2] for b in long_blocks) == MD_LONG["total"]
+    assert all(MD_LONG["min_len"] <= b[2] <= MD_LONG["max_len"] for b in long_blocks[:-1])
+    assert all(a[0] != b[0] for a, b in zip(long_blocks, long_blocks[1:]))
+
+
+def test_lsc_stage2_rerun_keeps_streams(lsc):
+    _, data, env, _ = lsc
+    before = (data / "snr5" / "streams" / "md_long.csv").read_bytes()
+    res = run(LSC, "--stage", 2, "--stop_stage", 2, "--data_dir", data, "--per_domain", PER_DOMAIN,
+              "--md_long_total", MD_LONG["total"], "--md_long_min", MD_LONG["min_len"],
+              "--md_long_max", MD_LONG["max_len"], env=env)
+    assert res.returncode == 0, res.stderr
+    assert "skipping" in res.stderr
+    assert (data / "snr5" / "streams" / "md_long.csv").read_bytes() == before
+
+
+def test_lsc_stage3_4_dry_run_commands(lsc, tmp_path):
+    _, data, env, _ = lsc
+    hp, conf = tmp_path / "hparams", tmp_path / "conf"
+    hp.mkdir()
+    conf.mkdir()
+    (hp / "suta.yaml").write_text("seed: 0\n")
+    (hp / "dsuta.yaml").write_text("seed: 0\n")
+    (conf / "dsuta+dynamic.opts").write_text("# dynamic reset\n--reset=dynamic\n")
+    exp = tmp_path / "exp"
+    done = exp / "snr5" / "md_easy" / "dsuta+dynamic" / "seed1"
+    done.mkdir(parents=True)
+    (done / "summary.json").write_text("{}")
+    res = run(LSC, "--stage", 3, "--data_dir", data, "--exp_dir", exp, "--hparams_dir", hp,
+              "--conf_dir", conf, "--methods", "suta dsuta+dynamic", "--streams", "AC md_easy",
+              "--seeds", "0 1", "--model", "/models/w2v2", "--md_decode_opts", "--steps=5",
+              "--dry_run", "true", env=env)
+    assert res.returncode == 0, res.stderr
+    cmds = [shlex.split(line[len("DRY-RUN:"):]) for line in res.stdout.splitlines()
+            if line.startswith("DRY-RUN:")]
+    decodes = [c for c in cmds if "tta_brain.decode" in c]
+    assert len(decodes) == 2 * 2 * 2 - 1  # the finished experiment is skipped
+    first = decodes[0]
+    assert first[first.index("-m") + 1:first.index("-m") + 3] == ["tta_brain.decode",
+                                                                  str(hp / "suta.yaml")]
+    assert f"--stream_csv={data}/snr5/streams/AC.csv" in first
+    assert f"--output_folder={exp}/snr5/AC/suta/seed0" in first
+    assert "--source=/models/w2v2" in first and "--seed=0" in first
+    assert f"--data_root={data}" in first and "--steps=5" not in first
+    assert all("--steps=5" in c for c in decodes if any("md_easy.csv" in a for a in c))
+    variant = [c for c in decodes if any("/dsuta+dynamic/" in a for a in c)]
+    assert len(variant) == 3  # AC x 2 seeds + md_easy seed 0
+    assert all(str(hp / "dsuta.yaml") in c and "--reset=dynamic" in c for c in variant)
+    assert not any("--reset=dynamic" in c for c in decodes if c not in variant)
+    reports = [c for c in cmds if "tta_brain.report" in c]
+    assert reports == [[*reports[0][:3], "--exp_dir", f"{exp}/snr5", "--out",
+                        f"{exp}/snr5/RESULTS.md"]]
+    res = run(LSC, "--stage", 3, "--hparams_dir", hp, "--methods", "nomethod", "--data_dir", data,
+              "--streams", "AC", "--dry_run", "true", env=env)
+    assert res.returncode == 1 and "nomethod.yaml not found" in res.stderr
+
+
+@pytest.mark.parametrize("script,var", [(LSC, "LIBRISPEECH"), (CHIME, "CHIME3")])
+def test_without_data_stops_at_stage0_with_what_to_set(script, var, tmp_path):
+    res = run(script, "--data_dir", tmp_path / "d", "--exp_dir", tmp_path / "e")
+    assert res.returncode == 1
+    assert f"ERROR: {var} is not set" in res.stderr and "db.sh" in res.stderr
+    assert "Stage 0" in res.stderr and "Stage 1" not in res.stderr
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("script", [LSC, CHIME])
+def test_help_and_invalid_options(script):
+    res = run(script, "--help")
+    assert res.returncode == 0
+    assert "Usage:" in res.stdout and "--stage" in res.stdout and "--methods" in res.stdout
+    res = run(script, "--no_such_option", 1)
+    assert res.returncode == 1 and "invalid option --no-such-option" in res.stderr
+    res = run(script, "--dry-run", "maybe")
+    assert res.returncode == 1 and "expects true or false" in res.stderr
+
+
+def test_lsc_missing_noise_folder_stops_at_stage1(lsc, tmp_path):
+    root, _, _, _ = lsc
+    res = run(LSC, "--stop_stage", 1, "--data_dir", tmp_path / "d",
+              env={"LIBRISPEECH": str(root / "corpus")})
+    assert res.returncode == 1 and "ERROR: MS_SNSD is not set" in res.stderr
+    assert (tmp_path / "d" / "librispeech_test_other.csv").is_file()
+
+
+def test_chime3_stages_0_to_2_and_decode_dry_run(tmp_path):
+    refs = make_chime3(tmp_path / "CHiME3", per_split=3)
+    env = {"CHIME3": str(tmp_path / "CHiME3")}
+    data, exp = tmp_path / "data", tmp_path / "exp"
+    res = run(CHIME, "--stop_stage", 2, "--data_dir", data, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "utterances per split: bus_real=3" in res.stdout
+    stream = validate_manifest(data / "streams" / "chime3.csv", required=STREAM_COLUMNS)
+    assert len(stream) == 21 and "ped_real" not in {r["domain"] for r in stream}
+    assert sorted(r["ID"] for r in stream) == sorted(i for i in refs if "PED_REAL" not in i)
+    assert [r["ID"] for r in stream] != sorted(r["ID"] for r in stream)  # random order
+    for r in stream:
+        assert r["wrd"] == refs[r["ID"]]
+    # stage 3 as the issue asks: `run.sh --stage 3` decodes (dry run here) and reports
+    hp = tmp_path / "hp"
+    hp.mkdir()
+    (hp / "dsuta.yaml").write_text("seed: 0\n")
+    res = run(CHIME, "--stage", 3, "--data_dir", data, "--exp_dir", exp, "--hparams_dir", hp,
+              "--methods", "dsuta", "--seeds", "0 1 2", "--dry_run", "true", env=env)
+    assert res.returncode == 0, res.stderr
+    lines = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+             if x.startswith("DRY-RUN:")]
+    decodes = [c for c in lines if "tta_brain.decode" in c]
+    assert len(decodes) == 3
+    assert f"--data_root={tmp_path / 'CHiME3'}" in decodes[0]
+    assert f"--output_folder={exp}/chime3/dsuta/seed2" in decodes[2]
+    assert "--source=facebook/wav2vec2-base-960h" in decodes[0]
+    assert any("tta_brain.report" in c for c in lines)
+    # all 8 splits on request
+    res = run(CHIME, "--stop_stage", 0, "--data_dir", tmp_path / "d8", "--include_ped_real",
+              "true", env=env)
+    assert res.returncode == 0, res.stderr
+    assert len(read_manifest(tmp_path / "d8" / "chime3_et05.csv")) == 24
+
+
+def test_parse_options_standalone(tmp_path):
+    script = tmp_path / "s.sh"
+    script.write_text(f"""set -euo pipefail
+foo_bar=1
+flag=false
+help_message="usage: s.sh"
+. {REPO}/tools/parse_options.sh
+echo "foo_bar=$foo_bar flag=$flag rest=$*"
+""")
+    out = subprocess.run(["bash", str(script), "--foo-bar", "x y", "--flag=true", "pos1", "--z"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "foo_bar=x y flag=true rest=pos1 --z"
+    out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "usage: s.sh"
+    out = subprocess.run(["bash", str(script), "--foo-bar"], capture_output=True, text=True)
+    assert out.returncode == 1 and "needs a value" in out.stderr
+    cfg = tmp_path / "c.sh"
+    cfg.write_text("foo_bar=from_config\n")
+    out = subprocess.run(["bash", str(script), "--config", str(cfg)], capture_output=True,
+                         text=True)
+    assert out.stdout.startswith("foo_bar=from_config")

@@ -1,0 +1,304 @@
+"""Tests of tta_brain.report / tta_brain.plots on realistic experiment directories."""
+import csv
+import json
+import logging
+import statistics
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tta_brain import plots, report
+
+WORDS = 10  # reference words per utterance
+MD_DOMAINS = ["AA", "GS", "NB"]  # md_easy: 3 segments of 200 utterances
+SEG_LEN = 200
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixture builders (files exactly as ARCHITECTURE.md "Experiment directory" specifies)
+# ---------------------------------------------------------------------------------------------
+def _write_csv(path, header, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def stream_layout(stream):
+    """[(domain, segment)] per position."""
+    if stream == "md_easy":
+        return [(d, i) for i, d in enumerate(MD_DOMAINS) for _ in range(SEG_LEN)]
+    return [(stream.split("_")[-1], 0)] * 100
+
+
+def make_run(root, method, stream, seed, errs, resets=(), lii=None, counts=None, time_per_audio=None,
+             extra=None, sub_frac=0.5):
+    """errs: errors per utterance (int, or callable(position, domain) -> int)."""
+    d = Path(root) / stream / method / str(seed)
+    d.mkdir(parents=True)
+    layout = stream_layout(stream)
+    err_of = errs if callable(errs) else (lambda pos, dom: errs)
+    rows, n_err_total = [], 0
+    for pos, (dom, seg) in enumerate(layout):
+        e = err_of(pos, dom)
+        sub = int(e * sub_frac)
+        dele = (e - sub) // 2
+        ins = e - sub - dele
+        n_err_total += e
+        rows.append([pos, f"utt{pos:05d}", dom, seg, 2.0, "a b c", "a b", WORDS, e, sub, dele, ins,
+                     int(pos in resets)])
+    _write_csv(d / "transcripts.csv", ["position", "ID", "domain", "segment", "duration", "ref", "hyp",
+                                       "n_words", "n_err", "n_sub", "n_del", "n_ins", "reset"], rows)
+    _write_csv(d / "resets.csv", ["position", "ID", "reason"], [[p, f"utt{p:05d}", "lii"] for p in resets])
+    if lii is not None:
+        _write_csv(d / "lii.csv", ["position", "lii", "stage"], lii)
+    boundaries = [p for p in range(1, len(layout)) if layout[p][1] != layout[p - 1][1]]
+    n = len(layout)
+    summary = {"method": method, "stream": stream, "seed": seed, "wer": 100.0 * n_err_total / (n * WORDS),
+               "wer_per_domain": {}, "n_utts": n, "n_words": n * WORDS, "n_err": n_err_total, "n_skipped": 0,
+               "resets": list(resets), "boundaries": boundaries,
+               "counts": counts or {"adapt_forward": 0, "adapt_backward": 0, "infer_forward": n, "aux_forward": 0},
+               "wall_time_s": (time_per_audio or 0.01) * 2.0 * n, "audio_s": 2.0 * n,
+               "time_per_audio_s": time_per_audio or 0.01, "versions": {"torch": "2.11.0", "speechbrain": "1.1.2"}}
+    summary.update(extra or {})
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def dynamic_lii(resets):
+    """Construction rows 50..99 after each (re)start, detection rows afterwards up to the next reset."""
+    rows, start = [], 0
+    for stop in list(resets) + [len(MD_DOMAINS) * SEG_LEN - 1]:
+        for p in range(start + 50, min(start + 100, stop + 1)):
+            rows.append([p, 0.1, "construction"])
+        for p in range(start + 100, stop + 1):
+            rows.append([p, 0.1 if p // SEG_LEN == start // SEG_LEN else 2.0, "detection"])
+        start = stop + 1
+    return rows
+
+
+DYN_RESETS = {1: [205, 450], 2: [120, 230, 520]}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exp")
+    n = len(MD_DOMAINS) * SEG_LEN
+    per_pass = lambda f, b, a=0: {"adapt_forward": f * n, "adapt_backward": b * n, "infer_forward": n,  # noqa
+                                  "aux_forward": a * n}
+    md_err = {"AA": 2, "GS": 5, "NB": 8}
+    make_run(root, "source", "md_easy", 0, lambda p, d: md_err[d])
+    for seed, e in zip((1, 2, 3), (2, 3, 4)):  # suta WER 20, 30, 40 -> 30.0 +- 10.0
+        make_run(root, "suta", "md_easy", seed, lambda p, d, e=e: min(e + (d == "NB"), WORDS),
+                 counts=per_pass(10, 10), time_per_audio=0.08)
+    for seed, e in zip((1, 2), (1, 2)):
+        make_run(root, "dsuta", "md_easy", seed, e, counts=per_pass(5, 5), time_per_audio=0.04)
+    for seed, resets in DYN_RESETS.items():
+        make_run(root, "dsuta+dynamic", "md_easy", seed, 1, resets=resets, lii=dynamic_lii(resets),
+                 counts=per_pass(5, 5, 2), time_per_audio=0.05)
+    make_run(root, "awmc", "md_easy", 1, 3, counts=per_pass(3, 1), time_per_audio=0.16)
+    make_run(root, "zeta", "md_easy", 1, 3)          # unknown tags go last, alphabetically
+    make_run(root, "alpha", "md_easy", 1, 3)
+    for dom, base in (("AA", 4), ("GS", 6)):          # single-domain streams (paper Table 1)
+        make_run(root, "source", f"lsc_{dom}", 0, base)
+        for seed in (1, 2):
+            make_run(root, "suta", f"lsc_{dom}", seed, base - seed)
+    bad = root / "md_easy" / "broken" / "1"           # corrupt summary.json
+    bad.mkdir(parents=True)
+    (bad / "summary.json").write_text("{not json")
+    (root / "md_easy" / "unfinished").mkdir()         # transcripts without summary
+    (root / "md_easy" / "unfinished" / "transcripts.csv").write_text("position\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def written(results):
+    out = report.write_results(results, smooth=50, repo_dir=REPO)
+    return out, out.read_text()
+
+
+def section(text, title):
+    """Markdown between '## title' and the next '## '."""
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def table_rows(md):
+    return [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()
+            if line.startswith("|") and not line.startswith("|:--") and not line.startswith("|--")]
+
+
+def png_size(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == PNG_MAGIC, path
+    return struct.unpack(">II", data[16:24])
+
+
+# ---------------------------------------------------------------------------------------------
+def test_collect_runs_skips_bad_dirs(results, caplog):
+    with caplog.at_level(logging.WARNING, logger="tta_brain.report"):
+        runs = report.collect_runs(results)
+    assert len(runs) == 1 + 3 + 2 + 2 + 1 + 2 + 2 * 3
+    assert {r["name"] for r in runs} >= {"md_easy/suta/1", "lsc_AA/source/0"}
+    assert any("broken" in m and "summary.json" in m for m in caplog.messages)
+    assert any("unfinished" in m for m in caplog.messages)
+    dyn = next(r for r in runs if r["method"] == "dsuta+dynamic" and r["seed"] == 2)
+    assert dyn["resets"] == [120, 230, 520] and dyn["boundaries"] == [200, 400]
+    assert len(dyn["transcripts"]) == 600 and dyn["lii"][0]["stage"] == "construction"
+
+
+def test_aggregate_is_sample_std():
+    mean, std, n = report.aggregate([20.0, 30.0, 40.0])
+    assert (mean, n) == (30.0, 3) and std == pytest.approx(10.0)  # population std would be 8.16
+    assert report.fmt_stat([20.0, 30.0, 40.0]) == "30.0 ± 10.0 (n=3)"
+    assert report.fmt_stat([12.345]) == "12.3 (n=1)"
+    assert report.fmt_stat([]) == "-"
+
+
+def test_main_table_values_and_order(written):
+    _, text = written
+    rows = table_rows(section(text, "WER (%) per method and stream"))
+    assert rows[0] == ["Method", "lsc_AA", "lsc_GS", "md_easy"]
+    assert [r[0] for r in rows[1:]] == ["source", "suta", "awmc", "dsuta", "dsuta+dynamic", "alpha", "zeta"]
+    suta = dict(zip(rows[0], rows[2]))
+    # md_easy suta seeds: errors e, e, e+1 over the 3 domains -> WER 10e + 10/3
+    wers = [100.0 * (3 * e + 1) / 30 for e in (2, 3, 4)]
+    assert suta["md_easy"] == f"{statistics.fmean(wers):.1f} ± {statistics.stdev(wers):.1f} (n=3)"
+    assert suta["md_easy"] == "33.3 ± 10.0 (n=3)"
+    assert suta["lsc_AA"] == "25.0 ± 7.1 (n=2)"                      # WER 30, 20
+    assert dict(zip(rows[0], rows[1]))["md_easy"] == "50.0 (n=1)"     # (2+5+8)/30
+    assert dict(zip(rows[0], rows[1]))["lsc_GS"] == "60.0 (n=1)"
+
+
+def test_single_domain_and_breakdown_tables(written):
+    _, text = written
+    rows = table_rows(section(text, "WER (%) on single-domain streams"))
+    assert rows[0] == ["Method", "AA", "GS", "Avg"]
+    assert rows[1] == ["source", "40.0 (n=1)", "60.0 (n=1)", "50.0"]
+    assert rows[2] == ["suta", "25.0 ± 7.1 (n=2)", "45.0 ± 7.1 (n=2)", "35.0"]
+    rows = table_rows(section(text, "Per-domain WER (%) on md_easy"))
+    assert rows[0] == ["Method", "AA", "GS", "NB", "all"]
+    assert rows[1] == ["source", "20.0 (n=1)", "50.0 (n=1)", "80.0 (n=1)", "50.0 (n=1)"]
+    assert rows[2][3] == "40.0 ± 10.0 (n=3)"  # NB: errors e+1
+
+
+def test_detect_boundaries():
+    det = report.detect_boundaries([120, 230, 520], [200, 400], window=100)
+    assert det == {"detected": {200: 31}, "missed": [400], "false": [120, 520]}
+    det = report.detect_boundaries([199, 450], [200, 400], window=100)  # reset at 199 acts at 200
+    assert det["detected"] == {200: 0, 400: 51} and det["false"] == []
+
+
+def test_reset_table(written):
+    _, text = written
+    sec = section(text, "Reset steps")
+    assert "True boundaries (first position of a new segment): 200, 400; detection window K=100" in sec
+    rows = {(r[0], r[1]): r for r in table_rows(sec)}
+    assert rows[("dsuta+dynamic", "1")][2:] == ["205, 450", "2", "2/2", "0", "28.5"]
+    assert rows[("dsuta+dynamic", "2")][2:] == ["120, 230, 520", "3", "1/2", "2", "31.0"]
+    assert ("suta", "1") not in rows
+
+
+def test_espnet_table(results, written):
+    _, text = written
+    sec = text[text.index("### md_easy/source/0"):]
+    rows = table_rows(sec.split("###")[1])
+    assert rows[0] == ["dataset", "Snt", "Wrd", "Corr", "Sub", "Del", "Ins", "Err", "S.Err"]
+    # NB: 8 errors per 10 words = 4 sub + 2 del + 2 ins
+    assert rows[-1] == ["md_easy/NB", "200", "2000", "40.0", "40.0", "20.0", "20.0", "80.0", "100.0"]
+    assert rows[1][:3] == ["md_easy", "600", "6000"] and rows[1][7] == "50.0"
+
+
+def test_efficiency_ratios(written):
+    _, text = written
+    sec = section(text, "Efficiency")
+    rows = {r[0]: dict(zip(table_rows(sec)[0], r)) for r in table_rows(sec)[1:]}
+    assert rows["suta"]["Adapt fwd/utt"] == "10.00" and rows["suta"]["Infer fwd/utt"] == "1.00"
+    assert rows["suta"]["Time x SUTA"] == "1.00"
+    assert rows["dsuta"]["Time x SUTA"] == "0.50"                     # 0.04 / 0.08
+    assert rows["dsuta+dynamic"]["Aux fwd/utt"] == "2.00"
+    assert rows["dsuta+dynamic"]["Passes x SUTA"] == f"{13 / 21:.2f}"  # (5+5+1+2)/(10+10+1)
+    assert rows["awmc"]["Time x SUTA"] == "2.00" and rows["awmc"]["s per audio s"] == "0.160"
+    assert rows["awmc"]["Wall time (s)"] == f"{0.16 * 1200:.1f}"
+
+
+def test_environment_block(written):
+    _, text = written
+    env = section(text, "Environments")
+    for key in ("date", "python version", "torch version", "torchaudio version", "transformers version",
+                "speechbrain version", "Git hash", "CPU", "GPU"):
+        assert f"- {key}: `" in env
+    assert "decoded with (" in env and "speechbrain 1.1.2" in env
+
+
+def test_split_lii(results):
+    run = next(r for r in report.collect_runs(results) if r["method"] == "dsuta+dynamic" and r["seed"] == 1)
+    inside, outside = plots.split_lii(run)
+    # segment 0: construction 50..99 + detection 100..199 in, 200..205 out;
+    # after reset at 205: construction 256..305 (segment 1) in, detection 306..399 in, 400..450 out;
+    # after reset at 450: construction 501..550 (segment 2) in, detection 551..599 in.
+    assert len(outside) == 6 + 51 and set(outside) == {2.0}
+    assert len(inside) == 150 + 144 + 99 and set(inside) == {0.1}
+
+
+def test_smoothed_wer():
+    s = plots.smoothed_wer([1, 3, 0, 2], [10, 10, 0, 10], window=2)
+    assert s[0] == pytest.approx(10.0) and s[1] == pytest.approx(20.0)
+    assert s[2] == pytest.approx(30.0) and s[3] == pytest.approx(20.0)
+    assert plots.smoothed_wer([0], [0], 5)[0] != plots.smoothed_wer([0], [0], 5)[0]  # nan
+
+
+def test_plots_written(results, written):
+    out, text = written
+    pdir = results / "plots"
+    expected = ["wer_diff_md_easy.png", "wer_diff_lsc_AA.png", "resets_md_easy.png",
+                "lii_md_easy_dsuta_dynamic.png"]
+    for name in expected:
+        w, h = png_size(pdir / name)
+        assert w >= 600 and h >= 150 and (pdir / name).stat().st_size > 10_000, name
+        assert f"(plots/{name})" in text
+    assert not (pdir / "resets_lsc_AA.png").exists()  # no reset-capable run there
+
+
+def test_steps_table_and_plot(tmp_path):
+    make_run(tmp_path, "source", "lsc_AA", 0, 6)
+    for steps, e in ((0, 6), (5, 4), (10, 3)):
+        for seed in (1, 2):
+            make_run(tmp_path / f"n{steps}", "suta", "lsc_AA", seed, e, extra={"hparams": {"steps": steps}})
+    for steps, e in ((5, 2), (10, 2)):
+        make_run(tmp_path / f"n{steps}", "dsuta", "lsc_AA", 1, e, extra={"hparams": {"dsuta": {"n_steps": steps}}})
+    assert report.find_steps({"steps": "3"}) == 3 and report.find_steps({"hparams": {}}) is None
+    out = report.write_results(tmp_path, plots_dir=tmp_path / "figs", repo_dir=REPO)
+    text = out.read_text()
+    rows = table_rows(section(text, "WER (%) vs number of adaptation steps"))
+    assert rows[0] == ["Method", "N=0", "N=5", "N=10"]
+    assert rows[1] == ["suta", "60.0 ± 0.0 (n=2)", "40.0 ± 0.0 (n=2)", "30.0 ± 0.0 (n=2)"]
+    assert rows[2] == ["dsuta", "-", "20.0 (n=1)", "20.0 (n=1)"]
+    main = [r[0] for r in table_rows(section(text, "WER (%) per method and stream"))]
+    assert main[1:] == ["source", "suta (N=0)", "suta (N=5)", "suta (N=10)", "dsuta (N=5)", "dsuta (N=10)"]
+    png_size(tmp_path / "figs" / "wer_vs_steps_lsc_AA.png")
+
+
+def test_cli_prints_main_table(results, tmp_path, capsys):
+    out = tmp_path / "R.md"
+    rc = report.main(["--exp_dir", str(results), "--out", str(out), "--no_plots"])
+    assert rc == 0 and out.is_file()
+    stdout = capsys.readouterr().out
+    assert "|Method|lsc_AA|lsc_GS|md_easy|" in stdout and "33.3 ± 10.0 (n=3)" in stdout
+
+
+def test_empty_root(tmp_path, capsys):
+    with pytest.raises(report.NoRunsError, match="No experiment directory"):
+        report.write_results(tmp_path)
+    assert report.main(["--exp_dir", str(tmp_path / "missing")]) == 1
+    assert "nothing to report" in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "tta_brain.report", "--exp_dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "No experiment directory" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,142 @@
+"""CHiME-3 evaluation set (et05, enhanced single-channel audio) -> utterance manifest.
+
+Expected layout under the CHiME-3 root (as distributed, and as the Dynamic-SUTA code reads it)::
+
+    <CHIME3>/data/audio/16kHz/enhanced/et05_bus_real/F05_440C0201_BUS.wav
+    <CHIME3>/data/audio/16kHz/enhanced/et05_bus_simu/F05_440C0201_BUS.wav
+    ...                                 et05_{bus,caf,ped,str}_{real,simu}/
+    <CHIME3>/data/transcriptions/et05_bus_real/F05_440C0201_BUS.trn     one line "<ID> <TEXT>"
+    <CHIME3>/data/transcriptions/et05_real.trn_all, et05_simu.trn_all    lines "<ID> <TEXT>"
+
+Transcripts come from the per-utterance ``.trn`` file of the same split and name (what the official
+code does); when it is missing, from any ``*.trn_all`` file in ``data/transcriptions``. The audio
+folder can be changed (``audio_subdir``) to decode another enhancement's output with the same
+structure. Audio file names may carry a suffix after the first dot (``X.CH5.wav``); the part before
+it is the utterance name.
+
+Splits: by default the seven used by the official code, ``{bus,caf,str}_{real,simu}`` and
+``ped_simu`` (``ped_real`` is left out there); ``include_ped_real=True`` adds it (all eight).
+The manifest has ``ID,duration,wav,spk_id,wrd,domain``: ``ID = <name>_<REAL|SIMU>`` (real and
+simulated files share names, as in the Kaldi recipe), ``spk_id`` the speaker prefix (``F05``),
+``domain`` the split without the set prefix (``bus_real``).
+
+Text clean-up (``clean_text=True``, a documented difference from the official code, which uses the
+raw line): WSJ verbalised punctuation tokens (``.PERIOD``, ``,COMMA``, ``"DOUBLE-QUOTE``: tokens
+that start with a character other than a letter, digit or apostrophe) and bracketed markers
+(``<NOISE>``, ``[...]``) are dropped, as they are not spoken words.
+"""
+import logging
+import re
+from pathlib import Path
+
+from .manifest import audio_duration, is_up_to_date, save_options, to_placeholder, write_manifest
+
+logger = logging.getLogger(__name__)
+
+ENVIRONMENTS = ("bus", "caf", "ped", "str")
+DEFAULT_SPLITS = ("bus_real", "bus_simu", "caf_real", "caf_simu", "ped_simu",
+                  "str_real", "str_simu")
+ALL_SPLITS = tuple(f"{e}_{t}" for e in ENVIRONMENTS for t in ("real", "simu"))
+AUDIO_SUBDIR = "data/audio/16kHz/enhanced"
+TRANSCRIPT_SUBDIR = "data/transcriptions"
+_NON_WORD = re.compile(r"^[^A-Za-z0-9']")  # also catches <NOISE> and [...] markers
+
+
+def default_splits(include_ped_real=False):
+    """The split names decoded by default (7), or all 8 with ``include_ped_real``."""
+    return ALL_SPLITS if include_ped_real else DEFAULT_SPLITS
+
+
+def clean_transcript(text):
+    """Drop verbalised punctuation and bracketed markers; collapse whitespace."""
+    return " ".join(tok for tok in text.split() if not _NON_WORD.match(tok))
+
+
+def find_root(root):
+    """The CHiME-3 root (holding ``data/``); accepts the root itself or its parent."""
+    if not root:
+        raise FileNotFoundError("CHiME-3 location not set: set CHIME3=/path/to/CHiME3 (the folder "
+                                "that contains data/audio/16kHz/enhanced) in the environment or "
+                                "in recipes/chime3/db.sh")
+    root = Path(root)
+    for cand in (root, root / "CHiME3"):
+        if (cand / "data").is_dir():
+            return cand
+    raise FileNotFoundError(f"CHiME-3 not found at {root} (no data/ folder); set CHIME3=... to the "
+                            "folder that contains data/audio/16kHz/enhanced/et05_*")
+
+
+def _read_id_text(path):
+    """``{ID: text}`` from a file of ``<ID> <TEXT>`` lines."""
+    out = {}
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        utt, _, text = line.strip().partition(" ")
+        if utt:
+            out[utt] = text.strip()
+    return out
+
+
+def _pooled_transcripts(trans_root, set_name, kind):
+    """``{ID: text}`` from ``*.trn_all`` files, ``<set>_<kind>.trn_all`` taking precedence."""
+    files = sorted(Path(trans_root).glob("*.trn_all"))
+    preferred = Path(trans_root) / f"{set_name}_{kind}.trn_all"
+    out = {}
+    for f in [f for f in files if f != preferred] + ([preferred] if preferred.is_file() else []):
+        out.update(_read_id_text(f))
+    return out
+
+
+def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root=None,
+                   audio_subdir=AUDIO_SUBDIR, clean_text=True, set_name="et05",
+                   skip_existing=True):
+    """Write the manifest of the CHiME-3 ``set_name`` splits to ``out_csv``; returns the path.
+
+    ``data_root`` (usually the CHiME-3 root) makes ``wav`` use ``$data_root``. Skipped when the
+    output exists with the same options. Raises ``FileNotFoundError`` naming what is missing.
+    """
+    root = find_root(root)
+    splits = list(splits) if splits else list(default_splits(include_ped_real))
+    options = {"root": str(root.resolve()), "splits": splits, "audio_subdir": audio_subdir,
+               "clean_text": bool(clean_text), "set": set_name,
+               "data_root": str(Path(data_root).resolve()) if data_root else None}
+    if skip_existing and is_up_to_date(out_csv, options):
+        logger.info("%s exists with the same options, skipping", out_csv)
+        return Path(out_csv)
+    audio_root = root / audio_subdir
+    trans_root = root / TRANSCRIPT_SUBDIR
+    pooled = {}  # {"real"/"simu": {ID: text}} from *.trn_all, read on first need
+    rows = []
+    for split in splits:
+        folder = audio_root / f"{set_name}_{split}"
+        wavs = sorted(folder.glob("*.wav"))
+        if not wavs:
+            raise FileNotFoundError(f"no .wav files in {folder}; is CHIME3 the CHiME-3 root and "
+                                    f"does it hold the enhanced audio ({audio_subdir})?")
+        kind = split.rsplit("_", 1)[-1].upper()
+        for wav in wavs:
+            name = wav.name.split(".")[0]
+            trn = trans_root / f"{set_name}_{split}" / f"{name}.trn"
+            if trn.is_file():
+                text = next(iter(_read_id_text(trn).values()), "")
+            else:
+                if kind not in pooled:
+                    pooled[kind] = _pooled_transcripts(trans_root, set_name, kind.lower())
+                if name not in pooled[kind]:
+                    raise FileNotFoundError(f"no transcript for {wav}: neither {trn} nor an entry "
+                                            f"{name!r} in {trans_root}/*.trn_all")
+                text = pooled[kind][name]
+            if clean_text:
+                text = clean_transcript(text)
+            rows.append({
+                "ID": f"{name}_{kind}",
+                "duration": round(audio_duration(wav), 4),
+                "wav": to_placeholder(wav, data_root),
+                "spk_id": name.split("_")[0],
+                "wrd": text,
+                "domain": split,
+            })
+    write_manifest(out_csv, rows)
+    save_options(out_csv, options)
+    logger.info("wrote %d CHiME-3 %s utterances (%s) to %s", len(rows), set_name,
+                ", ".join(splits), out_csv)
+    return Path(out_csv)

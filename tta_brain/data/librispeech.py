@@ -1,0 +1,91 @@
+"""LibriSpeech split -> utterance manifest.
+
+Expected layout (the official tarballs unpacked under ``root``)::
+
+    <root>/LibriSpeech/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt>.flac
+    <root>/LibriSpeech/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt
+
+``root`` may also be the ``LibriSpeech`` folder itself. Each ``.trans.txt`` line is
+``<utterance id> <TRANSCRIPT>``. The manifest has ``ID,duration,wav,spk_id,wrd`` with the
+utterance id, the duration in seconds from the file header, the audio path (``$data_root/...`` if
+``data_root`` is given and contains the audio, else absolute), the speaker id and the transcript.
+"""
+import logging
+from pathlib import Path
+
+from .manifest import audio_duration, is_up_to_date, save_options, to_placeholder, write_manifest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPLIT = "test-other"
+
+
+def find_split_dir(root, split=DEFAULT_SPLIT):
+    """The folder holding the split's speaker folders; actionable error if it does not exist."""
+    if not root:
+        raise FileNotFoundError(
+            "LibriSpeech location not set: set LIBRISPEECH=/path/to/dir (the folder containing "
+            f"LibriSpeech/{split}) in the environment or in the recipe's db.sh")
+    root = Path(root)
+    candidates = [root / "LibriSpeech" / split, root / split]
+    for cand in candidates:
+        if cand.is_dir():
+            return cand
+    raise FileNotFoundError(
+        f"LibriSpeech split {split!r} not found (looked for {candidates[0]} and {candidates[1]}); "
+        f"set LIBRISPEECH=... to the folder that contains LibriSpeech/{split} "
+        "(download and unpack the split from https://www.openslr.org/12)")
+
+
+def read_transcripts(split_dir):
+    """``{utterance id: transcript}`` from all ``*.trans.txt`` files under ``split_dir``."""
+    texts = {}
+    for trans in sorted(Path(split_dir).glob("*/*/*.trans.txt")):
+        for line_no, line in enumerate(trans.read_text(encoding="utf-8").splitlines(), 1):
+            line = line.strip()
+            if not line:
+                continue
+            utt, _, text = line.partition(" ")
+            if not text.strip():
+                raise ValueError(f"{trans}:{line_no}: no transcript for {utt}")
+            texts[utt] = " ".join(text.split())
+    return texts
+
+
+def prepare_librispeech(root, out_csv, split=DEFAULT_SPLIT, data_root=None, skip_existing=True):
+    """Write the manifest of ``split`` to ``out_csv``; returns the path.
+
+    Skipped when ``out_csv`` exists and was made with the same options. Raises
+    ``FileNotFoundError`` (with what to set) when the split folder is missing, and ``ValueError``
+    when audio and transcripts do not match.
+    """
+    split_dir = find_split_dir(root, split)
+    options = {"root": str(Path(root).resolve()), "split": split,
+               "data_root": str(Path(data_root).resolve()) if data_root else None}
+    if skip_existing and is_up_to_date(out_csv, options):
+        logger.info("%s exists with the same options, skipping", out_csv)
+        return Path(out_csv)
+    texts = read_transcripts(split_dir)
+    audio = {p.stem: p for p in sorted(split_dir.glob("*/*/*.flac"))}
+    if not audio:
+        raise FileNotFoundError(f"no .flac files under {split_dir}")
+    no_text = sorted(set(audio) - set(texts))
+    no_audio = sorted(set(texts) - set(audio))
+    if no_text or no_audio:
+        raise ValueError(f"{split_dir}: {len(no_text)} audio file(s) without transcript "
+                         f"{no_text[:3]} and {len(no_audio)} transcript(s) without audio "
+                         f"{no_audio[:3]}; is the split completely unpacked?")
+    rows = []
+    for utt in sorted(audio):
+        path = audio[utt]
+        rows.append({
+            "ID": utt,
+            "duration": round(audio_duration(path), 4),
+            "wav": to_placeholder(path, data_root),
+            "spk_id": utt.split("-")[0],
+            "wrd": texts[utt],
+        })
+    write_manifest(out_csv, rows)
+    save_options(out_csv, options)
+    logger.info("wrote %d utterances of %s to %s", len(rows), split, out_csv)
+    return Path(out_csv)

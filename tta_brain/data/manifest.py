@@ -1,0 +1,231 @@
+"""CSV manifests, SpeechBrain style.
+
+Utterance manifest columns: ``ID,duration,wav,spk_id,wrd`` (+ optional columns). ``wav`` may start
+with the ``$data_root`` placeholder, resolved at read time (as
+``DynamicItemDataset.from_csv(..., replacements={"data_root": ...})`` does).
+
+Stream manifest = utterance manifest + ``domain,segment,position`` (+ ``snr``, ``source_id``); rows
+are in stream order, ``position`` is the 0-based index, ``segment`` the index of the contiguous
+domain block (a true boundary is a position where ``segment`` changes).
+
+Preparation steps record their options next to their output (``<file>.opts.json``) and skip the
+work when the output exists and the options match (:func:`is_up_to_date`).
+"""
+import csv
+import json
+import os
+import re
+from pathlib import Path
+
+UTT_COLUMNS = ("ID", "duration", "wav", "spk_id", "wrd")
+STREAM_COLUMNS = UTT_COLUMNS + ("domain", "segment", "position")
+#: Columns written right after the stream columns when present, in this order.
+OPTIONAL_COLUMNS = ("snr", "source_id")
+PLACEHOLDER = "$data_root"
+_VARIABLE = re.compile(r"\$([\w.]+)")
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed or lacks required columns."""
+
+
+class ManifestNotFoundError(ManifestError, FileNotFoundError):
+    """The manifest file does not exist."""
+
+
+def _ordered_columns(rows, columns=None):
+    if columns is not None:
+        return list(columns)
+    seen = []
+    for row in rows:
+        for key in row:
+            if key not in seen:
+                seen.append(key)
+    first = [c for c in STREAM_COLUMNS + OPTIONAL_COLUMNS if c in seen]
+    return first + [c for c in seen if c not in first]
+
+
+def write_manifest(path, rows, columns=None):
+    """Write ``rows`` (dicts) as CSV. Column order: the standard columns first, then the others in
+    first-seen order (or exactly ``columns``). Written atomically (temporary file + rename)."""
+    path = Path(path)
+    rows = list(rows)
+    cols = _ordered_columns(rows, columns)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="raise")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: _format_value(row.get(c, "")) for c in cols})
+    tmp.replace(path)
+    return path
+
+
+def _format_value(value):
+    if isinstance(value, float):
+        return f"{value:.6g}" if abs(value) < 1e6 else repr(value)
+    return value
+
+
+def read_manifest(path, replacements=None):
+    """Read a manifest into a list of dicts (all values strings, ``duration`` as float).
+
+    With ``replacements`` (e.g. ``{"data_root": "/data"}``) every ``$name`` in a value is replaced;
+    a ``$name`` without a replacement raises :class:`ManifestError`. Without it values are left as
+    written, which keeps ``$data_root`` placeholders when rows are copied into a new manifest.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestNotFoundError(f"manifest not found: {path}")
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None:
+            raise ManifestError(f"{path}: empty manifest (no header)")
+        rows = []
+        for line_no, row in enumerate(reader, start=2):
+            if None in row:
+                raise ManifestError(f"{path}:{line_no}: more fields than columns in the header")
+            if replacements is not None:
+                row = {k: _substitute(v, replacements, path, line_no) for k, v in row.items()}
+            if "duration" in row and row["duration"] not in ("", None):
+                try:
+                    row["duration"] = float(row["duration"])
+                except ValueError:
+                    raise ManifestError(
+                        f"{path}:{line_no}: duration {row['duration']!r} is not a number") from None
+            rows.append(row)
+    return rows
+
+
+def _substitute(value, replacements, path, line_no):
+    if value is None or "$" not in value:
+        return value
+
+    def lookup(match):
+        name = match.group(1)
+        if name not in replacements or replacements[name] in (None, ""):
+            raise ManifestError(f"{path}:{line_no}: value {value!r} needs ${name}; "
+                                f"pass a replacement for {name!r} (e.g. --{name}=...)")
+        return str(replacements[name])
+
+    return _VARIABLE.sub(lookup, value)
+
+
+def read_header(path):
+    """Column names of a manifest."""
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestNotFoundError(f"manifest not found: {path}")
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), None)
+    if not header:
+        raise ManifestError(f"{path}: empty manifest (no header)")
+    return header
+
+
+def validate_manifest(path, required=UTT_COLUMNS):
+    """Check a manifest and return its rows (placeholders kept).
+
+    Checks: the file exists; every column in ``required`` is present; it has rows; ``ID`` values are
+    non-empty (and unique unless the manifest is a stream, where an utterance may recur);
+    ``duration`` is numeric; if ``position`` is required, positions are 0..n-1 in row order and
+    ``segment`` (if present) starts at 0 and only grows by 1 where the block changes.
+    Raises :class:`ManifestError` naming the file and the problem.
+    """
+    path = Path(path)
+    header = read_header(path)
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise ManifestError(f"{path}: missing required column(s) {', '.join(missing)} "
+                            f"(found: {', '.join(header)})")
+    rows = read_manifest(path)
+    if not rows:
+        raise ManifestError(f"{path}: manifest has a header but no rows")
+    ids = [r.get("ID", "") for r in rows] if "ID" in header else []
+    if any(not i for i in ids):
+        raise ManifestError(f"{path}: empty ID at row {ids.index('') + 1}")
+    is_stream = "position" in required
+    if ids and not is_stream and len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ManifestError(f"{path}: duplicate ID {dup!r}")
+    if is_stream:
+        _check_stream_order(path, rows)
+    return rows
+
+
+def _check_stream_order(path, rows):
+    for i, row in enumerate(rows):
+        if str(row.get("position")) != str(i):
+            raise ManifestError(f"{path}: row {i} has position {row.get('position')!r}; "
+                                "stream rows must be in order with positions 0..n-1")
+    if "segment" in rows[0]:
+        prev = -1
+        for i, row in enumerate(rows):
+            seg = int(row["segment"])
+            if seg not in (prev, prev + 1) or (i == 0 and seg != 0):
+                raise ManifestError(f"{path}: row {i} has segment {seg} after {prev}; "
+                                    "segments must start at 0 and increase by 1 per block")
+            prev = seg
+
+
+def audio_duration(path):
+    """Duration in seconds from the audio file header (soundfile, no decoding)."""
+    import soundfile as sf
+
+    info = sf.info(str(path))
+    return info.frames / float(info.samplerate)
+
+
+def to_placeholder(path, data_root=None):
+    """``$data_root/<relative path>`` if ``path`` is under ``data_root``, else the absolute path."""
+    path = Path(path).resolve()
+    if data_root:
+        try:
+            rel = path.relative_to(Path(data_root).resolve())
+            return f"{PLACEHOLDER}/{rel.as_posix()}"
+        except ValueError:
+            pass
+    return str(path)
+
+
+def resolve_path(value, data_root=None):
+    """Inverse of :func:`to_placeholder` for one value."""
+    if value.startswith(PLACEHOLDER):
+        if not data_root:
+            raise ManifestError(f"{value!r} uses {PLACEHOLDER} but no data_root was given")
+        return str(Path(data_root) / value[len(PLACEHOLDER):].lstrip("/"))
+    return value
+
+
+def _opts_path(path):
+    path = Path(path)
+    return path.with_name(path.name + ".opts.json")
+
+
+def is_up_to_date(path, options):
+    """True when ``path`` exists and was written with the same ``options`` (a JSON-able dict)."""
+    opts = _opts_path(path)
+    if not Path(path).exists() or not opts.is_file():
+        return False
+    try:
+        return json.loads(opts.read_text(encoding="utf-8")) == json.loads(json.dumps(options))
+    except json.JSONDecodeError:
+        return False
+
+
+def stored_options(path):
+    """Options recorded for ``path`` by :func:`save_options`, or None."""
+    opts = _opts_path(path)
+    if not opts.is_file():
+        return None
+    return json.loads(opts.read_text(encoding="utf-8"))
+
+
+def save_options(path, options):
+    """Record the options that produced ``path`` (see :func:`is_up_to_date`)."""
+    opts = _opts_path(path)
+    opts.parent.mkdir(parents=True, exist_ok=True)
+    tmp = opts.with_name(opts.name + ".tmp")
+    tmp.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, opts)

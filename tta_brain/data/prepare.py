@@ -1,0 +1,235 @@
+"""Command line for the data preparation steps of the recipes.
+
+Usage::
+
+    python -m tta_brain.data.prepare librispeech --root $LIBRISPEECH --out data/test_other.csv
+    python -m tta_brain.data.prepare corrupt --manifest data/test_other.csv --noise_dir $MS_SNSD \\
+        --out data/ls_c --snrs 5 --domains AA AC BA CM GS MU NB SD TP VC --data_root data
+    python -m tta_brain.data.prepare streams --manifest_dir data/ls_c/manifests --snr 5 \\
+        --out data/snr5 --names AC md_easy md_hard_s20 md_long --max_duration 20
+    python -m tta_brain.data.prepare chime3 --root $CHIME3 --out data/et05.csv --data_root $CHIME3
+    python -m tta_brain.data.prepare streams --manifest data/et05.csv --out data \\
+        --names chime3=random
+    python -m tta_brain.data.prepare validate data/snr5/streams/md_easy.csv --stream
+
+Every step skips work whose output exists with the same options. Stream manifests are written
+once: rebuilding one with other options is refused unless ``--force`` is given, because
+experiments refer to them by name. Errors about missing data exit with status 1 and a message
+saying what to set.
+"""
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("tta_brain.data.prepare")
+
+DEFAULT_STREAMS = ("md_easy", "md_hard", "md_easy_s100", "md_easy_s20", "md_hard_s100",
+                   "md_hard_s20", "md_long")
+
+
+def _librispeech(args):
+    from .librispeech import prepare_librispeech
+
+    prepare_librispeech(args.root, args.out, split=args.split, data_root=args.data_root)
+
+
+def _corrupt(args):
+    from .ms_snsd import corrupt_manifest
+
+    corrupt_manifest(args.manifest, args.out, snrs=args.snrs, codes=args.domains,
+                     noise_dir=args.noise_dir, table=args.domain_table, seed=args.seed,
+                     data_root=args.data_root, source_data_root=args.source_data_root,
+                     sample_rate=args.sample_rate)
+
+
+def _chime3(args):
+    from .chime3 import prepare_chime3
+
+    prepare_chime3(args.root, args.out, splits=args.splits, include_ped_real=args.include_ped_real,
+                   data_root=args.data_root, audio_subdir=args.audio_subdir,
+                   clean_text=not args.keep_raw_text)
+
+
+def _load_domains(args):
+    """``({domain: rows}, {domain: source description})`` from the streams sub-command inputs."""
+    from .manifest import read_manifest
+    from .ms_snsd import snr_tag
+    from .streams import filter_by_duration, group_by_domain
+
+    sources = {}
+    if args.manifest:
+        rows = read_manifest(args.manifest)
+        if rows and "domain" not in rows[0]:
+            raise ValueError(f"{args.manifest}: needs a 'domain' column for stream building")
+        domain_rows = group_by_domain(rows)
+        sources = {d: str(Path(args.manifest).resolve()) for d in domain_rows}
+    else:
+        suffix = f"_{snr_tag(args.snr)}.csv"
+        files = sorted(Path(args.manifest_dir).glob(f"*{suffix}"))
+        if not files:
+            raise FileNotFoundError(f"no domain manifests *{suffix} in {args.manifest_dir}; "
+                                    "run the corrupt step (stage 1) first")
+        domain_rows = {}
+        for f in files:
+            domain_rows[f.name[:-len(suffix)]] = read_manifest(f)
+            sources[f.name[:-len(suffix)]] = str(f.resolve())
+    kept = {d: filter_by_duration(r, args.max_duration) for d, r in domain_rows.items()}
+    for d in kept:
+        if len(kept[d]) < len(domain_rows[d]):
+            logger.info("%s: %d of %d utterances longer than %g s left out", d,
+                        len(domain_rows[d]) - len(kept[d]), len(domain_rows[d]), args.max_duration)
+    return kept, sources
+
+
+def _stream_overrides(args, preset):
+    """Size options given on the command line that apply to ``preset``."""
+    from .streams import PRESETS
+
+    if preset not in PRESETS:
+        return {}
+    keys = {"multi_domain": ("per_domain",), "md_long": ("total", "min_len", "max_len")}
+    out = {k: getattr(args, k) for k in keys.get(PRESETS[preset]["kind"], ())
+           if getattr(args, k) is not None}
+    if args.md_long_domains and PRESETS[preset]["kind"] == "md_long":
+        out["domains"] = list(args.md_long_domains)
+    return out
+
+
+def _domains_used(preset, domain_rows, overrides):
+    """Domains a stream draws from (recorded with it, so adding a domain later keeps it valid)."""
+    from .streams import PRESETS
+
+    if preset not in PRESETS:
+        return [preset]
+    params = dict(PRESETS[preset], **overrides)
+    if params["kind"] == "multi_domain":
+        return list(params["order"])
+    return sorted(params.get("domains") or domain_rows)
+
+
+def _streams(args):
+    from .manifest import is_up_to_date, save_options, stored_options, write_manifest
+    from .streams import build_stream, runs
+
+    domain_rows, sources = _load_domains(args)
+    if args.names:
+        names = list(args.names)
+    elif args.manifest:
+        names = ["random"]
+    else:
+        names = sorted(domain_rows) + list(DEFAULT_STREAMS)
+    out_dir = Path(args.out) / "streams"
+    for spec in names:
+        name, _, preset = spec.partition("=")
+        preset = preset or name
+        overrides = _stream_overrides(args, preset)
+        used = _domains_used(preset, domain_rows, overrides)
+        options = {"preset": preset, "seed": args.seed, "max_duration": args.max_duration,
+                   "overrides": overrides, "sources": {d: sources.get(d) for d in used}}
+        out_csv = out_dir / f"{name}.csv"
+        if is_up_to_date(out_csv, options):
+            logger.info("%s exists with the same options, skipping", out_csv)
+            continue
+        if out_csv.exists() and not args.force:
+            raise ValueError(f"{out_csv} exists but was built with other options "
+                             f"({stored_options(out_csv)}); streams are written once - delete "
+                             "it, use another --out, or pass --force")
+        stream = build_stream(preset, domain_rows, seed=args.seed, **overrides)
+        write_manifest(out_csv, stream)
+        save_options(out_csv, options)
+        segs = runs(stream)
+        logger.info("wrote stream %s: %d utterances, %d segment(s) -> %s", name, len(stream),
+                    len(segs), out_csv)
+
+
+def _validate(args):
+    from .manifest import STREAM_COLUMNS, UTT_COLUMNS, validate_manifest
+
+    for path in args.manifests:
+        rows = validate_manifest(path, required=STREAM_COLUMNS if args.stream else UTT_COLUMNS)
+        print(f"{path}: OK, {len(rows)} rows")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m tta_brain.data.prepare",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("librispeech", help="LibriSpeech split -> manifest")
+    p.add_argument("--root", required=True, help="folder containing LibriSpeech/<split>")
+    p.add_argument("--out", required=True, help="output manifest (.csv)")
+    p.add_argument("--split", default="test-other")
+    p.add_argument("--data_root", default=None, help="write wav paths under it as $data_root/...")
+    p.set_defaults(func=_librispeech)
+
+    p = sub.add_parser("corrupt", help="noise-corrupted copies of a manifest (LS-C)")
+    p.add_argument("--manifest", required=True, help="clean utterance manifest")
+    p.add_argument("--out", required=True,
+                   help="output folder (<out>/<snr>dB/<domain>/, <out>/manifests/)")
+    p.add_argument("--snrs", nargs="+", type=float, default=[5.0])
+    p.add_argument("--domains", nargs="+", default=None, help="domain codes (default: all)")
+    p.add_argument("--noise_dir", default=None, help="MS-SNSD clone or its noise_test folder")
+    p.add_argument("--domain_table", default=None,
+                   help="YAML/JSON mapping code -> noise file (default: the LS-C table)")
+    p.add_argument("--seed", type=int, default=666, help="seed of the Gaussian noise")
+    p.add_argument("--sample_rate", type=int, default=16000)
+    p.add_argument("--data_root", default=None, help="write wav paths under it as $data_root/...")
+    p.add_argument("--source_data_root", default=None,
+                   help="resolves $data_root in the input manifest")
+    p.set_defaults(func=_corrupt)
+
+    p = sub.add_parser("streams", help="named streams -> <out>/streams/<name>.csv")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--manifest_dir", help="folder of <domain>_<snr>dB.csv domain manifests")
+    src.add_argument("--manifest", help="one manifest with a domain column (e.g. CHiME-3)")
+    p.add_argument("--snr", type=float, default=5.0, help="which SNR's domain manifests to use")
+    p.add_argument("--out", required=True)
+    p.add_argument("--names", nargs="+", default=None,
+                   help="streams to write: domain codes (single domain), presets, or "
+                        "NAME=PRESET (default: every domain + all MD presets; 'random' for "
+                        "--manifest)")
+    p.add_argument("--seed", type=int, default=0, help="stream seed")
+    p.add_argument("--max_duration", type=float, default=None,
+                   help="leave out utterances longer than this (s); the paper uses 20 for LS-C")
+    p.add_argument("--per_domain", type=int, default=None, help="MD-Easy/Hard size per domain")
+    p.add_argument("--total", type=int, default=None, help="MD-Long length")
+    p.add_argument("--min_len", type=int, default=None, help="MD-Long shortest run")
+    p.add_argument("--max_len", type=int, default=None, help="MD-Long longest run")
+    p.add_argument("--md_long_domains", nargs="+", default=None, help="MD-Long domains")
+    p.add_argument("--force", action="store_true", help="rebuild streams with other options")
+    p.set_defaults(func=_streams)
+
+    p = sub.add_parser("chime3", help="CHiME-3 et05 enhanced audio -> manifest")
+    p.add_argument("--root", required=True, help="CHiME-3 root (contains data/)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--splits", nargs="+", default=None, help="e.g. bus_real caf_simu")
+    p.add_argument("--include_ped_real", action="store_true", help="all 8 splits")
+    p.add_argument("--audio_subdir", default="data/audio/16kHz/enhanced")
+    p.add_argument("--keep_raw_text", action="store_true",
+                   help="keep verbalised punctuation / markers in transcripts")
+    p.add_argument("--data_root", default=None, help="write wav paths under it as $data_root/...")
+    p.set_defaults(func=_chime3)
+
+    p = sub.add_parser("validate", help="check manifests")
+    p.add_argument("manifests", nargs="+")
+    p.add_argument("--stream", action="store_true", help="require stream columns and order")
+    p.set_defaults(func=_validate)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (FileNotFoundError, ValueError) as err:  # data problems: a message, not a traceback
+        print(f"ERROR: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Source-model lobe: any Hugging Face CTC checkpoint (wav2vec 2.0, HuBERT, data2vec-audio, ...).
+
+``source`` is a local directory written by ``save_pretrained`` (fully offline) or a hub name
+(needs the files in the local HF cache or network access). The processor's feature extractor
+decides the input normalisation (zero mean / unit variance per utterance when ``do_normalize``)
+and whether an attention mask is used; its tokenizer maps label ids back to text.
+"""
+import logging
+import os
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from tta_brain.ctc import collapse
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFCTCLobe"]
+
+
+class HFCTCLobe(nn.Module):
+    """``transformers.AutoModelForCTC`` + its processor, with greedy CTC decoding to text.
+
+    Arguments
+    ---------
+    source : str
+        Local directory or hub name of a CTC checkpoint with processor files.
+    savedir : str, optional
+        HF cache directory (``cache_dir``).
+    local_files_only : bool, optional
+        Never touch the network. Defaults to True for an existing local directory.
+    sample_rate : int
+        Expected input sample rate; checked against the processor's.
+    """
+
+    def __init__(self, source: str, savedir: Optional[str] = None,
+                 local_files_only: Optional[bool] = None, sample_rate: int = 16000):
+        super().__init__()
+        from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
+
+        if local_files_only is None:
+            local_files_only = os.path.isdir(source)
+        kwargs = dict(cache_dir=savedir, local_files_only=local_files_only)
+        try:
+            self.model = AutoModelForCTC.from_pretrained(source, **kwargs)
+            self.feature_extractor = AutoFeatureExtractor.from_pretrained(source, **kwargs)
+            self.tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        except (OSError, ValueError) as e:
+            hint = ("a local directory written by save_pretrained (config.json, model weights, "
+                    "preprocessor_config.json, vocab.json)")
+            if not os.path.isdir(source):
+                hint += " or a hub name already in the HF cache (no network here?)"
+            raise RuntimeError(f"Cannot load the CTC source model '{source}': {e}\n"
+                               f"`source` must be {hint}.") from e
+        sr = getattr(self.feature_extractor, "sampling_rate", sample_rate)
+        if sr != sample_rate:
+            raise ValueError(f"{source}: the processor expects {sr} Hz audio, not {sample_rate}")
+        self.sample_rate = sample_rate
+        self.do_normalize = bool(getattr(self.feature_extractor, "do_normalize", True))
+        self.use_attention_mask = bool(getattr(self.feature_extractor, "return_attention_mask", False))
+        self.blank_id = int(self.model.config.pad_token_id if self.model.config.pad_token_id is not None
+                            else self.tokenizer.pad_token_id)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.word_delimiter = getattr(self.tokenizer, "word_delimiter_token", "|")
+        vocab = self.tokenizer.get_vocab()
+        self.id_to_token = {i: t for t, i in vocab.items()}
+        self.word_delimiter_id = vocab.get(self.word_delimiter)
+        self.special_ids = set(self.tokenizer.all_special_ids) - {self.blank_id}
+        self.model.eval()
+
+    # ------------------------------------------------------------------ input
+    def normalize(self, wavs: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-utterance zero-mean / unit-variance normalisation over the valid samples."""
+        if not self.do_normalize:
+            return wavs
+        if lengths is None:
+            mean = wavs.mean(dim=-1, keepdim=True)
+            var = wavs.var(dim=-1, unbiased=False, keepdim=True)
+            return (wavs - mean) / torch.sqrt(var + 1e-7)
+        mask = torch.arange(wavs.shape[-1], device=wavs.device)[None] < lengths[:, None]
+        n = lengths[:, None].to(wavs.dtype)
+        mean = (wavs * mask).sum(-1, keepdim=True) / n
+        var = (((wavs - mean) * mask) ** 2).sum(-1, keepdim=True) / n
+        return ((wavs - mean) / torch.sqrt(var + 1e-7)) * mask
+
+    def prepare(self, wav: torch.Tensor) -> torch.Tensor:
+        """A 1-D waveform -> normalised ``[1, T]`` model input on the model's device."""
+        if wav.dim() == 1:
+            wav = wav[None]
+        wav = wav.to(device=self.device, dtype=torch.float32)
+        return self.normalize(wav)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, inputs: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Normalised input ``[B, T]`` -> logits ``[B, F, V]``."""
+        if attention_mask is not None and self.use_attention_mask:
+            return self.model(inputs, attention_mask=attention_mask).logits
+        return self.model(inputs).logits
+
+    def output_lengths(self, input_lengths: torch.Tensor) -> torch.Tensor:
+        """Number of logit frames for each input length in samples."""
+        return self.model._get_feat_extract_output_lengths(input_lengths)
+
+    # ------------------------------------------------------------------ decode
+    def labels_to_text(self, labels: Sequence[int]) -> str:
+        """Collapsed label ids -> text (word delimiter -> space, special tokens dropped)."""
+        toks = [self.id_to_token.get(int(i), "") for i in labels
+                if int(i) not in self.special_ids and int(i) != self.blank_id]
+        text = "".join(toks).replace(self.word_delimiter, " ")
+        return " ".join(text.split())
+
+    def decode(self, logits: torch.Tensor) -> List[str]:
+        """Greedy CTC decoding of ``[B, F, V]`` (or ``[F, V]``) logits to strings."""
+        if logits.dim() == 2:
+            logits = logits[None]
+        return [self.labels_to_text(collapse(p, self.blank_id)) for p in logits.argmax(-1).cpu()]
+
+    def text_to_labels(self, text: str) -> List[int]:
+        """Text -> label ids of the tokenizer (for pseudo-label checks and tests)."""
+        return self.tokenizer(text.upper()).input_ids

@@ -1,0 +1,12 @@
+"""TTA methods, one short file each, all registered in ``METHODS`` by name."""
+from tta_brain.methods.base import METHODS, TTAMethod, UttInfo, build_method, register
+from tta_brain.methods.source import Source
+from tta_brain.methods.suta import SUTA
+from tta_brain.methods.sdpl import SDPL
+from tta_brain.methods.sgem import SGEM
+from tta_brain.methods.csuta import CSUTA
+from tta_brain.methods.awmc import AWMC
+from tta_brain.methods.dsuta import DSUTA
+
+__all__ = ["METHODS", "TTAMethod", "UttInfo", "build_method", "register", "Source", "SUTA",
+           "SDPL", "SGEM", "CSUTA", "AWMC", "DSUTA"]

@@ -1,0 +1,65 @@
+"""AWMC (Lee et al., 2023): anchor / chaser / leader pseudo-label continual TTA.
+
+The anchor is the frozen source model, the chaser the adapted model (LayerNorm + encoder biases,
+train mode), the leader an EMA of the chaser. Each of the N steps per utterance minimises the mean
+of CTC(chaser, anchor label) and CTC(chaser, leader label), then updates the leader. The
+prediction comes from the chaser. Anchor and leader share the frozen weights of the one model and
+differ only in the adapted tensors (``torch.func.functional_call``), and the anchor label is
+computed once per utterance (the anchor never changes).
+"""
+import torch
+from torch.func import functional_call
+
+from tta_brain import losses
+from tta_brain.ctc import collapse
+from tta_brain.methods.base import TTAMethod, register
+from tta_brain.state import restore, snapshot
+
+
+@register("awmc")
+class AWMC(TTAMethod):
+    continual = True
+
+    def __init__(self, model, lr: float = 2e-4, ema_decay: float = 0.999, train_mode: bool = True,
+                 **kwargs):
+        kwargs.setdefault("adapt_params", ({"select": "layernorm"}, {"select": "encoder_bias"}))
+        super().__init__(model, lr=lr, train_mode=train_mode, **kwargs)
+        self.ema_decay = float(ema_decay)
+        self.leader = snapshot(self.params)
+
+    @torch.no_grad()
+    def _labels(self, values, x):
+        self.counts["aux_forward"] += 1
+        logits = functional_call(self.net, dict(zip(self.param_names, values)), (x,)).logits
+        return [torch.tensor(collapse(p, self.blank_id)) for p in logits.argmax(-1)]
+
+    def adapt_and_predict(self, x, info):
+        t, policy = self.t + 1, self.reset_policy
+        if policy is not None and (why := policy.before_utterance(info)):
+            self.reset_meta(t - 1, info.position, why)
+        anchor = self._labels(self.source, x)
+        for _ in range(self.steps):
+            leader = self._labels(self.leader, x)
+            self.adapt_step(x, loss_fn=lambda lg: 0.5 * (
+                losses.ctc_pseudo_label_loss(lg, anchor, blank_id=self.blank_id)
+                + losses.ctc_pseudo_label_loss(lg, leader, blank_id=self.blank_id)).mean())
+            with torch.no_grad():
+                torch._foreach_lerp_(self.leader, [p.detach() for p in self.params], 1 - self.ema_decay)
+        hyp = self.predict(x)
+        if policy is not None:
+            policy.after_utterance(t, x, info)
+            if why := policy.at_update(t):
+                self.reset_meta(t, info.position + 1, why)
+            policy.end_step(t)
+        return hyp
+
+    def reset(self):
+        super().reset()
+        restore(self.leader, self.source)
+
+    def state_dict(self):
+        return super().state_dict() | {"leader": [p.clone() for p in self.leader]}
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)
+        restore(self.leader, sd["leader"])

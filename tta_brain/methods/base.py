@@ -1,0 +1,233 @@
+"""The TTA method base class, the registry and the per-utterance bookkeeping.
+
+A method owns the source-model lobe, the adapted parameters (see ``tta_brain.params``), its
+optimiser(s) and the source snapshot. The stream driver (``TTABrain`` or ``TTAStream``) calls
+``process(wav, info)`` once per utterance in stream order and gets the hypothesis back; events
+(resets, LII values) are left in ``method.events`` for the driver to record.
+"""
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch.func import functional_call
+
+from tta_brain import losses
+from tta_brain.params import param_groups, select_parameters
+from tta_brain.state import restore, snapshot, zero_optimizer_state
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TTAMethod", "UttInfo", "register", "METHODS", "build_method"]
+
+METHODS: Dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator: make a method available by ``name`` (``build_method``, ``TTAStream``)."""
+    def deco(cls):
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+    return deco
+
+
+def build_method(name: str, **kwargs) -> "TTAMethod":
+    if name not in METHODS:
+        raise ValueError(f"Unknown TTA method '{name}'. Valid: {', '.join(sorted(METHODS))}")
+    return METHODS[name](**kwargs)
+
+
+@dataclass
+class UttInfo:
+    """What a method may know about an utterance besides its audio."""
+    id: str = ""
+    position: int = 0          # 0-based position in the stream
+    domain: str = ""
+    segment: int = 0           # contiguous-block index (only oracle reset may look at it)
+
+
+DEFAULT_PARAMS = ({"select": "layernorm"}, {"select": "cnn"})
+
+
+class TTAMethod:
+    """Base class: parameter selection, optimiser, counted forward/backward passes, reset.
+
+    Arguments
+    ---------
+    model : HFCTCLobe
+        The source model (adapted in place; the source values are snapshotted).
+    adapt_params : list
+        Parameter groups (see ``tta_brain.params``).
+    lr : float
+        Base learning rate (times each group's ``lr_mult``).
+    optimizer : callable
+        ``params -> torch.optim.Optimizer`` (a ``!name:torch.optim.AdamW`` partial in yaml).
+    steps : int
+        Adaptation steps per utterance.
+    temperature, em_coef : float
+        SUTA loss temperature and entropy weight alpha.
+    reset_policy : ResetPolicy, optional
+        Only for continual methods; see ``tta_brain.resets``.
+    """
+
+    name = "base"
+    continual = False          # has state that carries across utterances (meta-parameters)
+
+    def __init__(self, model, adapt_params: Sequence = DEFAULT_PARAMS, lr: float = 2e-5,
+                 optimizer: Optional[Callable] = None, steps: int = 10, temperature: float = 2.5,
+                 em_coef: float = 0.3, reset_policy=None, train_mode: bool = False):
+        self.lobe = model
+        self.net = model.model                      # the HF module (parameter names are its)
+        self.steps = int(steps)
+        self.lr = float(lr)
+        self.temperature = float(temperature)
+        self.em_coef = float(em_coef)
+        self.train_mode = bool(train_mode)
+        self.blank_id = model.blank_id
+        self.counts = {"adapt_forward": 0, "adapt_backward": 0, "infer_forward": 0,
+                       "aux_forward": 0, "skipped_steps": 0}
+        self.events: List[tuple] = []
+        self.t = 0                                  # utterances processed
+        self.selected = select_parameters(self.net, adapt_params) if adapt_params else []
+        self.param_names = [n for n, _, _ in self.selected]
+        self.params = [p for _, p, _ in self.selected]
+        self.configure_model()
+        self.source = snapshot(self.params)
+        opt_fn = optimizer or partial(torch.optim.AdamW, weight_decay=0.0)
+        self.optimizer = opt_fn(param_groups(self.selected, self.lr)) if self.params else None
+        n = sum(p.numel() for p in self.params)
+        logger.info("%s adapts %d tensors, %.3fM parameters (%s)", self.name, len(self.params),
+                    n / 1e6, ", ".join(sorted({str(g) for g in adapt_params})) if adapt_params else "-")
+        self.num_adapted = n
+        self.reset_policy = reset_policy
+        if reset_policy is not None and getattr(reset_policy, "name", "none") != "none":
+            if not self.continual:
+                raise ValueError(f"Reset policy '{reset_policy.name}' needs a continual method "
+                                 f"(csuta, dsuta); '{self.name}' resets every utterance already")
+            reset_policy.bind(self)
+
+    # ------------------------------------------------------------- set-up
+    def configure_model(self):
+        """Eval mode (no dropout / SpecAugment) and gradients only for the adapted parameters."""
+        self.net.eval()
+        self.net.requires_grad_(False)
+        for p in self.params:
+            p.requires_grad_(True)
+
+    def loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """The adaptation objective of one utterance (default: SUTA)."""
+        return losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
+                                blank_id=self.blank_id).mean()
+
+    # ------------------------------------------------------------- passes
+    def forward(self, x: torch.Tensor, kind: str = "adapt_forward") -> torch.Tensor:
+        self.counts[kind] += 1
+        return self.lobe(x)
+
+    def adapt_step(self, x: torch.Tensor, optimizer=None, loss_fn=None, after_backward=None):
+        """One forward/backward/update on ``x``. Non-finite losses or gradients skip the update.
+
+        ``after_backward(grads_ok)`` runs between backward and the optimiser step (DSUTA uses it
+        to keep the first-step gradient). Returns the loss value (float, may be nan).
+        """
+        optimizer = optimizer or self.optimizer
+        optimizer.zero_grad(set_to_none=False)
+        if self.train_mode:
+            self.net.train()
+        logits = self.forward(x, "adapt_forward")
+        loss = (loss_fn or self.loss)(logits)
+        if self.train_mode:
+            self.net.eval()
+        if not torch.isfinite(loss):
+            return self._skip(f"non-finite loss {loss.item()}")
+        loss.backward()
+        self.counts["adapt_backward"] += 1
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and not all(torch.isfinite(g).all() for g in torch._foreach_norm(grads)):
+            return self._skip("non-finite gradient")
+        if after_backward is not None:
+            after_backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    def _skip(self, why: str) -> float:
+        self.counts["skipped_steps"] += 1
+        for p in self.params:
+            p.grad = None
+        logger.warning("%s: utterance %d: %s, adaptation step skipped", self.name, self.t, why)
+        self.events.append(("skip", self.t, why))
+        return float("nan")
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> str:
+        logits = self.forward(x, "infer_forward")
+        return self.lobe.decode(logits)[0]
+
+    @torch.no_grad()
+    def loss_with(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> float:
+        """SUTA loss of ``x`` with the adapted parameters set to ``values`` (None = source).
+
+        Uses ``torch.func.functional_call``: no parameter copy, the live model is untouched.
+        """
+        values = self.source if values is None else values
+        self.counts["aux_forward"] += 1
+        logits = functional_call(self.net, dict(zip(self.param_names, values)), (x,)).logits
+        return float(losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
+                                      blank_id=self.blank_id).mean())
+
+    # ------------------------------------------------------------- API
+    def process(self, wav: torch.Tensor, info: Optional[UttInfo] = None) -> str:
+        """Adapt on one utterance (1-D waveform at 16 kHz) and return its transcript."""
+        info = info or UttInfo(position=self.t)
+        x = self.lobe.prepare(wav)
+        hyp = self.adapt_and_predict(x, info)
+        self.t += 1
+        return hyp
+
+    def adapt_and_predict(self, x: torch.Tensor, info: UttInfo) -> str:
+        raise NotImplementedError
+
+    def reset(self):
+        """Back to the source model: adapted parameters and optimiser state."""
+        restore(self.params, self.source)
+        if self.optimizer is not None:
+            zero_optimizer_state(self.optimizer)
+
+    # ------------------------------------------------------- meta-parameters (continual methods)
+    def meta_values(self) -> List[torch.Tensor]:
+        """The tensors that carry knowledge across utterances (phi_t)."""
+        return self.params
+
+    def reset_meta(self, after: int, position: int, reason: str):
+        """Reset the meta-parameters to the source after utterance ``after`` (1-based count).
+
+        Recorded as an event at ``position``: the stream position of the first utterance that
+        starts from the reset model.
+        """
+        self.reset()
+        self._record_reset(after, position, reason)
+
+    def _record_reset(self, after: int, position: int, reason: str):
+        self.events.append(("reset", position, reason))
+        if self.reset_policy is not None:
+            self.reset_policy.on_reset(after)
+
+    # ------------------------------------------------------------- resume
+    def state_dict(self) -> Dict:
+        sd = {"t": self.t, "counts": dict(self.counts),
+              "params": [p.detach().clone() for p in self.params],
+              "optimizer": self.optimizer.state_dict() if self.optimizer else None}
+        if self.reset_policy is not None:
+            sd["reset_policy"] = self.reset_policy.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: Dict):
+        self.t = sd["t"]
+        self.counts.update(sd["counts"])
+        restore(self.params, sd["params"])
+        if self.optimizer is not None and sd.get("optimizer") is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        if self.reset_policy is not None and "reset_policy" in sd:
+            self.reset_policy.load_state_dict(sd["reset_policy"])

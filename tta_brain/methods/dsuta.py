@@ -1,0 +1,130 @@
+"""Dynamic SUTA (fast-slow TTA, Algorithms 1 and 2 of the paper).
+
+Per utterance x_t (t counted from 1):
+  1. fast:  phi_hat <- phi_t; N SUTA steps on x_t; predict with phi_hat.
+  2. slow:  every M utterances (buffer full): phi_{t+1} <- AdamW(phi_t, mean_{x in B} grad L(phi_t, x)),
+            unless the reset policy resets phi_{t+1} <- phi_pre instead (buffer discarded).
+
+The slow gradient costs no extra pass: phi_t is constant while the buffer fills, so the gradient
+of L(phi_t, x_i) is exactly the gradient of the first fast step on x_i; it is accumulated there.
+With N = 0 one explicit forward/backward per utterance provides it.
+
+The fast optimiser starts each utterance from the slow optimiser's moments (as the official code
+does; ``fast_moments: zero`` starts from fresh moments instead).
+"""
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+from tta_brain.methods.base import TTAMethod, register
+from tta_brain.params import param_groups
+from tta_brain.state import copy_optimizer_state, restore, snapshot, zero_optimizer_state
+
+
+@register("dsuta")
+class DSUTA(TTAMethod):
+    continual = True
+
+    def __init__(self, model, buffer_size: int = 5, steps: int = 10,
+                 slow_optimizer: Optional[Callable] = None, fast_moments: str = "slow", **kwargs):
+        super().__init__(model, steps=steps, **kwargs)
+        if fast_moments not in ("slow", "zero"):
+            raise ValueError(f"fast_moments must be 'slow' or 'zero', not '{fast_moments}'")
+        self.M = int(buffer_size)
+        if self.M < 1:
+            raise ValueError("buffer_size (M) must be >= 1")
+        self.fast_moments = fast_moments
+        # slow (meta) parameters phi_t: plain leaf tensors with their own optimiser
+        self.meta = [torch.nn.Parameter(t, requires_grad=False) for t in snapshot(self.params)]
+        opt_fn = slow_optimizer or partial(torch.optim.AdamW, weight_decay=0.0)
+        meta_sel = [(n, m, mult) for (n, _, mult), m in zip(self.selected, self.meta)]
+        self.slow_optimizer = opt_fn(param_groups(meta_sel, self.lr))
+        self.grad_sum = [torch.zeros_like(p) for p in self.params]
+        self.n_buffered = 0            # utterances in the buffer (their gradients are in grad_sum)
+        self.n_grads = 0               # of which contributed a finite gradient
+
+    # ---------------------------------------------------------------- steps
+    def _accumulate(self):
+        torch._foreach_add_(self.grad_sum, [p.grad for p in self.params])
+        self.n_grads += 1
+
+    def adapt_and_predict(self, x, info):
+        t = self.t + 1
+        policy = self.reset_policy
+        if policy is not None and (why := policy.before_utterance(info)):
+            self.reset_meta(t - 1, info.position, why)
+        # fast adaptation from phi_t
+        restore(self.params, self.meta)
+        if self.fast_moments == "slow":
+            copy_optimizer_state(self.slow_optimizer, self.meta, self.optimizer, self.params)
+        else:
+            zero_optimizer_state(self.optimizer)
+        for n in range(self.steps):
+            self.adapt_step(x, after_backward=self._accumulate if n == 0 else None)
+        if self.steps == 0:
+            self._slow_gradient_only(x)
+        hyp = self.predict(x)
+        self.n_buffered += 1
+        if policy is not None:
+            policy.after_utterance(t, x, info)
+        if self.n_buffered >= self.M:
+            why = policy.at_update(t) if policy is not None else None
+            if why:
+                self.reset_meta(t, info.position + 1, why)
+            else:
+                self._slow_update()
+            self._clear_buffer()
+        if policy is not None:
+            policy.end_step(t)
+        return hyp
+
+    def _slow_gradient_only(self, x):
+        self.optimizer.zero_grad(set_to_none=False)
+        logits = self.forward(x, "adapt_forward")
+        loss = self.loss(logits)
+        if torch.isfinite(loss):
+            loss.backward()
+            self.counts["adapt_backward"] += 1
+            self._accumulate()
+
+    @torch.no_grad()
+    def _slow_update(self):
+        if self.n_grads == 0:
+            return
+        for m, g in zip(self.meta, self.grad_sum):
+            m.grad = g / self.n_grads
+        self.slow_optimizer.step()
+        for m in self.meta:
+            m.grad = None
+
+    def _clear_buffer(self):
+        for g in self.grad_sum:
+            g.zero_()
+        self.n_buffered = self.n_grads = 0
+
+    # ------------------------------------------------------- meta-parameters
+    def meta_values(self):
+        return self.meta
+
+    def reset_meta(self, after, position, reason):
+        restore(self.meta, self.source)
+        zero_optimizer_state(self.slow_optimizer)
+        self._clear_buffer()
+        self._record_reset(after, position, reason)
+
+    # ---------------------------------------------------------------- resume
+    def state_dict(self):
+        sd = super().state_dict()
+        sd.update(meta=[m.detach().clone() for m in self.meta],
+                  slow_optimizer=self.slow_optimizer.state_dict(),
+                  grad_sum=[g.clone() for g in self.grad_sum],
+                  n_buffered=self.n_buffered, n_grads=self.n_grads)
+        return sd
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)
+        restore(self.meta, sd["meta"])
+        self.slow_optimizer.load_state_dict(sd["slow_optimizer"])
+        restore(self.grad_sum, sd["grad_sum"])
+        self.n_buffered, self.n_grads = sd["n_buffered"], sd["n_grads"]

@@ -1,0 +1,66 @@
+"""SGEM (Kim et al., 2023) for CTC: Renyi entropy (alpha 1.5) on the frames of the beam-search
+pseudo path + negative sampling, AdamW with cosine-annealed lr over the N steps, episodic.
+
+The pseudo path is the CTC prefix beam search's best hypothesis (optional word n-gram LM, off by
+default) force-aligned to the current posteriors; its non-blank frames carry the entropy term.
+(The official code computes that mask from the greedy argmax, so there its beam search does not
+change the loss; ``beam_width: 1`` gives that behaviour here.)
+"""
+import math
+from typing import Optional
+
+import torch
+
+from tta_brain import losses
+from tta_brain.ctc import ArpaLM, prefix_beam_search, viterbi_align
+from tta_brain.methods.base import TTAMethod, register
+
+
+@register("sgem")
+class SGEM(TTAMethod):
+    def __init__(self, model, lr: float = 4e-5, lr_min: float = 2e-5, renyi_alpha: float = 1.5,
+                 ns_coef: float = 1.0, ns_threshold: float = 0.04, beam_width: int = 5,
+                 lm_path: Optional[str] = None, lm_weight: float = 0.5, word_bonus: float = 0.0,
+                 **kwargs):
+        kwargs.setdefault("adapt_params", ({"select": "cnn"},))
+        super().__init__(model, lr=lr, **kwargs)
+        self.lr_min, self.renyi_alpha = float(lr_min), float(renyi_alpha)
+        self.ns_coef, self.ns_threshold = float(ns_coef), float(ns_threshold)
+        self.beam_width, self.lm_weight, self.word_bonus = int(beam_width), lm_weight, word_bonus
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.lm_scorer = None
+        if lm_path:
+            self.lm_scorer = ArpaLM(lm_path).label_scorer(
+                lambda i: self.lobe.id_to_token.get(i, ""))
+
+    def pseudo_path(self, logits: torch.Tensor) -> torch.Tensor:
+        """Frame path ``[1, T]`` of the best beam (the greedy path when ``beam_width <= 1``)."""
+        if self.beam_width <= 1:
+            return logits.argmax(-1)
+        log_probs = logits[0].detach().float().log_softmax(-1)
+        beams = prefix_beam_search(log_probs, self.beam_width, self.blank_id,
+                                   self.lobe.word_delimiter_id, self.lm_scorer, self.lm_weight,
+                                   self.word_bonus)
+        return viterbi_align(log_probs, beams[0][0], self.blank_id)[None].to(logits.device)
+
+    def loss(self, logits):
+        path = self.pseudo_path(logits)
+        em = losses.renyi_entropy_loss(logits, alpha=self.renyi_alpha, temperature=self.temperature,
+                                       blank_id=self.blank_id, path=path)
+        ns = losses.negative_sampling_loss(logits, temperature=self.temperature,
+                                           threshold=self.ns_threshold)
+        return (em + self.ns_coef * ns).mean()
+
+    def _set_lr(self, step: int):
+        """Cosine annealing from lr to lr_min over the N steps (per group multipliers kept)."""
+        frac = (1 + math.cos(math.pi * step / max(self.steps, 1))) / 2
+        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
+            lo = base * self.lr_min / self.lr
+            g["lr"] = lo + (base - lo) * frac
+
+    def adapt_and_predict(self, x, info):
+        self.reset()
+        for n in range(self.steps):
+            self._set_lr(n)
+            self.adapt_step(x)
+        return self.predict(x)

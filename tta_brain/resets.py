@@ -1,0 +1,223 @@
+"""Reset policies for continual methods (CSUTA, DSUTA), orthogonal to the methods.
+
+A policy sees the stream through four calls made by the method, with ``t`` the 1-based count of
+utterances processed so far (Algorithm 2 of the paper):
+
+* ``before_utterance(info)``: reset before adapting this utterance? (oracle boundaries)
+* ``after_utterance(t, x, info)``: after the prediction for x_t (dynamic: compute LII_t)
+* ``at_update(t)``: the method is about to update its meta-parameters (DSUTA: buffer full);
+  a reason string means "reset to the source instead, discard the buffer"
+* ``end_step(t)``: end of step t (dynamic: save phi_D at r + K/2, fit the Gaussian at r + K)
+
+and ``on_reset(after)`` whenever the method resets (phi_{after+1} = phi_pre). A policy uses the
+method only through ``meta_values()`` (phi_t) and ``loss_with(values, x)`` (L_suta of x with the
+adapted parameters set to ``values``; None = source).
+"""
+import logging
+import math
+from typing import List, Optional
+
+import torch
+
+from tta_brain.state import restore, snapshot
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResetPolicy", "NoReset", "FixedReset", "OracleReset", "DynamicReset",
+           "make_reset_policy", "RESET_POLICIES", "z_score", "fit_gaussian"]
+
+
+def fit_gaussian(values: List[float]):
+    """Mean and sample standard deviation (n - 1) of ``values``."""
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"need at least 2 LII values to fit a Gaussian, got {n}")
+    mu = sum(values) / n
+    var = sum((v - mu) ** 2 for v in values) / (n - 1)
+    return mu, math.sqrt(var)
+
+
+def z_score(values: List[float], mu: float, sigma: float) -> float:
+    """z of the mean of ``values`` under N(mu, sigma^2 / n)."""
+    n = len(values)
+    return (sum(values) / n - mu) / (max(sigma, 1e-12) / math.sqrt(n))
+
+
+class ResetPolicy:
+    name = "none"
+
+    def bind(self, method):
+        self.method = method
+
+    def before_utterance(self, info) -> Optional[str]:
+        return None
+
+    def after_utterance(self, t: int, x: torch.Tensor, info) -> None:
+        pass
+
+    def at_update(self, t: int) -> Optional[str]:
+        return None
+
+    def end_step(self, t: int) -> None:
+        pass
+
+    def on_reset(self, after: int) -> None:
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+class NoReset(ResetPolicy):
+    name = "none"
+
+
+class FixedReset(ResetPolicy):
+    """Reset every ``every`` utterances, checked at meta-update times (RDumb-style)."""
+    name = "fixed"
+
+    def __init__(self, every: int = 50):
+        if every < 1:
+            raise ValueError("fixed reset: every must be >= 1")
+        self.every = int(every)
+        self.last = 0
+
+    def at_update(self, t):
+        if t - self.last >= self.every:
+            return f"fixed (every {self.every})"
+        return None
+
+    def on_reset(self, after):
+        self.last = after
+
+    def state_dict(self):
+        return {"last": self.last}
+
+    def load_state_dict(self, sd):
+        self.last = sd["last"]
+
+
+class OracleReset(ResetPolicy):
+    """Reset at every true domain boundary (a change of the manifest's ``segment``), wherever it
+    falls, before the first utterance of the new segment is adapted."""
+    name = "oracle"
+
+    def __init__(self):
+        self.prev = None
+
+    def before_utterance(self, info):
+        seg, prev = info.segment, self.prev
+        self.prev = seg
+        if prev is not None and seg != prev:
+            return f"oracle boundary ({prev}->{seg}, {info.domain})"
+        return None
+
+    def state_dict(self):
+        return {"prev": self.prev}
+
+    def load_state_dict(self, sd):
+        self.prev = sd["prev"]
+
+
+class DynamicReset(ResetPolicy):
+    """The paper's dynamic reset: LII statistics, a right-tailed z-test and a patience.
+
+    After a reset at r: phi_D = phi at r + floor(K/2) (after that step's update); LII_t =
+    L(phi_D, x_t) - L(phi_pre, x_t) is collected for t in (r + K/2, r + K] and a Gaussian
+    (mean, sample std) fitted at r + K. Afterwards, at each meta-update the mean LII of the
+    utterances since the previous update is tested: z = (mean - mu) / (sigma / sqrt(n)); z >
+    ``threshold`` is a detection, ``patience`` consecutive detections reset the model.
+    """
+    name = "dynamic"
+
+    def __init__(self, K: int = 100, patience: int = 2, threshold: float = 2.0):
+        if K < 4:
+            raise ValueError("dynamic reset: K must be >= 4 (K/2 utterances build phi_D, "
+                             "the other K/2 estimate the LII distribution)")
+        if patience < 1:
+            raise ValueError("dynamic reset: patience must be >= 1")
+        self.K, self.k = int(K), int(K) // 2
+        self.patience, self.threshold = int(patience), float(threshold)
+        self.phi_D: Optional[List[torch.Tensor]] = None
+        self._clear(0)
+
+    def _clear(self, last):
+        self.last = last
+        self.have_phi_D = False
+        self.stats, self.recent = [], []
+        self.mu = self.sigma = None
+        self.counter = 0
+
+    def after_utterance(self, t, x, info):
+        if not self.have_phi_D or t <= self.last + self.k:
+            return
+        m = self.method
+        lii = m.loss_with(self.phi_D, x) - m.loss_with(None, x)
+        if not math.isfinite(lii):
+            logger.warning("dynamic reset: non-finite LII at utterance %d ignored", t)
+            return
+        construction = t <= self.last + self.K
+        if construction:
+            self.stats.append(lii)
+        self.recent.append(lii)
+        m.events.append(("lii", info.position, lii, "construction" if construction else "detection"))
+
+    def at_update(self, t):
+        values, self.recent = self.recent, []
+        if t <= self.last + self.K or self.mu is None or not values:
+            return None
+        z = z_score(values, self.mu, self.sigma)
+        self.counter = self.counter + 1 if z > self.threshold else 0
+        if self.counter >= self.patience:
+            return f"dynamic (z={z:.2f}, {self.counter} detections)"
+        return None
+
+    def end_step(self, t):
+        if t == self.last + self.k:
+            values = self.method.meta_values()
+            if self.phi_D is None:
+                self.phi_D = snapshot(values)
+            else:
+                restore(self.phi_D, values)
+            self.have_phi_D = True
+        if t == self.last + self.K and self.mu is None:
+            if len(self.stats) >= 2:
+                self.mu, self.sigma = fit_gaussian(self.stats)
+                logger.info("dynamic reset: LII ~ N(%.4f, %.4f^2) from %d utterances",
+                            self.mu, self.sigma, len(self.stats))
+            else:
+                logger.warning("dynamic reset: only %d LII values at t=%d; no test this stage",
+                               len(self.stats), t)
+
+    def on_reset(self, after):
+        self._clear(after)
+
+    def state_dict(self):
+        return {k: getattr(self, k) for k in
+                ("last", "have_phi_D", "stats", "recent", "mu", "sigma", "counter")} | {
+            "phi_D": [p.clone() for p in self.phi_D] if self.phi_D is not None else None}
+
+    def load_state_dict(self, sd):
+        for k in ("last", "have_phi_D", "stats", "recent", "mu", "sigma", "counter"):
+            setattr(self, k, sd[k])
+        if sd["phi_D"] is not None:
+            self.phi_D = [p.clone() for p in sd["phi_D"]]
+
+
+RESET_POLICIES = {"none": NoReset, "fixed": FixedReset, "oracle": OracleReset,
+                  "dynamic": DynamicReset}
+
+
+def make_reset_policy(name: str = "none", every: int = 50, K: int = 100, patience: int = 2,
+                      threshold: float = 2.0) -> ResetPolicy:
+    """Build a policy by name (used from yaml: ``reset: dynamic`` + its options)."""
+    if name not in RESET_POLICIES:
+        raise ValueError(f"Unknown reset policy '{name}'. Valid: {', '.join(RESET_POLICIES)}")
+    if name == "fixed":
+        return FixedReset(every)
+    if name == "dynamic":
+        return DynamicReset(K, patience, threshold)
+    return RESET_POLICIES[name]()

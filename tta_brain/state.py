@@ -1,0 +1,58 @@
+"""In-place snapshot / restore of parameter lists and optimiser state (no reallocation per step)."""
+from typing import List, Sequence
+
+import torch
+
+__all__ = ["snapshot", "restore", "zero_optimizer_state", "copy_optimizer_state",
+           "optimizer_state_tensors"]
+
+
+def snapshot(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Detached copies of ``tensors`` (allocated once; refresh them with :func:`restore`)."""
+    return [t.detach().clone() for t in tensors]
+
+
+@torch.no_grad()
+def restore(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """Copy ``src`` into ``dst`` element-wise, in place."""
+    if len(dst) != len(src):
+        raise ValueError(f"restore: {len(dst)} destination tensors but {len(src)} sources")
+    torch._foreach_copy_(list(dst), list(src))
+
+
+def optimizer_state_tensors(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
+    """The state dict of each parameter of ``params`` in ``opt`` (empty dicts before a step)."""
+    return [opt.state[p] for p in params]
+
+
+@torch.no_grad()
+def zero_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Make ``opt`` behave like a freshly built optimiser (moments and step counts zeroed)."""
+    for state in opt.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                v.zero_()
+
+
+@torch.no_grad()
+def copy_optimizer_state(src: torch.optim.Optimizer, src_params, dst: torch.optim.Optimizer,
+                         dst_params) -> None:
+    """Copy the per-parameter state of ``src`` into ``dst`` (same shapes), in place.
+
+    A source parameter without state (never stepped) zeroes the destination's state.
+    """
+    for ps, pd in zip(src_params, dst_params):
+        s, d = src.state[ps], dst.state[pd]
+        if not s:
+            for v in d.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+            continue
+        for k, v in s.items():
+            if torch.is_tensor(v):
+                if k in d and torch.is_tensor(d[k]) and d[k].shape == v.shape:
+                    d[k].copy_(v)
+                else:
+                    d[k] = v.clone()
+            else:
+                d[k] = v
