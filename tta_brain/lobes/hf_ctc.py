@@ -32,10 +32,13 @@ class HFCTCLobe(nn.Module):
         Never touch the network. Defaults to True for an existing local directory.
     sample_rate : int
         Expected input sample rate; checked against the processor's.
+    device : str
+        Where the model lives (``cpu``, ``cuda:0``); methods snapshot state on this device.
     """
 
     def __init__(self, source: str, savedir: Optional[str] = None,
-                 local_files_only: Optional[bool] = None, sample_rate: int = 16000):
+                 local_files_only: Optional[bool] = None, sample_rate: int = 16000,
+                 device: str = "cpu"):
         super().__init__()
         from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
 
@@ -68,6 +71,7 @@ class HFCTCLobe(nn.Module):
         self.word_delimiter_id = vocab.get(self.word_delimiter)
         self.special_ids = set(self.tokenizer.all_special_ids) - {self.blank_id}
         self.model.eval()
+        self.to(device)
 
     # ------------------------------------------------------------------ input
     def normalize(self, wavs: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -231,3 +231,8 @@ class TTAMethod:
             self.optimizer.load_state_dict(sd["optimizer"])
         if self.reset_policy is not None and "reset_policy" in sd:
             self.reset_policy.load_state_dict(sd["reset_policy"])
+
+
+def method_tag(name: str, reset: str = "none") -> str:
+    """Results tag of a method + reset policy, e.g. ``dsuta+dynamic``."""
+    return name if reset in (None, "", "none") else f"{name}+{reset}"
