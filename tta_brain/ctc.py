@@ -54,7 +54,7 @@ def viterbi_align(log_probs: torch.Tensor, labels: Sequence[int], blank_id: int 
     for t in range(1, T):
         stay = alpha
         step = torch.cat([torch.tensor([neg]), alpha[:-1]])
-        skip = torch.cat([torch.tensor([neg, neg]), alpha[:-2]])
+        skip = torch.cat([torch.tensor([neg, neg]), alpha[:-2]])[:S]  # S = 1: empty labels
         skip = torch.where(can_skip, skip, torch.tensor(neg))
         cand = torch.stack([stay, step, skip])              # [3, S]
         best, arg = cand.max(dim=0)

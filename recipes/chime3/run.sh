@@ -24,7 +24,7 @@ keep_raw_text=false   # true: keep verbalised punctuation (.PERIOD) / markers in
 stream_name=chime3
 stream_seed=0         # seed of the random order (fixed across method seeds)
 max_duration=         # leave out utterances longer than this (s); empty: keep all
-methods="source suta sgem csuta sdpl awmc dsuta"   # yaml names in hparams_dir
+methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # yaml names or method+reset tags (sdpl too)
 seeds="0 1 2"         # the paper averages 3 runs
 hparams_dir=${repo_root}/recipes/hparams
 conf_dir=${recipe_dir}/conf   # <method>.opts: extra decode overrides per method token
@@ -59,29 +59,7 @@ case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
 manifest=${data_dir}/chime3_et05.csv
 stream_csv=${data_dir}/streams/${stream_name}.csv
 
-run() {  # run or print a command
-  if ${dry_run}; then
-    printf 'DRY-RUN:'; printf ' %q' "$@"; printf '\n'
-  else
-    "$@"
-  fi
-}
-
-# A method token is a yaml name in hparams_dir (suta) or a variant tag (dsuta+dynamic): its yaml is
-# <tag>.yaml if present, else the part before "+"; conf/<tag>.opts (if present) holds extra
-# --key=value overrides for it. The token names the experiment folder.
-method_hparams() {
-  if [ -f "${hparams_dir}/$1.yaml" ]; then
-    echo "${hparams_dir}/$1.yaml"
-  else
-    echo "${hparams_dir}/${1%%+*}.yaml"
-  fi
-}
-method_opts() {
-  if [ -f "${conf_dir}/$1.opts" ]; then
-    grep -v '^[[:space:]]*#' "${conf_dir}/$1.opts" | tr '\n' ' ' || true
-  fi
-}
+. "${repo_root}/tools/decode.sh"
 
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   log "Stage 0: CHiME-3 et05 (enhanced) -> ${manifest}"
@@ -119,30 +97,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
     db_require W2V2 "It must be a local CTC model directory or a hub name (or pass --model)."
     model=${W2V2}
   fi
-  if [ ! -f "${stream_csv}" ]; then
-    echo "ERROR: stream ${stream_csv} not found; run stages 0-2 first (--stage 0)." >&2
-    exit 1
-  fi
-  for method in ${methods}; do
-    hparams=$(method_hparams "${method}")
-    method_extra=$(method_opts "${method}")
-    if [ ! -f "${hparams}" ]; then
-      echo "ERROR: ${hparams} not found (methods: $(cd "${hparams_dir}" && ls -- *.yaml 2>/dev/null | sed 's/\.yaml$//' | tr '\n' ' '))" >&2
-      exit 1
-    fi
-    for seed in ${seeds}; do
-      out=${exp_dir}/${stream_name}/${method}/seed${seed}
-      if [ -f "${out}/summary.json" ]; then
-        log "Stage 3: ${out} done, skipping"
-        continue
-      fi
-      log "Stage 3: decode ${stream_name} with ${method}, seed ${seed} -> ${out}"
-      # shellcheck disable=SC2086
-      run ${python} -m tta_brain.decode "${hparams}" --source="${model}" \
-        --stream_csv="${stream_csv}" --output_folder="${out}" --seed="${seed}" \
-        --data_root="${CHIME3}" ${method_extra} ${decode_opts}
-    done
-  done
+  decode_runs "${stream_csv}" "${exp_dir}/${stream_name}" "${CHIME3}" "${decode_opts}"
 fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then

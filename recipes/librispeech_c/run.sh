@@ -30,7 +30,7 @@ per_domain=           # MD-Easy/Hard utterances per domain (empty: 500)
 md_long_total=        # MD-Long length (empty: 10000)
 md_long_min=          # MD-Long shortest run (empty: 20)
 md_long_max=          # MD-Long longest run (empty: 500)
-methods="source suta sgem csuta sdpl awmc dsuta"   # yaml names in hparams_dir
+methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # yaml names or method+reset tags (sdpl too)
 seeds="0 1 2"         # the paper averages 3 runs
 hparams_dir=${repo_root}/recipes/hparams
 conf_dir=${recipe_dir}/conf   # <method>.opts: extra decode overrides per method token
@@ -68,29 +68,7 @@ case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
 clean_csv=${data_dir}/librispeech_${split//-/_}.csv
 lsc_dir=${data_dir}/ls_c
 
-run() {  # run or print a command
-  if ${dry_run}; then
-    printf 'DRY-RUN:'; printf ' %q' "$@"; printf '\n'
-  else
-    "$@"
-  fi
-}
-
-# A method token is a yaml name in hparams_dir (suta) or a variant tag (dsuta+dynamic): its yaml is
-# <tag>.yaml if present, else the part before "+"; conf/<tag>.opts (if present) holds extra
-# --key=value overrides for it. The token names the experiment folder.
-method_hparams() {
-  if [ -f "${hparams_dir}/$1.yaml" ]; then
-    echo "${hparams_dir}/$1.yaml"
-  else
-    echo "${hparams_dir}/${1%%+*}.yaml"
-  fi
-}
-method_opts() {
-  if [ -f "${conf_dir}/$1.opts" ]; then
-    grep -v '^[[:space:]]*#' "${conf_dir}/$1.opts" | tr '\n' ' ' || true
-  fi
-}
+. "${repo_root}/tools/decode.sh"
 
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   log "Stage 0: LibriSpeech ${split} -> ${clean_csv}"
@@ -133,32 +111,9 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
   for snr in ${snrs}; do
     for stream in ${streams}; do
       csv=${data_dir}/snr${snr}/streams/${stream}.csv
-      if [ ! -f "${csv}" ]; then
-        echo "ERROR: stream ${csv} not found; run stages 0-2 first (--stage 0)." >&2
-        exit 1
-      fi
-      extra=${decode_opts}
-      case "${stream}" in md_*) extra="${extra} ${md_decode_opts}" ;; esac
-      for method in ${methods}; do
-        hparams=$(method_hparams "${method}")
-        method_extra=$(method_opts "${method}")
-        if [ ! -f "${hparams}" ]; then
-          echo "ERROR: ${hparams} not found (methods: $(cd "${hparams_dir}" && ls -- *.yaml 2>/dev/null | sed 's/\.yaml$//' | tr '\n' ' '))" >&2
-          exit 1
-        fi
-        for seed in ${seeds}; do
-          out=${exp_dir}/snr${snr}/${stream}/${method}/seed${seed}
-          if [ -f "${out}/summary.json" ]; then
-            log "Stage 3: ${out} done, skipping"
-            continue
-          fi
-          log "Stage 3: decode ${stream} (${snr} dB) with ${method}, seed ${seed} -> ${out}"
-          # shellcheck disable=SC2086
-          run ${python} -m tta_brain.decode "${hparams}" --source="${model}" \
-            --stream_csv="${csv}" --output_folder="${out}" --seed="${seed}" \
-            --data_root="${data_dir}" ${method_extra} ${extra}
-        done
-      done
+      extra=${decode_opts} kind=
+      case "${stream}" in md_*) extra="${extra} ${md_decode_opts}" kind=_md ;; esac
+      decode_runs "${csv}" "${exp_dir}/snr${snr}/${stream}" "${data_dir}" "${extra}" "${kind}"
     done
   done
 fi

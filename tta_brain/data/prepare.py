@@ -93,6 +93,10 @@ def _stream_overrides(args, preset):
            if getattr(args, k) is not None}
     if args.md_long_domains and PRESETS[preset]["kind"] == "md_long":
         out["domains"] = list(args.md_long_domains)
+    for family in ("md_easy", "md_hard"):
+        order = getattr(args, f"{family}_order", None)
+        if order and (preset == family or preset.startswith(family + "_")):
+            out["order"] = list(order)
     return out
 
 
@@ -198,6 +202,10 @@ def build_parser():
     p.add_argument("--min_len", type=int, default=None, help="MD-Long shortest run")
     p.add_argument("--max_len", type=int, default=None, help="MD-Long longest run")
     p.add_argument("--md_long_domains", nargs="+", default=None, help="MD-Long domains")
+    p.add_argument("--md_easy_order", nargs="+", default=None,
+                   help="domain order of md_easy* (default: AC CM TP AA SD)")
+    p.add_argument("--md_hard_order", nargs="+", default=None,
+                   help="domain order of md_hard* (default: GS MU VC BA NB)")
     p.add_argument("--force", action="store_true", help="rebuild streams with other options")
     p.set_defaults(func=_streams)
 

@@ -1,0 +1,106 @@
+"""TTAStream: test-time adaptation inside your own loop (a live stream, a server, a notebook).
+
+    from tta_brain.stream import TTAStream
+    tta = TTAStream.from_hparams("dsuta", source="recipes/synthetic/source_model",
+                                 overrides={"reset": "dynamic", "steps": 5})
+    for wav in my_audio_chunks():            # 1-D float tensors / numpy arrays, one utterance each
+        print(tta.transcribe(wav, sample_rate=16000))
+    print(tta.resets)                        # stream positions where the model was reset
+
+The method keeps its state across calls, so the slow meta-parameters, the reset detector and the
+optimiser moments carry over from one utterance to the next exactly as in a recipe run.
+"""
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Union
+
+import numpy as np
+import torch
+from hyperpyyaml import load_hyperpyyaml
+
+from tta_brain.methods.base import TTAMethod, UttInfo
+
+HPARAMS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "hparams"
+
+
+class TTAStream:
+    """Feed utterances one at a time; get transcripts back, adapting as you go."""
+
+    def __init__(self, method: TTAMethod, sample_rate: int = 16000):
+        self.method = method
+        self.sample_rate = sample_rate
+        self.position = 0
+        self.resets: List[int] = []
+        self.lii: List[tuple] = []
+
+    @classmethod
+    def from_hparams(cls, hparams: str = "dsuta", source: Optional[str] = None,
+                     overrides: Optional[Dict] = None, device: str = "cpu") -> "TTAStream":
+        """Build from a method yaml: a path, or a method name in ``recipes/hparams``."""
+        path = Path(hparams)
+        if not path.is_file():
+            path = HPARAMS_DIR / f"{hparams}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in HPARAMS_DIR.glob("*.yaml"))
+            raise FileNotFoundError(f"No hparams file '{hparams}' (methods: {', '.join(known)})")
+        ov = {"stream_csv": "", "output_folder": "", "device": device}
+        if source is not None:
+            ov["source"] = str(source)
+        ov.update(overrides or {})
+        with open(path, encoding="utf-8") as f:
+            hp = load_hyperpyyaml(f, ov)
+        return cls(hp["method"], sample_rate=16000)
+
+    def transcribe(self, waveform: Union[torch.Tensor, np.ndarray], sample_rate: Optional[int] = None,
+                   domain: str = "", segment: Optional[int] = None, utt_id: str = "") -> str:
+        """Adapt on one utterance and return its transcript.
+
+        ``segment`` (an integer domain-block label) is only needed by the oracle reset policy.
+        Multi-channel input ``[C, T]`` is averaged; other sample rates are resampled.
+        """
+        wav = torch.as_tensor(waveform, dtype=torch.float32)
+        if wav.dim() == 2:
+            wav = wav.mean(dim=0)
+        if wav.dim() != 1 or wav.numel() == 0:
+            raise ValueError(f"transcribe: expected a non-empty 1-D waveform, got shape {tuple(wav.shape)}")
+        if not torch.isfinite(wav).all():
+            raise ValueError("transcribe: the waveform contains NaN or inf")
+        sr = sample_rate or self.sample_rate
+        if sr != self.sample_rate:
+            import torchaudio
+            wav = torchaudio.functional.resample(wav, sr, self.sample_rate)
+        info = UttInfo(id=utt_id or str(self.position), position=self.position, domain=domain,
+                       segment=segment or 0)
+        with torch.enable_grad():
+            hyp = self.method.process(wav, info)
+        for ev in self.method.events:
+            if ev[0] == "reset":
+                self.resets.append(ev[1])
+            elif ev[0] == "lii":
+                self.lii.append((ev[1], ev[2], ev[3]))
+        self.method.events.clear()
+        self.position += 1
+        return hyp
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """Forward / backward passes so far (adaptation, inference, auxiliary)."""
+        return dict(self.method.counts)
+
+    def reset(self):
+        """Back to the source model (the detector and meta-parameters too)."""
+        m = self.method
+        if m.continual:
+            m.reset_meta(m.t, self.position, "user")
+            m.events.clear()
+        else:
+            m.reset()
+
+    def save(self, path: Union[str, os.PathLike]):
+        torch.save({"method": self.method.state_dict(), "position": self.position,
+                    "resets": self.resets}, path)
+
+    def load(self, path: Union[str, os.PathLike]):
+        sd = torch.load(path, map_location="cpu", weights_only=False)
+        self.method.load_state_dict(sd["method"])
+        self.position, self.resets = sd["position"], sd["resets"]
