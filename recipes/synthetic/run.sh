@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Synthetic noisy-speech benchmark: runs anywhere, offline, on a CPU.
+# espeak-ng speech in LibriSpeech's layout + synthetic noise domains + a tiny wav2vec2 CTC model
+# (committed in source_model/), then the paper's experiments in miniature.
+#
+#   stage 0: synthesise the test speech (and the training speech with --retrain true) + noises
+#   stage 1: train the tiny source model (skipped: the committed one is reused unless --retrain)
+#   stage 2: noisy single-domain sets at the chosen SNRs (the LS-C writer, unchanged)
+#   stage 3: stream manifests (single domains, MD-Easy/Hard-like with s variants, MD-Long-like)
+#   stage 4: decode every method x stream x seed
+#   stage 5: RESULTS.md + plots
+set -euo pipefail
+
+recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo_root=$(cd "${recipe_dir}/../.." && pwd)
+export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
+. "${repo_root}/tools/log.sh"
+
+# Options (each can be given as --name value).
+stage=0
+stop_stage=5
+python=python3
+corpus_seed=1          # text, voices and rendering of the corpus
+n_train=8000           # training utterances (rendered only with --retrain true)
+n_test=400             # test utterances (held-out sentences and voices)
+noise_seed=1
+retrain=false          # train the source model anew instead of using source_model/
+train_minutes=90       # training budget (CPU)
+train_seed=1
+model=${recipe_dir}/source_model
+snrs="10"              # SNR(s) in dB; the tiny model is hurt, not destroyed, here
+noise_table=${recipe_dir}/conf/noises.yaml
+md_easy_order="AC TP SD MU TR"
+md_hard_order="GS BA VC MU TP"
+streams="md_easy md_hard"
+stream_seed=0
+per_domain=80          # utterances per domain block of MD-Easy/Hard (paper: 500)
+md_long_total=800      # MD-Long-like length (paper: 10000)
+md_long_min=20
+md_long_max=100        # (paper: 500)
+methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"
+seeds="0"
+hparams_dir=${repo_root}/recipes/hparams
+conf_dir=${recipe_dir}/conf
+decode_opts="--noprogressbar"
+md_decode_opts=""
+data_dir=${recipe_dir}/data
+exp_dir=${recipe_dir}/exp
+dry_run=false
+
+help_message=$(cat <<EOM
+Usage: $0 [options]
+  Synthetic continual-TTA benchmark (offline, CPU). Default: MD-Easy/Hard-like streams at ${snrs} dB.
+Options (default):
+  --stage N (${stage})  --stop_stage N (${stop_stage})
+  --n_test N (${n_test})  --n_train N (${n_train})  --corpus_seed N (${corpus_seed})
+  --retrain true|false (${retrain})  --train_minutes N (${train_minutes})  --model DIR (source_model/)
+  --snrs "LIST" (${snrs})  --noise_table YAML (conf/noises.yaml)
+  --streams "LIST" (${streams}; also single domains, md_*_s100, md_*_s20, md_long)
+  --per_domain N (${per_domain})  --md_long_total N (${md_long_total})
+  --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
+  --methods "LIST" (${methods})
+  --seeds "LIST" (${seeds})  --decode_opts "OPTS"  --md_decode_opts "OPTS"
+  --data_dir DIR  --exp_dir DIR  --dry_run true|false
+Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
+EOM
+)
+. "${repo_root}/tools/parse_options.sh"
+if [ $# -gt 0 ]; then
+  echo "$0: unexpected argument(s): $*" >&2
+  exit 1
+fi
+case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
+case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
+. "${repo_root}/tools/decode.sh"
+
+corpus=${data_dir}/corpus
+noise_dir=${data_dir}/noises
+test_csv=${data_dir}/test_synth.csv
+noisy_dir=${data_dir}/noisy
+domains=$(${python} -c "import yaml,sys; print(' '.join(yaml.safe_load(open(sys.argv[1]))))" "${noise_table}")
+
+if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
+  train_n=0
+  if ${retrain}; then train_n=${n_train}; fi
+  log "Stage 0: speech (${n_test} test, ${train_n} train) -> ${corpus}; noises -> ${noise_dir}"
+  ${python} -m tta_brain.data.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
+    --n_test "${n_test}" --seed "${corpus_seed}"
+  ${python} -m tta_brain.data.synthetic noises --noise_dir "${noise_dir}" --seed "${noise_seed}"
+fi
+
+if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
+  if ${retrain}; then
+    log "Stage 1: train the source model (${train_minutes} min budget) -> ${model}"
+    ${python} "${recipe_dir}/train_source.py" --data_root "${corpus}" --output_dir "${model}" \
+      --seed "${train_seed}" --max_minutes "${train_minutes}"
+  elif [ -f "${model}/config.json" ]; then
+    log "Stage 1: using the source model in ${model} (--retrain true to train it anew)"
+  else
+    echo "ERROR: no source model in ${model}; run with --retrain true or pass --model DIR" >&2
+    exit 1
+  fi
+fi
+
+if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
+  log "Stage 2: noisy sets [${domains}] at [${snrs}] dB -> ${noisy_dir}"
+  ${python} -m tta_brain.data.prepare librispeech --root "${corpus}" --split test-synth \
+    --out "${test_csv}"
+  # shellcheck disable=SC2086
+  ${python} -m tta_brain.data.prepare corrupt --manifest "${test_csv}" --out "${noisy_dir}" \
+    --noise_dir "${noise_dir}" --domain_table "${noise_table}" --snrs ${snrs} \
+    --domains ${domains} --seed "${noise_seed}" --data_root "${data_dir}"
+fi
+
+if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
+  for snr in ${snrs}; do
+    log "Stage 3: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
+    # shellcheck disable=SC2086
+    ${python} -m tta_brain.data.prepare streams --manifest_dir "${noisy_dir}/manifests" \
+      --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
+      --per_domain "${per_domain}" --total "${md_long_total}" --min_len "${md_long_min}" \
+      --max_len "${md_long_max}" --md_easy_order ${md_easy_order} --md_hard_order ${md_hard_order}
+  done
+fi
+
+if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
+  for snr in ${snrs}; do
+    for stream in ${streams}; do
+      extra=${decode_opts} kind=
+      case "${stream}" in md_*) extra="${extra} ${md_decode_opts}" kind=_md ;; esac
+      decode_runs "${data_dir}/snr${snr}/streams/${stream}.csv" "${exp_dir}/snr${snr}/${stream}" \
+        "${data_dir}" "${extra}" "${kind}"
+    done
+  done
+fi
+
+if [ ${stage} -le 5 ] && [ ${stop_stage} -ge 5 ]; then
+  for snr in ${snrs}; do
+    log "Stage 5: report -> ${exp_dir}/snr${snr}/RESULTS.md"
+    run ${python} -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
+      --out "${exp_dir}/snr${snr}/RESULTS.md"
+  done
+fi
+
+log "Finished (stages ${stage}-${stop_stage})."
