@@ -6,6 +6,11 @@ import sys
 import pytest
 import torch
 
+# Tiny models on a shared 2-core machine: one thread avoids oversubscription (20-50x slowdowns),
+# also in the recipe subprocesses the tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 

@@ -146,7 +146,8 @@ def prefix_beam_search(log_probs: torch.Tensor, beam_width: int = 5, blank_id: i
                 else:
                     e[1] = _logsumexp(e[1], total + p)
                 e[2] = lm + bonus
-        scored = sorted(nxt.items(), key=lambda kv: _logsumexp(kv[1][0], kv[1][1]) + kv[1][2],
+        live = [kv for kv in nxt.items() if _logsumexp(kv[1][0], kv[1][1]) > -math.inf]
+        scored = sorted(live, key=lambda kv: _logsumexp(kv[1][0], kv[1][1]) + kv[1][2],
                         reverse=True)[:beam_width]
         beams = {k: tuple(v) for k, v in scored}
     out = [(list(k), _logsumexp(v[0], v[1]) + v[2]) for k, v in beams.items()]

@@ -1,0 +1,626 @@
+"""TTA methods and reset policies on a real tiny Wav2Vec2ForCTC and real (synthetic) audio.
+
+Covers: SUTA lowers its loss and is episodic (bit-exact), DSUTA's slow-update schedule and an
+explicit reference of the slow update (validating the first-step gradient reuse), fixed / oracle
+resets, the dynamic reset detector on planted LII values, the AWMC leader EMA, pass counts,
+non-finite skips, resume (state_dict round trip) and the registry.
+"""
+import io
+import math
+import statistics
+
+import pytest
+import torch
+
+from tta_brain import losses
+from tta_brain.lobes.hf_ctc import HFCTCLobe
+from tta_brain.methods import METHODS, UttInfo, build_method
+from tta_brain.resets import (DynamicReset, FixedReset, NoReset, OracleReset, fit_gaussian,
+                              make_reset_policy, z_score)
+
+
+# ----------------------------------------------------------------------------- helpers
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: intra-op threads only add overhead, and on a shared, loaded CPU spinning
+    OpenMP threads make these tests 20-50x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def make(tiny_model_dir):
+    """``make(name, **kwargs)``: a method on its own freshly loaded tiny model."""
+    def _make(name, **kwargs):
+        return build_method(name, model=HFCTCLobe(tiny_model_dir), **kwargs)
+    return _make
+
+
+@pytest.fixture
+def source_values(tiny_model_dir):
+    """``source_values(names)``: the checkpoint's values of the named parameters."""
+    net = HFCTCLobe(tiny_model_dir).model
+    params = dict(net.named_parameters())
+    return lambda names: [params[n].detach().clone() for n in names]
+
+
+def clone(ts):
+    return [t.detach().clone() for t in ts]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def max_diff(a, b):
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+
+
+def stream(utterances, n, segments=None):
+    """``n`` (wav, UttInfo) pairs cycling through the fixture's utterances."""
+    out = []
+    for i in range(n):
+        seg = segments[i] if segments is not None else 0
+        out.append((utterances[i % len(utterances)],
+                    UttInfo(id=f"u{i}", position=i, domain=f"d{seg}", segment=seg)))
+    return out
+
+
+def run(method, items):
+    return [method.process(w, info) for w, info in items]
+
+
+# ----------------------------------------------------------------------------- (a) SUTA lowers its loss
+def test_one_suta_step_lowers_the_suta_loss(make, utterances, tiny_model_dir):
+    m = make("suta", steps=1, lr=1e-3)
+    wav = utterances[0]
+    x = m.lobe.prepare(wav)
+    before = m.loss_with(None, x)
+    # the loss the method optimises is losses.suta_loss of the source model's logits
+    ref_lobe = HFCTCLobe(tiny_model_dir)
+    with torch.no_grad():
+        ref = float(losses.suta_loss(ref_lobe(ref_lobe.prepare(wav)), alpha=0.3, temperature=2.5)[0])
+    assert before == pytest.approx(ref, abs=1e-6)
+    hyp = m.process(wav)
+    assert isinstance(hyp, str)
+    after = m.loss_with(m.params, x)     # the adapted values (live until the next reset)
+    # (the random tiny model's posteriors are nearly flat: the decrease is small but far above
+    # float32 noise, and zero for a step with lr = 0)
+    assert after < before - 1e-5, (before, after)
+    control = make("suta", steps=1, lr=0.0)
+    control.process(wav)
+    assert control.loss_with(control.params, x) == pytest.approx(before, abs=1e-7)
+
+
+def test_suta_loss_keeps_decreasing_over_steps(make, utterances):
+    m = make("suta", steps=5, lr=1e-3)
+    vals = []
+    orig = m.adapt_step
+    m.adapt_step = lambda x, **kw: vals.append(orig(x, **kw)) or vals[-1]
+    m.process(utterances[1])
+    assert len(vals) == 5 and all(math.isfinite(v) for v in vals)
+    assert vals[-1] < vals[0]
+
+
+# ----------------------------------------------------------------------------- (b) SUTA is episodic
+def test_suta_restarts_from_the_source_every_utterance(make, utterances, source_values):
+    m = make("suta", steps=3, lr=1e-3)
+    src = source_values(m.param_names)
+    at_reset = []
+    orig_reset = m.reset
+
+    def spy_reset():
+        orig_reset()
+        at_reset.append((clone(m.params), {id(p): {k: v.clone() if torch.is_tensor(v) else v
+                                                    for k, v in m.optimizer.state[p].items()}
+                                           for p in m.params}))
+    m.reset = spy_reset
+    hyp_a = m.process(utterances[0])
+    assert not same(m.params, src)                      # utterance A did adapt
+    hyp_b = m.process(utterances[1])
+    assert len(at_reset) == 2
+    for params, opt_state in at_reset:
+        assert same(params, src)                         # bit-identical to the checkpoint
+        for st in opt_state.values():                    # optimiser as if fresh
+            assert all(float(v.abs().max()) == 0 for v in st.values() if torch.is_tensor(v))
+    params_ab = clone(m.params)
+
+    fresh = make("suta", steps=3, lr=1e-3)
+    hyp_b_alone = fresh.process(utterances[1])
+    assert hyp_b == hyp_b_alone
+    assert same(params_ab, fresh.params)                 # bit-for-bit
+    assert isinstance(hyp_a, str)
+
+
+# ----------------------------------------------------------------------------- (c) DSUTA schedule + reference
+class AdamWRef:
+    """Hand-written AdamW (weight decay 0) in float64."""
+
+    def __init__(self, values, lr, betas=(0.9, 0.999), eps=1e-8):
+        self.p = [v.detach().double().clone() for v in values]
+        self.m = [torch.zeros_like(v) for v in self.p]
+        self.v = [torch.zeros_like(v) for v in self.p]
+        self.lr, self.b1, self.b2, self.eps, self.k = lr, betas[0], betas[1], eps, 0
+
+    def step(self, grads):
+        self.k += 1
+        for p, m, v, g in zip(self.p, self.m, self.v, grads):
+            g = g.double()
+            m.mul_(self.b1).add_((1 - self.b1) * g)
+            v.mul_(self.b2).add_((1 - self.b2) * g * g)
+            mhat = m / (1 - self.b1 ** self.k)
+            vhat = v / (1 - self.b2 ** self.k)
+            p.sub_(self.lr * mhat / (vhat.sqrt() + self.eps))
+
+
+def suta_grads(lobe, names, values, wav):
+    """grad of L_suta(phi = values, wav) by a fresh forward/backward on a separate model."""
+    params = dict(lobe.model.named_parameters())
+    lobe.model.eval()
+    lobe.model.requires_grad_(False)
+    ps = [params[n] for n in names]
+    with torch.no_grad():
+        for p, v in zip(ps, values):
+            p.copy_(v)
+    for p in ps:
+        p.requires_grad_(True)
+    loss = losses.suta_loss(lobe(lobe.prepare(wav)), alpha=0.3, temperature=2.5).mean()
+    return torch.autograd.grad(loss, ps)
+
+
+@pytest.mark.parametrize("adapt_params,extra", [
+    (None, {}), ([{"select": "layernorm"}], {}), (None, {"slow_grad": "recompute"})],
+    ids=["layernorm+cnn", "layernorm_only(feature_cache)", "slow_grad_recompute"])
+def test_dsuta_meta_changes_exactly_every_M_and_matches_reference(make, utterances, tiny_model_dir,
+                                                                   adapt_params, extra):
+    M, lr = 3, 1e-3
+    kw = dict(extra) if adapt_params is None else {"adapt_params": adapt_params, **extra}
+    m = make("dsuta", buffer_size=M, steps=2, lr=lr, **kw)
+    items = stream(utterances, 7)
+    ref_lobe = HFCTCLobe(tiny_model_dir)
+    ref = AdamWRef(m.meta, lr)
+    metas = [clone(m.meta)]
+    buffer_grads = []
+    starts = []
+    orig_step = m.adapt_step
+
+    seen = set()
+
+    def spy_step(x, **kw):
+        if m.t not in seen:                               # first fast step of an utterance
+            seen.add(m.t)
+            starts.append(same(m.params, m.meta))
+        return orig_step(x, **kw)
+    m.adapt_step = spy_step
+
+    for t, (wav, info) in enumerate(items, start=1):
+        # reference gradient on phi_t (= meta before this utterance), fresh forward/backward
+        buffer_grads.append(suta_grads(ref_lobe, m.param_names, clone(m.meta), wav))
+        m.process(wav, info)
+        metas.append(clone(m.meta))
+        if t % M == 0:
+            mean = [sum(g[i].double() for g in buffer_grads) / M for i in range(len(m.meta))]
+            ref.step(mean)
+            buffer_grads = []
+            assert max_diff(m.meta, ref.p) < 1e-6, t
+    assert all(starts) and len(starts) == 7               # fast model starts from phi_t
+    changed = [not same(metas[t], metas[t - 1]) for t in range(1, 8)]
+    assert changed == [False, False, True, False, False, True, False]
+    assert not same(m.params, m.meta)                     # fast weights are separate
+    assert m.n_buffered == 1
+
+
+def test_dsuta_gradient_reuse_is_not_the_last_step_gradient(make, utterances, tiny_model_dir):
+    """With N = 0 the slow gradient comes from an explicit pass; it must equal the N = 3 run's
+    (which reuses the first fast step's gradient): identical meta after the first update."""
+    a = make("dsuta", buffer_size=2, steps=3, lr=1e-3)
+    b = make("dsuta", buffer_size=2, steps=0, lr=1e-3)
+    for w in utterances[:2]:
+        a.process(w)
+        b.process(w)
+    assert max_diff(a.meta, b.meta) < 1e-7
+    assert b.counts["adapt_forward"] == 2 and b.counts["adapt_backward"] == 2
+
+
+def test_dsuta_with_a_parameter_unused_in_eval(tmp_path_factory, utterances):
+    """wav2vec2's masked_spec_embed (present when mask_time_prob > 0, as in base-960h) gets no
+    gradient in eval mode; selecting it (e.g. `adapt_params: [all]`) must not break DSUTA."""
+    from conftest import save_ctc_model
+    d = save_ctc_model(str(tmp_path_factory.mktemp("tiny_masked")), mask_time_prob=0.05)
+    m = build_method("dsuta", model=HFCTCLobe(d), adapt_params=["all"], buffer_size=1, steps=1,
+                     lr=1e-3)
+    assert m.param_names[0] == "wav2vec2.masked_spec_embed"
+    src = clone(m.meta)
+    assert isinstance(m.process(utterances[0]), str)
+    assert torch.equal(m.meta[0], src[0])                   # zero gradient: unchanged
+    assert not same(m.meta[1:], src[1:])
+
+
+# ----------------------------------------------------------------------------- (d) fixed / oracle
+def test_dsuta_fixed_reset_every_F(make, utterances, source_values):
+    m = make("dsuta", buffer_size=2, steps=1, lr=1e-3, reset_policy=FixedReset(every=4))
+    src = source_values(m.param_names)
+    after = []
+    for wav, info in stream(utterances, 9):
+        m.process(wav, info)
+        after.append(clone(m.meta))
+    resets = [e for e in m.events if e[0] == "reset"]
+    # t = 4 and t = 8 (positions 3 and 7): the first utterance from the source is 4 / 8
+    assert [e[1] for e in resets] == [4, 8]
+    assert all("fixed" in e[2] for e in resets)
+    assert same(after[3], src) and same(after[7], src)     # meta == source right after
+    assert not same(after[1], src) and not same(after[5], src)  # normal updates at t = 2, 6
+    assert same(after[8], after[7])                         # t = 9: buffer half full
+
+
+def test_csuta_fixed_reset(make, utterances, source_values):
+    m = make("csuta", steps=1, lr=1e-3, reset_policy=make_reset_policy("fixed", every=3))
+    src = source_values(m.param_names)
+    after = []
+    for wav, info in stream(utterances, 7):
+        m.process(wav, info)
+        after.append(clone(m.params))
+    assert [e[1] for e in m.events if e[0] == "reset"] == [3, 6]
+    assert same(after[2], src) and same(after[5], src)
+    assert not same(after[0], src) and not same(after[3], src) and not same(after[6], src)
+
+
+def test_dsuta_oracle_reset_at_a_boundary_off_the_update_grid(make, utterances, source_values):
+    M = 3
+    segments = [0, 0, 0, 0, 1, 1, 1, 1]                     # boundary at 4, not a multiple of M
+    items = stream(utterances, 8, segments)
+    m = make("dsuta", buffer_size=M, steps=1, lr=1e-3, reset_policy=OracleReset())
+    src = source_values(m.param_names)
+    hyps, after = [], []
+    at_start = {}
+    orig_step = m.adapt_step
+
+    def spy_step(x, **kw):
+        at_start.setdefault(m.t, same(m.meta, src) and same(m.params, src))  # first fast step
+        return orig_step(x, **kw)
+    m.adapt_step = spy_step
+    for wav, info in items:
+        hyps.append(m.process(wav, info))
+        after.append(clone(m.meta))
+    resets = [e for e in m.events if e[0] == "reset"]
+    assert [e[1] for e in resets] == [4] and "oracle" in resets[0][2]
+    assert at_start[4] is True                              # utterance 4 starts from the source
+    assert not same(after[2], src)                          # update at t = 3
+    assert same(after[3], after[2])                         # buffered, then discarded by the reset
+    assert same(after[4], src) and same(after[5], src)      # new buffer: 4, 5, 6
+    assert not same(after[6], src)                          # update after 3 new utterances
+    assert same(after[7], after[6])
+    # utterance 4 is processed exactly as by a fresh model
+    fresh = make("dsuta", buffer_size=M, steps=1, lr=1e-3)
+    assert fresh.process(*items[4]) == hyps[4]
+
+
+def test_csuta_oracle_reset_equals_fresh_model(make, utterances, source_values):
+    segments = [0, 0, 1, 1, 1, 0]                           # a return to a segment id is a boundary too
+    items = stream(utterances, 6, segments)
+    m = make("csuta", steps=1, lr=1e-3, reset_policy=OracleReset())
+    hyps, params = [], []
+    for wav, info in items:
+        hyps.append(m.process(wav, info))
+        params.append(clone(m.params))
+    assert [e[1] for e in m.events if e[0] == "reset"] == [2, 5]
+    fresh = make("csuta", steps=1, lr=1e-3)
+    assert fresh.process(*items[2]) == hyps[2]
+    assert same(fresh.params, params[2])                    # bit-identical continuation
+
+
+# ----------------------------------------------------------------------------- (e) dynamic detector
+class FakeMethod:
+    """Just what a reset policy may use: meta_values(), loss_with(values, x), events."""
+
+    def __init__(self, planted):
+        self.meta = [torch.zeros(3)]
+        self.events = []
+        self.planted = planted          # t -> LII
+        self.t = 0
+        self.calls = []                 # (t, phi value or None)
+
+    def meta_values(self):
+        return self.meta
+
+    def loss_with(self, values, x):
+        self.calls.append((self.t, None if values is None else float(values[0][0])))
+        difficulty = 1.0 + x            # same for both models: cancels in the LII
+        return difficulty if values is None else difficulty + self.planted[self.t]
+
+
+def drive(policy, fake, n, M):
+    """Call the policy exactly as DSUTA does (Algorithm 2): the 'slow update' sets meta to t."""
+    policy.bind(fake)
+    resets, n_buf = [], 0
+    for t in range(1, n + 1):
+        fake.t = t
+        info = UttInfo(position=t - 1)
+        assert policy.before_utterance(info) is None
+        policy.after_utterance(t, 0.1 * (t % 4), info)
+        n_buf += 1
+        if n_buf == M:
+            if policy.at_update(t):
+                resets.append(t)
+                fake.meta[0].zero_()
+                policy.on_reset(t)
+            else:
+                fake.meta[0].fill_(float(t))
+            n_buf = 0
+        policy.end_step(t)
+    return resets
+
+
+def test_dynamic_reset_timeline_phi_D_gaussian_patience(make):
+    K, M, P = 8, 2, 2
+    stats = {5: 0.10, 6: -0.05, 7: 0.02, 8: 0.07}
+    mu, sd = statistics.mean(stats.values()), statistics.stdev(stats.values())   # n - 1
+    shift = mu + 10 * sd
+    planted = dict(stats)
+    for t in range(9, 40):
+        planted[t] = mu
+    for t in (11, 12, 15, 16, 17, 18):                      # detections at 12, 16, 18
+        planted[t] = shift
+    fake = FakeMethod(planted)
+    pol = DynamicReset(K=K, patience=P)
+    resets = drive(pol, fake, 24, M)
+    assert resets == [18]        # 12: counter 1; 14: back to 0; 16: 1; 18: 2 -> reset
+    # LII computed only from t = k + 1 = 5, with phi_D = meta after the update at t = 4
+    lii_ts = sorted({t for t, _ in fake.calls})
+    assert lii_ts[0] == 5
+    phis = {t: v for t, v in fake.calls if v is not None}
+    assert all(phis[t] == 4.0 for t in range(5, 19))        # a snapshot (meta moved on to 18)
+    # after the reset at 18: new construction stage, no LII until 18 + 4, phi_D = meta at 22
+    assert not any(18 < t <= 22 for t, _ in fake.calls)
+    assert phis[23] == 22.0 and phis[24] == 22.0
+    # the events: construction for t in (4, 8], detection after
+    lii_events = [e for e in fake.events if e[0] == "lii"]
+    assert [e[1] for e in lii_events][:4] == [4, 5, 6, 7]   # positions of t = 5..8
+    assert all(e[3] == "construction" for e in lii_events[:4])
+    assert all(e[3] == "detection" for e in lii_events[4:14])
+    assert [e[2] for e in lii_events[:4]] == pytest.approx(list(stats.values()), abs=1e-12)
+    assert pol.last == 18 and pol.counter == 0
+
+
+def test_dynamic_reset_gaussian_uses_sample_std_of_the_second_half():
+    K, M = 8, 2
+    planted = {5: 0.3, 6: 0.1, 7: 0.6, 8: 0.2}
+    fake = FakeMethod({**planted, **{t: 0.0 for t in range(9, 20)}})
+    pol = DynamicReset(K=K, patience=2)
+    drive(pol, fake, 8, M)
+    assert pol.mu == pytest.approx(statistics.mean(planted.values()), abs=1e-12)
+    assert pol.sigma == pytest.approx(statistics.stdev(planted.values()), abs=1e-12)
+    assert fit_gaussian([1.0, 3.0]) == pytest.approx((2.0, math.sqrt(2.0)))
+    assert z_score([3.0, 5.0], 2.0, 2.0) == pytest.approx((4.0 - 2.0) / (2.0 / math.sqrt(2)))
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_dynamic_reset_after_exactly_P_consecutive_detections(P):
+    K, M = 8, 2
+    planted = {5: 0.0, 6: 0.2, 7: 0.1, 8: 0.3}
+    for t in range(9, 40):
+        planted[t] = 100.0                                   # shift right after construction
+    fake = FakeMethod(planted)
+    resets = drive(DynamicReset(K=K, patience=P), fake, 8 + 2 * P, M)
+    assert resets == [8 + 2 * P]                             # never before K; then P tests
+
+
+def test_dynamic_reset_z_threshold_and_sqrt_M():
+    K, M = 8, 2
+    stats = {5: 0.0, 6: 0.2, 7: 0.1, 8: 0.3}
+    mu, sd = statistics.mean(stats.values()), statistics.stdev(stats.values())
+    below = mu + 1.99 * sd / math.sqrt(M)                    # mean over M samples: z = 1.99
+    above = mu + 2.01 * sd / math.sqrt(M)
+    planted = {**stats, 9: below, 10: below, 11: above, 12: above}
+    resets = drive(DynamicReset(K=K, patience=1), FakeMethod(planted), 12, M)
+    assert resets == [12]
+
+
+def test_dynamic_reset_odd_K_and_no_reset_during_construction():
+    K, M = 5, 1                                              # k = 2
+    planted = {3: 0.0, 4: 50.0, 5: 0.1, 6: 0.05}
+    fake = FakeMethod({**planted, **{t: 0.0 for t in range(7, 12)}})
+    pol = DynamicReset(K=K, patience=1)
+    resets = drive(pol, fake, 6, M)
+    assert resets == []
+    assert min(t for t, _ in fake.calls) == 3
+    assert pol.mu == pytest.approx(statistics.mean([0.0, 50.0, 0.1]))
+    with pytest.raises(ValueError):
+        DynamicReset(K=3)
+
+
+def test_dsuta_dynamic_reset_discards_the_triggering_buffer(make, utterances, source_values):
+    """Real DSUTA with planted LIIs: the reset replaces the slow update of that round."""
+    m = make("dsuta", buffer_size=2, steps=1, lr=1e-3,
+             reset_policy=DynamicReset(K=4, patience=2))
+    src = source_values(m.param_names)
+    planted = {3: 0.0, 4: 0.2, 5: 5.0, 6: 5.0, 7: 5.0, 8: 5.0, 9: 0.0, 10: 0.0}
+    m.loss_with = lambda values, x: 0.0 if values is None else planted[m.t + 1]
+    updates = []
+    orig_update = m._slow_update
+    m._slow_update = lambda: (updates.append(m.t + 1), orig_update())
+    after = []
+    for wav, info in stream(utterances, 10):
+        m.process(wav, info)
+        after.append(clone(m.meta))
+        if m.t == 2:
+            assert same(m.reset_policy.phi_D, m.meta) and not same(m.meta, src)
+    assert updates == [2, 4, 6, 10]                          # not at 8: the reset replaced it
+    assert [(e[1], e[2].startswith("dynamic")) for e in m.events if e[0] == "reset"] == [(8, True)]
+    assert same(after[7], src)
+    assert not same(after[5], after[3])                      # counter 1 at t = 6: still updated
+    assert same(after[8], src) and not same(after[9], src)
+    # the triggering buffer was discarded: the update at t = 10 is the one of a fresh DSUTA on
+    # utterances 9 and 10 alone
+    fresh = make("dsuta", buffer_size=2, steps=1, lr=1e-3)
+    for wav, info in stream(utterances, 10)[8:]:
+        fresh.process(wav, info)
+    assert same(fresh.meta, m.meta)
+
+
+# ----------------------------------------------------------------------------- (f) AWMC leader EMA
+@pytest.mark.parametrize("decay,lr", [(0.999, 0.05), (0.9, 1e-2)])
+def test_awmc_leader_is_ema_of_chaser(make, utterances, decay, lr):
+    kw = {} if decay == 0.999 else {"ema_decay": decay}
+    m = make("awmc", steps=2, lr=lr, **kw)
+    assert m.ema_decay == decay
+    leaders_before, chasers = [], []
+    orig = m.adapt_step
+
+    def spy(x, **k):
+        leaders_before.append(clone(m.leader))
+        r = orig(x, **k)
+        chasers.append(clone(m.params))
+        return r
+    m.adapt_step = spy
+    for w in utterances[:2]:
+        assert isinstance(m.process(w), str)
+    leaders_after = leaders_before[1:] + [clone(m.leader)]
+    moved = 0.0
+    for prev, chaser, new in zip(leaders_before, chasers, leaders_after):
+        expected = [decay * p.double() + (1 - decay) * c.double() for p, c in zip(prev, chaser)]
+        assert max_diff(new, expected) < 5e-7
+        moved = max(moved, max_diff(new, prev))
+    assert moved > 1e-5                                      # the check is not vacuous
+    assert len(chasers) == 4
+
+
+# ----------------------------------------------------------------------------- (g) counts
+def per_utt_counts(m, items):
+    out = []
+    for wav, info in items:
+        before = dict(m.counts)
+        m.process(wav, info)
+        out.append({k: m.counts[k] - before[k] for k in ("adapt_forward", "adapt_backward",
+                                                         "infer_forward", "aux_forward")})
+    return out
+
+
+def test_counts_suta(make, utterances):
+    got = per_utt_counts(make("suta", steps=10), stream(utterances, 2))
+    assert got == [dict(adapt_forward=10, adapt_backward=10, infer_forward=1, aux_forward=0)] * 2
+
+
+def test_counts_dsuta_with_dynamic_reset(make, utterances):
+    N = 3
+    m = make("dsuta", buffer_size=2, steps=N, reset_policy=DynamicReset(K=4))
+    got = per_utt_counts(m, stream(utterances, 6))
+    base = dict(adapt_forward=N, adapt_backward=N, infer_forward=1)
+    # phi_D saved at t = 2: LII (2 aux forwards) from t = 3 on
+    assert got == [dict(base, aux_forward=0)] * 2 + [dict(base, aux_forward=2)] * 4
+    plain = per_utt_counts(make("dsuta", buffer_size=2, steps=N), stream(utterances, 3))
+    assert plain == [dict(base, aux_forward=0)] * 3
+
+
+def test_counts_awmc_and_others(make, utterances):
+    got = per_utt_counts(make("awmc", steps=3), stream(utterances, 2))
+    assert got == [dict(adapt_forward=3, adapt_backward=3, infer_forward=1, aux_forward=4)] * 2
+    got = per_utt_counts(make("source"), stream(utterances, 2))
+    assert got == [dict(adapt_forward=0, adapt_backward=0, infer_forward=1, aux_forward=0)] * 2
+    got = per_utt_counts(make("csuta"), stream(utterances, 2))
+    assert got == [dict(adapt_forward=1, adapt_backward=1, infer_forward=1, aux_forward=0)] * 2
+
+
+# ----------------------------------------------------------------------------- (h) non-finite
+def test_nan_utterance_skips_steps_and_leaves_params(make, utterances, source_values):
+    nan_wav = torch.full((8000,), float("nan"))
+    m = make("suta", steps=2, lr=1e-3)
+    src = source_values(m.param_names)
+    hyp = m.process(nan_wav)
+    assert isinstance(hyp, str)
+    assert same(m.params, src)
+    assert m.counts["skipped_steps"] == 2 and m.counts["adapt_backward"] == 0
+    assert [e[0] for e in m.events] == ["skip", "skip"]
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in m.params)
+    # the next utterance adapts normally
+    m.process(utterances[0])
+    assert not same(m.params, src) and m.counts["skipped_steps"] == 2
+
+
+def test_nan_utterance_in_dsuta_does_not_touch_meta(make, utterances, source_values):
+    m = make("dsuta", buffer_size=2, steps=2, lr=1e-3)
+    src = source_values(m.param_names)
+    m.process(torch.full((8000,), float("nan")))
+    m.process(utterances[0])                                # buffer full: update on 1 gradient
+    assert m.counts["skipped_steps"] == 2
+    assert all(torch.isfinite(t).all() for t in m.meta)
+    # equals a slow update on utterance 0 alone (M = 1)
+    ref = make("dsuta", buffer_size=1, steps=2, lr=1e-3)
+    ref.process(utterances[0])
+    assert same(m.meta, ref.meta)
+    assert not same(m.meta, src)
+    # an all-NaN buffer: no update at all
+    m2 = make("dsuta", buffer_size=1, steps=1, lr=1e-3)
+    m2.process(torch.full((8000,), float("nan")))
+    assert same(m2.meta, src)
+
+
+# ----------------------------------------------------------------------------- (i) resume
+def test_dsuta_dynamic_state_dict_round_trip(make, utterances):
+    kw = dict(buffer_size=2, steps=2, lr=1e-3)
+    items = stream(utterances, 8)
+    full = make("dsuta", reset_policy=DynamicReset(K=4, patience=1), **kw)
+    hyps_full = run(full, items)
+
+    first = make("dsuta", reset_policy=DynamicReset(K=4, patience=1), **kw)
+    hyps_first = run(first, items[:5])                        # mid-buffer, after the Gaussian fit
+    assert first.n_buffered == 1 and first.reset_policy.mu is not None
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=False)
+
+    resumed = make("dsuta", reset_policy=DynamicReset(K=4, patience=1), **kw)
+    resumed.load_state_dict(sd)
+    hyps_rest = run(resumed, items[5:])
+    assert hyps_first + hyps_rest == hyps_full
+    assert same(resumed.meta, full.meta)
+    assert same(resumed.params, full.params)
+    assert same(resumed.grad_sum, full.grad_sum)
+    assert resumed.counts == full.counts and resumed.t == full.t == 8
+    assert [e for e in full.events if e[1] >= 5] == resumed.events   # same LIIs, same resets
+    for k in ("last", "counter", "mu", "sigma", "stats"):
+        assert getattr(resumed.reset_policy, k) == getattr(full.reset_policy, k)
+
+
+# ----------------------------------------------------------------------------- (j) registry
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_registered_method_runs(make, utterances, name):
+    kw = {"steps": 1}
+    if name == "dsuta":
+        kw["buffer_size"] = 1
+    m = make(name, **kw)
+    for wav, info in stream(utterances, 2):
+        hyp = m.process(wav, info)
+        assert isinstance(hyp, str)
+    assert m.t == 2 and m.counts["infer_forward"] == 2
+
+
+def test_expected_methods_registered():
+    assert {"source", "suta", "sdpl", "sgem", "csuta", "awmc", "dsuta"} <= set(METHODS)
+
+
+def test_sgem_with_an_empty_best_beam(make, utterances):
+    """All-blank posteriors: the best beam is empty and its alignment is all blank."""
+    m = make("sgem", steps=1)
+    with torch.no_grad():
+        m.net.lm_head.bias[0] += 100.0
+    assert m.process(utterances[0]) == ""
+    assert m.counts["skipped_steps"] == 0
+
+
+def test_unknown_method_and_bad_reset_policy(make, tiny_model_dir):
+    lobe = HFCTCLobe(tiny_model_dir)
+    with pytest.raises(ValueError, match="Unknown TTA method 'sutaa'.*suta"):
+        build_method("sutaa", model=lobe)
+    with pytest.raises(ValueError, match="needs a continual method"):
+        make("suta", reset_policy=FixedReset(5))
+    with pytest.raises(ValueError, match="needs a continual method"):
+        make("sgem", reset_policy=DynamicReset(K=10))
+    make("suta", reset_policy=NoReset())                        # 'none' is fine anywhere
+    with pytest.raises(ValueError, match="Unknown reset policy"):
+        make_reset_policy("sometimes")
+    with pytest.raises(ValueError, match="buffer_size"):
+        make("dsuta", buffer_size=0)

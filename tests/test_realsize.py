@@ -1,0 +1,127 @@
+"""A real-size model: random weights in the exact facebook/wav2vec2-base-960h architecture.
+
+Checks what the tiny models cannot: the parameter count of the source model (~94.4M), the size
+of the default adapted set (LayerNorm + CNN + feature projection, ~4.6M as in the official
+code), and that a SUTA step and a DSUTA slow update run end to end on it (1 s of audio).
+"""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import VOCAB
+from tta_brain.lobes.hf_ctc import HFCTCLobe
+from tta_brain.methods import build_method
+
+# facebook/wav2vec2-base-960h config.json (architecture fields)
+BASE_960H = dict(
+    vocab_size=32, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+    intermediate_size=3072, hidden_act="gelu", conv_dim=(512,) * 7,
+    conv_kernel=(10, 3, 3, 3, 3, 2, 2), conv_stride=(5, 2, 2, 2, 2, 2, 2), conv_bias=False,
+    feat_extract_norm="group", feat_extract_activation="gelu", do_stable_layer_norm=False,
+    num_conv_pos_embeddings=128, num_conv_pos_embedding_groups=16, layer_norm_eps=1e-5,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_dropout=0.1, attention_dropout=0.1,
+    activation_dropout=0.1, feat_proj_dropout=0.1, final_dropout=0.1, layerdrop=0.1,
+    mask_time_prob=0.05, apply_spec_augment=True, ctc_loss_reduction="sum",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)       # shared, loaded CPU: avoid OpenMP oversubscription
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
+                              Wav2Vec2ForCTC, Wav2Vec2Processor)
+    out = str(tmp_path_factory.mktemp("w2v2_base_960h_random"))
+    torch.manual_seed(0)
+    model = Wav2Vec2ForCTC(Wav2Vec2Config(**BASE_960H))
+    model.save_pretrained(out)
+    del model
+    with open(os.path.join(out, "vocab.json"), "w") as f:
+        json.dump({t: i for i, t in enumerate(VOCAB)}, f)
+    tok = Wav2Vec2CTCTokenizer(os.path.join(out, "vocab.json"), unk_token="<unk>",
+                               pad_token="<pad>", word_delimiter_token="|")
+    fe = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
+                                  do_normalize=True, return_attention_mask=False)
+    Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lobe(base_dir):
+    return HFCTCLobe(base_dir)
+
+
+def one_second(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(16000) / 16000
+    return (0.3 * torch.sin(2 * torch.pi * 180 * t) * (1 + torch.sin(2 * torch.pi * 3 * t))
+            + 0.05 * torch.randn(16000, generator=g))
+
+
+def expected_adapted(net):
+    """LayerNorm (nn.LayerNorm only) + feature_extractor + feature_projection, by module walk."""
+    ids = {}
+    for mn, mod in net.named_modules():
+        if isinstance(mod, nn.LayerNorm) or ".feature_extractor" in f".{mn}" \
+                or ".feature_projection" in f".{mn}":
+            for p in mod.parameters(recurse=False):
+                ids[id(p)] = p
+    return sum(p.numel() for p in ids.values())
+
+
+def test_base_960h_architecture(lobe):
+    cfg = lobe.model.config
+    for k, v in BASE_960H.items():
+        got = getattr(cfg, k)
+        assert (tuple(got) if isinstance(got, list) else got) == v, k
+    n = sum(p.numel() for p in lobe.model.parameters())
+    assert 94_000_000 < n < 95_000_000, n
+    assert n == 94_396_320                      # facebook/wav2vec2-base-960h
+    assert lobe.vocab_size == 32 and lobe.blank_id == 0 and lobe.word_delimiter_id == 4
+    assert not lobe.use_attention_mask and lobe.do_normalize
+    assert int(lobe.output_lengths(torch.tensor(16000))) == 49
+
+
+def test_suta_and_dsuta_on_the_real_size_model(lobe):
+    wav = one_second()
+    net = lobe.model
+    # ---- SUTA: one step
+    suta = build_method("suta", model=lobe, steps=1, lr=2e-5)
+    assert 4.0e6 <= suta.num_adapted <= 5.0e6, suta.num_adapted
+    assert suta.num_adapted == expected_adapted(net)
+    names = set(suta.param_names)
+    assert not any(".attention." in n or ".feed_forward." in n or "pos_conv_embed" in n
+                   or n.startswith("lm_head") for n in names)
+    assert sum(p.numel() for p in net.parameters() if p.requires_grad) == suta.num_adapted
+    x = lobe.prepare(wav)
+    before = suta.loss_with(None, x)
+    hyp = suta.process(wav)
+    assert isinstance(hyp, str)
+    assert suta.counts["adapt_backward"] == 1 and suta.counts["skipped_steps"] == 0
+    changed = [not torch.equal(p, s) for p, s in zip(suta.params, suta.source)]
+    assert all(changed)                          # Adam moves every adapted tensor
+    assert suta.loss_with(suta.params, x) < before
+    frozen = dict(net.named_parameters())["wav2vec2.encoder.layers.0.attention.q_proj.weight"]
+    assert not frozen.requires_grad
+
+    # ---- DSUTA: M = 1, N = 1: the slow update happens after the first utterance
+    suta.reset()                                 # back to the checkpoint values
+    dsuta = build_method("dsuta", model=lobe, steps=1, buffer_size=1, lr=2e-5)
+    assert dsuta.num_adapted == suta.num_adapted
+    source = [m.clone() for m in dsuta.meta]
+    assert all(torch.equal(a, b) for a, b in zip(source, suta.source))
+    assert isinstance(dsuta.process(wav), str)
+    assert all(not torch.equal(m, s) for m, s in zip(dsuta.meta, source))   # meta updated
+    assert all(not torch.equal(p, s) for p, s in zip(dsuta.params, source))  # fast params
+    assert dsuta.n_buffered == 0
+    assert dsuta.counts == {"adapt_forward": 1, "adapt_backward": 1, "infer_forward": 1,
+                            "aux_forward": 0, "skipped_steps": 0}
