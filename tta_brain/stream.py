@@ -101,6 +101,6 @@ class TTAStream:
                     "resets": self.resets}, path)
 
     def load(self, path: Union[str, os.PathLike]):
-        sd = torch.load(path, map_location="cpu", weights_only=False)
+        sd = torch.load(path, map_location=self.method.lobe.device, weights_only=False)
         self.method.load_state_dict(sd["method"])
         self.position, self.resets = sd["position"], sd["resets"]

@@ -40,8 +40,12 @@ def load_audio(path, sample_rate=16000):
     empty file and for NaN/inf samples.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise AudioError(f"{path}: file not found")
+    if not path.is_file():
+        raise AudioError(f"{path}: not a regular file")
+    if path.stat().st_size == 0:
+        raise AudioError(f"{path}: empty file (0 bytes)")
     try:
         data, file_rate = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as err:  # libsndfile raises LibsndfileError/RuntimeError subclasses

@@ -1,0 +1,210 @@
+"""TTABrain / tta_brain.decode: resume after kill -9 or a crash, determinism, non-finite steps.
+
+A ~20-utterance stream of short generated audio (two alternating domains) is decoded with
+dsuta + dynamic reset, K=6, M=2, N=2 and a z threshold that always detects, so that LII values
+are written and resets happen (positions 8 and 16) across checkpoints.
+"""
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from fake_corpora import fake_noise, fake_speech
+from tta_brain import decode
+from tta_brain.brain import TTABrain
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDS = ("transcripts.csv", "resets.csv", "lii.csv", "rejects.csv", "wer.txt")
+WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO")
+DSUTA = ["--reset=dynamic", "--reset_K=6", "--buffer_size=2", "--steps=2", "--lr=0.05",
+         "--reset_patience=1", "--reset_threshold=-100"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models on a shared CPU: one intra-op thread (the subprocesses get the same)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write_stream(root, n=20, block=7, seconds=(0.3, 0.5)):
+    """``n`` short utterances in blocks of ``block`` alternating clean / noisy; a stream.csv."""
+    root = Path(root)
+    (root / "wav").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        seg = i // block
+        sig = fake_speech(float(rng.uniform(*seconds)), seed=i)
+        if seg % 2:
+            sig = sig + 3 * fake_noise(len(sig) / 16000, seed=100 + i, kind=seg)
+        sf.write(str(root / "wav" / f"u{i:03d}.wav"), sig, 16000, subtype="PCM_16")
+        rows.append({"ID": f"u{i:03d}", "duration": f"{len(sig) / 16000:.3f}",
+                     "wav": f"$data_root/wav/u{i:03d}.wav", "spk_id": "s",
+                     "wrd": " ".join(rng.choice(WORDS, size=2)), "domain": f"d{seg % 2}",
+                     "segment": seg, "position": i})
+    with open(root / "stream.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return root
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_model_dir):
+    root = write_stream(tmp_path_factory.mktemp("stream"))
+    return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir}
+
+
+def args(data, out, *extra, method="dsuta", csv_path=None):
+    return [str(REPO / f"recipes/hparams/{method}.yaml"), f"--source={data['model']}",
+            f"--stream_csv={csv_path or data['csv']}", f"--output_folder={out}",
+            f"--data_root={data['root']}", "--noprogressbar", *extra]
+
+
+def records(out):
+    return {name: (Path(out) / name).read_text() for name in RECORDS}
+
+
+def summary(out):
+    s = json.loads((Path(out) / "summary.json").read_text())
+    return {k: s[k] for k in ("wer", "n_err", "n_words", "n_utts", "n_skipped", "resets",
+                              "counts", "wer_per_domain")}
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """The uninterrupted run (in this process, one thread, like the subprocesses)."""
+    out = tmp_path_factory.mktemp("ref") / "exp"
+    decode.main(args(data, out, *DSUTA, "--ckpt_every=3"))
+    return out
+
+
+def test_reference_run_has_resets_and_lii(reference):
+    s = summary(reference)
+    assert s["n_utts"] == 20 and s["n_skipped"] == 0
+    assert s["resets"] == [8, 16]
+    rows = list(csv.DictReader(open(reference / "transcripts.csv")))
+    assert [int(r["position"]) for r in rows] == list(range(20))
+    assert [int(r["position"]) for r in rows if r["reset"] == "1"] == [8, 16]
+    assert len(list(csv.DictReader(open(reference / "lii.csv")))) >= 6
+    assert not list((reference / "save").glob("*.tmp"))
+
+
+def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(data, reference, tmp_path):
+    out = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "tta_brain.decode", *args(data, out, *DSUTA, "--ckpt_every=3")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    try:
+        while not list((out / "save").glob("CKPT+*/stream.ckpt")):
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.time() < deadline, "no checkpoint after 240 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "summary.json").exists(), "killed too late: the run had finished"
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = (out / "log.txt").read_text()
+    assert "Resuming" in log
+    assert records(out) == records(reference)
+    assert summary(out) == summary(reference)
+
+
+def test_crashes_at_several_points_resume_exactly(data, reference, tmp_path, monkeypatch):
+    """Crash (exception) after checkpoints at 8 and 16, where a reset triggered by the previous
+    utterance takes effect on the first resumed one; also a torn last line and a checkpoint
+    directory left incomplete by a kill during the save."""
+    out = tmp_path / "exp"
+    run = args(data, out, *DSUTA, "--ckpt_every=4")
+    orig = TTABrain.evaluate_batch
+    for crash_at in (10, 17):
+        def boom(self, batch, stage=None, _at=crash_at):
+            if batch[1].position == _at:
+                raise RuntimeError("simulated crash")
+            return orig(self, batch)
+        monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            decode.main(run)
+        assert not (out / "summary.json").exists()
+        with open(out / "transcripts.csv", "a") as f:     # half a record, as a kill may leave
+            f.write("1")
+        ckpt = next((out / "save").glob("CKPT+*"))
+        torn = ckpt.with_name("CKPT+9999-01-01+00-00-00+00")   # newest, meta but no state
+        torn.mkdir()
+        (torn / "CKPT.yaml").write_text(
+            (ckpt / "CKPT.yaml").read_text().replace("unixtime:", "unixtime: 9") + "\n")
+    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    decode.main(run)
+    assert records(out) == records(reference)
+    assert summary(out) == summary(reference)
+    assert len(list((out / "save").glob("CKPT+*"))) == 1      # torn ones were removed
+
+
+def test_resume_refuses_another_stream_and_truncated_records(data, reference, tmp_path):
+    other = tmp_path / "other.csv"
+    rows = (data["csv"]).read_text().splitlines()
+    other.write_text("\n".join(rows[:11]) + "\n")
+    out = tmp_path / "exp"
+    decode.main(args(data, out, *DSUTA, "--ckpt_every=5", csv_path=other))
+    with pytest.raises(SystemExit, match="checkpoint is from another run.*stream_sha1"):
+        decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))
+    (out / "lii.csv").write_text("position,lii,stage\n")
+    with pytest.raises(SystemExit, match=r"lii.csv: .* bytes, but the checkpoint"):
+        decode.main(args(data, out, *DSUTA, "--ckpt_every=5", csv_path=other))
+
+
+def test_same_seed_same_transcripts_awmc_with_dropout(data, tmp_path):
+    """AWMC adapts in train mode (dropout on): the seed decides the dropout masks."""
+    common = ["--steps=2", "--lr=0.05", "--ckpt_every=0", "--train_mode=true"]
+    runs = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        decode.main(args(data, tmp_path / name, *common, f"--seed={seed}", method="awmc"))
+        runs[name] = records(tmp_path / name)["transcripts.csv"]
+    assert runs["a"] == runs["b"]
+    assert runs["a"] != runs["c"], "dropout had no effect: the test would prove nothing"
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert s["seed"] == 3 and s["method"] == "awmc"
+    assert {"torch", "transformers", "speechbrain", "python", "tta_brain"} <= set(s["versions"])
+    log = (tmp_path / "a" / "log.txt").read_text()
+    env = (tmp_path / "a" / "env.log").read_text()
+    assert "Seed: 3" in log and f'"torch": "{torch.__version__}"' in log
+    assert "Seed: 3" in env and f"torch: {torch.__version__}" in env
+
+
+def test_non_finite_loss_skips_the_step_and_is_logged(data, tmp_path, monkeypatch):
+    """A NaN loss on one utterance: its steps are skipped (logged with the utterance ID and
+    counted), the parameters stay finite and the rest of the stream is decoded."""
+    from tta_brain.methods.dsuta import DSUTA as cls
+    orig = cls.loss
+    seen = {}
+
+    def loss(self, logits):
+        seen["method"] = self
+        value = orig(self, logits)
+        return value * float("nan") if self.t == 3 else value
+    monkeypatch.setattr(cls, "loss", loss)
+    out = tmp_path / "exp"
+    s = decode.main(args(data, out, *DSUTA, "--ckpt_every=0"))
+    assert s["n_utts"] == 20 and s["counts"]["skipped_steps"] == 2
+    log = (out / "log.txt").read_text()
+    assert "u003 (position 3): 2 adaptation step(s) skipped (non-finite loss nan)" in log
+    m = seen["method"]
+    assert all(torch.isfinite(p).all() for p in m.params + m.meta)

@@ -1,0 +1,271 @@
+"""Bad input: each gives a clear message naming the file / key, or (audio inside a stream) is
+skipped, listed in rejects.csv with the reason and counted in summary.json.
+
+Also: stereo and non-16 kHz files are converted where they are read (and decoded), and a
+configuration mistake on the command line ends in one ``ERROR:`` line, not a traceback.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from fake_corpora import fake_speech
+from tta_brain import decode
+from tta_brain.data.audio import AudioError, load_audio
+from tta_brain.methods import build_method
+
+REPO = Path(__file__).resolve().parents[1]
+SR = 16000
+FAST = ["--steps=1", "--buffer_size=2", "--ckpt_every=0", "--noprogressbar"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def speech(seconds=0.4, seed=0):
+    return fake_speech(seconds, seed=seed)
+
+
+def write_manifest(path, rows, columns=("ID", "duration", "wav", "spk_id", "wrd", "domain",
+                                        "segment", "position")):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for i, r in enumerate(rows):
+            w.writerow({"spk_id": "s", "domain": "d", "segment": 0, "position": i, **r})
+    return path
+
+
+def row(uid, wav, seconds, wrd="ALPHA BRAVO"):
+    return {"ID": uid, "wav": str(wav), "duration": f"{seconds:.3f}", "wrd": wrd}
+
+
+def dsuta_args(model, stream, out, *extra):
+    return [str(REPO / "recipes/hparams/dsuta.yaml"), f"--source={model}",
+            f"--stream_csv={stream}", f"--output_folder={out}", *FAST, *extra]
+
+
+# ----------------------------------------------------------------------------- audio in a stream
+@pytest.fixture(scope="module")
+def bad_stream(tmp_path_factory):
+    """Good, convertible and broken files in one stream; ``expect``: ID -> reason substring."""
+    d = tmp_path_factory.mktemp("bad")
+    rows, expect = [], {}
+    good = speech(0.4)
+
+    def add(uid, path, seconds, reason=None, **kw):
+        rows.append(row(uid, path, seconds, **kw))
+        if reason:
+            expect[uid] = reason
+
+    sf.write(d / "good0.wav", good, SR, subtype="PCM_16")
+    add("good0", d / "good0.wav", 0.4)
+    add("missing", d / "missing.wav", 0.4, "missing.wav: file not found")
+    (d / "zero.wav").write_bytes(b"")
+    add("zero_bytes", d / "zero.wav", 0.4, "zero.wav: empty file (0 bytes)")
+    sf.write(d / "nosamples.wav", np.zeros(0, np.float32), SR)
+    add("no_samples", d / "nosamples.wav", 0.0, "nosamples.wav: empty audio (0 samples)")
+    (d / "corrupt.wav").write_bytes(os.urandom(2000))
+    add("corrupt", d / "corrupt.wav", 0.4, "corrupt.wav: unreadable or corrupt audio file")
+    (d / "text.flac").write_text("not audio at all\n")
+    add("not_audio", d / "text.flac", 0.4, "text.flac: unreadable or corrupt audio file")
+    full = (d / "good0.wav").read_bytes()
+    (d / "truncated.wav").write_bytes(full[:44 + (len(full) - 44) // 2])
+    add("truncated", d / "truncated.wav", 0.4, "truncated.wav: 0.20 s of audio but the manifest "
+        "says 0.40 s")
+    (d / "adir.wav").mkdir()
+    add("directory", d / "adir.wav", 0.4, "adir.wav: not a regular file")
+    for kind, value in (("nan", np.nan), ("inf", np.inf)):
+        bad = good.copy()
+        bad[100] = value
+        sf.write(d / f"{kind}.wav", bad, SR, subtype="FLOAT")
+        add(kind, d / f"{kind}.wav", 0.4, f"{kind}.wav: audio contains NaN or infinite samples")
+    add("empty_ref", d / "good0.wav", 0.4, "empty transcript (wrd)", wrd="")
+    add("punct_ref", d / "good0.wav", 0.4, "empty transcript (wrd)", wrd=" ... ")
+    add("too_long", d / "good0.wav", 25.0, "longer than max_duration (25.0 s > 20.0 s)")
+    sf.write(d / "short.wav", good[:100], SR, subtype="PCM_16")
+    add("too_short", d / "short.wav", 100 / SR, "short.wav: too short for the model (100 samples")
+    # convertible: decoded, not rejected
+    sf.write(d / "stereo.wav", np.stack([good, 0.5 * good], axis=1), SR, subtype="PCM_16")
+    add("stereo", d / "stereo.wav", 0.4)
+    sf.write(d / "rate8k.wav", speech(0.4, seed=1)[::2], 8000, subtype="PCM_16")
+    add("rate8k", d / "rate8k.wav", 0.4)
+    sf.write(d / "stereo44k.flac", np.stack([good, good], 1).repeat(3, 0)[: int(0.4 * 44100)],
+             44100, subtype="PCM_16")
+    add("stereo44k", d / "stereo44k.flac", 0.4)
+    add("good1", d / "good0.wav", 0.4, wrd="charlie, delta!")
+    return write_manifest(d / "stream.csv", rows), expect
+
+
+@pytest.fixture(scope="module")
+def bad_run(bad_stream, tiny_model_dir, tmp_path_factory):
+    from tta_brain.data import audio
+    audio._warned.clear()          # conversions are logged once per process: make it this run
+    stream, expect = bad_stream
+    out = tmp_path_factory.mktemp("bad_out") / "exp"
+    summary = decode.main(dsuta_args(tiny_model_dir, stream, out, "--reset=dynamic",
+                                     "--reset_K=4"))
+    return out, summary, expect
+
+
+def test_bad_audio_is_skipped_listed_and_counted(bad_run):
+    out, summary, expect = bad_run
+    rejects = {r["ID"]: r["reason"] for r in csv.DictReader(open(out / "rejects.csv"))}
+    assert set(rejects) == set(expect)
+    for uid, reason in expect.items():
+        assert reason in rejects[uid], (uid, rejects[uid])
+    assert summary["n_skipped"] == len(expect)
+    assert json.loads((out / "summary.json").read_text())["n_skipped"] == len(expect)
+    assert {s["ID"]: s["reason"] for s in summary["skipped"]} == rejects
+    decoded = [r["ID"] for r in csv.DictReader(open(out / "transcripts.csv"))]
+    assert decoded == ["good0", "stereo", "rate8k", "stereo44k", "good1"]
+    assert summary["n_utts"] == 5 and summary["n_words"] == 10
+    log = (out / "log.txt").read_text()
+    for uid in expect:
+        assert f"Skipping {uid} (position" in log
+    assert f"{len(expect)} utterance(s) skipped, listed with the reasons in" in log
+
+
+def test_conversions_happen_on_read_and_are_logged(bad_run, bad_stream):
+    out, _, _ = bad_run
+    log = (out / "log.txt").read_text()
+    assert "stereo.wav: 2 channels averaged to mono" in log
+    assert "resampled from 8000 Hz to 16000 Hz" in log
+    d = Path(bad_stream[0]).parent
+    good = load_audio(d / "good0.wav")
+    stereo = load_audio(d / "stereo.wav")
+    assert stereo.shape == good.shape
+    assert torch.allclose(stereo, 0.75 * good, atol=1e-4)
+    r8 = load_audio(d / "rate8k.wav")
+    assert r8.dtype == torch.float32 and r8.dim() == 1 and r8.numel() == 2 * int(0.2 * SR)
+    assert load_audio(d / "stereo44k.flac").numel() == int(0.4 * SR)
+
+
+def test_load_audio_errors(tmp_path):
+    (tmp_path / "zero.wav").write_bytes(b"")
+    with pytest.raises(AudioError, match=r"zero\.wav: empty file \(0 bytes\)"):
+        load_audio(tmp_path / "zero.wav")
+    with pytest.raises(AudioError, match=r"nothere\.flac: file not found"):
+        load_audio(tmp_path / "nothere.flac")
+
+
+# ----------------------------------------------------------------------------- manifests
+@pytest.fixture
+def one_wav(tmp_path):
+    sf.write(tmp_path / "a.wav", speech(0.4), SR, subtype="PCM_16")
+    return tmp_path / "a.wav"
+
+
+@pytest.mark.parametrize("drop", ["wrd", "wav", "ID", "duration"])
+def test_manifest_missing_column(tmp_path, one_wav, tiny_model_dir, drop):
+    cols = [c for c in ("ID", "duration", "wav", "spk_id", "wrd", "domain", "segment",
+                        "position") if c != drop]
+    stream = write_manifest(tmp_path / "s.csv", [row("a", one_wav, 0.4)], columns=cols)
+    out = tmp_path / "exp"
+    with pytest.raises(SystemExit) as e:
+        decode.main(dsuta_args(tiny_model_dir, stream, out))
+    msg = str(e.value)
+    assert msg.startswith("ERROR:") and "s.csv" in msg
+    assert f"missing required column(s) {drop}" in msg and "--stream_csv" in msg
+    assert not out.exists()        # checked before the experiment folder is made
+
+
+def test_manifest_other_mistakes(tmp_path, one_wav, tiny_model_dir):
+    out = tmp_path / "exp"
+    with pytest.raises(SystemExit, match=r"ERROR: manifest not found: .*nope\.csv"):
+        decode.main(dsuta_args(tiny_model_dir, tmp_path / "nope.csv", out))
+    rows = [row("a", one_wav, 0.4), row("b", one_wav, 0.4)]
+    rows[1]["position"] = 5
+    stream = write_manifest(tmp_path / "order.csv", rows)
+    with pytest.raises(SystemExit, match=r"order\.csv: row 1 has position '5'"):
+        decode.main(dsuta_args(tiny_model_dir, stream, out))
+    stream = write_manifest(tmp_path / "root.csv", [row("a", "$data_root/a.wav", 0.4)])
+    with pytest.raises(SystemExit, match=r"root\.csv:2: .*needs \$data_root.*--data_root"):
+        decode.main(dsuta_args(tiny_model_dir, stream, out))
+    (tmp_path / "header.csv").write_text("ID,duration,wav,wrd\n")
+    with pytest.raises(SystemExit, match=r"header\.csv: manifest has a header but no rows"):
+        decode.main(dsuta_args(tiny_model_dir, tmp_path / "header.csv", out))
+    stream = write_manifest(tmp_path / "dur.csv", [row("a", one_wav, 0.4) | {"duration": "x"}])
+    with pytest.raises(SystemExit, match=r"dur\.csv:2: duration 'x' is not a number"):
+        decode.main(dsuta_args(tiny_model_dir, stream, out))
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- configuration
+@pytest.fixture
+def ok_stream(tmp_path, one_wav):
+    return write_manifest(tmp_path / "ok.csv", [row("a", one_wav, 0.4)])
+
+
+def _error(argv):
+    with pytest.raises(SystemExit) as e:
+        decode.main(argv)
+    msg = str(e.value)
+    assert msg.startswith("ERROR:"), msg
+    return msg
+
+
+def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
+    out = tmp_path / "exp"
+    msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--reset=foo"))
+    assert "dsuta.yaml" in msg and "Unknown reset policy 'foo'" in msg and "dynamic" in msg
+    msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--stepz=3"))
+    assert "Override 'stepz' not found" in msg and "steps" in msg
+    argv = dsuta_args(tiny_model_dir, ok_stream, out)
+    argv[0] = str(REPO / "recipes/hparams/dsutaa.yaml")
+    msg = _error(argv)
+    assert "hparams file not found" in msg and "dsutaa.yaml" in msg
+    assert "awmc" in msg and "dsuta" in msg                  # lists the methods there
+    with pytest.raises(ValueError, match="Unknown TTA method 'foo'. Valid: .*dsuta"):
+        build_method("foo", model=None)
+    msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--lr=[1"))
+    assert "bad --key=value override" in msg
+    assert decode.last_wins(["a.yaml", "--steps=1", "--noprogressbar", "--lr=1", "--steps=2"]) \
+        == ["a.yaml", "--noprogressbar", "--lr=1", "--steps=2"]      # later .opts files win
+    msg = _error([str(REPO / "recipes/hparams/dsuta.yaml"), f"--stream_csv={ok_stream}",
+                  f"--output_folder={out}"])
+    assert "'source' is a !PLACEHOLDER" in msg
+    msg = _error(dsuta_args(tmp_path / "no_model", ok_stream, out))
+    assert "Cannot load the CTC source model" in msg and "no_model" in msg
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ("    buffer_size: !ref <buffer_size>", "    bufer_size: !ref <buffer_size>",
+     "unexpected keyword argument 'bufer_size'"),
+    ("!new:tta_brain.methods.DSUTA", "!new:tta_brain.methods.DSUTAA",
+     "no such class as tta_brain.methods.DSUTAA"),
+    ("K: !ref <reset_K>", "K: !ref <reset_k>", 'reference "reset_k" is not valid'),
+    ("steps: 10 ", "steps 10 ", "yaml syntax error"),
+])
+def test_yaml_typos_name_the_file_and_key(tmp_path, ok_stream, tiny_model_dir, old, new, expected):
+    text = (REPO / "recipes/hparams/dsuta.yaml").read_text()
+    assert old in text
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(text.replace(old, new, 1))
+    argv = dsuta_args(tiny_model_dir, ok_stream, tmp_path / "exp")
+    argv[0] = str(bad)
+    msg = _error(argv)
+    assert "typo.yaml" in msg and expected in msg, msg
+
+
+def test_command_line_error_is_one_line_not_a_traceback(tmp_path, ok_stream, tiny_model_dir):
+    res = subprocess.run([sys.executable, "-m", "tta_brain.decode",
+                          *dsuta_args(tiny_model_dir, ok_stream, tmp_path / "exp", "--reset=foo")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    assert "ERROR: " in res.stderr and "Unknown reset policy 'foo'" in res.stderr
