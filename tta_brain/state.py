@@ -25,13 +25,23 @@ def optimizer_state_tensors(opt: torch.optim.Optimizer, params: Sequence[torch.T
     return [opt.state[p] for p in params]
 
 
+def _by_device(*lists):
+    """Split parallel tensor lists into groups that share the first list's device and dtype."""
+    groups = {}
+    for ts in zip(*lists):
+        key = (ts[0].device, ts[0].dtype)
+        g = groups.setdefault(key, tuple([] for _ in lists))
+        for lst, t in zip(g, ts):
+            lst.append(t)
+    return list(groups.values())
+
+
 @torch.no_grad()
 def zero_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Make ``opt`` behave like a freshly built optimiser (moments and step counts zeroed)."""
-    for state in opt.state.values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                v.zero_()
+    tensors = [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+    for (group,) in _by_device(tensors):
+        torch._foreach_zero_(group)
 
 
 @torch.no_grad()
@@ -39,20 +49,30 @@ def copy_optimizer_state(src: torch.optim.Optimizer, src_params, dst: torch.opti
                          dst_params) -> None:
     """Copy the per-parameter state of ``src`` into ``dst`` (same shapes), in place.
 
-    A source parameter without state (never stepped) zeroes the destination's state.
+    A source parameter without state (never stepped) zeroes the destination's state. Tensors
+    that already exist in ``dst`` with the same shape, dtype and device are copied with one
+    ``foreach`` copy per device (no allocation); others are cloned.
     """
+    dsts, srcs, zeros = [], [], []
     for ps, pd in zip(src_params, dst_params):
         s, d = src.state[ps], dst.state[pd]
         if not s:
-            for v in d.values():
-                if torch.is_tensor(v):
-                    v.zero_()
+            zeros.extend(v for v in d.values() if torch.is_tensor(v))
             continue
         for k, v in s.items():
             if torch.is_tensor(v):
-                if k in d and torch.is_tensor(d[k]) and d[k].shape == v.shape:
-                    d[k].copy_(v)
+                dv = d.get(k)
+                if (torch.is_tensor(dv) and dv.shape == v.shape and dv.dtype == v.dtype
+                        and dv.device == v.device):
+                    dsts.append(dv)
+                    srcs.append(v)
+                elif torch.is_tensor(dv) and dv.shape == v.shape:
+                    dv.copy_(v)
                 else:
                     d[k] = v.clone()
             else:
                 d[k] = v
+    for dg, sg in _by_device(dsts, srcs):
+        torch._foreach_copy_(dg, sg)
+    for (group,) in _by_device(zeros):
+        torch._foreach_zero_(group)

@@ -100,11 +100,67 @@ class HFCTCLobe(nn.Module):
         return next(self.model.parameters()).device
 
     # ----------------------------------------------------------------- forward
-    def forward(self, inputs: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Normalised input ``[B, T]`` -> logits ``[B, F, V]``."""
+    def forward(self, inputs: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor] = None,
+                features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Normalised input ``[B, T]`` -> logits ``[B, F, V]``.
+
+        ``features``: the CNN feature encoder's output for ``inputs`` (:meth:`features`); the
+        forward then starts after the CNN (same operations as the model's own forward, so the
+        logits are identical). Only without an attention mask.
+        """
+        if features is not None:
+            return self._from_features(features)
         if attention_mask is not None and self.use_attention_mask:
-            return self.model(inputs, attention_mask=attention_mask).logits
-        return self.model(inputs).logits
+            return self._model(inputs, attention_mask=attention_mask).logits
+        return self._model(inputs).logits
+
+    # The wav2vec 2.0 family (Wav2Vec2, HuBERT, data2vec-audio, WavLM, UniSpeech) runs
+    # feature_extractor -> transpose -> feature_projection -> _mask_hidden_states -> encoder
+    # (-> adapter) in the base model, then dropout -> lm_head in the CTC head.
+    @property
+    def supports_features(self) -> bool:
+        """Whether :meth:`features` / ``forward(features=...)`` apply to this architecture."""
+        base = getattr(self.model, "base_model", None)
+        return (base is not None and base is not self.model
+                and all(hasattr(base, a) for a in ("feature_extractor", "feature_projection", "encoder"))
+                and hasattr(self.model, "lm_head") and hasattr(self.model, "dropout"))
+
+    def features(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The CNN feature encoder's output ``[B, C, F]`` for normalised input ``[B, T]``."""
+        return self.model.base_model.feature_extractor(inputs)
+
+    def _logits_from_features(self, features: torch.Tensor) -> torch.Tensor:
+        base = self.model.base_model
+        out = base.feature_projection(features.transpose(1, 2))
+        hidden = out[0] if isinstance(out, tuple) else out
+        if hasattr(base, "_mask_hidden_states"):
+            hidden = base._mask_hidden_states(hidden)
+        hidden = base.encoder(hidden, return_dict=False)[0]
+        if getattr(base, "adapter", None) is not None:
+            hidden = base.adapter(hidden)
+        return self.model.lm_head(self.model.dropout(hidden))
+
+    @property
+    def _model(self):
+        compiled = self.__dict__.get("_compiled_model")
+        return self.model if compiled is None else compiled
+
+    @property
+    def _from_features(self):
+        compiled = self.__dict__.get("_compiled_from_features")
+        return self._logits_from_features if compiled is None else compiled
+
+    def compile_forward(self, **kwargs):
+        """``torch.compile`` the forward (both entry points), dynamic shapes by default.
+
+        The parameters stay those of ``self.model`` (``functional_call`` on the lobe still
+        substitutes them). Meant for GPUs; the first utterances pay the compilation.
+        """
+        kwargs.setdefault("dynamic", True)
+        # kept out of the module tree (no duplicate parameters in state_dict / named_parameters)
+        self.__dict__["_compiled_model"] = torch.compile(self.model, **kwargs)
+        self.__dict__["_compiled_from_features"] = torch.compile(self._logits_from_features, **kwargs)
+        return self
 
     def output_lengths(self, input_lengths: torch.Tensor) -> torch.Tensor:
         """Number of logit frames for each input length in samples."""

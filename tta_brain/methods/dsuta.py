@@ -6,8 +6,11 @@ Per utterance x_t (t counted from 1):
             unless the reset policy resets phi_{t+1} <- phi_pre instead (buffer discarded).
 
 The slow gradient costs no extra pass: phi_t is constant while the buffer fills, so the gradient
-of L(phi_t, x_i) is exactly the gradient of the first fast step on x_i; it is accumulated there.
-With N = 0 one explicit forward/backward per utterance provides it.
+of L(phi_t, x_i) is exactly the gradient of the first fast step on x_i; it is accumulated there
+(``slow_grad: reuse``, the default). With N = 0 one explicit forward/backward per utterance
+provides it. ``slow_grad: recompute`` is the plain reference (the official code's way): the
+buffer's utterances are kept and, at the update, M fresh forward/backward passes on phi_t give
+the mean gradient; same result (bit-identical on CPU), M more passes per update.
 
 The fast optimiser starts each utterance from the slow optimiser's moments (as the official code
 does; ``fast_moments: zero`` starts from fresh moments instead).
@@ -17,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tta_brain.methods.base import TTAMethod, register
+from tta_brain.methods.base import TTAMethod, prefer_foreach, register
 from tta_brain.params import param_groups
 from tta_brain.state import copy_optimizer_state, restore, snapshot, zero_optimizer_state
 
@@ -27,10 +30,14 @@ class DSUTA(TTAMethod):
     continual = True
 
     def __init__(self, model, buffer_size: int = 5, steps: int = 10,
-                 slow_optimizer: Optional[Callable] = None, fast_moments: str = "slow", **kwargs):
+                 slow_optimizer: Optional[Callable] = None, fast_moments: str = "slow",
+                 slow_grad: str = "reuse", **kwargs):
         super().__init__(model, steps=steps, **kwargs)
         if fast_moments not in ("slow", "zero"):
             raise ValueError(f"fast_moments must be 'slow' or 'zero', not '{fast_moments}'")
+        if slow_grad not in ("reuse", "recompute"):
+            raise ValueError(f"slow_grad must be 'reuse' or 'recompute', not '{slow_grad}'")
+        self.slow_grad = slow_grad
         self.M = int(buffer_size)
         if self.M < 1:
             raise ValueError("buffer_size (M) must be >= 1")
@@ -40,13 +47,20 @@ class DSUTA(TTAMethod):
         opt_fn = slow_optimizer or partial(torch.optim.AdamW, weight_decay=0.0)
         meta_sel = [(n, m, mult) for (n, _, mult), m in zip(self.selected, self.meta)]
         self.slow_optimizer = opt_fn(param_groups(meta_sel, self.lr))
+        if not self.plain:
+            prefer_foreach(self.slow_optimizer)
+        self.buffer_x = []             # slow_grad: recompute: the buffered (prepared) inputs
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
         self.n_buffered = 0            # utterances in the buffer (their gradients are in grad_sum)
         self.n_grads = 0               # of which contributed a finite gradient
 
     # ---------------------------------------------------------------- steps
     def _accumulate(self):
-        torch._foreach_add_(self.grad_sum, [p.grad for p in self.params])
+        # a selected parameter unused by the eval forward (e.g. wav2vec2's masked_spec_embed
+        # under `adapt_params: [all]`) has no gradient: it contributes zero
+        pairs = [(s, p.grad) for s, p in zip(self.grad_sum, self.params) if p.grad is not None]
+        if pairs:
+            torch._foreach_add_([s for s, _ in pairs], [g for _, g in pairs])
         self.n_grads += 1
 
     def adapt_and_predict(self, x, info):
@@ -60,10 +74,13 @@ class DSUTA(TTAMethod):
             copy_optimizer_state(self.slow_optimizer, self.meta, self.optimizer, self.params)
         else:
             zero_optimizer_state(self.optimizer)
+        reuse = self.slow_grad == "reuse"
         for n in range(self.steps):
-            self.adapt_step(x, after_backward=self._accumulate if n == 0 else None)
-        if self.steps == 0:
+            self.adapt_step(x, after_backward=self._accumulate if n == 0 and reuse else None)
+        if reuse and self.steps == 0:
             self._slow_gradient_only(x)
+        elif not reuse:
+            self.buffer_x.append(x)
         hyp = self.predict(x)
         self.n_buffered += 1
         if policy is not None:
@@ -80,18 +97,34 @@ class DSUTA(TTAMethod):
         return hyp
 
     def _slow_gradient_only(self, x):
+        """grad L(live params, x) into the buffer sum by one forward/backward, no update (skipped
+        like a fast step's when the loss or the gradient is not finite)."""
         self.optimizer.zero_grad(set_to_none=False)
         logits = self.forward(x, "adapt_forward")
         loss = self.loss(logits)
         if torch.isfinite(loss):
-            loss.backward()
-            self.counts["adapt_backward"] += 1
-            self._accumulate()
+            grads = self.backward(loss)
+            if not grads or self._grads_finite(grads):
+                self._accumulate()
 
-    @torch.no_grad()
+    def _recompute_slow_gradient(self):
+        """slow_grad: recompute: the buffer's gradients on phi_t by fresh passes (the live
+        model keeps the fast weights that made the last prediction)."""
+        fast = snapshot(self.params)
+        restore(self.params, self.meta)
+        for x in self.buffer_x:
+            self._slow_gradient_only(x)
+        restore(self.params, fast)
+
     def _slow_update(self):
+        if self.slow_grad == "recompute":
+            self._recompute_slow_gradient()
         if self.n_grads == 0:
             return
+        self._slow_step()
+
+    @torch.no_grad()
+    def _slow_step(self):
         for m, g in zip(self.meta, self.grad_sum):
             m.grad = g / self.n_grads
         self.slow_optimizer.step()
@@ -99,8 +132,8 @@ class DSUTA(TTAMethod):
             m.grad = None
 
     def _clear_buffer(self):
-        for g in self.grad_sum:
-            g.zero_()
+        torch._foreach_zero_(self.grad_sum)
+        self.buffer_x.clear()
         self.n_buffered = self.n_grads = 0
 
     # ------------------------------------------------------- meta-parameters
@@ -119,7 +152,8 @@ class DSUTA(TTAMethod):
         sd.update(meta=[m.detach().clone() for m in self.meta],
                   slow_optimizer=self.slow_optimizer.state_dict(),
                   grad_sum=[g.clone() for g in self.grad_sum],
-                  n_buffered=self.n_buffered, n_grads=self.n_grads)
+                  n_buffered=self.n_buffered, n_grads=self.n_grads,
+                  buffer_x=[x.detach().clone() for x in self.buffer_x])
         return sd
 
     def load_state_dict(self, sd):
@@ -128,3 +162,4 @@ class DSUTA(TTAMethod):
         self.slow_optimizer.load_state_dict(sd["slow_optimizer"])
         restore(self.grad_sum, sd["grad_sum"])
         self.n_buffered, self.n_grads = sd["n_buffered"], sd["n_grads"]
+        self.buffer_x = [x.to(self.lobe.device) for x in sd.get("buffer_x", [])]

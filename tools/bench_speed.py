@@ -1,0 +1,479 @@
+#!/usr/bin/env python3
+"""Speed benchmark: source, SUTA, DSUTA and DSUTA + dynamic reset on the same stream, one process.
+
+For every method it prints the wall time per audio second, the passes per utterance (adaptation
+forward/backward, inference forward, auxiliary forward), the ratio to SUTA and the *overhead*:
+
+    overhead = wall - (adapt fwd+bwd count x T_fb + (infer + aux) forward count x T_f + S)
+
+where ``T_fb`` (one forward with grad + SUTA loss + backward) and ``T_f`` (one no-grad forward to
+the logits) are the costs of one pass on an input length already seen, and ``S`` the extra cost
+of the first pass of an utterance (a new input length: per-shape kernel set-up, fresh memory),
+``T_fb(new) - T_fb`` for a method whose first pass is an adaptation step, ``T_f(new) - T_f`` for
+the source model. All are measured on the same utterances in the same process, interleaved with
+the method runs. Everything else a method does (optimiser steps, state copies, decoding, the LII
+loss values, Python) is overhead. The "pass ratio" column is what the passes alone predict
+relative to SUTA: the limit of the method's maths.
+
+Timing protocol: every entry (the methods and the two unit passes) first processes ``--warmup``
+utterances (which also brings DSUTA + dynamic reset, with its small default ``--reset_K``, to the
+detection stage: two LII forwards per utterance). Then ``--repeats`` rounds of ``--n_utts``
+utterances; each utterance is processed by every entry in turn (rotating who goes first), so the
+load of a shared machine falls on all entries alike. Every method keeps its own model copy and
+its state across rounds, as on one long stream. Reported: medians over rounds of the time per
+audio second; ratios and overhead fractions are medians of per-round values (each against the
+same round's SUTA / unit times). On CPU the same numbers are also given in the process's CPU
+time (``time.process_time``), which other processes' load does not inflate: a cross-check.
+
+``--lengths fresh`` (default) makes the first pass of every utterance meet an input length the
+process has not seen, as on a real stream: each round has its own utterances and each entry gets
+its own variant of each (shortened by 20 ms x its index, one frame at every CNN layer), so
+length-specific set-up is paid as on a real stream. The unit passes run every input twice and
+time both runs (new length, seen length). ``--lengths repeat`` reuses the same utterances in
+every round (after the first round nothing is new).
+
+Note: with the per-utterance CNN feature cache active (``cache_features``, only when no
+feature-encoder parameter adapts, e.g. ``--adapt layernorm``) a method's passes are cheaper than
+the unit passes, and its overhead comes out negative by the CNN's share.
+
+Usage::
+
+    python tools/bench_speed.py                              # synthetic model (or a random one), CPU
+    python tools/bench_speed.py --n_utts 20 --seconds 4 --repeats 5 --json bench.json
+    python tools/bench_speed.py --stream recipes/synthetic/.../MD-Easy.csv --data_root /data --n_utts 30
+    python tools/bench_speed.py --w2v2_base --device cuda:0  # random wav2vec2-base-sized model, GPU
+    python tools/bench_speed.py --device cuda:0 --amp bf16 --compile
+
+Method options (``--amp``, ``--compile``, ``--cache_features``, ``--slow_grad``,
+``--onednn_backward``) are passed to every adapting method (and the unit passes where they
+apply); see ``tta_brain.methods.base.TTAMethod``.
+"""
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tta_brain import losses  # noqa: E402
+from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
+from tta_brain.methods import UttInfo, build_method  # noqa: E402
+from tta_brain.methods.base import native_cpu_kernels  # noqa: E402
+from tta_brain.params import select_parameters  # noqa: E402
+from tta_brain.resets import make_reset_policy  # noqa: E402
+
+SYNTH_MODEL = os.path.join(ROOT, "recipes", "synthetic", "source_model")
+SYNTH_CONF = os.path.join(ROOT, "recipes", "synthetic", "conf", "source_model.yaml")
+# The exact vocabulary of facebook/wav2vec2-base-960h (blank = <pad> = 0, word delimiter "|").
+VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S", "R", "D",
+         "L", "U", "M", "W", "C", "F", "G", "Y", "P", "B", "V", "K", "'", "X", "J", "Q", "Z"]
+# The synthetic recipe's source model (recipes/synthetic/conf/source_model.yaml), used when that
+# file cannot be read.
+SYNTH_CFG = dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=4, intermediate_size=768,
+                 conv_dim=(64,) * 7, conv_kernel=(10, 3, 3, 3, 3, 2, 2), conv_stride=(5, 2, 2, 2, 2, 2, 2),
+                 conv_bias=True, feat_extract_norm="group", do_stable_layer_norm=True,
+                 num_conv_pos_embeddings=64, num_conv_pos_embedding_groups=16)
+UNITS = ("unit_fb", "unit_f")
+ALL_METHODS = ("source", "suta", "dsuta", "dsuta+dynamic")
+
+
+# ------------------------------------------------------------------------------ model
+def build_random_model(out_dir, w2v2_base=False, seed=0):
+    """A randomly initialised Wav2Vec2ForCTC + processor saved with ``save_pretrained``."""
+    from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
+                              Wav2Vec2ForCTC, Wav2Vec2Processor)
+    torch.manual_seed(seed)
+    if w2v2_base:      # facebook/wav2vec2-base-960h's architecture (Wav2Vec2Config defaults)
+        cfg, layer_norm_fe = dict(feat_extract_norm="group", do_stable_layer_norm=False), False
+    else:
+        cfg = dict(SYNTH_CFG)
+        try:
+            import yaml
+            with open(SYNTH_CONF) as f:
+                cfg = {k: tuple(v) if isinstance(v, list) else v
+                       for k, v in yaml.safe_load(f)["model"].items()}
+        except (OSError, KeyError, ImportError):
+            pass
+        layer_norm_fe = cfg.get("feat_extract_norm") == "layer"
+    cfg.update(vocab_size=len(VOCAB), pad_token_id=0, layerdrop=0.0, mask_time_prob=0.0)
+    Wav2Vec2ForCTC(Wav2Vec2Config(**cfg)).save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "vocab.json"), "w") as f:
+        json.dump({t: i for i, t in enumerate(VOCAB)}, f)
+    tok = Wav2Vec2CTCTokenizer(os.path.join(out_dir, "vocab.json"), unk_token="<unk>",
+                               pad_token="<pad>", word_delimiter_token="|")
+    fe = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
+                                  do_normalize=True, return_attention_mask=layer_norm_fe)
+    Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok).save_pretrained(out_dir)
+    return out_dir
+
+
+# ------------------------------------------------------------------------------ audio
+def generated_stream(n_utts, seconds, seed=0):
+    """Speech-like waveforms (harmonic tones with a syllable-rate envelope + noise), lengths
+    uniform in [0.75, 1.25] x ``seconds``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n_utts):
+        sec = seconds * (0.75 + 0.5 * torch.rand((), generator=g).item())
+        n = int(16000 * sec)
+        t = torch.arange(n) / 16000
+        f0 = 100 + 100 * torch.rand((), generator=g).item()
+        env = 0.5 * (1 + torch.sin(2 * torch.pi * (2 + 3 * torch.rand((), generator=g).item()) * t))
+        wav = env * sum(torch.sin(2 * torch.pi * f0 * h * t) / h for h in (1, 2, 3, 4))
+        wav = 0.3 * wav + 0.05 * torch.randn(n, generator=g)
+        out.append((UttInfo(id=f"gen{i}", position=i, domain="gen", segment=0), wav.float()))
+    return out
+
+
+def csv_stream(path, data_root, n_utts, max_duration=20.0):
+    from tta_brain.data.audio import load_audio
+    from tta_brain.data.manifest import read_manifest
+    out = []
+    for row in read_manifest(path, replacements={"data_root": data_root or ""}):
+        if float(row.get("duration") or 0) > max_duration:
+            continue
+        info = UttInfo(id=row["ID"], position=len(out), domain=row.get("domain", ""),
+                       segment=int(row.get("segment") or 0))
+        out.append((info, load_audio(row["wav"])))
+        if n_utts and len(out) >= n_utts:
+            break
+    return out
+
+
+# ------------------------------------------------------------------------------ entries
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class UnitPass:
+    """The reference passes: one forward with grad + SUTA loss + backward (``fb``), or one
+    no-grad forward to the logits (``f``), with the same adapted-parameter selection and backward
+    kernels as the methods, on inputs prepared beforehand (a method normalises an utterance once,
+    whatever its pass count), gradients zeroed in place as the methods do. ``prime`` runs the
+    pass once untimed, so that the timed ``process`` is the steady-state cost."""
+
+    def __init__(self, lobe, adapt_params, kind, amp="none", native_backward=True):
+        self.lobe, self.kind = lobe, kind
+        lobe.model.eval()
+        lobe.model.requires_grad_(False)
+        self.params = [p for _, p, _ in select_parameters(lobe.model, adapt_params)]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.amp = None if amp in (None, "none") else {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        self.native_backward = native_backward and lobe.device.type == "cpu"
+        self.counts = {}
+        self.prepared = {}
+
+    def _logits(self, x):
+        if self.amp is None:
+            return self.lobe(x)
+        with torch.autocast(x.device.type, dtype=self.amp):
+            return self.lobe(x).float()
+
+    def _pass(self, x):
+        if self.kind == "f":
+            with torch.no_grad():
+                self._logits(x)
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+        loss = losses.suta_loss(self._logits(x), blank_id=self.lobe.blank_id).mean()
+        with native_cpu_kernels() if self.native_backward else contextlib.nullcontext():
+            loss.backward()
+
+    def prime(self, wav, info):
+        """The first run on this input (prepared outside the timing)."""
+        self.prepared[info.id] = x = self.lobe.prepare(wav)
+        self._pass(x)
+
+    def process(self, wav, info=None):
+        x = self.prepared.pop(info.id, None) if info is not None else None
+        self._pass(self.lobe.prepare(wav) if x is None else x)
+        return ""
+
+
+def make_entry(name, args, model_dir, device):
+    lobe = HFCTCLobe(model_dir, device=str(device))
+    adapt = [{"select": s} for s in args.adapt.split(",")]
+    if name in UNITS:
+        if args.compile:
+            lobe.compile_forward()
+        return UnitPass(lobe, adapt, name.split("_")[1], args.amp, not args.onednn_backward)
+    base, _, reset = name.partition("+")
+    kw = dict(model=lobe, lr=args.lr)
+    if base != "source":
+        kw.update(adapt_params=adapt, **method_options(args))
+    if base == "dsuta":
+        kw.update(steps=args.dsuta_steps, buffer_size=args.buffer_size)
+        if args.slow_grad != "reuse":
+            kw["slow_grad"] = args.slow_grad
+    elif base != "source":
+        kw["steps"] = args.suta_steps
+    if reset:
+        kw["reset_policy"] = make_reset_policy(reset, K=args.reset_K, patience=args.reset_patience,
+                                               threshold=args.reset_threshold)
+    return build_method(base, **kw)
+
+
+def method_options(args):
+    """The speed options of ``TTAMethod`` that differ from their defaults."""
+    opts = dict(amp=args.amp, compile=args.compile, cache_features=args.cache_features,
+                cpu_native_backward=not args.onednn_backward)
+    defaults = dict(amp="none", compile=False, cache_features="auto", cpu_native_backward=True)
+    return {k: v for k, v in opts.items() if v != defaults[k]}
+
+
+def timed(entry, wav, info, device):
+    """(wall, process CPU) seconds of one ``entry.process``."""
+    sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    entry.process(wav, info)
+    sync(device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+FRAME = 320      # samples per output frame of the wav2vec2 CNN (total stride)
+
+
+def variant(info, wav, r, j, fresh):
+    """Entry ``j``'s copy of an utterance in round ``r``: shortened by ``j`` frames when fresh."""
+    if fresh and j:
+        cut = min(FRAME * j, max(wav.numel() - 16000, 0))
+        wav = wav[:wav.numel() - cut]
+    pos = (r + 2) * 100000 + info.position          # warm-up: r = -1, profile: r = -2
+    return UttInfo(id=f"{info.id}@r{r}e{j}", position=pos, domain=info.domain,
+                   segment=info.segment), wav
+
+
+# ------------------------------------------------------------------------------ main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="save_pretrained CTC dir (default: the synthetic "
+                   "recipe's source model if trained, else a random model of its size)")
+    p.add_argument("--w2v2_base", action="store_true",
+                   help="random wav2vec2-base-sized model (for GPU timing)")
+    p.add_argument("--stream", default=None, help="stream manifest CSV (default: generated audio)")
+    p.add_argument("--data_root", default="", help="replaces $data_root in --stream")
+    p.add_argument("--n_utts", type=int, default=10, help="utterances per round")
+    p.add_argument("--seconds", type=float, default=3.0, help="mean length of generated utterances")
+    p.add_argument("--lengths", default="fresh", choices=("fresh", "repeat"),
+                   help="fresh: every pass meets a new input length, as on a real stream")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--methods", default=",".join(ALL_METHODS),
+                   help="comma-separated: source, suta, dsuta, dsuta+dynamic, dsuta+fixed, csuta, ...")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU); 1 is the "
+                   "most stable on a shared machine")
+    p.add_argument("--repeats", type=int, default=3, help="rounds")
+    p.add_argument("--warmup", type=int, default=2, help="utterances each entry processes first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapt", default="layernorm,cnn", help="parameter selectors (paper: layernorm,cnn)")
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--suta_steps", type=int, default=10)
+    p.add_argument("--dsuta_steps", type=int, default=5)
+    p.add_argument("--buffer_size", type=int, default=5)
+    p.add_argument("--reset_K", type=int, default=4, help="dynamic reset K (small, so that the "
+                   "timed stream is in the detection stage: 2 LII forwards per utterance)")
+    p.add_argument("--reset_patience", type=int, default=2)
+    p.add_argument("--reset_threshold", type=float, default=2.0)
+    p.add_argument("--slow_grad", default="reuse", choices=("reuse", "recompute"))
+    p.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"))
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
+    p.add_argument("--cache_features", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--onednn_backward", action="store_true",
+                   help="CPU: keep oneDNN in the backward (cpu_native_backward=False)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--profile", default=None, help="cProfile this entry over the first round")
+    return p.parse_args(argv)
+
+
+def load_utterances(args):
+    """(warm-up utterances, one list of timed utterances per round)."""
+    n, R, W = args.n_utts, args.repeats, args.warmup
+    need = W + (n * R if args.lengths == "fresh" else n)
+    if args.stream:
+        utts = csv_stream(args.stream, args.data_root, need)
+        if len(utts) < W + n:
+            raise SystemExit(f"{args.stream}: {len(utts)} usable utterances, need {W + n}")
+        if len(utts) < need:
+            print(f"note: {args.stream} has {len(utts)} utterances (< {need}): rounds reuse "
+                  f"utterances (lengths still differ per entry)")
+    else:
+        utts = generated_stream(need, args.seconds, args.seed)
+    warm, rest = utts[:W], utts[W:]
+    if args.lengths == "fresh":
+        rounds = [[rest[(r * n + i) % len(rest)] for i in range(n)] for r in range(R)]
+    else:
+        rounds = [rest[:n]] * R
+    return warm, rounds
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    tmp = None
+    model_dir = args.model
+    if model_dir is None:
+        if not args.w2v2_base and os.path.isfile(os.path.join(SYNTH_MODEL, "config.json")):
+            model_dir = SYNTH_MODEL
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="bench_speed_")
+            model_dir = build_random_model(tmp.name, w2v2_base=args.w2v2_base, seed=args.seed)
+    model_desc = model_dir if tmp is None else ("random wav2vec2-base" if args.w2v2_base
+                                                 else "random synthetic-size wav2vec2")
+    fresh = args.lengths == "fresh"
+    warm, rounds = load_utterances(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    names = list(UNITS) + methods
+    entries = {n: make_entry(n, args, model_dir, device) for n in names}
+    n_adapted = max((getattr(e, "num_adapted", 0) for e in entries.values()), default=0)
+    mean_s = statistics.mean(w.numel() for rnd in rounds for _, w in rnd) / 16000
+    print(f"model: {model_desc} ({sum(p.numel() for p in entries['unit_f'].lobe.parameters()) / 1e6:.2f}M "
+          f"params, {n_adapted / 1e3:.1f}k adapted: {args.adapt})")
+    print(f"device: {device}, threads: {torch.get_num_threads()}, torch {torch.__version__}; "
+          f"{args.repeats} rounds x {args.n_utts} utts (mean {mean_s:.2f} s; lengths: "
+          f"{args.lengths}) after {len(warm)} warm-up; amp: {args.amp}, compile: {args.compile}, "
+          f"cache_features: {args.cache_features}, slow_grad: {args.slow_grad}, "
+          f"cpu_native_backward: {not args.onednn_backward}", flush=True)
+
+    for j, (name, e) in enumerate(entries.items()):      # warm-up (and reach a steady state)
+        for info, wav in warm:
+            info, wav = variant(info, wav, -1, j, fresh)
+            if isinstance(e, UnitPass):
+                e.prime(wav, info)
+            e.process(wav, info)
+    sync(device)
+    if args.profile:
+        import cProfile
+        import pstats
+        j = names.index(args.profile)
+        prof = cProfile.Profile()
+        prof.enable()
+        for info, wav in rounds[0]:
+            entries[args.profile].process(*reversed(variant(info, wav, -2, j, fresh)))
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+
+    clocks = ("wall", "cpu") if device.type == "cpu" else ("wall",)
+    rate = {c: {n: [] for n in names + [u + "_new" for u in UNITS]} for c in clocks}  # s / audio s
+    counts = {n: [] for n in names}
+    gc.collect()
+    gc.disable()                    # no collector pauses charged to whichever entry triggers them
+    for r, utts in enumerate(rounds):
+        gc.collect()
+        acc = {c: dict.fromkeys(names, 0.0) for c in clocks}
+        new = {c: dict.fromkeys(UNITS, 0.0) for c in clocks}
+        audio = dict.fromkeys(names, 0.0)
+        before = {n: dict(getattr(entries[n], "counts", {})) for n in names}
+        for i, (info0, wav0) in enumerate(utts):
+            k = (r * len(utts) + i) % len(names)             # rotate who goes first
+            for n in names[k:] + names[:k]:
+                info, wav = variant(info0, wav0, r, names.index(n), fresh)
+                if isinstance(entries[n], UnitPass):
+                    entries[n].prepared[info.id] = entries[n].lobe.prepare(wav)
+                    w, c = timed(entries[n], wav, info, device)        # new length
+                    new["wall"][n] += w
+                    if "cpu" in new:
+                        new["cpu"][n] += c
+                    entries[n].prepared[info.id] = entries[n].lobe.prepare(wav)
+                w, c = timed(entries[n], wav, info, device)
+                acc["wall"][n] += w
+                if "cpu" in acc:
+                    acc["cpu"][n] += c
+                audio[n] += wav.numel() / 16000
+        for n in names:
+            for c in clocks:
+                rate[c][n].append(acc[c][n] / audio[n])
+                if n in UNITS:
+                    rate[c][n + "_new"].append(new[c][n] / audio[n])
+            after = getattr(entries[n], "counts", {})
+            counts[n].append({k: v - before[n].get(k, 0) for k, v in after.items()})
+        print(f"round {r + 1}/{args.repeats} (wall s per audio s): " + ", ".join(
+            f"{n} {rate['wall'][n][-1]:.4f}" for n in names), flush=True)
+    gc.enable()
+
+    n_total = sum(len(u) for u in rounds)
+    per_utt = {m: {k: sum(d.get(k, 0) for d in counts[m]) / n_total
+                   for k in ("adapt_forward", "adapt_backward", "infer_forward", "aux_forward")}
+               for m in methods}
+    res = {m: {"counts_per_utt": per_utt[m]} for m in methods}
+    units = {}
+    for clock in clocks:
+        t = rate[clock]
+        units[clock] = {u: dict(s_per_audio_s=statistics.median(t[u]), rounds=t[u],
+                                new_length_s_per_audio_s=statistics.median(t[u + "_new"]),
+                                new_length_rounds=t[u + "_new"]) for u in UNITS}
+        pass_t = {}
+        for m in methods:
+            c = per_utt[m]
+            # a forward without a backward (non-finite loss) costs about a no-grad forward;
+            # the first pass of an utterance meets a new length (S in the module docstring)
+            first = "unit_fb" if c["adapt_backward"] >= 1 else "unit_f"
+            pass_t[m] = [c["adapt_backward"] * fb + (c["adapt_forward"] - c["adapt_backward"]
+                         + c["infer_forward"] + c["aux_forward"]) * f + (new - seen)
+                         for fb, f, new, seen in zip(t["unit_fb"], t["unit_f"], t[first + "_new"],
+                                                     t[first])]
+        for m in methods:
+            over = [w - p for w, p in zip(t[m], pass_t[m])]
+            r = dict(s_per_audio_s=statistics.median(t[m]), rounds=t[m], pass_s_per_audio_s=pass_t[m],
+                     overhead_s_per_audio_s=statistics.median(over),
+                     overhead_frac=statistics.median(o / w for o, w in zip(over, t[m])))
+            if "suta" in methods:
+                r["ratio_to_suta"] = statistics.median(a / b for a, b in zip(t[m], t["suta"]))
+                r["pass_ratio_to_suta"] = statistics.median(
+                    a / b for a, b in zip(pass_t[m], pass_t["suta"]))
+            res[m][clock] = r
+    for clock in clocks:
+        u = units[clock]
+        fb, f = u["unit_fb"]["s_per_audio_s"], u["unit_f"]["s_per_audio_s"]
+        fbn, fn = u["unit_fb"]["new_length_s_per_audio_s"], u["unit_f"]["new_length_s_per_audio_s"]
+        title = "WALL TIME" if clock == "wall" else \
+            "CPU TIME of this process (cross-check, insensitive to other processes' load)"
+        print(f"\n{title}; unit costs per audio second (median): forward+loss+backward "
+              f"{fb:.4f} s, no-grad forward {f:.4f} s (ratio {fb / f:.2f}); on a new length "
+              f"{fbn:.4f} s and {fn:.4f} s")
+        hdr = (f"{'method':<16}{'s/audio s':>10}{'fwd+bwd':>9}{'infer':>7}{'aux':>6}"
+               f"{'ratio':>8}{'pass ratio':>11}{'overhead s/aud s':>18}{'overhead %':>11}")
+        print(hdr)
+        print("-" * len(hdr))
+        for m in methods:
+            r, c = res[m][clock], per_utt[m]
+            fbs = f"{c['adapt_forward']:.1f}" if c["adapt_forward"] == c["adapt_backward"] else \
+                f"{c['adapt_forward']:.1f}/{c['adapt_backward']:.1f}"
+            ratio = f"{r['ratio_to_suta']:.3f}" if "ratio_to_suta" in r else "-"
+            pratio = f"{r['pass_ratio_to_suta']:.3f}" if "pass_ratio_to_suta" in r else "-"
+            print(f"{m:<16}{r['s_per_audio_s']:>10.4f}{fbs:>9}{c['infer_forward']:>7.1f}"
+                  f"{c['aux_forward']:>6.1f}{ratio:>8}{pratio:>11}"
+                  f"{r['overhead_s_per_audio_s']:>18.4f}{100 * r['overhead_frac']:>10.1f}%")
+    print("passes per utterance; ratio = time / SUTA's time (median over rounds); pass ratio = "
+          "what the passes alone predict (counts x unit costs, the first pass of an utterance at "
+          "its new-length cost); overhead = time - that")
+    if args.json:
+        out = dict(model=model_desc, device=str(device), threads=torch.get_num_threads(),
+                   torch=torch.__version__, n_utts_per_round=args.n_utts, mean_utt_s=mean_s,
+                   options=vars(args), units=units, methods=res)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    if tmp is not None:
+        tmp.cleanup()
+    return res
+
+
+if __name__ == "__main__":
+    main()
