@@ -174,7 +174,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max_minutes", type=float, default=None,
                    help="wall-time budget: the schedule is shortened to fit it")
-    p.add_argument("--epochs", type=int, default=None, help="override train.epochs")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="override train.epochs (also when resuming: re-plans the lr schedule)")
     p.add_argument("--max_train_utts", type=int, default=None, help="debug: subsample training set")
     p.add_argument("--train_split", default="train-synth")
     p.add_argument("--test_split", default="test-synth")
@@ -240,7 +241,10 @@ def main(argv=None):
         start_epoch, history, train_seconds = state["epoch"], state["history"], state["train_seconds"]
         random.setstate(state["py_rng"])
         torch.set_rng_state(state["torch_rng"])
-        log.info("resumed from %s after epoch %d", ckpt_file, start_epoch)
+        if args.epochs:  # an explicit --epochs re-plans the schedule of a resumed run
+            sched["total_epochs"] = args.epochs
+        log.info("resumed from %s after epoch %d (schedule: %d epochs)", ckpt_file, start_epoch,
+                 sched["total_epochs"])
 
     budget = args.max_minutes * 60 if args.max_minutes else None
     epoch = start_epoch

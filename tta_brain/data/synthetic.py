@@ -14,7 +14,7 @@ Three parts, all deterministic given a seed:
 
 Command line (used by ``recipes/synthetic/run.sh`` stage 0)::
 
-    python -m tta_brain.data.synthetic corpus --root /data/synth --n_train 8000 --n_test 400
+    python -m tta_brain.data.synthetic corpus --root /data/synth --n_train 10000 --n_test 400
     python -m tta_brain.data.synthetic noises --noise_dir /data/synth/noises
 """
 
@@ -217,6 +217,23 @@ def _worker_init():
     _TTS = EspeakTTS(SAMPLE_RATE)
 
 
+def _in_fresh_processes(fn, tasks: list) -> list:
+    """Run ``fn`` on each task, each in a newly spawned process.
+
+    espeak-ng keeps state from one utterance to the next (the output changes by a few samples),
+    so audio is only reproducible when every process renders the same sequence of utterances
+    from a fresh start: one spawned process per task, never a worker reused across tasks.
+    """
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(len(tasks), maxtasksperchild=1) as pool:
+        return pool.map(fn, tasks, chunksize=1)
+
+
+def _render_many(jobs: List[Dict]) -> List[Dict]:
+    _worker_init()
+    return [_render(j) for j in jobs]
+
+
 def _render(job: Dict) -> Dict:
     """Render one utterance: try candidate sentences until the audio is 1-5 s long."""
     rng = np.random.default_rng(job["seed"])
@@ -228,6 +245,7 @@ def _render(job: Dict) -> Dict:
             rate=int(spk["rate"] + rng.integers(-10, 11)),
             pitch=int(np.clip(spk["pitch"] + rng.integers(-5, 6), 0, 100)),
             pitch_range=spk["pitch_range"],
+            seed=job["seed"],
         )
         idx = np.nonzero(np.abs(audio) > 0.01)[0]
         if idx.size == 0:
@@ -261,12 +279,11 @@ def _render_split(split_dir: str, speakers: List[Dict], sentences: List[str], n_
         utt = f"{spk['spk']}-{spk['chapter']}-{idx:04d}"
         path = os.path.join(split_dir, str(spk["spk"]), str(spk["chapter"]), utt + ".flac")
         jobs.append(dict(utt=utt, path=path, speaker=spk, candidates=cands, seed=seed * 1000003 + i))
-    if num_workers > 1:
-        with mp.get_context("fork").Pool(num_workers, initializer=_worker_init) as pool:
-            results = pool.map(_render, jobs, chunksize=32)
-    else:
-        _worker_init()
-        results = [_render(j) for j in jobs]
+    n_proc = max(1, min(num_workers, len(jobs)))
+    parts = _in_fresh_processes(_render_many, [jobs[k::n_proc] for k in range(n_proc)])
+    results = [None] * len(jobs)
+    for k, part in enumerate(parts):
+        results[k::n_proc] = part
     by_chapter: Dict[str, List[str]] = {}
     n_ok, total = 0, 0.0
     for job, res in zip(jobs, results):
@@ -284,19 +301,21 @@ def _render_split(split_dir: str, speakers: List[Dict], sentences: List[str], n_
     return dict(n_utts=n_ok, hours=total / 3600.0)
 
 
-def make_corpus(root: str, n_train: int = 8000, n_test: int = 400, seed: int = 1,
-                n_train_speakers: int = 200, n_test_speakers: int = 20,
+def make_corpus(root: str, n_train: int = 10000, n_test: int = 400, seed: int = 1,
+                n_train_speakers: int = 250, n_test_speakers: int = 20,
                 num_workers: int = 2, train_split: str = "train-synth",
                 test_split: str = "test-synth") -> Dict:
     """Render the synthetic corpus under ``root/LibriSpeech/{train_split,test_split}``.
 
-    Skips all work when the stamp file exists with the same options. Returns the stamp dict
-    (options plus per-split statistics). Utterances whose 3 candidate sentences all fall
-    outside 1-5 s are dropped (rare), so counts can be slightly below the request.
+    Deterministic given the options (``num_workers`` included: it fixes which process renders
+    which utterances). Skips all work when the stamp file exists with the same options.
+    Returns the stamp dict (options plus per-split statistics and speakers). Utterances whose
+    3 candidate sentences all fall outside 1-5 s are dropped (rare), so counts can be slightly
+    below the request.
     """
     options = dict(version=CORPUS_VERSION, n_train=n_train, n_test=n_test, seed=seed,
                    n_train_speakers=n_train_speakers, n_test_speakers=n_test_speakers,
-                   train_split=train_split, test_split=test_split)
+                   train_split=train_split, test_split=test_split, num_workers=num_workers)
     base = os.path.join(root, "LibriSpeech")
     stamp_path = os.path.join(base, STAMP_NAME)
     if os.path.isfile(stamp_path):
@@ -315,6 +334,8 @@ def make_corpus(root: str, n_train: int = 8000, n_test: int = 400, seed: int = 1
             import shutil
 
             shutil.rmtree(split_dir)  # options changed: never mix two corpora
+        if n == 0:  # e.g. test speech only, for a recipe that uses the committed model
+            continue
         stats[split] = _render_split(split_dir, spks, sents, n, s, num_workers)
         stats[split]["speakers"] = {str(p["spk"]): p for p in spks}
     stamp = dict(options=options, stats=stats)
@@ -362,26 +383,37 @@ def _noise_white(rng, n, sr):
     return rng.normal(0, 1, n)
 
 
-def _noise_babble(rng, n, sr):
-    """Six talkers (other TTS voices, not used in the corpus) reading random sentences."""
+BABBLE_VOICES = ["en-us+Mario", "en+Hugo", "en-us+belinda", "en-gb-x-rp+caleb", "en+RicishayMax",
+                 "en-us+kaukovalta"]  # voices never used in the corpus
+
+
+def _babble_talkers(args) -> List[np.ndarray]:
+    """One track per babble voice: random sentences separated by short pauses."""
+    seed, n, sr = args
     from .tts import EspeakTTS
 
     tts = EspeakTTS(sr)
-    gen = SentenceGenerator(int(rng.integers(1 << 30)))
-    voices = ["en-us+Mario", "en+Hugo", "en-us+belinda", "en-gb-x-rp+caleb", "en+RicishayMax",
-              "en-us+kaukovalta"]
-    out = np.zeros(n)
-    for v in voices:
-        track, chunks = 0, []
-        while track < n:
+    rng = np.random.default_rng(seed)
+    gen = SentenceGenerator(seed)
+    tracks = []
+    for v in BABBLE_VOICES:
+        length, chunks = 0, []
+        while length < n:
             a = tts.synthesize(gen.sentence(), v, int(rng.integers(140, 200)),
-                               int(rng.integers(20, 80)), 60)
+                               int(rng.integers(20, 80)), 60, seed=int(rng.integers(1 << 30)))
             a = a / (np.sqrt(np.mean(a ** 2)) + 1e-9)
-            chunks.append(a)
-            gap = np.zeros(int(rng.uniform(0.05, 0.4) * sr))
-            chunks.append(gap)
-            track += len(a) + len(gap)
-        talker = np.concatenate(chunks)
+            gap = np.zeros(int(rng.uniform(0.05, 0.4) * sr), np.float32)
+            chunks += [a, gap]
+            length += len(a) + len(gap)
+        tracks.append(np.concatenate(chunks))
+    return tracks
+
+
+def _noise_babble(rng, n, sr):
+    """Six talkers (TTS voices not used in the corpus) reading random sentences."""
+    tracks = _in_fresh_processes(_babble_talkers, [(int(rng.integers(1 << 30)), n, sr)])[0]
+    out = np.zeros(n)
+    for talker in tracks:
         start = int(rng.integers(0, len(talker) - n + 1))
         out += talker[start: start + n] * rng.uniform(0.6, 1.0)
     return out
@@ -528,9 +560,9 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("corpus", help="render LibriSpeech-layout speech with espeak-ng")
     c.add_argument("--root", required=True)
-    c.add_argument("--n_train", type=int, default=8000)
+    c.add_argument("--n_train", type=int, default=10000)
     c.add_argument("--n_test", type=int, default=400)
-    c.add_argument("--n_train_speakers", type=int, default=200)
+    c.add_argument("--n_train_speakers", type=int, default=250)
     c.add_argument("--n_test_speakers", type=int, default=20)
     c.add_argument("--seed", type=int, default=1)
     c.add_argument("--num_workers", type=int, default=2)

@@ -91,6 +91,12 @@ class EspeakTTS:
         ]
         lib.espeak_Synth.restype = ctypes.c_int
         lib.espeak_Synchronize.restype = ctypes.c_int
+        # espeak-ng draws random numbers (pitch flutter, noise sources, timing), from its own
+        # generator and from libc rand(): both are reseeded before each utterance.
+        self._set_seed = getattr(lib, "espeak_ng_SetRandSeed", None)
+        if self._set_seed is not None:
+            self._set_seed.argtypes = [ctypes.c_long]
+        self._libc = ctypes.CDLL(None)
 
         self.native_sample_rate = lib.espeak_Initialize(
             _AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path.encode(), 0
@@ -116,6 +122,7 @@ class EspeakTTS:
         rate: int = 170,
         pitch: int = 50,
         pitch_range: int = 50,
+        seed: int = 0,
     ) -> np.ndarray:
         """Render ``text`` and return float32 mono audio at ``output_sample_rate``.
 
@@ -125,6 +132,7 @@ class EspeakTTS:
         rate : speaking rate in words per minute (espeak accepts 80-450).
         pitch : base pitch 0-100.
         pitch_range : pitch range (intonation) 0-100; 0 is monotone.
+        seed : seed of espeak-ng's random generators; the same arguments give the same audio.
         """
         lib = self._lib
         if lib.espeak_SetVoiceByName(voice.encode()) != 0:
@@ -132,6 +140,9 @@ class EspeakTTS:
         for param, value in ((_RATE, rate), (_PITCH, pitch), (_RANGE, pitch_range), (_VOLUME, 100)):
             if lib.espeak_SetParameter(param, int(value), 0) != 0:
                 raise EspeakError(f"espeak_SetParameter({param}, {value}) failed")
+        if self._set_seed is not None:
+            self._set_seed(int(seed))
+        self._libc.srand(ctypes.c_uint(int(seed) & 0xFFFFFFFF))
         data = text.encode("utf-8") + b"\0"
         self._chunks = []
         err = lib.espeak_Synth(data, len(data), 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
