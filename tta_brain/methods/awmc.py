@@ -34,9 +34,8 @@ class AWMC(TTAMethod):
         return [torch.tensor(collapse(p, self.blank_id)) for p in logits.argmax(-1)]
 
     def adapt_and_predict(self, x, info):
-        t, policy = self.t + 1, self.reset_policy
-        if policy is not None and (why := policy.before_utterance(info)):
-            self.reset_meta(t - 1, info.position, why)
+        t = self.t + 1
+        self.policy_before(t, info)
         anchor = self._labels(self.source, x)
         for _ in range(self.steps):
             leader = self._labels(self.leader, x)
@@ -46,11 +45,7 @@ class AWMC(TTAMethod):
             with torch.no_grad():
                 torch._foreach_lerp_(self.leader, [p.detach() for p in self.params], 1 - self.ema_decay)
         hyp = self.predict(x)
-        if policy is not None:
-            policy.after_utterance(t, x, info)
-            if why := policy.at_update(t):
-                self.reset_meta(t, info.position + 1, why)
-            policy.end_step(t)
+        self.policy_after(t, x, info)
         return hyp
 
     def reset(self):

@@ -317,6 +317,27 @@ class TTAMethod:
         """The tensors that carry knowledge across utterances (phi_t)."""
         return self.params
 
+    def policy_before(self, t: int, info: UttInfo) -> None:
+        """Before adapting x_t: a reset the policy wants now (oracle boundary)."""
+        if self.reset_policy is not None and (why := self.reset_policy.before_utterance(info)):
+            self.reset_meta(t - 1, info.position, why)
+
+    def policy_after(self, t: int, x: torch.Tensor, info: UttInfo, update_due: bool = True,
+                     update: Optional[Callable[[], None]] = None) -> None:
+        """After the prediction for x_t: the policy sees x_t (LII); when a meta-update is due,
+        it may reset instead of ``update()``; then the end of step t."""
+        policy = self.reset_policy
+        if policy is not None:
+            policy.after_utterance(t, x, info)
+        if update_due:
+            why = policy.at_update(t) if policy is not None else None
+            if why:
+                self.reset_meta(t, info.position + 1, why)
+            elif update is not None:
+                update()
+        if policy is not None:
+            policy.end_step(t)
+
     def reset_meta(self, after: int, position: int, reason: str):
         """Reset the meta-parameters to the source after utterance ``after`` (1-based count).
 

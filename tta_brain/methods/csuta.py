@@ -11,15 +11,10 @@ class CSUTA(TTAMethod):
         super().__init__(model, steps=steps, **kwargs)
 
     def adapt_and_predict(self, x, info):
-        t, policy = self.t + 1, self.reset_policy
-        if policy is not None and (why := policy.before_utterance(info)):
-            self.reset_meta(t - 1, info.position, why)
+        t = self.t + 1
+        self.policy_before(t, info)
         for _ in range(self.steps):
             self.adapt_step(x)
         hyp = self.predict(x)
-        if policy is not None:
-            policy.after_utterance(t, x, info)
-            if why := policy.at_update(t):
-                self.reset_meta(t, info.position + 1, why)
-            policy.end_step(t)
+        self.policy_after(t, x, info)          # the steps above were this utterance's update
         return hyp

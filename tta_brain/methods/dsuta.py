@@ -65,9 +65,7 @@ class DSUTA(TTAMethod):
 
     def adapt_and_predict(self, x, info):
         t = self.t + 1
-        policy = self.reset_policy
-        if policy is not None and (why := policy.before_utterance(info)):
-            self.reset_meta(t - 1, info.position, why)
+        self.policy_before(t, info)
         # fast adaptation from phi_t
         restore(self.params, self.meta)
         if self.fast_moments == "slow":
@@ -83,17 +81,9 @@ class DSUTA(TTAMethod):
             self.buffer_x.append(x)
         hyp = self.predict(x)
         self.n_buffered += 1
-        if policy is not None:
-            policy.after_utterance(t, x, info)
-        if self.n_buffered >= self.M:
-            why = policy.at_update(t) if policy is not None else None
-            if why:
-                self.reset_meta(t, info.position + 1, why)
-            else:
-                self._slow_update()
-            self._clear_buffer()
-        if policy is not None:
-            policy.end_step(t)
+        # a reset discards the buffer (reset_meta clears it); so does a slow update
+        self.policy_after(t, x, info, update_due=self.n_buffered >= self.M,
+                          update=self._slow_update)
         return hyp
 
     def _slow_gradient_only(self, x):
@@ -119,9 +109,9 @@ class DSUTA(TTAMethod):
     def _slow_update(self):
         if self.slow_grad == "recompute":
             self._recompute_slow_gradient()
-        if self.n_grads == 0:
-            return
-        self._slow_step()
+        if self.n_grads > 0:
+            self._slow_step()
+        self._clear_buffer()
 
     @torch.no_grad()
     def _slow_step(self):
