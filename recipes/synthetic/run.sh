@@ -42,7 +42,8 @@ methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracl
 seeds="0"
 hparams_dir=${repo_root}/recipes/hparams
 conf_dir=${recipe_dir}/conf
-decode_opts="--noprogressbar"
+decode_opts=""
+noprogressbar=false    # true: no progress bars (synthesis, corruption, training, decoding)
 md_decode_opts=""
 data_dir=${recipe_dir}/data
 exp_dir=${recipe_dir}/exp
@@ -60,7 +61,7 @@ Options (default):
   --per_domain N (${per_domain})  --md_long_total N (${md_long_total})
   --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
   --methods "LIST" (${methods})
-  --seeds "LIST" (${seeds})  --decode_opts "OPTS"  --md_decode_opts "OPTS"
+  --seeds "LIST" (${seeds})  --decode_opts "OPTS"  --md_decode_opts "OPTS"  --noprogressbar true|false
   --data_dir DIR  --exp_dir DIR  --dry_run true|false
 Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
 EOM
@@ -69,6 +70,10 @@ EOM
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
   exit 1
+fi
+if ${noprogressbar}; then
+  export TTA_NOPROGRESSBAR=1
+  decode_opts="--noprogressbar ${decode_opts}"
 fi
 case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
 case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac

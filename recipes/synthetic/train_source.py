@@ -36,6 +36,8 @@ import soundfile as sf
 import torch
 import yaml
 
+from tta_brain.progress import disable_progressbars, progress
+
 # The exact vocabulary of facebook/wav2vec2-base-960h.
 VOCAB = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "|": 4, "E": 5, "T": 6, "A": 7, "O": 8,
          "N": 9, "I": 10, "H": 11, "S": 12, "R": 13, "D": 14, "L": 15, "U": 16, "M": 17,
@@ -180,7 +182,10 @@ def main(argv=None):
     p.add_argument("--train_split", default="train-synth")
     p.add_argument("--test_split", default="test-synth")
     p.add_argument("--log_file", default=None, help="default: <output_dir>_ckpt/train.log")
+    p.add_argument("--noprogressbar", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
+    if args.noprogressbar:
+        disable_progressbars()
 
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
@@ -254,7 +259,7 @@ def main(argv=None):
         rng = random.Random(args.seed * 1000 + epoch)
         batches = make_batches(lengths, tcfg["batch_seconds"], rng)
         run_loss, n_seen = 0.0, 0
-        for b, idx in enumerate(batches):
+        for b, idx in enumerate(progress(batches, desc=f"epoch {epoch + 1}", leave=False)):
             x, lens, labels = collate(train, idx, encode)
             logits = model(x).logits  # [B, T, V]
             out_lens = model._get_feat_extract_output_lengths(lens).clamp(max=logits.shape[1])

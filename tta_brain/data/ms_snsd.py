@@ -107,7 +107,8 @@ def corrupt_domain(rows, code, noise, out_dir, snr, seed=DEFAULT_SEED, data_root
 
     wav_dir = Path(out_dir) / snr_tag(snr) / code
     out_rows = []
-    for i, row in enumerate(rows):
+    from tta_brain.progress import progress
+    for i, row in enumerate(progress(rows, desc=f"{code} {snr:g} dB", leave=False)):
         src_id = row["ID"]
         out_wav = wav_dir / f"{src_id}.wav"
         if overwrite or not out_wav.is_file():

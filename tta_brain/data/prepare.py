@@ -159,6 +159,7 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="python -m tta_brain.data.prepare",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--noprogressbar", action="store_true", help="no tqdm progress bars")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("librispeech", help="LibriSpeech split -> manifest")
@@ -229,6 +230,9 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.noprogressbar:
+        from tta_brain.progress import disable_progressbars
+        disable_progressbars()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -230,8 +230,11 @@ def _in_fresh_processes(fn, tasks: list) -> list:
 
 
 def _render_many(jobs: List[Dict]) -> List[Dict]:
+    from tta_brain.progress import progress
     _worker_init()
-    return [_render(j) for j in jobs]
+    worker = jobs[0]["worker"] if jobs else 0
+    return [_render(j) for j in progress(jobs, desc=f"synthesis (worker {worker})",
+                                        position=worker, leave=False)]
 
 
 def _render(job: Dict) -> Dict:
@@ -280,6 +283,8 @@ def _render_split(split_dir: str, speakers: List[Dict], sentences: List[str], n_
         path = os.path.join(split_dir, str(spk["spk"]), str(spk["chapter"]), utt + ".flac")
         jobs.append(dict(utt=utt, path=path, speaker=spk, candidates=cands, seed=seed * 1000003 + i))
     n_proc = max(1, min(num_workers, len(jobs)))
+    for k, job in enumerate(jobs):
+        job["worker"] = k % n_proc
     parts = _in_fresh_processes(_render_many, [jobs[k::n_proc] for k in range(n_proc)])
     results = [None] * len(jobs)
     for k, part in enumerate(parts):
@@ -571,7 +576,11 @@ def main(argv=None):
     nz.add_argument("--seed", type=int, default=1)
     nz.add_argument("--seconds", type=float, default=60.0)
     nz.add_argument("--sample_rate", type=int, default=SAMPLE_RATE)
+    p.add_argument("--noprogressbar", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
+    if args.noprogressbar:
+        from tta_brain.progress import disable_progressbars
+        disable_progressbars()
     if args.cmd == "corpus":
         stamp = make_corpus(args.root, args.n_train, args.n_test, args.seed,
                             args.n_train_speakers, args.n_test_speakers, args.num_workers)
