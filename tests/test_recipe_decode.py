@@ -2,6 +2,7 @@
 real decoding, reset records, reports - no dry run."""
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -60,9 +61,15 @@ def test_lsc_recipe_stages_0_to_4(tmp_path):
     assert oracle["resets"] == bounds
     fixed = json.loads((exp / "snr5/md_hard/dsuta+fixed/seed0/summary.json").read_text())
     assert fixed["resets"] == [6, 12, 18, 24]           # every 6, checked at multiples of M=2
-    # conf/dsuta_md.opts applies to multi-domain streams only, after conf/dsuta.opts
-    assert "\nsteps: 2" in (exp / "snr5/md_hard/dsuta/seed0/hyperparams.yaml").read_text()
-    assert "\nsteps: 1" in (exp / "snr5/GS/dsuta/seed0/hyperparams.yaml").read_text()
+    # conf/dsuta.opts applies to every dsuta token; conf/dsuta_md.opts to multi-domain streams
+    # only, after it
+    def hp(stream, token, key):
+        text = (exp / f"snr5/{stream}/{token}/seed0/hyperparams.yaml").read_text()
+        return re.search(rf"^{key}: (\S+)", text, re.M).group(1)
+    assert hp("GS", "dsuta", "steps") == "1" and hp("GS", "dsuta", "buffer_size") == "2"
+    assert hp("md_hard", "dsuta", "steps") == "2" and hp("md_hard", "dsuta", "buffer_size") == "2"
+    assert hp("md_hard", "dsuta+dynamic", "steps") == "2"
+    assert hp("md_hard", "dsuta+dynamic", "reset") == "dynamic"
     dyn = exp / "snr5/md_hard/dsuta+dynamic/seed0"
     assert len(read_manifest(dyn / "lii.csv")) > 0
     results = (exp / "snr5/RESULTS.md").read_text()

@@ -27,12 +27,14 @@ method_hparams() {
 
 method_opts() {  # method_opts TOKEN [KIND]
   local token=$1 kind=${2:-} base=${1%%+*} f
-  if [ ! -f "${hparams_dir}/${token}.yaml" ] && [ "${token}" != "${base}" ]; then
-    printf -- '--reset=%s ' "${token#*+}"
+  local files=("${conf_dir}/${base}.opts")
+  if [ -n "${kind}" ]; then files+=("${conf_dir}/${base}${kind}.opts"); fi
+  if [ "${token}" != "${base}" ]; then
+    files+=("${conf_dir}/${token}.opts")
+    if [ ! -f "${hparams_dir}/${token}.yaml" ]; then printf -- '--reset=%s ' "${token#*+}"; fi
   fi
-  for f in "${conf_dir}/${base}.opts" ${kind:+"${conf_dir}/${base}${kind}.opts"} \
-           "${conf_dir}/${token}.opts"; do
-    if [ -f "${f}" ] && { [ "${f}" != "${conf_dir}/${token}.opts" ] || [ "${token}" != "${base}" ]; }; then
+  for f in "${files[@]}"; do
+    if [ -f "${f}" ]; then
       grep -v '^[[:space:]]*#' "${f}" | tr '\n' ' ' || true
     fi
   done
