@@ -29,7 +29,5 @@ setup(
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
     extras_require={"test": ["pytest>=7"]},
-    include_package_data=True,
-    package_data={"tta_brain": ["hparams/*.yaml", "hparams/*/*.yaml"]},
     entry_points={"console_scripts": ["tta-decode=tta_brain.decode:main"]},
 )
