@@ -190,9 +190,15 @@ def test_single_domain_and_breakdown_tables(written):
 
 def test_detect_boundaries():
     det = report.detect_boundaries([120, 230, 520], [200, 400], window=100)
-    assert det == {"detected": {200: 31}, "missed": [400], "false": [120, 520]}
-    det = report.detect_boundaries([199, 450], [200, 400], window=100)  # reset at 199 acts at 200
-    assert det["detected"] == {200: 0, 400: 51} and det["false"] == []
+    assert det == {"detected": {200: 30}, "missed": [400], "false": [120, 520]}
+    # position = first utterance decoded from the reset model: an oracle reset sits on the boundary
+    det = report.detect_boundaries([200, 450], [200, 400], window=100)
+    assert det["detected"] == {200: 0, 400: 50} and det["false"] == []
+    det = report.detect_boundaries([199], [200], window=100)          # one utterance early: false
+    assert det["detected"] == {} and det["false"] == [199]
+    # one reset detects one boundary; a second reset in the same segment is a false one
+    det = report.detect_boundaries([50, 60, 170], [40, 80, 120, 160], window=40)
+    assert det == {"detected": {40: 10, 160: 10}, "missed": [80, 120], "false": [60]}
 
 
 def test_reset_table(written):
@@ -200,8 +206,8 @@ def test_reset_table(written):
     sec = section(text, "Reset steps")
     assert "True boundaries (first position of a new segment): 200, 400; detection window K=100" in sec
     rows = {(r[0], r[1]): r for r in table_rows(sec)}
-    assert rows[("dsuta+dynamic", "1")][2:] == ["205, 450", "2", "2/2", "0", "28.5"]
-    assert rows[("dsuta+dynamic", "2")][2:] == ["120, 230, 520", "3", "1/2", "2", "31.0"]
+    assert rows[("dsuta+dynamic", "1")][2:] == ["205, 450", "2", "2/2", "0", "27.5"]
+    assert rows[("dsuta+dynamic", "2")][2:] == ["120, 230, 520", "3", "1/2", "2", "30.0"]
     assert ("suta", "1") not in rows
 
 

@@ -15,9 +15,9 @@ Conventions used throughout (also written into RESULTS.md):
   summary's ``n_err``/``n_words``, then to its ``wer``, which is taken to be a percentage).
 * Cells are ``mean +- sample std (n=runs)`` over the runs (seeds) of a (method, stream) pair;
   with one run only the mean is shown.
-* A reset logged at position ``r`` takes effect from utterance ``r + 1``. It detects the true
-  boundary ``b`` when ``0 <= (r + 1) - b <= window``; resets outside every boundary's window are
-  false resets.
+* A reset logged at position ``r`` means utterance ``r`` is the first one decoded from the reset
+  model (resets.csv). It detects the last true boundary ``b <= r`` (the first position of a new
+  segment) when ``r - b <= window``; other resets are false resets.
 * A method with runs of several adaptation-step counts (``steps``, see :func:`find_steps`) is
   split into one row per count, labelled ``method (N=steps)``.
 """
@@ -389,18 +389,21 @@ def table_breakdown(runs: Sequence[dict], stream: str, digits: int = 1) -> str:
 def detect_boundaries(resets: Sequence[int], boundaries: Sequence[int], window: int = 100) -> dict:
     """Match resets to true boundaries.
 
-    A reset logged at position r takes effect at r + 1; it detects boundary b when
-    0 <= r + 1 - b <= window. Returns ``detected`` {b: delay of the first such reset},
-    ``missed`` [b], ``false`` [r] (resets in no boundary's window).
+    A reset at position r (the first utterance decoded from the reset model) belongs to the last
+    boundary b <= r and detects it when r - b <= window; one reset detects one boundary at most.
+    Returns ``detected`` {b: delay of its first reset}, ``missed`` [b], ``false`` [r] (resets
+    before the first boundary or later than ``window`` after theirs).
     """
-    detected, missed = OrderedDict(), []
-    for b in boundaries:
-        delays = [r + 1 - b for r in resets if 0 <= r + 1 - b <= window]
-        if delays:
-            detected[b] = min(delays)
+    bounds = sorted(boundaries)
+    detected, false = OrderedDict(), []
+    for r in sorted(resets):
+        owner = [b for b in bounds if b <= r]
+        if owner and r - owner[-1] <= window and owner[-1] not in detected:
+            detected[owner[-1]] = r - owner[-1]
         else:
-            missed.append(b)
-    false = [r for r in resets if not any(0 <= r + 1 - b <= window for b in boundaries)]
+            false.append(r)
+    detected = OrderedDict((b, detected[b]) for b in bounds if b in detected)
+    missed = [b for b in bounds if b not in detected]
     return {"detected": detected, "missed": missed, "false": false}
 
 
@@ -605,9 +608,10 @@ def build_markdown(runs: Sequence[dict], plots: Sequence[str] = (), out_dir=None
         parts += [f"## Per-domain WER (%) on {s}", table_breakdown(runs, s, digits)]
     reset_tables = [(s, table_resets(runs, s, window)) for s in streams_of(runs)]
     if any(t for _, t in reset_tables):
-        parts += ["## Reset steps", "Positions are 0-based; a reset at position r takes effect from r + 1. "
-                  f"A boundary b is detected if some reset has 0 <= r + 1 - b <= {window} (delay = r + 1 - b); "
-                  "false resets are in no boundary's window."]
+        parts += ["## Reset steps", "Positions are 0-based; a reset at position r means utterance r is the first one decoded "
+                  "from the reset model (an oracle reset sits exactly on the boundary). "
+                  f"A reset r detects the last boundary b <= r if r - b <= {window} (delay = r - b); "
+                  "other resets are false (a second reset in the same segment counts as false)."]
         parts += [f"**{s}**\n\n{t}" for s, t in reset_tables if t]
     eff = [(s, table_efficiency(runs, s)) for s in streams_of(runs)]
     if any(t for _, t in eff):

@@ -143,7 +143,7 @@ if [ ${stage} -le 5 ] && [ ${stop_stage} -ge 5 ]; then
   for snr in ${snrs}; do
     log "Stage 5: report -> ${exp_dir}/snr${snr}/RESULTS.md"
     run ${python} -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
-      --out "${exp_dir}/snr${snr}/RESULTS.md"
+      --out "${exp_dir}/snr${snr}/RESULTS.md" --window "${per_domain}"
   done
 fi
 
