@@ -29,14 +29,6 @@ DSUTA = ["--reset=dynamic", "--reset_K=6", "--buffer_size=2", "--steps=2", "--lr
          "--reset_patience=1", "--reset_threshold=-100"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared CPU: one intra-op thread (the subprocesses get the same)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def write_stream(root, n=20, block=7, seconds=(0.3, 0.5)):
     """``n`` short utterances in blocks of ``block`` alternating clean / noisy; a stream.csv."""

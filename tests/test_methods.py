@@ -20,16 +20,6 @@ from tta_brain.resets import (DynamicReset, FixedReset, NoReset, OracleReset, fi
 
 
 # ----------------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add overhead, and on a shared, loaded CPU spinning
-    OpenMP threads make these tests 20-50x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def make(tiny_model_dir):
     """``make(name, **kwargs)``: a method on its own freshly loaded tiny model."""

@@ -28,13 +28,6 @@ BASE_960H = dict(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)       # shared, loaded CPU: avoid OpenMP oversubscription
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):

@@ -26,13 +26,6 @@ SR = 16000
 FAST = ["--steps=1", "--buffer_size=2", "--ckpt_every=0", "--noprogressbar"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def speech(seconds=0.4, seed=0):
     return fake_speech(seconds, seed=seed)

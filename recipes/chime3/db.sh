@@ -8,12 +8,5 @@ CHIME3=${CHIME3:-}
 # (a hub name needs the files in the local Hugging Face cache when offline).
 W2V2=${W2V2:-facebook/wav2vec2-base-960h}
 
-# db_require VAR HINT: stop with an actionable message when VAR is empty.
-db_require() {
-  local var=$1 hint=$2 value=${!1:-}
-  if [ -z "${value}" ]; then
-    echo "ERROR: ${var} is not set. ${hint}" >&2
-    echo "       Set it in $(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/db.sh or export ${var}=... before running." >&2
-    exit 1
-  fi
-}
+db_file=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/db.sh
+. "$(dirname "${db_file}")/../../tools/db_require.sh"
