@@ -3,8 +3,7 @@ from typing import List, Sequence
 
 import torch
 
-__all__ = ["snapshot", "restore", "zero_optimizer_state", "copy_optimizer_state",
-           "optimizer_state_tensors"]
+__all__ = ["snapshot", "restore", "zero_optimizer_state", "copy_optimizer_state"]
 
 
 def snapshot(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -18,11 +17,6 @@ def restore(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     if len(dst) != len(src):
         raise ValueError(f"restore: {len(dst)} destination tensors but {len(src)} sources")
     torch._foreach_copy_(list(dst), list(src))
-
-
-def optimizer_state_tensors(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
-    """The state dict of each parameter of ``params`` in ``opt`` (empty dicts before a step)."""
-    return [opt.state[p] for p in params]
 
 
 def _by_device(*lists):
