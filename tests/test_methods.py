@@ -161,8 +161,9 @@ def suta_grads(lobe, names, values, wav):
 
 
 @pytest.mark.parametrize("adapt_params,extra", [
-    (None, {}), ([{"select": "layernorm"}], {}), (None, {"slow_grad": "recompute"})],
-    ids=["layernorm+cnn", "layernorm_only(feature_cache)", "slow_grad_recompute"])
+    (None, {}), ([{"select": "layernorm"}], {}), (None, {"slow_grad": "recompute"}),
+    (None, {"slow_lr": 3e-4})],
+    ids=["layernorm+cnn", "layernorm_only(feature_cache)", "slow_grad_recompute", "slow_lr"])
 def test_dsuta_meta_changes_exactly_every_M_and_matches_reference(make, utterances, tiny_model_dir,
                                                                    adapt_params, extra):
     M, lr = 3, 1e-3
@@ -170,7 +171,7 @@ def test_dsuta_meta_changes_exactly_every_M_and_matches_reference(make, utteranc
     m = make("dsuta", buffer_size=M, steps=2, lr=lr, **kw)
     items = stream(utterances, 7)
     ref_lobe = HFCTCLobe(tiny_model_dir)
-    ref = AdamWRef(m.meta, lr)
+    ref = AdamWRef(m.meta, extra.get("slow_lr", lr))
     metas = [clone(m.meta)]
     buffer_grads = []
     starts = []

@@ -12,6 +12,7 @@ provides it. ``slow_grad: recompute`` is the plain reference (the official code'
 buffer's utterances are kept and, at the update, M fresh forward/backward passes on phi_t give
 the mean gradient; same result (bit-identical on CPU), M more passes per update.
 
+``slow_lr`` (default: ``lr``, as the paper) gives the slow learner its own learning rate.
 The fast optimiser starts each utterance from the slow optimiser's moments (as the official code
 does; ``fast_moments: zero`` starts from fresh moments instead).
 """
@@ -31,7 +32,7 @@ class DSUTA(TTAMethod):
 
     def __init__(self, model, buffer_size: int = 5, steps: int = 10,
                  slow_optimizer: Optional[Callable] = None, fast_moments: str = "slow",
-                 slow_grad: str = "reuse", **kwargs):
+                 slow_grad: str = "reuse", slow_lr: Optional[float] = None, **kwargs):
         super().__init__(model, steps=steps, **kwargs)
         if fast_moments not in ("slow", "zero"):
             raise ValueError(f"fast_moments must be 'slow' or 'zero', not '{fast_moments}'")
@@ -46,7 +47,9 @@ class DSUTA(TTAMethod):
         self.meta = [torch.nn.Parameter(t, requires_grad=False) for t in snapshot(self.params)]
         opt_fn = slow_optimizer or partial(torch.optim.AdamW, weight_decay=0.0)
         meta_sel = [(n, m, mult) for (n, _, mult), m in zip(self.selected, self.meta)]
-        self.slow_optimizer = opt_fn(param_groups(meta_sel, self.lr))
+        # the paper uses one lr for both learners; slow_lr sets the slow learner's on its own
+        self.slow_lr = self.lr if slow_lr is None else float(slow_lr)
+        self.slow_optimizer = opt_fn(param_groups(meta_sel, self.slow_lr))
         if not self.plain:
             prefer_foreach(self.slow_optimizer)
         self.buffer_x = []             # slow_grad: recompute: the buffered (prepared) inputs
