@@ -415,7 +415,7 @@ def _fmt_positions(positions: Sequence[int], limit: int = 20) -> str:
 
 
 def _has_resets(run: dict) -> bool:
-    return bool(run["resets"]) or "+" in run["method"] or run.get("lii") is not None
+    return bool(run["resets"]) or "+" in run["method"] or bool(run.get("lii"))
 
 
 def table_resets(runs: Sequence[dict], stream: str, window: int = 100) -> Optional[str]:
