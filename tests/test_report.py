@@ -204,7 +204,7 @@ def test_detect_boundaries():
 def test_reset_table(written):
     _, text = written
     sec = section(text, "Reset steps")
-    assert "True boundaries (first position of a new segment): 200, 400; detection window K=100" in sec
+    assert "True boundaries (first position of a new segment): 200, 400; detection window 100 utterances" in sec
     rows = {(r[0], r[1]): r for r in table_rows(sec)}
     assert rows[("dsuta+dynamic", "1")][2:] == ["205, 450", "2", "2/2", "0", "27.5"]
     assert rows[("dsuta+dynamic", "2")][2:] == ["120, 230, 520", "3", "1/2", "2", "30.0"]

@@ -432,7 +432,7 @@ def table_resets(runs: Sequence[dict], stream: str, window: int = 100) -> Option
                      f"{len(det['detected'])}/{len(r['boundaries'])}", str(len(det["false"])),
                      _fmt(statistics.fmean(delays), 1) if delays else "-"])
     head = (f"True boundaries (first position of a new segment): {_fmt_positions(bounds, 50)}; "
-            f"detection window K={window}.\n\n")
+            f"detection window {window} utterances.\n\n")
     return head + md_table(["Method", "Seed", "Reset positions", "#Resets", "Detected", "False", "Mean delay"],
                            rows)
 
@@ -664,7 +664,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plots_dir", default=None, help="plot folder (default: <exp_dir>/plots)")
     p.add_argument("--smooth", type=int, default=100, help="smoothing window (utterances) of WER-over-time plots")
     p.add_argument("--baseline", default="source", help="method tag the WER difference is taken against")
-    p.add_argument("--window", type=int, default=100, help="reset detection window K (utterances)")
+    p.add_argument("--window", type=int, default=100, help="reset detection window (utterances after a boundary)")
     p.add_argument("--digits", type=int, default=1, help="decimals of WER cells")
     p.add_argument("--no_plots", action="store_true", help="tables only")
     return p.parse_args(argv)

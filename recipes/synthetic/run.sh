@@ -142,8 +142,9 @@ fi
 if [ ${stage} -le 5 ] && [ ${stop_stage} -ge 5 ]; then
   for snr in ${snrs}; do
     log "Stage 5: report -> ${exp_dir}/snr${snr}/RESULTS.md"
+    # smoothing and reset-detection window: half a domain block (= the dynamic reset's K)
     run ${python} -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
-      --out "${exp_dir}/snr${snr}/RESULTS.md" --window "${per_domain}"
+      --out "${exp_dir}/snr${snr}/RESULTS.md" --window $((per_domain / 2)) --smooth $((per_domain / 2))
   done
 fi
 
