@@ -4,7 +4,7 @@ Runs ``recipes/synthetic/run.sh`` stages 0-5 with the recipe's defaults on one s
 speech, noises, noisy sets at 20 dB, the MD-Hard-like stream of 5 x 80 utterances, source / SUTA /
 DSUTA + dynamic reset with the committed source model, two decodes at a time, report) and asserts
 the paper's orderings with margins measured over seeds 0-2 by ``recipes/synthetic/regression.py``
-(about 5 minutes on 2 CPU cores).
+(about 4 minutes on 2 idle CPU cores).
 """
 
 import importlib.util
