@@ -118,7 +118,8 @@ def plot_wer_difference(runs: Sequence[dict], stream: str, out_png, window: int 
         ax.set_title(f"{stream}: WER over time (window {window} utts; no {baseline} run)")
     ax.set_xlabel("stream position (utterances)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    # outside the axes: with many methods an inner legend hides curves
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return _save(fig, Path(out_png))
 
 
