@@ -1,10 +1,11 @@
 """Shared fixtures: tiny *real* Hugging Face CTC models written with ``save_pretrained``."""
-import json
 import os
 import sys
 
 import pytest
 import torch
+
+from tta_brain.lobes.hf_ctc import save_char_processor
 
 # Tiny models on a shared 2-core machine: one thread avoids oversubscription (20-50x slowdowns),
 # also in the recipe subprocesses the tests start.
@@ -14,14 +15,10 @@ torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S", "R", "D",
-         "L", "U", "M", "W", "C", "F", "G", "Y", "P", "B", "V", "K", "'", "X", "J", "Q", "Z"]
-
 
 def save_ctc_model(out_dir, seed=0, norm="group", hidden=32, layers=2, **config_overrides):
     """A randomly initialised Wav2Vec2ForCTC + processor (wav2vec2-base-960h vocabulary)."""
-    from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
-                              Wav2Vec2ForCTC, Wav2Vec2Processor)
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(seed)
     cfg = dict(vocab_size=32, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
@@ -32,13 +29,7 @@ def save_ctc_model(out_dir, seed=0, norm="group", hidden=32, layers=2, **config_
     cfg.update(config_overrides)
     model = Wav2Vec2ForCTC(Wav2Vec2Config(**cfg))
     model.save_pretrained(out_dir)
-    with open(os.path.join(out_dir, "vocab.json"), "w") as f:
-        json.dump({t: i for i, t in enumerate(VOCAB)}, f)
-    tok = Wav2Vec2CTCTokenizer(os.path.join(out_dir, "vocab.json"), unk_token="<unk>",
-                               pad_token="<pad>", word_delimiter_token="|")
-    fe = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
-                                  do_normalize=True, return_attention_mask=(norm == "layer"))
-    Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok).save_pretrained(out_dir)
+    save_char_processor(out_dir, attention_mask=(norm == "layer"))
     return out_dir
 
 

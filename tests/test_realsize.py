@@ -4,15 +4,12 @@ Checks what the tiny models cannot: the parameter count of the source model (~94
 of the default adapted set (LayerNorm + CNN + feature projection, ~4.6M as in the official
 code), and that a SUTA step and a DSUTA slow update run end to end on it (1 s of audio).
 """
-import json
-import os
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import VOCAB
-from tta_brain.lobes.hf_ctc import HFCTCLobe
+from tta_brain.lobes.hf_ctc import HFCTCLobe, save_char_processor
 from tta_brain.methods import build_method
 
 # facebook/wav2vec2-base-960h config.json (architecture fields)
@@ -31,20 +28,13 @@ BASE_960H = dict(
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
-                              Wav2Vec2ForCTC, Wav2Vec2Processor)
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
     out = str(tmp_path_factory.mktemp("w2v2_base_960h_random"))
     torch.manual_seed(0)
     model = Wav2Vec2ForCTC(Wav2Vec2Config(**BASE_960H))
     model.save_pretrained(out)
     del model
-    with open(os.path.join(out, "vocab.json"), "w") as f:
-        json.dump({t: i for i, t in enumerate(VOCAB)}, f)
-    tok = Wav2Vec2CTCTokenizer(os.path.join(out, "vocab.json"), unk_token="<unk>",
-                               pad_token="<pad>", word_delimiter_token="|")
-    fe = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
-                                  do_normalize=True, return_attention_mask=False)
-    Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok).save_pretrained(out)
+    save_char_processor(out)
     return out
 
 

@@ -46,8 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S", "R", "D",
-         "L", "U", "M", "W", "C", "F", "G", "Y", "P", "B", "V", "K", "'", "X", "J", "Q", "Z"]
+from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB, save_char_processor  # noqa: E402
 WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL")
 SR = 16000
 
@@ -56,25 +55,17 @@ SR = 16000
 def make_model(out_dir, hidden, layers, seed=0):
     """A randomly initialised Wav2Vec2ForCTC + processor written with save_pretrained."""
     import torch
-    from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
-                              Wav2Vec2ForCTC, Wav2Vec2Processor)
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = Wav2Vec2Config(vocab_size=len(VOCAB), hidden_size=hidden, num_hidden_layers=layers,
+    cfg = Wav2Vec2Config(vocab_size=len(W2V2_CHAR_VOCAB), hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=max(1, hidden // 32), intermediate_size=2 * hidden,
                          conv_dim=(32, 32, 32), conv_kernel=(10, 8, 8), conv_stride=(5, 8, 8),
                          feat_extract_norm="group", num_conv_pos_embeddings=16,
                          num_conv_pos_embedding_groups=2, pad_token_id=0, layerdrop=0.0,
                          mask_time_prob=0.0)
     Wav2Vec2ForCTC(cfg).save_pretrained(out_dir)
-    vocab = os.path.join(out_dir, "vocab.json")
-    with open(vocab, "w") as f:
-        json.dump({t: i for i, t in enumerate(VOCAB)}, f)
-    tok = Wav2Vec2CTCTokenizer(vocab, unk_token="<unk>", pad_token="<pad>",
-                               word_delimiter_token="|")
-    fe = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=SR, padding_value=0.0,
-                                  do_normalize=True, return_attention_mask=False)
-    Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok).save_pretrained(out_dir)
+    save_char_processor(out_dir, sample_rate=SR)
     return out_dir
 
 

@@ -66,7 +66,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tta_brain import losses  # noqa: E402
-from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
+from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB, HFCTCLobe, save_char_processor  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
 from tta_brain.methods.base import native_cpu_kernels  # noqa: E402
 from tta_brain.params import select_parameters  # noqa: E402
@@ -74,9 +74,6 @@ from tta_brain.resets import make_reset_policy  # noqa: E402
 
 SYNTH_MODEL = os.path.join(ROOT, "recipes", "synthetic", "source_model")
 SYNTH_CONF = os.path.join(ROOT, "recipes", "synthetic", "conf", "source_model.yaml")
-# The exact vocabulary of facebook/wav2vec2-base-960h (blank = <pad> = 0, word delimiter "|").
-VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S", "R", "D",
-         "L", "U", "M", "W", "C", "F", "G", "Y", "P", "B", "V", "K", "'", "X", "J", "Q", "Z"]
 # The synthetic recipe's source model (recipes/synthetic/conf/source_model.yaml), used when that
 # file cannot be read.
 SYNTH_CFG = dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=4, intermediate_size=768,
@@ -90,8 +87,7 @@ ALL_METHODS = ("source", "suta", "dsuta", "dsuta+dynamic")
 # ------------------------------------------------------------------------------ model
 def build_random_model(out_dir, w2v2_base=False, seed=0):
     """A randomly initialised Wav2Vec2ForCTC + processor saved with ``save_pretrained``."""
-    from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
-                              Wav2Vec2ForCTC, Wav2Vec2Processor)
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
     torch.manual_seed(seed)
     if w2v2_base:      # facebook/wav2vec2-base-960h's architecture (Wav2Vec2Config defaults)
         cfg, layer_norm_fe = dict(feat_extract_norm="group", do_stable_layer_norm=False), False
@@ -105,15 +101,9 @@ def build_random_model(out_dir, w2v2_base=False, seed=0):
         except (OSError, KeyError, ImportError):
             pass
         layer_norm_fe = cfg.get("feat_extract_norm") == "layer"
-    cfg.update(vocab_size=len(VOCAB), pad_token_id=0, layerdrop=0.0, mask_time_prob=0.0)
+    cfg.update(vocab_size=len(W2V2_CHAR_VOCAB), pad_token_id=0, layerdrop=0.0, mask_time_prob=0.0)
     Wav2Vec2ForCTC(Wav2Vec2Config(**cfg)).save_pretrained(out_dir)
-    with open(os.path.join(out_dir, "vocab.json"), "w") as f:
-        json.dump({t: i for i, t in enumerate(VOCAB)}, f)
-    tok = Wav2Vec2CTCTokenizer(os.path.join(out_dir, "vocab.json"), unk_token="<unk>",
-                               pad_token="<pad>", word_delimiter_token="|")
-    fe = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
-                                  do_normalize=True, return_attention_mask=layer_norm_fe)
-    Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok).save_pretrained(out_dir)
+    save_char_processor(out_dir, attention_mask=layer_norm_fe)
     return out_dir
 
 

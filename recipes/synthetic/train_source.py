@@ -36,13 +36,11 @@ import soundfile as sf
 import torch
 import yaml
 
+from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB
 from tta_brain.progress import disable_progressbars, progress
 
 # The exact vocabulary of facebook/wav2vec2-base-960h.
-VOCAB = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "|": 4, "E": 5, "T": 6, "A": 7, "O": 8,
-         "N": 9, "I": 10, "H": 11, "S": 12, "R": 13, "D": 14, "L": 15, "U": 16, "M": 17,
-         "W": 18, "C": 19, "F": 20, "G": 21, "Y": 22, "P": 23, "B": 24, "V": 25, "K": 26,
-         "'": 27, "X": 28, "J": 29, "Q": 30, "Z": 31}
+VOCAB = {t: i for i, t in enumerate(W2V2_CHAR_VOCAB)}
 SAMPLE_RATE = 16000
 log = logging.getLogger("train_source")
 

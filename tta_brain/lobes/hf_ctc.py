@@ -16,7 +16,33 @@ from tta_brain.ctc import collapse
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFCTCLobe"]
+__all__ = ["HFCTCLobe", "W2V2_CHAR_VOCAB", "save_char_processor"]
+
+# The character vocabulary of facebook/wav2vec2-base-960h (blank = <pad> = 0, word delimiter "|").
+W2V2_CHAR_VOCAB = ("<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S",
+                   "R", "D", "L", "U", "M", "W", "C", "F", "G", "Y", "P", "B", "V", "K", "'", "X",
+                   "J", "Q", "Z")
+
+
+def save_char_processor(out_dir: str, vocab: Sequence[str] = W2V2_CHAR_VOCAB,
+                        sample_rate: int = 16000, attention_mask: bool = False):
+    """Write a character-level ``Wav2Vec2Processor`` (vocab.json, tokenizer and feature-extractor
+    files) into ``out_dir``, beside a model saved there with ``save_pretrained``; return it."""
+    import json
+
+    from transformers import Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor, Wav2Vec2Processor
+
+    os.makedirs(out_dir, exist_ok=True)
+    vocab_file = os.path.join(out_dir, "vocab.json")
+    with open(vocab_file, "w") as f:
+        json.dump({t: i for i, t in enumerate(vocab)}, f)
+    tok = Wav2Vec2CTCTokenizer(vocab_file, unk_token="<unk>", pad_token="<pad>",
+                               word_delimiter_token="|")
+    fe = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=sample_rate, padding_value=0.0,
+                                  do_normalize=True, return_attention_mask=attention_mask)
+    processor = Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok)
+    processor.save_pretrained(out_dir)
+    return processor
 
 
 class HFCTCLobe(nn.Module):
