@@ -1,16 +1,20 @@
 """Audio I/O, manifests, and corpus preparation (LibriSpeech, MS-SNSD corruption, CHiME-3, CLI)."""
+import hashlib
+import json
 import logging
 import os
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
 
-from fake_corpora import (estimate_snr_db, make_chime3, make_librispeech, make_ms_snsd,
-                          fake_speech)
+from fake_corpora import (estimate_snr_db, fake_noise, fake_speech, make_chime3,
+                          make_librispeech, make_ms_snsd)
 from tta_brain.data import audio as audio_mod
-from tta_brain.data import prepare
+from tta_brain.data import cache, prepare
 from tta_brain.data.audio import AudioError, load_audio, write_audio
 from tta_brain.data.chime3 import clean_transcript, prepare_chime3
 from tta_brain.data.librispeech import prepare_librispeech
@@ -156,6 +160,41 @@ def test_prepare_librispeech(tmp_path):
     assert read_manifest(out)[0]["wav"].startswith(str(tmp_path))
 
 
+def test_prepare_librispeech_content_keyed(tmp_path, caplog):
+    utts = make_librispeech(tmp_path / "ls", speakers=(11,), utts=3)
+    out = tmp_path / "m.csv"
+    prepare_librispeech(tmp_path / "ls", out)
+    rec = tmp_path / "m.csv.opts.json"
+    record = json.loads(rec.read_text())
+    assert record["format"] == 2 and record["step"] == "librispeech"
+    assert len(record["inputs"]) == 4  # 3 .flac + 1 .trans.txt, by sha1
+    mtime = out.stat().st_mtime_ns
+    with caplog.at_level(logging.INFO):
+        prepare_librispeech(tmp_path / "ls", out)
+    assert "up to date" in caplog.text and out.stat().st_mtime_ns == mtime
+    # a transcript corrected in place: the manifest is rewritten, the log says which file
+    trans = next((tmp_path / "ls").rglob("*.trans.txt"))
+    utt = sorted(utts)[0]
+    trans.write_text(trans.read_text().replace(utts[utt][1], "CORRECTED TEXT"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        prepare_librispeech(tmp_path / "ls", out)
+    rel = trans.relative_to(tmp_path / "ls" / "LibriSpeech" / "test-other").as_posix()
+    assert f"m.csv: input file {rel} changed (sha1 " in caplog.text
+    assert read_manifest(out)[0]["wrd"] == "CORRECTED TEXT"
+    # an audio file replaced by a longer one: new duration
+    sf.write(str(utts[utt][0]), fake_speech(1.5, seed=3), SR, subtype="PCM_16")
+    prepare_librispeech(tmp_path / "ls", out)
+    assert read_manifest(out)[0]["duration"] == pytest.approx(1.5)
+    # the record of the previous version (options only): rewritten with a log line, no error
+    rec.write_text(json.dumps(record["options"]))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        prepare_librispeech(tmp_path / "ls", out)
+    assert "is from an older version (options only, no content hashes), writing" in caplog.text
+    assert json.loads(rec.read_text())["format"] == 2
+
+
 def test_prepare_librispeech_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="set LIBRISPEECH="):
         prepare_librispeech(tmp_path / "nowhere", tmp_path / "o.csv")
@@ -251,6 +290,172 @@ def test_corrupt_errors(clean_set, tmp_path):
         corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=empty.parent)
 
 
+def _mtimes(folder):
+    return {f.name: f.stat().st_mtime_ns for f in sorted(Path(folder).iterdir())}
+
+
+def _sha1(path):
+    return hashlib.sha1(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def small_set(tmp_path):
+    """A clean manifest and noise folder of its own (the tests below modify them)."""
+    make_librispeech(tmp_path / "ls", speakers=(7, 8), utts=2)
+    noise_dir = make_ms_snsd(tmp_path / "snsd", names=("AirConditioner_6", "ShuttingDoor_6"))
+    manifest = prepare_librispeech(tmp_path / "ls", tmp_path / "clean.csv")
+    return manifest, noise_dir
+
+
+def test_corrupt_replaced_noise_remixes_only_its_domain(small_set, tmp_path, caplog):
+    manifest, noise_dir = small_set
+    out = tmp_path / "c"
+    kw = dict(codes=["AC", "SD", "GS"], noise_dir=noise_dir)
+    corrupt_manifest(manifest, out, **kw)
+    ac_noise = noise_dir / "AirConditioner_6.wav"
+    before = {d: _mtimes(out / "5dB" / d) for d in ("AC", "SD", "GS")}
+    ac_audio = {f: (out / "5dB" / "AC" / f).read_bytes() for f in before["AC"]}
+    manifests = _mtimes(out / "manifests")
+    # unchanged rerun: everything skipped, nothing rewritten
+    with caplog.at_level(logging.INFO):
+        corrupt_manifest(manifest, out, **kw)
+    for d in ("AC", "SD", "GS"):
+        assert f"{d}_5dB: up to date" in caplog.text and _mtimes(out / "5dB" / d) == before[d]
+    assert "skipping" in caplog.text and _mtimes(out / "manifests") == manifests
+    # the AC noise file replaced in place (same length, so same size)
+    old_sha = _sha1(ac_noise)
+    size = ac_noise.stat().st_size
+    sf.write(str(ac_noise), fake_noise(0.25, seed=99, kind=2), SR, subtype="PCM_16")
+    assert ac_noise.stat().st_size == size
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        corrupt_manifest(manifest, out, **kw)
+    assert (f"AC_5dB: noise {ac_noise.resolve()} changed (sha1 {old_sha[:8]} -> "
+            f"{_sha1(ac_noise)[:8]}), remixing all 4 utterances") in caplog.text
+    assert "SD_5dB: up to date" in caplog.text and "GS_5dB: up to date" in caplog.text
+    for f, data in ac_audio.items():
+        assert (out / "5dB" / "AC" / f).read_bytes() != data  # remixed with the new noise
+    assert _mtimes(out / "5dB" / "SD") == before["SD"]  # the other domains were not touched
+    assert _mtimes(out / "5dB" / "GS") == before["GS"]
+    # and the remixed audio is the new noise at the asked SNR
+    clean = {r["ID"]: r for r in read_manifest(manifest)}
+    for r in read_manifest(out / "manifests" / "AC_5dB.csv"):
+        speech = load_audio(clean[r["source_id"]]["wav"]).numpy()
+        noise = tile_or_cut(load_audio(ac_noise).numpy(), speech.size)
+        mixed = load_audio(out / "5dB" / "AC" / f"{r['source_id']}.wav").numpy()
+        assert estimate_snr_db(mixed, speech, noise) == pytest.approx(5, abs=0.1)
+
+
+def test_corrupt_changed_option_speech_or_data_root(small_set, tmp_path, caplog):
+    manifest, noise_dir = small_set
+    out = tmp_path / "c"
+    kw = dict(codes=["AC", "GS"], noise_dir=noise_dir)
+    corrupt_manifest(manifest, out, **kw)
+    gs = {f: (out / "5dB" / "GS" / f).read_bytes() for f in _mtimes(out / "5dB" / "GS")}
+    ac = _mtimes(out / "5dB" / "AC")
+    # another seed: the Gaussian domain is remixed; a noise-file mixture does not use the seed
+    with caplog.at_level(logging.INFO):
+        corrupt_manifest(manifest, out, seed=1, **kw)
+    assert "GS_5dB: seed changed (666 -> 1), remixing all 4 utterances" in caplog.text
+    assert "AC_5dB: up to date" in caplog.text and _mtimes(out / "5dB" / "AC") == ac
+    assert all((out / "5dB" / "GS" / f).read_bytes() != data for f, data in gs.items())
+    # another data_root: only the manifests change
+    wavs = {d: _mtimes(out / "5dB" / d) for d in ("AC", "GS")}
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        corrupt_manifest(manifest, out, seed=1, data_root=tmp_path, **kw)
+    assert "AC_5dB: manifest rows differ" in caplog.text and "manifest only" in caplog.text
+    assert {d: _mtimes(out / "5dB" / d) for d in ("AC", "GS")} == wavs
+    assert read_manifest(out / "manifests" / "AC_5dB.csv")[0]["wav"].startswith("$data_root/c/")
+    # one speech file replaced: that utterance is remixed in every domain, nothing else
+    src = read_manifest(manifest)[1]
+    old_sha = _sha1(src["wav"])
+    sf.write(src["wav"], fake_speech(0.7, seed=123), SR, subtype="PCM_16")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        corrupt_manifest(manifest, out, seed=1, data_root=tmp_path, **kw)
+    for d in ("AC", "GS"):
+        assert (f"{d}_5dB: speech {src['wav']} changed (sha1 {old_sha[:8]} -> "
+                f"{_sha1(src['wav'])[:8]}), remixing 1 of 4 utterances") in caplog.text
+        now = _mtimes(out / "5dB" / d)
+        assert [f for f in now if now[f] != wavs[d][f]] == [f"{src['ID']}.wav"]
+        mixed = load_audio(out / "5dB" / d / f"{src['ID']}.wav")
+        assert mixed.numel() == int(0.7 * SR)  # made from the new speech
+    # a deleted mixture file is made again
+    (out / "5dB" / "AC" / f"{src['ID']}.wav").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        corrupt_manifest(manifest, out, seed=1, data_root=tmp_path, **kw)
+    assert "AC_5dB: 1 mixture file(s) missing" in caplog.text
+    assert (out / "5dB" / "AC" / f"{src['ID']}.wav").is_file()
+
+
+def test_corrupt_old_record_or_interrupted_run_redoes_with_a_log_line(small_set, tmp_path,
+                                                                      caplog, monkeypatch):
+    manifest, noise_dir = small_set
+    out = tmp_path / "c"
+    corrupt_manifest(manifest, out, codes=["GS"])
+    rec = out / "manifests" / "GS_5dB.csv.opts.json"
+    # the record the previous version wrote: the options only
+    old = json.loads(rec.read_text())["options"]
+    rec.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+    wav = next((out / "5dB" / "GS").glob("*.wav"))
+    wav.write_bytes(b"stale")  # stands for audio made from other inputs
+    with caplog.at_level(logging.INFO):
+        corrupt_manifest(manifest, out, codes=["GS"])
+    assert (f"GS_5dB: cache record {rec} is from an older version (options only, no content "
+            "hashes), remixing all 4 utterances") in caplog.text
+    assert load_audio(wav).numel() > 0
+    record = json.loads(rec.read_text())
+    assert record["format"] == 2 and record["options"] == old and "pending" not in record
+    assert len(record["speech"]) == 4 and record["audio"]["kind"] == "gaussian"
+    # interrupted after two files: the record says what is left, the rerun finishes it
+    from tta_brain.data import audio as audio_mod
+    real_write, calls = audio_mod.write_audio, []
+
+    def failing_write(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(args[0])
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(audio_mod, "write_audio", failing_write)
+    with pytest.raises(KeyboardInterrupt):
+        corrupt_manifest(manifest, out, codes=["GS"], seed=5)
+    assert len(json.loads(rec.read_text())["pending"]) == 4
+    monkeypatch.setattr(audio_mod, "write_audio", real_write)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        corrupt_manifest(manifest, out, codes=["GS"], seed=5)
+    assert ("GS_5dB: 4 utterance(s) left unfinished by an interrupted run, remixing all 4 "
+            "utterances") in caplog.text
+    assert "pending" not in json.loads(rec.read_text())
+    fresh = corrupt_manifest(manifest, tmp_path / "fresh", codes=["GS"], seed=5)
+    for r in read_manifest(fresh[("GS", 5)]):
+        name = f"{r['source_id']}.wav"
+        assert (out / "5dB" / "GS" / name).read_bytes() == \
+            (tmp_path / "fresh" / "5dB" / "GS" / name).read_bytes()
+
+
+def test_corrupt_rerun_reads_no_unchanged_file(small_set, tmp_path, monkeypatch):
+    manifest, noise_dir = small_set
+    monkeypatch.setattr(cache, "RACY_MARGIN_NS", 0)  # the files were written a moment ago
+    out = tmp_path / "c"
+    corrupt_manifest(manifest, out, codes=["AC", "GS"], noise_dir=noise_dir)
+    read = []
+    real = cache.file_sha1
+    monkeypatch.setattr(cache, "file_sha1", lambda p, *a: read.append(p) or real(p, *a))
+    corrupt_manifest(manifest, out, codes=["AC", "GS"], noise_dir=noise_dir)
+    assert read == []  # 4 speech files and 1 noise file: all answered by the hash cache
+    time.sleep(0.05)
+    ac_noise = noise_dir / "AirConditioner_6.wav"
+    st = ac_noise.stat()
+    sf.write(str(ac_noise), fake_noise(0.25, seed=7, kind=0), SR, subtype="PCM_16")
+    os.utime(ac_noise, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime (cp -p)
+    corrupt_manifest(manifest, out, codes=["AC", "GS"], noise_dir=noise_dir)
+    assert read == [str(ac_noise)]
+
+
 # ----------------------------------------------------------------------------------------------
 # CHiME-3
 # ----------------------------------------------------------------------------------------------
@@ -290,6 +495,23 @@ def test_prepare_chime3_trn_all_raw_text_and_errors(tmp_path):
         prepare_chime3(tmp_path / "d", tmp_path / "m4.csv", splits=["caf_real"])
 
 
+def test_prepare_chime3_content_keyed(tmp_path, caplog):
+    make_chime3(tmp_path / "c", splits=("bus_real", "bus_simu"))
+    out = prepare_chime3(tmp_path / "c", tmp_path / "m.csv", splits=["bus_real", "bus_simu"])
+    mtime = out.stat().st_mtime_ns
+    with caplog.at_level(logging.INFO):
+        prepare_chime3(tmp_path / "c", out, splits=["bus_real", "bus_simu"])
+    assert "up to date" in caplog.text and out.stat().st_mtime_ns == mtime
+    trn = sorted((tmp_path / "c" / "data" / "transcriptions" / "et05_bus_real").glob("*.trn"))[0]
+    name = trn.stem
+    trn.write_text(f"{name} NEW WORDS\n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        prepare_chime3(tmp_path / "c", out, splits=["bus_real", "bus_simu"])
+    assert f"input file data/transcriptions/et05_bus_real/{name}.trn changed" in caplog.text
+    assert {r["ID"]: r["wrd"] for r in read_manifest(out)}[f"{name}_REAL"] == "NEW WORDS"
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
@@ -312,6 +534,36 @@ def test_cli_streams_written_once(clean_set, tmp_path, capsys):
     assert gs.read_text() != first
     assert prepare.main(["validate", str(gs), "--stream"]) == 0
     assert "OK, 4 rows" in capsys.readouterr().out
+
+
+def test_cli_streams_follow_source_manifest_content(clean_set, tmp_path, capsys, caplog):
+    root, noise_dir, manifest = clean_set
+    assert prepare.main(["corrupt", "--manifest", str(manifest), "--out", str(tmp_path / "c"),
+                         "--domains", "GS"]) == 0
+    args = ["streams", "--manifest_dir", str(tmp_path / "c" / "manifests"), "--snr", "5",
+            "--out", str(tmp_path / "s"), "--names", "GS"]
+    assert prepare.main(args) == 0
+    gs = tmp_path / "s" / "streams" / "GS.csv"
+    rec = tmp_path / "s" / "streams" / "GS.csv.opts.json"
+    first = gs.read_text()
+    # a record of the previous version (options only), stream unchanged: kept, record migrated
+    rec.write_text(json.dumps(json.loads(rec.read_text())["options"]))
+    with caplog.at_level(logging.INFO):
+        assert prepare.main(args) == 0
+    assert "older version" in caplog.text and "a rebuild gives the same stream" in caplog.text
+    assert json.loads(rec.read_text())["format"] == 2 and gs.read_text() == first
+    # a source manifest edited (a transcript corrected): the stream would change -> refused
+    src = tmp_path / "c" / "manifests" / "GS_5dB.csv"
+    rows = read_manifest(src)
+    rows[0]["wrd"] = "FIXED"
+    write_manifest(src, rows)
+    capsys.readouterr()
+    assert prepare.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"input file {src.resolve()} changed (sha1" in err and "written once" in err
+    assert gs.read_text() == first
+    assert prepare.main(args + ["--force"]) == 0
+    assert "FIXED" in gs.read_text()
 
 
 def test_cli_missing_data_message(tmp_path, capsys):

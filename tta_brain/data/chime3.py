@@ -24,12 +24,17 @@ Text clean-up (``clean_text=True``, a documented difference from the official co
 raw line): WSJ verbalised punctuation tokens (``.PERIOD``, ``,COMMA``, ``"DOUBLE-QUOTE``: tokens
 that start with a character other than a letter, digit or apostrophe) and bracketed markers
 (``<NOISE>``, ``[...]``) are dropped, as they are not spoken words.
+
+The manifest is content keyed, as the LibriSpeech one: its cache record holds the options and the
+SHA-1 of every audio file of the chosen splits, their ``.trn`` files and the ``*.trn_all`` files,
+so a changed transcript or audio file rewrites it (the log says which).
 """
 import logging
 import re
 from pathlib import Path
 
-from .manifest import audio_duration, is_up_to_date, save_options, to_placeholder, write_manifest
+from .cache import HASH_CACHE_NAME, HashCache, hash_inputs, save_record, why_redo
+from .manifest import audio_duration, to_placeholder, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -92,18 +97,30 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
     """Write the manifest of the CHiME-3 ``set_name`` splits to ``out_csv``; returns the path.
 
     ``data_root`` (usually the CHiME-3 root) makes ``wav`` use ``$data_root``. Skipped when the
-    output exists with the same options. Raises ``FileNotFoundError`` naming what is missing.
+    output exists with the same options and its input files have the same content. Raises
+    ``FileNotFoundError`` naming what is missing.
     """
     root = find_root(root)
     splits = list(splits) if splits else list(default_splits(include_ped_real))
     options = {"root": str(root.resolve()), "splits": splits, "audio_subdir": audio_subdir,
                "clean_text": bool(clean_text), "set": set_name,
                "data_root": str(Path(data_root).resolve()) if data_root else None}
-    if skip_existing and is_up_to_date(out_csv, options):
-        logger.info("%s exists with the same options, skipping", out_csv)
-        return Path(out_csv)
+    out_csv = Path(out_csv)
     audio_root = root / audio_subdir
     trans_root = root / TRANSCRIPT_SUBDIR
+    files = sorted(trans_root.glob("*.trn_all"))
+    for split in splits:
+        files += sorted((audio_root / f"{set_name}_{split}").glob("*.wav"))
+        files += sorted((trans_root / f"{set_name}_{split}").glob("*.trn"))
+    hashes = HashCache(out_csv.parent / HASH_CACHE_NAME)
+    inputs = hash_inputs(files, root, hashes)
+    hashes.save()
+    why = why_redo(out_csv, options, inputs, step="chime3")
+    if skip_existing and why is None:
+        logger.info("%s: up to date (same options, %d audio and transcript files unchanged; %s), "
+                    "skipping", out_csv, len(inputs), hashes.stats())
+        return out_csv
+    logger.info("%s: %s, writing the manifest", out_csv, why or "rewrite asked")
     pooled = {}  # {"real"/"simu": {ID: text}} from *.trn_all, read on first need
     rows = []
     for split in splits:
@@ -136,7 +153,7 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
                 "domain": split,
             })
     write_manifest(out_csv, rows)
-    save_options(out_csv, options)
+    save_record(out_csv, "chime3", options, inputs=inputs)
     logger.info("wrote %d CHiME-3 %s utterances (%s) to %s", len(rows), set_name,
                 ", ".join(splits), out_csv)
-    return Path(out_csv)
+    return out_csv

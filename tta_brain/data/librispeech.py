@@ -9,11 +9,19 @@ Expected layout (the official tarballs unpacked under ``root``)::
 ``<utterance id> <TRANSCRIPT>``. The manifest has ``ID,duration,wav,spk_id,wrd`` with the
 utterance id, the duration in seconds from the file header, the audio path (``$data_root/...`` if
 ``data_root`` is given and contains the audio, else absolute), the speaker id and the transcript.
+
+The manifest is content keyed: its cache record (``<out>.opts.json``, see
+:mod:`tta_brain.data.cache`) holds the options and the SHA-1 of every ``.trans.txt`` and ``.flac``
+file of the split (durations come from the audio), so an edited transcript or a replaced, added or
+removed audio file rewrites it (the log says which). Hashes are cached by ``stat`` in
+``.sha1_cache.json`` next to the manifest: after the first run a check only lists and ``stat`` s
+the files.
 """
 import logging
 from pathlib import Path
 
-from .manifest import audio_duration, is_up_to_date, save_options, to_placeholder, write_manifest
+from .cache import HASH_CACHE_NAME, HashCache, hash_inputs, save_record, why_redo
+from .manifest import audio_duration, to_placeholder, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -55,18 +63,27 @@ def read_transcripts(split_dir):
 def prepare_librispeech(root, out_csv, split=DEFAULT_SPLIT, data_root=None, skip_existing=True):
     """Write the manifest of ``split`` to ``out_csv``; returns the path.
 
-    Skipped when ``out_csv`` exists and was made with the same options. Raises
-    ``FileNotFoundError`` (with what to set) when the split folder is missing, and ``ValueError``
-    when audio and transcripts do not match.
+    Skipped when ``out_csv`` exists and was made with the same options from files with the same
+    content (see the module docstring). Raises ``FileNotFoundError`` (with what to set) when the
+    split folder is missing, and ``ValueError`` when audio and transcripts do not match.
     """
     split_dir = find_split_dir(root, split)
+    out_csv = Path(out_csv)
     options = {"root": str(Path(root).resolve()), "split": split,
                "data_root": str(Path(data_root).resolve()) if data_root else None}
-    if skip_existing and is_up_to_date(out_csv, options):
-        logger.info("%s exists with the same options, skipping", out_csv)
-        return Path(out_csv)
+    trans_files = sorted(split_dir.glob("*/*/*.trans.txt"))
+    audio_files = sorted(split_dir.glob("*/*/*.flac"))
+    hashes = HashCache(out_csv.parent / HASH_CACHE_NAME)
+    inputs = hash_inputs(trans_files + audio_files, split_dir, hashes)
+    hashes.save()
+    why = why_redo(out_csv, options, inputs, step="librispeech")
+    if skip_existing and why is None:
+        logger.info("%s: up to date (same options, %d transcript and audio files unchanged; %s), "
+                    "skipping", out_csv, len(inputs), hashes.stats())
+        return out_csv
+    logger.info("%s: %s, writing the manifest", out_csv, why or "rewrite asked")
     texts = read_transcripts(split_dir)
-    audio = {p.stem: p for p in sorted(split_dir.glob("*/*/*.flac"))}
+    audio = {p.stem: p for p in audio_files}
     if not audio:
         raise FileNotFoundError(f"no .flac files under {split_dir}")
     no_text = sorted(set(audio) - set(texts))
@@ -86,6 +103,6 @@ def prepare_librispeech(root, out_csv, split=DEFAULT_SPLIT, data_root=None, skip
             "wrd": texts[utt],
         })
     write_manifest(out_csv, rows)
-    save_options(out_csv, options)
+    save_record(out_csv, "librispeech", options, inputs=inputs)
     logger.info("wrote %d utterances of %s to %s", len(rows), split, out_csv)
-    return Path(out_csv)
+    return out_csv

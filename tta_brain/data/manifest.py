@@ -8,14 +8,23 @@ Stream manifest = utterance manifest + ``domain,segment,position`` (+ ``snr``, `
 are in stream order, ``position`` is the 0-based index, ``segment`` the index of the contiguous
 domain block (a true boundary is a position where ``segment`` changes).
 
-Preparation steps record their options next to their output (``<file>.opts.json``) and skip the
-work when the output exists and the options match (:func:`is_up_to_date`).
+Manifests are read as UTF-8, with or without a byte order mark (spreadsheet exports), and with
+the :mod:`csv` module (a quoted value may hold commas or newlines). A record with fewer or more
+fields than the header (e.g. a truncated last line) or malformed quoting raises
+:class:`ManifestError` naming ``<file>:<line>``.
+
+Preparation steps keep a cache record next to their output (``<file>.opts.json``); see
+:mod:`tta_brain.data.cache` for the content-keyed format. :func:`is_up_to_date`,
+:func:`stored_options` and :func:`save_options` are the options-only interface (format 1).
 """
 import csv
+import io
 import json
 import os
 import re
 from pathlib import Path
+
+from .cache import RECORD_FORMAT, record_path
 
 UTT_COLUMNS = ("ID", "duration", "wav", "spk_id", "wrd")
 STREAM_COLUMNS = UTT_COLUMNS + ("domain", "segment", "position")
@@ -49,17 +58,29 @@ def write_manifest(path, rows, columns=None):
     """Write ``rows`` (dicts) as CSV. Column order: the standard columns first, then the others in
     first-seen order (or exactly ``columns``). Written atomically (temporary file + rename)."""
     path = Path(path)
-    rows = list(rows)
-    cols = _ordered_columns(rows, columns)
+    text = manifest_text(rows, columns)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="raise")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({c: _format_value(row.get(c, "")) for c in cols})
+        f.write(text)
     tmp.replace(path)
     return path
+
+
+def manifest_text(rows, columns=None):
+    """The exact text :func:`write_manifest` writes for ``rows`` (to compare without writing)."""
+    rows = list(rows)
+    cols = _ordered_columns(rows, columns)
+    known = set(cols)
+    out = io.StringIO(newline="")
+    writer = csv.writer(out)
+    writer.writerow(cols)
+    for row in rows:
+        if columns is not None and not known.issuperset(row):
+            extra = ", ".join(repr(k) for k in row if k not in known)
+            raise ValueError(f"row has fields not in the columns: {extra}")
+        writer.writerow([_format_value(row.get(c, "")) for c in cols])
+    return out.getvalue()
 
 
 def _format_value(value):
@@ -76,26 +97,69 @@ def read_manifest(path, replacements=None):
     written, which keeps ``$data_root`` placeholders when rows are copied into a new manifest.
     """
     path = Path(path)
+    records = _records(path)
+    try:
+        return _read_rows(path, records, replacements)
+    finally:
+        records.close()
+
+
+def _read_rows(path, records, replacements):
+    header = _header(path, records)
+    if len(set(header)) != len(header):
+        dup = next(c for c in header if header.count(c) > 1)
+        raise ManifestError(f"{path}:1: column {dup!r} appears twice in the header")
+    rows = []
+    for line_no, fields in records:
+        if not fields:  # a blank line
+            continue
+        if len(fields) != len(header):
+            hint = ("truncated or malformed line" if len(fields) < len(header)
+                    else "malformed line: a value with an unquoted comma?")
+            raise ManifestError(f"{path}:{line_no}: {len(fields)} fields, the header has "
+                                f"{len(header)} ({hint})")
+        row = dict(zip(header, fields))
+        if replacements is not None:
+            row = {k: _substitute(v, replacements, path, line_no) for k, v in row.items()}
+        if "duration" in row and row["duration"] != "":
+            try:
+                row["duration"] = float(row["duration"])
+            except ValueError:
+                raise ManifestError(
+                    f"{path}:{line_no}: duration {row['duration']!r} is not a number") from None
+        rows.append(row)
+    return rows
+
+
+def _records(path):
+    """``(line number, fields)`` of each CSV record of ``path``, the header first.
+
+    The line number is the physical line where the record starts (a quoted value may span lines).
+    UTF-8 with an optional byte order mark; strict quoting. Raises :class:`ManifestError` for a
+    missing file, text that is not UTF-8 or malformed CSV (e.g. a quote left open by truncation).
+    """
     if not path.is_file():
         raise ManifestNotFoundError(f"manifest not found: {path}")
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None:
-            raise ManifestError(f"{path}: empty manifest (no header)")
-        rows = []
-        for line_no, row in enumerate(reader, start=2):
-            if None in row:
-                raise ManifestError(f"{path}:{line_no}: more fields than columns in the header")
-            if replacements is not None:
-                row = {k: _substitute(v, replacements, path, line_no) for k, v in row.items()}
-            if "duration" in row and row["duration"] not in ("", None):
-                try:
-                    row["duration"] = float(row["duration"])
-                except ValueError:
-                    raise ManifestError(
-                        f"{path}:{line_no}: duration {row['duration']!r} is not a number") from None
-            rows.append(row)
-    return rows
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f, strict=True)
+        start = 1
+        try:
+            for fields in reader:
+                yield start, fields
+                start = reader.line_num + 1
+        except csv.Error as err:
+            hint = (" (truncated file?)" if "unexpected end of data" in str(err) else "")
+            raise ManifestError(f"{path}:{reader.line_num}: malformed CSV: {err}{hint}") from None
+        except UnicodeDecodeError as err:
+            raise ManifestError(f"{path}: not UTF-8 text ({err.reason} after line "
+                                f"{reader.line_num})") from None
+
+
+def _header(path, records):
+    first = next(records, None)
+    if first is None or not first[1]:
+        raise ManifestError(f"{path}: empty manifest (no header)")
+    return first[1]
 
 
 def _substitute(value, replacements, path, line_no):
@@ -115,13 +179,11 @@ def _substitute(value, replacements, path, line_no):
 def read_header(path):
     """Column names of a manifest."""
     path = Path(path)
-    if not path.is_file():
-        raise ManifestNotFoundError(f"manifest not found: {path}")
-    with open(path, newline="", encoding="utf-8") as f:
-        header = next(csv.reader(f), None)
-    if not header:
-        raise ManifestError(f"{path}: empty manifest (no header)")
-    return header
+    records = _records(path)
+    try:
+        return _header(path, records)
+    finally:
+        records.close()
 
 
 def validate_manifest(path, required=UTT_COLUMNS):
@@ -199,31 +261,36 @@ def resolve_path(value, data_root=None):
 
 
 def _opts_path(path):
-    path = Path(path)
-    return path.with_name(path.name + ".opts.json")
-
-
-def is_up_to_date(path, options):
-    """True when ``path`` exists and was written with the same ``options`` (a JSON-able dict)."""
-    opts = _opts_path(path)
-    if not Path(path).exists() or not opts.is_file():
-        return False
-    try:
-        return json.loads(opts.read_text(encoding="utf-8")) == json.loads(json.dumps(options))
-    except json.JSONDecodeError:
-        return False
+    return record_path(path)
 
 
 def stored_options(path):
-    """Options recorded for ``path`` by :func:`save_options`, or None."""
+    """Options recorded for ``path`` (cache record of format 1 or 2), or None."""
     opts = _opts_path(path)
     if not opts.is_file():
         return None
-    return json.loads(opts.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(opts.read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+    if isinstance(data, dict) and data.get("format") == RECORD_FORMAT:
+        return data.get("options")
+    return data
+
+
+def is_up_to_date(path, options):
+    """True when ``path`` exists and its cache record has the same ``options`` (a JSON-able dict).
+
+    Options only: steps whose output depends on file contents use :mod:`tta_brain.data.cache`.
+    """
+    if not Path(path).exists():
+        return False
+    stored = stored_options(path)
+    return stored is not None and stored == json.loads(json.dumps(options))
 
 
 def save_options(path, options):
-    """Record the options that produced ``path`` (see :func:`is_up_to_date`)."""
+    """Record the options that produced ``path`` (an options-only record, format 1)."""
     opts = _opts_path(path)
     opts.parent.mkdir(parents=True, exist_ok=True)
     tmp = opts.with_name(opts.name + ".tmp")

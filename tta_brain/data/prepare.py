@@ -12,9 +12,12 @@ Usage::
         --names chime3=random
     python -m tta_brain.data.prepare validate data/snr5/streams/md_easy.csv --stream
 
-Every step skips work whose output exists with the same options. Stream manifests are written
-once: rebuilding one with other options is refused unless ``--force`` is given, because
-experiments refer to them by name. Errors about missing data exit with status 1 and a message
+Every step skips work whose output exists with the same options and the same input *contents*
+(cache records ``<output>.opts.json``, see :mod:`tta_brain.data.cache`); when something changed,
+the log says what and only the outputs that depend on it are redone. Stream manifests are written
+once: when a stream's options or source manifests changed and a rebuild would differ from the
+existing file, rebuilding is refused unless ``--force`` is given, because experiments refer to
+streams by name. Errors about missing data exit with status 1 and a message
 saying what to set.
 """
 import argparse
@@ -113,7 +116,8 @@ def _domains_used(preset, domain_rows, overrides):
 
 
 def _streams(args):
-    from .manifest import is_up_to_date, save_options, stored_options, write_manifest
+    from .cache import file_sha1, save_record, why_redo
+    from .manifest import manifest_text, write_manifest
     from .streams import build_stream, runs
 
     domain_rows, sources = _load_domains(args)
@@ -124,6 +128,7 @@ def _streams(args):
     else:
         names = sorted(domain_rows) + list(DEFAULT_STREAMS)
     out_dir = Path(args.out) / "streams"
+    digests = {}  # source manifest -> sha1
     for spec in names:
         name, _, preset = spec.partition("=")
         preset = preset or name
@@ -131,17 +136,30 @@ def _streams(args):
         used = _domains_used(preset, domain_rows, overrides)
         options = {"preset": preset, "seed": args.seed, "max_duration": args.max_duration,
                    "overrides": overrides, "sources": {d: sources.get(d) for d in used}}
+        for src in options["sources"].values():
+            if src and src not in digests:
+                digests[src] = file_sha1(src)
+        inputs = {src: digests[src] for src in options["sources"].values() if src}
         out_csv = out_dir / f"{name}.csv"
-        if is_up_to_date(out_csv, options):
-            logger.info("%s exists with the same options, skipping", out_csv)
+        why = why_redo(out_csv, options, inputs, step="streams")
+        if why is None:
+            logger.info("%s: up to date (same options and source manifests), skipping", out_csv)
             continue
-        if out_csv.exists() and not args.force:
-            raise ValueError(f"{out_csv} exists but was built with other options "
-                             f"({stored_options(out_csv)}); streams are written once - delete "
-                             "it, use another --out, or pass --force")
         stream = build_stream(preset, domain_rows, seed=args.seed, **overrides)
+        if out_csv.is_file():
+            # Streams are written once; what matters is whether the stream itself would change.
+            if out_csv.read_bytes() == manifest_text(stream).encode("utf-8"):
+                save_record(out_csv, "streams", options, inputs=inputs)
+                logger.info("%s: %s, but a rebuild gives the same stream; record updated, "
+                            "skipping", out_csv, why)
+                continue
+            if not args.force:
+                raise ValueError(f"{out_csv} exists and a rebuild differs from it ({why}); "
+                                 "streams are written once - delete it, use another --out, or "
+                                 "pass --force")
+            logger.info("%s: %s; rebuilding (--force)", out_csv, why)
         write_manifest(out_csv, stream)
-        save_options(out_csv, options)
+        save_record(out_csv, "streams", options, inputs=inputs)
         segs = runs(stream)
         logger.info("wrote stream %s: %d utterances, %d segment(s) -> %s", name, len(stream),
                     len(segs), out_csv)

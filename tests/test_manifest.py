@@ -1,0 +1,156 @@
+"""Manifest reading (BOM, truncated / malformed lines, quoted values), cache records and the
+file hash cache of the preparation steps."""
+import json
+import os
+import re
+import time
+
+import pytest
+
+from tta_brain.data import cache
+from tta_brain.data.cache import HashCache, file_sha1, load_record, save_record, why_redo
+from tta_brain.data.manifest import (STREAM_COLUMNS, UTT_COLUMNS, ManifestError, is_up_to_date,
+                                     read_header, read_manifest, save_options, stored_options,
+                                     validate_manifest, write_manifest)
+
+
+def stream_rows(n=10):
+    return [{"ID": f"u{i}", "duration": 1.5, "wav": f"$data_root/a/u{i}.wav", "spk_id": "s1",
+             "wrd": "HELLO WORLD", "domain": "AC", "segment": 0, "position": i}
+            for i in range(n)]
+
+
+def test_manifest_with_utf8_bom_reads_everywhere(tmp_path):
+    text = write_manifest(tmp_path / "plain.csv", stream_rows(3)).read_text(encoding="utf-8")
+    path = tmp_path / "export.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))  # what a spreadsheet writes
+    assert read_header(path) == list(STREAM_COLUMNS)
+    rows = read_manifest(path, replacements={"data_root": "/d"})
+    assert [r["ID"] for r in rows] == ["u0", "u1", "u2"] and rows[0]["wav"] == "/d/a/u0.wav"
+    assert "\ufeffID" not in rows[0]
+    assert len(validate_manifest(path, required=STREAM_COLUMNS)) == 3
+    assert len(validate_manifest(path, required=UTT_COLUMNS)) == 3
+
+
+def test_truncated_last_line_names_file_and_line(tmp_path):
+    path = write_manifest(tmp_path / "s.csv", stream_rows(10))
+    data = path.read_bytes()
+    last = data.rstrip(b"\r\n").rsplit(b"\n", 1)[1]  # u9,1.5,$data_root/a/u9.wav,s1,HELLO ...
+    cut = data[:len(data.rstrip(b"\r\n")) - len(last)] + b",".join(last.split(b",")[:4])
+    path.write_bytes(cut)  # e.g. a copy interrupted in the middle of the last row
+    expected = (rf"^{re.escape(str(path))}:11: 4 fields, the header has 8 "
+                r"\(truncated or malformed line\)$")
+    with pytest.raises(ManifestError, match=expected):
+        read_manifest(path)
+    with pytest.raises(ManifestError, match=expected):
+        validate_manifest(path, required=STREAM_COLUMNS)
+
+
+def test_short_and_long_rows_anywhere_are_errors(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a.wav,s,A\nu2,1,/b.wav\nu3,1,/c.wav,s,C\n")
+    with pytest.raises(ManifestError, match=rf"^{re.escape(str(path))}:3: 3 fields, the header "
+                                            r"has 5 \(truncated or malformed line\)$"):
+        read_manifest(path)
+    path.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a.wav,s,A, B\n")
+    with pytest.raises(ManifestError, match=r"m\.csv:2: 6 fields, the header has 5 \(malformed "
+                                            r"line: a value with an unquoted comma\?\)"):
+        read_manifest(path)
+
+
+def test_quoted_commas_and_newlines_are_one_value(tmp_path):
+    path = tmp_path / "q.csv"
+    path.write_text('ID,duration,wav,spk_id,wrd\n'
+                    'u1,1,/a.wav,s,"WELL, YES"\n'
+                    'u2,1,/b.wav,s,"TWO\nLINES"\n'
+                    '\n'  # blank lines are skipped, as before
+                    'u3,1,/c.wav,s\n')
+    with pytest.raises(ManifestError, match=r"q\.csv:6: 4 fields"):  # physical line, not row 4
+        read_manifest(path)
+    path.write_text(path.read_text().replace("u3,1,/c.wav,s\n", "u3,1,/c.wav,s,C\n"))
+    rows = read_manifest(path)
+    assert [r["wrd"] for r in rows] == ["WELL, YES", "TWO\nLINES", "C"]
+    assert rows[0]["duration"] == 1.0
+
+
+def test_truncated_inside_quotes_and_other_malformed_files(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text('ID,duration,wav,spk_id,wrd\nu1,1,/a.wav,s,A\nu2,1,/b.wav,s,"HELLO WO')
+    with pytest.raises(ManifestError, match=r"t\.csv:3: malformed CSV: unexpected end of data "
+                                            r"\(truncated file\?\)"):
+        read_manifest(path)
+    path.write_text("ID,duration,wav,ID,wrd\nu1,1,/a.wav,s,A\n")
+    with pytest.raises(ManifestError, match=r"t\.csv:1: column 'ID' appears twice"):
+        read_manifest(path)
+    path.write_bytes(b"ID,duration,wav,spk_id,wrd\nu1,1,/a.wav,s,CAF\xe9\n")  # Latin-1
+    with pytest.raises(ManifestError, match=r"t\.csv: not UTF-8 text"):
+        read_manifest(path)
+    path.write_text("")
+    with pytest.raises(ManifestError, match="empty manifest"):
+        read_header(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# cache records and the hash cache
+# ----------------------------------------------------------------------------------------------
+def test_records_old_and_new_format(tmp_path):
+    out = tmp_path / "x.csv"
+    out.write_text("ID\n")
+    save_options(out, {"seed": 1})  # format 1: the options object (earlier versions)
+    assert stored_options(out) == {"seed": 1} and is_up_to_date(out, {"seed": 1})
+    record, why = load_record(out)
+    assert record is None and "older version (options only, no content hashes)" in why
+    assert "older version" in why_redo(out, {"seed": 1}, {})
+    save_record(out, "demo", {"seed": 1}, inputs={"a.wav": "0" * 40})
+    assert stored_options(out) == {"seed": 1} and is_up_to_date(out, {"seed": 1})
+    assert json.loads((tmp_path / "x.csv.opts.json").read_text())["format"] == 2
+    assert why_redo(out, {"seed": 1}, {"a.wav": "0" * 40}, step="demo") is None
+    assert why_redo(out, {"seed": 2}, {"a.wav": "0" * 40}) == "seed changed (1 -> 2)"
+    assert why_redo(out, {"seed": 1}, {"a.wav": "1" * 40, "b.wav": "2" * 40}) == \
+        "input file a.wav changed (sha1 00000000 -> 11111111); 1 input file(s) added (e.g. b.wav)"
+    (tmp_path / "x.csv.opts.json").write_text("{broken")
+    assert "unreadable" in why_redo(out, {"seed": 1}, {})
+    save_record(out, "demo", {"seed": 1}, inputs={})
+    out.unlink()
+    assert why_redo(out, {"seed": 1}, {}) == "x.csv is missing"
+    (tmp_path / "x.csv.opts.json").unlink()
+    assert why_redo(out, {"seed": 1}, {}) == "not written yet"
+
+
+def test_hash_cache_reuses_unchanged_files_and_sees_replacements(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "RACY_MARGIN_NS", 0)
+    files = [tmp_path / f"f{i}.bin" for i in range(5)]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]) * 1000)
+    time.sleep(0.05)
+    store = tmp_path / "c.json"
+    first = HashCache(store)
+    digests = [first.sha1(f) for f in files]
+    assert digests == [file_sha1(f) for f in files] and first.n_read == 5
+    first.save()
+    second = HashCache(store)
+    assert [second.sha1(f) for f in files] == digests
+    assert (second.n_read, second.n_cached) == (0, 5)  # not read again
+    # replaced in place with the same size and the old modification time put back (cp -p style)
+    st = files[2].stat()
+    time.sleep(0.05)
+    files[2].write_bytes(b"\x09" * 1000)
+    os.utime(files[2], ns=(st.st_atime_ns, st.st_mtime_ns))
+    third = HashCache(store)
+    assert third.sha1(files[2]) == file_sha1(files[2]) != digests[2]
+    assert third.n_read == 1
+
+
+def test_hash_cache_does_not_store_files_changed_just_before_hashing(tmp_path):
+    f = tmp_path / "new.bin"
+    f.write_bytes(b"a" * 100)
+    store = tmp_path / "c.json"
+    hc = HashCache(store)
+    hc.sha1(f)
+    hc.save()
+    # written within RACY_MARGIN_NS of hashing: a change in the same clock tick could look
+    # unchanged, so it is hashed again next time
+    assert f.as_posix() not in json.loads(store.read_text()).get("files", {})
+    again = HashCache(store)
+    again.sha1(f)
+    assert again.n_read == 1

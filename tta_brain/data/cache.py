@@ -1,0 +1,250 @@
+"""Content-keyed caching of the data preparation steps.
+
+Every preparation output ``<file>`` has a *cache record* ``<file>.opts.json`` saying what it was
+made from. A step redoes its work when an input's *content* changed, not only when a path or an
+option did, and logs why (``AC_20dB: noise /x/ac.wav changed (sha1 1234abcd -> 9876fedc),
+remixing ...``).
+
+Record format 2 (JSON object)::
+
+    {"format": 2, "step": "<step>", "options": {...}, ...}
+
+``options`` are the step's options, as before; the other keys are step specific content keys, e.g.
+``inputs`` (``{file key: sha1}`` of every input file, :func:`input_changes`) or, for the noisy
+mixtures, ``audio`` and ``speech`` (see :func:`tta_brain.data.ms_snsd.corrupt_manifest`).
+Format 1, written by earlier versions, is the options object itself; it is still read by
+:func:`tta_brain.data.manifest.stored_options`, and a step that finds one redoes its work once
+(logging that the record is from an older version) and writes format 2.
+
+Hashing is made cheap by :class:`HashCache`, a small JSON file ``{path: [size, mtime_ns,
+ctime_ns, sha1]}`` next to the outputs: a file whose ``stat`` still matches is not read again.
+The ``ctime`` is set by the kernel on every write or rename and cannot be set back by tools that
+preserve the modification time (``cp -p``, ``rsync -t``, ``touch -d``), so a replaced file is
+always noticed. Files changed less than :data:`RACY_MARGIN_NS` before they were hashed are not
+stored (their timestamps could coincide with a later change: git's "racily clean" problem); they
+are hashed again on the next run.
+"""
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RECORD_FORMAT = 2
+RECORD_SUFFIX = ".opts.json"
+#: Name of the hash cache file written in an output folder.
+HASH_CACHE_NAME = ".sha1_cache.json"
+HASH_CACHE_VERSION = 1
+#: Files whose mtime/ctime is this close to the time they were hashed are not cached on disk.
+RACY_MARGIN_NS = 2_000_000_000
+
+
+def file_sha1(path, chunk=1 << 20):
+    """SHA-1 (hex) of a file's bytes."""
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def short(digest):
+    """The first 8 characters of a hex digest (``None`` stays ``None``)."""
+    return digest[:8] if digest else digest
+
+
+class HashCache:
+    """SHA-1 of files, remembered across runs by ``(size, mtime_ns, ctime_ns)``.
+
+    ``path`` is the JSON file (``None``: in memory only). A missing, unreadable or foreign cache
+    file is ignored (everything is hashed again). Call :meth:`save` after use; concurrent writers
+    merge with what is on disk and the last one wins, which at worst costs a re-hash.
+    """
+
+    def __init__(self, path=None):
+        self.path = Path(path) if path else None
+        self._entries = {}  # absolute path -> [size, mtime_ns, ctime_ns, sha1]
+        self._racy = set()  # hashed this run, too recently changed to be stored
+        self.n_read = 0  # files read and hashed by this instance
+        self.n_cached = 0  # answered from the stat cache
+        self._dirty = False
+        if self.path is not None:
+            self._entries = self._load(self.path)
+
+    @staticmethod
+    def _load(path):
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as err:
+            logger.warning("hash cache %s unreadable (%s); hashing files again", path, err)
+            return {}
+        if not isinstance(data, dict) or data.get("version") != HASH_CACHE_VERSION:
+            return {}
+        files = data.get("files")
+        if not isinstance(files, dict):
+            return {}
+        return {k: v for k, v in files.items() if isinstance(v, list) and len(v) == 4}
+
+    def sha1(self, path):
+        """SHA-1 of ``path``'s content; reads the file only when its ``stat`` is not cached.
+
+        Raises ``FileNotFoundError`` for a missing file.
+        """
+        key = os.path.abspath(path)
+        st = os.stat(key)  # before reading: a change while hashing shows up in the next stat
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        entry = self._entries.get(key)
+        if entry is not None and entry[:3] == stamp:
+            self.n_cached += 1
+            return entry[3]
+        started = time.time_ns()
+        digest = file_sha1(key)
+        self.n_read += 1
+        self._entries[key] = stamp + [digest]
+        if max(st.st_mtime_ns, st.st_ctime_ns) >= started - RACY_MARGIN_NS:
+            self._racy.add(key)
+        else:
+            self._racy.discard(key)
+        self._dirty = True
+        return digest
+
+    def save(self):
+        """Write the cache (atomically) if anything was hashed; entries of deleted files go."""
+        if self.path is None or not self._dirty:
+            return
+        merged = self._load(self.path)
+        merged.update({k: v for k, v in self._entries.items() if k not in self._racy})
+        for k in list(merged):
+            if k in self._racy:
+                del merged[k]
+        merged = {k: v for k, v in merged.items() if os.path.exists(k)}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": HASH_CACHE_VERSION, "files": merged},
+                                  separators=(",", ":")), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._dirty = False
+
+    def stats(self):
+        """``"N read, M from the hash cache"``."""
+        return f"{self.n_read} read, {self.n_cached} from the hash cache"
+
+
+# ----------------------------------------------------------------------------------------------
+# cache records
+# ----------------------------------------------------------------------------------------------
+def record_path(path):
+    """``<path>.opts.json``."""
+    path = Path(path)
+    return path.with_name(path.name + RECORD_SUFFIX)
+
+
+def load_record(path):
+    """``(record, None)`` for a format-2 record of ``path``, else ``(None, why)``.
+
+    ``why`` is a phrase for the log: no record, an unreadable one, or one from an older version
+    (format 1: options only). Never raises for a bad record: the caller redoes the work.
+    """
+    rec = record_path(path)
+    if not rec.is_file():
+        return None, "no cache record"
+    try:
+        data = json.loads(rec.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return None, f"cache record {rec} unreadable ({type(err).__name__}: {err})"
+    if not isinstance(data, dict):
+        return None, f"cache record {rec} unreadable (not a JSON object)"
+    if data.get("format") != RECORD_FORMAT or not isinstance(data.get("options"), dict):
+        if "format" not in data:
+            return None, (f"cache record {rec} is from an older version (options only, no "
+                          "content hashes)")
+        return None, f"cache record {rec} has unknown format {data.get('format')!r}"
+    return data, None
+
+
+def save_record(path, step, options, **content):
+    """Write the format-2 record of ``path`` (atomically): ``options`` plus content keys."""
+    rec = record_path(path)
+    data = dict(content, format=RECORD_FORMAT, step=step, options=options)
+    data = json.loads(json.dumps(data))  # JSON types, as compared on the next run
+    rec.parent.mkdir(parents=True, exist_ok=True)
+    tmp = rec.with_name(rec.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, rec)
+    return data
+
+
+def as_stored(value):
+    """``value`` as it reads back from JSON (tuples become lists, int keys strings...)."""
+    return json.loads(json.dumps(value))
+
+
+def option_changes(old, new):
+    """``["seed changed (1 -> 2)", ...]`` for the keys that differ between two option dicts."""
+    old, new = as_stored(old or {}), as_stored(new)
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            out.append(f"{key} changed ({_brief(old.get(key))} -> {_brief(new.get(key))})")
+    return out
+
+
+def _brief(value, limit=80):
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def input_changes(old, new, what="input file"):
+    """Phrases describing how ``{key: sha1}`` maps differ (changed, added, removed files)."""
+    old = old or {}
+    changed = [k for k in new if k in old and old[k] != new[k]]
+    added = [k for k in new if k not in old]
+    removed = [k for k in old if k not in new]
+    out = []
+    if changed:
+        k = changed[0]
+        if len(changed) == 1:
+            out.append(f"{what} {k} changed (sha1 {short(old[k])} -> {short(new[k])})")
+        else:
+            out.append(f"{len(changed)} {what}s changed (e.g. {k}: sha1 {short(old[k])} -> "
+                       f"{short(new[k])})")
+    if added:
+        out.append(f"{len(added)} {what}(s) added (e.g. {added[0]})")
+    if removed:
+        out.append(f"{len(removed)} {what}(s) removed (e.g. {removed[0]})")
+    return out
+
+
+def why_redo(path, options, inputs, step=None):
+    """``None`` when ``path`` exists and its record has these ``options`` and ``inputs``
+    (``{key: sha1}``); else a phrase saying why it must be made again (for the log)."""
+    path = Path(path)
+    record, problem = load_record(path)
+    if not path.exists():
+        return "not written yet" if record is None else f"{path.name} is missing"
+    if record is None:
+        return problem
+    if step is not None and record.get("step") != step:
+        return f"cache record {record_path(path)} belongs to step {record.get('step')!r}"
+    reasons = option_changes(record["options"], options)
+    reasons += input_changes(record.get("inputs"), inputs)
+    return "; ".join(reasons) if reasons else None
+
+
+def hash_inputs(files, base, cache):
+    """``{key: sha1}`` of ``files``; keys are paths relative to ``base`` when under it."""
+    base = Path(base)
+    out = {}
+    for f in files:
+        f = Path(f)
+        try:
+            key = f.relative_to(base).as_posix()
+        except ValueError:
+            key = str(f)
+        out[key] = cache.sha1(f)
+    return out
