@@ -26,8 +26,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tta_brain", "tta_brain.*"]),
+    package_data={"tta_brain": ["hparams/*.yaml"]},
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={"test": ["pytest>=7", "wheel"]},
     entry_points={"console_scripts": ["tta-decode=tta_brain.decode:main"]},
 )

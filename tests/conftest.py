@@ -1,11 +1,12 @@
 """Shared fixtures: tiny *real* Hugging Face CTC models written with ``save_pretrained``."""
 import os
 import sys
+from functools import partial
 
 import pytest
 import torch
 
-from tta_brain.lobes.hf_ctc import save_char_processor
+from tta_brain.testing import TINY, save_random_ctc_model
 
 # Tiny models on a shared 2-core machine: one thread avoids oversubscription (20-50x slowdowns),
 # also in the recipe subprocesses the tests start.
@@ -17,20 +18,31 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 def save_ctc_model(out_dir, seed=0, norm="group", hidden=32, layers=2, **config_overrides):
-    """A randomly initialised Wav2Vec2ForCTC + processor (wav2vec2-base-960h vocabulary)."""
-    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
-    os.makedirs(out_dir, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=32, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-               intermediate_size=2 * hidden, conv_dim=(16, 16, 16), conv_kernel=(10, 8, 8),
-               conv_stride=(5, 8, 8), feat_extract_norm=norm, num_conv_pos_embeddings=16,
-               num_conv_pos_embedding_groups=2, pad_token_id=0, layerdrop=0.0,
-               mask_time_prob=0.0, do_stable_layer_norm=False)
+    """A randomly initialised tiny Wav2Vec2ForCTC + processor (wav2vec2-base-960h vocabulary)."""
+    cfg = dict(TINY, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
+               feat_extract_norm=norm, do_stable_layer_norm=False)
     cfg.update(config_overrides)
-    model = Wav2Vec2ForCTC(Wav2Vec2Config(**cfg))
-    model.save_pretrained(out_dir)
-    save_char_processor(out_dir, attention_mask=(norm == "layer"))
-    return out_dir
+    return save_random_ctc_model(out_dir, seed, **cfg)
+
+
+RUNTIME_KEYS = ("precision", "compile", "cache_features", "cpu_native_backward", "loss_scale")
+
+
+def build_on(model_dir, name, plain=False, **kwargs):
+    """Method ``name`` on its own freshly loaded lobe of ``model_dir``. Runtime options
+    (``RUNTIME_KEYS``) go to the lobe's ``Runtime``; ``plain=True`` is the reference path the
+    speed paths are checked against: no feature cache and the optimisers' per-tensor loops."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import build_method
+    from tta_brain.runtime import Runtime
+    runtime = {k: kwargs.pop(k) for k in list(kwargs) if k in RUNTIME_KEYS}
+    if plain:
+        runtime.setdefault("cache_features", "off")
+        loop = partial(torch.optim.AdamW, weight_decay=0.0, foreach=False)
+        kwargs.setdefault("optimizer", loop)
+        if name == "dsuta":
+            kwargs.setdefault("slow_optimizer", loop)
+    return build_method(name, model=HFCTCLobe(model_dir, runtime=Runtime(**runtime)), **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def data(tmp_path_factory, tiny_model_dir):
 
 
 def args(data, out, *extra, method="dsuta", csv_path=None):
-    return [str(REPO / f"recipes/hparams/{method}.yaml"), f"--source={data['model']}",
+    return [method, f"--source={data['model']}",
             f"--stream_csv={csv_path or data['csv']}", f"--output_folder={out}",
             f"--data_root={data['root']}", "--noprogressbar", *extra]
 
@@ -195,7 +195,7 @@ def test_non_finite_loss_skips_the_step_and_is_logged(data, tmp_path, monkeypatc
     monkeypatch.setattr(cls, "loss", loss)
     out = tmp_path / "exp"
     s = decode.main(args(data, out, *DSUTA, "--ckpt_every=0"))
-    assert s["n_utts"] == 20 and s["counts"]["skipped_steps"] == 2
+    assert s.n_utts == 20 and s.counts["skipped_steps"] == 2
     log = (out / "log.txt").read_text()
     assert "u003 (position 3): 2 adaptation step(s) skipped (non-finite loss nan)" in log
     m = seen["method"]

@@ -12,6 +12,7 @@ import statistics
 import pytest
 import torch
 
+from conftest import build_on
 from tta_brain import losses
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import METHODS, UttInfo, build_method
@@ -24,7 +25,7 @@ from tta_brain.resets import (DynamicReset, FixedReset, NoReset, OracleReset, fi
 def make(tiny_model_dir):
     """``make(name, **kwargs)``: a method on its own freshly loaded tiny model."""
     def _make(name, **kwargs):
-        return build_method(name, model=HFCTCLobe(tiny_model_dir), **kwargs)
+        return build_on(tiny_model_dir, name, **kwargs)
     return _make
 
 
@@ -237,10 +238,10 @@ def test_dsuta_fixed_reset_every_F(make, utterances, source_values):
     for wav, info in stream(utterances, 9):
         m.process(wav, info)
         after.append(clone(m.meta))
-    resets = [e for e in m.events if e[0] == "reset"]
+    resets = [e for e in m.events if e.kind == "reset"]
     # t = 4 and t = 8 (positions 3 and 7): the first utterance from the source is 4 / 8
-    assert [e[1] for e in resets] == [4, 8]
-    assert all("fixed" in e[2] for e in resets)
+    assert [e.position for e in resets] == [4, 8]
+    assert all("fixed" in e.reason for e in resets)
     assert same(after[3], src) and same(after[7], src)     # meta == source right after
     assert not same(after[1], src) and not same(after[5], src)  # normal updates at t = 2, 6
     assert same(after[8], after[7])                         # t = 9: buffer half full
@@ -253,7 +254,7 @@ def test_csuta_fixed_reset(make, utterances, source_values):
     for wav, info in stream(utterances, 7):
         m.process(wav, info)
         after.append(clone(m.params))
-    assert [e[1] for e in m.events if e[0] == "reset"] == [3, 6]
+    assert [e.position for e in m.events if e.kind == "reset"] == [3, 6]
     assert same(after[2], src) and same(after[5], src)
     assert not same(after[0], src) and not same(after[3], src) and not same(after[6], src)
 
@@ -275,8 +276,8 @@ def test_dsuta_oracle_reset_at_a_boundary_off_the_update_grid(make, utterances, 
     for wav, info in items:
         hyps.append(m.process(wav, info))
         after.append(clone(m.meta))
-    resets = [e for e in m.events if e[0] == "reset"]
-    assert [e[1] for e in resets] == [4] and "oracle" in resets[0][2]
+    resets = [e for e in m.events if e.kind == "reset"]
+    assert [e.position for e in resets] == [4] and "oracle" in resets[0].reason
     assert at_start[4] is True                              # utterance 4 starts from the source
     assert not same(after[2], src)                          # update at t = 3
     assert same(after[3], after[2])                         # buffered, then discarded by the reset
@@ -296,7 +297,7 @@ def test_csuta_oracle_reset_equals_fresh_model(make, utterances, source_values):
     for wav, info in items:
         hyps.append(m.process(wav, info))
         params.append(clone(m.params))
-    assert [e[1] for e in m.events if e[0] == "reset"] == [2, 5]
+    assert [e.position for e in m.events if e.kind == "reset"] == [2, 5]
     fresh = make("csuta", steps=1, lr=1e-3)
     assert fresh.process(*items[2]) == hyps[2]
     assert same(fresh.params, params[2])                    # bit-identical continuation
@@ -367,11 +368,11 @@ def test_dynamic_reset_timeline_phi_D_gaussian_patience(make):
     assert not any(18 < t <= 22 for t, _ in fake.calls)
     assert phis[23] == 22.0 and phis[24] == 22.0
     # the events: construction for t in (4, 8], detection after
-    lii_events = [e for e in fake.events if e[0] == "lii"]
-    assert [e[1] for e in lii_events][:4] == [4, 5, 6, 7]   # positions of t = 5..8
-    assert all(e[3] == "construction" for e in lii_events[:4])
-    assert all(e[3] == "detection" for e in lii_events[4:14])
-    assert [e[2] for e in lii_events[:4]] == pytest.approx(list(stats.values()), abs=1e-12)
+    lii_events = [e for e in fake.events if e.kind == "lii"]
+    assert [e.position for e in lii_events][:4] == [4, 5, 6, 7]   # positions of t = 5..8
+    assert all(e.reason == "construction" for e in lii_events[:4])
+    assert all(e.reason == "detection" for e in lii_events[4:14])
+    assert [e.value for e in lii_events[:4]] == pytest.approx(list(stats.values()), abs=1e-12)
     assert pol.last == 18 and pol.counter == 0
 
 
@@ -430,8 +431,8 @@ def test_dsuta_dynamic_reset_discards_the_triggering_buffer(make, utterances, so
     planted = {3: 0.0, 4: 0.2, 5: 5.0, 6: 5.0, 7: 5.0, 8: 5.0, 9: 0.0, 10: 0.0}
     m.loss_with = lambda values, x: 0.0 if values is None else planted[m.t + 1]
     updates = []
-    orig_update = m._slow_update
-    m._slow_update = lambda: (updates.append(m.t + 1), orig_update())
+    orig_update = m.meta_update
+    m.meta_update = lambda: (updates.append(m.t + 1), orig_update())
     after = []
     for wav, info in stream(utterances, 10):
         m.process(wav, info)
@@ -439,7 +440,7 @@ def test_dsuta_dynamic_reset_discards_the_triggering_buffer(make, utterances, so
         if m.t == 2:
             assert same(m.reset_policy.phi_D, m.meta) and not same(m.meta, src)
     assert updates == [2, 4, 6, 10]                          # not at 8: the reset replaced it
-    assert [(e[1], e[2].startswith("dynamic")) for e in m.events if e[0] == "reset"] == [(8, True)]
+    assert [(e.position, e.reason.startswith("dynamic")) for e in m.events if e.kind == "reset"] == [(8, True)]
     assert same(after[7], src)
     assert not same(after[5], after[3])                      # counter 1 at t = 6: still updated
     assert same(after[8], src) and not same(after[9], src)
@@ -523,7 +524,7 @@ def test_nan_utterance_skips_steps_and_leaves_params(make, utterances, source_va
     assert isinstance(hyp, str)
     assert same(m.params, src)
     assert m.counts["skipped_steps"] == 2 and m.counts["adapt_backward"] == 0
-    assert [e[0] for e in m.events] == ["skip", "skip"]
+    assert [e.kind for e in m.events] == ["skip", "skip"]
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in m.params)
     # the next utterance adapts normally
     m.process(utterances[0])
@@ -571,7 +572,7 @@ def test_dsuta_dynamic_state_dict_round_trip(make, utterances):
     assert same(resumed.params, full.params)
     assert same(resumed.grad_sum, full.grad_sum)
     assert resumed.counts == full.counts and resumed.t == full.t == 8
-    assert [e for e in full.events if e[1] >= 5] == resumed.events   # same LIIs, same resets
+    assert [e for e in full.events if e.position >= 5] == resumed.events   # same LIIs, same resets
     for k in ("last", "counter", "mu", "sigma", "stats"):
         assert getattr(resumed.reset_policy, k) == getattr(full.reset_policy, k)
 
@@ -615,3 +616,51 @@ def test_unknown_method_and_bad_reset_policy(make, tiny_model_dir):
         make_reset_policy("sometimes")
     with pytest.raises(ValueError, match="buffer_size"):
         make("dsuta", buffer_size=0)
+
+
+# ----------------------------------------------------------------------------- (k) the skeleton
+def test_process_is_safe_under_no_grad(make, utterances):
+    """Tent's rule: the method enables gradients itself; an outer no_grad changes nothing."""
+    a, b = make("suta", steps=2, lr=1e-3), make("suta", steps=2, lr=1e-3)
+    with torch.no_grad():
+        hyp_a = a.process(utterances[0])
+    assert hyp_a == b.process(utterances[0])
+    assert same(a.params, b.params) and a.counts["adapt_backward"] == 2
+
+
+def test_episodic_is_a_setting(make, utterances):
+    """SUTA with episodic: false is continual SUTA (CSUTA with N steps), bit for bit."""
+    items = stream(utterances, 3)
+    cont = make("suta", steps=2, lr=1e-3, episodic=False)
+    csuta = make("csuta", steps=2, lr=1e-3)
+    assert run(cont, items) == run(csuta, items) and same(cont.params, csuta.params)
+    with pytest.raises(ValueError, match="needs a continual method"):
+        make("csuta", episodic=True, reset_policy=FixedReset(2))
+
+
+def test_awmc_takes_a_reset_policy_like_the_others(make, utterances, source_values):
+    m = make("awmc", steps=1, lr=1e-2, reset_policy=FixedReset(every=2))
+    src = source_values(m.param_names)
+    for wav, info in stream(utterances, 3):
+        m.process(wav, info)
+        if m.t == 2:      # reset after utterance 2: chaser, leader and optimiser at the source
+            assert same(m.params, src) and same(m.leader, src)
+            assert all(not s for s in m.optimizer.state.values()) or all(
+                float(v.abs().sum()) == 0 for s in m.optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v))
+    assert [e.position for e in m.events if e.kind == "reset"] == [2]
+
+
+def test_registry_refuses_a_second_class_under_a_taken_name():
+    from tta_brain.methods import register
+    from tta_brain.methods.base import TTAMethod
+    with pytest.raises(ValueError, match="method name 'suta' is taken by tta_brain.methods.suta.SUTA"):
+        @register("suta")
+        class MySUTA(TTAMethod):
+            pass
+    assert METHODS["suta"].__module__ == "tta_brain.methods.suta"
+
+
+def test_build_method_names_a_bad_option(tiny_model_dir):
+    with pytest.raises(TypeError, match="method 'dsuta' has no option.*bufer_size.*buffer_size"):
+        build_method("dsuta", model=HFCTCLobe(tiny_model_dir), bufer_size=3)

@@ -9,33 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from tta_brain.lobes.hf_ctc import HFCTCLobe, save_char_processor
+from tta_brain.lobes.hf_ctc import HFCTCLobe
+from tta_brain.testing import BASE_960H, save_random_ctc_model
 from tta_brain.methods import build_method
-
-# facebook/wav2vec2-base-960h config.json (architecture fields)
-BASE_960H = dict(
-    vocab_size=32, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-    intermediate_size=3072, hidden_act="gelu", conv_dim=(512,) * 7,
-    conv_kernel=(10, 3, 3, 3, 3, 2, 2), conv_stride=(5, 2, 2, 2, 2, 2, 2), conv_bias=False,
-    feat_extract_norm="group", feat_extract_activation="gelu", do_stable_layer_norm=False,
-    num_conv_pos_embeddings=128, num_conv_pos_embedding_groups=16, layer_norm_eps=1e-5,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_dropout=0.1, attention_dropout=0.1,
-    activation_dropout=0.1, feat_proj_dropout=0.1, final_dropout=0.1, layerdrop=0.1,
-    mask_time_prob=0.05, apply_spec_augment=True, ctc_loss_reduction="sum",
-)
-
-
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
-    out = str(tmp_path_factory.mktemp("w2v2_base_960h_random"))
-    torch.manual_seed(0)
-    model = Wav2Vec2ForCTC(Wav2Vec2Config(**BASE_960H))
-    model.save_pretrained(out)
-    del model
-    save_char_processor(out)
-    return out
+    return save_random_ctc_model(str(tmp_path_factory.mktemp("w2v2_base_960h_random")), 0,
+                                 **BASE_960H)
 
 
 @pytest.fixture(scope="module")

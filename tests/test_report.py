@@ -1,6 +1,4 @@
 """Tests of tta_brain.report / tta_brain.plots on realistic experiment directories."""
-import csv
-import json
 import logging
 import statistics
 import struct
@@ -10,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tta_brain import plots, report
+from tta_brain import plots, records, report, tables
 
 WORDS = 10  # reference words per utterance
 MD_DOMAINS = ["AA", "GS", "NB"]  # md_easy: 3 segments of 200 utterances
@@ -20,15 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixture builders (files exactly as ARCHITECTURE.md "Experiment directory" specifies)
+# Fixture builders: folders written through tta_brain.records, the module the Brain writes with
 # ---------------------------------------------------------------------------------------------
-def _write_csv(path, header, rows):
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
-
-
 def stream_layout(stream):
     """[(domain, segment)] per position."""
     if stream == "md_easy":
@@ -37,36 +28,37 @@ def stream_layout(stream):
 
 
 def make_run(root, method, stream, seed, errs, resets=(), lii=None, counts=None, time_per_audio=None,
-             extra=None, sub_frac=0.5):
+             hparams=None, sub_frac=0.5):
     """errs: errors per utterance (int, or callable(position, domain) -> int)."""
     d = Path(root) / stream / method / str(seed)
     d.mkdir(parents=True)
     layout = stream_layout(stream)
     err_of = errs if callable(errs) else (lambda pos, dom: errs)
-    rows, n_err_total = [], 0
+    writer = records.RecordWriter(d)
+    for p in resets:
+        writer.reset(records.Reset(p, f"utt{p:05d}", "lii", p - 1))
+    for p, value, stage in lii or []:
+        writer.lii(p, value, stage)
+    n_err_total = 0
     for pos, (dom, seg) in enumerate(layout):
         e = err_of(pos, dom)
         sub = int(e * sub_frac)
         dele = (e - sub) // 2
-        ins = e - sub - dele
         n_err_total += e
-        rows.append([pos, f"utt{pos:05d}", dom, seg, 2.0, "a b c", "a b", WORDS, e, sub, dele, ins,
-                     int(pos in resets)])
-    _write_csv(d / "transcripts.csv", ["position", "ID", "domain", "segment", "duration", "ref", "hyp",
-                                       "n_words", "n_err", "n_sub", "n_del", "n_ins", "reset"], rows)
-    _write_csv(d / "resets.csv", ["position", "ID", "reason"], [[p, f"utt{p:05d}", "lii"] for p in resets])
-    if lii is not None:
-        _write_csv(d / "lii.csv", ["position", "lii", "stage"], lii)
-    boundaries = [p for p in range(1, len(layout)) if layout[p][1] != layout[p - 1][1]]
+        writer.transcript(records.Transcript(pos, f"utt{pos:05d}", dom, seg, 2.0, "a b c", "a b",
+                                             WORDS, e, sub, dele, e - sub - dele))
+    writer.close()
     n = len(layout)
-    summary = {"method": method, "stream": stream, "seed": seed, "wer": 100.0 * n_err_total / (n * WORDS),
-               "wer_per_domain": {}, "n_utts": n, "n_words": n * WORDS, "n_err": n_err_total, "n_skipped": 0,
-               "resets": list(resets), "boundaries": boundaries,
-               "counts": counts or {"adapt_forward": 0, "adapt_backward": 0, "infer_forward": n, "aux_forward": 0},
-               "wall_time_s": (time_per_audio or 0.01) * 2.0 * n, "audio_s": 2.0 * n,
-               "time_per_audio_s": time_per_audio or 0.01, "versions": {"torch": "2.11.0", "speechbrain": "1.1.2"}}
-    summary.update(extra or {})
-    (d / "summary.json").write_text(json.dumps(summary))
+    boundaries = [p for p in range(1, n) if layout[p][1] != layout[p - 1][1]]
+    records.write_summary(d, records.Summary(
+        method=method, stream=stream, seed=seed, wer=100.0 * n_err_total / (n * WORDS),
+        wer_per_domain={}, n_utts=n, n_words=n * WORDS, n_err=n_err_total, n_skipped=0, skipped=[],
+        resets=list(resets), boundaries=boundaries,
+        counts=counts or {"adapt_forward": 0, "adapt_backward": 0, "infer_forward": n,
+                          "aux_forward": 0},
+        wall_time_s=(time_per_audio or 0.01) * 2.0 * n, audio_s=2.0 * n,
+        time_per_audio_s=time_per_audio or 0.01, num_adapted_params=0, hparams=hparams or {},
+        device="cpu", versions={"torch": "2.11.0", "speechbrain": "1.1.2"}))
     return d
 
 
@@ -145,20 +137,21 @@ def test_collect_runs_skips_bad_dirs(results, caplog):
     with caplog.at_level(logging.WARNING, logger="tta_brain.report"):
         runs = report.collect_runs(results)
     assert len(runs) == 1 + 3 + 2 + 2 + 1 + 2 + 2 * 3
-    assert {r["name"] for r in runs} >= {"md_easy/suta/1", "lsc_AA/source/0"}
+    assert {r.name for r in runs} >= {"md_easy/suta/1", "lsc_AA/source/0"}
     assert any("broken" in m and "summary.json" in m for m in caplog.messages)
     assert any("unfinished" in m for m in caplog.messages)
-    dyn = next(r for r in runs if r["method"] == "dsuta+dynamic" and r["seed"] == 2)
-    assert dyn["resets"] == [120, 230, 520] and dyn["boundaries"] == [200, 400]
-    assert len(dyn["transcripts"]) == 600 and dyn["lii"][0]["stage"] == "construction"
+    dyn = next(r for r in runs if r.method == "dsuta+dynamic" and r.seed == 2)
+    assert dyn.resets == [120, 230, 520] and dyn.boundaries == [200, 400]
+    assert len(dyn.transcripts) == 600 and dyn.lii[0].stage == "construction"
+    assert [t.reset for t in dyn.transcripts if t.reset] == [1, 1, 1]   # the writer marks them
 
 
 def test_aggregate_is_sample_std():
-    mean, std, n = report.aggregate([20.0, 30.0, 40.0])
+    mean, std, n = tables.aggregate([20.0, 30.0, 40.0])
     assert (mean, n) == (30.0, 3) and std == pytest.approx(10.0)  # population std would be 8.16
-    assert report.fmt_stat([20.0, 30.0, 40.0]) == "30.0 ± 10.0 (n=3)"
-    assert report.fmt_stat([12.345]) == "12.3 (n=1)"
-    assert report.fmt_stat([]) == "-"
+    assert tables.fmt_stat([20.0, 30.0, 40.0]) == "30.0 ± 10.0 (n=3)"
+    assert tables.fmt_stat([12.345]) == "12.3 (n=1)"
+    assert tables.fmt_stat([]) == "-"
 
 
 def test_main_table_values_and_order(written):
@@ -189,15 +182,15 @@ def test_single_domain_and_breakdown_tables(written):
 
 
 def test_detect_boundaries():
-    det = report.detect_boundaries([120, 230, 520], [200, 400], window=100)
+    det = tables.detect_boundaries([120, 230, 520], [200, 400], window=100)
     assert det == {"detected": {200: 30}, "missed": [400], "false": [120, 520]}
     # position = first utterance decoded from the reset model: an oracle reset sits on the boundary
-    det = report.detect_boundaries([200, 450], [200, 400], window=100)
+    det = tables.detect_boundaries([200, 450], [200, 400], window=100)
     assert det["detected"] == {200: 0, 400: 50} and det["false"] == []
-    det = report.detect_boundaries([199], [200], window=100)          # one utterance early: false
+    det = tables.detect_boundaries([199], [200], window=100)          # one utterance early: false
     assert det["detected"] == {} and det["false"] == [199]
     # one reset detects one boundary; a second reset in the same segment is a false one
-    det = report.detect_boundaries([50, 60, 170], [40, 80, 120, 160], window=40)
+    det = tables.detect_boundaries([50, 60, 170], [40, 80, 120, 160], window=40)
     assert det == {"detected": {40: 10, 160: 10}, "missed": [80, 120], "false": [60]}
 
 
@@ -244,7 +237,7 @@ def test_environment_block(written):
 
 
 def test_split_lii(results):
-    run = next(r for r in report.collect_runs(results) if r["method"] == "dsuta+dynamic" and r["seed"] == 1)
+    run = next(r for r in report.collect_runs(results) if r.method == "dsuta+dynamic" and r.seed == 1)
     inside, outside = plots.split_lii(run)
     # segment 0: construction 50..99 + detection 100..199 in, 200..205 out;
     # after reset at 205: construction 256..305 (segment 1) in, detection 306..399 in, 400..450 out;
@@ -276,10 +269,9 @@ def test_steps_table_and_plot(tmp_path):
     make_run(tmp_path, "source", "lsc_AA", 0, 6)
     for steps, e in ((0, 6), (5, 4), (10, 3)):
         for seed in (1, 2):
-            make_run(tmp_path / f"n{steps}", "suta", "lsc_AA", seed, e, extra={"hparams": {"steps": steps}})
+            make_run(tmp_path / f"n{steps}", "suta", "lsc_AA", seed, e, hparams={"steps": steps})
     for steps, e in ((5, 2), (10, 2)):
-        make_run(tmp_path / f"n{steps}", "dsuta", "lsc_AA", 1, e, extra={"hparams": {"dsuta": {"n_steps": steps}}})
-    assert report.find_steps({"steps": "3"}) == 3 and report.find_steps({"hparams": {}}) is None
+        make_run(tmp_path / f"n{steps}", "dsuta", "lsc_AA", 1, e, hparams={"steps": steps})
     out = report.write_results(tmp_path, plots_dir=tmp_path / "figs", repo_dir=REPO)
     text = out.read_text()
     rows = table_rows(section(text, "WER (%) vs number of adaptation steps"))

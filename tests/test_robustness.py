@@ -18,6 +18,7 @@ import torch
 
 from fake_corpora import fake_speech
 from tta_brain import decode
+from tta_brain.cli import parse_arguments
 from tta_brain.data.audio import AudioError, load_audio
 from tta_brain.methods import build_method
 
@@ -46,7 +47,7 @@ def row(uid, wav, seconds, wrd="ALPHA BRAVO"):
 
 
 def dsuta_args(model, stream, out, *extra):
-    return [str(REPO / "recipes/hparams/dsuta.yaml"), f"--source={model}",
+    return ["dsuta", f"--source={model}",
             f"--stream_csv={stream}", f"--output_folder={out}", *FAST, *extra]
 
 
@@ -119,12 +120,12 @@ def test_bad_audio_is_skipped_listed_and_counted(bad_run):
     assert set(rejects) == set(expect)
     for uid, reason in expect.items():
         assert reason in rejects[uid], (uid, rejects[uid])
-    assert summary["n_skipped"] == len(expect)
+    assert summary.n_skipped == len(expect)
     assert json.loads((out / "summary.json").read_text())["n_skipped"] == len(expect)
-    assert {s["ID"]: s["reason"] for s in summary["skipped"]} == rejects
+    assert {s["ID"]: s["reason"] for s in summary.skipped} == rejects
     decoded = [r["ID"] for r in csv.DictReader(open(out / "transcripts.csv"))]
     assert decoded == ["good0", "stereo", "rate8k", "stereo44k", "good1"]
-    assert summary["n_utts"] == 5 and summary["n_words"] == 10
+    assert summary.n_utts == 5 and summary.n_words == 10
     log = (out / "log.txt").read_text()
     for uid in expect:
         assert f"Skipping {uid} (position" in log
@@ -217,17 +218,18 @@ def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--stepz=3"))
     assert "Override 'stepz' not found" in msg and "steps" in msg
     argv = dsuta_args(tiny_model_dir, ok_stream, out)
-    argv[0] = str(REPO / "recipes/hparams/dsutaa.yaml")
+    argv[0] = "dsutaa"
     msg = _error(argv)
-    assert "hparams file not found" in msg and "dsutaa.yaml" in msg
+    assert "hparams file not found: dsutaa" in msg
     assert "awmc" in msg and "dsuta" in msg                  # lists the methods there
     with pytest.raises(ValueError, match="Unknown TTA method 'foo'. Valid: .*dsuta"):
         build_method("foo", model=None)
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--lr=[1"))
-    assert "bad --key=value override" in msg
-    assert decode.last_wins(["a.yaml", "--steps=1", "--noprogressbar", "--lr=1", "--steps=2"]) \
-        == ["a.yaml", "--noprogressbar", "--lr=1", "--steps=2"]      # later .opts files win
-    msg = _error([str(REPO / "recipes/hparams/dsuta.yaml"), f"--stream_csv={ok_stream}",
+    assert "bad value for --lr" in msg
+    args = parse_arguments(["a.yaml", "--steps=1", "--noprogressbar", "--lr=1", "--steps=2"])
+    assert args.overrides == "steps: 2\nlr: 1\n"                  # later .opts files win
+    assert args.run_opts == {"noprogressbar": True}
+    msg = _error(["dsuta", f"--stream_csv={ok_stream}",
                   f"--output_folder={out}"])
     assert "'source' is a !PLACEHOLDER" in msg
     msg = _error(dsuta_args(tmp_path / "no_model", ok_stream, out))
@@ -237,14 +239,15 @@ def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
 
 @pytest.mark.parametrize("old,new,expected", [
     ("    buffer_size: !ref <buffer_size>", "    bufer_size: !ref <buffer_size>",
-     "unexpected keyword argument 'bufer_size'"),
-    ("!new:tta_brain.methods.DSUTA", "!new:tta_brain.methods.DSUTAA",
-     "no such class as tta_brain.methods.DSUTAA"),
-    ("K: !ref <reset_K>", "K: !ref <reset_k>", 'reference "reset_k" is not valid'),
+     "has no option(s) bufer_size; valid: adapt_params, buffer_size"),
+    ("    name: dsuta", "    name: dsutaa", "Unknown TTA method 'dsutaa'"),
+    ("!apply:tta_brain.methods.build_method", "!apply:tta_brain.methods.build_methd",
+     "tta_brain.methods.build_methd"),
+    ("steps: !ref <steps>", "steps: !ref <stepz>", 'reference "stepz" is not valid'),
     ("steps: 10 ", "steps 10 ", "yaml syntax error"),
 ])
 def test_yaml_typos_name_the_file_and_key(tmp_path, ok_stream, tiny_model_dir, old, new, expected):
-    text = (REPO / "recipes/hparams/dsuta.yaml").read_text()
+    text = (REPO / "tta_brain/hparams/dsuta.yaml").read_text()
     assert old in text
     bad = tmp_path / "typo.yaml"
     bad.write_text(text.replace(old, new, 1))

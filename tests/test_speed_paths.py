@@ -17,16 +17,17 @@ On a tiny real Wav2Vec2ForCTC (``conftest.save_ctc_model``) and deterministic au
 """
 import json
 import os
-import shutil
 import sys
 
 import pytest
 import torch
 
+from conftest import build_on
 from tta_brain.lobes.hf_ctc import HFCTCLobe
-from tta_brain.methods import UttInfo, build_method
+from tta_brain.methods import UttInfo
 from tta_brain.resets import DynamicReset
 from tta_brain.state import copy_optimizer_state, snapshot, zero_optimizer_state
+from tta_brain.testing import TINY, save_random_ctc_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-6
@@ -36,7 +37,7 @@ TOL = 1e-6
 @pytest.fixture
 def make(tiny_model_dir):
     def _make(name, model_dir=None, **kwargs):
-        return build_method(name, model=HFCTCLobe(model_dir or tiny_model_dir), **kwargs)
+        return build_on(model_dir or tiny_model_dir, name, **kwargs)
     return _make
 
 
@@ -60,9 +61,9 @@ def opt_tensors(opt, params):
 
 def events(m):
     """Resets exactly; LII values to TOL."""
-    resets = [e for e in m.events if e[0] == "reset"]
-    lii = [(e[1], e[3]) for e in m.events if e[0] == "lii"]
-    return resets, lii, [e[2] for e in m.events if e[0] == "lii"]
+    resets = [e for e in m.events if e.kind == "reset"]
+    lii = [(e.position, e.reason) for e in m.events if e.kind == "lii"]
+    return resets, lii, [e.value for e in m.events if e.kind == "lii"]
 
 
 def assert_same_run(a, b, hyps_a, hyps_b, meta=False):
@@ -85,8 +86,8 @@ def test_suta_fast_paths_equal_plain(make, utterances, source_values_of, name):
     kw = dict(steps=3, lr=1e-3)
     fast, plain = make(name, **kw), make(name, plain=True, **kw)
     assert fast.optimizer.param_groups[0]["foreach"] is True
-    assert plain.optimizer.param_groups[0]["foreach"] is None
-    assert not fast.cache_features                   # layernorm + cnn: the CNN is adapted
+    assert plain.optimizer.param_groups[0]["foreach"] is False
+    assert not fast.features.enabled                   # layernorm + cnn: the CNN is adapted
     stream = items(utterances, 4)
     assert_same_run(fast, plain, run(fast, stream), run(plain, stream))
     assert max_diff(fast.params, source_values_of(fast)) > 1e-4      # it did adapt
@@ -164,7 +165,7 @@ def test_feature_cache_equals_full_forward(make, utterances, name, kw):
         return make(base, **k)
     cached, plain = build(), build(plain=True)
     off = build(cache_features="off")
-    assert cached.cache_features and not plain.cache_features and not off.cache_features
+    assert cached.features.enabled and not plain.features.enabled and not off.features.enabled
     calls = []
     orig = cached.lobe.features
     cached.lobe.features = lambda x: calls.append(x.shape) or orig(x)
@@ -173,52 +174,36 @@ def test_feature_cache_equals_full_forward(make, utterances, name, kw):
     assert_same_run(cached, plain, hyps, run(plain, stream), meta=base == "dsuta")
     assert_same_run(cached, off, hyps, run(off, stream), meta=base == "dsuta")
     assert len(calls) == len(stream)                 # the CNN ran once per utterance
-    assert cached._feats is None                     # ... and the cache was dropped after it
+    assert cached.features._feats is None            # ... and the cache was dropped after it
     if name.endswith("dynamic"):
         assert cached.counts["aux_forward"] > 0
 
 
 def test_feature_cache_auto_off_when_the_cnn_adapts(make):
-    assert not make("suta").cache_features                                 # paper: layernorm + cnn
-    assert not make("suta", adapt_params=({"select": "feature_extractor"},)).cache_features
-    assert make("suta", adapt_params=({"select": "feature_projection"},)).cache_features
-    assert not make("source").cache_features
-    assert not make("awmc").cache_features                                 # train mode
+    assert not make("suta").features.enabled                                 # paper: layernorm + cnn
+    assert not make("suta", adapt_params=({"select": "feature_extractor"},)).features.enabled
+    assert make("suta", adapt_params=({"select": "feature_projection"},)).features.enabled
+    assert not make("source").features.enabled
+    assert not make("awmc").features.enabled                                 # train mode
     with pytest.raises(ValueError, match="feature-encoder parameters are adapted"):
         make("suta", cache_features="on")
 
 
-def _save_with_processor(model, out_dir, tiny_model_dir):
-    model.save_pretrained(out_dir)
-    for f in os.listdir(tiny_model_dir):
-        if f not in ("config.json", "model.safetensors", "pytorch_model.bin"):
-            shutil.copy(os.path.join(tiny_model_dir, f), out_dir)
-    return out_dir
-
-
 POS16 = dict(num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)
 ARCHS = {
-    "wav2vec2-layer-stable": ("Wav2Vec2Config", "Wav2Vec2ForCTC",
-                              dict(feat_extract_norm="layer", do_stable_layer_norm=True, **POS16)),
-    "hubert": ("HubertConfig", "HubertForCTC", dict(feat_extract_norm="group", **POS16)),
-    "data2vec-audio": ("Data2VecAudioConfig", "Data2VecAudioForCTC",
-                       dict(num_conv_pos_embeddings=2, conv_pos_kernel_size=5,
-                            num_conv_pos_embedding_groups=2)),
+    "wav2vec2-layer-stable": ("wav2vec2", dict(feat_extract_norm="layer", do_stable_layer_norm=True,
+                                               **POS16)),
+    "hubert": ("hubert", dict(feat_extract_norm="group", **POS16)),
+    "data2vec-audio": ("data2vec-audio", dict(num_conv_pos_embeddings=2, conv_pos_kernel_size=5,
+                                              num_conv_pos_embedding_groups=2)),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_logits_from_features_identical(arch, tiny_model_dir, tmp_path):
-    import transformers
-    cfg_cls, model_cls, extra = ARCHS[arch]
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_cls)(
-        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, conv_dim=(16, 16, 16), conv_kernel=(10, 8, 8), conv_stride=(5, 8, 8),
-        pad_token_id=0,
-        layerdrop=0.0, mask_time_prob=0.0, **extra)
-    model = getattr(transformers, model_cls)(cfg)
-    lobe = HFCTCLobe(_save_with_processor(model, str(tmp_path / arch), tiny_model_dir))
+def test_logits_from_features_identical(arch, tmp_path):
+    family, extra = ARCHS[arch]
+    cfg = {k: v for k, v in TINY.items() if k not in POS16}
+    lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path / arch), 0, arch=family, **cfg, **extra))
     assert lobe.supports_features
     x = lobe.prepare(torch.randn(9000, generator=torch.Generator().manual_seed(1)))
     with torch.no_grad():
@@ -296,16 +281,16 @@ def test_copy_and_zero_optimizer_state_match_loops():
 
 # ----------------------------------------------------------------------------- mixed precision
 def test_bf16_autocast_runs_and_fp16_scale_is_undone(make, utterances):
-    m = make("suta", steps=2, lr=1e-3, amp="bf16")
+    m = make("suta", steps=2, lr=1e-3, precision="bf16")
     hyp = m.process(utterances[0])
     assert isinstance(hyp, str) and m.counts["skipped_steps"] == 0
     assert all(torch.isfinite(p).all() for p in m.params)
     # fp16: without a loss scale small activation gradients underflow; the scaled backward,
     # unscaled before the checks and the update, is much closer to the float32 gradient
-    a = make("suta", steps=1, lr=1e-3, amp="fp16")
-    b = make("suta", steps=1, lr=1e-3, amp="fp16", amp_loss_scale=1.0)
+    a = make("suta", steps=1, lr=1e-3, precision="fp16")
+    b = make("suta", steps=1, lr=1e-3, precision="fp16", loss_scale=1.0)
     ref = make("suta", steps=1, lr=1e-3)
-    assert a.loss_scale == 4096 and b.loss_scale == 1
+    assert a.runtime.scale == 4096 and b.runtime.scale == 1
     grads = []
     for m in (a, b, ref):
         x = m.lobe.prepare(utterances[1])
@@ -313,8 +298,8 @@ def test_bf16_autocast_runs_and_fp16_scale_is_undone(make, utterances):
     scale = max(float(g.abs().max()) for g in grads[2])
     err_scaled, err_unscaled = max_diff(grads[0], grads[2]), max_diff(grads[1], grads[2])
     assert err_scaled < 0.01 * scale and 10 * err_scaled < err_unscaled
-    with pytest.raises(ValueError, match="amp"):
-        make("suta", amp="fp8")
+    with pytest.raises(ValueError, match="precision"):
+        make("suta", precision="fp8")
 
 
 @pytest.mark.skipif(not os.environ.get("TTA_TEST_COMPILE"),

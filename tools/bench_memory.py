@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB, save_char_processor  # noqa: E402
+from tta_brain.testing import save_random_ctc_model  # noqa: E402
 WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL")
 SR = 16000
 
@@ -54,19 +54,12 @@ SR = 16000
 # ----------------------------------------------------------------------------- inputs
 def make_model(out_dir, hidden, layers, seed=0):
     """A randomly initialised Wav2Vec2ForCTC + processor written with save_pretrained."""
-    import torch
-    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
-    os.makedirs(out_dir, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = Wav2Vec2Config(vocab_size=len(W2V2_CHAR_VOCAB), hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 32), intermediate_size=2 * hidden,
-                         conv_dim=(32, 32, 32), conv_kernel=(10, 8, 8), conv_stride=(5, 8, 8),
-                         feat_extract_norm="group", num_conv_pos_embeddings=16,
-                         num_conv_pos_embedding_groups=2, pad_token_id=0, layerdrop=0.0,
-                         mask_time_prob=0.0)
-    Wav2Vec2ForCTC(cfg).save_pretrained(out_dir)
-    save_char_processor(out_dir, sample_rate=SR)
-    return out_dir
+    return save_random_ctc_model(out_dir, seed, hidden_size=hidden, num_hidden_layers=layers,
+                                 num_attention_heads=max(1, hidden // 32),
+                                 intermediate_size=2 * hidden, conv_dim=(32, 32, 32),
+                                 conv_kernel=(10, 8, 8), conv_stride=(5, 8, 8),
+                                 feat_extract_norm="group", num_conv_pos_embeddings=16,
+                                 num_conv_pos_embedding_groups=2, layerdrop=0.0, mask_time_prob=0.0)
 
 
 def make_audio(root, n, seconds, block, n_lengths, seed=0):
@@ -180,7 +173,7 @@ def main():
     p.add_argument("--n_lengths", type=int, default=8,
                    help="distinct utterance lengths (0: every utterance its own random length)")
     p.add_argument("--block", type=int, default=25, help="utterances per domain block")
-    p.add_argument("--hparams", default=os.path.join(ROOT, "recipes/hparams/dsuta.yaml"))
+    p.add_argument("--hparams", default="dsuta", help="method name or yaml (default: dsuta)")
     p.add_argument("--decode_opts", default="--reset=dynamic --reset_K=20 --buffer_size=5 "
                    "--steps=2 --lr=1e-3 --ckpt_every=50",
                    help="overrides passed to tta_brain.decode")
@@ -207,9 +200,9 @@ def main():
                    | set(lengths))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "MKL_NUM_THREADS": str(args.threads), "PYTHONPATH": ROOT}
-    print(f"device {args.device} | model {source if args.source else f'generated wav2vec2 '}"
+    print(f"device {args.device} | model {source if args.source else 'generated wav2vec2 '}"
           f"{'' if args.source else f'(hidden {args.hidden}, {args.layers} layers)'} | "
-          f"{os.path.basename(args.hparams)} {args.decode_opts} | utterances "
+          f"{args.hparams} {args.decode_opts} | utterances "
           f"{args.seconds[0]}-{args.seconds[1]} s "
           f"({f'{args.n_lengths} distinct lengths' if args.n_lengths else 'random lengths'}) | "
           f"work dir {work}", flush=True)

@@ -42,14 +42,12 @@ Usage::
     python tools/bench_speed.py --n_utts 20 --seconds 4 --repeats 5 --json bench.json
     python tools/bench_speed.py --stream recipes/synthetic/.../MD-Easy.csv --data_root /data --n_utts 30
     python tools/bench_speed.py --w2v2_base --device cuda:0  # random wav2vec2-base-sized model, GPU
-    python tools/bench_speed.py --device cuda:0 --amp bf16 --compile
+    python tools/bench_speed.py --device cuda:0 --precision bf16 --compile
 
-Method options (``--amp``, ``--compile``, ``--cache_features``, ``--slow_grad``,
-``--onednn_backward``) are passed to every adapting method (and the unit passes where they
-apply); see ``tta_brain.methods.base.TTAMethod``.
+Runtime options (``--precision``, ``--compile``, ``--cache_features``, ``--onednn_backward``) go
+to every entry's lobe (``tta_brain.runtime.Runtime``), ``--slow_grad`` to DSUTA.
 """
 import argparse
-import contextlib
 import gc
 import json
 import logging
@@ -66,9 +64,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tta_brain import losses  # noqa: E402
-from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB, HFCTCLobe, save_char_processor  # noqa: E402
+from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
-from tta_brain.methods.base import native_cpu_kernels  # noqa: E402
+from tta_brain.runtime import Runtime  # noqa: E402
+from tta_brain.testing import BASE_960H, save_random_ctc_model  # noqa: E402
 from tta_brain.params import select_parameters  # noqa: E402
 from tta_brain.resets import make_reset_policy  # noqa: E402
 
@@ -86,25 +85,20 @@ ALL_METHODS = ("source", "suta", "dsuta", "dsuta+dynamic")
 
 # ------------------------------------------------------------------------------ model
 def build_random_model(out_dir, w2v2_base=False, seed=0):
-    """A randomly initialised Wav2Vec2ForCTC + processor saved with ``save_pretrained``."""
-    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
-    torch.manual_seed(seed)
-    if w2v2_base:      # facebook/wav2vec2-base-960h's architecture (Wav2Vec2Config defaults)
-        cfg, layer_norm_fe = dict(feat_extract_norm="group", do_stable_layer_norm=False), False
-    else:
-        cfg = dict(SYNTH_CFG)
-        try:
-            import yaml
-            with open(SYNTH_CONF) as f:
-                cfg = {k: tuple(v) if isinstance(v, list) else v
-                       for k, v in yaml.safe_load(f)["model"].items()}
-        except (OSError, KeyError, ImportError):
-            pass
-        layer_norm_fe = cfg.get("feat_extract_norm") == "layer"
-    cfg.update(vocab_size=len(W2V2_CHAR_VOCAB), pad_token_id=0, layerdrop=0.0, mask_time_prob=0.0)
-    Wav2Vec2ForCTC(Wav2Vec2Config(**cfg)).save_pretrained(out_dir)
-    save_char_processor(out_dir, attention_mask=layer_norm_fe)
-    return out_dir
+    """A randomly initialised CTC model: wav2vec2-base-960h's architecture, or the synthetic
+    recipe's source model's (``recipes/synthetic/conf/source_model.yaml``)."""
+    if w2v2_base:
+        return save_random_ctc_model(out_dir, seed, **dict(BASE_960H, layerdrop=0.0,
+                                                           mask_time_prob=0.0))
+    cfg = dict(SYNTH_CFG)
+    try:
+        import yaml
+        with open(SYNTH_CONF) as f:
+            cfg = {k: tuple(v) if isinstance(v, list) else v
+                   for k, v in yaml.safe_load(f)["model"].items()}
+    except (OSError, KeyError, ImportError):
+        pass
+    return save_random_ctc_model(out_dir, seed, **dict(cfg, layerdrop=0.0, mask_time_prob=0.0))
 
 
 # ------------------------------------------------------------------------------ audio
@@ -153,35 +147,26 @@ class UnitPass:
     whatever its pass count), gradients zeroed in place as the methods do. ``prime`` runs the
     pass once untimed, so that the timed ``process`` is the steady-state cost."""
 
-    def __init__(self, lobe, adapt_params, kind, amp="none", native_backward=True):
+    def __init__(self, lobe, adapt_params, kind):
         self.lobe, self.kind = lobe, kind
         lobe.model.eval()
         lobe.model.requires_grad_(False)
         self.params = [p for _, p, _ in select_parameters(lobe.model, adapt_params)]
         for p in self.params:
             p.requires_grad_(True)
-        self.amp = None if amp in (None, "none") else {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-        self.native_backward = native_backward and lobe.device.type == "cpu"
         self.counts = {}
         self.prepared = {}
-
-    def _logits(self, x):
-        if self.amp is None:
-            return self.lobe(x)
-        with torch.autocast(x.device.type, dtype=self.amp):
-            return self.lobe(x).float()
 
     def _pass(self, x):
         if self.kind == "f":
             with torch.no_grad():
-                self._logits(x)
+                self.lobe.logits(x)
             return
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_zero_(grads)
-        loss = losses.suta_loss(self._logits(x), blank_id=self.lobe.blank_id).mean()
-        with native_cpu_kernels() if self.native_backward else contextlib.nullcontext():
-            loss.backward()
+        loss = losses.suta_loss(self.lobe.logits(x), blank_id=self.lobe.blank_id).mean()
+        self.lobe.runtime.backward(loss, self.params, self.lobe.device)
 
     def prime(self, wav, info):
         """The first run on this input (prepared outside the timing)."""
@@ -195,16 +180,17 @@ class UnitPass:
 
 
 def make_entry(name, args, model_dir, device):
-    lobe = HFCTCLobe(model_dir, device=str(device))
+    runtime = Runtime(precision=args.precision, compile=args.compile,
+                      cache_features=args.cache_features,
+                      cpu_native_backward=not args.onednn_backward)
+    lobe = HFCTCLobe(model_dir, device=str(device), runtime=runtime)
     adapt = [{"select": s} for s in args.adapt.split(",")]
     if name in UNITS:
-        if args.compile:
-            lobe.compile_forward()
-        return UnitPass(lobe, adapt, name.split("_")[1], args.amp, not args.onednn_backward)
+        return UnitPass(lobe, adapt, name.split("_")[1])
     base, _, reset = name.partition("+")
     kw = dict(model=lobe, lr=args.lr)
     if base != "source":
-        kw.update(adapt_params=adapt, **method_options(args))
+        kw.update(adapt_params=adapt)
     if base == "dsuta":
         kw.update(steps=args.dsuta_steps, buffer_size=args.buffer_size)
         if args.slow_grad != "reuse":
@@ -215,14 +201,6 @@ def make_entry(name, args, model_dir, device):
         kw["reset_policy"] = make_reset_policy(reset, K=args.reset_K, patience=args.reset_patience,
                                                threshold=args.reset_threshold)
     return build_method(base, **kw)
-
-
-def method_options(args):
-    """The speed options of ``TTAMethod`` that differ from their defaults."""
-    opts = dict(amp=args.amp, compile=args.compile, cache_features=args.cache_features,
-                cpu_native_backward=not args.onednn_backward)
-    defaults = dict(amp="none", compile=False, cache_features="auto", cpu_native_backward=True)
-    return {k: v for k, v in opts.items() if v != defaults[k]}
 
 
 def timed(entry, wav, info, device):
@@ -279,7 +257,7 @@ def parse_args(argv=None):
     p.add_argument("--reset_patience", type=int, default=2)
     p.add_argument("--reset_threshold", type=float, default=2.0)
     p.add_argument("--slow_grad", default="reuse", choices=("reuse", "recompute"))
-    p.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"))
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
     p.add_argument("--cache_features", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--onednn_backward", action="store_true",
@@ -337,7 +315,7 @@ def main(argv=None):
           f"params, {n_adapted / 1e3:.1f}k adapted: {args.adapt})")
     print(f"device: {device}, threads: {torch.get_num_threads()}, torch {torch.__version__}; "
           f"{args.repeats} rounds x {args.n_utts} utts (mean {mean_s:.2f} s; lengths: "
-          f"{args.lengths}) after {len(warm)} warm-up; amp: {args.amp}, compile: {args.compile}, "
+          f"{args.lengths}) after {len(warm)} warm-up; precision: {args.precision}, compile: {args.compile}, "
           f"cache_features: {args.cache_features}, slow_grad: {args.slow_grad}, "
           f"cpu_native_backward: {not args.onednn_backward}", flush=True)
 

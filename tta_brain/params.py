@@ -29,7 +29,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["select_parameters", "param_groups", "SELECTORS"]
+__all__ = ["select_parameters", "param_groups", "describe_selection", "SELECTORS"]
 
 
 def _in_module(name: str, module_name: str) -> bool:
@@ -68,8 +68,8 @@ def _selector(spec: str):
 GroupSpec = Union[str, Dict]
 
 
-def select_parameters(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tuple[str, nn.Parameter, float]]:
-    """``[(name, parameter, lr_mult)]`` in model order for the given group specs."""
+def _assign(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tuple[str, nn.Parameter, float, str]]:
+    """``[(name, parameter, lr_mult, selector)]`` in model order (first matching group wins)."""
     if not groups:
         raise ValueError("adapt_params is empty: select at least one parameter group")
     specs = []
@@ -82,9 +82,9 @@ def select_parameters(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tup
     ln = _layernorm_names(model)
     chosen = []
     for name, p in model.named_parameters():
-        for _, sel, mult in specs:
+        for spec, sel, mult in specs:
             if sel(name, ln):
-                chosen.append((name, p, mult))
+                chosen.append((name, p, mult, spec))
                 break
     for spec, sel, _ in specs:
         if not any(sel(n, ln) for n, _ in model.named_parameters()):
@@ -93,6 +93,20 @@ def select_parameters(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tup
     if not chosen:
         raise ValueError(f"adapt_params {list(groups)} selects no parameter of {type(model).__name__}")
     return chosen
+
+
+def select_parameters(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tuple[str, nn.Parameter, float]]:
+    """``[(name, parameter, lr_mult)]`` in model order for the given group specs."""
+    return [(n, p, m) for n, p, m, _ in _assign(model, groups)]
+
+
+def describe_selection(model: nn.Module, groups: Sequence[GroupSpec]) -> str:
+    """What each group selects, for the log: ``layernorm (lr x1): 25 tensors, 0.012M; ...``."""
+    by_group: Dict[str, List] = {}
+    for _, p, mult, spec in _assign(model, groups):
+        by_group.setdefault(f"{spec} (lr x{mult:g})", []).append(p)
+    return "; ".join(f"{g}: {len(ps)} tensors, {sum(p.numel() for p in ps) / 1e6:.3f}M"
+                     for g, ps in by_group.items())
 
 
 def param_groups(selected: Iterable[Tuple[str, nn.Parameter, float]], lr: float) -> List[Dict]:

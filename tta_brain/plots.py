@@ -1,7 +1,6 @@
-"""Plots of experiment directories (matplotlib, Agg backend): WER difference over time, reset
-timelines, LII distributions and WER vs number of adaptation steps. Runs are the dicts returned by
-:func:`tta_brain.report.collect_runs`; every ``plot_*`` returns the PNG path written, or None when
-there is nothing to draw."""
+"""Plots of finished runs (matplotlib, Agg backend): WER difference over time, reset timelines,
+LII distributions and WER vs number of adaptation steps. Runs are :class:`tta_brain.records.Run`
+objects; every ``plot_*`` returns the PNG path written, or None when there is nothing to draw."""
 from __future__ import annotations
 
 import bisect
@@ -16,8 +15,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tta_brain.report import (aggregate, group_runs, label_text,  # noqa: E402
-                              method_sort_key, run_wer, steps_groups, streams_of)
+from tta_brain import tags  # noqa: E402
+from tta_brain.records import Run  # noqa: E402
+from tta_brain.tables import (aggregate, group_runs, has_resets, label_text,  # noqa: E402
+                              run_wer, steps_groups, streams_of)
 
 logger = logging.getLogger(__name__)
 DPI = 120
@@ -25,17 +26,6 @@ DPI = 120
 
 def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_") or "unnamed"
-
-
-METHOD_COLORS = {"source": "black", "suta": "tab:blue", "sgem": "tab:orange", "sdpl": "tab:olive",
-                 "csuta": "tab:brown", "awmc": "tab:purple", "dsuta": "tab:green", "dsuta+dynamic": "tab:red",
-                 "dsuta+fixed": "tab:pink", "dsuta+oracle": "tab:cyan"}
-OTHER_COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#386cb0"]
-
-
-def method_color(method: str):
-    """One colour per method tag, stable across plots (grey is kept for boundaries)."""
-    return METHOD_COLORS.get(method) or OTHER_COLORS[sum(map(ord, method)) % len(OTHER_COLORS)]
 
 
 def _save(fig, path: Path) -> str:
@@ -66,23 +56,23 @@ def smoothed_wer(n_err: Sequence[float], n_words: Sequence[float], window: int =
         return np.where(words > 0, 100.0 * (ce[end] - ce[start]) / words, np.nan)
 
 
-def _mean_curve(runs: Sequence[dict], window: int) -> Optional[np.ndarray]:
+def _mean_curve(runs: Sequence[Run], window: int) -> Optional[np.ndarray]:
     """Mean over runs (seeds) of their smoothed WER curves, cut to the shortest run."""
-    curves = [smoothed_wer([t["n_err"] for t in r["transcripts"]], [t["n_words"] for t in r["transcripts"]], window)
-              for r in runs if r.get("transcripts")]
+    curves = [smoothed_wer([t.n_err for t in r.transcripts], [t.n_words for t in r.transcripts], window)
+              for r in runs if r.transcripts]
     if not curves:
         return None
     n = min(len(c) for c in curves)
     return np.nanmean(np.stack([c[:n] for c in curves]), axis=0)
 
 
-def plot_wer_difference(runs: Sequence[dict], stream: str, out_png, window: int = 100,
+def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int = 100,
                         baseline: str = "source") -> Optional[str]:
     """Smoothed WER of each method minus the baseline's over stream position (absolute WER if the
     stream has no baseline run); boundaries dashed, resets of dynamic-reset runs as markers."""
-    sruns = [r for r in runs if r["stream"] == stream and r.get("transcripts")]
+    sruns = [r for r in runs if r.stream == stream and r.transcripts]
     groups = group_runs(sruns)
-    base = _mean_curve([r for r in sruns if r["method"] == baseline], window)
+    base = _mean_curve([r for r in sruns if r.method == baseline], window)
     fig, ax = plt.subplots(figsize=(10, 4.5))
     drawn = 0
     for label, by_stream in groups.items():
@@ -96,19 +86,19 @@ def plot_wer_difference(runs: Sequence[dict], stream: str, out_png, window: int 
             n = min(len(curve), len(base))
             curve = curve[:n] - base[:n]
         nruns = len(by_stream[stream])
-        ax.plot(np.arange(len(curve)), curve, color=method_color(method), linewidth=1.3,
+        ax.plot(np.arange(len(curve)), curve, color=tags.color(method), linewidth=1.3,
                 label=f"{label_text(label)} (n={nruns})")
         drawn += 1
         if "dynamic" in method:
-            resets = sorted({p for r in by_stream[stream] for p in r["resets"] if 0 <= p < len(curve)})
+            resets = sorted({p for r in by_stream[stream] for p in r.resets if 0 <= p < len(curve)})
             if resets:
                 ax.plot(resets, curve[resets], linestyle="none", marker="v", markersize=7,
-                        color=method_color(method), markeredgecolor="k",
+                        color=tags.color(method), markeredgecolor="k",
                         label=f"resets of {label_text(label)} (all seeds)")
     if not drawn:
         plt.close(fig)
         return None
-    _draw_boundaries(ax, sruns[0]["boundaries"])
+    _draw_boundaries(ax, sruns[0].boundaries)
     if base is not None:
         ax.axhline(0, color="k", linewidth=0.8)
         ax.set_ylabel(f"WER difference to {baseline} (% abs.)")
@@ -126,35 +116,34 @@ def plot_wer_difference(runs: Sequence[dict], stream: str, out_png, window: int 
 # ------------------------------------------------------------------------------------------------
 # Reset timeline (paper Table 6 as a picture)
 # ------------------------------------------------------------------------------------------------
-def _segments(run: dict) -> List[Tuple[int, int, str]]:
+def _segments(run: Run) -> List[Tuple[int, int, str]]:
     """(start, end, domain) of the contiguous segments of a run's stream."""
-    rows = run.get("transcripts") or []
     segs: List[Tuple[int, int, str]] = []
-    for t in rows:
-        if segs and segs[-1][3] == t["segment"]:
-            segs[-1][1] = t["position"] + 1
+    for t in run.transcripts:
+        if segs and segs[-1][3] == t.segment:
+            segs[-1][1] = t.position + 1
         else:
-            segs.append([t["position"], t["position"] + 1, t["domain"], t["segment"]])
+            segs.append([t.position, t.position + 1, t.domain, t.segment])
     return [(s, e, d) for s, e, d, _ in segs]
 
 
-def plot_reset_timeline(runs: Sequence[dict], stream: str, out_png) -> Optional[str]:
+def plot_reset_timeline(runs: Sequence[Run], stream: str, out_png) -> Optional[str]:
     """One row per reset-capable run: reset positions as ticks beside the true boundaries."""
-    sruns = [r for r in runs if r["stream"] == stream and (r["resets"] or "+" in r["method"] or r.get("lii"))]
+    sruns = [r for r in runs if r.stream == stream and has_resets(r)]
     if not sruns:
         return None
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(sruns)))
     labels = []
     for y, r in enumerate(sruns):
-        labels.append(f"{r['method']} seed {r.get('seed', '-')}")
-        ax.plot(r["resets"], [y] * len(r["resets"]), linestyle="none", marker="|", markersize=14,
-                markeredgewidth=2, color=method_color(r["method"]))
-    _draw_boundaries(ax, sruns[0]["boundaries"])
+        labels.append(f"{r.method} seed {r.seed}")
+        ax.plot(r.resets, [y] * len(r.resets), linestyle="none", marker="|", markersize=14,
+                markeredgewidth=2, color=tags.color(r.method))
+    _draw_boundaries(ax, sruns[0].boundaries)
     segs = _segments(sruns[0])
     if 1 < len(segs) <= 20:
         for start, end, dom in segs:
             ax.text((start + end) / 2, len(sruns) - 0.4, dom, ha="center", va="bottom", fontsize=8, color="0.3")
-    n = max([len(r.get("transcripts") or []) for r in sruns] + [max(sruns[0]["boundaries"] or [0]) + 1])
+    n = max([len(r.transcripts) for r in sruns] + [max(sruns[0].boundaries or [0]) + 1])
     ax.set_xlim(0, n)
     ax.set_ylim(-0.7, len(sruns) - 0.4 + (0.6 if 1 < len(segs) <= 20 else 0.2))
     ax.set_yticks(range(len(sruns)))
@@ -162,7 +151,7 @@ def plot_reset_timeline(runs: Sequence[dict], stream: str, out_png) -> Optional[
     ax.set_xlabel("stream position (utterances); tick = reset logged at that position")
     ax.set_title(f"{stream}: reset positions vs true domain boundaries")
     ax.grid(axis="x", alpha=0.3)
-    if sruns[0]["boundaries"]:
+    if sruns[0].boundaries:
         ax.legend(fontsize=8, loc="lower right")
     return _save(fig, Path(out_png))
 
@@ -170,16 +159,14 @@ def plot_reset_timeline(runs: Sequence[dict], stream: str, out_png) -> Optional[
 # ------------------------------------------------------------------------------------------------
 # LII distributions (paper Fig. 5)
 # ------------------------------------------------------------------------------------------------
-def _segment_lookup(run: dict):
-    rows = run.get("transcripts") or []
-    if rows:
-        table = {t["position"]: t["segment"] for t in rows}
-        return table.get
-    bounds = run["boundaries"]
+def _segment_lookup(run: Run):
+    if run.transcripts:
+        return {t.position: t.segment for t in run.transcripts}.get
+    bounds = run.boundaries
     return lambda pos: bisect.bisect_right(bounds, pos)
 
 
-def split_lii(run: dict) -> Tuple[List[float], List[float]]:
+def split_lii(run: Run) -> Tuple[List[float], List[float]]:
     """(in-domain, out-of-domain) LIIs of one run.
 
     Rows are taken in position order. ``construction`` rows are the in-domain reference and set the
@@ -191,19 +178,19 @@ def split_lii(run: dict) -> Tuple[List[float], List[float]]:
     ref_segment = None
     inside: List[float] = []
     outside: List[float] = []
-    for row in run.get("lii") or []:
-        seg = seg_of(row["position"])
+    for row in run.lii:
+        seg = seg_of(row.position)
         if seg is None:
             continue
-        if row["stage"] == "construction":
+        if row.stage == "construction":
             ref_segment = seg
-            inside.append(row["lii"])
+            inside.append(row.lii)
         elif ref_segment is not None:
-            (inside if seg == ref_segment else outside).append(row["lii"])
+            (inside if seg == ref_segment else outside).append(row.lii)
     return inside, outside
 
 
-def plot_lii_histogram(runs: Sequence[dict], out_png, title: str = "") -> Optional[str]:
+def plot_lii_histogram(runs: Sequence[Run], out_png, title: str = "") -> Optional[str]:
     """Histogram (density) of in-domain vs out-of-domain LIIs pooled over ``runs``."""
     inside, outside = [], []
     for r in runs:
@@ -230,18 +217,18 @@ def plot_lii_histogram(runs: Sequence[dict], out_png, title: str = "") -> Option
 # ------------------------------------------------------------------------------------------------
 # WER vs adaptation steps (paper appendix figure)
 # ------------------------------------------------------------------------------------------------
-def plot_wer_vs_steps(runs: Sequence[dict], stream: str, out_png, baseline: str = "source") -> Optional[str]:
+def plot_wer_vs_steps(runs: Sequence[Run], stream: str, out_png, baseline: str = "source") -> Optional[str]:
     """Mean WER (error bars: sample std over seeds) against the number of adaptation steps."""
     by_method = steps_groups(runs).get(stream)
     if not by_method:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for method in sorted(by_method, key=method_sort_key):
+    for method in sorted(by_method, key=tags.sort_key):
         steps = sorted(by_method[method])
         stats = [aggregate(run_wer(r) for r in by_method[method][s]) for s in steps]
         ax.errorbar(steps, [m for m, _, _ in stats], yerr=[0.0 if np.isnan(sd) else sd for _, sd, _ in stats],
-                    marker="o", capsize=3, color=method_color(method), label=method)
-    base = [run_wer(r) for r in runs if r["stream"] == stream and r["method"] == baseline]
+                    marker="o", capsize=3, color=tags.color(method), label=method)
+    base = [run_wer(r) for r in runs if r.stream == stream and r.method == baseline]
     if base:
         ax.axhline(aggregate(base)[0], color="0.3", linestyle=":", label=f"{baseline} (no adaptation)")
     ax.set_xlabel("adaptation steps per utterance (N)")
@@ -253,7 +240,7 @@ def plot_wer_vs_steps(runs: Sequence[dict], stream: str, out_png, baseline: str 
 
 
 # ------------------------------------------------------------------------------------------------
-def make_all_plots(runs: Sequence[dict], plots_dir, smooth: int = 100, baseline: str = "source") -> List[str]:
+def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: str = "source") -> List[str]:
     """Every plot that the runs support; a failing plot is logged and skipped."""
     plots_dir = Path(plots_dir)
     jobs = []
@@ -262,10 +249,10 @@ def make_all_plots(runs: Sequence[dict], plots_dir, smooth: int = 100, baseline:
         jobs.append((plot_wer_difference, (runs, s, plots_dir / f"wer_diff_{name}.png", smooth, baseline)))
         jobs.append((plot_reset_timeline, (runs, s, plots_dir / f"resets_{name}.png")))
         jobs.append((plot_wer_vs_steps, (runs, s, plots_dir / f"wer_vs_steps_{name}.png", baseline)))
-        lii_runs: Dict[str, List[dict]] = {}
+        lii_runs: Dict[str, List[Run]] = {}
         for r in runs:
-            if r["stream"] == s and r.get("lii"):
-                lii_runs.setdefault(r["method"], []).append(r)
+            if r.stream == s and r.lii:
+                lii_runs.setdefault(r.method, []).append(r)
         for method, group in sorted(lii_runs.items()):
             title = f"{s}: LII of {method} (n={len(group)} runs), in- vs out-of-domain"
             jobs.append((plot_lii_histogram, (group, plots_dir / f"lii_{name}_{safe_name(method)}.png", title)))

@@ -1,4 +1,4 @@
-"""Reset policies for continual methods (CSUTA, DSUTA), orthogonal to the methods.
+"""Reset policies for continual methods (CSUTA, DSUTA, AWMC), orthogonal to the methods.
 
 A policy sees the stream through four calls made by the method, with ``t`` the 1-based count of
 utterances processed so far (Algorithm 2 of the paper):
@@ -19,6 +19,7 @@ from typing import List, Optional
 
 import torch
 
+from tta_brain.methods.base import Event
 from tta_brain.state import restore, snapshot
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,8 @@ class DynamicReset(ResetPolicy):
         if construction:
             self.stats.append(lii)
         self.recent.append(lii)
-        m.events.append(("lii", info.position, lii, "construction" if construction else "detection"))
+        m.events.append(Event("lii", info.position, "construction" if construction else "detection",
+                              lii))
 
     def at_update(self, t):
         values, self.recent = self.recent, []

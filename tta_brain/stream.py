@@ -11,16 +11,13 @@ The method keeps its state across calls, so the slow meta-parameters, the reset 
 optimiser moments carry over from one utterance to the next exactly as in a recipe run.
 """
 import os
-from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 import numpy as np
 import torch
-from hyperpyyaml import load_hyperpyyaml
 
+from tta_brain import hparams as hp_files
 from tta_brain.methods.base import TTAMethod, UttInfo
-
-HPARAMS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "hparams"
 
 
 class TTAStream:
@@ -36,19 +33,14 @@ class TTAStream:
     @classmethod
     def from_hparams(cls, hparams: str = "dsuta", source: Optional[str] = None,
                      overrides: Optional[Dict] = None, device: str = "cpu") -> "TTAStream":
-        """Build from a method yaml: a path, or a method name in ``recipes/hparams``."""
-        path = Path(hparams)
-        if not path.is_file():
-            path = HPARAMS_DIR / f"{hparams}.yaml"
-        if not path.is_file():
-            known = sorted(p.stem for p in HPARAMS_DIR.glob("*.yaml"))
-            raise FileNotFoundError(f"No hparams file '{hparams}' (methods: {', '.join(known)})")
+        """Build from a method yaml: a packaged method name (``tta_brain/hparams``) or a path.
+
+        Raises :class:`tta_brain.hparams.HparamsError` (one line naming the file and key)."""
         ov = {"stream_csv": "", "output_folder": "", "device": device}
         if source is not None:
             ov["source"] = str(source)
         ov.update(overrides or {})
-        with open(path, encoding="utf-8") as f:
-            hp = load_hyperpyyaml(f, ov)
+        hp = hp_files.load(hparams, ov)
         return cls(hp["method"], sample_rate=16000)
 
     def transcribe(self, waveform: Union[torch.Tensor, np.ndarray], sample_rate: Optional[int] = None,
@@ -71,13 +63,12 @@ class TTAStream:
             wav = torchaudio.functional.resample(wav, sr, self.sample_rate)
         info = UttInfo(id=utt_id or str(self.position), position=self.position, domain=domain,
                        segment=segment or 0)
-        with torch.enable_grad():
-            hyp = self.method.process(wav, info)
+        hyp = self.method.process(wav, info)
         for ev in self.method.events:
-            if ev[0] == "reset":
-                self.resets.append(ev[1])
-            elif ev[0] == "lii":
-                self.lii.append((ev[1], ev[2], ev[3]))
+            if ev.kind == "reset":
+                self.resets.append(ev.position)
+            elif ev.kind == "lii":
+                self.lii.append((ev.position, ev.value, ev.reason))
         self.method.events.clear()
         self.position += 1
         return hyp
@@ -90,7 +81,7 @@ class TTAStream:
     def reset(self):
         """Back to the source model (the detector and meta-parameters too)."""
         m = self.method
-        if m.continual:
+        if not m.episodic:
             m.reset_meta(m.t, self.position, "user")
             m.events.clear()
         else:

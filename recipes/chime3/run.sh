@@ -26,7 +26,7 @@ stream_seed=0         # seed of the random order (fixed across method seeds)
 max_duration=         # leave out utterances longer than this (s); empty: keep all
 methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # yaml names or method+reset tags (sdpl too)
 seeds="0 1 2"         # the paper averages 3 runs
-hparams_dir=${repo_root}/recipes/hparams
+hparams_dir=${repo_root}/tta_brain/hparams
 conf_dir=${recipe_dir}/conf   # <method>.opts: extra decode overrides per method token
 model=                # source model (empty: W2V2 from db.sh)
 decode_opts=          # extra --key=value overrides for every decode

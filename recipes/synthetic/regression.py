@@ -70,22 +70,19 @@ def run_recipe(work_dir: Path, seed: int, noprogressbar: bool = True, jobs: int 
 
 def clean_wer(data_dir: Path, model: Path = RECIPE_DIR / "source_model") -> float:
     """Greedy WER (%) of the source model on the clean test manifest (stage 2 writes it)."""
-    import jiwer
-
     from tta_brain.data.audio import load_audio
     from tta_brain.data.manifest import read_manifest
+    from tta_brain.metrics import corpus_error_rate
     from tta_brain.stream import TTAStream
 
     tta = TTAStream.from_hparams("source", source=str(model))
     rows = read_manifest(str(data_dir / "test_synth.csv"))
-    refs = [r["wrd"] for r in rows]
-    hyps = [tta.transcribe(load_audio(r["wav"])) for r in rows]
-    return 100.0 * jiwer.wer(refs, hyps)
+    return corpus_error_rate((r["wrd"], tta.transcribe(load_audio(r["wav"]))) for r in rows)
 
 
 def collect(exp_dir: Path, stream: str = "md_hard") -> dict:
     """WER per method and the dynamic resets with their matching to the true boundaries."""
-    from tta_brain.report import detect_boundaries
+    from tta_brain.tables import detect_boundaries
 
     out = {}
     for method in REDUCED["methods"].split():

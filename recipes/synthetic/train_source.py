@@ -21,7 +21,6 @@ model is the last epoch, no selection on test data).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import logging
 import math
@@ -32,11 +31,13 @@ import sys
 import time
 
 import numpy as np
-import soundfile as sf
 import torch
 import yaml
 
-from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB
+from tta_brain.data.audio import load_audio
+from tta_brain.data.librispeech import read_transcripts
+from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB, normalize_waveforms
+from tta_brain.metrics import corpus_error_rate
 from tta_brain.progress import disable_progressbars, progress
 
 # The exact vocabulary of facebook/wav2vec2-base-960h.
@@ -47,33 +48,17 @@ log = logging.getLogger("train_source")
 
 # ------------------------------------------------------------------------------------- data
 def read_split(split_dir: str):
-    """[(utt_id, flac_path, TEXT)] from a LibriSpeech-layout split."""
-    items = []
-    for trans in sorted(glob.glob(os.path.join(split_dir, "*", "*", "*.trans.txt"))):
-        folder = os.path.dirname(trans)
-        with open(trans) as f:
-            for line in f:
-                utt, text = line.strip().split(" ", 1)
-                items.append((utt, os.path.join(folder, utt + ".flac"), text))
-    if not items:
+    """[(utt_id, flac_path, TEXT)] of a LibriSpeech-layout split (the package's reader)."""
+    texts = read_transcripts(split_dir)
+    if not texts:
         raise FileNotFoundError(f"no LibriSpeech-style transcripts under {split_dir}")
-    return items
+    return [(utt, os.path.join(split_dir, *utt.split("-")[:2], utt + ".flac"), text)
+            for utt, text in sorted(texts.items())]
 
 
-def load_audio(items):
-    out = []
-    for utt, path, text in items:
-        wav, sr = sf.read(path, dtype="int16")
-        if sr != SAMPLE_RATE or wav.ndim != 1:
-            raise ValueError(f"{path}: expected 16 kHz mono, got {sr} Hz shape {wav.shape}")
-        out.append((utt, wav, text))
-    return out
-
-
-def normalise(wav: np.ndarray) -> torch.Tensor:
-    """Zero mean, unit variance per utterance, as Wav2Vec2FeatureExtractor(do_normalize=True)."""
-    x = torch.from_numpy(wav.astype(np.float32) / 32768.0)
-    return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + 1e-7)
+def load_split_audio(items):
+    """[(utt_id, waveform, TEXT)] read with the package's loader (16 kHz mono float32)."""
+    return [(utt, load_audio(path, SAMPLE_RATE), text) for utt, path, text in items]
 
 
 def make_batches(lengths, batch_seconds: float, rng: random.Random):
@@ -93,7 +78,7 @@ def make_batches(lengths, batch_seconds: float, rng: random.Random):
 
 
 def collate(data, idx, encode):
-    wavs = [normalise(data[i][1]) for i in idx]
+    wavs = [normalize_waveforms(data[i][1]) for i in idx]
     lens = torch.tensor([len(w) for w in wavs])
     x = torch.zeros(len(wavs), int(lens.max()))
     for k, w in enumerate(wavs):
@@ -102,22 +87,10 @@ def collate(data, idx, encode):
     return x, lens, labels
 
 
-# ------------------------------------------------------------------------------------- metrics
-def edit_distance(a, b) -> int:
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i] + [0] * len(b)
-        for j, cb in enumerate(b, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
-        prev = cur
-    return prev[-1]
-
-
 def error_rates(refs, hyps):
-    w_err = sum(edit_distance(r.split(), h.split()) for r, h in zip(refs, hyps))
-    c_err = sum(edit_distance(r, h) for r, h in zip(refs, hyps))
-    return (100.0 * w_err / max(1, sum(len(r.split()) for r in refs)),
-            100.0 * c_err / max(1, sum(len(r) for r in refs)))
+    """Pooled (WER, CER) in % (the package's metric)."""
+    pairs = list(zip(refs, hyps))
+    return corpus_error_rate(pairs, "word"), corpus_error_rate(pairs, "char")
 
 
 @torch.no_grad()
@@ -206,8 +179,8 @@ def main(argv=None):
     if args.max_train_utts:
         train_items = random.Random(args.seed).sample(train_items, min(args.max_train_utts, len(train_items)))
     test_items = read_split(os.path.join(base, args.test_split))
-    train = load_audio(train_items)
-    test = load_audio(test_items)
+    train = load_split_audio(train_items)
+    test = load_split_audio(test_items)
     dev = test[: tcfg["dev_utts"]]
     train_hours = sum(len(w) for _, w, _ in train) / SAMPLE_RATE / 3600
     log.info("train %d utts (%.2f h), test %d utts; loaded in %.0f s", len(train), train_hours,

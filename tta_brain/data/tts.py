@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
 import os
 from typing import List, Optional
 
@@ -160,3 +161,15 @@ class EspeakTTS:
                 torch.from_numpy(audio), self.native_sample_rate, self.output_sample_rate
             ).numpy()
         return audio.astype(np.float32)
+
+
+def in_fresh_processes(fn, tasks: list) -> list:
+    """Run ``fn`` on each task, each in a newly spawned process.
+
+    espeak-ng keeps state from one utterance to the next (the output changes by a few samples),
+    so audio is only reproducible when every process renders the same sequence of utterances
+    from a fresh start: one spawned process per task, never a worker reused across tasks.
+    """
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(len(tasks), maxtasksperchild=1) as pool:
+        return pool.map(fn, tasks, chunksize=1)

@@ -11,12 +11,14 @@ from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from tta_brain.ctc import collapse
+from tta_brain.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFCTCLobe", "W2V2_CHAR_VOCAB", "save_char_processor"]
+__all__ = ["HFCTCLobe", "W2V2_CHAR_VOCAB", "save_char_processor", "normalize_waveforms"]
 
 # The character vocabulary of facebook/wav2vec2-base-960h (blank = <pad> = 0, word delimiter "|").
 W2V2_CHAR_VOCAB = ("<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S",
@@ -45,6 +47,20 @@ def save_char_processor(out_dir: str, vocab: Sequence[str] = W2V2_CHAR_VOCAB,
     return processor
 
 
+def normalize_waveforms(wavs: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Zero mean, unit variance per utterance over its valid samples (``[B, T]`` or ``[T]``; with
+    ``lengths`` the padding is left at zero), as ``Wav2Vec2FeatureExtractor(do_normalize=True)``."""
+    if lengths is None:
+        mean = wavs.mean(dim=-1, keepdim=True)
+        var = wavs.var(dim=-1, unbiased=False, keepdim=True)
+        return (wavs - mean) / torch.sqrt(var + 1e-7)
+    mask = torch.arange(wavs.shape[-1], device=wavs.device)[None] < lengths[:, None]
+    n = lengths[:, None].to(wavs.dtype)
+    mean = (wavs * mask).sum(-1, keepdim=True) / n
+    var = (((wavs - mean) * mask) ** 2).sum(-1, keepdim=True) / n
+    return ((wavs - mean) / torch.sqrt(var + 1e-7)) * mask
+
+
 class HFCTCLobe(nn.Module):
     """``transformers.AutoModelForCTC`` + its processor, with greedy CTC decoding to text.
 
@@ -60,11 +76,14 @@ class HFCTCLobe(nn.Module):
         Expected input sample rate; checked against the processor's.
     device : str
         Where the model lives (``cpu``, ``cuda:0``); methods snapshot state on this device.
+    runtime : Runtime, optional
+        How the passes run (precision, compile, feature cache, CPU backward kernels); default
+        ``Runtime()`` (fp32, eager, exact speed paths).
     """
 
     def __init__(self, source: str, savedir: Optional[str] = None,
                  local_files_only: Optional[bool] = None, sample_rate: int = 16000,
-                 device: str = "cpu"):
+                 device: str = "cpu", runtime: Optional[Runtime] = None):
         super().__init__()
         from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
 
@@ -98,21 +117,14 @@ class HFCTCLobe(nn.Module):
         self.special_ids = set(self.tokenizer.all_special_ids) - {self.blank_id}
         self.model.eval()
         self.to(device)
+        self.runtime = runtime or Runtime()
+        if self.runtime.compile:
+            self.compile_forward()
 
     # ------------------------------------------------------------------ input
     def normalize(self, wavs: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Per-utterance zero-mean / unit-variance normalisation over the valid samples."""
-        if not self.do_normalize:
-            return wavs
-        if lengths is None:
-            mean = wavs.mean(dim=-1, keepdim=True)
-            var = wavs.var(dim=-1, unbiased=False, keepdim=True)
-            return (wavs - mean) / torch.sqrt(var + 1e-7)
-        mask = torch.arange(wavs.shape[-1], device=wavs.device)[None] < lengths[:, None]
-        n = lengths[:, None].to(wavs.dtype)
-        mean = (wavs * mask).sum(-1, keepdim=True) / n
-        var = (((wavs - mean) * mask) ** 2).sum(-1, keepdim=True) / n
-        return ((wavs - mean) / torch.sqrt(var + 1e-7)) * mask
+        """The processor's input normalisation (:func:`normalize_waveforms` when ``do_normalize``)."""
+        return normalize_waveforms(wavs, lengths) if self.do_normalize else wavs
 
     def prepare(self, wav: torch.Tensor) -> torch.Tensor:
         """A 1-D waveform -> normalised ``[1, T]`` model input on the model's device."""
@@ -139,6 +151,36 @@ class HFCTCLobe(nn.Module):
         if attention_mask is not None and self.use_attention_mask:
             return self._model(inputs, attention_mask=attention_mask).logits
         return self._model(inputs).logits
+
+    def logits(self, inputs: torch.Tensor, params: Optional[dict] = None,
+               features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Float32 logits of normalised ``inputs`` under the runtime's precision.
+
+        ``params`` ({name: tensor}, names as in ``lobe.named_parameters()``, i.e. ``model.<...>``)
+        replace those parameters for this call only (``torch.func.functional_call``); the live
+        model is untouched. ``features``: see :meth:`forward`.
+        """
+        kwargs = {} if features is None else {"features": features}
+        with self.runtime.autocast(self.device.type):
+            if params is None:
+                logits = self(inputs, **kwargs)
+            else:
+                logits = functional_call(self, params, (inputs,), kwargs)
+        return logits if self.runtime.dtype is None else logits.float()
+
+    def feature_cache_blocker(self, params, train_mode: bool = False) -> Optional[str]:
+        """Why the CNN features of an utterance cannot be computed once for every pass of it
+        while ``params`` adapt (None: they can)."""
+        if not params:
+            return "no adapted parameters (one pass per utterance)"
+        if not self.supports_features:
+            return "the model has no separable feature encoder"
+        if train_mode:
+            return "train_mode"
+        fe = {id(p) for p in self.model.base_model.feature_extractor.parameters()}
+        if any(id(p) in fe for p in params):
+            return "feature-encoder parameters are adapted"
+        return None
 
     # The wav2vec 2.0 family (Wav2Vec2, HuBERT, data2vec-audio, WavLM, UniSpeech) runs
     # feature_extractor -> transpose -> feature_projection -> _mask_hidden_states -> encoder

@@ -1,5 +1,6 @@
-"""TTA methods, one short file each, all registered in ``METHODS`` by name."""
-from tta_brain.methods.base import METHODS, TTAMethod, UttInfo, build_method, register
+"""TTA methods, one short file each, registered by name in ``METHODS`` (see ``registry``)."""
+from tta_brain.methods.base import DEFAULT_PARAMS, Event, TTAMethod, UttInfo
+from tta_brain.methods.registry import METHODS, build_method, register
 from tta_brain.methods.source import Source
 from tta_brain.methods.suta import SUTA
 from tta_brain.methods.sdpl import SDPL
@@ -8,5 +9,5 @@ from tta_brain.methods.csuta import CSUTA
 from tta_brain.methods.awmc import AWMC
 from tta_brain.methods.dsuta import DSUTA
 
-__all__ = ["METHODS", "TTAMethod", "UttInfo", "build_method", "register", "Source", "SUTA",
-           "SDPL", "SGEM", "CSUTA", "AWMC", "DSUTA"]
+__all__ = ["METHODS", "TTAMethod", "UttInfo", "Event", "DEFAULT_PARAMS", "build_method",
+           "register", "Source", "SUTA", "SDPL", "SGEM", "CSUTA", "AWMC", "DSUTA"]

@@ -3,22 +3,23 @@
 The anchor is the frozen source model, the chaser the adapted model (LayerNorm + encoder biases,
 train mode), the leader an EMA of the chaser. Each of the N steps per utterance minimises the mean
 of CTC(chaser, anchor label) and CTC(chaser, leader label), then updates the leader. The
-prediction comes from the chaser. Anchor and leader share the frozen weights of the one model and
+prediction comes from the chaser. Continual; a reset policy returns chaser, leader and optimiser
+to the source. Anchor and leader share the frozen weights of the one model and
 differ only in the adapted tensors (``torch.func.functional_call``), and the anchor label is
 computed once per utterance (the anchor never changes).
 """
 import torch
-from torch.func import functional_call
 
 from tta_brain import losses
 from tta_brain.ctc import collapse
-from tta_brain.methods.base import TTAMethod, register
+from tta_brain.methods.base import TTAMethod
+from tta_brain.methods.registry import register
 from tta_brain.state import restore, snapshot
 
 
 @register("awmc")
 class AWMC(TTAMethod):
-    continual = True
+    episodic = False
 
     def __init__(self, model, lr: float = 2e-4, ema_decay: float = 0.999, train_mode: bool = True,
                  **kwargs):
@@ -30,12 +31,10 @@ class AWMC(TTAMethod):
     @torch.no_grad()
     def _labels(self, values, x):
         self.counts["aux_forward"] += 1
-        logits = functional_call(self.net, dict(zip(self.param_names, values)), (x,)).logits
+        logits = self.logits(x, values)
         return [torch.tensor(collapse(p, self.blank_id)) for p in logits.argmax(-1)]
 
-    def adapt_and_predict(self, x, info):
-        t = self.t + 1
-        self.policy_before(t, info)
+    def forward_and_adapt(self, x, info):
         anchor = self._labels(self.source, x)
         for _ in range(self.steps):
             leader = self._labels(self.leader, x)
@@ -44,9 +43,7 @@ class AWMC(TTAMethod):
                 + losses.ctc_pseudo_label_loss(lg, leader, blank_id=self.blank_id)).mean())
             with torch.no_grad():
                 torch._foreach_lerp_(self.leader, [p.detach() for p in self.params], 1 - self.ema_decay)
-        hyp = self.predict(x)
-        self.policy_after(t, x, info)
-        return hyp
+        return self.predict(x)
 
     def reset(self):
         super().reset()

@@ -16,19 +16,18 @@ the mean gradient; same result (bit-identical on CPU), M more passes per update.
 The fast optimiser starts each utterance from the slow optimiser's moments (as the official code
 does; ``fast_moments: zero`` starts from fresh moments instead).
 """
-from functools import partial
 from typing import Callable, Optional
 
 import torch
 
-from tta_brain.methods.base import TTAMethod, prefer_foreach, register
-from tta_brain.params import param_groups
+from tta_brain.methods.base import TTAMethod, build_optimizer
+from tta_brain.methods.registry import register
 from tta_brain.state import copy_optimizer_state, restore, snapshot, zero_optimizer_state
 
 
 @register("dsuta")
 class DSUTA(TTAMethod):
-    continual = True
+    episodic = False
 
     def __init__(self, model, buffer_size: int = 5, steps: int = 10,
                  slow_optimizer: Optional[Callable] = None, fast_moments: str = "slow",
@@ -45,13 +44,10 @@ class DSUTA(TTAMethod):
         self.fast_moments = fast_moments
         # slow (meta) parameters phi_t: plain leaf tensors with their own optimiser
         self.meta = [torch.nn.Parameter(t, requires_grad=False) for t in snapshot(self.params)]
-        opt_fn = slow_optimizer or partial(torch.optim.AdamW, weight_decay=0.0)
         meta_sel = [(n, m, mult) for (n, _, mult), m in zip(self.selected, self.meta)]
         # the paper uses one lr for both learners; slow_lr sets the slow learner's on its own
         self.slow_lr = self.lr if slow_lr is None else float(slow_lr)
-        self.slow_optimizer = opt_fn(param_groups(meta_sel, self.slow_lr))
-        if not self.plain:
-            prefer_foreach(self.slow_optimizer)
+        self.slow_optimizer = build_optimizer(slow_optimizer, meta_sel, self.slow_lr)
         self.buffer_x = []             # slow_grad: recompute: the buffered (prepared) inputs
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
         self.n_buffered = 0            # utterances in the buffer (their gradients are in grad_sum)
@@ -66,9 +62,7 @@ class DSUTA(TTAMethod):
             torch._foreach_add_([s for s, _ in pairs], [g for _, g in pairs])
         self.n_grads += 1
 
-    def adapt_and_predict(self, x, info):
-        t = self.t + 1
-        self.policy_before(t, info)
+    def forward_and_adapt(self, x, info):
         # fast adaptation from phi_t
         restore(self.params, self.meta)
         if self.fast_moments == "slow":
@@ -84,10 +78,10 @@ class DSUTA(TTAMethod):
             self.buffer_x.append(x)
         hyp = self.predict(x)
         self.n_buffered += 1
-        # a reset discards the buffer (reset_meta clears it); so does a slow update
-        self.policy_after(t, x, info, update_due=self.n_buffered >= self.M,
-                          update=self._slow_update)
         return hyp
+
+    def update_due(self):
+        return self.n_buffered >= self.M
 
     def _slow_gradient_only(self, x):
         """grad L(live params, x) into the buffer sum by one forward/backward, no update (skipped
@@ -109,7 +103,8 @@ class DSUTA(TTAMethod):
             self._slow_gradient_only(x)
         restore(self.params, fast)
 
-    def _slow_update(self):
+    def meta_update(self):
+        """The slow step (a reset discards the buffer instead: see ``reset``)."""
         if self.slow_grad == "recompute":
             self._recompute_slow_gradient()
         if self.n_grads > 0:
@@ -133,11 +128,12 @@ class DSUTA(TTAMethod):
     def meta_values(self):
         return self.meta
 
-    def reset_meta(self, after, position, reason):
+    def reset(self):
+        """Fast and slow learners back to the source; the buffer is discarded."""
+        super().reset()
         restore(self.meta, self.source)
         zero_optimizer_state(self.slow_optimizer)
         self._clear_buffer()
-        self._record_reset(after, position, reason)
 
     # ---------------------------------------------------------------- resume
     def state_dict(self):

@@ -4,17 +4,14 @@ import torch
 
 from tta_brain import losses
 from tta_brain.ctc import collapse
-from tta_brain.methods.base import TTAMethod, register
+from tta_brain.methods.base import TTAMethod
+from tta_brain.methods.registry import register
 
 
 @register("sdpl")
 class SDPL(TTAMethod):
+    episodic = True
+
     def loss(self, logits):
         labels = [torch.tensor(collapse(p, self.blank_id)) for p in logits.detach().argmax(-1)]
         return losses.ctc_pseudo_label_loss(logits, labels, blank_id=self.blank_id).mean()
-
-    def adapt_and_predict(self, x, info):
-        self.reset()
-        for _ in range(self.steps):
-            self.adapt_step(x)
-        return self.predict(x)

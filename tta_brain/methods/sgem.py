@@ -12,12 +12,15 @@ from typing import Optional
 import torch
 
 from tta_brain import losses
-from tta_brain.ctc import ArpaLM, prefix_beam_search, viterbi_align
-from tta_brain.methods.base import TTAMethod, register
+from tta_brain.ctc import prefix_beam_search, viterbi_align
+from tta_brain.methods.base import TTAMethod
+from tta_brain.methods.registry import register
 
 
 @register("sgem")
 class SGEM(TTAMethod):
+    episodic = True
+
     def __init__(self, model, lr: float = 4e-5, lr_min: float = 2e-5, renyi_alpha: float = 1.5,
                  ns_coef: float = 1.0, ns_threshold: float = 0.04, beam_width: int = 5,
                  lm_path: Optional[str] = None, lm_weight: float = 0.5, word_bonus: float = 0.0,
@@ -30,6 +33,7 @@ class SGEM(TTAMethod):
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.lm_scorer = None
         if lm_path:
+            from tta_brain.ctc import ArpaLM   # being replaced by the [lm] extra
             self.lm_scorer = ArpaLM(lm_path).label_scorer(
                 lambda i: self.lobe.id_to_token.get(i, ""))
 
@@ -51,16 +55,9 @@ class SGEM(TTAMethod):
                                            threshold=self.ns_threshold)
         return (em + self.ns_coef * ns).mean()
 
-    def _set_lr(self, step: int):
+    def before_step(self, step: int):
         """Cosine annealing from lr to lr_min over the N steps (per group multipliers kept)."""
         frac = (1 + math.cos(math.pi * step / max(self.steps, 1))) / 2
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
             lo = base * self.lr_min / self.lr
             g["lr"] = lo + (base - lo) * frac
-
-    def adapt_and_predict(self, x, info):
-        self.reset()
-        for n in range(self.steps):
-            self._set_lr(n)
-            self.adapt_step(x)
-        return self.predict(x)

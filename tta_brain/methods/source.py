@@ -1,5 +1,6 @@
 """No adaptation: the source model's greedy transcript (the baseline every table starts with)."""
-from tta_brain.methods.base import TTAMethod, register
+from tta_brain.methods.base import TTAMethod
+from tta_brain.methods.registry import register
 
 
 @register("source")
@@ -8,5 +9,5 @@ class Source(TTAMethod):
         kwargs.setdefault("adapt_params", ())
         super().__init__(model, **kwargs)
 
-    def adapt_and_predict(self, x, info):
+    def forward_and_adapt(self, x, info):
         return self.predict(x)

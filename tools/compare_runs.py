@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Are two result trees the same run for run? Compares every experiment folder (a folder with a
+``summary.json``) found under both roots, by relative path: the record files row by row and the
+summary's result fields exactly (timings, versions and recorded settings are not compared).
+
+Used to check that a refactoring changed no result (bit for bit on CPU)::
+
+    python tools/compare_runs.py /tmp/exp_before /tmp/exp_after
+
+Prints one line per folder (``same`` or what differs, with the first differing row) and exits
+with 1 if anything differs or a folder is missing on one side.
+"""
+import argparse
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+RECORDS = ("transcripts.csv", "resets.csv", "lii.csv", "rejects.csv")
+SUMMARY_KEYS = ("method", "stream", "seed", "wer", "wer_per_domain", "n_utts", "n_words", "n_err",
+                "n_skipped", "skipped", "resets", "boundaries", "counts")
+
+
+def runs(root: Path):
+    return {os.path.relpath(d, root): Path(d) for d, _, files in os.walk(root)
+            if "summary.json" in files}
+
+
+def _rows(path: Path):
+    if not path.is_file():
+        return None
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.reader(f))
+
+
+def compare(a: Path, b: Path):
+    """Differences between two experiment folders (empty: the same results)."""
+    diffs = []
+    for name in RECORDS:
+        ra, rb = _rows(a / name), _rows(b / name)
+        if ra != rb:
+            if ra is None or rb is None:
+                diffs.append(f"{name}: missing on one side")
+                continue
+            first = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+            diffs.append(f"{name}: {len(ra)} vs {len(rb)} rows, first difference at row {first}: "
+                         f"{ra[first] if first < len(ra) else '-'} != {rb[first] if first < len(rb) else '-'}")
+    sa = json.loads((a / "summary.json").read_text())
+    sb = json.loads((b / "summary.json").read_text())
+    for key in SUMMARY_KEYS:
+        if sa.get(key) != sb.get(key):
+            diffs.append(f"summary {key}: {sa.get(key)} != {sb.get(key)}")
+    return diffs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("root_a", type=Path)
+    p.add_argument("root_b", type=Path)
+    args = p.parse_args(argv)
+    ra, rb = runs(args.root_a), runs(args.root_b)
+    bad = 0
+    for name in sorted(set(ra) | set(rb)):
+        if name not in ra or name not in rb:
+            print(f"{name}: only under {args.root_a if name in ra else args.root_b}")
+            bad += 1
+            continue
+        diffs = compare(ra[name], rb[name])
+        print(f"{name}: " + ("same" if not diffs else "DIFFERENT\n  " + "\n  ".join(diffs)))
+        bad += bool(diffs)
+    print(f"{len(set(ra) | set(rb)) - bad} same, {bad} different or missing")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The checkpoint protocol of a run: what a resume needs (stream cursor, the method's whole state,
+every RNG, the record files' byte lengths, time spent, the run's fingerprint), saved atomically
+through SpeechBrain's ``Checkpointer`` and recovered only from complete checkpoints.
+
+A checkpoint directory counts as complete once its ``stream.ckpt`` exists; that file is written
+last, via a temporary file and a rename, so a ``kill -9`` mid-save leaves an incomplete directory
+that :func:`recover` removes.
+"""
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+from speechbrain.utils.checkpoints import (mark_as_loader, mark_as_saver,
+                                          register_checkpoint_hooks)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StreamState", "ResumeError", "recover", "save", "get_rng_state", "set_rng_state",
+           "STATE_FILE"]
+
+STATE_FILE = "stream.ckpt"
+
+
+class ResumeError(RuntimeError):
+    """The output folder's checkpoint does not fit this run (another stream or method, records
+    missing or shorter than the checkpoint says)."""
+
+
+def get_rng_state() -> Dict:
+    """Every RNG a method may draw from: torch (CPU and CUDA), numpy, Python."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "python" in state:
+        random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+@register_checkpoint_hooks
+class StreamState:
+    """What a resumed run needs, saved and loaded by the checkpointer."""
+
+    def __init__(self, method, fingerprint: Optional[Dict] = None):
+        self.method = method
+        self.cursor = 0                 # stream rows consumed (decoded or rejected)
+        self.wall_time = 0.0
+        self.audio_time = 0.0
+        self.offsets: Dict[str, int] = {}   # record file -> bytes at the checkpoint
+        self.fingerprint = fingerprint
+
+    @mark_as_saver
+    def _save(self, path):
+        sd = {"cursor": self.cursor, "wall_time": self.wall_time, "audio_time": self.audio_time,
+              "offsets": dict(self.offsets), "fingerprint": self.fingerprint,
+              "method": self.method.state_dict(), "rng": get_rng_state()}
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @mark_as_loader
+    def _load(self, path, end_of_epoch=False):
+        # the method's tensors go straight to the model's device (phi_D, DSUTA's buffer)
+        device = getattr(getattr(self.method, "lobe", None), "device", "cpu")
+        sd = torch.load(path, map_location=device, weights_only=False)
+        old = sd.get("fingerprint")
+        if self.fingerprint is not None and old is not None and old != self.fingerprint:
+            what = [k for k in self.fingerprint if old.get(k) != self.fingerprint[k]]
+            was = {k: old.get(k) for k in what}
+            now = {k: self.fingerprint[k] for k in what}
+            raise ResumeError(
+                f"{path}: the checkpoint is from another run ({', '.join(what)} differ: {was} != "
+                f"{now}). Use another --output_folder, or delete {Path(path).parent.parent} to "
+                f"start over.")
+        if "offsets" not in sd:
+            raise ResumeError(f"{path}: checkpoint written by an older version (no record "
+                              f"offsets); delete {Path(path).parent.parent} to start over")
+        self.cursor, self.wall_time, self.audio_time = sd["cursor"], sd["wall_time"], sd["audio_time"]
+        self.offsets = sd["offsets"]
+        self.method.load_state_dict(sd["method"])
+        set_rng_state(sd["rng"])
+
+
+def recover(checkpointer) -> bool:
+    """Load the newest complete checkpoint (incomplete ones are removed); True if one was loaded."""
+    if checkpointer is None:
+        return False
+    ckpt_dir = Path(checkpointer.checkpoints_dir)
+    if ckpt_dir.is_dir():
+        for d in ckpt_dir.glob("CKPT+*"):
+            if d.is_dir() and not (d / STATE_FILE).is_file():
+                logger.warning("Removing incomplete checkpoint %s (interrupted while saving)", d)
+                shutil.rmtree(d, ignore_errors=True)
+    ckpt = checkpointer.recover_if_possible(
+        ckpt_predicate=lambda c: (Path(c.path) / STATE_FILE).is_file())
+    return ckpt is not None
+
+
+def save(checkpointer, state: StreamState, writer) -> None:
+    """fsync the records, note their lengths in ``state`` and save one checkpoint (keep one)."""
+    state.offsets = writer.sync()
+    checkpointer.save_and_keep_only(meta={"cursor": state.cursor}, num_to_keep=1,
+                                    verbosity=logging.DEBUG)

@@ -1,0 +1,151 @@
+"""The decode command line: run options that mean what they say, yaml overrides, ``--help``.
+
+Run options (SpeechBrain's names): ``--device`` (cpu, cuda, cuda:N), ``--precision``
+(fp32 | bf16 | fp16), ``--compile`` (``--compile`` or ``--compile=true|false``),
+``--noprogressbar``. ``--device``, ``--precision`` and ``--compile`` set the yaml keys of the same
+name (the run block), so they reach the model and are recorded with the run. SpeechBrain's
+training options (``--debug``, ``--data_parallel_backend``, ``--grad_accumulation_factor``, ...)
+do nothing here and are refused. Every other ``--key=value`` (or ``--key value``) overrides the
+yaml key ``key``; a later one wins over an earlier one (recipes append ``.opts`` files).
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import ruamel.yaml
+import ruamel.yaml.error
+
+from tta_brain import hparams as hp_files
+
+__all__ = ["UsageError", "Arguments", "parse_arguments", "help_text", "record_hparams",
+           "RUN_OPTIONS"]
+
+USAGE = ("usage: python -m tta_brain.decode <method or yaml> --source=<model> --stream_csv=<csv> "
+         "--output_folder=<dir> [--data_root=<dir>] [run options] [--key=value ...]\n"
+         "       python -m tta_brain.decode <method or yaml> --help")
+#: Run options honoured, with their help line. Flags take no value (or =true / =false).
+RUN_OPTIONS = {
+    "device": "cpu, cuda or cuda:N: where the model runs (sets the yaml key `device`)",
+    "precision": "fp32 | bf16 | fp16: autocast of the model forward (sets `precision`)",
+    "compile": "torch.compile the model forward (flag; sets `compile`)",
+    "noprogressbar": "no progress bar (flag)",
+}
+FLAGS = ("compile", "noprogressbar")
+#: SpeechBrain training options that decoding does not use: refused, not ignored.
+SB_TRAINING_OPTIONS = (
+    "test_only", "debug", "debug_batches", "debug_epochs", "debug_persistently",
+    "data_parallel_backend", "data_parallel_count", "distributed_backend", "distributed_launch",
+    "find_unused_parameters", "jit", "jit_module_keys", "compile_module_keys", "compile_mode",
+    "compile_using_fullgraph", "compile_using_dynamic_shape_tracing", "eval_precision",
+    "auto_mix_prec", "bfloat16_mix_prec", "max_grad_norm", "skip_nonfinite_grads",
+    "nonfinite_patience", "ckpt_interval_minutes", "ckpt_interval_steps",
+    "grad_accumulation_factor", "optimizer_step_limit", "tqdm_colored_bar", "tqdm_barcolor",
+    "remove_vector_weight_decay", "profile_training", "profile_warmup", "profile_steps",
+    "log_config", "param_file")
+
+
+class UsageError(ValueError):
+    """A command line that cannot be run; the message is one line (+ the usage)."""
+
+
+@dataclass
+class Arguments:
+    method: Optional[str] = None
+    help: bool = False
+    run_opts: Dict = field(default_factory=dict)
+    overrides: str = ""                     # yaml text, one `key: value` per line
+
+
+def _bool(key: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise UsageError(f"--{key} takes true or false, not {value!r}")
+
+
+def parse_arguments(argv: List[str]) -> Arguments:
+    """Split ``argv`` into the method, the run options and the yaml overrides."""
+    args = Arguments()
+    pairs = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        i += 1
+        if a in ("-h", "--help"):
+            args.help = True
+            continue
+        if not a.startswith("--"):
+            if args.method is None:
+                args.method = a
+                continue
+            raise UsageError(f"unexpected argument {a!r} (overrides are --key=value)\n{USAGE}")
+        key, eq, value = a[2:].partition("=")
+        if not key:
+            raise UsageError(f"bad argument {a!r}\n{USAGE}")
+        if not eq and key not in FLAGS:
+            if i < len(argv) and not argv[i].startswith("--"):
+                value, i = argv[i], i + 1
+            else:
+                raise UsageError(f"--{key} needs a value (--{key}=<value>)")
+        pairs.append((key, value, bool(eq)))
+    if args.method is None and not args.help:
+        raise UsageError(USAGE)
+    overrides: Dict[str, str] = {}
+    for key, value, has_value in pairs:
+        if key in SB_TRAINING_OPTIONS:
+            raise UsageError(f"--{key} is a SpeechBrain training option; decoding does not use "
+                             f"it (run options: {', '.join('--' + k for k in RUN_OPTIONS)})")
+        if key == "noprogressbar":
+            args.run_opts["noprogressbar"] = _bool(key, value) if has_value else True
+            continue
+        if key == "compile":
+            value = str(_bool(key, value) if has_value else True).lower()
+        if key == "device":
+            args.run_opts["device"] = value
+        overrides[key] = value               # a later one wins
+    lines = []
+    for key, value in overrides.items():
+        line = f"{key}: {value}"
+        try:
+            ruamel.yaml.YAML().load(line)
+        except ruamel.yaml.error.YAMLError as e:
+            raise UsageError(f"bad value for --{key}: {value!r} ({' '.join(str(e).split())})")
+        lines.append(line)
+    args.overrides = "\n".join(lines) + ("\n" if lines else "")
+    return args
+
+
+def help_text(method: Optional[str]) -> str:
+    """Usage, the run options and (with a method) its keys with defaults and one line each."""
+    out = [USAGE, "", "Run options:"]
+    out += [f"  --{k:<18} {v}" for k, v in RUN_OPTIONS.items()]
+    if method is None:
+        out += ["", f"Packaged methods: {', '.join(hp_files.available())} "
+                    f"(tta_brain/hparams/<method>.yaml); `<method> --help` lists its keys."]
+        return "\n".join(out)
+    path = hp_files.find(method)
+    out += ["", f"Keys of {path} (--key=value; default, then what it is):"]
+    for key, default, comment in hp_files.describe(path):
+        out.append(f"  --{key:<22} {default:<12} {comment}")
+    return "\n".join(out)
+
+
+def record_hparams(resolved: Dict) -> Dict:
+    """The run's plain top-level values (numbers, strings, lists of them) for its summary."""
+    def plain(v):
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            return not hasattr(v, "tag") or not getattr(v.tag, "value", None)
+        if isinstance(v, (list, tuple)):
+            return all(plain(x) for x in v)
+        return False
+    return {k: ([_builtin(x) for x in v] if isinstance(v, (list, tuple)) else _builtin(v))
+            for k, v in resolved.items() if not k.startswith("__") and plain(v)}
+
+
+def _builtin(v):
+    """ruamel's scalar subclasses as plain Python values (JSON-safe)."""
+    for t in (bool, int, float, str):
+        if isinstance(v, t):
+            return t(v)
+    return v

@@ -1,0 +1,80 @@
+"""What a run ran on: library versions (summary.json, log.txt, env.log) and the machine (the
+RESULTS.md environment block). The one place that asks."""
+import datetime as _dt
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+__all__ = ["versions", "environment", "git_hash"]
+
+PACKAGES = ("torch", "torchaudio", "speechbrain", "transformers", "numpy", "soundfile")
+
+
+def _version(name: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:  # PackageNotFoundError and broken metadata alike
+        return None
+
+
+def versions() -> Dict[str, str]:
+    """Python, tta_brain and the libraries that decide the numbers (+ CUDA when torch has it)."""
+    import tta_brain
+    out = {"python": platform.python_version(), "tta_brain": tta_brain.__version__}
+    for name in PACKAGES:
+        module = sys.modules.get(name)       # the version that runs, local tags included
+        v = getattr(module, "__version__", None) or _version(name)
+        if v is not None:
+            out[name] = str(v)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        out["cuda"] = torch.version.cuda
+        out["cudnn"] = torch.backends.cudnn.version()
+    return out
+
+
+def _command(args: Sequence[str], cwd=None) -> Optional[str]:
+    if shutil.which(args[0]) is None:
+        return None
+    try:
+        out = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def git_hash(repo_dir=None) -> Optional[str]:
+    """The commit of the checkout holding tta_brain (None for an installed package)."""
+    repo_dir = Path(repo_dir) if repo_dir else Path(__file__).resolve().parents[1]
+    return _command(["git", "rev-parse", "HEAD"], cwd=repo_dir)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(repo_dir=None) -> "OrderedDict[str, str]":
+    """Date, Python, library versions, git hash, CPU and GPU (ESPnet's environment block)."""
+    env = OrderedDict()
+    env["date"] = _dt.datetime.now().astimezone().strftime("%a %b %d %H:%M:%S %Z %Y")
+    env["python version"] = sys.version.split()[0]
+    for pkg in ("torch", "torchaudio", "transformers", "speechbrain"):
+        env[f"{pkg} version"] = _version(pkg) or "not installed"
+    env["Git hash"] = git_hash(repo_dir) or "unavailable"
+    env["CPU"] = f"{_cpu_name()} ({os.cpu_count()} cores)"
+    gpus = _command(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
+    env["GPU"] = "; ".join(gpus.splitlines()) if gpus else "none detected"
+    return env

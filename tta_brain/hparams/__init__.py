@@ -1,0 +1,148 @@
+"""Method hyperparameters: the packaged yamls (one per method, plus the shared ``run`` and ``reset``
+blocks) and the one loader that finds, composes and builds them, with one-line errors.
+
+A method yaml names the blocks it shares on a line ``include: [run, reset]``; :func:`compose`
+puts their text in front of its own (a block is a packaged name, or a path relative to the yaml),
+so every key of the result is top-level and ``--key=value`` overrides reach all of them. A yaml
+without an ``include`` line is used as it is.
+"""
+import os
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import ruamel.yaml
+import ruamel.yaml.error
+import yaml
+from hyperpyyaml import load_hyperpyyaml, resolve_references
+
+__all__ = ["HPARAMS_DIR", "BLOCKS", "HparamsError", "available", "find", "compose", "load",
+           "resolve", "resolved_text", "describe"]
+
+HPARAMS_DIR = Path(__file__).resolve().parent
+BLOCKS = ("run", "reset")
+_INCLUDE = re.compile(r"^include:[ \t]*(\[[^\]\n]*\]|[^\s#]+)[^\n]*\n?", re.M)
+
+PathLike = Union[str, os.PathLike]
+
+
+class HparamsError(ValueError):
+    """A yaml or an override that cannot be used; the message is one line naming file and key."""
+
+
+def available() -> List[str]:
+    """The packaged method names (``tta_brain/hparams/<name>.yaml`` minus the blocks)."""
+    return sorted(p.stem for p in HPARAMS_DIR.glob("*.yaml") if p.stem not in BLOCKS)
+
+
+def find(name_or_path: PathLike) -> Path:
+    """A yaml path, or the packaged yaml of a method name (``dsuta``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    packaged = HPARAMS_DIR / f"{name_or_path}.yaml"
+    if str(name_or_path) in available():
+        return packaged
+    folder = path.parent if str(path.parent) not in ("", ".") else None
+    known = (sorted(p.stem for p in folder.glob("*.yaml")) if folder and folder.is_dir()
+             else available())
+    where = f" (yamls in {folder}: " if folder and folder.is_dir() else " (packaged methods: "
+    raise HparamsError(f"hparams file not found: {name_or_path}{where}{', '.join(known)})")
+
+
+def compose(path: PathLike) -> str:
+    """The yaml text of ``path`` with the blocks of its ``include`` line in front."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    match = _INCLUDE.search(text)
+    if match is None:
+        return text
+    names = [n.strip() for n in match.group(1).strip("[]").split(",") if n.strip()]
+    parts = []
+    for name in names:
+        block = HPARAMS_DIR / f"{name}.yaml" if not name.endswith(".yaml") else path.parent / name
+        if not block.is_file():
+            raise HparamsError(f"{path}: include '{name}' not found (blocks: {', '.join(BLOCKS)}, "
+                               f"or a .yaml path relative to {path.parent})")
+        parts.append(f"# ---- {name} (from {block.name})\n{block.read_text(encoding='utf-8')}")
+    body = text[:match.start()] + text[match.end():]
+    return "\n".join(parts) + f"\n# ---- {path.name}\n" + body
+
+
+def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None) -> Dict:
+    """The yaml's values with the overrides applied and references resolved, without building
+    any object (``!new:`` / ``!apply:`` nodes stay tagged): for checks, ``--help`` and records."""
+    path = find(name_or_path)
+    text = compose(path)
+    with _errors(path):
+        stream = resolve_references(text, overrides, overrides_must_match=True)
+        return ruamel.yaml.YAML().load(stream)
+
+
+def resolved_text(name_or_path: PathLike, overrides=None) -> str:
+    """The resolved yaml as text (written as ``hyperparams.yaml`` into a run folder)."""
+    path = find(name_or_path)
+    with _errors(path):
+        stream = resolve_references(compose(path), overrides,
+                                    overrides_must_match=True)
+    return f"# Resolved from {path} with the command-line overrides\n" + stream.getvalue()
+
+
+def load(name_or_path: PathLike, overrides=None) -> Dict:
+    """Build the yaml's objects (model, method, reset policy) with the overrides applied."""
+    path = find(name_or_path)
+    text = compose(path)
+    with _errors(path):
+        return load_hyperpyyaml(text, overrides)
+
+
+def describe(name_or_path: PathLike) -> List[Tuple[str, str, str]]:
+    """``(key, default, comment)`` of every top-level scalar key, in file order (for ``--help``)."""
+    path = find(name_or_path)
+    out = []
+    for line in compose(path).splitlines():
+        m = re.match(r"^([A-Za-z_]\w*):[ \t]*([^#\n]*?)[ \t]*(?:#[ \t]*(.*))?$", line)
+        if not m or m.group(1).startswith("__"):
+            continue
+        if m.group(2).startswith("!"):
+            if m.group(2) == "!PLACEHOLDER":
+                out.append((m.group(1), "(required)", m.group(3) or ""))
+            continue
+        if m.group(2) == "":      # a mapping or list follows: not a scalar key
+            continue
+        out.append((m.group(1), m.group(2), m.group(3) or ""))
+    return out
+
+
+class _errors:
+    """Turn hyperpyyaml / yaml / constructor errors into one-line :class:`HparamsError`."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, err, tb):
+        if err is None or isinstance(err, HparamsError):
+            return False
+        where = str(self.path)
+        if isinstance(err, KeyError):
+            raise HparamsError(f"{where}: {err.args[0]} (check the spelling of the keys and of "
+                               f"the --key=value overrides)") from err
+        if isinstance(err, (yaml.YAMLError, ruamel.yaml.error.YAMLError)):
+            msg = " ".join(str(err).replace("<unicode string>", where).split())
+            raise HparamsError(f"{where}: yaml syntax error (in the file or a --key=value "
+                               f"override): {msg}") from err
+        if isinstance(err, TypeError):
+            raise HparamsError(f"{where}: {_describe(err)} (check the spelling of the keys "
+                               f"passed to that class in the yaml)") from err
+        if isinstance(err, (ValueError, ImportError, AttributeError, RuntimeError, OSError)):
+            raise HparamsError(f"{where}: {_describe(err)}") from err
+        return False
+
+
+def _describe(err) -> str:
+    """hyperpyyaml wraps constructor errors as ``(context, message)`` tuples: join them."""
+    parts = [str(a) for a in err.args] or [type(err).__name__]
+    return " ".join(": ".join(parts).split())

@@ -1,0 +1,54 @@
+"""Text normalisation and error counts: the one WER/CER helper of the toolkit (SpeechBrain's edit
+distance underneath)."""
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence, Tuple
+
+from speechbrain.utils.edit_distance import wer_details_for_batch
+
+__all__ = ["normalize_text", "Errors", "errors", "word_errors", "error_rate", "corpus_error_rate"]
+
+
+def normalize_text(text: str) -> str:
+    """Upper case, punctuation other than apostrophes removed, white space collapsed."""
+    text = re.sub(r"[^A-Z0-9' ]+", " ", str(text).upper())
+    return " ".join(text.split())
+
+
+@dataclass(frozen=True)
+class Errors:
+    """Edit-distance counts of one hypothesis against its reference."""
+    n_ref: int
+    n_err: int
+    n_sub: int
+    n_del: int
+    n_ins: int
+
+
+def errors(ref: Sequence, hyp: Sequence) -> Errors:
+    """Counts between two token sequences (words, characters, label ids)."""
+    d = wer_details_for_batch(["_"], [list(ref)], [list(hyp)])[0]
+    return Errors(d["num_ref_tokens"], d["num_edits"], d["substitutions"], d["deletions"],
+                  d["insertions"])
+
+
+def word_errors(ref: str, hyp: str) -> Errors:
+    """Word counts after :func:`normalize_text` of both sides."""
+    return errors(normalize_text(ref).split(), normalize_text(hyp).split())
+
+
+def error_rate(n_err: float, n_ref: float) -> float:
+    """100 * errors / reference tokens (nan without reference tokens)."""
+    return 100.0 * n_err / n_ref if n_ref else math.nan
+
+
+def corpus_error_rate(pairs: Iterable[Tuple[str, str]], unit: str = "word") -> float:
+    """Pooled WER (``unit="word"``) or CER (``"char"``, spaces kept as characters) in % of
+    normalised (reference, hypothesis) pairs."""
+    n_err = n_ref = 0
+    for ref, hyp in pairs:
+        ref, hyp = normalize_text(ref), normalize_text(hyp)
+        e = errors(ref.split(), hyp.split()) if unit == "word" else errors(ref, hyp)
+        n_err, n_ref = n_err + e.n_err, n_ref + e.n_ref
+    return error_rate(n_err, n_ref)

@@ -1,0 +1,302 @@
+"""The run record: the files of one experiment folder, their columns and types. The only module
+that reads or writes them (the Brain writes, the report and the plots read).
+
+    transcripts.csv  one row per decoded utterance (:class:`Transcript`)
+    rejects.csv      skipped utterances and why (:class:`Reject`)
+    resets.csv       resets (:class:`Reset`): position = first utterance decoded after it
+    lii.csv          LII values of the dynamic reset (:class:`Lii`)
+    wer.txt          SpeechBrain ``ErrorRateStats`` with per-utterance alignments
+    summary.json     :class:`Summary`
+"""
+import csv
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+from speechbrain.utils.metric_stats import ErrorRateStats
+
+__all__ = ["Transcript", "Reject", "Reset", "Lii", "Summary", "Run", "RecordWriter",
+           "RecordError", "CSV_FILES", "read_transcripts", "read_rejects", "read_resets",
+           "read_lii", "read_summary", "write_summary", "write_wer_file", "load_run"]
+
+
+class RecordError(ValueError):
+    """A record file that is missing, cut short or not in this version's format."""
+
+
+@dataclass
+class Transcript:
+    position: int
+    ID: str
+    domain: str
+    segment: int
+    duration: float
+    ref: str
+    hyp: str
+    n_words: int
+    n_err: int
+    n_sub: int
+    n_del: int
+    n_ins: int
+    reset: int = 0          # 1: the first utterance decoded after a reset
+
+
+@dataclass
+class Reject:
+    position: int
+    ID: str
+    wav: str
+    reason: str
+
+
+@dataclass
+class Reset:
+    position: int           # first utterance decoded from the reset model
+    ID: str
+    reason: str
+    trigger: int            # the utterance whose processing caused it
+
+
+@dataclass
+class Lii:
+    position: int
+    lii: float
+    stage: str              # construction | detection
+
+
+CSV_FILES = {"transcripts": Transcript, "rejects": Reject, "resets": Reset, "lii": Lii}
+
+
+def _columns(cls) -> List[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _parse(cls, row: Dict[str, str], path, line: int):
+    out = {}
+    for f in fields(cls):
+        value = row.get(f.name)
+        if value is None:
+            raise RecordError(f"{path}:{line}: no '{f.name}' (not a {cls.__name__} record of "
+                              f"this tta_brain version)")
+        try:
+            out[f.name] = f.type(value) if f.type in (int, float) else value
+        except ValueError:
+            raise RecordError(f"{path}:{line}: {f.name} {value!r} is not {f.type.__name__}") from None
+    return cls(**out)
+
+
+def _read(folder, name: str) -> list:
+    path = Path(folder) / f"{name}.csv"
+    if not path.is_file():
+        raise RecordError(f"{path}: missing")
+    cls = CSV_FILES[name]
+    with open(path, newline="", encoding="utf-8") as f:
+        return [_parse(cls, row, path, i) for i, row in enumerate(csv.DictReader(f), start=2)]
+
+
+def read_transcripts(folder) -> List[Transcript]:
+    return _read(folder, "transcripts")
+
+
+def read_rejects(folder) -> List[Reject]:
+    return _read(folder, "rejects")
+
+
+def read_resets(folder) -> List[Reset]:
+    return _read(folder, "resets")
+
+
+def read_lii(folder) -> List[Lii]:
+    return _read(folder, "lii")
+
+
+def write_wer_file(folder, transcripts: Iterable[Transcript]) -> None:
+    """``wer.txt``: SpeechBrain's ``ErrorRateStats`` of the transcripts (Kaldi-style alignments)."""
+    stats = ErrorRateStats()
+    for t in transcripts:
+        stats.append([t.ID], [t.hyp.split()], [t.ref.split()])
+    with open(Path(folder) / "wer.txt", "w", encoding="utf-8") as f:
+        stats.write_stats(f)
+
+
+class RecordWriter:
+    """Appends the per-utterance records of a run, flushed line by line.
+
+    ``sync()`` fsyncs the files and returns their byte lengths (stored in a checkpoint). Opened
+    with such ``offsets`` (a resume), every file is cut back to them, which drops whatever was
+    written after that checkpoint, partial lines included; the kept records give the running
+    counts and the resets announced for utterances not decoded yet.
+    """
+
+    def __init__(self, folder, offsets: Optional[Dict[str, int]] = None, cursor: int = 0):
+        self.folder = Path(folder)
+        self.n_err = self.n_words = self.n_resets = 0
+        self._pending = set()            # positions whose transcript gets reset = 1
+        self._files, self._writers = {}, {}
+        for name, cls in CSV_FILES.items():
+            path = self.folder / f"{name}.csv"
+            if offsets is not None:
+                size = offsets.get(name)
+                have = path.stat().st_size if path.is_file() else -1
+                if size is None or have < size:
+                    raise RecordError(
+                        f"{path}: {'missing' if have < 0 else f'{have} bytes'}, but the checkpoint "
+                        f"at row {cursor} recorded {size} bytes; the records cannot be resumed. "
+                        f"Delete {self.folder / 'save'} (or use another --output_folder) to restart.")
+                with open(path, "r+b") as f:
+                    f.truncate(size)
+                fh = open(path, "a", newline="", encoding="utf-8")
+            else:
+                fh = open(path, "w", newline="", encoding="utf-8")
+                csv.writer(fh).writerow(_columns(cls))
+                fh.flush()
+            self._files[name], self._writers[name] = fh, csv.writer(fh)
+        if offsets is not None:
+            for t in read_transcripts(self.folder):
+                self.n_err, self.n_words = self.n_err + t.n_err, self.n_words + t.n_words
+            for r in read_resets(self.folder):
+                self.n_resets += 1
+                if r.position >= cursor:
+                    self._pending.add(r.position)
+
+    def _row(self, name: str, rec) -> None:
+        self._writers[name].writerow([getattr(rec, c) for c in _columns(CSV_FILES[name])])
+
+    def transcript(self, rec: Transcript) -> None:
+        rec.reset = int(rec.position in self._pending)
+        # (a reset due at a skipped row is in resets.csv only)
+        self._pending = {p for p in self._pending if p > rec.position}
+        self._row("transcripts", rec)
+        self.n_err, self.n_words = self.n_err + rec.n_err, self.n_words + rec.n_words
+
+    def reject(self, rec: Reject) -> None:
+        self._row("rejects", rec)
+
+    def reset(self, rec: Reset) -> None:
+        self._row("resets", rec)
+        self._pending.add(rec.position)
+        self.n_resets += 1
+
+    def lii(self, position: int, value: float, stage: str) -> None:
+        self._writers["lii"].writerow([position, f"{value:.6g}", stage])
+
+    def flush(self) -> None:
+        for fh in self._files.values():
+            fh.flush()
+
+    def sync(self) -> Dict[str, int]:
+        """Flush and fsync every file; their byte lengths (the resume offsets)."""
+        for fh in self._files.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+        return {name: os.path.getsize(self.folder / f"{name}.csv") for name in CSV_FILES}
+
+    def close(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+
+
+@dataclass
+class Summary:
+    """``summary.json``: the run's result and what produced it."""
+    method: str                             # tag, e.g. dsuta+dynamic
+    stream: str
+    seed: Optional[int]
+    wer: Optional[float]                    # % (null without reference words)
+    wer_per_domain: Dict[str, Optional[float]]
+    n_utts: int
+    n_words: int
+    n_err: int
+    n_skipped: int
+    skipped: List[Dict]                     # [{position, ID, reason}]
+    resets: List[int]
+    boundaries: List[int]                   # positions where the manifest's segment changes
+    counts: Dict[str, int]                  # passes: adapt_forward, adapt_backward, ...
+    wall_time_s: float
+    audio_s: float
+    time_per_audio_s: float
+    num_adapted_params: int
+    hparams: Dict                           # the resolved scalar hparams of the run
+    device: str
+    versions: Dict[str, str]
+    fingerprint: Dict = field(default_factory=dict)
+
+    @property
+    def steps(self) -> Optional[int]:
+        value = self.hparams.get("steps")
+        return None if value is None else int(value)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
+def write_summary(folder, summary: Summary) -> None:
+    """``summary.json``, written atomically (temporary file + rename)."""
+    path = Path(folder) / "summary.json"
+    tmp = path.with_name(".summary.json.tmp")
+    tmp.write_text(json.dumps({k: _json_safe(v) for k, v in asdict(summary).items()}, indent=2),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_summary(folder) -> Summary:
+    path = Path(folder) / "summary.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise RecordError(f"{path}: cannot read ({err})") from None
+    names = {f.name for f in fields(Summary)}
+    missing = sorted(n for n in names if n not in data and n != "fingerprint")
+    if not isinstance(data, dict) or missing:
+        raise RecordError(f"{path}: not a summary of this tta_brain version (missing: "
+                          f"{', '.join(missing)})")
+    return Summary(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Run:
+    """An experiment folder as the report and the plots see it."""
+    dir: Path
+    name: str                      # relative to the results root
+    summary: Summary
+    transcripts: List[Transcript]
+    resets: List[int]
+    lii: List[Lii]
+
+    @property
+    def method(self) -> str:
+        return self.summary.method
+
+    @property
+    def stream(self) -> str:
+        return self.summary.stream
+
+    @property
+    def seed(self):
+        return self.summary.seed
+
+    @property
+    def steps(self) -> Optional[int]:
+        return self.summary.steps
+
+    @property
+    def boundaries(self) -> List[int]:
+        return self.summary.boundaries
+
+
+def load_run(folder, root=None) -> Run:
+    """Read a finished experiment folder (raises :class:`RecordError` naming the bad file)."""
+    folder = Path(folder)
+    summary = read_summary(folder)
+    return Run(dir=folder, name=os.path.relpath(folder, root) if root is not None else folder.name,
+               summary=summary, transcripts=sorted(read_transcripts(folder), key=lambda t: t.position),
+               resets=sorted(r.position for r in read_resets(folder)),
+               lii=sorted(read_lii(folder), key=lambda v: v.position))

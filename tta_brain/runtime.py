@@ -1,0 +1,144 @@
+"""How the passes run: precision, ``torch.compile``, the per-utterance CNN feature cache and the CPU
+backward kernels. One small object, owned by the lobe; methods ask it, they do not configure it.
+
+Only ``precision`` changes the numbers; the other options are exact (tests compare them with the
+plain paths, ``tools/bench_speed.py`` measures them).
+"""
+import ctypes
+import ctypes.util
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+__all__ = ["Runtime", "FeatureCache", "PRECISIONS", "native_cpu_kernels", "release_freed_memory"]
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHE_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class Runtime:
+    """Runtime options of a lobe's passes.
+
+    precision : "fp32" | "bf16" | "fp16"
+        Autocast of the model forward (losses in float32). fp16 backpropagates
+        ``loss * loss_scale`` (default 2**12) and unscales the gradients before the checks and the
+        update. Changes the numerics: check the WER before relying on it.
+    compile : bool
+        ``torch.compile`` the model forward (dynamic shapes; meant for GPUs).
+    cache_features : "auto" | "on" | "off"
+        Run the CNN feature encoder once per utterance and every pass of that utterance
+        (adaptation steps, prediction, LII losses) from its output. Exact (bit-identical logits)
+        when no adapted parameter is in the feature encoder, so ``auto`` turns it on exactly then
+        (not in train mode); with the paper's ``layernorm + cnn`` selection it is off.
+    cpu_native_backward : bool
+        On CPU, run the backward with oneDNN off (PyTorch's own convolution kernels). oneDNN builds
+        its convolution-backward kernels for every new input length, which on a real stream costs
+        about one extra backward per utterance; the native kernels need no per-length set-up.
+        Gradients agree to rounding. No effect on GPU.
+    """
+
+    precision: str = "fp32"
+    compile: bool = False
+    cache_features: str = "auto"
+    cpu_native_backward: bool = True
+    loss_scale: Optional[float] = None
+
+    def __post_init__(self):
+        if self.precision in (None, "none", False):     # the older spelling
+            self.precision = "fp32"
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not "
+                             f"'{self.precision}'")
+        mode = {True: "on", False: "off", None: "off"}.get(self.cache_features, self.cache_features)
+        if mode not in CACHE_MODES:
+            raise ValueError(f"cache_features must be auto, on or off, not '{self.cache_features}'")
+        self.cache_features = mode
+        self.compile = bool(self.compile)
+        self.cpu_native_backward = bool(self.cpu_native_backward)
+        self.dtype = PRECISIONS[self.precision]
+        self.scale = float(self.loss_scale if self.loss_scale is not None
+                           else 2.0 ** 12 if self.precision == "fp16" else 1.0)
+
+    def autocast(self, device_type: str):
+        """The forward's autocast context (a no-op in fp32)."""
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor, params: Sequence[torch.Tensor],
+                 device: torch.device) -> List[torch.Tensor]:
+        """Backward of ``loss`` (fp16: scaled, then unscaled); the gradients of ``params``."""
+        if self.scale != 1.0:
+            loss = loss * self.scale
+        if self.cpu_native_backward and device.type == "cpu":
+            with native_cpu_kernels():
+                loss.backward()
+        else:
+            loss.backward()
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and self.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+        return grads
+
+    def feature_cache(self, lobe, blocker: Optional[str]) -> "FeatureCache":
+        """The per-utterance feature cache of a method; ``blocker`` says why it would not be exact
+        (None: it is). ``on`` with a blocker is an error, ``auto`` falls back to full passes."""
+        if self.cache_features == "on" and blocker:
+            raise ValueError(f"cache_features: on is not exact here: {blocker}")
+        return FeatureCache(lobe, enabled=self.cache_features != "off" and not blocker,
+                            runtime=self)
+
+
+class FeatureCache:
+    """The CNN features of the current utterance, computed on first use (None when disabled)."""
+
+    def __init__(self, lobe, enabled: bool, runtime: Runtime):
+        self.lobe, self.enabled, self.runtime = lobe, bool(enabled), runtime
+        self._src = self._feats = None
+
+    def get(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        if not self.enabled:
+            return None
+        if self._src is not x:
+            with torch.no_grad(), self.runtime.autocast(self.lobe.device.type):
+                self._feats = self.lobe.features(x)
+            self._src = x
+        return self._feats
+
+    def clear(self) -> None:
+        self._src = self._feats = None
+
+
+@contextmanager
+def native_cpu_kernels():
+    """oneDNN (mkldnn) off inside the block (process-wide flag, restored on exit)."""
+    prev = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = prev
+
+
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Utterances of varying length make the CPU kernels allocate and free buffers of ever new
+    sizes; glibc keeps the freed pages, so the RSS of a long stream creeps up although nothing is
+    kept (tools/bench_memory.py). Calling this every few utterances keeps it flat.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)

@@ -1,0 +1,28 @@
+"""Method tags (``<method>[+<reset policy>]``), their paper order and plot colours: the one list the
+registry, the report and the plots share (no torch import, so the report stays light)."""
+from typing import Tuple
+
+#: Tags in the paper's table order; a tag not listed sorts after these, alphabetically.
+ORDER = ("source", "suta", "sgem", "sdpl", "csuta", "csuta+dynamic", "csuta+fixed", "csuta+oracle",
+         "awmc", "awmc+dynamic", "awmc+fixed", "awmc+oracle", "dsuta", "dsuta+dynamic",
+         "dsuta+fixed", "dsuta+oracle")
+COLORS = {"source": "black", "suta": "tab:blue", "sgem": "tab:orange", "sdpl": "tab:olive",
+          "csuta": "tab:brown", "awmc": "tab:purple", "dsuta": "tab:green",
+          "dsuta+dynamic": "tab:red", "dsuta+fixed": "tab:pink", "dsuta+oracle": "tab:cyan"}
+OTHER_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d",
+                "#386cb0")
+
+
+def method_tag(name: str, reset: str = "none") -> str:
+    """Results tag of a method + reset policy, e.g. ``dsuta+dynamic`` (``suta`` without one)."""
+    return name if reset in (None, "", "none") else f"{name}+{reset}"
+
+
+def sort_key(tag: str) -> Tuple[int, str]:
+    """Known tags in paper order (source first), others after them alphabetically."""
+    return (ORDER.index(tag), "") if tag in ORDER else (len(ORDER), tag)
+
+
+def color(tag: str) -> str:
+    """One colour per tag, stable across plots and runs (grey is kept for boundaries)."""
+    return COLORS.get(tag) or OTHER_COLORS[sum(map(ord, tag)) % len(OTHER_COLORS)]

@@ -1,0 +1,50 @@
+"""Randomly initialised Hugging Face CTC models with the wav2vec2-base-960h character processor,
+written with ``save_pretrained``: the tiny (and real-size) models of the tests and the benchmarks.
+Nothing is downloaded; a model is the same for the same seed and config."""
+import os
+from typing import Optional
+
+__all__ = ["save_random_ctc_model", "TINY", "BASE_960H", "ARCHS"]
+
+#: A tiny wav2vec2 (31 k parameters): 3 CNN layers of 16 channels, 2 transformer layers of 32.
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            conv_dim=(16, 16, 16), conv_kernel=(10, 8, 8), conv_stride=(5, 8, 8),
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, layerdrop=0.0,
+            mask_time_prob=0.0)
+#: facebook/wav2vec2-base-960h's config.json (architecture fields): 94.4 M parameters.
+BASE_960H = dict(
+    hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+    hidden_act="gelu", conv_dim=(512,) * 7, conv_kernel=(10, 3, 3, 3, 3, 2, 2),
+    conv_stride=(5, 2, 2, 2, 2, 2, 2), conv_bias=False, feat_extract_norm="group",
+    feat_extract_activation="gelu", do_stable_layer_norm=False, num_conv_pos_embeddings=128,
+    num_conv_pos_embedding_groups=16, layer_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    hidden_dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, feat_proj_dropout=0.1,
+    final_dropout=0.1, layerdrop=0.1, mask_time_prob=0.05, apply_spec_augment=True,
+    ctc_loss_reduction="sum")
+#: Architectures by name: (config class, CTC model class) in ``transformers``.
+ARCHS = {"wav2vec2": ("Wav2Vec2Config", "Wav2Vec2ForCTC"),
+         "hubert": ("HubertConfig", "HubertForCTC"),
+         "data2vec-audio": ("Data2VecAudioConfig", "Data2VecAudioForCTC")}
+
+
+def save_random_ctc_model(out_dir: str, seed: int = 0, arch: str = "wav2vec2",
+                          attention_mask: Optional[bool] = None, **config) -> str:
+    """``<arch>ForCTC`` with ``config`` (vocabulary of 32 characters, blank 0), initialised after
+    ``torch.manual_seed(seed)``, saved with its processor into ``out_dir``; returns ``out_dir``.
+    The processor returns an attention mask for layer-norm feature encoders unless
+    ``attention_mask`` says otherwise."""
+    import torch
+    import transformers
+
+    from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB, save_char_processor
+    cfg_cls, model_cls = ARCHS[arch]
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=len(W2V2_CHAR_VOCAB), pad_token_id=0)
+    cfg.update(config)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**cfg))
+    model.save_pretrained(out_dir)
+    if attention_mask is None:
+        attention_mask = cfg.get("feat_extract_norm") == "layer"
+    save_char_processor(out_dir, attention_mask=attention_mask)
+    return out_dir
