@@ -29,6 +29,11 @@ setup(
     package_data={"tta_brain": ["hparams/*.yaml"]},
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest>=7", "wheel"]},
+    extras_require={
+        "test": ["pytest>=7", "wheel"],
+        # SGEM's word n-gram LM (tta_brain.lm), as the official SGEM: pyctcdecode + KenLM. kenlm
+        # builds from source (C++ compiler, ~2 min); pyctcdecode 0.5.0 pins numpy<2.
+        "lm": ["pyctcdecode==0.5.0", "kenlm>=0.2"],
+    },
     entry_points={"console_scripts": ["tta-decode=tta_brain.decode:main"]},
 )

@@ -394,6 +394,53 @@ def test_ctc_pseudo_label_padding_invariance_and_grad():
         assert batch.grad[b, L:].abs().sum() == 0  # padding gets no gradient
 
 
+
+def _former_ctc_pseudo_label_loss(logits, targets, lengths=None, blank_id=0):
+    """The former implementation (targets gathered on the host), kept as a reference."""
+    import torch.nn.functional as F
+    B, T = logits.shape[:2]
+    log_probs = logits.float().log_softmax(dim=-1).transpose(0, 1)
+    in_lens = torch.full((B,), T, dtype=torch.long) if lengths is None else torch.as_tensor(lengths).long().cpu()
+    tgt_lens = torch.tensor([len(t) for t in targets], dtype=torch.long)
+    flat = torch.cat([torch.as_tensor(t, dtype=torch.long).cpu() for t in targets]) if tgt_lens.sum() else torch.zeros(0, dtype=torch.long)
+    loss = F.ctc_loss(log_probs, flat.to(logits.device), in_lens, tgt_lens, blank=blank_id,
+                      reduction="none", zero_infinity=True)
+    return loss / tgt_lens.clamp(min=1).to(loss.device)
+
+
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_ctc_pseudo_label_identical_to_former_for_lists_tensors_and_greedy_labels(with_lengths):
+    """Greedy pseudo labels from ``ctc.greedy_labels`` (tensors on the logits' device), plain
+    lists and CPU tensors give bit-identical losses and gradients, equal to the former code."""
+    from tta_brain.ctc import collapse, greedy_labels
+    batch, lens, _ = padded_batch(seed=21, V=6, lens=(12, 7, 9, 1), blank_bias=0.5)
+    batch = batch.float()
+    lens = lens if with_lengths else None
+    labels = greedy_labels(batch, BLANK, lens)
+    as_lists = [collapse(row[: (int(lens[b]) if lens is not None else None)].argmax(-1).tolist())
+                for b, row in enumerate(batch)]
+    assert [t.tolist() for t in labels] == as_lists
+    results = []
+    for targets in (labels, as_lists, [torch.tensor(t, dtype=torch.long) for t in as_lists]):
+        x = batch.clone().requires_grad_(True)
+        loss = losses.ctc_pseudo_label_loss(x, targets, lengths=lens)
+        loss.sum().backward()
+        results.append((loss.detach(), x.grad))
+    x = batch.clone().requires_grad_(True)
+    ref = _former_ctc_pseudo_label_loss(x, as_lists, lengths=lens)
+    ref.sum().backward()
+    for loss, grad in results:
+        assert torch.equal(loss, ref.detach()) and torch.equal(grad, x.grad)
+
+
+def test_ctc_pseudo_label_all_targets_empty():
+    x = rand_logits(2, 5, 4, seed=22, dtype=torch.float32)
+    got = losses.ctc_pseudo_label_loss(x, [torch.zeros(0, dtype=torch.long), []])
+    ref = _former_ctc_pseudo_label_loss(x, [[], []])
+    assert torch.equal(got, ref)
+    assert close(got[0], -float(x[0].log_softmax(-1)[:, BLANK].sum()), tol=1e-5)
+
+
 # ----------------------------------------------------------------------------- padding / lengths
 LOSS_CASES = [
     ("entropy", lambda x, l: losses.entropy_loss(x, l), lambda it: ref_entropy(it)),

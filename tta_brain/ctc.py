@@ -1,11 +1,18 @@
-"""CTC decoding: greedy, prefix beam search (optional word n-gram LM) and Viterbi alignment."""
+"""CTC decoding: greedy paths and labels, prefix beam search (no LM) and forced alignment.
+
+The word n-gram LM decoder (pyctcdecode + KenLM, the optional ``[lm]`` extra) is in
+:mod:`tta_brain.lm`; it returns the best hypothesis' labels, which :func:`viterbi_align` then
+aligns to the frames like those of :func:`prefix_beam_search`.
+"""
 import math
-from collections import defaultdict
-from typing import Callable, List, Optional, Sequence, Tuple
+from operator import itemgetter
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["greedy_path", "collapse", "viterbi_align", "prefix_beam_search", "ArpaLM"]
+__all__ = ["greedy_path", "collapse", "greedy_labels", "viterbi_align", "prefix_beam_search"]
+
+_NEG = -math.inf
 
 
 def greedy_path(logits: torch.Tensor) -> torch.Tensor:
@@ -15,192 +22,192 @@ def greedy_path(logits: torch.Tensor) -> torch.Tensor:
 
 def collapse(path: Sequence[int], blank_id: int = 0) -> List[int]:
     """Merge repeats and drop blanks: a frame path -> a label sequence."""
+    if torch.is_tensor(path):
+        runs = torch.unique_consecutive(path.reshape(-1))
+        return runs[runs != blank_id].tolist()
     out, prev = [], None
-    for k in (path.tolist() if torch.is_tensor(path) else path):
+    for k in path:
         if k != prev and k != blank_id:
             out.append(k)
         prev = k
     return out
 
 
-def viterbi_align(log_probs: torch.Tensor, labels: Sequence[int], blank_id: int = 0) -> torch.Tensor:
-    """Best CTC frame path ``[T]`` of ``labels`` through ``log_probs [T, V]`` (forced alignment).
+def greedy_labels(logits: torch.Tensor, blank_id: int = 0,
+                  lengths: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """Greedy CTC label sequences of ``logits [B, T, V]`` (or ``[T, V]``): per utterance the
+    argmax path (its first ``lengths[b]`` frames) with repeats merged and blanks dropped, a 1-D
+    long tensor on the logits' device (no per-frame Python, no host copy of the path)."""
+    path = logits.detach().argmax(dim=-1)
+    if path.dim() == 1:
+        path = path[None]
+    if lengths is not None:
+        lengths = torch.as_tensor(lengths).tolist()
+    out = []
+    for b, p in enumerate(path):
+        runs = torch.unique_consecutive(p if lengths is None else p[:int(lengths[b])])
+        out.append(runs[runs != blank_id])
+    return out
 
-    Returns the greedy path when the labels cannot fit (more labels + repeats than frames).
+
+def viterbi_align(log_probs: torch.Tensor, labels: Sequence[int], blank_id: int = 0) -> torch.Tensor:
+    """Best CTC frame path ``[T]`` of ``labels`` through ``log_probs [T, V]`` (forced alignment,
+    ``torchaudio.functional.forced_align``), on the device of ``log_probs``.
+
+    Empty ``labels`` give the all-blank path; labels that cannot fit (more labels + repeats than
+    frames) give the greedy path.
     """
     T = log_probs.shape[0]
-    labels = list(labels)
-    ext = [blank_id]
-    for l in labels:
-        ext += [l, blank_id]
-    S = len(ext)
-    need = len(labels) + sum(1 for a, b in zip(labels, labels[1:]) if a == b)
+    labels = torch.as_tensor(labels, dtype=torch.long).reshape(-1).cpu()
+    if labels.numel() == 0:
+        return torch.full((T,), blank_id, dtype=torch.long, device=log_probs.device)
+    if bool((labels == blank_id).any()):
+        raise ValueError("viterbi_align: labels must not contain the blank")
+    need = labels.numel() + int((labels[1:] == labels[:-1]).sum())
     if need > T:
         return log_probs.argmax(dim=-1)
-    lp = log_probs.detach().float().cpu()
-    ext_t = torch.tensor(ext)
-    emit = lp[:, ext_t]                                     # [T, S]
-    neg = -float("inf")
-    alpha = torch.full((S,), neg)
-    alpha[0] = emit[0, 0]
-    if S > 1:
-        alpha[1] = emit[0, 1]
-    # skip transitions s-2 -> s allowed for labels differing from the label two back
-    can_skip = torch.zeros(S, dtype=torch.bool)
-    for s in range(2, S):
-        can_skip[s] = ext[s] != blank_id and ext[s] != ext[s - 2]
-    back = torch.zeros(T, S, dtype=torch.long)
-    idx = torch.arange(S)
-    for t in range(1, T):
-        stay = alpha
-        step = torch.cat([torch.tensor([neg]), alpha[:-1]])
-        skip = torch.cat([torch.tensor([neg, neg]), alpha[:-2]])[:S]  # S = 1: empty labels
-        skip = torch.where(can_skip, skip, torch.tensor(neg))
-        cand = torch.stack([stay, step, skip])              # [3, S]
-        best, arg = cand.max(dim=0)
-        back[t] = idx - arg
-        alpha = best + emit[t]
-    s = S - 1 if S == 1 or alpha[S - 1] >= alpha[S - 2] else S - 2
-    path = torch.empty(T, dtype=torch.long)
-    for t in range(T - 1, -1, -1):
-        path[t] = ext[s]
-        s = int(back[t, s]) if t > 0 else s
-    return path
-
-
-def _logsumexp(a: float, b: float) -> float:
-    if a == -math.inf:
-        return b
-    if b == -math.inf:
-        return a
-    m = max(a, b)
-    return m + math.log(math.exp(a - m) + math.exp(b - m))
+    from torchaudio.functional import forced_align
+    path, _ = forced_align(log_probs.detach().float()[None].contiguous(),
+                           labels[None].to(log_probs.device), blank=blank_id)
+    return path[0].long()
 
 
 def prefix_beam_search(log_probs: torch.Tensor, beam_width: int = 5, blank_id: int = 0,
-                       word_delimiter_id: Optional[int] = None,
-                       lm_score: Optional[Callable[[Tuple[int, ...], Tuple[int, ...]], float]] = None,
-                       lm_weight: float = 0.5, word_bonus: float = 0.0,
                        prune_top_k: int = 16, token_min_logp: float = -8.0
                        ) -> List[Tuple[List[int], float]]:
-    """CTC prefix beam search over ``log_probs [T, V]``.
+    """CTC prefix beam search (acoustic only) over ``log_probs [T, V]``.
 
-    Without ``lm_score`` this is a pure acoustic prefix beam search. With it, each completed word
-    (a word delimiter following a non-empty word) adds ``lm_weight * lm_score(history, word) +
-    word_bonus``, where ``history`` and ``word`` are tuples of label ids. Returns the beams
-    ``[(labels, score)]`` best first. Only the ``prune_top_k`` most likely labels of each frame
-    are expanded, and of those only labels with log-probability above ``token_min_logp`` (the
-    frame's best label is always kept).
+    Returns the beams ``[(labels, log p(labels | x))]`` best first (the score sums every frame
+    path of the prefix that the search kept). Only the ``prune_top_k`` most likely labels of each
+    frame are expanded, and of those only labels with log-probability above ``token_min_logp``
+    (the frame's best label is always kept, and the blank is always expanded). ``log_probs`` must
+    not hold NaN. For a word n-gram LM, see :class:`tta_brain.lm.LMBeamSearch`.
     """
     lp = log_probs.detach().float().cpu()
     T, V = lp.shape
-    # beam: prefix -> (p_blank, p_nonblank, lm_total) in log domain
-    beams = {(): (0.0, -math.inf, 0.0)}
+    if T == 0:
+        return [([], 0.0)]
+    # per frame, the labels to expand, best first, then the blank if it is not among them
+    vals, idx = torch.topk(lp, min(prune_top_k, V), dim=-1)
+    n_keep = (vals > token_min_logp).sum(-1).clamp_(min=1).tolist()   # values sorted: a prefix
+    frames = []
+    for cs, ps, n, p_blank in zip(idx.tolist(), vals.tolist(), n_keep, lp[:, blank_id].tolist()):
+        cs = cs[:n]
+        cand = list(zip(cs, ps[:n]))
+        if blank_id not in cs:
+            cand.append((blank_id, p_blank))
+        frames.append(cand)
+    exp, log, NEG = math.exp, math.log, _NEG
+    # log(e^a + e^b) is written out inline below (a hot loop); every instance computes
+    # max + log(1 + e^(min - max)), with -inf handled first.
 
-    def words_of(prefix):
-        if word_delimiter_id is None:
-            return ()
-        out, cur = [], []
-        for k in prefix:
-            if k == word_delimiter_id:
-                if cur:
-                    out.append(tuple(cur))
-                cur = []
-            else:
-                cur.append(k)
-        return tuple(out), tuple(cur)
-
-    def lm_bonus(prefix, c):
-        if lm_score is None or word_delimiter_id is None or c != word_delimiter_id:
-            return 0.0
-        done, cur = words_of(prefix)
-        if not cur:
-            return 0.0
-        return lm_weight * lm_score(tuple(done), cur) + word_bonus
-
-    for t in range(T):
-        row = lp[t]
-        vals, idx = torch.topk(row, min(prune_top_k, V))
-        top = [i for v, i in zip(vals.tolist(), idx.tolist()) if v > token_min_logp] or [idx[0].item()]
-        if blank_id not in top:
-            top.append(blank_id)
-        nxt = defaultdict(lambda: [-math.inf, -math.inf, 0.0])
-        for prefix, (pb, pnb, lm) in beams.items():
-            total = _logsumexp(pb, pnb)
-            for c in top:
-                p = float(row[c])
-                if c == blank_id:
-                    e = nxt[prefix]
-                    e[0] = _logsumexp(e[0], total + p)
-                    e[2] = lm
-                    continue
-                last = prefix[-1] if prefix else None
-                new = prefix + (c,)
-                bonus = lm_bonus(prefix, c)
-                e = nxt[new]
-                if c == last:
-                    e[1] = _logsumexp(e[1], pb + p)        # repeat needs a blank in between
-                    s = nxt[prefix]
-                    s[1] = _logsumexp(s[1], pnb + p)       # or collapses into the prefix
-                    s[2] = lm
+    # prefixes are the nodes of a trie (node 0 = empty): parent[n], label[n]; node * V + c -> child
+    parent, label, children = [-1], [-1], {}
+    beams = [(0, 0.0, NEG)]            # (node, log p ending in a blank, log p ending in its label)
+    for cand in frames:
+        if len(cand) == 1:             # only the blank: every beam extends by it, order unchanged
+            p = cand[0][1]
+            nxt_beams = []
+            for node, pb, pnb in beams:
+                if pnb == NEG:
+                    total = pb
+                elif pb == NEG:
+                    total = pnb
+                elif pb >= pnb:
+                    total = pb + log(1.0 + exp(pnb - pb))
                 else:
-                    e[1] = _logsumexp(e[1], total + p)
-                e[2] = lm + bonus
-        live = [kv for kv in nxt.items() if _logsumexp(kv[1][0], kv[1][1]) > -math.inf]
-        scored = sorted(live, key=lambda kv: _logsumexp(kv[1][0], kv[1][1]) + kv[1][2],
-                        reverse=True)[:beam_width]
-        beams = {k: tuple(v) for k, v in scored}
-    out = [(list(k), _logsumexp(v[0], v[1]) + v[2]) for k, v in beams.items()]
-    return sorted(out, key=lambda x: x[1], reverse=True)
-
-
-class ArpaLM:
-    """A word n-gram LM read from an ARPA file (log10 probabilities with back-off).
-
-    ``score(history_words, word)`` returns the natural-log probability of ``word`` (a string)
-    after ``history_words``. ``label_scorer(id_to_char)`` adapts it to ``prefix_beam_search``.
-    """
-
-    def __init__(self, path: str):
-        self.order = 0
-        self.prob, self.backoff = {}, {}
-        section = 0
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line or line.startswith("\\data\\") or line.startswith("ngram "):
+                    total = pnb + log(exp(pb - pnb) + 1.0)
+                nxt_beams.append((node, total + p, NEG))
+            beams = nxt_beams
+            continue
+        nxt = {}                       # node -> [log p blank-ended, log p label-ended]
+        for node, pb, pnb in beams:
+            if pnb == NEG:
+                total = pb
+            elif pb == NEG:
+                total = pnb
+            elif pb >= pnb:
+                total = pb + log(1.0 + exp(pnb - pb))
+            else:
+                total = pnb + log(exp(pb - pnb) + 1.0)
+            last = label[node]
+            base = node * V
+            for c, p in cand:
+                if c == blank_id:      # the prefix stays, now ending in a blank
+                    v = total + p
+                    e = nxt.get(node)
+                    if e is None:
+                        nxt[node] = [v, NEG]
+                    else:
+                        a = e[0]
+                        if a == NEG:
+                            e[0] = v
+                        elif v != NEG:
+                            e[0] = a + log(1.0 + exp(v - a)) if a >= v else v + log(exp(a - v) + 1.0)
                     continue
-                if line.startswith("\\") and line.endswith("-grams:"):
-                    section = int(line[1:line.index("-")])
-                    self.order = max(self.order, section)
-                    continue
-                if line == "\\end\\" or section == 0:
-                    continue
-                parts = line.split()
-                n = section
-                words = tuple(w.upper() for w in parts[1:1 + n])
-                self.prob[words] = float(parts[0]) * math.log(10)
-                if len(parts) > 1 + n:
-                    self.backoff[words] = float(parts[1 + n]) * math.log(10)
-        if not self.prob:
-            raise ValueError(f"{path}: no n-grams found; is this an ARPA file?")
-        self.unk = self.prob.get(("<UNK>",), -100.0)
-
-    def score(self, history: Sequence[str], word: str) -> float:
-        ctx = tuple(w.upper() for w in history)[-(self.order - 1):] if self.order > 1 else ()
-        word = word.upper()
-        penalty = 0.0
-        while True:
-            key = ctx + (word,)
-            if key in self.prob:
-                return penalty + self.prob[key]
-            if not ctx:
-                return penalty + self.unk
-            penalty += self.backoff.get(ctx, 0.0)
-            ctx = ctx[1:]
-
-    def label_scorer(self, id_to_char: Callable[[int], str]):
-        def scorer(done: Tuple[Tuple[int, ...], ...], cur: Tuple[int, ...]) -> float:
-            hist = ["".join(id_to_char(i) for i in w) for w in done]
-            return self.score(hist, "".join(id_to_char(i) for i in cur))
-        return scorer
+                child = children.get(base + c)
+                if child is None:
+                    child = children[base + c] = len(parent)
+                    parent.append(node)
+                    label.append(c)
+                    e = nxt[child] = [NEG, NEG]
+                else:
+                    e = nxt.get(child)
+                    if e is None:
+                        e = nxt[child] = [NEG, NEG]
+                if c == last:          # a repeat extends only after a blank ...
+                    v = pb + p
+                    a = e[1]
+                    if a == NEG:
+                        e[1] = v
+                    elif v != NEG:
+                        e[1] = a + log(1.0 + exp(v - a)) if a >= v else v + log(exp(a - v) + 1.0)
+                    v = pnb + p        # ... and otherwise merges into the prefix
+                    s = nxt.get(node)
+                    if s is None:
+                        nxt[node] = [NEG, v]
+                    else:
+                        a = s[1]
+                        if a == NEG:
+                            s[1] = v
+                        elif v != NEG:
+                            s[1] = a + log(1.0 + exp(v - a)) if a >= v else v + log(exp(a - v) + 1.0)
+                else:
+                    v = total + p
+                    a = e[1]
+                    if a == NEG:
+                        e[1] = v
+                    elif v != NEG:
+                        e[1] = a + log(1.0 + exp(v - a)) if a >= v else v + log(exp(a - v) + 1.0)
+        scored = []
+        for node, (pb, pnb) in nxt.items():
+            if pnb == NEG:
+                s = pb
+            elif pb == NEG:
+                s = pnb
+            elif pb >= pnb:
+                s = pb + log(1.0 + exp(pnb - pb))
+            else:
+                s = pnb + log(exp(pb - pnb) + 1.0)
+            if s > NEG:
+                scored.append((s, node, pb, pnb))
+        scored.sort(key=itemgetter(0), reverse=True)    # stable: ties keep the expansion order
+        beams = [(node, pb, pnb) for _, node, pb, pnb in scored[:beam_width]]
+    out = []
+    for node, pb, pnb in beams:
+        if pnb == NEG:
+            s = pb
+        elif pb == NEG:
+            s = pnb
+        elif pb >= pnb:
+            s = pb + log(1.0 + exp(pnb - pb))
+        else:
+            s = pnb + log(exp(pb - pnb) + 1.0)
+        labels = []
+        while node:
+            labels.append(label[node])
+            node = parent[node]
+        labels.reverse()
+        out.append((labels, s))
+    out.sort(key=itemgetter(1), reverse=True)
+    return out

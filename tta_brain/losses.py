@@ -145,13 +145,16 @@ def ctc_pseudo_label_loss(logits, targets: Sequence[torch.Tensor], lengths=None,
 
     Per utterance, normalised by the target length (``reduction='mean'`` semantics); an empty
     target gives the loss of the all-blank path. Infinite losses (target longer than the input)
-    are zeroed.
+    are zeroed. ``targets`` may live on the logits' device (``tta_brain.ctc.greedy_labels``):
+    they are concatenated there, and the lengths come from their shapes (no host round trip).
     """
     B, T = logits.shape[:2]
+    device = logits.device
     log_probs = logits.float().log_softmax(dim=-1).transpose(0, 1)  # [T, B, V]
     in_lens = torch.full((B,), T, dtype=torch.long) if lengths is None else torch.as_tensor(lengths).long().cpu()
-    tgt_lens = torch.tensor([len(t) for t in targets], dtype=torch.long)
-    flat = torch.cat([torch.as_tensor(t, dtype=torch.long).cpu() for t in targets]) if tgt_lens.sum() else torch.zeros(0, dtype=torch.long)
-    loss = F.ctc_loss(log_probs, flat.to(logits.device), in_lens, tgt_lens, blank=blank_id,
+    targets = [torch.as_tensor(t, dtype=torch.long, device=device).reshape(-1) for t in targets]
+    tgt_lens = torch.tensor([t.numel() for t in targets], dtype=torch.long)
+    flat = torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long, device=device)
+    loss = F.ctc_loss(log_probs, flat, in_lens, tgt_lens, blank=blank_id,
                       reduction="none", zero_infinity=True)
     return loss / tgt_lens.clamp(min=1).to(loss.device)

@@ -11,7 +11,7 @@ computed once per utterance (the anchor never changes).
 import torch
 
 from tta_brain import losses
-from tta_brain.ctc import collapse
+from tta_brain.ctc import greedy_labels
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 from tta_brain.state import restore, snapshot
@@ -31,16 +31,21 @@ class AWMC(TTAMethod):
     @torch.no_grad()
     def _labels(self, values, x):
         self.counts["aux_forward"] += 1
-        logits = self.logits(x, values)
-        return [torch.tensor(collapse(p, self.blank_id)) for p in logits.argmax(-1)]
+        return greedy_labels(self.logits(x, values), self.blank_id)     # on the logits' device
+
+    def _pseudo_label_loss(self, logits, anchor, leader):
+        """Mean of CTC(anchor labels) and CTC(leader labels); one CTC when the two label
+        sequences are the same (same value and gradient: 0.5 * (a + a) == a exactly)."""
+        a = losses.ctc_pseudo_label_loss(logits, anchor, blank_id=self.blank_id)
+        if len(anchor) == len(leader) and all(torch.equal(p, q) for p, q in zip(anchor, leader)):
+            return a.mean()
+        return (0.5 * (a + losses.ctc_pseudo_label_loss(logits, leader, blank_id=self.blank_id))).mean()
 
     def forward_and_adapt(self, x, info):
         anchor = self._labels(self.source, x)
         for _ in range(self.steps):
             leader = self._labels(self.leader, x)
-            self.adapt_step(x, loss_fn=lambda lg: 0.5 * (
-                losses.ctc_pseudo_label_loss(lg, anchor, blank_id=self.blank_id)
-                + losses.ctc_pseudo_label_loss(lg, leader, blank_id=self.blank_id)).mean())
+            self.adapt_step(x, loss_fn=lambda lg: self._pseudo_label_loss(lg, anchor, leader))
             with torch.no_grad():
                 torch._foreach_lerp_(self.leader, [p.detach() for p in self.params], 1 - self.ema_decay)
         return self.predict(x)
