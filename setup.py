@@ -17,6 +17,7 @@ INSTALL_REQUIRES = [
     "numpy>=1.26",
     "scipy>=1.11",
     "espeakng-loader==0.2.4",
+    "submitit>=1.5,<2",       # grids: local workers and Slurm (tta_brain.grid)
 ]
 
 setup(

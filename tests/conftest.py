@@ -1,5 +1,8 @@
 """Shared fixtures: tiny *real* Hugging Face CTC models written with ``save_pretrained``."""
+import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 from functools import partial
 
@@ -69,3 +72,42 @@ def utterances():
         wav = env * sum(torch.sin(2 * torch.pi * f0 * h * tt) / h for h in (1, 2, 3))
         out.append((0.3 * wav + 0.05 * torch.randn(n, generator=g)).float())
     return out
+
+
+# ----------------------------------------------------------------------------- a Slurm cluster
+def _unavailable(reason):
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason} (CI=true: CI must start the cluster before the tests)")
+    pytest.skip(reason)
+
+
+def _slurm_conf():
+    """SLURM_CONF, else the config of cluster.sh's state directory, else Slurm's default."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf:
+        return conf if os.path.isfile(conf) else None
+    state_dir = os.environ.get("TTA_SLURM_DIR", "/tmp/tta-slurm")
+    for conf in (os.path.join(state_dir, "etc", "slurm.conf"), "/etc/slurm/slurm.conf"):
+        if os.path.isfile(conf):
+            return conf
+    return None
+
+
+@pytest.fixture
+def slurm_cluster(monkeypatch):
+    """The SLURM_CONF of a running cluster (set in os.environ, so sbatch and the jobs see it)."""
+    if shutil.which("sbatch") is None:
+        _unavailable("sbatch not found: start a cluster with tools/slurm/cluster.sh start")
+    conf = _slurm_conf()
+    if conf is None:
+        _unavailable("no slurm.conf found (SLURM_CONF unset, no /tmp/tta-slurm/etc/slurm.conf): "
+                     "start a cluster with tools/slurm/cluster.sh start")
+    monkeypatch.setenv("SLURM_CONF", conf)
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    if ping.returncode != 0 or "UP" not in ping.stdout:
+        first = ((ping.stdout + ping.stderr).strip().splitlines() or ["no output"])[0]
+        _unavailable(f"slurmctld does not answer (SLURM_CONF={conf}: {first[:200]}): "
+                     "start a cluster with tools/slurm/cluster.sh start")
+    if importlib.util.find_spec("submitit") is None:
+        _unavailable("submitit is not installed (pip install submitit)")
+    return conf

@@ -2,12 +2,14 @@
 
 - :func:`make_librispeech`: ``<root>/LibriSpeech/<split>/<spk>/<chapter>/*.flac`` + ``*.trans.txt``
 - :func:`make_ms_snsd`: ``<root>/noise_test/<Name>.wav`` for the LS-C noise files
+- :func:`write_stream`: a stream manifest of short utterances, two alternating domains
 - :func:`make_chime3`: ``<root>/data/audio/16kHz/enhanced/et05_<split>/*.wav`` and
   ``<root>/data/transcriptions/et05_<split>/*.trn``
 
 Speech is a sum of a few harmonics with a syllable-rate envelope; noises are coloured noise,
 tones or clicks, kept short so that tiling is exercised. Everything is deterministic.
 """
+import csv
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +129,27 @@ def estimate_snr_db(mixture, speech, noise):
     basis = np.stack([speech, noise], axis=1)
     (a, b), *_ = np.linalg.lstsq(basis, mixture, rcond=None)
     return 10 * np.log10(np.sum((a * speech) ** 2) / np.sum((b * noise) ** 2))
+
+
+def write_stream(root, n=20, block=7, seconds=(0.3, 0.5)):
+    """``n`` short utterances in blocks of ``block`` alternating clean / noisy: ``root/wav/*.wav``
+    and the stream manifest ``root/stream.csv`` (``$data_root`` = ``root``)."""
+    root = Path(root)
+    (root / "wav").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        seg = i // block
+        sig = fake_speech(float(rng.uniform(*seconds)), seed=i)
+        if seg % 2:
+            sig = sig + 3 * fake_noise(len(sig) / 16000, seed=100 + i, kind=seg)
+        sf.write(str(root / "wav" / f"u{i:03d}.wav"), sig, 16000, subtype="PCM_16")
+        rows.append({"ID": f"u{i:03d}", "duration": f"{len(sig) / 16000:.3f}",
+                     "wav": f"$data_root/wav/u{i:03d}.wav", "spk_id": "s",
+                     "wrd": " ".join(rng.choice(WORDS[:5], size=2)), "domain": f"d{seg % 2}",
+                     "segment": seg, "position": i})
+    with open(root / "stream.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return root

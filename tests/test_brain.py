@@ -13,44 +13,18 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import soundfile as sf
 import torch
 
-from fake_corpora import fake_noise, fake_speech
+from fake_corpora import write_stream
 from tta_brain import decode
 from tta_brain.brain import TTABrain
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDS = ("transcripts.csv", "resets.csv", "lii.csv", "rejects.csv", "wer.txt")
-WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO")
 DSUTA = ["--reset=dynamic", "--reset_K=6", "--buffer_size=2", "--steps=2", "--lr=0.05",
          "--reset_patience=1", "--reset_threshold=-100"]
 
-
-
-def write_stream(root, n=20, block=7, seconds=(0.3, 0.5)):
-    """``n`` short utterances in blocks of ``block`` alternating clean / noisy; a stream.csv."""
-    root = Path(root)
-    (root / "wav").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(n):
-        seg = i // block
-        sig = fake_speech(float(rng.uniform(*seconds)), seed=i)
-        if seg % 2:
-            sig = sig + 3 * fake_noise(len(sig) / 16000, seed=100 + i, kind=seg)
-        sf.write(str(root / "wav" / f"u{i:03d}.wav"), sig, 16000, subtype="PCM_16")
-        rows.append({"ID": f"u{i:03d}", "duration": f"{len(sig) / 16000:.3f}",
-                     "wav": f"$data_root/wav/u{i:03d}.wav", "spk_id": "s",
-                     "wrd": " ".join(rng.choice(WORDS, size=2)), "domain": f"d{seg % 2}",
-                     "segment": seg, "position": i})
-    with open(root / "stream.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +130,9 @@ def test_resume_refuses_another_stream_and_truncated_records(data, reference, tm
     other.write_text("\n".join(rows[:11]) + "\n")
     out = tmp_path / "exp"
     decode.main(args(data, out, *DSUTA, "--ckpt_every=5", csv_path=other))
-    with pytest.raises(SystemExit, match="checkpoint is from another run.*stream_sha1"):
+    with pytest.raises(SystemExit, match="holds a run with other settings .*stream_sha1"):
         decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))
+    (out / "summary.json").unlink()              # as if interrupted after its last checkpoint
     (out / "lii.csv").write_text("position,lii,stage\n")
     with pytest.raises(SystemExit, match=r"lii.csv: .* bytes, but the checkpoint"):
         decode.main(args(data, out, *DSUTA, "--ckpt_every=5", csv_path=other))

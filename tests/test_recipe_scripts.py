@@ -108,13 +108,10 @@ def test_lsc_stage3_4_dry_run_commands(lsc, tmp_path):
     hp, conf = tmp_path / "hparams", tmp_path / "conf"
     hp.mkdir()
     conf.mkdir()
-    (hp / "suta.yaml").write_text("seed: 0\n")
-    (hp / "dsuta.yaml").write_text("seed: 0\n")
+    (hp / "suta.yaml").write_text("seed: 0\nsteps: 10\n")
+    (hp / "dsuta.yaml").write_text("seed: 0\nsteps: 10\nreset: none\n")
     (conf / "dsuta+dynamic.opts").write_text("# dynamic reset\n--reset=dynamic\n")
     exp = tmp_path / "exp"
-    done = exp / "snr5" / "md_easy" / "dsuta+dynamic" / "seed1"
-    done.mkdir(parents=True)
-    (done / "summary.json").write_text("{}")
     res = run(LSC, "--stage", 3, "--data_dir", data, "--exp_dir", exp, "--hparams_dir", hp,
               "--conf_dir", conf, "--methods", "suta dsuta+dynamic", "--streams", "AC md_easy",
               "--seeds", "0 1", "--model", "/models/w2v2", "--md_decode_opts", "--steps=5",
@@ -123,7 +120,7 @@ def test_lsc_stage3_4_dry_run_commands(lsc, tmp_path):
     cmds = [shlex.split(line[len("DRY-RUN:"):]) for line in res.stdout.splitlines()
             if line.startswith("DRY-RUN:")]
     decodes = [c for c in cmds if "tta_brain.decode" in c]
-    assert len(decodes) == 2 * 2 * 2 - 1  # the finished experiment is skipped
+    assert len(decodes) == 2 * 2 * 2   # (a finished run is skipped by the grid at run time)
     first = decodes[0]
     assert first[first.index("-m") + 1:first.index("-m") + 3] == ["tta_brain.decode",
                                                                   str(hp / "suta.yaml")]
@@ -133,7 +130,7 @@ def test_lsc_stage3_4_dry_run_commands(lsc, tmp_path):
     assert f"--data_root={data}" in first and "--steps=5" not in first
     assert all("--steps=5" in c for c in decodes if any("md_easy.csv" in a for a in c))
     variant = [c for c in decodes if any("/dsuta+dynamic/" in a for a in c)]
-    assert len(variant) == 3  # AC x 2 seeds + md_easy seed 0
+    assert len(variant) == 4  # AC and md_easy x 2 seeds
     assert all(str(hp / "dsuta.yaml") in c and "--reset=dynamic" in c for c in variant)
     assert not any("--reset=dynamic" in c for c in decodes if c not in variant)
     reports = [c for c in cmds if "tta_brain.report" in c]
@@ -141,7 +138,8 @@ def test_lsc_stage3_4_dry_run_commands(lsc, tmp_path):
                         f"{exp}/snr5/RESULTS.md"]]
     res = run(LSC, "--stage", 3, "--hparams_dir", hp, "--methods", "nomethod", "--data_dir", data,
               "--streams", "AC", "--dry_run", "true", env=env)
-    assert res.returncode == 1 and "nomethod.yaml not found" in res.stderr
+    assert res.returncode == 1 and "method 'nomethod'" in res.stderr
+    assert "no packaged method 'nomethod'" in res.stderr and "dsuta" in res.stderr
 
 
 @pytest.mark.parametrize("script,var", [(LSC, "LIBRISPEECH"), (CHIME, "CHIME3")])
@@ -188,7 +186,7 @@ def test_chime3_stages_0_to_2_and_decode_dry_run(tmp_path):
     # stage 3 as the issue asks: `run.sh --stage 3` decodes (dry run here) and reports
     hp = tmp_path / "hp"
     hp.mkdir()
-    (hp / "dsuta.yaml").write_text("seed: 0\n")
+    (hp / "dsuta.yaml").write_text("seed: 0\nsteps: 10\n")
     res = run(CHIME, "--stage", 3, "--data_dir", data, "--exp_dir", exp, "--hparams_dir", hp,
               "--methods", "dsuta", "--seeds", "0 1 2", "--dry_run", "true", env=env)
     assert res.returncode == 0, res.stderr

@@ -5,3 +5,12 @@ log() {
   printf '%s (%s:%s:%s) %s\n' "$(date '+%Y-%m-%dT%H:%M:%S')" "${fname}" "${BASH_LINENO[0]}" \
     "${FUNCNAME[1]:-main}" "$*" >&2
 }
+
+# run CMD...: run a command, or print it (DRY-RUN: ...) when ${dry_run} is true.
+run() {
+  if ${dry_run:-false}; then
+    printf 'DRY-RUN:'; printf ' %q' "$@"; printf '\n'
+  else
+    "$@"
+  fi
+}

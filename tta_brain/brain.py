@@ -70,7 +70,7 @@ class TTABrain(sb.Brain):
         rows = load_stream(test_set, data_root)
         self.out.mkdir(parents=True, exist_ok=True)
         if self.state.fingerprint is None:
-            self.state.fingerprint = identity.fingerprint(test_set, len(rows), self.tag)
+            self.state.fingerprint = identity.stream_fingerprint(test_set, len(rows), self.tag)
         logger.info("Decoding %s (%d utterances) with %s, seed %s", test_set, len(rows), self.tag,
                     self._hp("seed"))
         resumed = checkpoint.recover(self.checkpointer)

@@ -28,8 +28,10 @@ RUN_OPTIONS = {
     "precision": "fp32 | bf16 | fp16: autocast of the model forward (sets `precision`)",
     "compile": "torch.compile the model forward (flag; sets `compile`)",
     "noprogressbar": "no progress bar (flag)",
+    "overwrite": "delete the records of a finished or started run with other settings in "
+                 "--output_folder and start over (flag)",
 }
-FLAGS = ("compile", "noprogressbar")
+FLAGS = ("compile", "noprogressbar", "overwrite")
 #: SpeechBrain training options that decoding does not use: refused, not ignored.
 SB_TRAINING_OPTIONS = (
     "test_only", "debug", "debug_batches", "debug_epochs", "debug_persistently",
@@ -51,6 +53,7 @@ class UsageError(ValueError):
 class Arguments:
     method: Optional[str] = None
     help: bool = False
+    overwrite: bool = False
     run_opts: Dict = field(default_factory=dict)
     overrides: str = ""                     # yaml text, one `key: value` per line
 
@@ -96,8 +99,12 @@ def parse_arguments(argv: List[str]) -> Arguments:
         if key in SB_TRAINING_OPTIONS:
             raise UsageError(f"--{key} is a SpeechBrain training option; decoding does not use "
                              f"it (run options: {', '.join('--' + k for k in RUN_OPTIONS)})")
-        if key == "noprogressbar":
-            args.run_opts["noprogressbar"] = _bool(key, value) if has_value else True
+        if key in ("noprogressbar", "overwrite"):
+            flag = _bool(key, value) if has_value else True
+            if key == "noprogressbar":
+                args.run_opts["noprogressbar"] = flag
+            else:
+                args.overwrite = flag
             continue
         if key == "compile":
             value = str(_bool(key, value) if has_value else True).lower()

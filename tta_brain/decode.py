@@ -12,24 +12,33 @@ SpeechBrain's training options are refused. Rerunning the same command resumes a
 
 Mistakes in the command, the yaml or the stream manifest stop the run with one ``ERROR:`` line
 naming the file and the key (set ``TTA_DEBUG=1`` for the Python traceback).
+
+One writer per folder: the run holds an exclusive lock on ``<output_folder>/.lock``; a second
+process on the same folder stops at once naming the holder. The run's fingerprint
+(``tta_brain.identity``) decides what a rerun does: a finished run with the same fingerprint is
+skipped, an interrupted one resumed; a folder holding a run with another fingerprint is refused
+(the message lists the keys that differ) unless ``--overwrite`` is given.
 """
 import json
 import logging
 import os
 import shutil
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import speechbrain as sb
 import torch
 
 from tta_brain import hparams as hp_files
+from tta_brain import identity
 from tta_brain.brain import TTABrain
 from tta_brain.checkpoint import ResumeError
 from tta_brain.cli import UsageError, help_text, parse_arguments, record_hparams
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
 from tta_brain.envinfo import versions
-from tta_brain.records import RecordError
+from tta_brain.records import CSV_FILES, RecordError, clear_run, read_summary
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +73,45 @@ def _log_run(out, argv, seed):
             f.write(f"{k}: {v}\n")
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
+@dataclass
+class Plan:
+    """What a decode command would do, worked out without loading the model or writing a file."""
+    path: str                     # the method yaml
+    args: object                  # cli.Arguments
+    resolved: dict                # the yaml's plain values
+    stream_csv: str
+    out: str
+    fingerprint: dict
+    status: str                   # new | resume | done | differs
+    diffs: list
+
+
+def folder_status(out, fp):
+    """``(status, differences)`` of an output folder for a run with fingerprint ``fp``."""
+    folder = Path(out)
+    if (folder / "summary.json").is_file():
+        try:
+            old = read_summary(folder).fingerprint or identity.read_fingerprint(folder)
+        except RecordError:
+            old = identity.read_fingerprint(folder)
+        diffs = identity.differences(old, fp)
+        return ("differs", diffs) if diffs else ("done", [])
+    old = identity.read_fingerprint(folder)
+    if old is not None:
+        diffs = identity.differences(old, fp)
+        return ("differs", diffs) if diffs else ("resume", [])
+    if any((folder / f"{n}.csv").exists() for n in CSV_FILES) or (folder / "save").exists():
+        return "differs", identity.differences(None, fp)
+    return "new", []
+
+
+def plan(argv) -> Plan:
+    """Parse a decode command, resolve its yaml, fingerprint the run and look at its folder.
+    Raises SystemExit with one ``ERROR:`` line for a bad command, yaml or manifest."""
     try:
-        args = parse_arguments(argv)
+        args = parse_arguments(list(argv))
         if args.help:
-            print(help_text(args.method))
-            return None
+            return Plan("", args, {}, "", "", {}, "help", [])
         path = hp_files.find(args.method)
         resolved = hp_files.resolve(path, args.overrides)
     except (UsageError, hp_files.HparamsError) as e:
@@ -79,35 +120,88 @@ def main(argv=None):
         if key not in resolved:
             _fail(f"{path}: no '{key}' key (a method yaml needs model, method, stream_csv and "
                   f"output_folder; `include: [run]` gives the last three)")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS reads it at start-up
-    _determinism(resolved.get("device"))
     stream_csv, out = str(resolved["stream_csv"]), str(resolved["output_folder"])
-    try:   # before the experiment folder exists: a bad manifest or model leaves nothing behind
-        load_stream(stream_csv, resolved.get("data_root"))
+    try:   # before the experiment folder exists: a bad manifest leaves nothing behind
+        rows = load_stream(stream_csv, resolved.get("data_root"))
     except ManifestError as e:
         _fail(f"{e} (--stream_csv)")
+    fp = identity.fingerprint(record_hparams(resolved), stream_csv, len(rows))
+    status, diffs = folder_status(out, fp)
+    return Plan(str(path), args, resolved, stream_csv, out, fp, status, diffs)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = plan(argv)
+    if p.status == "help":
+        print(help_text(p.args.method))
+        return None
+    if p.status == "done":
+        return _skip(p.out)
+    if p.status == "differs" and not p.args.overwrite:
+        _refuse(p.out, p.diffs)
+    created = not os.path.exists(p.out)
+    lock = identity.FolderLock(p.out)
     try:
-        hparams = hp_files.load(path, args.overrides)
+        lock.acquire("python -m tta_brain.decode " + " ".join(argv))
+    except (identity.LockedError, OSError) as e:
+        _fail(str(e))
+    try:
+        return _run(p, argv)
+    finally:
+        lock.release()
+        if created and os.listdir(p.out) == [identity.LOCK_FILE]:   # failed before writing
+            os.remove(os.path.join(p.out, identity.LOCK_FILE))
+            os.rmdir(p.out)
+
+
+def _skip(out):
+    summary = read_summary(out)
+    wer = "-" if summary.wer is None else f"{summary.wer:.2f}%"
+    print(f"{out}: finished with the same settings (WER {wer}), skipping")
+    return summary
+
+
+def _refuse(out, diffs):
+    _fail(f"{out} holds a run with other settings ({'; '.join(diffs)}); use another "
+          f"--output_folder, or add --overwrite to delete its records and start over")
+
+
+def _run(p: Plan, argv):
+    status, diffs = folder_status(p.out, p.fingerprint)      # again, now that we hold the lock
+    if status == "done":
+        return _skip(p.out)
+    if status == "differs" and not p.args.overwrite:
+        _refuse(p.out, diffs)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS reads it at start-up
+    _determinism(p.resolved.get("device"))
+    try:
+        hparams = hp_files.load(p.path, p.args.overrides)
     except hp_files.HparamsError as e:
         _fail(str(e))
+    if status == "differs":          # --overwrite, once the new run is known to build
+        removed = clear_run(p.out)
+        print(f"{p.out}: --overwrite: removed {', '.join(removed) or 'nothing'}")
+    identity.write_fingerprint(p.out, p.fingerprint)     # the folder is this run's from now on
     seed = hparams.get("seed")
     if seed is None:
         seed = 0
         sb.utils.seed_everything(seed)
-        logger.warning("%s has no 'seed'; seeded with 0", path)
+        logger.warning("%s has no 'seed'; seeded with 0", p.path)
+    out = p.out
     sb.create_experiment_directory(experiment_directory=out)
     with open(os.path.join(out, "hyperparams.yaml"), "w", encoding="utf-8") as f:
-        f.write(hp_files.resolved_text(path, args.overrides))
+        f.write(hp_files.resolved_text(p.path, p.args.overrides))
     _log_run(out, argv, seed)
     logger.info("%s", hparams["method"].describe())
     if not os.path.exists(os.path.join(out, "stream.csv")):
-        shutil.copyfile(stream_csv, os.path.join(out, "stream.csv"))
+        shutil.copyfile(p.stream_csv, os.path.join(out, "stream.csv"))
     checkpointer = sb.utils.checkpoints.Checkpointer(os.path.join(out, "save"))
     brain = TTABrain(modules={"model": hparams["model"]}, hparams=hparams,
-                     run_opts=args.run_opts, checkpointer=checkpointer,
-                     record_hparams=record_hparams(resolved))
+                     run_opts=p.args.run_opts, checkpointer=checkpointer,
+                     fingerprint=p.fingerprint, record_hparams=record_hparams(p.resolved))
     try:
-        summary = brain.evaluate(stream_csv, data_root=hparams.get("data_root"))
+        summary = brain.evaluate(p.stream_csv, data_root=hparams.get("data_root"))
     except (ManifestError, ResumeError, RecordError) as e:
         logger.error("%s", e)
         _fail(str(e))

@@ -1,9 +1,33 @@
-"""Run identity: the fingerprint of what determines a run's result, stored in its checkpoint (and
-summary) so that a folder is only ever resumed by the run that started it."""
-import hashlib
-from typing import Dict
+"""Run identity: the fingerprint of what determines a run's result, and the folder lock that keeps
+one writer per experiment folder.
 
-__all__ = ["file_sha1", "fingerprint"]
+The fingerprint holds the stream manifest's content (sha1), the source model's identity (sha1 of
+its files for a local directory, the name for a hub model), the toolkit version and every
+resolved hyperparameter except where the run is written and how often it checkpoints
+(:data:`LOCATION_KEYS`); ``device`` counts by its type (cpu / cuda), not its index. It is stored in
+``fingerprint.json`` when a run starts, in every checkpoint and in ``summary.json``; a folder is
+only resumed or skipped by a run with the same fingerprint.
+"""
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+__all__ = ["LOCATION_KEYS", "file_sha1", "source_identity", "fingerprint", "stream_fingerprint",
+           "differences", "FolderLock", "LockedError", "FINGERPRINT_FILE", "LOCK_FILE"]
+
+#: Keys that say where a run is written or read from and how often it checkpoints, not what it
+#: computes (the stream's content is fingerprinted instead of its path).
+LOCATION_KEYS = ("output_folder", "stream_csv", "data_root", "ckpt_every")
+FINGERPRINT_FILE = "fingerprint.json"
+LOCK_FILE = ".lock"
+#: Files of a model directory that decide its outputs (weights, config, processor).
+MODEL_FILES = (".json", ".safetensors", ".bin", ".txt", ".model", ".pt")
 
 
 def file_sha1(path) -> str:
@@ -14,6 +38,122 @@ def file_sha1(path) -> str:
     return h.hexdigest()
 
 
-def fingerprint(stream_csv, n_rows: int, tag: str) -> Dict:
-    """The stream manifest's content and the method tag."""
+@functools.lru_cache(maxsize=64)
+def _dir_sha1(path: str, stamp: tuple) -> str:
+    h = hashlib.sha1()
+    for name, _, _ in stamp:
+        h.update(name.encode())
+        h.update(file_sha1(os.path.join(path, name)).encode())
+    return h.hexdigest()
+
+
+def source_identity(source: str) -> str:
+    """``sha1:<hex>`` of a local model directory's files, else ``hub:<name>``."""
+    if os.path.isdir(source):
+        names = sorted(n for n in os.listdir(source) if n.endswith(MODEL_FILES)
+                       and os.path.isfile(os.path.join(source, n)))
+        stamp = tuple((n, os.path.getsize(os.path.join(source, n)),
+                       os.stat(os.path.join(source, n)).st_mtime_ns) for n in names)
+        return f"sha1:{_dir_sha1(os.path.abspath(source), stamp)}"
+    return f"hub:{source}"
+
+
+def fingerprint(hparams: Dict, stream_csv, n_rows: int) -> Dict:
+    """The fingerprint of a run from its resolved plain hparams and its stream manifest."""
+    import tta_brain
+    hp = {k: v for k, v in sorted(hparams.items()) if k not in LOCATION_KEYS}
+    if "device" in hp:
+        hp["device"] = str(hp["device"]).split(":")[0]
+    if "source" in hp:
+        hp["source"] = source_identity(str(hp["source"]))
+    return {"stream_sha1": file_sha1(stream_csv), "n_rows": n_rows,
+            "tta_brain": tta_brain.__version__, "hparams": hp}
+
+
+def stream_fingerprint(stream_csv, n_rows: int, tag: str) -> Dict:
+    """A minimal fingerprint (stream content and method tag) for a Brain used without decode."""
     return {"stream_sha1": file_sha1(stream_csv), "n_rows": n_rows, "method": tag}
+
+
+def _flat(d: Dict, prefix: str = "") -> Dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differences(old: Optional[Dict], new: Dict) -> List[str]:
+    """``key: old != new`` for every key that differs (hparams flattened)."""
+    if not old:
+        return ["no fingerprint recorded (a folder written by an older tta_brain, or not a run)"]
+    a, b = _flat(old), _flat(new)
+    return [f"{k}: {a.get(k, '(unset)')!r} != {b.get(k, '(unset)')!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def read_fingerprint(folder) -> Optional[Dict]:
+    path = Path(folder) / FINGERPRINT_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def write_fingerprint(folder, fp: Dict) -> None:
+    path = Path(folder) / FINGERPRINT_FILE
+    tmp = path.with_name(f".{FINGERPRINT_FILE}.tmp")
+    tmp.write_text(json.dumps(fp, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class LockedError(RuntimeError):
+    """Another process is writing the folder."""
+
+
+class FolderLock:
+    """An exclusive ``flock`` on ``<folder>/.lock`` for the whole run: one writer per folder.
+
+    The kernel drops the lock when its process ends, however it ends (``kill -9`` included), so a
+    lock never outlives its holder. The file names the holder (pid, host, start, command) for the
+    message a second writer gets.
+    """
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self.fd: Optional[int] = None
+
+    def acquire(self, command: str = "") -> "FolderLock":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockedError(f"{self.folder} is being written by {self.holder()}; wait for it to "
+                              f"finish or use another --output_folder") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                 "command": command}).encode())
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def holder(self) -> str:
+        try:
+            info = json.loads(self.path.read_text(encoding="utf-8"))
+            return (f"pid {info['pid']} on {info['host']} (since {info['since']}"
+                    + (f": {info['command'][:120]}" if info.get("command") else "") + ")")
+        except (OSError, ValueError, KeyError):
+            return "another process"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)          # no holder named once it is released
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None

@@ -20,7 +20,8 @@ from speechbrain.utils.metric_stats import ErrorRateStats
 
 __all__ = ["Transcript", "Reject", "Reset", "Lii", "Summary", "Run", "RecordWriter",
            "RecordError", "CSV_FILES", "read_transcripts", "read_rejects", "read_resets",
-           "read_lii", "read_summary", "write_summary", "write_wer_file", "load_run"]
+           "read_lii", "read_summary", "write_summary", "write_wer_file", "load_run", "clear_run",
+           "RUN_FILES"]
 
 
 class RecordError(ValueError):
@@ -300,3 +301,24 @@ def load_run(folder, root=None) -> Run:
                summary=summary, transcripts=sorted(read_transcripts(folder), key=lambda t: t.position),
                resets=sorted(r.position for r in read_resets(folder)),
                lii=sorted(read_lii(folder), key=lambda v: v.position))
+
+
+#: Everything a run writes into its folder besides the record CSVs (``save/``: checkpoints).
+RUN_FILES = ("wer.txt", "summary.json", "stream.csv", "hyperparams.yaml", "log.txt", "env.log",
+             "fingerprint.json", "save")
+
+
+def clear_run(folder) -> List[str]:
+    """Delete a run's records, summary, checkpoints and logs (``--overwrite``); the names removed."""
+    import shutil
+    folder, removed = Path(folder), []
+    for name in [f"{n}.csv" for n in CSV_FILES] + list(RUN_FILES):
+        path = folder / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed

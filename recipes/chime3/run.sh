@@ -26,9 +26,15 @@ stream_seed=0         # seed of the random order (fixed across method seeds)
 max_duration=         # leave out utterances longer than this (s); empty: keep all
 methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # yaml names or method+reset tags (sdpl too)
 seeds="0 1 2"         # the paper averages 3 runs
-hparams_dir=${repo_root}/tta_brain/hparams
+hparams_dir=          # own yamls (<token>.yaml or <method>.yaml; empty: the packaged ones)
 conf_dir=${recipe_dir}/conf   # <method>.opts: extra decode overrides per method token
 model=                # source model (empty: W2V2 from db.sh)
+sweep=                # "key=v1,v2 ...": one run per combination (named in the run folder)
+engine=local          # local | slurm: where the decodes run (tta_brain.grid)
+nj=0                  # decodes at a time (0: local, one per CPU core or --per_gpu per GPU; slurm 64)
+gpus=                 # local: GPU ids, e.g. "0 1 2 3"
+per_gpu=2             # local: decodes per GPU
+slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of a Slurm job
 decode_opts=          # extra --key=value overrides for every decode
 data_dir=${recipe_dir}/data
 exp_dir=${recipe_dir}/exp
@@ -42,7 +48,8 @@ Options (default):
   --include_ped_real true|false (${include_ped_real})  --keep_raw_text true|false (${keep_raw_text})
   --stream_name NAME (${stream_name})  --stream_seed N (${stream_seed})  --max_duration SEC
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
-  --hparams_dir DIR  --conf_dir DIR  --model DIR_OR_NAME  --decode_opts "OPTS"
+  --hparams_dir DIR  --conf_dir DIR  --model DIR_OR_NAME  --decode_opts "OPTS"  --sweep "K=V1,V2 ..."
+  --engine local|slurm (${engine})  --nj N  --gpus "LIST"  --per_gpu N  --slurm_conf YAML
   --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false
 Stages: 0 manifest, 1 data check, 2 stream, 3 decode, 4 report.
 EOM
@@ -59,7 +66,6 @@ case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
 manifest=${data_dir}/chime3_et05.csv
 stream_csv=${data_dir}/streams/${stream_name}.csv
 
-. "${repo_root}/tools/decode.sh"
 
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   log "Stage 0: CHiME-3 et05 (enhanced) -> ${manifest}"
@@ -97,7 +103,16 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
     db_require W2V2 "It must be a local CTC model directory or a hub name (or pass --model)."
     model=${W2V2}
   fi
-  decode_runs "${stream_csv}" "${exp_dir}/${stream_name}" "${CHIME3}" "${decode_opts}"
+  log "Stage 3: decode [${methods}] x seeds [${seeds}] (${engine}) -> ${exp_dir}/${stream_name}"
+  grid_opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}")
+  [ "${engine}" = slurm ] && grid_opts+=(--slurm_conf "${slurm_conf}")
+  ${dry_run} && grid_opts+=(--dry_run)
+  # CHiME-3 is the paper's Table 1 column: single-domain options (N = 10), no --md_streams
+  # shellcheck disable=SC2086
+  ${python} -m tta_brain.grid --exp_dir "${exp_dir}" --source "${model}" --data_root "${CHIME3}" \
+    --streams "${stream_name}=${stream_csv}" --methods "${methods}" --seeds "${seeds}" \
+    --hparams_dir "${hparams_dir}" --conf_dir "${conf_dir}" --decode_opts="${decode_opts}" \
+    ${sweep:+--sweep ${sweep}} "${grid_opts[@]}"
 fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then

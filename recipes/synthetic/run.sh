@@ -40,11 +40,17 @@ md_long_min=20
 md_long_max=100        # (paper: 500)
 methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"
 seeds="0"
-hparams_dir=${repo_root}/tta_brain/hparams
+hparams_dir=           # own yamls (<token>.yaml or <method>.yaml; empty: the packaged ones)
 conf_dir=${recipe_dir}/conf
-decode_opts=""
+decode_opts=""         # overrides for every decode (named in the run folder, e.g. suta_lr1e-4)
+sweep=""               # "key=v1,v2 ...": one run per combination (named in the run folder)
 noprogressbar=false    # true: no progress bars (synthesis, corruption, training, decoding)
-md_decode_opts=""
+md_decode_opts=""      # overrides for multi-domain streams (default: K and fixed period from the block size)
+engine=local           # local | slurm: where the decodes run (tta_brain.grid)
+nj=0                   # decodes at a time (0: local, one per CPU core or --per_gpu per GPU; slurm 64)
+gpus=""                # local: GPU ids, e.g. "0 1 2 3"
+per_gpu=2              # local: decodes per GPU
+slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of a Slurm job
 data_dir=${recipe_dir}/data
 exp_dir=${recipe_dir}/exp
 dry_run=false
@@ -57,11 +63,14 @@ Options (default):
   --n_test N (${n_test})  --n_train N (${n_train})  --corpus_seed N (${corpus_seed})
   --retrain true|false (${retrain})  --train_minutes N (${train_minutes})  --model DIR (source_model/)
   --snrs "LIST" (${snrs})  --noise_table YAML (conf/noises.yaml)
-  --streams "LIST" (${streams}; also single domains, md_*_s100, md_*_s20, md_long)
+  --streams "LIST" (${streams}; also single domains, md_*_s100, md_*_s20, md_long, and
+                    NAME=KIND for a stream of your own name, e.g. held_out=md_easy)
   --per_domain N (${per_domain})  --md_long_total N (${md_long_total})
   --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
   --methods "LIST" (${methods})
-  --seeds "LIST" (${seeds})  --decode_opts "OPTS"  --md_decode_opts "OPTS"  --noprogressbar true|false
+  --seeds "LIST" (${seeds})  --decode_opts "OPTS"  --md_decode_opts "OPTS"  --sweep "K=V1,V2 ..."
+  --hparams_dir DIR  --conf_dir DIR  --noprogressbar true|false
+  --engine local|slurm (${engine})  --nj N  --gpus "LIST"  --per_gpu N (${per_gpu})  --slurm_conf YAML
   --data_dir DIR  --exp_dir DIR  --dry_run true|false
 Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
 EOM
@@ -77,7 +86,11 @@ if ${noprogressbar}; then
 fi
 case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
 case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
-. "${repo_root}/tools/decode.sh"
+# K of the dynamic reset and the fixed-reset period follow the block size: K = half a block
+# (the construction stage ends inside the first block), the fixed period a quarter of it.
+if [ -z "${md_decode_opts}" ]; then
+  md_decode_opts="--reset_K=$((per_domain / 2)) --reset_every=$((per_domain / 4))"
+fi
 
 corpus=${data_dir}/corpus
 noise_dir=${data_dir}/noises
@@ -129,14 +142,24 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
 fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
+  stream_args=() md_streams=""
   for snr in ${snrs}; do
-    for stream in ${streams}; do
-      extra=${decode_opts} kind=
-      case "${stream}" in md_*) extra="${extra} ${md_decode_opts}" kind=_md ;; esac
-      decode_runs "${data_dir}/snr${snr}/streams/${stream}.csv" "${exp_dir}/snr${snr}/${stream}" \
-        "${data_dir}" "${extra}" "${kind}"
+    for spec in ${streams}; do
+      name=${spec%%=*}
+      stream_args+=("snr${snr}/${name}=${data_dir}/snr${snr}/streams/${name}.csv")
+      case "${spec#*=}" in md_*) md_streams="${md_streams} ${name}" ;; esac
     done
   done
+  log "Stage 4: decode [${methods}] x [${streams}] x seeds [${seeds}] (${engine}) -> ${exp_dir}"
+  grid_opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}")
+  [ "${engine}" = slurm ] && grid_opts+=(--slurm_conf "${slurm_conf}")
+  ${dry_run} && grid_opts+=(--dry_run)
+  # shellcheck disable=SC2086
+  ${python} -m tta_brain.grid --exp_dir "${exp_dir}" --source "${model}" --data_root "${data_dir}" \
+    --streams "${stream_args[@]}" --methods "${methods}" --seeds "${seeds}" \
+    --hparams_dir "${hparams_dir}" --conf_dir "${conf_dir}" --md_streams "${md_streams}" \
+    --md_decode_opts="${md_decode_opts}" --decode_opts="${decode_opts}" \
+    ${sweep:+--sweep ${sweep}} "${grid_opts[@]}"
 fi
 
 if [ ${stage} -le 5 ] && [ ${stop_stage} -ge 5 ]; then

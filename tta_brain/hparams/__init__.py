@@ -17,7 +17,7 @@ import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
 
 __all__ = ["HPARAMS_DIR", "BLOCKS", "HparamsError", "available", "find", "compose", "load",
-           "resolve", "resolved_text", "describe"]
+           "resolve", "resolved_text", "describe", "keys"]
 
 HPARAMS_DIR = Path(__file__).resolve().parent
 BLOCKS = ("run", "reset")
@@ -94,6 +94,11 @@ def load(name_or_path: PathLike, overrides=None) -> Dict:
     text = compose(path)
     with _errors(path):
         return load_hyperpyyaml(text, overrides)
+
+
+def keys(name_or_path: PathLike) -> List[str]:
+    """The top-level keys of a yaml (with its blocks), in file order; nothing is resolved."""
+    return re.findall(r"^([A-Za-z_]\w*):", compose(find(name_or_path)), re.M)
 
 
 def describe(name_or_path: PathLike) -> List[Tuple[str, str, str]]:

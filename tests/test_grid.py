@@ -1,0 +1,237 @@
+"""Run identity, one writer per folder and grids of runs on real engines.
+
+- decode: a second writer on a folder stops at once naming the holder, the first finishes intact;
+  a rerun with other settings is refused and changes nothing, ``--overwrite`` starts over, a rerun
+  with the same settings is skipped;
+- the local engine (submitit local workers) gives the transcripts of serial runs; a worker killed
+  with ``kill -9`` mid-grid fails that run only, and rerunning the grid completes it (resumed from
+  its checkpoint), skipping the finished runs;
+- the same grid through a real Slurm cluster (skipped without one, except under CI=true), with a
+  job cancelled (``scancel``) mid-grid.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fake_corpora import write_stream
+from tta_brain import decode, grid
+from tta_brain.identity import LOCK_FILE
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import compare_runs  # noqa: E402
+
+RUN = ["--noprogressbar", "--ckpt_every=3"]             # run options: not in run names
+METHOD = {"source": [], "suta": ["--steps=2", "--lr=0.05"], "csuta": ["--steps=2", "--lr=0.05"],
+          "dsuta": ["--steps=2", "--lr=0.05", "--reset_K=4", "--buffer_size=2"]}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_model_dir):
+    root = write_stream(tmp_path_factory.mktemp("grid_stream"), n=24, block=6)
+    conf = root / "conf"                 # the recipe's method settings (conf/<method>.opts)
+    conf.mkdir()
+    for method, opts in METHOD.items():
+        (conf / f"{method}.opts").write_text("\n".join(opts) + "\n")
+    return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir, "conf": conf}
+
+
+def decode_argv(data, out, method="suta", *extra):
+    return [method, f"--source={data['model']}", f"--stream_csv={data['csv']}",
+            f"--output_folder={out}", f"--data_root={data['root']}", *RUN, *METHOD[method],
+            *extra]
+
+
+def grid_argv(data, exp, methods, seeds="0 1", *extra):
+    return ["--exp_dir", str(exp), "--source", data["model"], "--data_root", str(data["root"]),
+            "--streams", f"s={data['csv']}", "--methods", methods, "--seeds", seeds,
+            "--conf_dir", str(data["conf"]), f"--decode_opts={' '.join(RUN)}", "--poll", "0.5",
+            *extra]
+
+
+def serial(data, exp, methods, seeds=("0", "1")):
+    """The grid's runs decoded one after another in this process: the reference."""
+    for token in methods.split():
+        base, _, reset = token.partition("+")
+        for seed in seeds:
+            decode.main(decode_argv(data, exp / "s" / token / f"seed{seed}", base,
+                                    *([f"--reset={reset}"] if reset else []), f"--seed={seed}",
+                                    "--stream_name=s"))
+
+
+def snapshot(folder):
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in Path(folder).iterdir()
+            if p.is_file()}
+
+
+def wait_for(cond, what, timeout=240):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def holder_pid(folder):
+    try:
+        return json.loads((Path(folder) / LOCK_FILE).read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+# ----------------------------------------------------------------------------- one folder
+def test_second_writer_stops_at_once_and_the_first_finishes_intact(data, tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "exp"
+    decode.main(decode_argv(data, ref, "dsuta", "--reset=dynamic"))
+    cmd = [sys.executable, "-m", "tta_brain.decode", *decode_argv(data, out, "dsuta", "--reset=dynamic")]
+    first = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: holder_pid(out) == first.pid or first.poll() is not None, "the lock")
+    t0 = time.time()
+    second = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert first.poll() is None, "the first run ended too early: the test would prove nothing"
+    assert second.returncode == 1 and time.time() - t0 < 60
+    assert f"is being written by pid {first.pid} on " in second.stderr, second.stderr[-2000:]
+    assert second.stderr.count("\n") <= 2                       # one line, no traceback
+    assert first.wait(timeout=300) == 0, first.stdout.read()[-3000:]
+    assert compare_runs.compare(ref, out) == []
+
+
+def test_rerun_with_other_settings_is_refused_overwrite_and_skip(data, tmp_path):
+    out = tmp_path / "exp"
+    decode.main(decode_argv(data, out))
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as e:
+        decode.main(decode_argv(data, out, "suta", "--steps=3", "--lr=0.01"))
+    msg = str(e.value)
+    assert msg.startswith(f"ERROR: {out} holds a run with other settings (")
+    assert "hparams.steps: 2 != 3" in msg and "hparams.lr: 0.05 != 0.01" in msg
+    assert "--overwrite" in msg and "\n" not in msg
+    assert snapshot(out) == before                               # nothing written, not even logs
+    summary = decode.main(decode_argv(data, out))                # same settings: skipped
+    assert summary.fingerprint["hparams"]["steps"] == 2 and snapshot(out) == before
+    summary = decode.main(decode_argv(data, out, "suta", "--steps=3", "--overwrite"))
+    assert summary.fingerprint["hparams"]["steps"] == 3
+    s = json.loads((out / "summary.json").read_text())
+    assert s["hparams"]["steps"] == 3 and s["counts"]["adapt_forward"] == 3 * 24
+
+
+def test_an_interrupted_run_is_only_resumed_with_its_own_settings(data, tmp_path):
+    out = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "tta_brain.decode", *decode_argv(data, out, "csuta")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    wait_for(lambda: list((out / "save").glob("CKPT+*/stream.ckpt")), "a checkpoint")
+    proc.kill()
+    proc.wait()
+    assert not (out / "summary.json").exists()
+    with pytest.raises(SystemExit, match="other settings .*hparams.steps: 2 != 5"):
+        decode.main(decode_argv(data, out, "csuta", "--steps=5"))
+    summary = decode.main(decode_argv(data, out, "csuta"))
+    assert summary.n_utts == 24 and "Resuming" in (out / "log.txt").read_text()
+
+
+# ----------------------------------------------------------------------------- local engine
+def test_plan_names_runs_by_their_overrides(data, tmp_path):
+    args = grid.parse_args(grid_argv(data, tmp_path, "suta dsuta+dynamic", "0", "--sweep",
+                                     "lr=0.1,0.2"))
+    runs = grid.plan_runs(args)
+    assert [r.name for r in runs] == ["s/suta_lr0.1/seed0", "s/suta_lr0.2/seed0",
+                                      "s/dsuta+dynamic_lr0.1/seed0", "s/dsuta+dynamic_lr0.2/seed0"]
+    assert "--reset=dynamic" in runs[2].argv and runs[1].argv[-1] == "--lr=0.2"
+    assert "--reset_K=4" in runs[2].argv and "--reset_K=4" not in runs[0].argv   # conf/<method>
+    args.decode_opts = "--ckpt_every=5 --temperature=2"      # run options stay out of names
+    assert grid.plan_runs(args)[0].name == "s/suta_temperature2_lr0.1/seed0"
+
+
+def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_path):
+    methods = "suta dsuta+dynamic"
+    ref = tmp_path / "ref"
+    serial(data, ref, methods)
+    exp = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "tta_brain.grid",
+           *grid_argv(data, exp, methods, "0 1", "--nj", "2")]
+    # reset_K etc. are dsuta keys: the grid passes them with the recipe (md) options only
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    victim = exp / "s" / "dsuta+dynamic" / "seed0"
+    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
+             "a checkpoint of the victim")
+    pid = freeze_mid_run(victim)
+    assert proc.poll() is None, "the grid ended before the worker could be killed"
+    os.kill(pid, signal.SIGKILL)       # the decode process of that run (it holds the lock)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out[-3000:]
+    assert "FAILED s/dsuta+dynamic/seed0" in out and "logs:" in out
+    assert "grid finished: 3 done, 0 running, 1 failed" in out
+    rerun = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "(4 runs, 3 already finished)" in rerun.stdout
+    assert "Resuming" in (victim / "log.txt").read_text()
+    assert compare_runs.main([str(ref), str(exp)]) == 0
+
+
+# ----------------------------------------------------------------------------- Slurm
+def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slurm_cluster):
+    methods = "source suta dsuta+dynamic"
+    ref, exp = tmp_path / "ref", tmp_path / "exp"
+    serial(data, ref, methods)
+    conf = tmp_path / "slurm.yaml"
+    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 1\nmem_gb: 2\n")
+    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, exp, methods, "0 1", "--engine", "slurm", "--nj", "2", "--slurm_conf", str(conf))]
+    env = {**ENV, "SLURM_CONF": slurm_cluster}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    victim = exp / "s" / "dsuta+dynamic" / "seed1"
+    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
+             "a checkpoint of the victim", 300)
+    pid = freeze_mid_run(victim)
+    assert proc.poll() is None, "the grid ended before a job could be cancelled"
+    job = slurm_job_of(pid)                      # the job whose process holds the folder lock
+    subprocess.run(["scancel", job], check=True, env=env)
+    # scancel sends SIGTERM, which submitit bypasses, and SIGKILL after Slurm's KillWait; this
+    # tiny run would finish within KillWait, so the test delivers that SIGKILL itself
+    os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1 and "FAILED s/dsuta+dynamic/seed1" in out, out[-3000:]
+    wait_for(lambda: holder_pid_alive(victim) is False, "the cancelled job's exit", 120)
+    rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "(6 runs, 5 already finished)" in rerun.stdout
+    assert compare_runs.main([str(ref), str(exp)]) == 0
+
+
+def freeze_mid_run(folder):
+    """SIGSTOP the process writing ``folder`` (it must not finish before the test kills it)."""
+    pid = holder_pid(folder)
+    assert pid, f"nobody writes {folder}"
+    os.kill(pid, signal.SIGSTOP)
+    assert not (Path(folder) / "summary.json").exists(), "the run had finished already"
+    return pid
+
+
+def slurm_job_of(pid):
+    """The Slurm job (array task: ``<array job>_<task>``) a process runs in (its environment)."""
+    env = dict(e.decode().split("=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes()
+               .split(b"\0") if b"=" in e)
+    if "SLURM_ARRAY_JOB_ID" in env:
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env["SLURM_JOB_ID"]
+
+
+def holder_pid_alive(folder):
+    pid = holder_pid(folder)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,305 @@
+"""Grids of decodes as jobs: every (stream, method token, seed, sweep point) of a recipe stage is one
+``tta_brain.decode`` run in its own folder, submitted through submitit to local worker processes
+(``--engine local``, the default) or to Slurm (``--engine slurm``).
+
+    python -m tta_brain.grid --exp_dir exp/snr20 --source MODEL --data_root data \\
+        --streams data/snr20/streams/md_hard.csv [NAME=CSV ...] --methods "suta dsuta+dynamic" \\
+        --seeds "0 1 2" [--conf_dir conf] [--md_streams "md_hard"] [--decode_opts "--lr=1e-4"] \\
+        [--sweep "lr=1e-4,3e-4"] [--engine local|slurm] [--nj N] [--gpus "0 1"] [--per_gpu 2]
+
+A run's folder is ``<exp_dir>/<stream>/<token>[_<tag>]/seed<seed>``; the tag names the
+``--decode_opts`` and ``--sweep`` values that make it differ from the recipe (ESPnet's
+inference_tag), so a sweep never collides. Its overrides come from ``<conf_dir>/<method>.opts``,
+``<conf_dir>/<method>_md.opts`` (streams in ``--md_streams``), ``<conf_dir>/<token>.opts``,
+``--md_decode_opts`` (recipe settings for every method on those streams: a key a method's yaml
+lacks, like ``reset_K`` for suta, is not passed to it, and the log says so), ``--decode_opts`` and
+the sweep point, later ones winning.
+
+Runs whose folder holds a finished run with the same fingerprint are skipped before anything is
+submitted (``tta_brain.decode`` decides the same way), so rerunning a grid is idempotent; a failed
+run does not stop the others; the grid ends with the failed runs, their logs and exit status 1.
+"""
+import argparse
+import itertools
+import logging
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import submitit
+
+logger = logging.getLogger("tta_brain.grid")
+
+#: Decode options that say where or how visibly a run goes, not what it computes: not in tags.
+UNTAGGED = ("noprogressbar", "device", "ckpt_every", "output_folder", "stream_csv", "data_root")
+
+
+@dataclass
+class Run:
+    name: str                       # <stream>/<tag>/seed<seed>, relative to exp_dir
+    folder: Path
+    argv: List[str]                 # tta_brain.decode arguments
+    status: str = "queued"          # queued | running | done | failed | skipped
+    message: str = ""
+    logs: List[str] = field(default_factory=list)
+
+
+class DecodeJob(submitit.helpers.Checkpointable):
+    """One decode in a job process. Preempted or timed out (Slurm), it is requeued with the same
+    arguments and resumes from the run's last checkpoint."""
+
+    def __init__(self, argv: List[str], threads: int = 0):
+        self.argv, self.threads = list(argv), int(threads)
+
+    def __call__(self):
+        if self.threads:
+            os.environ["OMP_NUM_THREADS"] = str(self.threads)
+            import torch
+            torch.set_num_threads(self.threads)
+        from tta_brain import decode
+        try:
+            summary = decode.main(self.argv)
+        except SystemExit as e:          # decode's one-line errors: a failed job, not a crash
+            raise RuntimeError(str(e)) from None
+        return None if summary is None else {"wer": summary.wer, "n_utts": summary.n_utts}
+
+
+def _opts_file(path: Path) -> List[str]:
+    if not path.is_file():
+        return []
+    return [a for line in path.read_text().splitlines() if not line.strip().startswith("#")
+            for a in shlex.split(line)]
+
+
+def _keyvals(opts: List[str]) -> Dict[str, str]:
+    out = {}
+    for a in opts:
+        key, _, value = a[2:].partition("=") if a.startswith("--") else (a, "", "")
+        out[key] = value
+    return out
+
+
+def inference_tag(opts: List[str]) -> str:
+    """``lr1e-4_reset_K50`` from ``--lr=1e-4 --reset_K=50`` (run options left out)."""
+    parts = [f"{k}{v}" for k, v in _keyvals(opts).items() if k not in UNTAGGED]
+    return re.sub(r"[^A-Za-z0-9._=+-]+", "-", "_".join(parts))
+
+
+def sweep_points(specs: List[str]) -> List[List[str]]:
+    """``["lr=1e-4,3e-4", "steps=5,10"]`` -> the cartesian product as ``--key=value`` lists."""
+    axes = []
+    for spec in specs:
+        key, _, values = spec.partition("=")
+        if not key or not values:
+            raise SystemExit(f"ERROR: --sweep {spec!r}: use key=v1,v2,...")
+        axes.append([f"--{key.lstrip('-')}={v}" for v in values.split(",")])
+    return [list(p) for p in itertools.product(*axes)] or [[]]
+
+
+def method_yaml(token: str, hparams_dir: Optional[str]):
+    """The yaml of a method token and the ``--reset`` it implies (``dsuta+dynamic``)."""
+    base, _, reset = token.partition("+")
+    if hparams_dir:
+        for name in (token, base):
+            if (Path(hparams_dir) / f"{name}.yaml").is_file():
+                yaml = str(Path(hparams_dir) / f"{name}.yaml")
+                return yaml, ([f"--reset={reset}"] if reset and name == base else [])
+    from tta_brain import hparams
+    if base not in hparams.available():
+        where = f"no {Path(hparams_dir or '.') / (token + '.yaml')} and " if hparams_dir else ""
+        raise SystemExit(f"ERROR: method '{token}': {where}no packaged method '{base}' "
+                         f"(packaged: {', '.join(hparams.available())})")
+    return base, [f"--reset={reset}"] if reset else []
+
+
+def _known(token: str, yaml: str, opts: List[str]) -> List[str]:
+    """The recipe-wide options a method has keys for (``--reset_K`` is not passed to suta)."""
+    from tta_brain import hparams
+    keys = set(hparams.keys(yaml))
+    kept = [a for a in opts if a[2:].partition("=")[0] in keys]
+    if len(kept) < len(opts):
+        logger.info("%s: --md_decode_opts %s are not keys of its yaml, not passed", token,
+                    " ".join(a for a in opts if a not in kept))
+    return kept
+
+
+def plan_runs(args) -> List[Run]:
+    """Every run of the grid, in order (streams, methods, seeds, sweep points)."""
+    conf = Path(args.conf_dir) if args.conf_dir else None
+    md = set(args.md_streams.split())
+    user = shlex.split(args.decode_opts)
+    runs = []
+    for spec in args.streams:
+        name, _, csv = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        name = name or Path(csv).stem
+        if not Path(csv).is_file():
+            raise SystemExit(f"ERROR: stream {csv} not found; run the earlier stages first")
+        kind = "_md" if Path(name).name in md else ""
+        logger.info("%s: %s options", name, "multi-domain (<method>_md.opts, --md_decode_opts)"
+                    if kind else "single-domain")
+        for token in args.methods.split():
+            yaml, reset = method_yaml(token, args.hparams_dir)
+            base = token.partition("+")[0]
+            files = [f"{base}.opts"] + ([f"{base}{kind}.opts"] if kind else []) \
+                + ([f"{token}.opts"] if token != base else [])
+            recipe = reset + [a for f in files for a in (_opts_file(conf / f) if conf else [])]
+            recipe += _known(token, yaml, shlex.split(args.md_decode_opts)) if kind else []
+            for point in sweep_points(args.sweep):
+                tag = inference_tag(user + point)
+                for seed in args.seeds.split():
+                    rel = f"{name}/{token}{'_' + tag if tag else ''}/seed{seed}"
+                    folder = Path(args.exp_dir) / rel
+                    argv = [yaml, f"--source={args.source}", f"--stream_csv={csv}",
+                            f"--output_folder={folder}", f"--seed={seed}",
+                            f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
+                            *recipe, *user, *point]
+                    runs.append(Run(rel, folder, argv))
+    return runs
+
+
+def check_done(runs: List[Run]) -> None:
+    """Mark runs finished with the same fingerprint as skipped, and refused ones as failed."""
+    from tta_brain import decode
+    for run in runs:
+        try:
+            p = decode.plan(run.argv)
+        except SystemExit as e:
+            run.status, run.message = "failed", str(e)
+            continue
+        if p.status == "done":
+            run.status, run.message = "skipped", "finished with the same settings"
+        elif p.status == "differs" and "--overwrite" not in run.argv:
+            run.status = "failed"
+            run.message = (f"holds a run with other settings ({'; '.join(p.diffs)}); use another "
+                           f"--exp_dir or --decode_opts --overwrite")
+
+
+def _engine(args):
+    folder = Path(args.exp_dir) / ".grid" / time.strftime("%Y%m%d-%H%M%S")
+    if args.engine == "slurm":
+        import yaml
+        conf = yaml.safe_load(Path(args.slurm_conf).read_text()) if args.slurm_conf else {}
+        ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
+        ex.update_parameters(**{"slurm_array_parallelism": args.nj or 64, **(conf or {})})
+        return ex
+    ex = submitit.LocalExecutor(folder=folder)
+    ex.update_parameters(timeout_min=60 * 24 * 365)
+    return ex
+
+
+def _slots(args) -> List[Optional[int]]:
+    gpus = [int(g) for g in args.gpus.split()]
+    if gpus:
+        return [g for g in gpus for _ in range(args.per_gpu)][:args.nj or None]
+    return [None] * (args.nj or max(1, (os.cpu_count() or 1)))
+
+
+def execute(runs: List[Run], args) -> None:
+    """Submit the queued runs and follow them to the end, printing the grid's progress."""
+    queued = [r for r in runs if r.status == "queued"]
+    if not queued:
+        return
+    ex = _engine(args)
+    jobs = {}
+    if args.engine == "slurm":
+        with ex.batch():
+            for r in queued:
+                jobs[id(r)] = (r, ex.submit(DecodeJob(r.argv)), None)
+        for r in queued:
+            r.status = "running"
+    free = _slots(args)
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(free))) if args.engine == "local" else 0
+    last = None
+    while True:
+        while args.engine == "local" and free and any(r.status == "queued" for r in queued):
+            r, gpu = next(r for r in queued if r.status == "queued"), free.pop(0)
+            ex.update_parameters(visible_gpus=[gpu] if gpu is not None else [],
+                                 gpus_per_node=1 if gpu is not None else 0)
+            jobs[id(r)] = (r, ex.submit(DecodeJob(r.argv, threads)), gpu)
+            r.status = "running"
+        for key, (r, job, gpu) in list(jobs.items()):
+            if r.status == "running" and job.done():
+                _collect(r, job)
+                if args.engine == "local":
+                    free.append(gpu)
+        line = _progress(runs)
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if not any(r.status in ("queued", "running") for r in queued):
+            return
+        time.sleep(args.poll)
+
+
+def _collect(run: Run, job) -> None:
+    run.logs = [str(job.paths.stdout), str(job.paths.stderr), str(run.folder / "log.txt")]
+    try:
+        job.result()
+        run.status = "done"
+    except Exception as e:       # FailedJobError (with the job's stderr), UncompletedJobError
+        run.status = "failed"
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "ERROR:" in ln or "Error" in ln]
+        run.message = (errors[-1] if errors else lines[0] if lines else type(e).__name__)[:300]
+
+
+def _progress(runs: List[Run]) -> str:
+    n = {s: sum(r.status == s for r in runs) for s in ("done", "running", "failed", "queued",
+                                                      "skipped")}
+    return (f"grid: {n['done']} done, {n['running']} running, {n['failed']} failed, "
+            f"{n['queued']} queued ({len(runs)} runs, {n['skipped']} already finished)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tta_brain.grid", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--exp_dir", required=True, help="results root of the grid")
+    p.add_argument("--source", required=True, help="source model (local dir or hub name)")
+    p.add_argument("--data_root", default="", help="replaces $data_root in the manifests")
+    p.add_argument("--streams", nargs="+", required=True, help="stream manifests, CSV or NAME=CSV")
+    p.add_argument("--methods", required=True, help="method tokens, e.g. 'suta dsuta+dynamic'")
+    p.add_argument("--seeds", default="0", help="seeds, e.g. '0 1 2'")
+    p.add_argument("--hparams_dir", default="", help="own yamls (<token>.yaml or <method>.yaml)")
+    p.add_argument("--conf_dir", default="", help="folder of <method>[_md].opts / <token>.opts")
+    p.add_argument("--md_streams", default="", help="stream names that get the _md option set")
+    p.add_argument("--md_decode_opts", default="", help="overrides for --md_streams only")
+    p.add_argument("--decode_opts", default="", help="overrides for every run (named in the tag)")
+    p.add_argument("--sweep", nargs="*", default=[], help="key=v1,v2 ...: one run per combination")
+    p.add_argument("--engine", default="local", choices=("local", "slurm"))
+    p.add_argument("--nj", type=int, default=0, help="runs at a time (local default: one per CPU "
+                   "core, or --per_gpu per GPU; slurm: array parallelism)")
+    p.add_argument("--gpus", default="", help="local: GPU ids, e.g. '0 1 2 3'")
+    p.add_argument("--per_gpu", type=int, default=2, help="local: runs per GPU")
+    p.add_argument("--slurm_conf", default="", help="yaml of submitit Slurm parameters "
+                   "(slurm_partition, timeout_min, mem_gb, cpus_per_task, gpus_per_node, ...)")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between progress checks")
+    p.add_argument("--dry_run", action="store_true", help="print the decode commands and stop")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    runs = plan_runs(args)
+    if args.dry_run:
+        for r in runs:
+            print("DRY-RUN: " + shlex.join([sys.executable, "-m", "tta_brain.decode", *r.argv]))
+        return 0
+    check_done(runs)
+    print(_progress(runs), flush=True)
+    execute(runs, args)
+    failed = [r for r in runs if r.status == "failed"]
+    for r in failed:
+        print(f"FAILED {r.name}: {r.message}" + (f"\n  logs: {', '.join(r.logs)}" if r.logs else ""),
+              flush=True)
+    print(_progress(runs).replace("grid:", "grid finished:"), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
