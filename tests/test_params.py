@@ -149,3 +149,13 @@ def test_empty_selection_is_a_clear_error(net, caplog):
 def test_selectors_registry_is_documented():
     assert set(SELECTORS) == {"layernorm", "feature_extractor", "feature_projection", "cnn",
                               "encoder_bias", "all"}
+
+
+def test_selection_is_clean_by_default(net):
+    """Without a ``{param_collection: ...}`` entry the optimiser sees each tensor once, in model
+    order (the official list: tests/test_official_optimizer.py)."""
+    sel = select_parameters(net, ["layernorm", "cnn"])
+    assert sel.collection == "clean"
+    assert sel.order == list(range(len(sel))) and sel.repeats == [1] * len(sel)
+    assert sel.entries() == list(sel)
+    assert select_parameters(net, ["layernorm", "cnn", {"param_collection": "clean"}]) == sel

@@ -89,3 +89,31 @@ def test_suta_and_dsuta_on_the_real_size_model(lobe):
     assert dsuta.n_buffered == 0
     assert dsuta.counts == {"adapt_forward": 1, "adapt_backward": 1, "infer_forward": 1,
                             "aux_forward": 0, "skipped_steps": 0}
+
+
+def test_official_collection_on_the_real_size_model(lobe):
+    """param_collection: official on wav2vec2-base: 63 tensors, 94 optimiser entries (conv weights
+    and GroupNorm 4x, feature projection 2x), 4,633,856 parameters; the entries are the official
+    code's list (restated as in tests/test_official_optimizer.py) in its order."""
+    from tta_brain.optim import RepeatedAdam
+    from tta_brain.params import select_parameters
+    net = lobe.model
+    groups = [{"select": "layernorm"}, {"select": "cnn"}, {"param_collection": "official"}]
+    sel = select_parameters(net, groups)
+    assert len(sel) == 63 and len(sel.order) == 94
+    assert sum(p.numel() for _, p, _ in sel) == 4_633_856 == expected_adapted(net)
+    assert sorted(sel.repeats).count(4) == 9 and sorted(sel.repeats).count(2) == 4
+    names = []
+    for nm, m in net.named_modules():
+        if isinstance(m, nn.LayerNorm):
+            names += [f"{nm}.{pn}" for pn, _ in m.named_parameters()
+                      if not any(f"{nm}.{pn}" == n for n in names)]
+        if len(nm.split(".")) > 1 and nm.split(".")[1] in ("feature_extractor", "feature_projection"):
+            names += [f"{nm}.{pn}" for pn, _ in m.named_parameters()]
+    assert [n for n, _, _ in sel.entries()] == names
+    suta = build_method("suta", model=lobe, steps=1, lr=2e-5, adapt_params=groups)
+    assert isinstance(suta.optimizer, RepeatedAdam)
+    assert sum(len(g["params"]) for g in suta.optimizer.param_groups) == 63
+    assert sum(sum(g["repeats"]) for g in suta.optimizer.param_groups) == 94
+    assert suta.num_adapted == 4_633_856
+    suta.reset()

@@ -15,7 +15,14 @@ the method runs. Everything else a method does (optimiser steps, state copies, d
 loss values, Python) is overhead. The "pass ratio" column is what the passes alone predict
 relative to SUTA: the limit of the method's maths.
 
-Timing protocol: every entry (the methods and the two unit passes) first processes ``--warmup``
+A method that adapts in train mode (AWMC; SDPL with ``train_mode``) runs its adaptation passes
+with dropout, LayerDrop and SpecAugment, which cost more than eval-mode passes: its ``T_fb`` (and
+``S``) are then those of a third unit pass, ``unit_fb_train`` (the same forward + loss + backward
+with the model in train mode), timed alongside whenever such a method is benchmarked; its
+inference and auxiliary forwards stay at the eval-mode ``T_f``. The table marks such methods
+with ``(train)``.
+
+Timing protocol: every entry (the methods and the unit passes) first processes ``--warmup``
 utterances (which also brings DSUTA + dynamic reset, with its small default ``--reset_K``, to the
 detection stage: two LII forwards per utterance). Then ``--repeats`` rounds of ``--n_utts``
 utterances; each utterance is processed by every entry in turn (rotating who goes first), so the
@@ -43,9 +50,14 @@ Usage::
     python tools/bench_speed.py --stream recipes/synthetic/.../MD-Easy.csv --data_root /data --n_utts 30
     python tools/bench_speed.py --w2v2_base --device cuda:0  # random wav2vec2-base-sized model, GPU
     python tools/bench_speed.py --device cuda:0 --precision bf16 --compile
+    python tools/bench_speed.py --w2v2_base --device cuda:0 --cuda_graphs   # captured steps
 
-Runtime options (``--precision``, ``--compile``, ``--cache_features``, ``--onednn_backward``) go
-to every entry's lobe (``tta_brain.runtime.Runtime``), ``--slow_grad`` to DSUTA.
+Runtime options (``--precision``, ``--compile``, ``--cache_features``, ``--onednn_backward``,
+``--cuda_graphs``) go to every entry's lobe (``tta_brain.runtime.Runtime``), ``--slow_grad`` to
+DSUTA. ``--cuda_graphs`` (CUDA, fp32) replays the methods' adaptation steps from captured graphs
+(``tta_brain.graphs``); the unit passes stay eager, so the overhead column of a captured method
+can come out negative. ``tools/gpu_check.py`` runs the eager and the captured benchmark side by
+side.
 """
 import argparse
 import gc
@@ -80,6 +92,7 @@ SYNTH_CFG = dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=4, in
                  conv_bias=True, feat_extract_norm="group", do_stable_layer_norm=True,
                  num_conv_pos_embeddings=64, num_conv_pos_embedding_groups=16)
 UNITS = ("unit_fb", "unit_f")
+TRAIN_UNIT = "unit_fb_train"    # timed too when a benchmarked method adapts in train mode
 ALL_METHODS = ("source", "suta", "dsuta", "dsuta+dynamic")
 
 
@@ -141,14 +154,16 @@ def sync(device):
 
 
 class UnitPass:
-    """The reference passes: one forward with grad + SUTA loss + backward (``fb``), or one
-    no-grad forward to the logits (``f``), with the same adapted-parameter selection and backward
+    """The reference passes: one forward with grad + SUTA loss + backward (``fb``; ``fb_train``:
+    the same with the model in train mode, as a train-mode method adapts), or one no-grad
+    forward to the logits (``f``), with the same adapted-parameter selection and backward
     kernels as the methods, on inputs prepared beforehand (a method normalises an utterance once,
     whatever its pass count), gradients zeroed in place as the methods do. ``prime`` runs the
     pass once untimed, so that the timed ``process`` is the steady-state cost."""
 
     def __init__(self, lobe, adapt_params, kind):
         self.lobe, self.kind = lobe, kind
+        self.train = kind == "fb_train"
         lobe.model.eval()
         lobe.model.requires_grad_(False)
         self.params = [p for _, p, _ in select_parameters(lobe.model, adapt_params)]
@@ -165,7 +180,11 @@ class UnitPass:
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_zero_(grads)
+        if self.train:
+            self.lobe.model.train()
         loss = losses.suta_loss(self.lobe.logits(x), blank_id=self.lobe.blank_id).mean()
+        if self.train:
+            self.lobe.model.eval()
         self.lobe.runtime.backward(loss, self.params, self.lobe.device)
 
     def prime(self, wav, info):
@@ -182,11 +201,12 @@ class UnitPass:
 def make_entry(name, args, model_dir, device):
     runtime = Runtime(precision=args.precision, compile=args.compile,
                       cache_features=args.cache_features,
-                      cpu_native_backward=not args.onednn_backward)
+                      cpu_native_backward=not args.onednn_backward,
+                      cuda_graphs=getattr(args, "cuda_graphs", False))
     lobe = HFCTCLobe(model_dir, device=str(device), runtime=runtime)
     adapt = [{"select": s} for s in args.adapt.split(",")]
-    if name in UNITS:
-        return UnitPass(lobe, adapt, name.split("_")[1])
+    if name in UNITS or name == TRAIN_UNIT:
+        return UnitPass(lobe, adapt, name[len("unit_"):])
     base, _, reset = name.partition("+")
     kw = dict(model=lobe, lr=args.lr)
     if base != "source":
@@ -262,6 +282,8 @@ def parse_args(argv=None):
     p.add_argument("--cache_features", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--onednn_backward", action="store_true",
                    help="CPU: keep oneDNN in the backward (cpu_native_backward=False)")
+    p.add_argument("--cuda_graphs", action="store_true",
+                   help="CUDA: replay the adaptation steps from captured graphs (Runtime.cuda_graphs)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", default=None, help="cProfile this entry over the first round")
     return p.parse_args(argv)
@@ -307,8 +329,12 @@ def main(argv=None):
     fresh = args.lengths == "fresh"
     warm, rounds = load_utterances(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    names = list(UNITS) + methods
-    entries = {n: make_entry(n, args, model_dir, device) for n in names}
+    built = {m: make_entry(m, args, model_dir, device) for m in methods}
+    train_mode = {m: bool(getattr(e, "train_mode", False)) for m, e in built.items()}
+    unit_names = list(UNITS) + ([TRAIN_UNIT] if any(train_mode.values()) else [])
+    names = unit_names + methods
+    entries = {n: built[n] if n in built else make_entry(n, args, model_dir, device)
+               for n in names}
     n_adapted = max((getattr(e, "num_adapted", 0) for e in entries.values()), default=0)
     mean_s = statistics.mean(w.numel() for rnd in rounds for _, w in rnd) / 16000
     print(f"model: {model_desc} ({sum(p.numel() for p in entries['unit_f'].lobe.parameters()) / 1e6:.2f}M "
@@ -317,7 +343,8 @@ def main(argv=None):
           f"{args.repeats} rounds x {args.n_utts} utts (mean {mean_s:.2f} s; lengths: "
           f"{args.lengths}) after {len(warm)} warm-up; precision: {args.precision}, compile: {args.compile}, "
           f"cache_features: {args.cache_features}, slow_grad: {args.slow_grad}, "
-          f"cpu_native_backward: {not args.onednn_backward}", flush=True)
+          f"cpu_native_backward: {not args.onednn_backward}, cuda_graphs: {args.cuda_graphs}",
+          flush=True)
 
     for j, (name, e) in enumerate(entries.items()):      # warm-up (and reach a steady state)
         for info, wav in warm:
@@ -338,14 +365,14 @@ def main(argv=None):
         pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
 
     clocks = ("wall", "cpu") if device.type == "cpu" else ("wall",)
-    rate = {c: {n: [] for n in names + [u + "_new" for u in UNITS]} for c in clocks}  # s / audio s
+    rate = {c: {n: [] for n in names + [u + "_new" for u in unit_names]} for c in clocks}  # s / audio s
     counts = {n: [] for n in names}
     gc.collect()
     gc.disable()                    # no collector pauses charged to whichever entry triggers them
     for r, utts in enumerate(rounds):
         gc.collect()
         acc = {c: dict.fromkeys(names, 0.0) for c in clocks}
-        new = {c: dict.fromkeys(UNITS, 0.0) for c in clocks}
+        new = {c: dict.fromkeys(unit_names, 0.0) for c in clocks}
         audio = dict.fromkeys(names, 0.0)
         before = {n: dict(getattr(entries[n], "counts", {})) for n in names}
         for i, (info0, wav0) in enumerate(utts):
@@ -367,7 +394,7 @@ def main(argv=None):
         for n in names:
             for c in clocks:
                 rate[c][n].append(acc[c][n] / audio[n])
-                if n in UNITS:
+                if n in unit_names:
                     rate[c][n + "_new"].append(new[c][n] / audio[n])
             after = getattr(entries[n], "counts", {})
             counts[n].append({k: v - before[n].get(k, 0) for k, v in after.items()})
@@ -385,20 +412,23 @@ def main(argv=None):
         t = rate[clock]
         units[clock] = {u: dict(s_per_audio_s=statistics.median(t[u]), rounds=t[u],
                                 new_length_s_per_audio_s=statistics.median(t[u + "_new"]),
-                                new_length_rounds=t[u + "_new"]) for u in UNITS}
+                                new_length_rounds=t[u + "_new"]) for u in unit_names}
         pass_t = {}
         for m in methods:
             c = per_utt[m]
             # a forward without a backward (non-finite loss) costs about a no-grad forward;
             # the first pass of an utterance meets a new length (S in the module docstring)
-            first = "unit_fb" if c["adapt_backward"] >= 1 else "unit_f"
+            # a train-mode method's adaptation passes are costed at the train-mode unit
+            fb_unit = TRAIN_UNIT if train_mode[m] else "unit_fb"
+            first = fb_unit if c["adapt_backward"] >= 1 else "unit_f"
             pass_t[m] = [c["adapt_backward"] * fb + (c["adapt_forward"] - c["adapt_backward"]
                          + c["infer_forward"] + c["aux_forward"]) * f + (new - seen)
-                         for fb, f, new, seen in zip(t["unit_fb"], t["unit_f"], t[first + "_new"],
+                         for fb, f, new, seen in zip(t[fb_unit], t["unit_f"], t[first + "_new"],
                                                      t[first])]
         for m in methods:
             over = [w - p for w, p in zip(t[m], pass_t[m])]
             r = dict(s_per_audio_s=statistics.median(t[m]), rounds=t[m], pass_s_per_audio_s=pass_t[m],
+                     train_mode=train_mode[m],
                      overhead_s_per_audio_s=statistics.median(over),
                      overhead_frac=statistics.median(o / w for o, w in zip(over, t[m])))
             if "suta" in methods:
@@ -415,6 +445,11 @@ def main(argv=None):
         print(f"\n{title}; unit costs per audio second (median): forward+loss+backward "
               f"{fb:.4f} s, no-grad forward {f:.4f} s (ratio {fb / f:.2f}); on a new length "
               f"{fbn:.4f} s and {fn:.4f} s")
+        if TRAIN_UNIT in u:
+            ft, ftn = u[TRAIN_UNIT]["s_per_audio_s"], u[TRAIN_UNIT]["new_length_s_per_audio_s"]
+            print(f"train mode (dropout, LayerDrop, SpecAugment): forward+loss+backward {ft:.4f} s "
+                  f"({ft / fb:.2f} x eval), on a new length {ftn:.4f} s; methods marked (train) "
+                  f"are costed with it")
         hdr = (f"{'method':<16}{'s/audio s':>10}{'fwd+bwd':>9}{'infer':>7}{'aux':>6}"
                f"{'ratio':>8}{'pass ratio':>11}{'overhead s/aud s':>18}{'overhead %':>11}")
         print(hdr)
@@ -425,7 +460,8 @@ def main(argv=None):
                 f"{c['adapt_forward']:.1f}/{c['adapt_backward']:.1f}"
             ratio = f"{r['ratio_to_suta']:.3f}" if "ratio_to_suta" in r else "-"
             pratio = f"{r['pass_ratio_to_suta']:.3f}" if "pass_ratio_to_suta" in r else "-"
-            print(f"{m:<16}{r['s_per_audio_s']:>10.4f}{fbs:>9}{c['infer_forward']:>7.1f}"
+            label = f"{m} (train)" if r["train_mode"] else m
+            print(f"{label:<16}{r['s_per_audio_s']:>10.4f}{fbs:>9}{c['infer_forward']:>7.1f}"
                   f"{c['aux_forward']:>6.1f}{ratio:>8}{pratio:>11}"
                   f"{r['overhead_s_per_audio_s']:>18.4f}{100 * r['overhead_frac']:>10.1f}%")
     print("passes per utterance; ratio = time / SUTA's time (median over rounds); pass ratio = "

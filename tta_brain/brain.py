@@ -29,6 +29,7 @@ from tta_brain.summary import summarise
 logger = logging.getLogger(__name__)
 
 TRIM_EVERY = 25      # utterances between returns of freed heap memory to the OS
+PREFETCH = 2         # rows read ahead by a background thread while one adapts (0: none)
 
 
 class TTABrain(sb.Brain):
@@ -84,8 +85,10 @@ class TTABrain(sb.Brain):
         show = not self.noprogressbar if progressbar is None else progressbar
         bar = tqdm(total=len(rows), initial=cursor, disable=not show, dynamic_ncols=True,
                    desc=self.tag)
+        # the next rows are read (audio decoded and checked) while this one adapts, from the cursor
+        utts = loader.prefetch(cursor, PREFETCH)
         try:
-            for utt in loader.iterate(cursor):
+            for utt in utts:
                 self._decode(utt, writer, rows, loader.sr)
                 writer.flush()                      # a crash loses nothing written so far
                 self.state.cursor = done = utt.index + 1
@@ -101,6 +104,7 @@ class TTABrain(sb.Brain):
             if self.checkpointer is not None:
                 checkpoint.save(self.checkpointer, self.state, writer)
         finally:
+            utts.close()                            # stops and joins the prefetch thread
             bar.close()
             writer.close()
         return summarise(self.out, rows, self.state, self.method, self.tag,

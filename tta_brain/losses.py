@@ -6,8 +6,9 @@ batch loss. Definitions follow the SUTA / SGEM papers and the official code (see
 "Deviations"):
 
 * ``entropy_loss``: mean Shannon entropy of the tempered posteriors over **non-blank** frames
-  (argmax of the raw logits != blank). An utterance whose frames are all blank gets 0 (the
-  official SUTA code returns NaN there).
+  (argmax of the raw logits != blank). An utterance whose frames are all blank gets 0, as in the
+  paper's code (hhhaaahhhaa/Dynamic-SUTA sets the term to 0 and flags a collapse; only the
+  original SUTA repository averages over no frames and returns NaN).
 * ``mcc_loss``: minimum class confusion over all valid frames with the entropy re-weighting trick;
   the confusion matrix is row-normalised and the off-diagonal mass divided by V.
 * ``suta_loss = alpha * entropy + (1 - alpha) * mcc`` with alpha 0.3 and temperature 2.5.

@@ -17,19 +17,41 @@ Selectors (a parameter belongs to the first group that selects it):
 * ``all``: every parameter
 * ``regex:<pattern>``: parameter names matching a regular expression
 
-The official SUTA/DSUTA code puts the CNN tensors into the optimiser several times (conv weights
-and GroupNorm 4x, feature projection 2x), which gives them several Adam updates per step; an
-``lr_mult`` per group approximates that (see README, "Deviations").
+How the optimiser sees the selection is one more entry of the list, ``{param_collection: X}``
+(the packaged yamls set it from the top-level key ``param_collection``):
+
+* ``clean`` (default): every selected tensor once.
+* ``official``: the optimiser list of the paper's code (``SUTASystem.collect_params`` in
+  hhhaaahhhaa/Dynamic-SUTA; the original SUTA repository's differs in one point: its LayerNorm
+  rule is unguarded, so there the projection's LayerNorm appears 3x). It walks
+  ``named_modules()`` in order; a ``LayerNorm``'s weight and bias are appended once (guarded by
+  ``requires_grad``), and *every* module at or below the feature encoder or the feature
+  projection appends all of its parameters, recursively and unguarded. A tensor
+  therefore appears once per module on its path from ``feature_extractor`` / ``feature_projection``
+  down to its owner: wav2vec2-base's conv weights and GroupNorm 4x, the projection's Linear and
+  LayerNorm 2x (63 tensors, 94 entries). The repeats are derived from the module tree of any
+  model; selected tensors outside these two rules (``encoder_bias``, ``regex``) enter once.
+  ``tta_brain.optim.RepeatedAdam`` applies such a list exactly as
+  ``torch.optim.AdamW(..., foreach=True)`` over the list with the repeats (what the official code
+  runs on a GPU), without putting a tensor into torch's list twice.
 """
 import logging
 import re
-from typing import Dict, Iterable, List, Sequence, Tuple, Union
+from collections import Counter
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["select_parameters", "param_groups", "describe_selection", "SELECTORS"]
+__all__ = ["select_parameters", "param_groups", "describe_selection", "SELECTORS", "Selection",
+           "COLLECTIONS", "FEATURE_MODULES", "official_entries"]
+
+#: How the optimiser sees the selected tensors (``param_collection``).
+COLLECTIONS = ("clean", "official")
+#: The modules under which the official collection appends every module's parameters again.
+FEATURE_MODULES = ("feature_extractor", "feature_projection")
 
 
 def _in_module(name: str, module_name: str) -> bool:
@@ -68,8 +90,25 @@ def _selector(spec: str):
 GroupSpec = Union[str, Dict]
 
 
+def _collection(groups: Sequence[GroupSpec]) -> Tuple[List[GroupSpec], str]:
+    """The selector groups and the ``{param_collection: ...}`` entry's value (default clean)."""
+    rest, found = [], []
+    for g in groups or ():
+        if isinstance(g, dict) and "param_collection" in g:
+            if set(g) != {"param_collection"} or g["param_collection"] not in COLLECTIONS:
+                raise ValueError(f"Bad adapt_params entry {g}: use {{param_collection: "
+                                 f"{' | '.join(COLLECTIONS)}}}")
+            found.append(g["param_collection"])
+        else:
+            rest.append(g)
+    if len(found) > 1:
+        raise ValueError(f"adapt_params sets param_collection {len(found)} times")
+    return rest, (found[0] if found else "clean")
+
+
 def _assign(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tuple[str, nn.Parameter, float, str]]:
     """``[(name, parameter, lr_mult, selector)]`` in model order (first matching group wins)."""
+    groups, _ = _collection(groups)
     if not groups:
         raise ValueError("adapt_params is empty: select at least one parameter group")
     specs = []
@@ -95,23 +134,125 @@ def _assign(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tuple[str, nn
     return chosen
 
 
-def select_parameters(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tuple[str, nn.Parameter, float]]:
-    """``[(name, parameter, lr_mult)]`` in model order for the given group specs."""
-    return [(n, p, m) for n, p, m, _ in _assign(model, groups)]
+class Selection(list):
+    """The selected ``(name, parameter, lr_mult)`` triples, each tensor once, in model order (what
+    a method adapts, snapshots and restores), plus how its optimiser sees them:
+
+    * ``collection``: ``clean`` or ``official``;
+    * ``order``: indices into the selection, one per entry of the optimiser's list, in the
+      official code's order with its repeats (``clean``: each index once, in model order);
+    * ``repeats``: entries per tensor (aligned with the selection).
+    """
+
+    def __init__(self, items=(), collection: str = "clean", order: Optional[Sequence[int]] = None):
+        super().__init__(items)
+        if collection not in COLLECTIONS:
+            raise ValueError(f"param_collection must be one of {', '.join(COLLECTIONS)}, "
+                             f"not '{collection}'")
+        self.collection = collection
+        self.order = list(range(len(self))) if order is None else list(order)
+        count = Counter(self.order)
+        if sorted(count) != list(range(len(self))):
+            raise ValueError("Selection.order must name every selected tensor at least once")
+        self.repeats = [count[i] for i in range(len(self))]
+
+    def entries(self) -> List[Tuple[str, nn.Parameter, float]]:
+        """The optimiser's list: ``(name, parameter, lr_mult)`` per entry, with the repeats."""
+        return [self[i] for i in self.order]
+
+    def on(self, tensors: Sequence[torch.Tensor]) -> "Selection":
+        """The same selection (names, multipliers, collection, order) over other tensors of the
+        same shapes, e.g. DSUTA's meta-parameters."""
+        tensors = list(tensors)
+        if len(tensors) != len(self):
+            raise ValueError(f"Selection.on: {len(tensors)} tensors for {len(self)} selected")
+        return Selection([(n, t, m) for (n, _, m), t in zip(self, tensors)], self.collection,
+                         self.order)
+
+
+def _under_feature_module(module_name: str) -> bool:
+    return any(part in FEATURE_MODULES for part in module_name.split("."))
+
+
+def official_entries(model: nn.Module, chosen: Sequence[nn.Parameter]) -> List[Tuple[str, nn.Parameter]]:
+    """The official code's optimiser list restricted to the ``chosen`` tensors: ``[(name,
+    parameter)]`` with repeats, in its order. Walking ``named_modules()`` (pre-order):
+
+    1. a ``LayerNorm``'s ``weight`` / ``bias`` are appended if not in the list yet;
+    2. a module at or below ``feature_extractor`` / ``feature_projection`` appends all its
+       parameters (``named_parameters()``, recursive), whether in the list already or not;
+    3. (beyond the official rules) a chosen tensor of another module, not in the list yet, is
+       appended once at its owning module.
+
+    For the CTC models of ``transformers`` (``<base>.feature_extractor...``) rule 2 is the
+    official ``name.split('.')[1] in (feature_extractor, feature_projection)``.
+    """
+    want = {id(p) for p in chosen}
+    out, seen = [], set()
+
+    def add(name, p):
+        out.append((name, p))
+        seen.add(id(p))
+
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(mod, nn.LayerNorm):
+            for pn, p in mod.named_parameters():
+                if pn in ("weight", "bias") and id(p) in want and id(p) not in seen:
+                    add(prefix + pn, p)
+        if _under_feature_module(mod_name):
+            for pn, p in mod.named_parameters():
+                if id(p) in want:
+                    add(prefix + pn, p)
+        elif not isinstance(mod, nn.LayerNorm):
+            for pn, p in mod.named_parameters(recurse=False):
+                if id(p) in want and id(p) not in seen:
+                    add(prefix + pn, p)
+    missing = want - seen
+    if missing:
+        raise ValueError(f"official_entries: {len(missing)} chosen tensors are not parameters "
+                         f"of {type(model).__name__}")
+    return out
+
+
+def select_parameters(model: nn.Module, groups: Sequence[GroupSpec]) -> Selection:
+    """``[(name, parameter, lr_mult)]`` in model order for the given group specs (a
+    :class:`Selection`; an entry ``{param_collection: official}`` sets its optimiser order)."""
+    _, collection = _collection(groups)
+    chosen = Selection([(n, p, m) for n, p, m, _ in _assign(model, groups)])
+    if collection == "clean":
+        return chosen
+    index = {id(p): i for i, (_, p, _) in enumerate(chosen)}
+    order = [index[id(p)] for _, p in official_entries(model, [p for _, p, _ in chosen])]
+    return Selection(chosen, collection, order)
 
 
 def describe_selection(model: nn.Module, groups: Sequence[GroupSpec]) -> str:
-    """What each group selects, for the log: ``layernorm (lr x1): 25 tensors, 0.012M; ...``."""
+    """What each group selects, for the log: ``layernorm (lr x1): 25 tensors, 0.012M; ...``
+    (with the official collection: how many optimiser entries, and the repeats)."""
     by_group: Dict[str, List] = {}
     for _, p, mult, spec in _assign(model, groups):
         by_group.setdefault(f"{spec} (lr x{mult:g})", []).append(p)
-    return "; ".join(f"{g}: {len(ps)} tensors, {sum(p.numel() for p in ps) / 1e6:.3f}M"
+    text = "; ".join(f"{g}: {len(ps)} tensors, {sum(p.numel() for p in ps) / 1e6:.3f}M"
                      for g, ps in by_group.items())
+    sel = select_parameters(model, groups)
+    if sel.collection != "clean":
+        hist = Counter(sel.repeats)
+        text += (f"; param_collection {sel.collection}: {len(sel.order)} optimiser entries for "
+                 f"{len(sel)} tensors (" + ", ".join(f"{hist[k]} x{k}" for k in sorted(hist, reverse=True))
+                 + ")")
+    return text
 
 
 def param_groups(selected: Iterable[Tuple[str, nn.Parameter, float]], lr: float) -> List[Dict]:
-    """Optimiser parameter groups, one per distinct lr multiplier."""
-    by_mult: Dict[float, List] = {}
-    for _, p, mult in selected:
-        by_mult.setdefault(mult, []).append(p)
-    return [{"params": ps, "lr": lr * m} for m, ps in by_mult.items()]
+    """Optimiser parameter groups, one per distinct lr multiplier. With the official collection
+    each group also holds ``repeats`` (entries per tensor, for ``tta_brain.optim.RepeatedAdam``)."""
+    selected = list(selected) if not isinstance(selected, Selection) else selected
+    repeats = getattr(selected, "repeats", None) if getattr(selected, "collection", "clean") != "clean" else None
+    by_mult: Dict[float, Dict] = {}
+    for i, (_, p, mult) in enumerate(selected):
+        g = by_mult.setdefault(mult, {"params": [], "lr": lr * mult})
+        g["params"].append(p)
+        if repeats is not None:
+            g.setdefault("repeats", []).append(repeats[i])
+    return list(by_mult.values())

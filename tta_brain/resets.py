@@ -131,15 +131,27 @@ class DynamicReset(ResetPolicy):
     (mean, sample std) fitted at r + K. Afterwards, at each meta-update the mean LII of the
     utterances since the previous update is tested: z = (mean - mu) / (sigma / sqrt(n)); z >
     ``threshold`` is a detection, ``patience`` consecutive detections reset the model.
+
+    ``lii_count`` says which LII values make the Gaussian: ``paper`` (Algorithm 2: the K - K/2
+    values of r + K/2 < t <= r + K) or ``official`` (the official code collects while
+    r + K/2 <= t < r + K and saves phi_D at t = r + K/2, so r + K/2 < t < r + K: one value
+    fewer; the LII at t = r + K then only counts for detection).
     """
     name = "dynamic"
+    LII_COUNTS = ("paper", "official")
 
-    def __init__(self, K: int = 100, patience: int = 2, threshold: float = 2.0):
-        if K < 4:
-            raise ValueError("dynamic reset: K must be >= 4 (K/2 utterances build phi_D, "
-                             "the other K/2 estimate the LII distribution)")
+    def __init__(self, K: int = 100, patience: int = 2, threshold: float = 2.0,
+                 lii_count: str = "paper"):
+        if lii_count not in self.LII_COUNTS:
+            raise ValueError(f"dynamic reset: lii_count must be one of "
+                             f"{', '.join(self.LII_COUNTS)}, not '{lii_count}'")
+        if K < 4 or (lii_count == "official" and K < 5):
+            raise ValueError(f"dynamic reset: K must be >= {4 if lii_count == 'paper' else 5} "
+                             f"(K/2 utterances build phi_D, the others give at least 2 LII "
+                             f"values for the Gaussian)")
         if patience < 1:
             raise ValueError("dynamic reset: patience must be >= 1")
+        self.lii_count = lii_count
         self.K, self.k = int(K), int(K) // 2
         self.patience, self.threshold = int(patience), float(threshold)
         self.phi_D: Optional[List[torch.Tensor]] = None
@@ -160,7 +172,8 @@ class DynamicReset(ResetPolicy):
         if not math.isfinite(lii):
             logger.warning("dynamic reset: non-finite LII at utterance %d ignored", t)
             return
-        construction = t <= self.last + self.K
+        construction = t < self.last + self.K or (t == self.last + self.K
+                                                  and self.lii_count == "paper")
         if construction:
             self.stats.append(lii)
         self.recent.append(lii)
@@ -214,12 +227,12 @@ RESET_POLICIES = {"none": NoReset, "fixed": FixedReset, "oracle": OracleReset,
 
 
 def make_reset_policy(name: str = "none", every: int = 50, K: int = 100, patience: int = 2,
-                      threshold: float = 2.0) -> ResetPolicy:
+                      threshold: float = 2.0, lii_count: str = "paper") -> ResetPolicy:
     """Build a policy by name (used from yaml: ``reset: dynamic`` + its options)."""
     if name not in RESET_POLICIES:
         raise ValueError(f"Unknown reset policy '{name}'. Valid: {', '.join(RESET_POLICIES)}")
     if name == "fixed":
         return FixedReset(every)
     if name == "dynamic":
-        return DynamicReset(K, patience, threshold)
+        return DynamicReset(K, patience, threshold, lii_count)
     return RESET_POLICIES[name]()

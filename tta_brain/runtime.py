@@ -2,7 +2,9 @@
 backward kernels. One small object, owned by the lobe; methods ask it, they do not configure it.
 
 Only ``precision`` changes the numbers; the other options are exact (tests compare them with the
-plain paths, ``tools/bench_speed.py`` measures them).
+plain paths, ``tools/bench_speed.py`` measures them). ``cuda_device_steps`` and ``cuda_graphs``
+(CUDA only, off by default, unmeasured) run the SUTA family's adaptation steps without host syncs
+(``tta_brain.device_step``), the latter replayed from captured graphs (``tta_brain.graphs``).
 """
 import ctypes
 import ctypes.util
@@ -38,6 +40,27 @@ class Runtime:
         its convolution-backward kernels for every new input length, which on a real stream costs
         about one extra backward per utterance; the native kernels need no per-length set-up.
         Gradients agree to rounding. No effect on GPU.
+    cuda_device_steps : bool
+        CUDA only, off by default, unmeasured: the adaptation steps of methods whose loss runs on
+        the device alone (suta, csuta, dsuta) with the finiteness check on the device and torch's
+        fused AdamW, no host sync inside a step (rounding differs from the eager path's
+        ``foreach`` AdamW). Implied by ``cuda_graphs``.
+    cuda_graphs : bool
+        CUDA only, off by default, unmeasured (see README, "GPU"): capture one adaptation step
+        (forward, loss, backward, device-side finiteness check, fused AdamW update) as a CUDA
+        graph per input length and replay it for the utterance's remaining steps
+        (``tta_brain.graphs``). Only for methods whose loss runs on the device alone (suta, csuta,
+        dsuta) in fp32 without ``compile``; the others run their steps eagerly. The first
+        ``cuda_graph_warmup`` steps of a new length run eagerly (and 3 in all before the first
+        capture); they are real steps, so an utterance still gets N.
+    cuda_graph_cache : int
+        Captured lengths kept (LRU; one shared memory pool; default 1). A stream of distinct
+        lengths captures once per utterance whatever the size; a length seen again while still
+        cached replays without a new capture. Above 1, an older graph may be replayed after newer
+        ones were captured into the same pool, which is safe only because a capture leaves nothing
+        alive in the pool (``tta_brain.graphs``); ``tools/gpu_check.py`` checks it with 4.
+    cuda_graph_warmup : int
+        Eager steps of a new length before it is captured (>= 1).
     """
 
     precision: str = "fp32"
@@ -45,6 +68,10 @@ class Runtime:
     cache_features: str = "auto"
     cpu_native_backward: bool = True
     loss_scale: Optional[float] = None
+    cuda_device_steps: bool = False
+    cuda_graphs: bool = False
+    cuda_graph_cache: int = 1
+    cuda_graph_warmup: int = 1
 
     def __post_init__(self):
         if self.precision in (None, "none", False):     # the older spelling
@@ -58,6 +85,15 @@ class Runtime:
         self.cache_features = mode
         self.compile = bool(self.compile)
         self.cpu_native_backward = bool(self.cpu_native_backward)
+        self.cuda_graphs = bool(self.cuda_graphs)
+        self.cuda_device_steps = bool(self.cuda_device_steps) or self.cuda_graphs
+        self.cuda_graph_cache = int(self.cuda_graph_cache)
+        self.cuda_graph_warmup = int(self.cuda_graph_warmup)
+        if self.cuda_graph_cache < 1:
+            raise ValueError(f"cuda_graph_cache must be >= 1, not {self.cuda_graph_cache}")
+        if self.cuda_graph_warmup < 1:
+            raise ValueError(f"cuda_graph_warmup must be >= 1 (a capture needs an eager step of "
+                             f"its length first), not {self.cuda_graph_warmup}")
         self.dtype = PRECISIONS[self.precision]
         self.scale = float(self.loss_scale if self.loss_scale is not None
                            else 2.0 ** 12 if self.precision == "fp16" else 1.0)
@@ -81,6 +117,30 @@ class Runtime:
         grads = [p.grad for p in params if p.grad is not None]
         if grads and self.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scale)
+        return grads
+
+    def backward_guarded(self, loss: torch.Tensor, params: Sequence[torch.Tensor],
+                         device: torch.device, found_inf: torch.Tensor,
+                         inv_scale: torch.Tensor) -> List[torch.Tensor]:
+        """:meth:`backward` with the finiteness check on the device (no host sync).
+
+        ``found_inf`` (a float32 scalar on the device) is set to 1.0 when the loss or any gradient
+        is not finite, else 0.0; the gradients are unscaled by ``inv_scale`` (``1 / scale``, 1.0 in
+        fp32/bf16) in the same kernel as the check (GradScaler's
+        ``_amp_foreach_non_finite_check_and_unscale_``). Nothing here reads a value on the host,
+        so it can be captured in a CUDA graph.
+        """
+        found_inf.copy_(torch.logical_not(torch.isfinite(loss.detach())))
+        if self.scale != 1.0:
+            loss = loss * self.scale
+        if self.cpu_native_backward and device.type == "cpu":
+            with native_cpu_kernels():
+                loss.backward()
+        else:
+            loss.backward()
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         return grads
 
     def feature_cache(self, lobe, blocker: Optional[str]) -> "FeatureCache":

@@ -1,6 +1,13 @@
 """A stream manifest read for decoding: its rows checked and, in order, each turned into the
 utterance's waveform or the reason to skip it (missing / empty / corrupt audio, NaN or inf
-samples, no transcript, too long, too short for the model, shorter than the manifest says)."""
+samples, no transcript, too long, too short for the model, shorter than the manifest says).
+
+``StreamLoader.prefetch`` reads the next rows in a background thread while the current one is
+decoded (the decode loop's default), so that the device does not wait for the disk between
+utterances; it yields exactly what ``iterate`` yields.
+"""
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -75,6 +82,73 @@ class StreamLoader:
     def iterate(self, start: int = 0) -> Iterator[Utterance]:
         for pos in range(start, len(self.rows)):
             yield self.load(pos)
+
+    def prefetch(self, start: int = 0, depth: int = 2) -> Iterator[Utterance]:
+        """:meth:`iterate` from ``start``, with up to ``depth`` rows read ahead in a background
+        thread (``depth`` 0: no thread). The same utterances in the same order.
+
+        The thread only reads and checks audio on the CPU (no device work, so it cannot disturb a
+        CUDA graph capture of the main thread). An exception raised while reading a row (other
+        than the per-row problems ``load`` turns into a skip reason) is raised again here, at
+        that row, as the synchronous loop would raise it. Closing the generator (or leaving the
+        loop) stops and joins the thread; a thread that dies without handing over its row is an
+        error, never a hang.
+        """
+        if depth <= 0:
+            yield from self.iterate(start)
+            return
+        handoff: "queue.Queue" = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    handoff.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def work():
+            for pos in range(start, len(self.rows)):
+                if stop.is_set():
+                    return
+                try:
+                    item = (pos, self.load(pos), None)
+                except BaseException as e:         # noqa: BLE001 - handed to the consumer
+                    item = (pos, None, e)
+                if not put(item) or item[2] is not None:
+                    return
+
+        thread = threading.Thread(target=work, name=f"tta-prefetch@{start}", daemon=True)
+        thread.start()
+        try:
+            for pos in range(start, len(self.rows)):
+                while True:
+                    try:
+                        got, utt, err = handoff.get(timeout=0.2)
+                        break
+                    except queue.Empty:
+                        if not thread.is_alive() and handoff.empty():
+                            raise RuntimeError(f"the stream prefetch thread stopped before row "
+                                               f"{pos} ({self.rows[pos].get('ID', '')}) without "
+                                               f"an error") from None
+                if got != pos:                      # cannot happen: one producer, in order
+                    raise RuntimeError(f"stream prefetch: row {got} arrived for row {pos}")
+                if err is not None:
+                    if hasattr(err, "add_note"):
+                        err.add_note(f"(raised while reading stream row {pos}, ID "
+                                     f"{self.rows[pos].get('ID', '')!r}, in the prefetch thread)")
+                    raise err
+                yield utt
+        finally:
+            stop.set()
+            while True:                             # unblock a producer waiting on a full queue
+                try:
+                    handoff.get_nowait()
+                except queue.Empty:
+                    break
+            thread.join(timeout=10)
 
     def load(self, pos: int) -> Utterance:
         row = self.rows[pos]

@@ -246,7 +246,14 @@ class HFCTCLobe(nn.Module):
         """Greedy CTC decoding of ``[B, F, V]`` (or ``[F, V]``) logits to strings."""
         if logits.dim() == 2:
             logits = logits[None]
-        return [self.labels_to_text(collapse(p, self.blank_id)) for p in logits.argmax(-1).cpu()]
+        return self.decode_labels(logits.argmax(-1).cpu())
+
+    def decode_labels(self, labels: torch.Tensor) -> List[str]:
+        """Greedy CTC decoding of frame labels ``[B, F]`` (or ``[F]``) already on the host (the
+        argmax of the logits; the device path copies them with its step counters)."""
+        if labels.dim() == 1:
+            labels = labels[None]
+        return [self.labels_to_text(collapse(p, self.blank_id)) for p in labels]
 
     def text_to_labels(self, text: str) -> List[int]:
         """Text -> label ids of the tokenizer (for pseudo-label checks and tests)."""

@@ -18,18 +18,18 @@ Per utterance x_t (t counted from 1) the skeleton runs::
 import logging
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from tta_brain import losses
-from tta_brain.params import describe_selection, param_groups, select_parameters
+from tta_brain import device_step, losses
+from tta_brain.optim import build_optimizer
+from tta_brain.params import describe_selection, select_parameters
 from tta_brain.state import restore, snapshot, zero_optimizer_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TTAMethod", "UttInfo", "Event", "build_optimizer", "DEFAULT_PARAMS"]
+__all__ = ["TTAMethod", "UttInfo", "Event", "DEFAULT_PARAMS"]
 
 DEFAULT_PARAMS = ({"select": "layernorm"}, {"select": "cnn"})
 
@@ -52,23 +52,6 @@ class Event:
     position: int
     reason: str = ""
     value: float = float("nan")
-
-
-def build_optimizer(factory: Optional[Callable], selected, lr: float):
-    """``factory(param_groups)`` (default AdamW, no weight decay); an Adam/AdamW built with
-    ``foreach=None`` runs its ``foreach`` implementation (PyTorch's GPU default; on CPU the same
-    numbers as the per-tensor loop, with less Python overhead)."""
-    if not selected:
-        return None
-    opt = (factory or partial(torch.optim.AdamW, weight_decay=0.0))(param_groups(selected, lr))
-    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        for group in opt.param_groups:
-            if (group.get("foreach") is None and not group.get("fused")
-                    and not group.get("differentiable")):
-                group["foreach"] = True
-        if opt.defaults.get("foreach") is None and not opt.defaults.get("fused"):
-            opt.defaults["foreach"] = True
-    return opt
 
 
 class TTAMethod:
@@ -181,8 +164,16 @@ class TTAMethod:
 
         ``after_backward()`` runs between backward and the optimiser step (DSUTA keeps the
         first-step gradient there). Returns the loss value (float, may be nan).
+
+        With ``Runtime.cuda_graphs`` on CUDA, a method whose loss runs on the device alone takes
+        the device path instead (``tta_brain.device_step``): the same step with the check on the
+        device and no host sync (skipped steps are counted by ``predict``), eager or replayed from
+        a captured graph; it returns the loss as a 0-d device tensor.
         """
         optimizer = optimizer or self.optimizer
+        device_steps = device_step.steps_for(self, optimizer)
+        if device_steps is not None:
+            return device_steps.step(x, optimizer, loss_fn, after_backward)
         optimizer.zero_grad(set_to_none=False)
         if self.train_mode:
             self.net.train()
@@ -201,17 +192,51 @@ class TTAMethod:
         optimizer.step()
         return value
 
-    def _skip(self, why: str) -> float:
+    def _skip(self, why: str, clear_grads: bool = True) -> float:
         self.counts["skipped_steps"] += 1
-        for p in self.params:
+        for p in self.params if clear_grads else ():
             p.grad = None
         logger.warning("%s: utterance %d: %s, adaptation step skipped", self.name, self.t, why)
         self.events.append(Event("skip", self.t, why))
         return float("nan")
 
+    # ------------------------------------------------------------- the device path (CUDA)
+    #: Does the adaptation loss run on the device alone (no host work inside a step)? None:
+    #: decided by ``tta_brain.device_step.blocker`` (the SUTA loss and the skeleton's steps).
+    device_loss: Optional[bool] = None
+
+    def device_step_blocker(self) -> Optional[str]:
+        """Why this method's steps cannot take the device path (None: they can)."""
+        return device_step.blocker(self, TTAMethod)
+
+    def _device_optimizer_names(self) -> List[str]:
+        """Optimisers besides ``optimizer`` that the device path runs fused (DSUTA: the slow one,
+        whose state is copied into the fast one every utterance)."""
+        return []
+
+    def after_backward_skipped(self, n: int) -> None:
+        """Device path: ``n`` of this utterance's steps that ran an ``after_backward`` hook were
+        skipped (non-finite); the hook saw zero gradients there. Undo what it counted (DSUTA)."""
+
+    def release_graphs(self) -> None:
+        """Free the captured CUDA graphs (they are captured again when needed)."""
+        steps = self.__dict__.get("_device_steps")
+        if steps:
+            steps.release()
+
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> str:
         logits = self.forward(x, "infer_forward")
+        steps = self.__dict__.get("_device_steps")
+        if steps and steps.flags.pending:
+            # the device path: the transcript's labels and the step counters in one copy
+            labels, counts = steps.flags.fetch(logits.argmax(-1))
+            reasons, hooked = device_step.skipped(counts)
+            for why in reasons:
+                self._skip(why, clear_grads=False)
+            if hooked:
+                self.after_backward_skipped(hooked)
+            return self.lobe.decode_labels(labels)[0]
         return self.lobe.decode(logits)[0]
 
     @torch.no_grad()

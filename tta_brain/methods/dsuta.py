@@ -14,14 +14,17 @@ the mean gradient; same result (bit-identical on CPU), M more passes per update.
 
 ``slow_lr`` (default: ``lr``, as the paper) gives the slow learner its own learning rate.
 The fast optimiser starts each utterance from the slow optimiser's moments (as the official code
-does; ``fast_moments: zero`` starts from fresh moments instead).
+does; ``fast_moments: zero`` starts from fresh moments instead). With ``param_collection:
+official`` both optimisers see the official code's list (CNN tensors repeated, see
+``tta_brain.params``) and the inherited moments are those of the repeated updates, as there.
 """
 from typing import Callable, Optional
 
 import torch
 
-from tta_brain.methods.base import TTAMethod, build_optimizer
+from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
+from tta_brain.optim import build_optimizer
 from tta_brain.state import copy_optimizer_state, restore, snapshot, zero_optimizer_state
 
 
@@ -44,7 +47,9 @@ class DSUTA(TTAMethod):
         self.fast_moments = fast_moments
         # slow (meta) parameters phi_t: plain leaf tensors with their own optimiser
         self.meta = [torch.nn.Parameter(t, requires_grad=False) for t in snapshot(self.params)]
-        meta_sel = [(n, m, mult) for (n, _, mult), m in zip(self.selected, self.meta)]
+        # the same selection over phi_t (with param_collection: official, the same repeats)
+        meta_sel = (self.selected.on(self.meta) if hasattr(self.selected, "on") else
+                    [(n, m, mult) for (n, _, mult), m in zip(self.selected, self.meta)])
         # the paper uses one lr for both learners; slow_lr sets the slow learner's on its own
         self.slow_lr = self.lr if slow_lr is None else float(slow_lr)
         self.slow_optimizer = build_optimizer(slow_optimizer, meta_sel, self.slow_lr)
@@ -82,6 +87,20 @@ class DSUTA(TTAMethod):
 
     def update_due(self):
         return self.n_buffered >= self.M
+
+    # ------------------------------------------------------- the device path (CUDA)
+    # The SUTA loss on the device: on CUDA the fast steps take the device path (tta_brain.graphs);
+    # the first step (with _accumulate) runs eagerly, the others may be replayed from a graph.
+    device_loss = True
+
+    def _device_optimizer_names(self):
+        # the slow optimiser's state is copied into the fast one every utterance: both keep their
+        # step counts on the device, so that copy stays a device-to-device copy in place
+        return ["slow_optimizer"]
+
+    def after_backward_skipped(self, n):
+        # a skipped first step added zero gradients to grad_sum; it must not count either
+        self.n_grads -= n
 
     def _slow_gradient_only(self, x):
         """grad L(live params, x) into the buffer sum by one forward/backward, no update (skipped

@@ -1,0 +1,569 @@
+"""The device path of the adaptation steps (``tta_brain.graphs``): what a CPU can check, and the
+CUDA checks (skipped without a GPU).
+
+On CPU the skeleton keeps its host path, untouched (tests/test_methods.py and
+tests/test_speed_paths.py check its numbers; here: that it is taken). The device path itself is
+device-agnostic, so it is exercised on CPU tensors (``_force_device_steps``): its results against
+the host path, its device-side guard on non-finite losses and gradients (parameters, moments and
+step counts unchanged; skipped steps counted once per utterance), and the graph bookkeeping
+with a fake graph backend that records the step at "capture" and re-executes it on "replay" (so
+a stale static buffer or a wrongly counted warm-up changes the numbers). ``tools/gpu_check.py``'s
+CPU-only parts (arguments, the one-line refusal without CUDA) are checked too.
+
+With CUDA: graph replay gives the same transcripts as eager execution for 20 utterances of each
+graph-capable method, no step synchronises with the host, and graph memory does not grow.
+"""
+import copy
+import json
+import logging
+import math
+import os
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from tta_brain import device_step, graphs
+from tta_brain.lobes.hf_ctc import HFCTCLobe
+from tta_brain.methods import UttInfo, build_method
+from tta_brain.resets import make_reset_policy
+from tta_brain.runtime import Runtime
+from tta_brain.state import snapshot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA = torch.cuda.is_available()
+GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
+
+
+# ------------------------------------------------------------------------------ helpers
+class FakeGraph:
+    def __init__(self, body, pool, backend):
+        self.body, self._pool, self.backend = body, pool, backend
+
+    def replay(self):
+        self.body()
+
+    def pool(self):
+        return self._pool
+
+    def release(self):
+        self.backend.released += 1
+        self.body = None
+
+
+class FakeBackend:
+    """Capture records the step (without running it, as CUDA capture); replay runs it."""
+
+    def __init__(self, fail=False):
+        self.captures = self.released = 0
+        self.pools = []
+        self.fail = fail
+
+    def side(self):
+        return nullcontext()
+
+    def capture(self, body, pool=None):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captures += 1
+        self.pools.append(pool)
+        return FakeGraph(body, pool if pool is not None else object(), self)
+
+
+def build(model_dir, name, mode="host", device="cpu", backend=None, runtime=None, **kw):
+    """``mode``: host (the CPU path), device (the device path forced on CPU tensors), graph
+    (device path + cuda_graphs with ``backend``, a FakeBackend by default)."""
+    base, _, reset = name.partition("+")
+    rt = dict(runtime or {})
+    rt.setdefault("cuda_graphs", mode == "graph")
+    rt.setdefault("cuda_device_steps", mode == "device")
+    lobe = HFCTCLobe(model_dir, device=device, runtime=Runtime(**rt))
+    if reset:
+        kw["reset_policy"] = make_reset_policy(reset, K=kw.pop("reset_K", 4), patience=1,
+                                               threshold=-100.0)
+    kw.pop("reset_K", None)
+    kw.setdefault("lr", 1e-2)
+    kw.setdefault("steps", 3 if base != "dsuta" else 3)
+    if base == "dsuta":
+        kw.setdefault("buffer_size", 2)
+    m = build_method(base, model=lobe, **kw)
+    if mode != "host" and device == "cpu":
+        m._force_device_steps = True
+    if mode == "graph" and device == "cpu":
+        m._graph_backend = backend or FakeBackend()
+    return m
+
+
+def stream(utterances, n, lengths=None):
+    """``n`` utterances; ``lengths`` (samples) cycles through a few lengths (cache hits)."""
+    out = []
+    for i in range(n):
+        w = utterances[i % len(utterances)]
+        if lengths:
+            L = lengths[i % len(lengths)]
+            w = w.repeat(L // w.numel() + 1)[:L]
+        out.append((w, UttInfo(id=f"u{i}", position=i, domain=f"d{(i // 4) % 2}", segment=i // 4)))
+    return out
+
+
+def run(m, items):
+    return [m.process(w, info) for w, info in items]
+
+
+def opt_tensors(opt, params):
+    return [v.detach().clone() for p in params for k, v in sorted(opt.state[p].items())
+            if torch.is_tensor(v)]
+
+
+def max_diff(a, b):
+    assert len(a) == len(b)
+    return max((float((x.detach().double().cpu() - y.detach().double().cpu()).abs().max())
+                for x, y in zip(a, b)), default=0.0)
+
+
+def events(m):
+    return ([(e.kind, e.position, e.reason) for e in m.events if e.kind != "lii"],
+            [(e.position, e.reason) for e in m.events if e.kind == "lii"],
+            [e.value for e in m.events if e.kind == "lii"])
+
+
+LENGTHS = [9600, 12800, 8000, 12800, 9600, 11200]          # repeats: graph cache hits
+
+
+# ------------------------------------------------------------------------------ the CPU path
+def test_cpu_keeps_the_host_path(tiny_model_dir, utterances):
+    """On CPU nothing changes: no device path, the optimiser stays foreach, and cuda_graphs has
+    no effect (bit-identical)."""
+    items = stream(utterances, 4)
+    a = build(tiny_model_dir, "dsuta", "host")
+    b = build(tiny_model_dir, "dsuta", "host", runtime={"cuda_graphs": True})
+    ha, hb = run(a, items), run(b, items)
+    assert ha == hb
+    assert max_diff(a.params, b.params) == 0.0 and max_diff(a.meta, b.meta) == 0.0
+    for m in (a, b):
+        assert m.__dict__["_device_steps"] is False
+        assert all(g["foreach"] and not g.get("fused") for g in m.optimizer.param_groups)
+        assert all(not g.get("fused") for g in m.slow_optimizer.param_groups)
+
+
+@pytest.mark.parametrize("name", GRAPH_METHODS)
+def test_device_path_matches_host_path(tiny_model_dir, utterances, name):
+    """The guarded device step (fused AdamW) vs the host path: same transcripts, resets and LII
+    positions; parameters to rounding; the same pass counts."""
+    items = stream(utterances, 8)
+    a, b = build(tiny_model_dir, name, "host"), build(tiny_model_dir, name, "device")
+    ha, hb = run(a, items), run(b, items)
+    assert ha == hb
+    assert max_diff(a.params, b.params) < 1e-5
+    assert a.counts == b.counts
+    ea, eb = events(a), events(b)
+    assert ea[0] == eb[0] and ea[1] == eb[1]
+    assert all(abs(x - y) < 1e-5 for x, y in zip(ea[2], eb[2]))
+    assert all(g["fused"] and g["capturable"] for g in b.optimizer.param_groups)
+    assert all(s["step"].dtype == torch.float32 for s in b.optimizer.state.values())
+    if name.startswith("dsuta"):
+        assert max_diff(a.meta, b.meta) < 1e-5
+        assert a.n_grads == b.n_grads and a.n_buffered == b.n_buffered
+        assert all(g["fused"] for g in b.slow_optimizer.param_groups)
+
+
+# ------------------------------------------------------------------------------ fake graphs
+@pytest.mark.parametrize("adapt", ["layernorm,cnn", "layernorm"])       # feature cache off / on
+@pytest.mark.parametrize("name", GRAPH_METHODS)
+def test_replayed_steps_equal_eager_device_steps(tiny_model_dir, utterances, name, adapt):
+    """Fake capture/replay re-executes the captured step on the static buffers: bit-identical to
+    the eager device path, with the warm-up, capture and cache bookkeeping of the real one."""
+    sel = [{"select": s} for s in adapt.split(",")]
+    items = stream(utterances, 10, LENGTHS)
+    e = build(tiny_model_dir, name, "device", adapt_params=sel)
+    fake = FakeBackend()
+    g = build(tiny_model_dir, name, "graph", backend=fake, adapt_params=sel,
+              runtime={"cuda_graph_cache": 2})
+    he, hg = run(e, items), run(g, items)
+    assert he == hg
+    assert max_diff(e.params, g.params) == 0.0
+    assert max_diff(opt_tensors(e.optimizer, e.params), opt_tensors(g.optimizer, g.params)) == 0.0
+    assert e.counts == g.counts
+    assert events(e) == events(g)
+    steps = g._device_steps
+    assert g.features.enabled == (adapt == "layernorm")
+    assert steps.stats["replays"] > 0 and fake.captures >= 1
+    assert len(steps.cache) <= 2
+    assert steps.stats["eager"] + steps.stats["replays"] == g.counts["adapt_backward"]
+    # every capture after the first shares the pool of the graphs already cached
+    assert all(p is not None for p in fake.pools[1:]) or len(steps.cache) <= 1
+    if name.startswith("dsuta"):
+        assert max_diff(e.meta, g.meta) == 0.0 and e.n_grads == g.n_grads
+
+
+def test_warmup_and_capture_schedule(tiny_model_dir, utterances):
+    """3 eager steps in all before the first capture, then ``cuda_graph_warmup`` per new length,
+    a capture only while >= 2 steps remain, a cached length replays all its steps."""
+    m = build(tiny_model_dir, "suta", "graph", steps=4, runtime={"cuda_graph_warmup": 1})
+    w = utterances[1]                                   # 1.2 s
+    a, b, c = w[:9600].clone(), w[:11200].clone(), w[:11200].clone() * 0.5
+    m.process(a, UttInfo(id="a"))          # 3 eager (first warm-up) + 1 eager (1 step left)
+    st = m._device_steps
+    assert (st.stats["eager"], st.stats["replays"], len(st.cache)) == (4, 0, 0)
+    m.process(b, UttInfo(id="b"))          # new length: 1 eager, capture, 3 replays
+    assert (st.stats["eager"], st.stats["replays"], len(st.cache)) == (5, 3, 1)
+    m.process(c, UttInfo(id="c"))          # the cached length: 4 replays, nothing eager
+    assert (st.stats["eager"], st.stats["replays"]) == (5, 7)
+    assert st.cache.stats["hits"] == 1 and m._graph_backend.captures == 1
+    assert m.counts["adapt_backward"] == 12
+
+
+def test_cached_graph_is_dropped_when_the_state_is_replaced(tiny_model_dir, utterances):
+    """load_state_dict replaces the optimiser state tensors: the captured steps are dropped (the
+    signature check), captured again, and the results stay those of the eager device path."""
+    items = stream(utterances, 6, [9600, 9600, 9600])
+    e, g = build(tiny_model_dir, "csuta", "device"), build(tiny_model_dir, "csuta", "graph")
+    run(e, items[:3])
+    run(g, items[:3])
+    for m in (e, g):
+        m.load_state_dict(copy.deepcopy(m.state_dict()))   # new state tensors, as from a file
+    he, hg = run(e, items[3:]), run(g, items[3:])
+    assert he == hg and max_diff(e.params, g.params) == 0.0
+    assert g._device_steps.cache.stats["clears"] >= 1
+    assert g._graph_backend.released >= 1
+
+
+def test_capture_failure_falls_back_to_eager(tiny_model_dir, utterances, caplog):
+    items = stream(utterances, 4)
+    e = build(tiny_model_dir, "suta", "device")
+    g = build(tiny_model_dir, "suta", "graph", backend=FakeBackend(fail=True))
+    with caplog.at_level(logging.WARNING):
+        he, hg = run(e, items), run(g, items)
+    assert he == hg and max_diff(e.params, g.params) == 0.0 and e.counts == g.counts
+    assert not g._device_steps.graphs
+    assert "capture failed" in caplog.text
+
+
+@pytest.mark.parametrize("runtime,why", [({"precision": "bf16"}, "fp32 only"),
+                                         ({"compile": True}, "compile")])
+def test_graphs_only_in_fp32_without_compile(tiny_model_dir, runtime, why, caplog, monkeypatch):
+    monkeypatch.setattr(HFCTCLobe, "compile_forward", lambda self, **kw: self)
+    with caplog.at_level(logging.WARNING):
+        m = build(tiny_model_dir, "suta", "graph", runtime=runtime)
+        run(m, stream([torch.randn(9600)], 1))
+    assert not m._device_steps.graphs and why in caplog.text
+
+
+def test_methods_with_host_work_keep_the_host_path(tiny_model_dir, utterances, caplog):
+    """sgem, sdpl, awmc: their losses need host work; they keep the eager host path and say so."""
+    for name in ("sgem", "sdpl", "awmc"):
+        m = build(tiny_model_dir, name, "graph", steps=1)
+        assert m.device_step_blocker()
+        with caplog.at_level(logging.INFO):
+            m.process(utterances[0], UttInfo(id="x"))
+        assert m.__dict__["_device_steps"] is False
+        assert not any(g.get("fused") for g in m.optimizer.param_groups)
+    assert "keep the host check" in caplog.text and "cuda_graphs do not apply" in caplog.text
+    for name in ("suta", "csuta", "dsuta"):
+        assert build(tiny_model_dir, name, "graph").device_step_blocker() is None
+    assert build(tiny_model_dir, "source", "graph").device_step_blocker() == "nothing adapts"
+
+
+# ------------------------------------------------------------------------------ the guard
+def _nan_stream(utterances):
+    items = stream(utterances, 5)
+    bad = torch.full_like(items[2][0], float("nan"))
+    items[2] = (bad, items[2][1])
+    return items
+
+
+@pytest.mark.parametrize("mode", ["device", "graph"])
+@pytest.mark.parametrize("name", ["suta", "csuta", "dsuta"])
+def test_nonfinite_loss_is_skipped_on_the_device(tiny_model_dir, utterances, name, mode):
+    """A NaN utterance: every step skipped by the device guard, parameters, moments and step
+    counts left as they were, the skips counted and recorded once per utterance like the host
+    path's."""
+    items = _nan_stream(utterances)
+    h, d = build(tiny_model_dir, name, "host"), build(tiny_model_dir, name, mode)
+    run(h, items[:2])
+    run(d, items[:2])
+    before = snapshot(d.params), opt_tensors(d.optimizer, d.params)
+    d.events.clear()
+    h.events.clear()
+    hh, hd = [h.process(*items[2])], [d.process(*items[2])]
+    if name == "csuta":                 # continual: exactly the state before the utterance
+        assert max_diff(before[0], d.params) == 0.0
+        assert max_diff(before[1], opt_tensors(d.optimizer, d.params)) == 0.0
+    elif name == "suta":                # episodic: the source model, fresh moments, step 0
+        assert max_diff(d.source, d.params) == 0.0
+        assert all(float(t.abs().max()) == 0 for t in opt_tensors(d.optimizer, d.params))
+    else:                               # dsuta: the fast weights stayed phi_t
+        assert max_diff(d.meta, d.params) == 0.0
+    steps = [e for e in d.events if e.kind == "skip"]
+    assert len(steps) == d.steps == len([e for e in h.events if e.kind == "skip"])
+    assert all(e.reason == "non-finite loss" and e.position == 2 for e in steps)
+    hh += run(h, items[3:])
+    hd += run(d, items[3:])
+    assert hh == hd
+    # the device path cannot know before the backward that the loss is not finite: it runs it
+    # (and counts it) and skips the update; the host path skips the backward too
+    assert d.counts == dict(h.counts, adapt_backward=h.counts["adapt_backward"] + d.steps)
+    assert max_diff(h.params, d.params) < 1e-5
+    if name == "dsuta":
+        assert h.n_grads == d.n_grads and max_diff(h.grad_sum, d.grad_sum) < 1e-5
+        assert max_diff(h.meta, d.meta) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["device", "graph"])
+@pytest.mark.parametrize("name", ["suta", "dsuta"])
+def test_nonfinite_gradient_is_skipped_on_the_device(tiny_model_dir, utterances, name, mode):
+    """An inf gradient (finite loss) in utterance 1: its steps are skipped as "non-finite
+    gradient"; DSUTA's first-step gradient is not accumulated (zeros, and not counted)."""
+    items = stream(utterances, 4)
+    h, d = build(tiny_model_dir, name, "host"), build(tiny_model_dir, name, mode)
+    for m in (h, d):
+        flag = {"on": False}
+        m.params[0].register_hook(lambda g, f=flag: torch.full_like(g, math.inf) if f["on"] else g)
+        m._flag = flag
+    for i, (w, info) in enumerate(items):
+        for m in (h, d):
+            m._flag["on"] = i == 1
+            m.process(w, info)
+        if name == "dsuta":
+            assert h.n_grads == d.n_grads and max_diff(h.grad_sum, d.grad_sum) < 1e-5
+    skips = [(e.position, e.reason) for e in d.events if e.kind == "skip"]
+    assert skips == [(1, "non-finite gradient")] * d.steps
+    assert skips == [(e.position, e.reason) for e in h.events if e.kind == "skip"]
+    assert h.counts == d.counts
+    assert max_diff(h.params, d.params) < 1e-5
+
+
+def test_fused_step_with_found_inf_leaves_the_optimiser_unchanged():
+    """What the guard relies on: the fused AdamW step skips the update and restores the step
+    count when found_inf is 1 (torch 2.11)."""
+    p = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2, 3))]
+    opt = torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01, foreach=True)
+    for q in p:
+        q.grad = torch.randn_like(q)
+    opt.step()                                        # foreach state: step on the host
+    assert device_step.device_optimizer_blocker(opt) is None
+    device_step.to_device_optimizer(opt)
+    assert device_step.is_device_optimizer(opt)
+    found = torch.ones(())
+    before = snapshot(p), opt_tensors(opt, p)
+    opt.found_inf = found
+    opt.step()
+    assert max_diff(before[0], p) == 0.0 and max_diff(before[1], opt_tensors(opt, p)) == 0.0
+    assert float(opt.state[p[0]]["step"]) == 1.0
+    found.zero_()
+    opt.step()
+    assert float(opt.state[p[0]]["step"]) == 2.0 and max_diff(before[0], p) > 0
+
+
+def test_device_optimizer_blocker():
+    from tta_brain.optim import RepeatedAdam
+    p = [torch.nn.Parameter(torch.randn(3))]
+    assert "SGD" in device_step.device_optimizer_blocker(torch.optim.SGD(p, lr=0.1))
+    assert "RepeatedAdam" in device_step.device_optimizer_blocker(
+        RepeatedAdam([{"params": p, "lr": 0.1}], lr=0.1))
+    assert device_step.device_optimizer_blocker(torch.optim.Adam(p, lr=0.1)) is None
+    assert device_step.device_optimizer_blocker(None) == "no optimiser"
+
+
+def test_step_flags_count_and_fetch_once():
+    f = device_step.StepFlags("cpu", scale=4.0)
+    assert float(f.inv_scale) == 0.25
+    f.note_loss(torch.tensor(float("nan")))
+    f.found.fill_(1.0)
+    f.note_step(hooked=True)
+    f.note_loss(torch.tensor(1.0))
+    f.found.fill_(1.0)
+    f.note_step(hooked=False)
+    f.note_loss(torch.tensor(2.0))
+    f.found.fill_(0.0)
+    f.note_step(hooked=False)
+    f.pending = True
+    labels, counts = f.fetch(torch.tensor([[3, 0, 5]]))
+    assert labels.tolist() == [[3, 0, 5]] and counts == [2, 1, 1]
+    assert not f.pending and f.acct.abs().sum() == 0 and float(f.loss) == 2.0
+    assert f.fetch()[1] == [0, 0, 0]
+
+
+class FakeEntry:
+    def __init__(self, name, log, pool=None):
+        self.name, self.log, self._pool = name, log, pool
+
+    def release(self):
+        self.log.append(self.name)
+
+    def pool(self):
+        return self._pool
+
+
+def test_graph_cache_lru_bookkeeping():
+    log = []
+    c = graphs.GraphCache(capacity=2)
+    assert c.pool() is None
+    c.put("a", FakeEntry("a", log, pool="P"))
+    c.put("b", FakeEntry("b", log, pool="P"))
+    assert c.get("a").name == "a"                       # a is now the most recent
+    c.put("c", FakeEntry("c", log, pool="P"))           # evicts b
+    assert log == ["b"] and c.keys() == ["a", "c"] and c.pool() == "P"
+    assert c.get("b") is None
+    c.put("a", FakeEntry("a2", log))                    # replaced: the old one is released
+    assert log == ["b", "a"] and c.keys() == ["c", "a"]
+    c.discard("c")
+    assert log == ["b", "a", "c"] and len(c) == 1
+    c.clear()
+    assert log == ["b", "a", "c", "a2"] and len(c) == 0
+    assert c.stats == {"captures": 4, "hits": 1, "evictions": 1, "clears": 1}
+    with pytest.raises(ValueError):
+        graphs.GraphCache(0)
+
+
+def test_captured_step_loads_its_input_once_per_utterance():
+    e = graphs.CapturedStep("k", torch.zeros(4), False, None)
+    x, y = torch.ones(4), torch.full((4,), 2.0)
+    e.load(x)
+    e.static.fill_(7.0)                  # a replay may not be reloaded from the same tensor
+    e.load(x)
+    assert e.static.tolist() == [7.0] * 4
+    e.load(y)
+    assert e.static.tolist() == [2.0] * 4
+    e.release()
+    assert e.static is None and e.graph is None
+
+
+def test_runtime_options_and_run_block():
+    from tta_brain import hparams
+    rt = Runtime()
+    assert (rt.cuda_graphs, rt.cuda_graph_cache, rt.cuda_graph_warmup) == (False, 1, 1)
+    with pytest.raises(ValueError, match="cuda_graph_cache"):
+        Runtime(cuda_graph_cache=0)
+    with pytest.raises(ValueError, match="cuda_graph_warmup"):
+        Runtime(cuda_graph_warmup=0)
+    keys = {k: v for k, v, _ in hparams.describe("suta")}
+    assert keys["cuda_graphs"] == "false" and keys["cuda_graph_cache"] == "1"
+
+
+def test_decode_labels_equals_decode(tiny_lobe):
+    logits = torch.randn(2, 30, tiny_lobe.vocab_size)
+    assert tiny_lobe.decode_labels(logits.argmax(-1)) == tiny_lobe.decode(logits)
+    assert tiny_lobe.decode_labels(logits[0].argmax(-1)) == tiny_lobe.decode(logits[0])
+
+
+# ------------------------------------------------------------------------------ tools
+def _gpu_check():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gpu_check
+    return gpu_check
+
+
+def test_gpu_check_arguments():
+    gc = _gpu_check()
+    a = gc.parse_args(["--out", "/tmp/x", "--sections", "step,bench"])
+    assert a.sections == ["step", "bench"] and a.device == "cuda:0" and a.budget_s == 450
+    for bad in ([], ["--out", "x", "--sections", "nope"], ["--out", "x", "--device", "cpu"]):
+        with pytest.raises(SystemExit) as e:
+            gc.parse_args(bad)
+        assert e.value.code == 2
+    assert "memory" not in gc.parse_args(["--out", "x", "--cpu_smoke"]).sections
+    assert "pip install --no-index --no-deps --target .site .whl/*.whl" in gc.__doc__
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal without CUDA")
+def test_gpu_check_refuses_without_cuda_in_one_line(tmp_path, capsys):
+    gc = _gpu_check()
+    assert gc.main(["--out", str(tmp_path / "o")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1
+    assert "no CUDA device" in out.err
+    assert not (tmp_path / "o").exists()
+
+
+def test_gpu_check_sections_run_on_cpu(tmp_path):
+    """The script's own plumbing (tiny model, CPU: the device path is not taken, no figures)."""
+    gc = _gpu_check()
+    assert gc.main(["--out", str(tmp_path), "--cpu_smoke", "--sections", "transcripts,step"]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["status"] == {"transcripts": "done", "step": "done"}
+    assert "earlier H200 measurement" in (tmp_path / "gpu_check.txt").read_text()
+
+
+def test_bench_speed_has_the_cuda_graphs_option():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_speed
+    assert bench_speed.parse_args(["--cuda_graphs"]).cuda_graphs is True
+    assert bench_speed.parse_args([]).cuda_graphs is False
+
+
+# ------------------------------------------------------------------------------ CUDA
+cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture
+def cuda_determinism():
+    prev = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev
+
+
+@cuda
+@pytest.mark.parametrize("cache", [1, 4])
+@pytest.mark.parametrize("name", GRAPH_METHODS)
+def test_cuda_graph_replay_gives_eager_transcripts(tiny_model_dir, utterances, name, cache,
+                                                    cuda_determinism):
+    """20 utterances (lengths repeating: captures, hits, evictions; with 4 cached graphs older
+    graphs replay after newer ones were captured into the shared pool): captured == eager."""
+    items = stream(utterances, 20, [8000, 9600, 11200, 12800, 14400, 9600])
+    kw = dict(steps=3) if name == "csuta" else {}
+    e = build(tiny_model_dir, name, "device", device="cuda", **kw)
+    g = build(tiny_model_dir, name, "graph", device="cuda", runtime={"cuda_graph_cache": cache},
+              **kw)
+    he, hg = run(e, items), run(g, items)
+    assert he == hg
+    assert max_diff(e.params, g.params) < 1e-5
+    assert e.counts == g.counts
+    st = g._device_steps
+    assert st.graphs and st.stats["replays"] > 0 and st.cache.stats["captures"] >= 1
+    assert len(st.cache) <= g.runtime.cuda_graph_cache
+    assert e._device_steps and not e._device_steps.graphs
+
+
+@cuda
+@pytest.mark.parametrize("graphs_on", [False, True])
+def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on):
+    """No host synchronisation inside a step (eager device steps and replays): the sync debug
+    mode raises on one."""
+    m = build(tiny_model_dir, "suta", "graph" if graphs_on else "device", device="cuda", steps=6)
+    run(m, stream(utterances, 2))                      # first-time set-up outside the check
+    x = m.lobe.prepare(utterances[3])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.enable_grad():
+            for _ in range(6):
+                m.adapt_step(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    m.predict(x)
+    assert not m._device_steps.flags.pending
+    if graphs_on:
+        assert m._device_steps.stats["replays"] > 0
+
+
+@cuda
+def test_cuda_graph_memory_does_not_grow(tiny_model_dir):
+    """Distinct lengths: one capture per utterance into the shared pool; memory stays flat."""
+    g = torch.Generator().manual_seed(0)
+    m = build(tiny_model_dir, "dsuta", "graph", device="cuda", steps=4,
+              runtime={"cuda_graph_cache": 2})
+    marks = []
+    for i in range(40):
+        w = 0.3 * torch.randn(8000 + 37 * i, generator=g)
+        m.process(w, UttInfo(id=f"m{i}", position=i))
+        if i in (9, 39):
+            torch.cuda.synchronize()
+            marks.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+    assert m._device_steps.cache.stats["evictions"] > 0
+    assert marks[1][0] - marks[0][0] < 8 * 2 ** 20
+    assert marks[1][1] - marks[0][1] < 64 * 2 ** 20
+    m.release_graphs()
+    assert len(m._device_steps.cache) == 0

@@ -1,0 +1,144 @@
+"""StreamLoader.prefetch: the decode loop's background reader.
+
+It yields exactly what ``iterate`` yields (good rows and every kind of skip reason), from any
+start row (a resumed run), reads ahead while the consumer works, re-raises a reading error at its
+row, stops its thread when the consumer stops, and never hangs when the thread dies. The decode
+loop with prefetching writes the same records as without (tests/test_brain.py's resume tests run
+with it too).
+"""
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fake_corpora import write_stream
+from tta_brain import brain, decode
+from tta_brain.data import loader as loader_mod
+from tta_brain.data.loader import StreamLoader, load_stream
+
+
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("tta-prefetch") and t.is_alive()]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    root = write_stream(tmp_path_factory.mktemp("stream"), n=10)
+    rows = load_stream(root / "stream.csv", str(root))
+    rows[3]["wav"] = str(root / "wav" / "missing.wav")          # file not found
+    rows[5]["wrd"] = ""                                          # empty transcript
+    rows[7]["duration"] = "99"                                   # longer than max_duration
+    return rows
+
+
+def same(a, b):
+    assert (a.index, a.position, a.reason, a.duration, a.id) == \
+           (b.index, b.position, b.reason, b.duration, b.id)
+    assert (a.wav is None) == (b.wav is None)
+    if a.wav is not None:
+        assert torch.equal(a.wav, b.wav)
+
+
+@pytest.mark.parametrize("start", [0, 4, 9, 10])
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_prefetch_yields_what_iterate_yields(rows, start, depth):
+    ld = StreamLoader(rows, max_duration=20.0)
+    ref = list(ld.iterate(start))
+    got = list(ld.prefetch(start, depth))
+    assert len(got) == len(ref) == len(rows) - start
+    for a, b in zip(ref, got):
+        same(a, b)
+    assert {u.reason is not None for u in got if u.index in (3, 5, 7)} <= {True}
+    assert not prefetch_threads()
+
+
+def test_depth_zero_is_the_plain_loop(rows, monkeypatch):
+    monkeypatch.setattr(loader_mod.threading, "Thread", None)      # no thread may be started
+    assert [u.index for u in StreamLoader(rows).prefetch(2, 0)] == list(range(2, len(rows)))
+
+
+def test_rows_are_read_while_the_consumer_works(rows, monkeypatch):
+    ld = StreamLoader(rows)
+    read_at = {}
+    orig = StreamLoader.load
+
+    def load(self, pos):
+        read_at[pos] = time.perf_counter()
+        return orig(self, pos)
+
+    monkeypatch.setattr(StreamLoader, "load", load)
+    gen = ld.prefetch(0, 2)
+    next(gen)
+    asked = time.perf_counter()
+    time.sleep(0.3)                                  # "adapting" on row 0
+    next(gen)
+    assert read_at[1] < asked + 0.3 and 2 in read_at  # read ahead, not when asked
+    gen.close()
+    assert not prefetch_threads()
+
+
+def test_a_reading_error_is_raised_at_its_row(rows, monkeypatch):
+    orig = StreamLoader.load
+
+    def load(self, pos):
+        if pos == 4:
+            raise OSError("disk on fire")
+        return orig(self, pos)
+
+    monkeypatch.setattr(StreamLoader, "load", load)
+    got = []
+    t0 = time.perf_counter()
+    with pytest.raises(OSError, match="disk on fire") as e:
+        for u in StreamLoader(rows).prefetch(1, 2):
+            got.append(u.index)
+    assert got == [1, 2, 3]
+    assert time.perf_counter() - t0 < 10
+    if hasattr(e.value, "__notes__"):
+        assert "stream row 4" in e.value.__notes__[0]
+    assert not prefetch_threads()
+
+
+def test_leaving_the_loop_stops_the_thread(rows, monkeypatch):
+    orig = StreamLoader.load
+    monkeypatch.setattr(StreamLoader, "load",
+                        lambda self, pos: (time.sleep(0.05), orig(self, pos))[1])
+    gen = StreamLoader(rows).prefetch(0, 1)
+    assert next(gen).index == 0
+    time.sleep(0.2)                                  # the producer now waits on a full queue
+    t0 = time.perf_counter()
+    gen.close()
+    assert time.perf_counter() - t0 < 5 and not prefetch_threads()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_thread_is_an_error_not_a_hang(rows, monkeypatch):
+    class Broken(loader_mod.queue.Queue):
+        def put(self, item, block=True, timeout=None):
+            raise RuntimeError("producer crashed")      # not queue.Full: the thread dies
+
+    monkeypatch.setattr(loader_mod.queue, "Queue", Broken)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="prefetch thread stopped before row 0"):
+        list(StreamLoader(rows).prefetch(0, 2))
+    assert time.perf_counter() - t0 < 10
+
+
+def test_decode_with_prefetch_writes_the_same_records(tiny_model_dir, tmp_path, monkeypatch):
+    root = write_stream(tmp_path / "stream", n=8)
+    (root / "wav" / "u005.wav").write_bytes(b"not audio")        # a reject on the way
+
+    def go(out):
+        decode.main(["csuta", f"--source={tiny_model_dir}", f"--stream_csv={root / 'stream.csv'}",
+                     f"--output_folder={out}", f"--data_root={root}", "--noprogressbar",
+                     "--lr=0.01", "--ckpt_every=3"])
+        return {n: (Path(out) / n).read_text() for n in
+                ("transcripts.csv", "rejects.csv", "resets.csv", "lii.csv")}
+
+    with_prefetch = go(tmp_path / "a")
+    monkeypatch.setattr(brain, "PREFETCH", 0)
+    without = go(tmp_path / "b")
+    assert with_prefetch == without
+    assert "u005" in with_prefetch["rejects.csv"]
+    assert not prefetch_threads()

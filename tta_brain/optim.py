@@ -1,0 +1,158 @@
+"""The optimisers of a parameter selection: :func:`build_optimizer` (any factory; Adam/AdamW run
+their ``foreach`` implementation) and, for ``param_collection: official``, :class:`RepeatedAdam`,
+which applies the official code's parameter list with its repeated tensors exactly."""
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+from tta_brain.params import Selection, param_groups
+
+__all__ = ["build_optimizer", "RepeatedAdam", "official_optimizer"]
+
+
+def build_optimizer(factory: Optional[Callable], selected, lr: float):
+    """``factory(param_groups)`` (default AdamW, no weight decay); an Adam/AdamW built with
+    ``foreach=None`` runs its ``foreach`` implementation (PyTorch's GPU default; on CPU the same
+    numbers as the per-tensor loop, with less Python overhead). A selection with
+    ``param_collection: official`` gets the official code's list (:class:`RepeatedAdam`
+    over the repeated CNN tensors, with the factory's class and hyperparameters)."""
+    if not selected:
+        return None
+    if getattr(selected, "collection", "clean") == "official":
+        return official_optimizer(factory, selected, lr)
+    opt = (factory or partial(torch.optim.AdamW, weight_decay=0.0))(param_groups(selected, lr))
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        for group in opt.param_groups:
+            if (group.get("foreach") is None and not group.get("fused")
+                    and not group.get("differentiable")):
+                group["foreach"] = True
+        if opt.defaults.get("foreach") is None and not opt.defaults.get("fused"):
+            opt.defaults["foreach"] = True
+    return opt
+
+
+def _scalar_dtype():
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype
+        return _get_scalar_dtype()
+    except ImportError:                                   # pragma: no cover (older torch)
+        return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class RepeatedAdam(torch.optim.Adam):
+    """Adam / AdamW over a parameter list in which a tensor may appear ``k`` times, computed
+    exactly as ``torch.optim.Adam(W)(..., foreach=True)`` computes it on a list that really holds
+    the repeats (``torch._multi_tensor_adam``, torch 2.11), without putting a tensor into torch's
+    list twice. Each param group holds unique tensors and ``repeats`` (``k`` per tensor).
+
+    torch keeps one state per tensor; its multi-tensor step applies each operation to the whole
+    list in turn, so per step a tensor repeated ``k`` times gets: ``step += 1`` k times; (AdamW
+    weight decay ``p *= 1 - lr wd`` k times); ``m = lerp(m, g, 1 - beta1)`` k times; ``v *= beta2``
+    k times, then ``v += (1 - beta2) g^2`` k times; then ``k`` updates ``p -= lr / (1 - beta1^s) *
+    m / (sqrt(v) / sqrt(1 - beta2^s) + eps)``, all with the final ``m``, ``v`` and ``s``. Here
+    every operation is applied ``k`` times in sequence to the unique tensors (the same float
+    operations in the same order: bit-identical to torch's foreach on CPU) and deterministic on
+    every device, where torch's CUDA foreach kernels would update a repeated tensor from several
+    thread blocks at once. torch's per-tensor loop (``foreach=False``, torch's CPU default) gives
+    other numbers for a repeated tensor: k complete Adam steps one after the other.
+
+    Only the official code's settings are supported: no amsgrad, maximize, capturable,
+    differentiable or fused; a float lr.
+    """
+
+    def __init__(self, params, **kwargs):
+        for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+            if kwargs.get(key):
+                raise ValueError(f"RepeatedAdam (param_collection: official) does not support "
+                                 f"{key}=True")
+        kwargs["foreach"] = True
+        kwargs.pop("fused", None)
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            reps = group.setdefault("repeats", [1] * len(group["params"]))
+            if len(reps) != len(group["params"]) or any(int(k) < 1 for k in reps):
+                raise ValueError("RepeatedAdam: every param group needs one repeat count >= 1 "
+                                 "per tensor")
+            if torch.is_tensor(group["lr"]):
+                raise ValueError("RepeatedAdam: the lr must be a float")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
+            if not params:
+                continue
+            rep = {id(p): int(k) for p, k in zip(group["params"], group["repeats"])}
+            ks = [rep[id(p)] for p in params]
+            grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(
+                [params, grads, exp_avgs, exp_avg_sqs, steps], with_indices=True)
+            for (d_params, d_grads, d_m, d_v, d_steps), indices in grouped.values():
+                _repeated_adam_update(d_params, d_grads, d_m, d_v, d_steps,
+                                      [ks[i] for i in indices], group)
+        return loss
+
+
+def _repeated_adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group):
+    """``torch._multi_tensor_adam`` (non-capturable path) on the list in which tensor ``i``
+    appears ``ks[i]`` times, one list operation at a time."""
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    kmax = max(ks)
+
+    def times(*lists):
+        """For r = 0..kmax-1: the entries whose tensor appears more than r times."""
+        for r in range(kmax):
+            keep = [i for i, k in enumerate(ks) if k > r]
+            yield [[lst[i] for i in keep] for lst in lists]
+
+    one = torch.tensor(1.0, device="cpu")
+    for (s,) in times(steps):
+        if s[0].is_cpu:
+            torch._foreach_add_(s, one, alpha=1.0)
+        else:
+            torch._foreach_add_(s, 1)
+    if wd != 0:
+        if group["decoupled_weight_decay"]:
+            for (p,) in times(params):
+                torch._foreach_mul_(p, 1 - lr * wd)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+    for m, g in times(exp_avgs, grads):
+        torch._foreach_lerp_(m, g, 1 - beta1)
+    for (v,) in times(exp_avg_sqs):
+        torch._foreach_mul_(v, beta2)
+    for v, g in times(exp_avg_sqs, grads):
+        torch._foreach_addcmul_(v, g, g, 1 - beta2)
+    values = [float(s) for s in steps]
+    step_size = [(lr / (1 - beta1 ** s)) * -1 for s in values]
+    bias_correction2_sqrt = [(1 - beta2 ** s) ** 0.5 for s in values]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    for p, m, d, ss in times(params, exp_avgs, denom, step_size):
+        torch._foreach_addcdiv_(p, m, d, ss)
+
+
+def official_optimizer(factory, selected: Selection, lr: float) -> RepeatedAdam:
+    """The optimiser of ``param_collection: official``: ``factory`` (default AdamW, no weight
+    decay) decides the class and hyperparameters; it must build an Adam or AdamW (the official
+    code's optimiser), which is then run as :class:`RepeatedAdam` over the official list."""
+    groups = param_groups(selected, lr)
+    probe = (factory or partial(torch.optim.AdamW, weight_decay=0.0))(
+        [{k: v for k, v in g.items() if k != "repeats"} for g in groups])
+    if not isinstance(probe, torch.optim.Adam):
+        raise ValueError(f"param_collection: official reproduces the official code's Adam/AdamW; "
+                         f"the optimizer factory built {type(probe).__name__}")
+    defaults = dict(probe.defaults)
+    defaults.setdefault("decoupled_weight_decay", isinstance(probe, torch.optim.AdamW))
+    for g, pg in zip(groups, probe.param_groups):
+        g["lr"] = pg["lr"]
+    keep = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "capturable",
+            "differentiable", "fused", "decoupled_weight_decay")
+    return RepeatedAdam(groups, **{k: defaults[k] for k in keep if k in defaults})
