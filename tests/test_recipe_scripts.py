@@ -226,3 +226,44 @@ echo "foo_bar=$foo_bar flag=$flag rest=$*"
     out = subprocess.run(["bash", str(script), "--config", str(cfg)], capture_output=True,
                          text=True)
     assert out.stdout.startswith("foo_bar=from_config")
+
+
+def test_a_stream_of_your_own_name_gets_the_multi_domain_options(lsc, tmp_path):
+    _, data, env, _ = lsc
+    res = run(LSC, "--stage", 2, "--stop_stage", 2, "--data_dir", data, "--streams",
+              "held_out=md_easy", "--per_domain", PER_DOMAIN, env=env)
+    assert res.returncode == 0, res.stderr
+    res = run(LSC, "--stage", 3, "--stop_stage", 3, "--data_dir", data, "--exp_dir", tmp_path,
+              "--streams", "AC held_out=md_easy", "--methods", "dsuta", "--seeds", "0",
+              "--model", "/models/w2v2", "--md_decode_opts", "--steps=5", "--dry_run", "true",
+              env=env)
+    assert res.returncode == 0, res.stderr
+    assert "snr5/held_out: multi-domain option set" in res.stderr      # the log says which set
+    assert "snr5/AC: single-domain option set" in res.stderr
+    cmds = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+            if x.startswith("DRY-RUN:")]
+    held = [c for c in cmds if f"--stream_csv={data}/snr5/streams/held_out.csv" in c]
+    assert len(held) == 1 and "--steps=5" in held[0] and "--stream_name=held_out" in held[0]
+    assert f"--output_folder={tmp_path}/snr5/held_out/dsuta/seed0" in held[0]
+    assert all("--steps=5" not in c for c in cmds if c not in held)
+
+
+def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
+    """K = per_domain / 2 and the fixed period per_domain / 4 on the multi-domain streams, passed
+    only to the methods that have those keys."""
+    streams = tmp_path / "data" / "snr20" / "streams"
+    streams.mkdir(parents=True)
+    for name in ("md_hard", "GS"):
+        (streams / f"{name}.csv").write_text("ID,duration,wav,wrd\n")
+    res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
+              "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",
+              "md_hard GS", "--methods", "suta dsuta+dynamic", "--per_domain", 60,
+              "--dry_run", "true")
+    assert res.returncode == 0, res.stderr
+    cmds = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+            if x.startswith("DRY-RUN:")]
+    dyn_md = [c for c in cmds if "--stream_name=md_hard" in c and "--reset=dynamic" in c]
+    assert len(dyn_md) == 1 and "--reset_K=30" in dyn_md[0] and "--reset_every=15" in dyn_md[0]
+    assert not any("--reset_K=30" in c for c in cmds if "--stream_name=GS" in c)
+    assert not any("--reset_K=30" in c for c in cmds if c[c.index("tta_brain.decode") + 1] == "suta")
+    assert "suta: --md_decode_opts --reset_K=30 --reset_every=15 are not keys of its yaml" in res.stderr

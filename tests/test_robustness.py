@@ -7,6 +7,7 @@ configuration mistake on the command line ends in one ``ERROR:`` line, not a tra
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,7 +215,7 @@ def _error(argv):
 def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     out = tmp_path / "exp"
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--reset=foo"))
-    assert "dsuta.yaml" in msg and "Unknown reset policy 'foo'" in msg and "dynamic" in msg
+    assert "dsuta.yaml" in msg and "reset = 'foo' is not valid" in msg and "dynamic" in msg
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--stepz=3"))
     assert "Override 'stepz' not found" in msg and "steps" in msg
     argv = dsuta_args(tiny_model_dir, ok_stream, out)
@@ -233,7 +234,7 @@ def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
                   f"--output_folder={out}"])
     assert "'source' is a !PLACEHOLDER" in msg
     msg = _error(dsuta_args(tmp_path / "no_model", ok_stream, out))
-    assert "Cannot load the CTC source model" in msg and "no_model" in msg
+    assert "source model directory not found" in msg and "no_model" in msg
     assert not out.exists()
 
 
@@ -264,4 +265,87 @@ def test_command_line_error_is_one_line_not_a_traceback(tmp_path, ok_stream, tin
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 1
     assert "Traceback" not in res.stderr
-    assert "ERROR: " in res.stderr and "Unknown reset policy 'foo'" in res.stderr
+    assert "ERROR: " in res.stderr and "reset = 'foo' is not valid" in res.stderr
+
+
+# ----------------------------------------------------------------------------- the surface (#13)
+@pytest.mark.parametrize("extra,expected", [
+    (["--steps=-1"], "steps = -1 is not valid: steps must be an integer >= 0"),
+    (["--lr=-0.1"], "lr = -0.1 is not valid: lr must be a number > 0"),
+    (["--lr=abc"], "lr = 'abc' is not valid: lr must be a number > 0 (AdamW learning rate"),
+    (["--steps=many"], "steps = 'many' is not valid: steps must be an integer"),
+    (["--seed=abc"], "seed = 'abc' is not valid: seed must be an integer"),
+    (["--em_coef=2"], "em_coef must be a number between 0 and 1"),
+    (["--precision=fp8"], "precision must be one of fp32, bf16, fp16"),
+    (["--reset=dynamic", "--reset_K=4", "--buffer_size=3"],
+     "reset_K = 4 with buffer_size = 3: phi_D is saved after K/2 = 2 utterances"),
+    (["--reset=dynamic", "--reset_K=6", "--buffer_size=5"], "use reset_K >= 10"),
+    (["--device=cuda:7"] if torch.cuda.is_available() else ["--device=cuda:0"],
+     "--device=cuda:"),
+    (["--device=gpu"], "device = 'gpu' (--device) is not valid: use cpu, cuda or cuda:N"),
+    (["--debug"], "--debug is a SpeechBrain training option; decoding does not use it"),
+    (["--grad_accumulation_factor=2"], "--grad_accumulation_factor is a SpeechBrain training"),
+    (["--compile=maybe"], "--compile takes true or false"),
+])
+def test_bad_values_and_options_name_the_key(tmp_path, ok_stream, tiny_model_dir, extra, expected):
+    out = tmp_path / "exp"
+    msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, *extra))
+    assert expected in msg and "\n" not in msg, msg
+    assert not out.exists()                          # nothing written
+
+
+def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out, why in ((a_file, "it is a file"), (a_file / "sub", "Not a directory")):
+        msg = _error(dsuta_args(tiny_model_dir, ok_stream, out))
+        assert f"cannot write the output folder {out} (--output_folder): {why}" in msg, msg
+
+
+def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_model_dir):
+    typo = str(tiny_model_dir) + "x"
+    msg = _error(["dsuta", f"--source={typo}", f"--stream_csv={ok_stream}",
+                  f"--output_folder={tmp_path / 'exp'}", *FAST])
+    assert f"source model directory not found: {typo}" in msg and "hub model" in msg
+    assert not (tmp_path / "exp").exists()
+
+
+def test_a_truncated_last_line_names_file_and_line(tmp_path, one_wav, tiny_model_dir):
+    stream = write_manifest(tmp_path / "s.csv", [row(f"u{i}", one_wav, 0.4) for i in range(3)])
+    text = stream.read_text()
+    stream.write_text(text[: text.rindex(",", 0, len(text) - 1)] + "\n")   # cut the last row
+    msg = _error(dsuta_args(tiny_model_dir, stream, tmp_path / "exp"))
+    assert f"{stream}:4: " in msg and "truncated or malformed line" in msg and "(--stream_csv)" in msg
+
+
+def test_run_options_do_what_they_say_and_help_lists_the_keys(tmp_path, ok_stream, tiny_model_dir,
+                                                               capsys):
+    decode.main(["dsuta", "--help"])
+    text = capsys.readouterr().out
+    for key in ("--steps", "--buffer_size", "--reset_K", "--lr", "--param_collection",
+                "--device", "--precision", "--compile", "--noprogressbar", "--overwrite"):
+        assert key in text, key
+    assert "--source" in text and "(required)" in text
+    assert "M: utterances per slow update" in text                 # one line of meaning each
+    out = tmp_path / "exp"
+    summary = decode.main(dsuta_args(tiny_model_dir, ok_stream, out, "--compile=false",
+                                     "--precision=bf16", "--reset=dynamic", "--reset_K=4",
+                                     "--buffer_size=1"))
+    assert summary.hparams["precision"] == "bf16" and summary.hparams["compile"] is False
+    hp = (out / "hyperparams.yaml").read_text()
+    assert re.search(r"^precision: bf16\b", hp, re.M) and re.search(r"^reset_K: 4\b", hp, re.M)
+    log = (out / "log.txt").read_text()
+    assert "dsuta: continual, 1 step(s) per utterance; adapts" in log
+    assert "layernorm (lr x1):" in log and "cnn (lr x1):" in log     # the groups, in log.txt
+    # a stream shorter than K: the reset cannot act; said in the log and the summary
+    assert any("reset_K = 4 on a stream of 1 utterances" in w for w in summary.warnings)
+    assert "its construction stage (K utterances) does not end" in log
+
+
+def test_awmc_takes_the_reset_options(tmp_path, tiny_model_dir):
+    from fake_corpora import write_stream
+    data = write_stream(tmp_path / "d", n=12, block=4)
+    s = decode.main(["awmc", f"--source={tiny_model_dir}", f"--stream_csv={data / 'stream.csv'}",
+                     f"--output_folder={tmp_path / 'exp'}", f"--data_root={data}", "--steps=1",
+                     "--ckpt_every=0", "--noprogressbar", "--reset=oracle"])
+    assert s.method == "awmc+oracle" and s.resets == [4, 8]

@@ -74,6 +74,10 @@ class TTABrain(sb.Brain):
             self.state.fingerprint = identity.stream_fingerprint(test_set, len(rows), self.tag)
         logger.info("Decoding %s (%d utterances) with %s, seed %s", test_set, len(rows), self.tag,
                     self._hp("seed"))
+        policy = getattr(self.method, "reset_policy", None)
+        warnings = policy.warnings(len(rows)) if policy is not None else []
+        for text in warnings:
+            logger.warning("%s", text)
         resumed = checkpoint.recover(self.checkpointer)
         if resumed:
             logger.info("Resuming %s at stream row %d / %d", self.out, self.state.cursor, len(rows))
@@ -110,7 +114,7 @@ class TTABrain(sb.Brain):
         return summarise(self.out, rows, self.state, self.method, self.tag,
                          self._hp("stream_name") or Path(test_set).stem, self._hp("seed"),
                          self.record_hparams, self.device,
-                         self.state.fingerprint)
+                         self.state.fingerprint, warnings)
 
     def _decode(self, utt, writer, rows, sr):
         """One row: a reject record, or adapt + predict and the transcript and event records."""

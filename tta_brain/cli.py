@@ -86,6 +86,9 @@ def parse_arguments(argv: List[str]) -> Arguments:
         key, eq, value = a[2:].partition("=")
         if not key:
             raise UsageError(f"bad argument {a!r}\n{USAGE}")
+        if key in SB_TRAINING_OPTIONS:
+            raise UsageError(f"--{key} is a SpeechBrain training option; decoding does not use "
+                             f"it (run options: {', '.join('--' + k for k in RUN_OPTIONS)})")
         if not eq and key not in FLAGS:
             if i < len(argv) and not argv[i].startswith("--"):
                 value, i = argv[i], i + 1

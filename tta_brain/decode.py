@@ -141,11 +141,16 @@ def main(argv=None):
     if p.status == "differs" and not p.args.overwrite:
         _refuse(p.out, p.diffs)
     created = not os.path.exists(p.out)
+    if os.path.exists(p.out) and not os.path.isdir(p.out):
+        _fail(f"cannot write the output folder {p.out} (--output_folder): it is a file")
     lock = identity.FolderLock(p.out)
     try:
         lock.acquire("python -m tta_brain.decode " + " ".join(argv))
-    except (identity.LockedError, OSError) as e:
+    except identity.LockedError as e:
         _fail(str(e))
+    except OSError as e:      # not writable, a file in the way, a read-only file system
+        _fail(f"cannot write the output folder {p.out} (--output_folder): "
+              f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
     try:
         return _run(p, argv)
     finally:

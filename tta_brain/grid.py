@@ -140,8 +140,8 @@ def plan_runs(args) -> List[Run]:
         if not Path(csv).is_file():
             raise SystemExit(f"ERROR: stream {csv} not found; run the earlier stages first")
         kind = "_md" if Path(name).name in md else ""
-        logger.info("%s: %s options", name, "multi-domain (<method>_md.opts, --md_decode_opts)"
-                    if kind else "single-domain")
+        logger.info("%s: %s", name, "multi-domain option set (<method>_md.opts, --md_decode_opts)"
+                    if kind else "single-domain option set")
         for token in args.methods.split():
             yaml, reset = method_yaml(token, args.hparams_dir)
             base = token.partition("+")[0]

@@ -224,6 +224,7 @@ class Summary:
     device: str
     versions: Dict[str, str]
     fingerprint: Dict = field(default_factory=dict)
+    warnings: List[str] = field(default_factory=list)   # what the run could not do (e.g. reset)
 
     @property
     def steps(self) -> Optional[int]:
@@ -255,7 +256,7 @@ def read_summary(folder) -> Summary:
     except (OSError, ValueError) as err:
         raise RecordError(f"{path}: cannot read ({err})") from None
     names = {f.name for f in fields(Summary)}
-    missing = sorted(n for n in names if n not in data and n != "fingerprint")
+    missing = sorted(n for n in names if n not in data and n not in ("fingerprint", "warnings"))
     if not isinstance(data, dict) or missing:
         raise RecordError(f"{path}: not a summary of this tta_brain version (missing: "
                           f"{', '.join(missing)})")

@@ -65,6 +65,14 @@ class ResetPolicy:
     def on_reset(self, after: int) -> None:
         pass
 
+    def check_update_every(self, m: int) -> None:
+        """The method updates its meta-parameters every ``m`` utterances (DSUTA: M); a policy
+        that cannot work with that raises ``ValueError`` saying why and what works."""
+
+    def warnings(self, n_utts: int) -> List[str]:
+        """Why this policy cannot act on a stream of ``n_utts`` utterances (logged, summarised)."""
+        return []
+
     def state_dict(self):
         return {}
 
@@ -93,6 +101,12 @@ class FixedReset(ResetPolicy):
 
     def on_reset(self, after):
         self.last = after
+
+    def warnings(self, n_utts):
+        if n_utts <= self.every:
+            return [f"fixed reset every {self.every} utterances on a stream of {n_utts}: it never "
+                    f"fires (set reset_every below the stream length)"]
+        return []
 
     def state_dict(self):
         return {"last": self.last}
@@ -153,6 +167,7 @@ class DynamicReset(ResetPolicy):
             raise ValueError("dynamic reset: patience must be >= 1")
         self.lii_count = lii_count
         self.K, self.k = int(K), int(K) // 2
+        self.M = 1
         self.patience, self.threshold = int(patience), float(threshold)
         self.phi_D: Optional[List[torch.Tensor]] = None
         self._clear(0)
@@ -206,6 +221,22 @@ class DynamicReset(ResetPolicy):
             else:
                 logger.warning("dynamic reset: only %d LII values at t=%d; no test this stage",
                                len(self.stats), t)
+
+    def check_update_every(self, m):
+        if self.k < m:
+            raise ValueError(
+                f"dynamic reset: reset_K = {self.K} with buffer_size = {m}: phi_D is saved after "
+                f"K/2 = {self.k} utterances, before the first meta-update (every {m}), so it is "
+                f"the source model, every LII is 0 and the reset never fires; use reset_K >= "
+                f"{2 * m}")
+        self.M = int(m)
+
+    def warnings(self, n_utts):
+        if n_utts <= self.K:
+            return [f"dynamic reset with reset_K = {self.K} on a stream of {n_utts} utterances: "
+                    f"its construction stage (K utterances) does not end before the stream does, "
+                    f"so it never tests and never fires (use reset_K < {n_utts})"]
+        return []
 
     def on_reset(self, after):
         self._clear(after)

@@ -15,7 +15,8 @@ __all__ = ["summarise"]
 
 
 def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, seed,
-              hparams: Dict, device: str, fingerprint: Dict = None) -> Summary:
+              hparams: Dict, device: str, fingerprint: Dict = None,
+              warnings: List[str] = ()) -> Summary:
     """Write ``wer.txt`` and ``summary.json`` of the run in ``folder``; return the summary.
 
     ``rows``: the stream manifest's rows (true boundaries); ``state``: the run's
@@ -40,7 +41,7 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
         counts=dict(method.counts), wall_time_s=wall, audio_s=audio,
         time_per_audio_s=wall / max(audio, 1e-9), num_adapted_params=method.num_adapted,
         hparams=dict(hparams), device=str(device), versions=versions(),
-        fingerprint=dict(fingerprint or {}))
+        fingerprint=dict(fingerprint or {}), warnings=list(warnings))
     write_summary(folder, summary)
     wer = "-" if summary.wer is None or summary.wer != summary.wer else f"{summary.wer:.2f}%"
     logger.info("%s on %s: WER %s (%d utterances, %d skipped, %d resets)", tag, stream, wer,

@@ -6,6 +6,7 @@ puts their text in front of its own (a block is a packaged name, or a path relat
 so every key of the result is top-level and ``--key=value`` overrides reach all of them. A yaml
 without an ``include`` line is used as it is.
 """
+import math
 import os
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
 
 __all__ = ["HPARAMS_DIR", "BLOCKS", "HparamsError", "available", "find", "compose", "load",
-           "resolve", "resolved_text", "describe", "keys"]
+           "resolve", "resolved_text", "describe", "keys", "check", "check_device", "RULES"]
 
 HPARAMS_DIR = Path(__file__).resolve().parent
 BLOCKS = ("run", "reset")
@@ -76,7 +77,9 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
     text = compose(path)
     with _errors(path):
         stream = resolve_references(text, overrides, overrides_must_match=True)
-        return ruamel.yaml.YAML().load(stream)
+        values = ruamel.yaml.YAML().load(stream)
+    check(path, values)
+    return values
 
 
 def resolved_text(name_or_path: PathLike, overrides=None) -> str:
@@ -89,8 +92,10 @@ def resolved_text(name_or_path: PathLike, overrides=None) -> str:
 
 
 def load(name_or_path: PathLike, overrides=None) -> Dict:
-    """Build the yaml's objects (model, method, reset policy) with the overrides applied."""
+    """Build the yaml's objects (model, method, reset policy) with the overrides applied (after
+    :func:`check` of the values)."""
     path = find(name_or_path)
+    resolve(path, overrides)
     text = compose(path)
     with _errors(path):
         return load_hyperpyyaml(text, overrides)
@@ -117,6 +122,87 @@ def describe(name_or_path: PathLike) -> List[Tuple[str, str, str]]:
             continue
         out.append((m.group(1), m.group(2), m.group(3) or ""))
     return out
+
+
+# ---------------------------------------------------------------------------- value checks
+#: Types and ranges of the packaged yamls' keys: (kind, test, what a valid value is). A value
+#: that fails is an error naming the key before anything is built.
+_INT, _FLOAT, _BOOL = "an integer", "a number", "true or false"
+RULES = {
+    "seed": (_INT, None), "steps": (_INT, ">=0"), "buffer_size": (_INT, ">=1"),
+    "ckpt_every": (_INT, ">=0"), "max_duration": (_FLOAT, ">=0"), "lr": (_FLOAT, ">0"),
+    "slow_lr": (_FLOAT, ">0?"), "lr_min": (_FLOAT, ">=0"), "em_coef": (_FLOAT, "0..1"),
+    "temperature": (_FLOAT, ">0"), "layernorm_lr_mult": (_FLOAT, ">=0"),
+    "cnn_lr_mult": (_FLOAT, ">=0"), "ema_decay": (_FLOAT, "0..1"), "renyi_alpha": (_FLOAT, ">0"),
+    "ns_coef": (_FLOAT, ">=0"), "ns_threshold": (_FLOAT, ">=0"), "beam_width": (_INT, ">=1"),
+    "lm_weight": (_FLOAT, None), "word_bonus": (_FLOAT, None), "reset_every": (_INT, ">=1"),
+    "reset_K": (_INT, ">=4"), "reset_patience": (_INT, ">=1"), "reset_threshold": (_FLOAT, None),
+    "cuda_graph_cache": (_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=1"),
+    "compile": (_BOOL, None), "cpu_native_backward": (_BOOL, None), "train_mode": (_BOOL, None),
+    "cuda_graphs": (_BOOL, None), "cuda_device_steps": (_BOOL, None),
+    "precision": (("fp32", "bf16", "fp16"), None), "cache_features": (("auto", "on", "off"), None),
+    "reset": (("none", "fixed", "oracle", "dynamic"), None), "fast_moments": (("slow", "zero"), None),
+    "slow_grad": (("reuse", "recompute"), None), "param_collection": (("clean", "official"), None),
+    "reset_lii_count": (("paper", "official"), None),
+}
+
+
+def _valid(value, kind, rng) -> bool:
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if isinstance(kind, tuple):
+        return isinstance(value, str) and value in kind
+    if rng == ">0?" and value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind == _INT and not isinstance(value, int):
+        return False
+    if not math.isfinite(value):
+        return False
+    return {None: True, ">=0": value >= 0, ">0": value > 0, ">0?": value > 0, ">=1": value >= 1,
+            ">=4": value >= 4, "0..1": 0 <= value <= 1}[rng]
+
+
+def _expected(kind, rng) -> str:
+    if isinstance(kind, tuple):
+        return "one of " + ", ".join(kind)
+    text = {None: "", ">=0": " >= 0", ">0": " > 0", ">0?": " > 0 (or null)", ">=1": " >= 1",
+            ">=4": " >= 4", "0..1": " between 0 and 1"}[rng]
+    return kind + text
+
+
+def check(path, values: Dict) -> None:
+    """Every known key's value has its type and range, and ``device`` exists here; else an
+    :class:`HparamsError` naming the key, the value, what it must be and what the key means."""
+    meaning = None
+    for key, (kind, rng) in RULES.items():
+        if key in values and not _valid(values[key], kind, rng):
+            meaning = meaning or {k: c for k, _, c in describe(path)}
+            what = f" ({meaning[key]})" if meaning.get(key) else ""
+            raise HparamsError(f"{path}: {key} = {values[key]!r} is not valid: {key} must be "
+                               f"{_expected(kind, rng)}{what}")
+    if "device" in values:
+        check_device(values["device"])
+
+
+def check_device(device) -> None:
+    """``cpu``, or a CUDA device that exists on this machine."""
+    name = str(device)
+    if name == "cpu":
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", name):
+        raise HparamsError(f"device = {name!r} (--device) is not valid: use cpu, cuda or cuda:N")
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        build = "" if torch.backends.cuda.is_built() else ", a CPU-only build"
+        raise HparamsError(f"--device={name}: no CUDA device here (torch {torch.__version__}"
+                           f"{build} sees none); available: cpu")
+    index = int(name.split(":")[1]) if ":" in name else 0
+    if index >= n:
+        raise HparamsError(f"--device={name}: this machine has {n} CUDA device(s): "
+                           + ", ".join(f"cuda:{i}" for i in range(n)))
 
 
 class _errors:

@@ -61,6 +61,16 @@ def normalize_waveforms(wavs: torch.Tensor, lengths: Optional[torch.Tensor] = No
     return ((wavs - mean) / torch.sqrt(var + 1e-7)) * mask
 
 
+def _looks_like_a_path(source: str) -> bool:
+    """A local path rather than a hub name (``org/name``): absolute, relative with ``./`` or
+    ``../``, ``~``, more than one ``/``, or an existing parent folder."""
+    s = str(source)
+    if s.startswith(("/", "./", "../", "~")) or s.count("/") > 1 or os.sep != "/" and os.sep in s:
+        return True
+    parent = os.path.dirname(s)
+    return bool(parent) and os.path.isdir(parent)
+
+
 class HFCTCLobe(nn.Module):
     """``transformers.AutoModelForCTC`` + its processor, with greedy CTC decoding to text.
 
@@ -87,6 +97,11 @@ class HFCTCLobe(nn.Module):
         super().__init__()
         from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
 
+        if not os.path.isdir(source) and _looks_like_a_path(source):
+            raise FileNotFoundError(
+                f"source model directory not found: {source} (a local directory written by "
+                f"save_pretrained; a hub model is given by its name, e.g. "
+                f"facebook/wav2vec2-base-960h, and must be in the local HF cache without network)")
         if local_files_only is None:
             local_files_only = os.path.isdir(source)
         kwargs = dict(cache_dir=savedir, local_files_only=local_files_only)

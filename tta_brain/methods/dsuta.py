@@ -44,6 +44,8 @@ class DSUTA(TTAMethod):
         self.M = int(buffer_size)
         if self.M < 1:
             raise ValueError("buffer_size (M) must be >= 1")
+        if self.reset_policy is not None:
+            self.reset_policy.check_update_every(self.M)
         self.fast_moments = fast_moments
         # slow (meta) parameters phi_t: plain leaf tensors with their own optimiser
         self.meta = [torch.nn.Parameter(t, requires_grad=False) for t in snapshot(self.params)]
