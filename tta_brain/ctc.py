@@ -72,6 +72,15 @@ def viterbi_align(log_probs: torch.Tensor, labels: Sequence[int], blank_id: int 
     return path[0].long()
 
 
+def _log_add(a: float, b: float, exp=math.exp, log=math.log) -> float:
+    """log(e^a + e^b) as max + log(1 + e^(min - max)), -inf handled first."""
+    if a == _NEG:
+        return b
+    if b == _NEG:
+        return a
+    return a + log(1.0 + exp(b - a)) if a >= b else b + log(exp(a - b) + 1.0)
+
+
 def prefix_beam_search(log_probs: torch.Tensor, beam_width: int = 5, blank_id: int = 0,
                        prune_top_k: int = 16, token_min_logp: float = -8.0
                        ) -> List[Tuple[List[int], float]]:
@@ -97,9 +106,7 @@ def prefix_beam_search(log_probs: torch.Tensor, beam_width: int = 5, blank_id: i
         if blank_id not in cs:
             cand.append((blank_id, p_blank))
         frames.append(cand)
-    exp, log, NEG = math.exp, math.log, _NEG
-    # log(e^a + e^b) is written out inline below (a hot loop); every instance computes
-    # max + log(1 + e^(min - max)), with -inf handled first.
+    NEG, log_add = _NEG, _log_add
 
     # prefixes are the nodes of a trie (node 0 = empty): parent[n], label[n]; node * V + c -> child
     parent, label, children = [-1], [-1], {}
@@ -109,27 +116,13 @@ def prefix_beam_search(log_probs: torch.Tensor, beam_width: int = 5, blank_id: i
             p = cand[0][1]
             nxt_beams = []
             for node, pb, pnb in beams:
-                if pnb == NEG:
-                    total = pb
-                elif pb == NEG:
-                    total = pnb
-                elif pb >= pnb:
-                    total = pb + log(1.0 + exp(pnb - pb))
-                else:
-                    total = pnb + log(exp(pb - pnb) + 1.0)
+                total = log_add(pb, pnb)
                 nxt_beams.append((node, total + p, NEG))
             beams = nxt_beams
             continue
         nxt = {}                       # node -> [log p blank-ended, log p label-ended]
         for node, pb, pnb in beams:
-            if pnb == NEG:
-                total = pb
-            elif pb == NEG:
-                total = pnb
-            elif pb >= pnb:
-                total = pb + log(1.0 + exp(pnb - pb))
-            else:
-                total = pnb + log(exp(pb - pnb) + 1.0)
+            total = log_add(pb, pnb)
             last = label[node]
             base = node * V
             for c, p in cand:
@@ -139,11 +132,7 @@ def prefix_beam_search(log_probs: torch.Tensor, beam_width: int = 5, blank_id: i
                     if e is None:
                         nxt[node] = [v, NEG]
                     else:
-                        a = e[0]
-                        if a == NEG:
-                            e[0] = v
-                        elif v != NEG:
-                            e[0] = a + log(1.0 + exp(v - a)) if a >= v else v + log(exp(a - v) + 1.0)
+                        e[0] = log_add(e[0], v)
                     continue
                 child = children.get(base + c)
                 if child is None:
@@ -157,52 +146,26 @@ def prefix_beam_search(log_probs: torch.Tensor, beam_width: int = 5, blank_id: i
                         e = nxt[child] = [NEG, NEG]
                 if c == last:          # a repeat extends only after a blank ...
                     v = pb + p
-                    a = e[1]
-                    if a == NEG:
-                        e[1] = v
-                    elif v != NEG:
-                        e[1] = a + log(1.0 + exp(v - a)) if a >= v else v + log(exp(a - v) + 1.0)
+                    e[1] = log_add(e[1], v)
                     v = pnb + p        # ... and otherwise merges into the prefix
                     s = nxt.get(node)
                     if s is None:
                         nxt[node] = [NEG, v]
                     else:
-                        a = s[1]
-                        if a == NEG:
-                            s[1] = v
-                        elif v != NEG:
-                            s[1] = a + log(1.0 + exp(v - a)) if a >= v else v + log(exp(a - v) + 1.0)
+                        s[1] = log_add(s[1], v)
                 else:
                     v = total + p
-                    a = e[1]
-                    if a == NEG:
-                        e[1] = v
-                    elif v != NEG:
-                        e[1] = a + log(1.0 + exp(v - a)) if a >= v else v + log(exp(a - v) + 1.0)
+                    e[1] = log_add(e[1], v)
         scored = []
         for node, (pb, pnb) in nxt.items():
-            if pnb == NEG:
-                s = pb
-            elif pb == NEG:
-                s = pnb
-            elif pb >= pnb:
-                s = pb + log(1.0 + exp(pnb - pb))
-            else:
-                s = pnb + log(exp(pb - pnb) + 1.0)
+            s = log_add(pb, pnb)
             if s > NEG:
                 scored.append((s, node, pb, pnb))
         scored.sort(key=itemgetter(0), reverse=True)    # stable: ties keep the expansion order
         beams = [(node, pb, pnb) for _, node, pb, pnb in scored[:beam_width]]
     out = []
     for node, pb, pnb in beams:
-        if pnb == NEG:
-            s = pb
-        elif pb == NEG:
-            s = pnb
-        elif pb >= pnb:
-            s = pb + log(1.0 + exp(pnb - pb))
-        else:
-            s = pnb + log(exp(pb - pnb) + 1.0)
+        s = log_add(pb, pnb)
         labels = []
         while node:
             labels.append(label[node])

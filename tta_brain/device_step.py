@@ -197,13 +197,7 @@ class DeviceSteps:
         self._eager += 1
         self.stats["eager"] += 1
         with (self.backend.side() if self.backend is not None else nullcontext()):
-            optimizer.zero_grad(set_to_none=False)
-            if m.train_mode:
-                m.net.train()
-            logits = m.forward(x, "adapt_forward")
-            loss = (loss_fn or m.loss)(logits)
-            if m.train_mode:
-                m.net.eval()
+            loss = m.step_loss(x, optimizer, loss_fn)
             self._update(loss, optimizer, after_backward)
             m.counts["adapt_backward"] += 1
             return loss.detach()

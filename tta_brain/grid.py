@@ -283,8 +283,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     runs = plan_runs(args)
     if args.dry_run:
         for r in runs:

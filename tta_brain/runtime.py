@@ -104,9 +104,8 @@ class Runtime:
             return nullcontext()
         return torch.autocast(device_type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor, params: Sequence[torch.Tensor],
-                 device: torch.device) -> List[torch.Tensor]:
-        """Backward of ``loss`` (fp16: scaled, then unscaled); the gradients of ``params``."""
+    def _scaled_backward(self, loss, params, device) -> List[torch.Tensor]:
+        """``(loss * scale).backward()`` (oneDNN off on CPU when asked); the gradients, scaled."""
         if self.scale != 1.0:
             loss = loss * self.scale
         if self.cpu_native_backward and device.type == "cpu":
@@ -114,7 +113,12 @@ class Runtime:
                 loss.backward()
         else:
             loss.backward()
-        grads = [p.grad for p in params if p.grad is not None]
+        return [p.grad for p in params if p.grad is not None]
+
+    def backward(self, loss: torch.Tensor, params: Sequence[torch.Tensor],
+                 device: torch.device) -> List[torch.Tensor]:
+        """Backward of ``loss`` (fp16: scaled, then unscaled); the gradients of ``params``."""
+        grads = self._scaled_backward(loss, params, device)
         if grads and self.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scale)
         return grads
@@ -131,14 +135,7 @@ class Runtime:
         so it can be captured in a CUDA graph.
         """
         found_inf.copy_(torch.logical_not(torch.isfinite(loss.detach())))
-        if self.scale != 1.0:
-            loss = loss * self.scale
-        if self.cpu_native_backward and device.type == "cpu":
-            with native_cpu_kernels():
-                loss.backward()
-        else:
-            loss.backward()
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = self._scaled_backward(loss, params, device)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         return grads

@@ -10,35 +10,18 @@
 set -euo pipefail
 
 recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-repo_root=$(cd "${recipe_dir}/../.." && pwd)
-export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
-. "${repo_root}/tools/log.sh"
+. "${recipe_dir}/../../tools/recipe.sh"   # repo_root, log, run, the grid options and stage
 . "${recipe_dir}/db.sh"
 
 # Options (each can be given as --name value).
-stage=0               # first stage to run
 stop_stage=4          # last stage to run
-python=python3
 include_ped_real=false  # the official code leaves et05_ped_real out (7 splits); true: all 8
 keep_raw_text=false   # true: keep verbalised punctuation (.PERIOD) / markers in references
 stream_name=chime3
 stream_seed=0         # seed of the random order (fixed across method seeds)
 max_duration=         # leave out utterances longer than this (s); empty: keep all
-methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # yaml names or method+reset tags (sdpl too)
 seeds="0 1 2"         # the paper averages 3 runs
-hparams_dir=          # own yamls (<token>.yaml or <method>.yaml; empty: the packaged ones)
-conf_dir=${recipe_dir}/conf   # <method>.opts: extra decode overrides per method token
 model=                # source model (empty: W2V2 from db.sh)
-sweep=                # "key=v1,v2 ...": one run per combination (named in the run folder)
-engine=local          # local | slurm: where the decodes run (tta_brain.grid)
-nj=0                  # decodes at a time (0: local, one per CPU core or --per_gpu per GPU; slurm 64)
-gpus=                 # local: GPU ids, e.g. "0 1 2 3"
-per_gpu=2             # local: decodes per GPU
-slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of a Slurm job
-decode_opts=          # extra --key=value overrides for every decode
-data_dir=${recipe_dir}/data
-exp_dir=${recipe_dir}/exp
-dry_run=false         # print the decode/report commands instead of running them
 
 help_message=$(cat <<EOM
 Usage: $0 [options]
@@ -48,8 +31,8 @@ Options (default):
   --include_ped_real true|false (${include_ped_real})  --keep_raw_text true|false (${keep_raw_text})
   --stream_name NAME (${stream_name})  --stream_seed N (${stream_seed})  --max_duration SEC
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
-  --hparams_dir DIR  --conf_dir DIR  --model DIR_OR_NAME  --decode_opts "OPTS"  --sweep "K=V1,V2 ..."
-  --engine local|slurm (${engine})  --nj N  --gpus "LIST"  --per_gpu N  --slurm_conf YAML
+  --conf_dir DIR  --model DIR_OR_NAME
+${grid_help}
   --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false
 Stages: 0 manifest, 1 data check, 2 stream, 3 decode, 4 report.
 EOM
@@ -57,6 +40,10 @@ EOM
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
+  exit 1
+fi
+if [ -n "${md_decode_opts}" ]; then
+  echo "$0: --md_decode_opts: the CHiME-3 stream is decoded with the single-domain option set" >&2
   exit 1
 fi
 # absolute paths: manifests and decode commands must not depend on the working directory
@@ -104,15 +91,8 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
     model=${W2V2}
   fi
   log "Stage 3: decode [${methods}] x seeds [${seeds}] (${engine}) -> ${exp_dir}/${stream_name}"
-  grid_opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}")
-  [ "${engine}" = slurm ] && grid_opts+=(--slurm_conf "${slurm_conf}")
-  ${dry_run} && grid_opts+=(--dry_run)
-  # CHiME-3 is the paper's Table 1 column: single-domain options (N = 10), no --md_streams
-  # shellcheck disable=SC2086
-  ${python} -m tta_brain.grid --exp_dir "${exp_dir}" --source "${model}" --data_root "${CHIME3}" \
-    --streams "${stream_name}=${stream_csv}" --methods "${methods}" --seeds "${seeds}" \
-    --hparams_dir "${hparams_dir}" --conf_dir "${conf_dir}" --decode_opts="${decode_opts}" \
-    ${sweep:+--sweep ${sweep}} "${grid_opts[@]}"
+  # CHiME-3 is the paper's Table 1 column: single-domain option set (N = 10), no md streams
+  decode_grid "${exp_dir}" "${CHIME3}" "" "${stream_name}=${stream_csv}"
 fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then

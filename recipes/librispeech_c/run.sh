@@ -10,15 +10,11 @@
 set -euo pipefail
 
 recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-repo_root=$(cd "${recipe_dir}/../.." && pwd)
-export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
-. "${repo_root}/tools/log.sh"
+. "${recipe_dir}/../../tools/recipe.sh"   # repo_root, log, run, the grid options and stage
 . "${recipe_dir}/db.sh"
 
 # Options (each can be given as --name value).
-stage=0               # first stage to run
 stop_stage=4          # last stage to run
-python=python3
 split=test-other      # LibriSpeech split
 snrs="5"              # SNRs in dB (the paper: 5; also 0 and 10)
 domains="AA AC BA CM GS MU NB SD TP VC"
@@ -30,22 +26,8 @@ per_domain=           # MD-Easy/Hard utterances per domain (empty: 500)
 md_long_total=        # MD-Long length (empty: 10000)
 md_long_min=          # MD-Long shortest run (empty: 20)
 md_long_max=          # MD-Long longest run (empty: 500)
-methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # yaml names or method+reset tags (sdpl too)
 seeds="0 1 2"         # the paper averages 3 runs
-hparams_dir=          # own yamls (<token>.yaml or <method>.yaml; empty: the packaged ones)
-conf_dir=${recipe_dir}/conf   # <method>.opts: extra decode overrides per method token
 model=                # source model (empty: W2V2 from db.sh)
-decode_opts=          # extra --key=value overrides for every decode (named in the run folder)
-md_decode_opts=       # extra overrides for multi-domain streams (md_*, NAME=md_*) only
-sweep=                # "key=v1,v2 ...": one run per combination (named in the run folder)
-engine=local          # local | slurm: where the decodes run (tta_brain.grid)
-nj=0                  # decodes at a time (0: local, one per CPU core or --per_gpu per GPU; slurm 64)
-gpus=                 # local: GPU ids, e.g. "0 1 2 3"
-per_gpu=2             # local: decodes per GPU
-slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of a Slurm job
-data_dir=${recipe_dir}/data
-exp_dir=${recipe_dir}/exp
-dry_run=false         # print the decode/report commands instead of running them
 
 help_message=$(cat <<EOM
 Usage: $0 [options]
@@ -57,8 +39,8 @@ Options (default):
   --stream_seed N (${stream_seed})  --max_duration SEC (${max_duration})
   --per_domain N  --md_long_total N  --md_long_min N  --md_long_max N  (paper sizes if empty)
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
-  --hparams_dir DIR  --conf_dir DIR  --model DIR_OR_NAME  --decode_opts "OPTS"  --md_decode_opts "OPTS"
-  --sweep "K=V1,V2 ..."  --engine local|slurm (${engine})  --nj N  --gpus "LIST"  --per_gpu N  --slurm_conf YAML
+  --conf_dir DIR  --model DIR_OR_NAME
+${grid_help}
   --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false
 Stages: 0 manifest, 1 corrupt, 2 streams, 3 decode, 4 report.
 EOM
@@ -114,24 +96,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
     db_require W2V2 "It must be a local CTC model directory or a hub name (or pass --model)."
     model=${W2V2}
   fi
-  stream_args=() md_streams=""
-  for snr in ${snrs}; do
-    for spec in ${streams}; do
-      name=${spec%%=*}
-      stream_args+=("snr${snr}/${name}=${data_dir}/snr${snr}/streams/${name}.csv")
-      case "${spec#*=}" in md_*) md_streams="${md_streams} ${name}" ;; esac
-    done
-  done
-  log "Stage 3: decode [${methods}] x [${streams}] x seeds [${seeds}] (${engine}) -> ${exp_dir}"
-  grid_opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}")
-  [ "${engine}" = slurm ] && grid_opts+=(--slurm_conf "${slurm_conf}")
-  ${dry_run} && grid_opts+=(--dry_run)
-  # shellcheck disable=SC2086
-  ${python} -m tta_brain.grid --exp_dir "${exp_dir}" --source "${model}" --data_root "${data_dir}" \
-    --streams "${stream_args[@]}" --methods "${methods}" --seeds "${seeds}" \
-    --hparams_dir "${hparams_dir}" --conf_dir "${conf_dir}" --md_streams "${md_streams}" \
-    --md_decode_opts="${md_decode_opts}" --decode_opts="${decode_opts}" \
-    ${sweep:+--sweep ${sweep}} "${grid_opts[@]}"
+  decode_snr_streams 3 "${data_dir}"
 fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then

@@ -12,14 +12,10 @@
 set -euo pipefail
 
 recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-repo_root=$(cd "${recipe_dir}/../.." && pwd)
-export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
-. "${repo_root}/tools/log.sh"
+. "${recipe_dir}/../../tools/recipe.sh"   # repo_root, log, run, the grid options and stage
 
 # Options (each can be given as --name value).
-stage=0
 stop_stage=5
-python=python3
 corpus_seed=1          # text, voices and rendering of the corpus
 n_train=10000          # training utterances (rendered only with --retrain true)
 n_test=400             # test utterances (held-out sentences and voices)
@@ -38,22 +34,8 @@ per_domain=80          # utterances per domain block of MD-Easy/Hard (paper: 500
 md_long_total=800      # MD-Long-like length (paper: 10000)
 md_long_min=20
 md_long_max=100        # (paper: 500)
-methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"
 seeds="0"
-hparams_dir=           # own yamls (<token>.yaml or <method>.yaml; empty: the packaged ones)
-conf_dir=${recipe_dir}/conf
-decode_opts=""         # overrides for every decode (named in the run folder, e.g. suta_lr1e-4)
-sweep=""               # "key=v1,v2 ...": one run per combination (named in the run folder)
 noprogressbar=false    # true: no progress bars (synthesis, corruption, training, decoding)
-md_decode_opts=""      # overrides for multi-domain streams (default: K and fixed period from the block size)
-engine=local           # local | slurm: where the decodes run (tta_brain.grid)
-nj=0                   # decodes at a time (0: local, one per CPU core or --per_gpu per GPU; slurm 64)
-gpus=""                # local: GPU ids, e.g. "0 1 2 3"
-per_gpu=2              # local: decodes per GPU
-slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of a Slurm job
-data_dir=${recipe_dir}/data
-exp_dir=${recipe_dir}/exp
-dry_run=false
 
 help_message=$(cat <<EOM
 Usage: $0 [options]
@@ -68,9 +50,9 @@ Options (default):
   --per_domain N (${per_domain})  --md_long_total N (${md_long_total})
   --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
   --methods "LIST" (${methods})
-  --seeds "LIST" (${seeds})  --decode_opts "OPTS"  --md_decode_opts "OPTS"  --sweep "K=V1,V2 ..."
-  --hparams_dir DIR  --conf_dir DIR  --noprogressbar true|false
-  --engine local|slurm (${engine})  --nj N  --gpus "LIST"  --per_gpu N (${per_gpu})  --slurm_conf YAML
+  --seeds "LIST" (${seeds})
+  --conf_dir DIR  --noprogressbar true|false
+${grid_help}
   --data_dir DIR  --exp_dir DIR  --dry_run true|false
 Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
 EOM
@@ -142,24 +124,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
 fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
-  stream_args=() md_streams=""
-  for snr in ${snrs}; do
-    for spec in ${streams}; do
-      name=${spec%%=*}
-      stream_args+=("snr${snr}/${name}=${data_dir}/snr${snr}/streams/${name}.csv")
-      case "${spec#*=}" in md_*) md_streams="${md_streams} ${name}" ;; esac
-    done
-  done
-  log "Stage 4: decode [${methods}] x [${streams}] x seeds [${seeds}] (${engine}) -> ${exp_dir}"
-  grid_opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}")
-  [ "${engine}" = slurm ] && grid_opts+=(--slurm_conf "${slurm_conf}")
-  ${dry_run} && grid_opts+=(--dry_run)
-  # shellcheck disable=SC2086
-  ${python} -m tta_brain.grid --exp_dir "${exp_dir}" --source "${model}" --data_root "${data_dir}" \
-    --streams "${stream_args[@]}" --methods "${methods}" --seeds "${seeds}" \
-    --hparams_dir "${hparams_dir}" --conf_dir "${conf_dir}" --md_streams "${md_streams}" \
-    --md_decode_opts="${md_decode_opts}" --decode_opts="${decode_opts}" \
-    ${sweep:+--sweep ${sweep}} "${grid_opts[@]}"
+  decode_snr_streams 4 "${data_dir}"
 fi
 
 if [ ${stage} -le 5 ] && [ ${stop_stage} -ge 5 ]; then

@@ -248,3 +248,20 @@ def hash_inputs(files, base, cache):
             key = str(f)
         out[key] = cache.sha1(f)
     return out
+
+
+def manifest_inputs(out_csv, options, files, base, step, skip_existing=True):
+    """The content record of a manifest made from ``files`` (hashed relative to ``base``, with a
+    hash cache beside ``out_csv``) and whether it must be (re)written: ``(inputs, redo)``; an
+    up-to-date manifest is logged and left alone (``redo`` False)."""
+    out_csv = Path(out_csv)
+    hashes = HashCache(out_csv.parent / HASH_CACHE_NAME)
+    inputs = hash_inputs(files, base, hashes)
+    hashes.save()
+    why = why_redo(out_csv, options, inputs, step=step)
+    if skip_existing and why is None:
+        logger.info("%s: up to date (same options, %d input files unchanged; %s), skipping",
+                    out_csv, len(inputs), hashes.stats())
+        return inputs, False
+    logger.info("%s: %s, writing the manifest", out_csv, why or "rewrite asked")
+    return inputs, True

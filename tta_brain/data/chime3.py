@@ -33,7 +33,7 @@ import logging
 import re
 from pathlib import Path
 
-from .cache import HASH_CACHE_NAME, HashCache, hash_inputs, save_record, why_redo
+from .cache import manifest_inputs, save_record
 from .manifest import audio_duration, to_placeholder, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -112,15 +112,10 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
     for split in splits:
         files += sorted((audio_root / f"{set_name}_{split}").glob("*.wav"))
         files += sorted((trans_root / f"{set_name}_{split}").glob("*.trn"))
-    hashes = HashCache(out_csv.parent / HASH_CACHE_NAME)
-    inputs = hash_inputs(files, root, hashes)
-    hashes.save()
-    why = why_redo(out_csv, options, inputs, step="chime3")
-    if skip_existing and why is None:
-        logger.info("%s: up to date (same options, %d audio and transcript files unchanged; %s), "
-                    "skipping", out_csv, len(inputs), hashes.stats())
+    inputs, redo = manifest_inputs(out_csv, options, files, root, "chime3",
+                                   skip_existing)
+    if not redo:
         return out_csv
-    logger.info("%s: %s, writing the manifest", out_csv, why or "rewrite asked")
     pooled = {}  # {"real"/"simu": {ID: text}} from *.trn_all, read on first need
     rows = []
     for split in splits:

@@ -20,7 +20,7 @@ the files.
 import logging
 from pathlib import Path
 
-from .cache import HASH_CACHE_NAME, HashCache, hash_inputs, save_record, why_redo
+from .cache import manifest_inputs, save_record
 from .manifest import audio_duration, to_placeholder, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -73,15 +73,10 @@ def prepare_librispeech(root, out_csv, split=DEFAULT_SPLIT, data_root=None, skip
                "data_root": str(Path(data_root).resolve()) if data_root else None}
     trans_files = sorted(split_dir.glob("*/*/*.trans.txt"))
     audio_files = sorted(split_dir.glob("*/*/*.flac"))
-    hashes = HashCache(out_csv.parent / HASH_CACHE_NAME)
-    inputs = hash_inputs(trans_files + audio_files, split_dir, hashes)
-    hashes.save()
-    why = why_redo(out_csv, options, inputs, step="librispeech")
-    if skip_existing and why is None:
-        logger.info("%s: up to date (same options, %d transcript and audio files unchanged; %s), "
-                    "skipping", out_csv, len(inputs), hashes.stats())
+    inputs, redo = manifest_inputs(out_csv, options, trans_files + audio_files, split_dir, "librispeech",
+                                   skip_existing)
+    if not redo:
         return out_csv
-    logger.info("%s: %s, writing the manifest", out_csv, why or "rewrite asked")
     texts = read_transcripts(split_dir)
     audio = {p.stem: p for p in audio_files}
     if not audio:

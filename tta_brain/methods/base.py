@@ -159,6 +159,18 @@ class TTAMethod:
     def _grads_finite(grads: List[torch.Tensor]) -> bool:
         return bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
 
+    def step_loss(self, x: torch.Tensor, optimizer, loss_fn=None) -> torch.Tensor:
+        """The first half of a step: zeroed gradients, the counted forward (in train mode if the
+        method adapts so), the loss."""
+        optimizer.zero_grad(set_to_none=False)
+        if self.train_mode:
+            self.net.train()
+        logits = self.forward(x, "adapt_forward")
+        loss = (loss_fn or self.loss)(logits)
+        if self.train_mode:
+            self.net.eval()
+        return loss
+
     def adapt_step(self, x: torch.Tensor, optimizer=None, loss_fn=None, after_backward=None):
         """One forward/backward/update on ``x``. Non-finite losses or gradients skip the update.
 
@@ -174,13 +186,7 @@ class TTAMethod:
         device_steps = device_step.steps_for(self, optimizer)
         if device_steps is not None:
             return device_steps.step(x, optimizer, loss_fn, after_backward)
-        optimizer.zero_grad(set_to_none=False)
-        if self.train_mode:
-            self.net.train()
-        logits = self.forward(x, "adapt_forward")
-        loss = (loss_fn or self.loss)(logits)
-        if self.train_mode:
-            self.net.eval()
+        loss = self.step_loss(x, optimizer, loss_fn)
         value = float(loss.detach())               # the one host sync before the backward
         if not math.isfinite(value):
             return self._skip(f"non-finite loss {value}")

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Shared by the recipes' run.sh, sourced right after recipe_dir is set: repo_root, PYTHONPATH,
+# log() and run() (tools/log.sh), the grid options' defaults and the decode stage on
+# tta_brain.grid (python -m tta_brain.grid --help explains every option).
+repo_root=$(cd "${recipe_dir}/../.." && pwd)
+export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
+. "${repo_root}/tools/log.sh"
+
+# Options every recipe has (each can be given as --name value).
+stage=0               # first stage to run
+python=python3
+methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # method tokens (sdpl too)
+conf_dir=${recipe_dir}/conf   # <method>.opts, <method>_md.opts, <token>.opts: decode overrides
+data_dir=${recipe_dir}/data
+exp_dir=${recipe_dir}/exp
+dry_run=false         # print the decode/report commands instead of running them
+# Grid options.
+hparams_dir=          # own yamls (<token>.yaml or <method>.yaml; empty: the packaged ones)
+decode_opts=          # overrides for every decode (named in the run folder, e.g. suta_lr1e-4)
+md_decode_opts=       # overrides for multi-domain streams only (md_*, NAME=md_*)
+sweep=                # "key=v1,v2 ...": one run per combination (named in the run folder)
+engine=local          # local | slurm: where the decodes run
+nj=0                  # decodes at a time (0: local, one per CPU core or --per_gpu per GPU; slurm 64)
+gpus=                 # local: GPU ids, e.g. "0 1 2 3"
+per_gpu=2             # local: decodes per GPU
+slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of one Slurm job
+grid_help="  --engine local|slurm  --nj N  --gpus \"LIST\"  --per_gpu N  --slurm_conf YAML
+  --decode_opts \"OPTS\"  --md_decode_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"  --hparams_dir DIR"
+
+# grid_streams DATA_DIR "SNRS" "STREAMS": stream_args (snr<S>/<name>=<csv>) and md_streams (the
+# names decoded with the multi-domain option set: md_*, or NAME=md_* of your own name).
+grid_streams() {
+  local data=$1 snr spec name
+  stream_args=() md_streams=""
+  for snr in $2; do
+    for spec in $3; do
+      name=${spec%%=*}
+      stream_args+=("snr${snr}/${name}=${data}/snr${snr}/streams/${name}.csv")
+      case "${spec#*=}" in md_*) md_streams="${md_streams} ${name}" ;; esac
+    done
+  done
+}
+
+# decode_snr_streams STAGE DATA_DIR: the decode stage of a recipe with per-SNR stream folders
+# (snrs, streams, methods, seeds, exp_dir set by the recipe).
+decode_snr_streams() {
+  grid_streams "$2" "${snrs}" "${streams}"
+  log "Stage $1: decode [${methods}] x [${streams}] x seeds [${seeds}] (${engine}) -> ${exp_dir}"
+  decode_grid "${exp_dir}" "$2" "${md_streams}" "${stream_args[@]}"
+}
+
+# decode_grid EXP_DIR DATA_ROOT MD_STREAMS STREAM_ARG...: every method x stream x seed as jobs.
+decode_grid() {
+  local exp=$1 data_root=$2 md=$3
+  shift 3
+  local opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}")
+  [ "${engine}" = slurm ] && opts+=(--slurm_conf "${slurm_conf}")
+  ${dry_run} && opts+=(--dry_run)
+  # shellcheck disable=SC2086
+  ${python} -m tta_brain.grid --exp_dir "${exp}" --source "${model}" --data_root "${data_root}" \
+    --streams "$@" --methods "${methods}" --seeds "${seeds}" --hparams_dir "${hparams_dir}" \
+    --conf_dir "${conf_dir}" --md_streams "${md}" --md_decode_opts="${md_decode_opts}" \
+    --decode_opts="${decode_opts}" ${sweep:+--sweep ${sweep}} "${opts[@]}"
+}
