@@ -14,7 +14,7 @@ from tta_brain.stream import TTAStream
 assert "site" in tta_brain.__file__ or sys.argv[2] in tta_brain.__file__, tta_brain.__file__
 print("methods", hparams.available())
 tta = TTAStream.from_hparams("dsuta", source=sys.argv[1],
-                             overrides={"reset": "dynamic", "steps": 1, "reset_K": 4})
+                             overrides={"reset": "dynamic", "steps": 1, "reset_K": 10})
 g = torch.Generator().manual_seed(0)
 for i in range(3):
     print("hyp", repr(tta.transcribe(0.1 * torch.randn(8000, generator=g))))

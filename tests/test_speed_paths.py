@@ -323,7 +323,7 @@ def test_bench_speed_runs(tiny_model_dir, tmp_path, capsys):
         sys.path.pop(0)
     out = tmp_path / "bench.json"
     res = bench_speed.main(["--model", tiny_model_dir, "--n_utts", "3", "--seconds", "0.6",
-                            "--repeats", "1", "--warmup", "3", "--json", str(out)])
+                            "--repeats", "1", "--warmup", "6", "--json", str(out)])
     printed = capsys.readouterr().out
     for m in ("source", "suta", "dsuta", "dsuta+dynamic", "overhead"):
         assert m in printed

@@ -265,15 +265,17 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU); 1 is the "
                    "most stable on a shared machine")
     p.add_argument("--repeats", type=int, default=3, help="rounds")
-    p.add_argument("--warmup", type=int, default=2, help="utterances each entry processes first")
+    p.add_argument("--warmup", type=int, default=6, help="utterances each entry processes first "
+                   "(>= reset_K/2 + 1, so DSUTA + dynamic reset is timed in its detection stage)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapt", default="layernorm,cnn", help="parameter selectors (paper: layernorm,cnn)")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--suta_steps", type=int, default=10)
     p.add_argument("--dsuta_steps", type=int, default=5)
     p.add_argument("--buffer_size", type=int, default=5)
-    p.add_argument("--reset_K", type=int, default=4, help="dynamic reset K (small, so that the "
-                   "timed stream is in the detection stage: 2 LII forwards per utterance)")
+    p.add_argument("--reset_K", type=int, default=10, help="dynamic reset K (small, so that the "
+                   "timed stream is in the detection stage: 2 LII forwards per utterance; at least "
+                   "2 x --buffer_size)")
     p.add_argument("--reset_patience", type=int, default=2)
     p.add_argument("--reset_threshold", type=float, default=2.0)
     p.add_argument("--slow_grad", default="reuse", choices=("reuse", "recompute"))
