@@ -175,3 +175,25 @@ def test_non_finite_loss_skips_the_step_and_is_logged(data, tmp_path, monkeypatc
     assert "u003 (position 3): 2 adaptation step(s) skipped (non-finite loss nan)" in log
     m = seen["method"]
     assert all(torch.isfinite(p).all() for p in m.params + m.meta)
+
+
+def test_kernel_caches_are_bounded_unless_the_user_sets_them(data, tmp_path):
+    """A run bounds oneDNN's and ideep's shape-keyed caches (a long stream of new lengths would
+    fill them: tools/bench_memory.py), says so in env.log, keeps a value the user set, and the
+    bound changes no transcript."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    base |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for name, extra in (("bounded", {}), ("user", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024",
+                                                  "LRU_CACHE_CAPACITY": "1024"})):
+        res = subprocess.run([sys.executable, "-m", "tta_brain.decode",
+                              *args(data, tmp_path / name, "--steps=1", "--ckpt_every=0",
+                                    method="suta")],
+                             env=base | extra, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+    env = {n: (tmp_path / n / "env.log").read_text() for n in ("bounded", "user")}
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY: 64\n" in env["bounded"]
+    assert "LRU_CACHE_CAPACITY: 64\n" in env["bounded"]
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY: 1024\n" in env["user"]
+    assert "LRU_CACHE_CAPACITY: 1024\n" in env["user"]
+    assert records(tmp_path / "bounded") == records(tmp_path / "user")

@@ -337,3 +337,23 @@ def test_bench_speed_runs(tiny_model_dir, tmp_path, capsys):
     assert data["methods"]["suta"]["wall"]["ratio_to_suta"] == 1.0
     assert {"wall", "cpu"} <= set(data["methods"]["dsuta"])
     assert "overhead_frac" in data["methods"]["dsuta"]["wall"]
+
+
+def test_bench_memory_runs(tmp_path, capsys):
+    """The memory benchmark's whole path (generated model, decode children, windows, the control
+    loop) on a few utterances; its figures are for a person to read, not asserted."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import bench_memory
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "mem.json"
+    for extra in ([], ["--control"]):
+        rc = bench_memory.main(["--lengths", "4", "8", "--window", "4", "--tolerance_mb", "1000",
+                                "--slope_tolerance", "1000", "--workdir", str(tmp_path / "w"),
+                                "--json", str(out), *extra])
+        printed = capsys.readouterr().out
+        assert rc == 0 and "median RSS per 4-utterance window" in printed and "FLAT" in printed
+        data = json.loads(out.read_text())
+        assert [r["n"] for r in data["results"]] == [4, 8]
+        assert len(data["results"][1]["trace"]) == 8 and "tail_slope" in data["results"][1]

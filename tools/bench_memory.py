@@ -9,17 +9,29 @@ CSVs, summary: the whole recipe path) and reports
 * RSS right after utterance 50, 100, 200, ... (the state carried along the stream);
 * on CUDA, the peak of allocated and reserved device memory (``torch.cuda.max_memory_*``).
 
-Nothing per utterance beyond the written records should be kept, so all figures stay flat; the
-last line says whether the peak RSS of the longest stream exceeds the shortest one's by more than
-``--tolerance_mb`` (exit status 1 then).
+Nothing per utterance beyond the written records should be kept, so all figures stay flat.
 
-Utterance lengths: by default the stream cycles through ``--n_lengths 8`` distinct durations, so
-the shape-keyed caches of the CPU kernels (oneDNN's primitive cache, LRU with 1024 entries, and
-the heap those kernels fragment) are warm after a few utterances and what is left to see is
-tta-brain's own state. With ``--n_lengths 0`` every utterance has its own length, as in a real
-corpus: the RSS then creeps up by a few tens of MB until those library caches are full (about
-+70 MB after ~3000 distinct shapes for the default model, flat afterwards; the same happens with a
-bare forward/backward loop, without tta-brain), less with ``TTABrain``'s periodic ``malloc_trim``.
+Utterance lengths: by default every utterance has its own length, as in a real corpus
+(``--n_lengths 8`` cycles through 8 durations instead). Each new length makes the CPU kernels build
+and cache new shape-keyed set-ups (oneDNN's primitive cache and ideep's convolution cache, 1024
+entries each by default), and the RSS crept up with them, in tta-brain and in the ``--control``
+loop alike. ``tta_brain.decode`` and ``TTAStream`` therefore bound both caches to 64 entries
+(``runtime.bound_kernel_caches``; a value the user exports wins). Measured on the 2-core CI
+machine, 2,000 random-length utterances, generated model, dsuta + dynamic (the defaults below),
+median RSS per 200-utterance window and the tail slope::
+
+    caches at 1024 (before)   768, 786, 795, 802, 805, 806, 809, 810, 811, 811 MiB   +0.72 MiB/100 utts
+    caches at 64 (default)    753, 754, 755, 756, 756, 755, 755, 756, 755, 756 MiB   +0.06 MiB/100 utts
+    control loop, 1024        731, 750, 767, 777, 780, 783, 786, 786, 789, 792 MiB   +1.07 MiB/100 utts
+    control loop, 64          719, 725, 727, 728, 729, 729, 729, 729, 730, 730 MiB   +0.10 MiB/100 utts
+
+(the control is the same model, inputs and steps in a plain loop without tta-brain; the control at
+64 also traced the Python heap, hence its lower level is not comparable; oneDNN off altogether,
+``--mkldnn off``, is flat as well). The bound changes no transcript (tests/test_brain.py) and no speed we could measure: 400
+utterances with the synthetic source model took 43.1 / 44.7 s bounded and 53.7 / 44.1 s at 1024
+(alternating runs). The last line of the output says GROWS when the longest run's peak RSS exceeds
+the shortest one's by more than ``--tolerance_mb`` or, from ``2 x --window`` utterances on, the
+slope of its second half exceeds ``--slope_tolerance`` (exit status 1 then).
 
 Usage::
 
@@ -49,6 +61,10 @@ if ROOT not in sys.path:
 from tta_brain.testing import save_random_ctc_model  # noqa: E402
 WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL")
 SR = 16000
+#: environment variables that change the memory behaviour (printed when set)
+ENV_KNOBS = ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+             "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+             "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "LD_PRELOAD")
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -126,20 +142,79 @@ def peak_rss_mb():
     return kb / 1024
 
 
+def smaps_rollup_mb():
+    """Anonymous and file-backed resident memory of this process (MiB), Linux only."""
+    out = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Anonymous", "Rss"):
+                    out[key] = int(rest.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def _mallinfo2():
+    """glibc's ``mallinfo2`` (glibc >= 2.33), or None."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(k, ctypes.c_size_t) for k in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                   "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                   "keepcost")]
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+    return fn
+
+
+class Tracer:
+    """RSS after every utterance; with ``py_heap``, the traced Python heap (``tracemalloc``) and
+    glibc's heap (``mallinfo2``: bytes in use in the malloc arenas + mmapped chunks, and the free
+    bytes the arenas hold)."""
+
+    def __init__(self, py_heap=False):
+        self.rss, self.py, self.c_used, self.c_free = [], [], [], []
+        self.py_heap = py_heap
+        self.mallinfo = _mallinfo2() if py_heap else None
+        if py_heap:
+            import tracemalloc
+            tracemalloc.start()
+
+    def __call__(self):
+        self.rss.append(round(rss_mb() or 0.0, 2))
+        if self.mallinfo is not None:
+            m = self.mallinfo()
+            self.c_used.append(round((m.uordblks + m.hblkhd) / 2 ** 20, 3))
+            self.c_free.append(round(m.fordblks / 2 ** 20, 3))
+        if self.py_heap:
+            import tracemalloc
+            self.py.append(round(tracemalloc.get_traced_memory()[0] / 2 ** 20, 3))
+
+
 def child(args):
     """Decode one stream in this process and print one JSON line of measurements."""
+    if args.control:
+        return control(args)
     import torch
 
-    from tta_brain import decode
+    from tta_brain import brain, decode
     from tta_brain.brain import TTABrain
-    marks, rss_at = set(args.marks), {}
+    _knobs(args)
+    if args.trim_every is not None:      # 0: never
+        brain.TRIM_EVERY = args.trim_every or 10 ** 12
+    if args.prefetch is not None:
+        brain.PREFETCH = args.prefetch
+    trace = Tracer(args.py_heap)
     orig = TTABrain.evaluate_batch
 
     def measured(self, batch, stage=None):
         hyp = orig(self, batch)
-        done = batch[1].position + 1
-        if done in marks:
-            rss_at[done] = round(rss_mb(), 1)
+        trace()
         return hyp
     TTABrain.evaluate_batch = measured
     cuda = args.device.startswith("cuda")
@@ -150,17 +225,110 @@ def child(args):
                            f"--stream_csv={args.stream}", f"--output_folder={args.out}",
                            f"--data_root={args.data_root}", f"--device={args.device}",
                            "--noprogressbar", *args.decode_opts.split()])
-    res = {"n": summary["n_utts"], "peak_rss_mb": round(peak_rss_mb(), 1),
-           "end_rss_mb": round(rss_mb() or 0, 1), "rss_at": rss_at,
-           "resets": len(summary["resets"]), "wer": round(summary["wer"], 2),
-           "wall_s": round(time.time() - t0, 1)}
-    if cuda:
+    res = {"n": summary.n_utts, "resets": len(summary.resets), "wer": round(summary.wer, 2)}
+    _report(args, res, trace, t0)
+
+
+def _knobs(args):
+    import torch
+    if args.mkldnn == "off":
+        torch.backends.mkldnn.enabled = False
+
+
+def _report(args, res, trace, t0):
+    import torch
+    res.update({"peak_rss_mb": round(peak_rss_mb(), 1), "end_rss_mb": round(rss_mb() or 0, 1),
+                "rss_at": {m: round(trace.rss[m - 1], 1) for m in args.marks
+                           if m <= len(trace.rss)},
+                "trace": trace.rss, "smaps": smaps_rollup_mb(), "wall_s": round(time.time() - t0, 1)})
+    if trace.py:
+        res["py_heap"] = trace.py
+    if trace.c_used:
+        res["malloc_used"], res["malloc_free"] = trace.c_used, trace.c_free
+    if args.device.startswith("cuda"):
         res["cuda_peak_alloc_mb"] = round(torch.cuda.max_memory_allocated() / 2 ** 20, 1)
         res["cuda_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2 ** 20, 1)
     print("BENCH_MEMORY " + json.dumps(res), flush=True)
 
 
-def main():
+def control(args):
+    """The control: the same model, inputs and lengths in a plain loop without tta-brain objects
+    (its ``suta_loss`` is the only import: a pure function). Per utterance, as dsuta: ``steps``
+    x (forward, SUTA loss, backward with oneDNN off as ``cpu_native_backward``, AdamW step) and
+    one prediction forward; the LayerNorm + CNN parameters adapt, from the source every
+    ``--block`` utterances (as a reset would)."""
+    import soundfile as sf
+    import torch
+    from transformers import AutoModelForCTC
+
+    from tta_brain.losses import suta_loss
+    _knobs(args)
+    trim = None
+    if args.trim_every:
+        import ctypes
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    opts = dict(o.lstrip("-").split("=", 1) for o in args.decode_opts.split() if "=" in o)
+    steps, lr = int(opts.get("steps", 10)), float(opts.get("lr", 2e-5))
+    torch.manual_seed(0)
+    model = AutoModelForCTC.from_pretrained(args.source).to(args.device).eval()
+    model.requires_grad_(False)
+    params = [p for n, p in model.named_parameters()
+              if "layer_norm" in n or "feature_extractor" in n or "feature_projection" in n]
+    for p in params:
+        p.requires_grad_(True)
+    source = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    with open(args.stream) as f:
+        rows = list(csv.DictReader(f))
+    trace = Tracer(args.py_heap)
+    t0 = time.time()
+    for i, row in enumerate(rows):
+        wav, _ = sf.read(row["wav"].replace("$data_root", args.data_root), dtype="float32")
+        x = torch.from_numpy(wav)[None].to(args.device)
+        x = (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + 1e-7)
+        if i % args.block == 0:
+            with torch.no_grad():
+                torch._foreach_copy_(params, source)
+            for state in opt.state.values():
+                for v in state.values():
+                    v.zero_()
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=False)
+            loss = suta_loss(model(x).logits).mean()
+            prev = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = not args.device == "cpu" and prev
+            loss.backward()
+            torch.backends.mkldnn.enabled = prev
+            opt.step()
+        with torch.no_grad():
+            model(x).logits.argmax(-1)
+        if trim is not None and (i + 1) % args.trim_every == 0:
+            trim(0)
+        trace()
+    _report(args, {"n": len(rows), "resets": 0, "wer": 0.0}, trace, t0)
+
+
+def windows(trace, size):
+    """Median RSS of each window of ``size`` utterances (the last one may be shorter)."""
+    import statistics
+    return [round(statistics.median(trace[i:i + size]), 1) for i in range(0, len(trace), size)]
+
+
+def tail_slope(trace, start=None):
+    """Least-squares slope of the RSS over utterances ``start..`` (default: the last half), in
+    MiB per 100 utterances."""
+    start = len(trace) // 2 if start is None else start
+    ys = trace[start:]
+    n = len(ys)
+    if n < 2:
+        return float("nan")
+    mx, my = (n - 1) / 2, sum(ys) / n
+    sxy = sum((i - mx) * (y - my) for i, y in enumerate(ys))
+    sxx = sum((i - mx) ** 2 for i in range(n))
+    return 100 * sxy / sxx
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[50, 100, 200, 400])
@@ -170,7 +338,7 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seconds", type=float, nargs=2, default=(0.5, 1.0),
                    help="utterance durations: uniform in [min, max] s")
-    p.add_argument("--n_lengths", type=int, default=8,
+    p.add_argument("--n_lengths", type=int, default=0,
                    help="distinct utterance lengths (0: every utterance its own random length)")
     p.add_argument("--block", type=int, default=25, help="utterances per domain block")
     p.add_argument("--hparams", default="dsuta", help="method name or yaml (default: dsuta)")
@@ -180,6 +348,21 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the runs")
     p.add_argument("--workdir", help="keep inputs and outputs here (default: a temp dir)")
     p.add_argument("--tolerance_mb", type=float, default=20.0)
+    p.add_argument("--window", type=int, default=200,
+                   help="utterances per window of the windowed RSS (median per window)")
+    p.add_argument("--slope_tolerance", type=float, default=0.5,
+                   help="MiB per 100 utterances: a larger tail slope of the longest run is growth")
+    p.add_argument("--control", action="store_true",
+                   help="the control: a plain forward/SUTA loss/backward/AdamW loop on the same "
+                        "model and inputs, without tta-brain (steps and lr from --decode_opts)")
+    p.add_argument("--py_heap", action="store_true",
+                   help="also trace the Python heap (tracemalloc; slower) and glibc's (mallinfo2)")
+    p.add_argument("--trim_every", type=int,
+                   help="bisecting: utterances between malloc_trim calls (TTABrain.TRIM_EVERY; "
+                        "0: never; the control trims only with it)")
+    p.add_argument("--prefetch", type=int, help="bisecting: TTABrain.PREFETCH (0: no thread)")
+    p.add_argument("--mkldnn", choices=("on", "off"), default="on",
+                   help="bisecting: off = torch.backends.mkldnn.enabled False for the whole run")
     p.add_argument("--json", help="write the measurements here")
     # internal: one measured run
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -187,7 +370,7 @@ def main():
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--data_root", help=argparse.SUPPRESS)
     p.add_argument("--marks", type=int, nargs="*", default=[], help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         return child(args)
 
@@ -202,10 +385,17 @@ def main():
            "MKL_NUM_THREADS": str(args.threads), "PYTHONPATH": ROOT}
     print(f"device {args.device} | model {source if args.source else 'generated wav2vec2 '}"
           f"{'' if args.source else f'(hidden {args.hidden}, {args.layers} layers)'} | "
+          f"{'CONTROL (plain loop) ' if args.control else ''}"
           f"{args.hparams} {args.decode_opts} | utterances "
           f"{args.seconds[0]}-{args.seconds[1]} s "
           f"({f'{args.n_lengths} distinct lengths' if args.n_lengths else 'random lengths'}) | "
           f"work dir {work}", flush=True)
+    knobs = [f"{k}={os.environ[k]}" for k in ENV_KNOBS if k in os.environ]
+    knobs += [f"--{k}={getattr(args, k)}" for k in ("trim_every", "prefetch")
+              if getattr(args, k) is not None]
+    knobs += ["--mkldnn=off"] if args.mkldnn == "off" else []
+    if knobs:
+        print("settings: " + " ".join(knobs), flush=True)
     results = []
     for n in lengths:
         stream = os.path.join(work, f"stream_{n}.csv")
@@ -215,7 +405,12 @@ def main():
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--stream", stream,
                "--out", out, "--data_root", work, "--device", args.device,
                "--hparams", args.hparams, "--decode_opts=" + args.decode_opts,
-               "--source", source, "--marks", *map(str, [m for m in marks if m <= n])]
+               "--block", str(args.block), "--source", source,
+               *(["--control"] if args.control else []), *(["--py_heap"] if args.py_heap else []),
+               *([f"--trim_every={args.trim_every}"] if args.trim_every is not None else []),
+               *([f"--prefetch={args.prefetch}"] if args.prefetch is not None else []),
+               f"--mkldnn={args.mkldnn}",
+               "--marks", *map(str, [m for m in marks if m <= n])]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_MEMORY ")]
         if proc.returncode != 0 or not line:
@@ -224,20 +419,42 @@ def main():
         res = json.loads(line[0].split(" ", 1)[1])
         results.append(res)
         at = ", ".join(f"@{k}: {v:.1f}" for k, v in res["rss_at"].items())
-        cuda = (f" | CUDA peak alloc {res['cuda_peak_alloc_mb']:.1f} MB, reserved "
-                f"{res['cuda_peak_reserved_mb']:.1f} MB" if "cuda_peak_alloc_mb" in res else "")
-        print(f"{n:6d} utts | peak RSS {res['peak_rss_mb']:8.1f} MB | end RSS "
-              f"{res['end_rss_mb']:8.1f} MB | RSS after utterance ({at}) MB{cuda} | "
+        cuda = (f" | CUDA peak alloc {res['cuda_peak_alloc_mb']:.1f} MiB, reserved "
+                f"{res['cuda_peak_reserved_mb']:.1f} MiB" if "cuda_peak_alloc_mb" in res else "")
+        print(f"{n:6d} utts | peak RSS {res['peak_rss_mb']:8.1f} MiB | end RSS "
+              f"{res['end_rss_mb']:8.1f} MiB | RSS after utterance ({at}) MiB{cuda} | "
               f"{res['resets']} resets | WER {res['wer']:.1f}% | {res['wall_s']:.0f} s", flush=True)
+        if n >= 2 * args.window:
+            res["windows"] = windows(res["trace"], args.window)
+            res["tail_slope"] = tail_slope(res["trace"])
+            print(f"{'':6s}      | median RSS per {args.window}-utterance window (MiB): "
+                  f"{', '.join(f'{w:.0f}' for w in res['windows'])}")
+            extra = ""
+            if "py_heap" in res:
+                extra = (f"; Python heap (tracemalloc) {res['py_heap'][n // 2]:.2f} -> "
+                         f"{res['py_heap'][-1]:.2f} MiB, slope "
+                         f"{tail_slope(res['py_heap']):+.3f} MiB per 100")
+            if "malloc_used" in res:
+                extra += (f"; malloc in use {res['malloc_used'][n // 2]:.1f} -> "
+                          f"{res['malloc_used'][-1]:.1f} MiB (slope "
+                          f"{tail_slope(res['malloc_used']):+.3f}), held free "
+                          f"{res['malloc_free'][n // 2]:.1f} -> {res['malloc_free'][-1]:.1f} MiB")
+            print(f"{'':6s}      | tail slope (utterances {n // 2 + 1}-{n}): "
+                  f"{res['tail_slope']:+.2f} MiB per 100 utterances{extra}", flush=True)
     growth = results[-1]["peak_rss_mb"] - results[0]["peak_rss_mb"]
     flat = growth <= args.tolerance_mb
-    line = (f"peak RSS {lengths[0]} -> {lengths[-1]} utterances: {growth:+.1f} MB "
+    line = (f"peak RSS {lengths[0]} -> {lengths[-1]} utterances: {growth:+.1f} MiB "
             f"({100 * growth / results[0]['peak_rss_mb']:+.2f}%)")
+    if "tail_slope" in results[-1]:
+        slope = results[-1]["tail_slope"]
+        line += f"; tail slope {slope:+.2f} MiB per 100 utterances"
+        flat = flat and slope <= args.slope_tolerance
     if "cuda_peak_alloc_mb" in results[0]:
         g = results[-1]["cuda_peak_alloc_mb"] - results[0]["cuda_peak_alloc_mb"]
-        line += f"; CUDA peak allocated {g:+.1f} MB"
+        line += f"; CUDA peak allocated {g:+.1f} MiB"
         flat = flat and g <= args.tolerance_mb
-    print(f"{line} -> {'FLAT' if flat else 'GROWS'} (tolerance {args.tolerance_mb:.0f} MB)")
+    print(f"{line} -> {'FLAT' if flat else 'GROWS'} (tolerance {args.tolerance_mb:.0f} MiB, "
+          f"{args.slope_tolerance:g} MiB per 100 utterances)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "child"},

@@ -39,6 +39,7 @@ from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
 from tta_brain.envinfo import versions
 from tta_brain.records import CSV_FILES, RecordError, clear_run, read_summary
+from tta_brain.runtime import KERNEL_CACHE_VARIABLES, bound_kernel_caches
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ def _log_run(out, argv, seed):
         f.write(f"Seed: {seed}\n")
         for k, v in vers.items():
             f.write(f"{k}: {v}\n")
+        for k in KERNEL_CACHE_VARIABLES:
+            f.write(f"{k}: {os.environ.get(k, '(library default)')}\n")
 
 
 @dataclass
@@ -179,6 +182,7 @@ def _run(p: Plan, argv):
     if status == "differs" and not p.args.overwrite:
         _refuse(p.out, diffs)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS reads it at start-up
+    bound_kernel_caches()                                          # before the first forward
     _determinism(p.resolved.get("device"))
     try:
         hparams = hp_files.load(p.path, p.args.overrides)

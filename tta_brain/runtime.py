@@ -8,6 +8,7 @@ plain paths, ``tools/bench_speed.py`` measures them). ``cuda_device_steps`` and 
 """
 import ctypes
 import ctypes.util
+import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -178,6 +179,27 @@ def native_cpu_kernels():
         yield
     finally:
         torch.backends.mkldnn.enabled = prev
+
+
+#: entries kept by oneDNN's primitive cache and by ideep's (PyTorch's oneDNN glue) LRU cache of
+#: convolution set-ups, per run (both default to 1024)
+KERNEL_CACHE_CAPACITY = 64
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> dict:
+    """Bound the shape-keyed caches of the CPU kernels, unless the user set their variables;
+    returns the values in force.
+
+    oneDNN (the CPU convolutions and GELUs) caches one compiled primitive per input shape, and
+    ideep one convolution set-up per shape, up to 1024 each. On a real stream every utterance has
+    its own length, so the caches fill with shapes that never come back and the RSS of a long run
+    creeps up, with or without tta-brain (tools/bench_memory.py and its ``--control`` loop). One
+    utterance reuses only its own shapes across its adaptation steps, so 64 entries lose no reuse.
+    Both libraries read their variable when they first build a kernel: call this before the first
+    forward (a later call changes nothing).
+    """
+    return {k: os.environ.setdefault(k, str(int(capacity))) for k in KERNEL_CACHE_VARIABLES}
 
 
 def _libc_malloc_trim():

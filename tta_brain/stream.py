@@ -18,12 +18,14 @@ import torch
 
 from tta_brain import hparams as hp_files
 from tta_brain.methods.base import TTAMethod, UttInfo
+from tta_brain.runtime import bound_kernel_caches
 
 
 class TTAStream:
     """Feed utterances one at a time; get transcripts back, adapting as you go."""
 
     def __init__(self, method: TTAMethod, sample_rate: int = 16000):
+        bound_kernel_caches()      # a live stream is long: every length is new (runtime.py)
         self.method = method
         self.sample_rate = sample_rate
         self.position = 0
