@@ -195,7 +195,9 @@ def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> dict:
     ideep one convolution set-up per shape, up to 1024 each. On a real stream every utterance has
     its own length, so the caches fill with shapes that never come back and the RSS of a long run
     creeps up, with or without tta-brain (tools/bench_memory.py and its ``--control`` loop). One
-    utterance reuses only its own shapes across its adaptation steps, so 64 entries lose no reuse.
+    utterance reuses only its own shapes across its adaptation steps, so 64 entries lose no reuse
+    (oneDNN's creation log, SUTA on two 3 s utterances with a wav2vec2-base-sized model: 63 misses
+    and 321 hits at 64 entries, the same at 1024).
     Both libraries read their variable when they first build a kernel: call this before the first
     forward (a later call changes nothing).
     """
