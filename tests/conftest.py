@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.append(os.path.join(ROOT, "tools"))      # the benchmark and check scripts
 
 
 def save_ctc_model(out_dir, seed=0, norm="group", hidden=32, layers=2, **config_overrides):

@@ -1,18 +1,10 @@
 """tools/bench_speed.py with a train-mode method: AWMC's adaptation passes are costed at a
 train-mode unit pass (timed alongside), its inference / auxiliary forwards at the eval one."""
 import json
-import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_speed_costs_train_mode_methods_with_train_mode_units(tiny_model_dir, tmp_path, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import bench_speed
-    finally:
-        sys.path.pop(0)
+    import bench_speed
     out = tmp_path / "bench.json"
     res = bench_speed.main(["--model", tiny_model_dir, "--n_utts", "2", "--seconds", "0.6",
                             "--repeats", "1", "--warmup", "1", "--methods", "suta,awmc",

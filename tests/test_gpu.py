@@ -17,8 +17,6 @@ import copy
 import json
 import logging
 import math
-import os
-import sys
 from contextlib import nullcontext
 
 import pytest
@@ -31,7 +29,6 @@ from tta_brain.resets import make_reset_policy
 from tta_brain.runtime import Runtime
 from tta_brain.state import snapshot
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA = torch.cuda.is_available()
 GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
 
@@ -450,7 +447,6 @@ def test_decode_labels_equals_decode(tiny_lobe):
 
 # ------------------------------------------------------------------------------ tools
 def _gpu_check():
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import gpu_check
     return gpu_check
 
@@ -487,7 +483,6 @@ def test_gpu_check_sections_run_on_cpu(tmp_path):
 
 
 def test_bench_speed_has_the_cuda_graphs_option():
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import bench_speed
     assert bench_speed.parse_args(["--cuda_graphs"]).cuda_graphs is True
     assert bench_speed.parse_args([]).cuda_graphs is False

@@ -23,9 +23,9 @@ from fake_corpora import write_stream
 from tta_brain import decode, grid
 from tta_brain.identity import LOCK_FILE
 
+import compare_runs  # tools/, on the path from conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import compare_runs  # noqa: E402
 
 RUN = ["--noprogressbar", "--ckpt_every=3"]             # run options: not in run names
 METHOD = {"source": [], "suta": ["--steps=2", "--lr=0.05"], "csuta": ["--steps=2", "--lr=0.05"],

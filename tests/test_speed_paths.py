@@ -17,7 +17,6 @@ On a tiny real Wav2Vec2ForCTC (``conftest.save_ctc_model``) and deterministic au
 """
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ from tta_brain.resets import DynamicReset
 from tta_brain.state import copy_optimizer_state, snapshot, zero_optimizer_state
 from tta_brain.testing import TINY, save_random_ctc_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-6
 
 
@@ -316,11 +314,7 @@ def test_compiled_forward_same_transcripts(make, utterances):
 
 # ----------------------------------------------------------------------------- benchmark script
 def test_bench_speed_runs(tiny_model_dir, tmp_path, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import bench_speed
-    finally:
-        sys.path.pop(0)
+    import bench_speed
     out = tmp_path / "bench.json"
     res = bench_speed.main(["--model", tiny_model_dir, "--n_utts", "3", "--seconds", "0.6",
                             "--repeats", "1", "--warmup", "6", "--json", str(out)])
@@ -342,11 +336,7 @@ def test_bench_speed_runs(tiny_model_dir, tmp_path, capsys):
 def test_bench_memory_runs(tmp_path, capsys):
     """The memory benchmark's whole path (generated model, decode children, windows, the control
     loop) on a few utterances; its figures are for a person to read, not asserted."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import bench_memory
-    finally:
-        sys.path.pop(0)
+    import bench_memory
     out = tmp_path / "mem.json"
     for extra in ([], ["--control"]):
         rc = bench_memory.main(["--lengths", "4", "8", "--window", "4", "--tolerance_mb", "1000",

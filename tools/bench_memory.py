@@ -53,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -253,7 +254,7 @@ def _report(args, res, trace, t0):
 
 def control(args):
     """The control: the same model, inputs and lengths in a plain loop without tta-brain objects
-    (its ``suta_loss`` is the only import: a pure function). Per utterance, as dsuta: ``steps``
+    (its only imports: the pure ``suta_loss`` and the ``native_cpu_kernels`` switch). Per utterance, as dsuta: ``steps``
     x (forward, SUTA loss, backward with oneDNN off as ``cpu_native_backward``, AdamW step) and
     one prediction forward; the LayerNorm + CNN parameters adapt, from the source every
     ``--block`` utterances (as a reset would)."""
@@ -262,6 +263,7 @@ def control(args):
     from transformers import AutoModelForCTC
 
     from tta_brain.losses import suta_loss
+    from tta_brain.runtime import native_cpu_kernels
     _knobs(args)
     trim = None
     if args.trim_every:
@@ -295,10 +297,8 @@ def control(args):
         for _ in range(steps):
             opt.zero_grad(set_to_none=False)
             loss = suta_loss(model(x).logits).mean()
-            prev = torch.backends.mkldnn.enabled
-            torch.backends.mkldnn.enabled = not args.device == "cpu" and prev
-            loss.backward()
-            torch.backends.mkldnn.enabled = prev
+            with native_cpu_kernels() if args.device == "cpu" else nullcontext():
+                loss.backward()
             opt.step()
         with torch.no_grad():
             model(x).logits.argmax(-1)
