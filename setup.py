@@ -32,7 +32,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "test": ["pytest>=7", "wheel"],
-        # SGEM's word n-gram LM (tta_brain.lm), as the official SGEM: pyctcdecode + KenLM. kenlm
+        # SGEM's word n-gram LM (tta_brain.asr.lm), as the official SGEM: pyctcdecode + KenLM. kenlm
         # builds from source (C++ compiler, ~2 min); pyctcdecode 0.5.0 pins numpy<2.
         "lm": ["pyctcdecode==0.5.0", "kenlm>=0.2"],
     },

@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import torch
 
-from tta_brain.testing import TINY, save_random_ctc_model
+from tta_brain.lobes.testing import TINY, save_random_ctc_model
 
 # Tiny models on a shared 2-core machine: one thread avoids oversubscription (20-50x slowdowns),
 # also in the recipe subprocesses the tests start.
@@ -38,7 +38,7 @@ def build_on(model_dir, name, plain=False, **kwargs):
     speed paths are checked against: no feature cache and the optimisers' per-tensor loops."""
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.methods import build_method
-    from tta_brain.runtime import Runtime
+    from tta_brain.lobes.runtime import Runtime
     runtime = {k: kwargs.pop(k) for k in list(kwargs) if k in RUNTIME_KEYS}
     if plain:
         runtime.setdefault("cache_features", "off")

@@ -18,7 +18,7 @@ import torch
 
 from fake_corpora import write_stream
 from tta_brain import decode
-from tta_brain.brain import TTABrain
+from tta_brain.run.brain import TTABrain
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDS = ("transcripts.csv", "resets.csv", "lii.csv", "rejects.csv", "wer.txt")

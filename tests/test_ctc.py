@@ -1,6 +1,6 @@
 """CTC decoding: greedy paths and labels, prefix beam search, forced alignment (torchaudio).
 
-The hand-written Viterbi aligner and prefix beam search that ``tta_brain.ctc`` used before are
+The hand-written Viterbi aligner and prefix beam search that ``tta_brain.asr.ctc`` used before are
 kept here as slow references (``ref_viterbi_align``, ``ref_prefix_beam_search``): the library
 aligner and the optimised search must give the same results, on random inputs and on posteriors
 of the synthetic recipe's model. (The word-LM decoder is tested in ``test_lm.py``.)
@@ -13,7 +13,7 @@ from itertools import product
 import pytest
 import torch
 
-from tta_brain.ctc import collapse, greedy_labels, greedy_path, prefix_beam_search, viterbi_align
+from tta_brain.asr.ctc import collapse, greedy_labels, greedy_path, prefix_beam_search, viterbi_align
 
 BLANK = 0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -321,7 +321,7 @@ def synth_log_probs():
     10 dB white noise, and (as adaptation moves the model) the same logits slightly perturbed."""
     if not os.path.isfile(os.path.join(SYNTH_MODEL, "config.json")):
         pytest.skip("the synthetic recipe's source model is not in the checkout")
-    from tta_brain.data.tts import EspeakTTS
+    from tta_brain.data.prep.tts import EspeakTTS
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     tts = EspeakTTS()
     lobe = HFCTCLobe(SYNTH_MODEL)

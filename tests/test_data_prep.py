@@ -14,15 +14,16 @@ import torch
 from fake_corpora import (estimate_snr_db, fake_noise, fake_speech, make_chime3,
                           make_librispeech, make_ms_snsd)
 from tta_brain.data import audio as audio_mod
-from tta_brain.data import cache, prepare
+from tta_brain.data import cache
+from tta_brain.data.prep import prepare
 from tta_brain.data.audio import AudioError, load_audio, write_audio
-from tta_brain.data.chime3 import clean_transcript, prepare_chime3
-from tta_brain.data.librispeech import prepare_librispeech
+from tta_brain.data.prep.chime3 import clean_transcript, prepare_chime3
+from tta_brain.data.prep.librispeech import prepare_librispeech
 from tta_brain.data.manifest import (STREAM_COLUMNS, ManifestError, ManifestNotFoundError,
                                      read_manifest, resolve_path, validate_manifest,
                                      write_manifest)
 from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
-from tta_brain.data.ms_snsd import LS_C_NOISES, corrupt_manifest, manifest_path
+from tta_brain.data.prep.ms_snsd import LS_C_NOISES, corrupt_manifest, manifest_path
 
 SR = 16000
 

@@ -1,4 +1,4 @@
-"""The device path of the adaptation steps (``tta_brain.graphs``): what a CPU can check, and the
+"""The device path of the adaptation steps (``tta_brain.gpu.graphs``): what a CPU can check, and the
 CUDA checks (skipped without a GPU).
 
 On CPU the skeleton keeps its host path, untouched (tests/test_methods.py and
@@ -22,12 +22,12 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from tta_brain import device_step, graphs
+from tta_brain.gpu import device_step, graphs
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo, build_method
-from tta_brain.resets import make_reset_policy
-from tta_brain.runtime import Runtime
-from tta_brain.state import snapshot
+from tta_brain.methods.resets import make_reset_policy
+from tta_brain.lobes.runtime import Runtime
+from tta_brain.methods.state import snapshot
 
 CUDA = torch.cuda.is_available()
 GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
@@ -354,7 +354,7 @@ def test_fused_step_with_found_inf_leaves_the_optimiser_unchanged():
 
 
 def test_device_optimizer_blocker():
-    from tta_brain.optim import RepeatedAdam
+    from tta_brain.methods.optim import RepeatedAdam
     p = [torch.nn.Parameter(torch.randn(3))]
     assert "SGD" in device_step.device_optimizer_blocker(torch.optim.SGD(p, lr=0.1))
     assert "RepeatedAdam" in device_step.device_optimizer_blocker(

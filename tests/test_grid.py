@@ -21,7 +21,7 @@ import pytest
 
 from fake_corpora import write_stream
 from tta_brain import decode, grid
-from tta_brain.identity import LOCK_FILE
+from tta_brain.run.identity import LOCK_FILE
 
 import compare_runs  # tools/, on the path from conftest.py
 

@@ -1,4 +1,4 @@
-"""Word n-gram LM beam search (``tta_brain.lm``: pyctcdecode + KenLM, the ``[lm]`` extra).
+"""Word n-gram LM beam search (``tta_brain.asr.lm``: pyctcdecode + KenLM, the ``[lm]`` extra).
 
 The LMs are ARPA files that the tests estimate themselves from a handful of sentences (a back-off
 bigram with absolute discounting). Tests that need the extra skip when it is not installed.
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tta_brain.ctc import collapse, prefix_beam_search, viterbi_align
-from tta_brain.lm import LM_EXTRA_HINT, LMBeamSearch, arpa_unigrams, require_lm_packages
+from tta_brain.asr.ctc import collapse, prefix_beam_search, viterbi_align
+from tta_brain.asr.lm import LM_EXTRA_HINT, LMBeamSearch, arpa_unigrams, require_lm_packages
 from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB
 
 try:

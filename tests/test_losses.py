@@ -1,4 +1,4 @@
-"""Every loss of ``tta_brain.losses`` against an independent, slow float64 reference.
+"""Every loss of ``tta_brain.methods.losses`` against an independent, slow float64 reference.
 
 The references below are written from the formulas (paper appendix + notes on the official code)
 with explicit Python loops over frames and classes; they share no code with the library.
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tta_brain import losses
+from tta_brain.methods import losses
 
 TOL = 1e-6
 BLANK = 0
@@ -412,7 +412,7 @@ def _former_ctc_pseudo_label_loss(logits, targets, lengths=None, blank_id=0):
 def test_ctc_pseudo_label_identical_to_former_for_lists_tensors_and_greedy_labels(with_lengths):
     """Greedy pseudo labels from ``ctc.greedy_labels`` (tensors on the logits' device), plain
     lists and CPU tensors give bit-identical losses and gradients, equal to the former code."""
-    from tta_brain.ctc import collapse, greedy_labels
+    from tta_brain.asr.ctc import collapse, greedy_labels
     batch, lens, _ = padded_batch(seed=21, V=6, lens=(12, 7, 9, 1), blank_bias=0.5)
     batch = batch.float()
     lens = lens if with_lengths else None

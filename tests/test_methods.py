@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import build_on
-from tta_brain import losses
+from tta_brain.methods import losses
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import METHODS, UttInfo, build_method
-from tta_brain.resets import (DynamicReset, FixedReset, NoReset, OracleReset, fit_gaussian,
+from tta_brain.methods.resets import (DynamicReset, FixedReset, NoReset, OracleReset, fit_gaussian,
                               make_reset_policy, z_score)
 
 

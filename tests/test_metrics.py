@@ -4,7 +4,7 @@ import math
 import jiwer
 import pytest
 
-from tta_brain.metrics import corpus_error_rate, error_rate, normalize_text, word_errors
+from tta_brain.asr.metrics import corpus_error_rate, error_rate, normalize_text, word_errors
 
 PAIRS = [("the cat sat on the mat", "the cat sat on mat"),
          ("a b c d", "a x c d e"),

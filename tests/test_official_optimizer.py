@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from conftest import build_on
-from tta_brain import losses
+from tta_brain.methods import losses
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo
-from tta_brain.optim import build_optimizer
-from tta_brain.optim import RepeatedAdam
-from tta_brain.params import (Selection, describe_selection, official_entries, param_groups,
+from tta_brain.methods.optim import build_optimizer
+from tta_brain.methods.optim import RepeatedAdam
+from tta_brain.methods.params import (Selection, describe_selection, official_entries, param_groups,
                               select_parameters)
-from tta_brain.testing import TINY, save_random_ctc_model
+from tta_brain.lobes.testing import TINY, save_random_ctc_model
 
 OFFICIAL = ({"select": "layernorm"}, {"select": "cnn"}, {"param_collection": "official"})
 CLEAN = ({"select": "layernorm"}, {"select": "cnn"})

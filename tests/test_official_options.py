@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import build_on
-from tta_brain import losses
-from tta_brain.ctc import collapse
+from tta_brain.methods import losses
+from tta_brain.asr.ctc import collapse
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo
-from tta_brain.resets import DynamicReset, make_reset_policy
+from tta_brain.methods.resets import DynamicReset, make_reset_policy
 
 
 class Fake:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tta_brain.params import SELECTORS, param_groups, select_parameters
+from tta_brain.methods.params import SELECTORS, param_groups, select_parameters
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_empty_selection_is_a_clear_error(net, caplog):
     with pytest.raises(ValueError, match="selects no parameter"):
         select_parameters(net, ["regex:^no_such_parameter$"])
     # a group matching nothing next to one that matches: allowed, with a warning
-    with caplog.at_level(logging.WARNING, logger="tta_brain.params"):
+    with caplog.at_level(logging.WARNING, logger="tta_brain.methods.params"):
         got = select_parameters(net, ["regex:^nothing$", "layernorm"])
     assert got and "matches no parameter" in caplog.text
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fake_corpora import write_stream
-from tta_brain import brain, decode
+from tta_brain.run import brain
+from tta_brain import decode
 from tta_brain.data import loader as loader_mod
 from tta_brain.data.loader import StreamLoader, load_stream
 

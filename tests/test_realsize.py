@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tta_brain.lobes.hf_ctc import HFCTCLobe
-from tta_brain.testing import BASE_960H, save_random_ctc_model
+from tta_brain.lobes.testing import BASE_960H, save_random_ctc_model
 from tta_brain.methods import build_method
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,8 @@ def test_official_collection_on_the_real_size_model(lobe):
     """param_collection: official on wav2vec2-base: 63 tensors, 94 optimiser entries (conv weights
     and GroupNorm 4x, feature projection 2x), 4,633,856 parameters; the entries are the official
     code's list (restated as in tests/test_official_optimizer.py) in its order."""
-    from tta_brain.optim import RepeatedAdam
-    from tta_brain.params import select_parameters
+    from tta_brain.methods.optim import RepeatedAdam
+    from tta_brain.methods.params import select_parameters
     net = lobe.model
     groups = [{"select": "layernorm"}, {"select": "cnn"}, {"param_collection": "official"}]
     sel = select_parameters(net, groups)

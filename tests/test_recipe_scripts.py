@@ -10,7 +10,7 @@ from fake_corpora import estimate_snr_db, make_chime3, make_librispeech, make_ms
 from tta_brain.data.audio import load_audio
 from tta_brain.data.manifest import STREAM_COLUMNS, read_manifest, validate_manifest
 from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
-from tta_brain.data.ms_snsd import LS_C_NOISES
+from tta_brain.data.prep.ms_snsd import LS_C_NOISES
 from tta_brain.data.streams import LS_C_DOMAINS, MD_EASY_ORDER, MD_HARD_ORDER, runs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ def test_lsc_stage3_4_dry_run_commands(lsc, tmp_path):
     assert len(variant) == 4  # AC and md_easy x 2 seeds
     assert all(str(hp / "dsuta.yaml") in c and "--reset=dynamic" in c for c in variant)
     assert not any("--reset=dynamic" in c for c in decodes if c not in variant)
-    reports = [c for c in cmds if "tta_brain.report" in c]
+    reports = [c for c in cmds if "tta_brain.report.results" in c]
     assert reports == [[*reports[0][:3], "--exp_dir", f"{exp}/snr5", "--out",
                         f"{exp}/snr5/RESULTS.md"]]
     res = run(LSC, "--stage", 3, "--hparams_dir", hp, "--methods", "nomethod", "--data_dir", data,
@@ -197,7 +197,7 @@ def test_chime3_stages_0_to_2_and_decode_dry_run(tmp_path):
     assert f"--data_root={tmp_path / 'CHiME3'}" in decodes[0]
     assert f"--output_folder={exp}/chime3/dsuta/seed2" in decodes[2]
     assert "--source=facebook/wav2vec2-base-960h" in decodes[0]
-    assert any("tta_brain.report" in c for c in lines)
+    assert any("tta_brain.report.results" in c for c in lines)
     # all 8 splits on request
     res = run(CHIME, "--stop_stage", 0, "--data_dir", tmp_path / "d8", "--include_ped_real",
               "true", env=env)

@@ -1,4 +1,4 @@
-"""Tests of tta_brain.report / tta_brain.plots on realistic experiment directories."""
+"""Tests of tta_brain.report.results / tta_brain.report.plots on realistic experiment directories."""
 import logging
 import statistics
 import struct
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tta_brain import plots, records, report, tables
+from tta_brain.report import plots, results as report, tables
+from tta_brain.run import records
 
 WORDS = 10  # reference words per utterance
 MD_DOMAINS = ["AA", "GS", "NB"]  # md_easy: 3 segments of 200 utterances
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixture builders: folders written through tta_brain.records, the module the Brain writes with
+# Fixture builders: folders written through tta_brain.run.records, the module the Brain writes with
 # ---------------------------------------------------------------------------------------------
 def stream_layout(stream):
     """[(domain, segment)] per position."""
@@ -134,7 +135,7 @@ def png_size(path):
 
 # ---------------------------------------------------------------------------------------------
 def test_collect_runs_skips_bad_dirs(results, caplog):
-    with caplog.at_level(logging.WARNING, logger="tta_brain.report"):
+    with caplog.at_level(logging.WARNING, logger="tta_brain.report.results"):
         runs = report.collect_runs(results)
     assert len(runs) == 1 + 3 + 2 + 2 + 1 + 2 + 2 * 3
     assert {r.name for r in runs} >= {"md_easy/suta/1", "lsc_AA/source/0"}

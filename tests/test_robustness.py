@@ -19,7 +19,7 @@ import torch
 
 from fake_corpora import fake_speech
 from tta_brain import decode
-from tta_brain.cli import parse_arguments
+from tta_brain.run.cli import parse_arguments
 from tta_brain.data.audio import AudioError, load_audio
 from tta_brain.methods import build_method
 

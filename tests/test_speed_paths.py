@@ -11,7 +11,7 @@ On a tiny real Wav2Vec2ForCTC (``conftest.save_ctc_model``) and deterministic au
   HuBERT, data2vec-audio);
 * the CPU backward without oneDNN (``cpu_native_backward``) vs with it: same transcripts,
   gradients equal to rounding;
-* the ``foreach`` optimiser-state copies of ``tta_brain.state`` vs per-tensor loops;
+* the ``foreach`` optimiser-state copies of ``tta_brain.methods.state`` vs per-tensor loops;
 * bf16 autocast runs and the fp16 loss scale is undone exactly;
 * ``tools/bench_speed.py`` runs end to end (counts only: it is not a timed test).
 """
@@ -24,9 +24,9 @@ import torch
 from conftest import build_on
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo
-from tta_brain.resets import DynamicReset
-from tta_brain.state import copy_optimizer_state, snapshot, zero_optimizer_state
-from tta_brain.testing import TINY, save_random_ctc_model
+from tta_brain.methods.resets import DynamicReset
+from tta_brain.methods.state import copy_optimizer_state, snapshot, zero_optimizer_state
+from tta_brain.lobes.testing import TINY, save_random_ctc_model
 
 TOL = 1e-6
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tta_brain.data import synthetic
-from tta_brain.data.tts import EspeakTTS
+from tta_brain.data.prep import synthetic
+from tta_brain.data.prep.tts import EspeakTTS
 
 SR = 16000
 

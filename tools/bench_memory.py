@@ -59,7 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tta_brain.testing import save_random_ctc_model  # noqa: E402
+from tta_brain.lobes.testing import save_random_ctc_model  # noqa: E402
 WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL")
 SR = 16000
 #: environment variables that change the memory behaviour (printed when set)
@@ -203,8 +203,9 @@ def child(args):
         return control(args)
     import torch
 
-    from tta_brain import brain, decode
-    from tta_brain.brain import TTABrain
+    from tta_brain.run import brain
+    from tta_brain import decode
+    from tta_brain.run.brain import TTABrain
     _knobs(args)
     if args.trim_every is not None:      # 0: never
         brain.TRIM_EVERY = args.trim_every or 10 ** 12
@@ -262,8 +263,8 @@ def control(args):
     import torch
     from transformers import AutoModelForCTC
 
-    from tta_brain.losses import suta_loss
-    from tta_brain.runtime import native_cpu_kernels
+    from tta_brain.methods.losses import suta_loss
+    from tta_brain.lobes.runtime import native_cpu_kernels
     _knobs(args)
     trim = None
     if args.trim_every:

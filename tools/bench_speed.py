@@ -53,9 +53,9 @@ Usage::
     python tools/bench_speed.py --w2v2_base --device cuda:0 --cuda_graphs   # captured steps
 
 Runtime options (``--precision``, ``--compile``, ``--cache_features``, ``--onednn_backward``,
-``--cuda_graphs``) go to every entry's lobe (``tta_brain.runtime.Runtime``), ``--slow_grad`` to
+``--cuda_graphs``) go to every entry's lobe (``tta_brain.lobes.runtime.Runtime``), ``--slow_grad`` to
 DSUTA. ``--cuda_graphs`` (CUDA, fp32) replays the methods' adaptation steps from captured graphs
-(``tta_brain.graphs``); the unit passes stay eager, so the overhead column of a captured method
+(``tta_brain.gpu.graphs``); the unit passes stay eager, so the overhead column of a captured method
 can come out negative. ``tools/gpu_check.py`` runs the eager and the captured benchmark side by
 side.
 """
@@ -75,13 +75,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tta_brain import losses  # noqa: E402
+from tta_brain.methods import losses  # noqa: E402
 from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
-from tta_brain.runtime import Runtime  # noqa: E402
-from tta_brain.testing import BASE_960H, save_random_ctc_model  # noqa: E402
-from tta_brain.params import select_parameters  # noqa: E402
-from tta_brain.resets import make_reset_policy  # noqa: E402
+from tta_brain.lobes.runtime import Runtime  # noqa: E402
+from tta_brain.lobes.testing import BASE_960H, save_random_ctc_model  # noqa: E402
+from tta_brain.methods.params import select_parameters  # noqa: E402
+from tta_brain.methods.resets import make_reset_policy  # noqa: E402
 
 SYNTH_MODEL = os.path.join(ROOT, "recipes", "synthetic", "source_model")
 SYNTH_CONF = os.path.join(ROOT, "recipes", "synthetic", "conf", "source_model.yaml")

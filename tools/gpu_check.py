@@ -148,8 +148,8 @@ def _determinism():
 def _method(name, model_dir, device, graphs, cache=1, **kw):
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.methods import build_method
-    from tta_brain.resets import make_reset_policy
-    from tta_brain.runtime import Runtime
+    from tta_brain.methods.resets import make_reset_policy
+    from tta_brain.lobes.runtime import Runtime
     base, _, reset = name.partition("+")
     lobe = HFCTCLobe(model_dir, device=device,
                      runtime=Runtime(cuda_device_steps=True, cuda_graphs=graphs,
@@ -186,7 +186,7 @@ def _stats(m):
 
 
 def _tiny_model(work):
-    from tta_brain.testing import TINY, save_random_ctc_model
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
     path = os.path.join(work, "tiny")
     if not os.path.isfile(os.path.join(path, "config.json")):
         save_random_ctc_model(path, 0, **dict(TINY, feat_extract_norm="group",

@@ -15,7 +15,7 @@ naming the file and the key (set ``TTA_DEBUG=1`` for the Python traceback).
 
 One writer per folder: the run holds an exclusive lock on ``<output_folder>/.lock``; a second
 process on the same folder stops at once naming the holder. The run's fingerprint
-(``tta_brain.identity``) decides what a rerun does: a finished run with the same fingerprint is
+(``tta_brain.run.identity``) decides what a rerun does: a finished run with the same fingerprint is
 skipped, an interrupted one resumed; a folder holding a run with another fingerprint is refused
 (the message lists the keys that differ) unless ``--overwrite`` is given.
 """
@@ -31,15 +31,15 @@ import speechbrain as sb
 import torch
 
 from tta_brain import hparams as hp_files
-from tta_brain import identity
-from tta_brain.brain import TTABrain
-from tta_brain.checkpoint import ResumeError
-from tta_brain.cli import UsageError, help_text, parse_arguments, record_hparams
+from tta_brain.run import identity
+from tta_brain.run.brain import TTABrain
+from tta_brain.run.checkpoint import ResumeError
+from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hparams
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
-from tta_brain.envinfo import versions
-from tta_brain.records import CSV_FILES, RecordError, clear_run, read_summary
-from tta_brain.runtime import KERNEL_CACHE_VARIABLES, bound_kernel_caches
+from tta_brain.run.envinfo import versions
+from tta_brain.run.records import CSV_FILES, RecordError, clear_run, read_summary
+from tta_brain.lobes.runtime import KERNEL_CACHE_VARIABLES, bound_kernel_caches
 
 logger = logging.getLogger(__name__)
 

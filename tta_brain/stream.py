@@ -18,7 +18,7 @@ import torch
 
 from tta_brain import hparams as hp_files
 from tta_brain.methods.base import TTAMethod, UttInfo
-from tta_brain.runtime import bound_kernel_caches
+from tta_brain.lobes.runtime import bound_kernel_caches
 
 
 class TTAStream:

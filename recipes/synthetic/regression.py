@@ -64,7 +64,7 @@ def clean_wer(data_dir: Path, model: Path = RECIPE_DIR / "source_model") -> floa
     """Greedy WER (%) of the source model on the clean test manifest (stage 2 writes it)."""
     from tta_brain.data.audio import load_audio
     from tta_brain.data.manifest import read_manifest
-    from tta_brain.metrics import corpus_error_rate
+    from tta_brain.asr.metrics import corpus_error_rate
     from tta_brain.stream import TTAStream
 
     tta = TTAStream.from_hparams("source", source=str(model))
@@ -74,7 +74,7 @@ def clean_wer(data_dir: Path, model: Path = RECIPE_DIR / "source_model") -> floa
 
 def collect(exp_dir: Path, stream: str = "md_hard") -> dict:
     """WER per method and the dynamic resets with their matching to the true boundaries."""
-    from tta_brain.tables import detect_boundaries
+    from tta_brain.report.tables import detect_boundaries
 
     out = {}
     for method in REDUCED["methods"].split():

@@ -84,9 +84,9 @@ if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   train_n=0
   if ${retrain}; then train_n=${n_train}; fi
   log "Stage 0: speech (${n_test} test, ${train_n} train) -> ${corpus}; noises -> ${noise_dir}"
-  ${python} -m tta_brain.data.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
+  ${python} -m tta_brain.data.prep.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
     --n_test "${n_test}" --seed "${corpus_seed}"
-  ${python} -m tta_brain.data.synthetic noises --noise_dir "${noise_dir}" --seed "${noise_seed}"
+  ${python} -m tta_brain.data.prep.synthetic noises --noise_dir "${noise_dir}" --seed "${noise_seed}"
 fi
 
 if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
@@ -104,10 +104,10 @@ fi
 
 if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   log "Stage 2: noisy sets [${domains}] at [${snrs}] dB -> ${noisy_dir}"
-  ${python} -m tta_brain.data.prepare librispeech --root "${corpus}" --split test-synth \
+  ${python} -m tta_brain.data.prep.prepare librispeech --root "${corpus}" --split test-synth \
     --out "${test_csv}"
   # shellcheck disable=SC2086
-  ${python} -m tta_brain.data.prepare corrupt --manifest "${test_csv}" --out "${noisy_dir}" \
+  ${python} -m tta_brain.data.prep.prepare corrupt --manifest "${test_csv}" --out "${noisy_dir}" \
     --noise_dir "${noise_dir}" --domain_table "${noise_table}" --snrs ${snrs} \
     --domains ${domains} --seed "${noise_seed}" --data_root "${data_dir}"
 fi
@@ -116,7 +116,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
   for snr in ${snrs}; do
     log "Stage 3: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
     # shellcheck disable=SC2086
-    ${python} -m tta_brain.data.prepare streams --manifest_dir "${noisy_dir}/manifests" \
+    ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${noisy_dir}/manifests" \
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
       --per_domain "${per_domain}" --total "${md_long_total}" --min_len "${md_long_min}" \
       --max_len "${md_long_max}" --md_easy_order ${md_easy_order} --md_hard_order ${md_hard_order}

@@ -12,7 +12,7 @@ Usage::
         --output_dir recipes/synthetic/source_model --seed 1 --max_minutes 65
 
 ``data_root`` holds ``LibriSpeech/train-synth`` and ``LibriSpeech/test-synth`` written by
-``python -m tta_brain.data.synthetic corpus``. A checkpoint is written after every epoch to
+``python -m tta_brain.data.prep.synthetic corpus``. A checkpoint is written after every epoch to
 ``--ckpt_dir`` (default ``<output_dir>_ckpt``) and training resumes from it when rerun.
 Greedy-decoded WER/CER on the test split are logged after each epoch (monitoring only: the final
 model is the last epoch, no selection on test data).
@@ -35,10 +35,10 @@ import torch
 import yaml
 
 from tta_brain.data.audio import load_audio
-from tta_brain.data.librispeech import read_transcripts
+from tta_brain.data.prep.librispeech import read_transcripts
 from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB, normalize_waveforms
-from tta_brain.metrics import corpus_error_rate
-from tta_brain.progress import disable_progressbars, progress
+from tta_brain.asr.metrics import corpus_error_rate
+from tta_brain.run.progress import disable_progressbars, progress
 
 # The exact vocabulary of facebook/wav2vec2-base-960h.
 VOCAB = {t: i for i, t in enumerate(W2V2_CHAR_VOCAB)}

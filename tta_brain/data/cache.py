@@ -11,7 +11,7 @@ Record format 2 (JSON object)::
 
 ``options`` are the step's options, as before; the other keys are step specific content keys, e.g.
 ``inputs`` (``{file key: sha1}`` of every input file, :func:`input_changes`) or, for the noisy
-mixtures, ``audio`` and ``speech`` (see :func:`tta_brain.data.ms_snsd.corrupt_manifest`).
+mixtures, ``audio`` and ``speech`` (see :func:`tta_brain.data.prep.ms_snsd.corrupt_manifest`).
 Format 1, written by earlier versions, is the options object itself; it is still read by
 :func:`tta_brain.data.manifest.stored_options`, and a step that finds one redoes its work once
 (logging that the record is from an older version) and writes format 2.

@@ -15,7 +15,7 @@ import torch
 
 from tta_brain.data.audio import AudioError, load_audio
 from tta_brain.data.manifest import read_header, read_manifest, validate_manifest
-from tta_brain.metrics import normalize_text
+from tta_brain.asr.metrics import normalize_text
 
 __all__ = ["STREAM_REQUIRED", "load_stream", "Utterance", "StreamLoader", "boundaries"]
 

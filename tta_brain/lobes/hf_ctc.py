@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from tta_brain.ctc import collapse
-from tta_brain.runtime import Runtime
+from tta_brain.asr.ctc import collapse
+from tta_brain.lobes.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ computed once per utterance (the anchor never changes).
 """
 import torch
 
-from tta_brain import losses
-from tta_brain.ctc import greedy_labels
+from tta_brain.methods import losses
+from tta_brain.asr.ctc import greedy_labels
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
-from tta_brain.state import restore, snapshot
+from tta_brain.methods.state import restore, snapshot
 
 
 @register("awmc")

@@ -2,8 +2,8 @@
 predict under ``torch.enable_grad()``, reset. Episodic (back to the source before every
 utterance) vs continual (state carries over, a reset policy may be attached) is one setting.
 
-A method owns the adapted parameters (``tta_brain.params``), its optimiser(s) and the source
-snapshot; the lobe owns the model and how passes run (``tta_brain.runtime``). The stream driver
+A method owns the adapted parameters (``tta_brain.methods.params``), its optimiser(s) and the source
+snapshot; the lobe owns the model and how passes run (``tta_brain.lobes.runtime``). The stream driver
 (``TTABrain`` or ``TTAStream``) calls ``process(wav, info)`` once per utterance in stream order;
 what else happened (resets, LII values, skipped steps) is left in ``method.events``.
 
@@ -22,10 +22,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from tta_brain import device_step, losses
-from tta_brain.optim import build_optimizer
-from tta_brain.params import describe_selection, select_parameters
-from tta_brain.state import restore, snapshot, zero_optimizer_state
+from tta_brain.gpu import device_step
+from tta_brain.methods import losses
+from tta_brain.methods.optim import build_optimizer
+from tta_brain.methods.params import describe_selection, select_parameters
+from tta_brain.methods.state import restore, snapshot, zero_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class TTAMethod:
     model : HFCTCLobe
         The source model (adapted in place; the source values are snapshotted).
     adapt_params : list
-        Parameter groups (see ``tta_brain.params``).
+        Parameter groups (see ``tta_brain.methods.params``).
     lr : float
         Base learning rate (times each group's ``lr_mult``).
     optimizer : callable
@@ -75,7 +76,7 @@ class TTAMethod:
     episodic : bool, optional
         Back to the source model before every utterance (default: the method's own setting).
     reset_policy : ResetPolicy, optional
-        For continual methods only; see ``tta_brain.resets``.
+        For continual methods only; see ``tta_brain.methods.resets``.
     train_mode : bool
         Adapt with the model in train mode (dropout on); predictions stay in eval mode.
     """
@@ -178,7 +179,7 @@ class TTAMethod:
         first-step gradient there). Returns the loss value (float, may be nan).
 
         With ``Runtime.cuda_graphs`` on CUDA, a method whose loss runs on the device alone takes
-        the device path instead (``tta_brain.device_step``): the same step with the check on the
+        the device path instead (``tta_brain.gpu.device_step``): the same step with the check on the
         device and no host sync (skipped steps are counted by ``predict``), eager or replayed from
         a captured graph; it returns the loss as a 0-d device tensor.
         """
@@ -208,7 +209,7 @@ class TTAMethod:
 
     # ------------------------------------------------------------- the device path (CUDA)
     #: Does the adaptation loss run on the device alone (no host work inside a step)? None:
-    #: decided by ``tta_brain.device_step.blocker`` (the SUTA loss and the skeleton's steps).
+    #: decided by ``tta_brain.gpu.device_step.blocker`` (the SUTA loss and the skeleton's steps).
     device_loss: Optional[bool] = None
 
     def device_step_blocker(self) -> Optional[str]:

@@ -1,5 +1,5 @@
 """CSUTA: continual SUTA. One step per utterance (default), never reset by itself; the parameters
-and the optimiser state carry over. Any reset policy of ``tta_brain.resets`` can be attached."""
+and the optimiser state carry over. Any reset policy of ``tta_brain.methods.resets`` can be attached."""
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 

@@ -16,7 +16,7 @@ the mean gradient; same result (bit-identical on CPU), M more passes per update.
 The fast optimiser starts each utterance from the slow optimiser's moments (as the official code
 does; ``fast_moments: zero`` starts from fresh moments instead). With ``param_collection:
 official`` both optimisers see the official code's list (CNN tensors repeated, see
-``tta_brain.params``) and the inherited moments are those of the repeated updates, as there.
+``tta_brain.methods.params``) and the inherited moments are those of the repeated updates, as there.
 """
 from typing import Callable, Optional
 
@@ -24,8 +24,8 @@ import torch
 
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
-from tta_brain.optim import build_optimizer
-from tta_brain.state import copy_optimizer_state, restore, snapshot, zero_optimizer_state
+from tta_brain.methods.optim import build_optimizer
+from tta_brain.methods.state import copy_optimizer_state, restore, snapshot, zero_optimizer_state
 
 
 @register("dsuta")
@@ -91,7 +91,7 @@ class DSUTA(TTAMethod):
         return self.n_buffered >= self.M
 
     # ------------------------------------------------------- the device path (CUDA)
-    # The SUTA loss on the device: on CUDA the fast steps take the device path (tta_brain.graphs);
+    # The SUTA loss on the device: on CUDA the fast steps take the device path (tta_brain.gpu.graphs);
     # the first step (with _accumulate) runs eagerly, the others may be replayed from a graph.
     device_loss = True
 

@@ -9,8 +9,8 @@ mode the label comes from the adaptation forward itself (the same logits, no ext
 """
 import torch
 
-from tta_brain import losses
-from tta_brain.ctc import collapse
+from tta_brain.methods import losses
+from tta_brain.asr.ctc import collapse
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 

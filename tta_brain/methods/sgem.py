@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from tta_brain import losses
-from tta_brain.ctc import prefix_beam_search, viterbi_align
+from tta_brain.methods import losses
+from tta_brain.asr.ctc import prefix_beam_search, viterbi_align
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 
@@ -36,7 +36,7 @@ class SGEM(TTAMethod):
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.lm_search = None
         if lm_path:
-            from tta_brain.lm import LMBeamSearch    # the [lm] extra; one-line error without it
+            from tta_brain.asr.lm import LMBeamSearch    # the [lm] extra; one-line error without it
             tokens = [self.lobe.id_to_token.get(i, "") for i in range(self.lobe.vocab_size)]
             self.lm_search = LMBeamSearch(tokens, lm_path, blank_id=self.blank_id,
                                           word_delimiter=self.lobe.word_delimiter,

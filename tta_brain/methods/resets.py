@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from tta_brain.methods.base import Event
-from tta_brain.state import restore, snapshot
+from tta_brain.methods.state import restore, snapshot
 
 logger = logging.getLogger(__name__)
 

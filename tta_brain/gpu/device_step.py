@@ -1,6 +1,6 @@
 """Adaptation steps on the device (CUDA; ``Runtime.cuda_device_steps``, ``Runtime.cuda_graphs``): the
 finiteness guard without host syncs, and the steps replayed from a captured CUDA graph
-(``tta_brain.graphs``).
+(``tta_brain.gpu.graphs``).
 
 With either option on, the skeleton's ``adapt_step`` of a method whose loss runs on the device
 alone (the SUTA family: suta, csuta, dsuta; :func:`blocker`) goes through :class:`DeviceSteps`;
@@ -8,7 +8,7 @@ otherwise (the default, CPU, and the other methods everywhere) the host path run
 
 * **No host sync inside a step.** The host path (CPU, and the other methods everywhere) reads the
   loss and the gradient norms on the host to skip a non-finite step. Here the check runs on the
-  device: :meth:`tta_brain.runtime.Runtime.backward_guarded` sets a float flag ``found_inf`` (the
+  device: :meth:`tta_brain.lobes.runtime.Runtime.backward_guarded` sets a float flag ``found_inf`` (the
   loss or a gradient is not finite) in the kernel that also unscales the gradients (GradScaler's
   ``_amp_foreach_non_finite_check_and_unscale_``), and the optimiser is torch's *fused* Adam/AdamW
   (``fused=True, capturable=True``: its step counts live on the device), which skips the update
@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tta_brain.graphs import FIRST_WARMUP, CapturedStep, CudaGraphBackend, GraphCache
+from tta_brain.gpu.graphs import FIRST_WARMUP, CapturedStep, CudaGraphBackend, GraphCache
 
 logger = logging.getLogger(__name__)
 

@@ -2,15 +2,15 @@
 
 Usage::
 
-    python -m tta_brain.data.prepare librispeech --root $LIBRISPEECH --out data/test_other.csv
-    python -m tta_brain.data.prepare corrupt --manifest data/test_other.csv --noise_dir $MS_SNSD \\
+    python -m tta_brain.data.prep.prepare librispeech --root $LIBRISPEECH --out data/test_other.csv
+    python -m tta_brain.data.prep.prepare corrupt --manifest data/test_other.csv --noise_dir $MS_SNSD \\
         --out data/ls_c --snrs 5 --domains AA AC BA CM GS MU NB SD TP VC --data_root data
-    python -m tta_brain.data.prepare streams --manifest_dir data/ls_c/manifests --snr 5 \\
+    python -m tta_brain.data.prep.prepare streams --manifest_dir data/ls_c/manifests --snr 5 \\
         --out data/snr5 --names AC md_easy md_hard_s20 md_long --max_duration 20
-    python -m tta_brain.data.prepare chime3 --root $CHIME3 --out data/et05.csv --data_root $CHIME3
-    python -m tta_brain.data.prepare streams --manifest data/et05.csv --out data \\
+    python -m tta_brain.data.prep.prepare chime3 --root $CHIME3 --out data/et05.csv --data_root $CHIME3
+    python -m tta_brain.data.prep.prepare streams --manifest data/et05.csv --out data \\
         --names chime3=random
-    python -m tta_brain.data.prepare validate data/snr5/streams/md_easy.csv --stream
+    python -m tta_brain.data.prep.prepare validate data/snr5/streams/md_easy.csv --stream
 
 Every step skips work whose output exists with the same options and the same input *contents*
 (cache records ``<output>.opts.json``, see :mod:`tta_brain.data.cache`); when something changed,
@@ -25,7 +25,7 @@ import logging
 import sys
 from pathlib import Path
 
-logger = logging.getLogger("tta_brain.data.prepare")
+logger = logging.getLogger("tta_brain.data.prep.prepare")
 
 DEFAULT_STREAMS = ("md_easy", "md_hard", "md_easy_s100", "md_easy_s20", "md_hard_s100",
                    "md_hard_s20", "md_long")
@@ -56,9 +56,9 @@ def _chime3(args):
 
 def _load_domains(args):
     """``({domain: rows}, {domain: source description})`` from the streams sub-command inputs."""
-    from .manifest import read_manifest
+    from ..manifest import read_manifest
     from .ms_snsd import snr_tag
-    from .streams import filter_by_duration, group_by_domain
+    from ..streams import filter_by_duration, group_by_domain
 
     sources = {}
     if args.manifest:
@@ -87,7 +87,7 @@ def _load_domains(args):
 
 def _stream_overrides(args, preset):
     """Size options given on the command line that apply to ``preset``."""
-    from .streams import PRESETS
+    from ..streams import PRESETS
 
     if preset not in PRESETS:
         return {}
@@ -105,7 +105,7 @@ def _stream_overrides(args, preset):
 
 def _domains_used(preset, domain_rows, overrides):
     """Domains a stream draws from (recorded with it, so adding a domain later keeps it valid)."""
-    from .streams import PRESETS
+    from ..streams import PRESETS
 
     if preset not in PRESETS:
         return [preset]
@@ -116,9 +116,9 @@ def _domains_used(preset, domain_rows, overrides):
 
 
 def _streams(args):
-    from .cache import file_sha1, save_record, why_redo
-    from .manifest import manifest_text, write_manifest
-    from .streams import build_stream, runs
+    from ..cache import file_sha1, save_record, why_redo
+    from ..manifest import manifest_text, write_manifest
+    from ..streams import build_stream, runs
 
     domain_rows, sources = _load_domains(args)
     if args.names:
@@ -166,7 +166,7 @@ def _streams(args):
 
 
 def _validate(args):
-    from .manifest import STREAM_COLUMNS, UTT_COLUMNS, validate_manifest
+    from ..manifest import STREAM_COLUMNS, UTT_COLUMNS, validate_manifest
 
     for path in args.manifests:
         rows = validate_manifest(path, required=STREAM_COLUMNS if args.stream else UTT_COLUMNS)
@@ -174,7 +174,7 @@ def _validate(args):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m tta_brain.data.prepare",
+    parser = argparse.ArgumentParser(prog="python -m tta_brain.data.prep.prepare",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     parser.add_argument("--noprogressbar", action="store_true", help="no tqdm progress bars")
@@ -249,7 +249,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.noprogressbar:
-        from tta_brain.progress import disable_progressbars
+        from tta_brain.run.progress import disable_progressbars
         disable_progressbars()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

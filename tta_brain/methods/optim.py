@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tta_brain.params import Selection, param_groups
+from tta_brain.methods.params import Selection, param_groups
 
 __all__ = ["build_optimizer", "RepeatedAdam", "official_optimizer"]
 

@@ -146,7 +146,7 @@ def ctc_pseudo_label_loss(logits, targets: Sequence[torch.Tensor], lengths=None,
 
     Per utterance, normalised by the target length (``reduction='mean'`` semantics); an empty
     target gives the loss of the all-blank path. Infinite losses (target longer than the input)
-    are zeroed. ``targets`` may live on the logits' device (``tta_brain.ctc.greedy_labels``):
+    are zeroed. ``targets`` may live on the logits' device (``tta_brain.asr.ctc.greedy_labels``):
     they are concatenated there, and the lengths come from their shapes (no host round trip).
     """
     B, T = logits.shape[:2]

@@ -19,12 +19,13 @@ import speechbrain as sb
 import torch
 from tqdm import tqdm
 
-from tta_brain import checkpoint, identity, metrics
+from tta_brain.run import checkpoint, identity
+from tta_brain.asr import metrics
 from tta_brain.data.loader import StreamLoader, load_stream
 from tta_brain.methods.base import UttInfo
-from tta_brain.records import RecordWriter, Reject, Reset, Transcript
-from tta_brain.runtime import release_freed_memory
-from tta_brain.summary import summarise
+from tta_brain.run.records import RecordWriter, Reject, Reset, Transcript
+from tta_brain.lobes.runtime import release_freed_memory
+from tta_brain.run.summary import summarise
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class TTABrain(sb.Brain):
     def evaluate(self, test_set, data_root=None, progressbar=None, **_):
         """Decode the stream manifest ``test_set`` (a CSV path) in order; returns the summary.
 
-        Raises ``ManifestError`` for a bad manifest, :class:`~tta_brain.checkpoint.ResumeError`
+        Raises ``ManifestError`` for a bad manifest, :class:`~tta_brain.run.checkpoint.ResumeError`
         when the folder holds a checkpoint of another run.
         """
         rows = load_stream(test_set, data_root)

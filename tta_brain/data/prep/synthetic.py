@@ -5,7 +5,7 @@ Three parts, all deterministic given a seed:
 1. A text generator: a closed English vocabulary (no homophone pairs, so spelling is
    predictable from sound) and a small grammar producing sentences of 3-12 words.
    Train and test sentences are disjoint.
-2. :func:`make_corpus` renders speech with :class:`~tta_brain.data.tts.EspeakTTS` into
+2. :func:`make_corpus` renders speech with :class:`~tta_brain.data.prep.tts.EspeakTTS` into
    ``root/LibriSpeech/<split>/<spk>/<chapter>/<spk>-<chapter>-<idx:04d>.flac`` with
    ``<spk>-<chapter>.trans.txt`` files, exactly as LibriSpeech does. A "speaker" is a
    (voice, base pitch, base rate) combination; the test split uses held-out voice variants.
@@ -14,8 +14,8 @@ Three parts, all deterministic given a seed:
 
 Command line (used by ``recipes/synthetic/run.sh`` stage 0)::
 
-    python -m tta_brain.data.synthetic corpus --root /data/synth --n_train 10000 --n_test 400
-    python -m tta_brain.data.synthetic noises --noise_dir /data/synth/noises
+    python -m tta_brain.data.prep.synthetic corpus --root /data/synth --n_train 10000 --n_test 400
+    python -m tta_brain.data.prep.synthetic noises --noise_dir /data/synth/noises
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _worker_init():
 
 
 def _render_many(jobs: List[Dict]) -> List[Dict]:
-    from tta_brain.progress import progress
+    from tta_brain.run.progress import progress
     _worker_init()
     worker = jobs[0]["worker"] if jobs else 0
     return [_render(j) for j in progress(jobs, desc=f"synthesis (worker {worker})",
@@ -206,7 +206,7 @@ def make_corpus(root: str, n_train: int = 10000, n_test: int = 400, seed: int = 
 
 # --------------------------------------------------------------------------------------------
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tta_brain.data.synthetic", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tta_brain.data.prep.synthetic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("corpus", help="render LibriSpeech-layout speech with espeak-ng")
@@ -225,7 +225,7 @@ def main(argv=None):
     p.add_argument("--noprogressbar", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
     if args.noprogressbar:
-        from tta_brain.progress import disable_progressbars
+        from tta_brain.run.progress import disable_progressbars
         disable_progressbars()
     if args.cmd == "corpus":
         stamp = make_corpus(args.root, args.n_train, args.n_test, args.seed,

@@ -26,9 +26,9 @@ import os
 import time
 from pathlib import Path
 
-from .cache import (HASH_CACHE_NAME, HashCache, as_stored, load_record, option_changes,
+from ..cache import (HASH_CACHE_NAME, HashCache, as_stored, load_record, option_changes,
                     record_path, save_record, short)
-from .manifest import manifest_text, read_manifest, to_placeholder, write_manifest
+from ..manifest import manifest_text, read_manifest, to_placeholder, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +135,10 @@ def corrupt_domain(rows, code, noise, out_dir, snr, seed=DEFAULT_SEED, data_root
     Gaussian noise. Which files are written: those whose source ID is in ``only`` when it is given,
     else every file with ``overwrite``, else the missing ones.
     """
-    from tta_brain.progress import progress
+    from tta_brain.run.progress import progress
 
-    from .audio import load_audio, write_audio
-    from .mixing import gaussian_noise, mix_at_snr, utterance_seed
+    from ..audio import load_audio, write_audio
+    from ..mixing import gaussian_noise, mix_at_snr, utterance_seed
 
     def needed(row):
         if only is not None:
@@ -340,7 +340,7 @@ def corrupt_manifest(manifest, out_dir, snrs=(5,), codes=None, noise_dir=None, t
             save_record(out_csv, "corrupt", options, audio=audio, speech=speech,
                         pending=sorted(todo))
             if path is not None and code not in noises:
-                from .audio import load_audio  # torch: imported only when mixing
+                from ..audio import load_audio  # torch: imported only when mixing
 
                 noises[code] = load_audio(path, sample_rate).numpy()
             corrupt_domain(rows, code, noises.get(code), out_dir, snr, seed=seed,

@@ -31,7 +31,7 @@ How the optimiser sees the selection is one more entry of the list, ``{param_col
   down to its owner: wav2vec2-base's conv weights and GroupNorm 4x, the projection's Linear and
   LayerNorm 2x (63 tensors, 94 entries). The repeats are derived from the module tree of any
   model; selected tensors outside these two rules (``encoder_bias``, ``regex``) enter once.
-  ``tta_brain.optim.RepeatedAdam`` applies such a list exactly as
+  ``tta_brain.methods.optim.RepeatedAdam`` applies such a list exactly as
   ``torch.optim.AdamW(..., foreach=True)`` over the list with the repeats (what the official code
   runs on a GPU), without putting a tensor into torch's list twice.
 """
@@ -246,7 +246,7 @@ def describe_selection(model: nn.Module, groups: Sequence[GroupSpec]) -> str:
 
 def param_groups(selected: Iterable[Tuple[str, nn.Parameter, float]], lr: float) -> List[Dict]:
     """Optimiser parameter groups, one per distinct lr multiplier. With the official collection
-    each group also holds ``repeats`` (entries per tensor, for ``tta_brain.optim.RepeatedAdam``)."""
+    each group also holds ``repeats`` (entries per tensor, for ``tta_brain.methods.optim.RepeatedAdam``)."""
     selected = list(selected) if not isinstance(selected, Selection) else selected
     repeats = getattr(selected, "repeats", None) if getattr(selected, "collection", "clean") != "clean" else None
     by_mult: Dict[float, Dict] = {}

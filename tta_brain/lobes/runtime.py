@@ -4,7 +4,7 @@ backward kernels. One small object, owned by the lobe; methods ask it, they do n
 Only ``precision`` changes the numbers; the other options are exact (tests compare them with the
 plain paths, ``tools/bench_speed.py`` measures them). ``cuda_device_steps`` and ``cuda_graphs``
 (CUDA only, off by default, unmeasured) run the SUTA family's adaptation steps without host syncs
-(``tta_brain.device_step``), the latter replayed from captured graphs (``tta_brain.graphs``).
+(``tta_brain.gpu.device_step``), the latter replayed from captured graphs (``tta_brain.gpu.graphs``).
 """
 import ctypes
 import ctypes.util
@@ -50,7 +50,7 @@ class Runtime:
         CUDA only, off by default, unmeasured (see README, "GPU"): capture one adaptation step
         (forward, loss, backward, device-side finiteness check, fused AdamW update) as a CUDA
         graph per input length and replay it for the utterance's remaining steps
-        (``tta_brain.graphs``). Only for methods whose loss runs on the device alone (suta, csuta,
+        (``tta_brain.gpu.graphs``). Only for methods whose loss runs on the device alone (suta, csuta,
         dsuta) in fp32 without ``compile``; the others run their steps eagerly. The first
         ``cuda_graph_warmup`` steps of a new length run eagerly (and 3 in all before the first
         capture); they are real steps, so an utterance still gets N.
@@ -59,7 +59,7 @@ class Runtime:
         lengths captures once per utterance whatever the size; a length seen again while still
         cached replays without a new capture. Above 1, an older graph may be replayed after newer
         ones were captured into the same pool, which is safe only because a capture leaves nothing
-        alive in the pool (``tta_brain.graphs``); ``tools/gpu_check.py`` checks it with 4.
+        alive in the pool (``tta_brain.gpu.graphs``); ``tools/gpu_check.py`` checks it with 4.
     cuda_graph_warmup : int
         Eager steps of a new length before it is captured (>= 1).
     """

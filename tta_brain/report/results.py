@@ -1,4 +1,4 @@
-"""RESULTS.md (tables of ``tta_brain.tables``, mean +- spread over seeds) and the plots of a tree
+"""RESULTS.md (tables of ``tta_brain.report.tables``, mean +- spread over seeds) and the plots of a tree
 of finished runs.
 
 Usage::
@@ -6,7 +6,7 @@ Usage::
     python -m tta_brain.report --exp_dir results/ [--out results/RESULTS.md]
         [--plots_dir results/plots] [--smooth 100] [--baseline source] [--window 100]
 
-Every folder (any depth) holding a ``summary.json`` is read with ``tta_brain.records``, the module
+Every folder (any depth) holding a ``summary.json`` is read with ``tta_brain.run.records``, the module
 that writes it; a folder it cannot read is skipped with a warning naming the file and why, and a
 folder with records but no summary (a run still going or interrupted) is listed as unfinished.
 Conventions (also written into RESULTS.md): WER of a run = 100 * errors / reference words over its
@@ -23,11 +23,11 @@ from collections import OrderedDict, Counter
 from pathlib import Path
 from typing import List, Sequence
 
-from tta_brain import tables, tags
-from tta_brain.envinfo import environment
-from tta_brain.records import RecordError, Run, load_run
+from tta_brain.report import tables, tags
+from tta_brain.run.envinfo import environment
+from tta_brain.run.records import RecordError, Run, load_run
 
-logger = logging.getLogger("tta_brain.report")  # same name under python -m
+logger = logging.getLogger("tta_brain.report.results")  # same name under python -m
 
 SKIP_DIRS = {"save", "plots", "__pycache__"}
 
@@ -129,7 +129,7 @@ def write_report(runs: Sequence[Run], root, out=None, plots_dir=None, smooth: in
     out = Path(out) if out else Path(root) / "RESULTS.md"
     written: List[str] = []
     if make_plots:
-        from tta_brain import plots  # matplotlib is only imported when plotting
+        from tta_brain.report import plots  # matplotlib is only imported when plotting
         written = plots.make_all_plots(runs, plots_dir or Path(root) / "plots", smooth=smooth,
                                        baseline=baseline)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         out = write_report(runs, args.exp_dir, args.out, args.plots_dir, args.smooth,
                            args.baseline, args.window, args.digits, not args.no_plots)
     except NoRunsError as err:
-        print(f"tta_brain.report: {err}; nothing to report.", file=sys.stderr)
+        print(f"tta_brain.report.results: {err}; nothing to report.", file=sys.stderr)
         return 1
     print(tables.table_main(runs, args.digits))
     print(f"\nWrote {out}")

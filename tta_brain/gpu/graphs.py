@@ -1,4 +1,4 @@
-"""CUDA graphs of the adaptation step: the capture machinery of ``tta_brain.device_step``.
+"""CUDA graphs of the adaptation step: the capture machinery of ``tta_brain.gpu.device_step``.
 
 * **Captured steps** (``Runtime.cuda_graphs``, CUDA only, fp32, no ``compile``, no train mode).
   Within an utterance every step has the same input. The first steps of a new input length run

@@ -61,7 +61,7 @@ class LMBeamSearch:
     unigrams (a binary LM without ``unigrams`` keeps the model's case).
 
     Calling it returns the beams ``[(labels, score)]`` best first, like
-    :func:`tta_brain.ctc.prefix_beam_search`: the label ids of each hypothesis' text (words joined
+    :func:`tta_brain.asr.ctc.prefix_beam_search`: the label ids of each hypothesis' text (words joined
     by the word delimiter) and pyctcdecode's combined acoustic + LM score.
     """
 

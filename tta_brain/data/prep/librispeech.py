@@ -20,8 +20,8 @@ the files.
 import logging
 from pathlib import Path
 
-from .cache import manifest_inputs, save_record
-from .manifest import audio_duration, to_placeholder, write_manifest
+from ..cache import manifest_inputs, save_record
+from ..manifest import audio_duration, to_placeholder, write_manifest
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """CTC decoding: greedy paths and labels, prefix beam search (no LM) and forced alignment.
 
 The word n-gram LM decoder (pyctcdecode + KenLM, the optional ``[lm]`` extra) is in
-:mod:`tta_brain.lm`; it returns the best hypothesis' labels, which :func:`viterbi_align` then
+:mod:`tta_brain.asr.lm`; it returns the best hypothesis' labels, which :func:`viterbi_align` then
 aligns to the frames like those of :func:`prefix_beam_search`.
 """
 import math
@@ -90,7 +90,7 @@ def prefix_beam_search(log_probs: torch.Tensor, beam_width: int = 5, blank_id: i
     path of the prefix that the search kept). Only the ``prune_top_k`` most likely labels of each
     frame are expanded, and of those only labels with log-probability above ``token_min_logp``
     (the frame's best label is always kept, and the blank is always expanded). ``log_probs`` must
-    not hold NaN. For a word n-gram LM, see :class:`tta_brain.lm.LMBeamSearch`.
+    not hold NaN. For a word n-gram LM, see :class:`tta_brain.asr.lm.LMBeamSearch`.
     """
     lp = log_probs.detach().float().cpu()
     T, V = lp.shape

@@ -4,9 +4,9 @@ import logging
 from typing import Dict, List
 
 from tta_brain.data.loader import boundaries
-from tta_brain.envinfo import versions
-from tta_brain.metrics import error_rate
-from tta_brain.records import (Summary, read_rejects, read_resets, read_transcripts,
+from tta_brain.run.envinfo import versions
+from tta_brain.asr.metrics import error_rate
+from tta_brain.run.records import (Summary, read_rejects, read_resets, read_transcripts,
                                write_summary, write_wer_file)
 
 logger = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
     """Write ``wer.txt`` and ``summary.json`` of the run in ``folder``; return the summary.
 
     ``rows``: the stream manifest's rows (true boundaries); ``state``: the run's
-    :class:`~tta_brain.checkpoint.StreamState` (time spent); ``method``: its pass counts.
+    :class:`~tta_brain.run.checkpoint.StreamState` (time spent); ``method``: its pass counts.
     """
     transcripts = read_transcripts(folder)
     write_wer_file(folder, transcripts)

@@ -1,0 +1,1 @@
+"""CTC decoding, the word LM and the WER."""

@@ -1,0 +1,1 @@
+"""Corpus preparation: LibriSpeech, MS-SNSD, CHiME-3, the synthetic corpus."""

@@ -1,0 +1,1 @@
+"""The CUDA path of the adaptation steps: device-side guard, captured graphs."""

@@ -1,0 +1,1 @@
+"""Results of a tree of runs: RESULTS.md, tables, plots, method tags."""
