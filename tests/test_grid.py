@@ -10,6 +10,7 @@
   job cancelled (``scancel``) mid-grid.
 """
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -148,6 +149,27 @@ def test_plan_names_runs_by_their_overrides(data, tmp_path):
     assert "--reset_K=4" in runs[2].argv and "--reset_K=4" not in runs[0].argv   # conf/<method>
     args.decode_opts = "--ckpt_every=5 --temperature=2"      # run options stay out of names
     assert grid.plan_runs(args)[0].name == "s/suta_temperature2_lr0.1/seed0"
+
+
+def test_one_rule_for_an_option_a_method_lacks(data, tmp_path, caplog):
+    """A key no method of the grid has is an error before anything runs; a key some lack is
+    not passed to those (nor named in their folders), logged once."""
+    args = grid.parse_args(grid_argv(data, tmp_path, "source suta", "0 1", "--sweep",
+                                     "lr=0.1,0.2"))
+    args.decode_opts = "--steps=1"
+    with caplog.at_level(logging.INFO, logger="tta_brain.grid"):
+        runs = grid.plan_runs(args)
+    assert [r.name for r in runs] == ["s/source/seed0", "s/source/seed1",
+                                      "s/suta_steps1_lr0.1/seed0", "s/suta_steps1_lr0.1/seed1",
+                                      "s/suta_steps1_lr0.2/seed0", "s/suta_steps1_lr0.2/seed1"]
+    assert not any(a.startswith(("--steps", "--lr")) for a in runs[0].argv)
+    assert caplog.text.count("source: --decode_opts --steps=1 is not a key of its yaml") == 1
+    for opts, where in (("--stepz=1", "--decode_opts"), ("", "--sweep")):
+        args.decode_opts = opts
+        args.sweep = ["lrr=0.1"] if where == "--sweep" else []
+        with pytest.raises(SystemExit, match=f"ERROR: {where} --(stepz|lrr): no method of this "
+                                             f"grid has the key"):
+            grid.plan_runs(args)
 
 
 def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_path):

@@ -117,49 +117,86 @@ def method_yaml(token: str, hparams_dir: Optional[str]):
     return base, [f"--reset={reset}"] if reset else []
 
 
-def _known(token: str, yaml: str, opts: List[str]) -> List[str]:
-    """The recipe-wide options a method has keys for (``--reset_K`` is not passed to suta)."""
-    from tta_brain import hparams
-    keys = set(hparams.keys(yaml))
-    kept = [a for a in opts if a[2:].partition("=")[0] in keys]
-    if len(kept) < len(opts):
-        logger.info("%s: --md_decode_opts %s are not keys of its yaml, not passed", token,
-                    " ".join(a for a in opts if a not in kept))
-    return kept
+class OptionRule:
+    """One rule for an option a method does not have, for every grid-wide option list
+    (``--decode_opts``, ``--md_decode_opts``, ``--sweep``): a key that no method of the grid has
+    is a one-line error before anything runs (a typo); a key that some methods lack is not passed
+    to those, and the log says so once per key and method."""
+
+    def __init__(self, yamls: Dict[str, str]):
+        from tta_brain import hparams
+        from tta_brain.run.cli import FLAGS
+        self.keys = {token: set(hparams.keys(y)) | set(FLAGS) for token, y in yamls.items()}
+        self.logged = set()
+
+    def check(self, source: str, opts: List[str]) -> None:
+        for key in _keyvals(opts):
+            if not any(key in keys for keys in self.keys.values()):
+                raise SystemExit(f"ERROR: {source} --{key}: no method of this grid has the key "
+                                 f"'{key}' (methods: {', '.join(self.keys)}); check its spelling")
+
+    def kept(self, token: str, source: str, opts: List[str]) -> List[str]:
+        """``opts`` without the keys ``token``'s yaml lacks."""
+        keys = self.keys[token]
+        kept = [a for a in opts if _keyvals([a]) and next(iter(_keyvals([a]))) in keys]
+        for a in opts:
+            if a not in kept and (token, source, a) not in self.logged:
+                self.logged.add((token, source, a))
+                logger.info("%s: %s %s is not a key of its yaml, not passed", token, source, a)
+        return kept
 
 
 def plan_runs(args) -> List[Run]:
     """Every run of the grid, in order (streams, methods, seeds, sweep points)."""
     conf = Path(args.conf_dir) if args.conf_dir else None
     md = set(args.md_streams.split())
-    user = shlex.split(args.decode_opts)
+    user, md_opts = shlex.split(args.decode_opts), shlex.split(args.md_decode_opts)
+    points = sweep_points(args.sweep)
+    tokens = args.methods.split()
+    yamls = {token: method_yaml(token, args.hparams_dir) for token in tokens}
+    rule = OptionRule({token: y for token, (y, _) in yamls.items()})
+    rule.check("--decode_opts", user)
+    rule.check("--md_decode_opts", md_opts)
+    rule.check("--sweep", points[0])
     runs = []
     for spec in args.streams:
         name, _, csv = spec.rpartition("=") if "=" in spec else ("", "", spec)
         name = name or Path(csv).stem
-        if not Path(csv).is_file():
+        if not Path(csv).is_file() and not args.dry_run:
             raise SystemExit(f"ERROR: stream {csv} not found; run the earlier stages first")
         kind = "_md" if Path(name).name in md else ""
         logger.info("%s: %s", name, "multi-domain option set (<method>_md.opts, --md_decode_opts)"
                     if kind else "single-domain option set")
-        for token in args.methods.split():
-            yaml, reset = method_yaml(token, args.hparams_dir)
+        for token in tokens:
+            yaml, reset = yamls[token]
             base = token.partition("+")[0]
             files = [f"{base}.opts"] + ([f"{base}{kind}.opts"] if kind else []) \
                 + ([f"{token}.opts"] if token != base else [])
             recipe = reset + [a for f in files for a in (_opts_file(conf / f) if conf else [])]
-            recipe += _known(token, yaml, shlex.split(args.md_decode_opts)) if kind else []
-            for point in sweep_points(args.sweep):
-                tag = inference_tag(user + point)
+            recipe += rule.kept(token, "--md_decode_opts", md_opts) if kind else []
+            mine = rule.kept(token, "--decode_opts", user)
+            for point in points:
+                point = rule.kept(token, "--sweep", point)
+                tag = inference_tag(mine + point)
                 for seed in args.seeds.split():
                     rel = f"{name}/{token}{'_' + tag if tag else ''}/seed{seed}"
                     folder = Path(args.exp_dir) / rel
                     argv = [yaml, f"--source={args.source}", f"--stream_csv={csv}",
                             f"--output_folder={folder}", f"--seed={seed}",
                             f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
-                            *recipe, *user, *point]
+                            *recipe, *mine, *point]
                     runs.append(Run(rel, folder, argv))
-    return runs
+    return _unique(runs)
+
+
+def _unique(runs: List[Run]) -> List[Run]:
+    """Sweep points that differ only in keys a method lacks give that method the same run once."""
+    seen, out = set(), []
+    for r in runs:
+        if r.name not in seen:
+            seen.add(r.name)
+            out.append(r)
+    return out
 
 
 def check_done(runs: List[Run]) -> None:

@@ -60,15 +60,15 @@ if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   prep_opts=()
   ${include_ped_real} && prep_opts+=(--include_ped_real)
   ${keep_raw_text} && prep_opts+=(--keep_raw_text)
-  ${python} -m tta_brain.data.prep.prepare chime3 --root "${CHIME3}" --out "${manifest}" \
+  run ${python} -m tta_brain.data.prep.prepare chime3 --root "${CHIME3}" --out "${manifest}" \
     --data_root "${CHIME3}" ${prep_opts[@]+"${prep_opts[@]}"}
 fi
 
 if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
   log "Stage 1: data check of ${manifest} (CHiME-3 is noisy already: nothing to corrupt)"
-  ${python} -m tta_brain.data.prep.prepare validate "${manifest}"
-  # utterances per split
-  ${python} - "${manifest}" <<'PY'
+  run ${python} -m tta_brain.data.prep.prepare validate "${manifest}"
+  # utterances per split (reads the manifest: not in a dry run)
+  ${dry_run} || ${python} - "${manifest}" <<'PY'
 import collections, csv, sys
 with open(sys.argv[1], newline="") as f:
     counts = collections.Counter(row["domain"] for row in csv.DictReader(f))
@@ -80,7 +80,7 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   log "Stage 2: random-order stream -> ${stream_csv}"
   dur_opts=()
   [ -n "${max_duration}" ] && dur_opts+=(--max_duration "${max_duration}")
-  ${python} -m tta_brain.data.prep.prepare streams --manifest "${manifest}" --out "${data_dir}" \
+  run ${python} -m tta_brain.data.prep.prepare streams --manifest "${manifest}" --out "${data_dir}" \
     --names "${stream_name}=random" --seed "${stream_seed}" ${dur_opts[@]+"${dur_opts[@]}"}
 fi
 

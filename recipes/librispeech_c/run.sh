@@ -61,7 +61,7 @@ lsc_dir=${data_dir}/ls_c
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   log "Stage 0: LibriSpeech ${split} -> ${clean_csv}"
   db_require LIBRISPEECH "It must be the folder that contains LibriSpeech/${split} (openslr.org/12)."
-  ${python} -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" --split "${split}" \
+  run ${python} -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" --split "${split}" \
     --out "${clean_csv}"
 fi
 
@@ -71,7 +71,7 @@ if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
     db_require MS_SNSD "It must be a clone of https://github.com/microsoft/MS-SNSD (with noise_test/)."
   fi
   # shellcheck disable=SC2086
-  ${python} -m tta_brain.data.prep.prepare corrupt --manifest "${clean_csv}" --out "${lsc_dir}" \
+  run ${python} -m tta_brain.data.prep.prepare corrupt --manifest "${clean_csv}" --out "${lsc_dir}" \
     --noise_dir "${MS_SNSD:-}" --snrs ${snrs} --domains ${domains} --seed "${noise_seed}" \
     --data_root "${data_dir}"
 fi
@@ -85,7 +85,7 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   for snr in ${snrs}; do
     log "Stage 2: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
     # shellcheck disable=SC2086
-    ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${lsc_dir}/manifests" \
+    run ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${lsc_dir}/manifests" \
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
       --max_duration "${max_duration}" ${size_opts[@]+"${size_opts[@]}"}
   done

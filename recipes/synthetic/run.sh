@@ -84,15 +84,15 @@ if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   train_n=0
   if ${retrain}; then train_n=${n_train}; fi
   log "Stage 0: speech (${n_test} test, ${train_n} train) -> ${corpus}; noises -> ${noise_dir}"
-  ${python} -m tta_brain.data.prep.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
+  run ${python} -m tta_brain.data.prep.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
     --n_test "${n_test}" --seed "${corpus_seed}"
-  ${python} -m tta_brain.data.prep.synthetic noises --noise_dir "${noise_dir}" --seed "${noise_seed}"
+  run ${python} -m tta_brain.data.prep.synthetic noises --noise_dir "${noise_dir}" --seed "${noise_seed}"
 fi
 
 if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
   if ${retrain}; then
     log "Stage 1: train the source model (${train_minutes} min budget) -> ${model}"
-    ${python} "${recipe_dir}/train_source.py" --data_root "${corpus}" --output_dir "${model}" \
+    run ${python} "${recipe_dir}/train_source.py" --data_root "${corpus}" --output_dir "${model}" \
       --seed "${train_seed}" --max_minutes "${train_minutes}"
   elif [ -f "${model}/config.json" ]; then
     log "Stage 1: using the source model in ${model} (--retrain true to train it anew)"
@@ -104,10 +104,10 @@ fi
 
 if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   log "Stage 2: noisy sets [${domains}] at [${snrs}] dB -> ${noisy_dir}"
-  ${python} -m tta_brain.data.prep.prepare librispeech --root "${corpus}" --split test-synth \
+  run ${python} -m tta_brain.data.prep.prepare librispeech --root "${corpus}" --split test-synth \
     --out "${test_csv}"
   # shellcheck disable=SC2086
-  ${python} -m tta_brain.data.prep.prepare corrupt --manifest "${test_csv}" --out "${noisy_dir}" \
+  run ${python} -m tta_brain.data.prep.prepare corrupt --manifest "${test_csv}" --out "${noisy_dir}" \
     --noise_dir "${noise_dir}" --domain_table "${noise_table}" --snrs ${snrs} \
     --domains ${domains} --seed "${noise_seed}" --data_root "${data_dir}"
 fi
@@ -116,7 +116,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
   for snr in ${snrs}; do
     log "Stage 3: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
     # shellcheck disable=SC2086
-    ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${noisy_dir}/manifests" \
+    run ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${noisy_dir}/manifests" \
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
       --per_domain "${per_domain}" --total "${md_long_total}" --min_len "${md_long_min}" \
       --max_len "${md_long_max}" --md_easy_order ${md_easy_order} --md_hard_order ${md_hard_order}
