@@ -14,7 +14,17 @@ batch loss. Definitions follow the SUTA / SGEM papers and the official code (see
 * ``suta_loss = alpha * entropy + (1 - alpha) * mcc`` with alpha 0.3 and temperature 2.5.
 * ``renyi_entropy_loss`` and ``negative_sampling_loss``: the two terms of SGEM.
 * ``ctc_pseudo_label_loss``: CTC against (greedy) pseudo labels (SDPL, AWMC).
+
+The field's methods (Tent, EATA, SAR use ``entropy_loss`` at T = 1) add:
+
+* ``confidence_weighted_entropy_loss``: CEA's stage-1 term, ``sigmoid(H) * H`` over non-blank frames.
+* ``symmetric_cross_entropy_loss``: CoTTA's teacher/student term over the student's non-blank frames.
+* ``temporal_coherence_loss``: CEA's stage-2 regulariser on the CNN features.
+* ``fisher_penalty``: EATA's anti-forgetting term ``sum F (theta - theta_0)^2``.
+* ``mean_probability`` and ``entropy_margin``: EATA's redundancy vector and EATA / SAR's
+  reliability threshold ``E0 = factor * ln V``.
 """
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -29,6 +39,12 @@ __all__ = [
     "renyi_entropy_loss",
     "negative_sampling_loss",
     "ctc_pseudo_label_loss",
+    "confidence_weighted_entropy_loss",
+    "symmetric_cross_entropy_loss",
+    "temporal_coherence_loss",
+    "fisher_penalty",
+    "mean_probability",
+    "entropy_margin",
 ]
 
 
@@ -159,3 +175,56 @@ def ctc_pseudo_label_loss(logits, targets: Sequence[torch.Tensor], lengths=None,
     loss = F.ctc_loss(log_probs, flat, in_lens, tgt_lens, blank=blank_id,
                       reduction="none", zero_infinity=True)
     return loss / tgt_lens.clamp(min=1).to(loss.device)
+
+
+def confidence_weighted_entropy_loss(logits, lengths=None, temperature: float = 2.5,
+                                     blank_id: int = 0, path=None) -> torch.Tensor:
+    """CEA's confidence-weighted entropy: the mean of ``sigmoid(H_t) * H_t`` over the non-blank
+    valid frames, ``H_t`` the entropy of ``softmax(logits_t / T)`` (the weight is not detached:
+    frames the model is unsure of count more, in value and gradient)."""
+    h = _entropy(logits / temperature)
+    return _masked_mean(torch.sigmoid(h) * h, non_blank_mask(logits, lengths, blank_id, path))
+
+
+def symmetric_cross_entropy_loss(logits, teacher_logits, lengths=None, blank_id: int = 0) -> torch.Tensor:
+    """CoTTA's symmetric cross-entropy ``-1/2 sum_v q_v log p_v - 1/2 sum_v p_v log q_v`` per frame
+    (``p`` the student's posteriors, ``q`` the teacher's; detach the teacher yourself), averaged
+    over the valid frames whose *student* argmax is not blank (0 when there are none)."""
+    log_p, log_q = logits.log_softmax(-1), teacher_logits.log_softmax(-1)
+    ce = -0.5 * (log_q.exp() * log_p).sum(-1) - 0.5 * (log_p.exp() * log_q).sum(-1)
+    return _masked_mean(ce, non_blank_mask(logits, lengths, blank_id))
+
+
+def temporal_coherence_loss(features: torch.Tensor, mask: torch.Tensor,
+                            lengths=None) -> torch.Tensor:
+    """CEA's temporal coherence of CNN features ``[B, C, T]``: ``A = softmax(X X^T) X + X`` with
+    ``X`` the ``[T, C]`` frames (self-attention smoothing plus the residual; padded frames are no
+    keys), then the mean L2 norm of ``A_t - A_{t-1}`` over the frames ``t >= 1`` where ``mask``
+    (``[B, T]``, e.g. the non-blank frames) is set. 0 for an utterance without such a frame."""
+    x = features.transpose(1, 2)                              # [B, T, C]
+    valid = frame_mask(x, lengths)
+    att = torch.matmul(x, x.transpose(1, 2))                  # [B, T, T]
+    att = att.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    smooth = torch.matmul(att, x) + x
+    diff = (smooth[:, 1:] - smooth[:, :-1]).norm(p=2, dim=-1)  # [B, T - 1]
+    return _masked_mean(diff, mask[:, 1:] & valid[:, 1:])
+
+
+def fisher_penalty(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor],
+                   fisher: Sequence[torch.Tensor]) -> torch.Tensor:
+    """EATA's elastic weight consolidation term ``sum_i F_i (theta_i - theta0_i)^2`` (a scalar;
+    multiply by the method's weight)."""
+    terms = [(f * (p - a) ** 2).sum() for p, a, f in zip(params, anchors, fisher)]
+    return torch.stack(terms).sum() if terms else torch.zeros(())
+
+
+def mean_probability(logits, lengths=None) -> torch.Tensor:
+    """The mean posterior vector over the valid frames of each utterance, ``[B, V]``."""
+    mask = frame_mask(logits, lengths).to(logits.dtype)[..., None]
+    return (logits.softmax(-1) * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def entropy_margin(num_classes: int, factor: float = 0.4) -> float:
+    """The reliability threshold ``E0 = factor * ln V`` of EATA and SAR (``factor * ln(V)`` is
+    that fraction of the largest possible entropy of V classes)."""
+    return float(factor) * math.log(int(num_classes))

@@ -66,6 +66,9 @@ def fingerprint(hparams: Dict, stream_csv, n_rows: int) -> Dict:
         hp["device"] = str(hp["device"]).split(":")[0]
     if "source" in hp:
         hp["source"] = source_identity(str(hp["source"]))
+    if hp.get("source_stats"):     # a statistics file counts by its content, as the model does
+        from tta_brain.methods.source_stats import file_identity
+        hp["source_stats"] = file_identity(hp["source_stats"], hparams.get("data_root", ""))
     return {"stream_sha1": file_sha1(stream_csv), "n_rows": n_rows,
             "tta_brain": tta_brain.__version__, "hparams": hp}
 

@@ -1,0 +1,136 @@
+"""The losses of the field's methods (Tent / EATA / SAR / CoTTA / CEA) against slow float64
+references written from the papers' formulas with explicit loops (no code shared with the library)."""
+import math
+
+import pytest
+import torch
+
+from tta_brain.methods import losses
+
+BLANK = 0
+
+
+def _softmax(row, T=1.0):
+    xs = [float(v) / T for v in row]
+    m = max(xs)
+    e = [math.exp(v - m) for v in xs]
+    return [v / sum(e) for v in e]
+
+
+def _argmax(row):
+    row = [float(v) for v in row]
+    return max(range(len(row)), key=lambda i: row[i])
+
+
+def _entropy(p):
+    return -sum(q * math.log(q) for q in p if q > 0)
+
+
+def logits(T=12, V=6, seed=0, blank_bias=0.5):
+    g = torch.Generator().manual_seed(seed)
+    x = 2.0 * torch.randn(1, T, V, generator=g, dtype=torch.float64)
+    x[..., BLANK] += blank_bias
+    return x
+
+
+def ref_confidence_weighted(x, T=2.5):
+    vals = []
+    for row in x[0]:
+        if _argmax(row) == BLANK:
+            continue
+        h = _entropy(_softmax(row, T))
+        vals.append(h / (1 + math.exp(-h)))          # sigmoid(H) * H
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def ref_symmetric_ce(x, teacher):
+    vals = []
+    for s_row, t_row in zip(x[0], teacher[0]):
+        if _argmax(s_row) == BLANK:                   # the student's non-blank frames
+            continue
+        p, q = _softmax(s_row), _softmax(t_row)
+        vals.append(-0.5 * sum(qi * math.log(pi) for pi, qi in zip(p, q))
+                    - 0.5 * sum(pi * math.log(qi) for pi, qi in zip(p, q)))
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def ref_temporal_coherence(feats, mask):
+    """A_t = sum_s softmax_s(<x_t, x_s>) x_s + x_t; mean_t ||A_t - A_{t-1}|| over masked t >= 1."""
+    X = [[float(v) for v in col] for col in feats[0].T]      # [T][C]
+    T = len(X)
+    A = []
+    for t in range(T):
+        scores = [sum(a * b for a, b in zip(X[t], X[s])) for s in range(T)]
+        w = _softmax(scores)
+        A.append([sum(w[s] * X[s][c] for s in range(T)) + X[t][c] for c in range(len(X[t]))])
+    d = [math.sqrt(sum((a - b) ** 2 for a, b in zip(A[t], A[t - 1]))) for t in range(1, T)
+         if mask[0][t]]
+    return sum(d) / len(d) if d else 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_confidence_weighted_entropy_matches_reference(seed):
+    x = logits(seed=seed)
+    got = losses.confidence_weighted_entropy_loss(x, temperature=2.5, blank_id=BLANK)
+    assert abs(float(got[0]) - ref_confidence_weighted(x)) < 1e-9
+
+
+def test_confidence_weighted_entropy_all_blank_is_zero():
+    x = logits(blank_bias=50.0)
+    assert float(losses.confidence_weighted_entropy_loss(x)[0]) == 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_symmetric_cross_entropy_matches_reference(seed):
+    x, teacher = logits(seed=seed), logits(seed=seed + 10)
+    got = losses.symmetric_cross_entropy_loss(x, teacher, blank_id=BLANK)
+    assert abs(float(got[0]) - ref_symmetric_ce(x, teacher)) < 1e-9
+    # identical distributions: the entropy of the student's non-blank frames
+    same = losses.symmetric_cross_entropy_loss(x, x, blank_id=BLANK)
+    assert abs(float(same[0]) - float(losses.entropy_loss(x, temperature=1.0)[0])) < 1e-9
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_temporal_coherence_matches_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    feats = 0.5 * torch.randn(1, 4, 9, generator=g, dtype=torch.float64)
+    mask = torch.rand(1, 9, generator=g) > 0.4
+    got = losses.temporal_coherence_loss(feats, mask)
+    assert abs(float(got[0]) - ref_temporal_coherence(feats, mask.tolist())) < 1e-9
+
+
+def test_temporal_coherence_ignores_padding_and_empty_mask():
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(1, 4, 7, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, 7, dtype=torch.bool)
+    padded = torch.cat([feats, 99 * torch.randn(1, 4, 3, generator=g, dtype=torch.float64)], 2)
+    pmask = torch.cat([mask, torch.ones(1, 3, dtype=torch.bool)], 1)
+    a = losses.temporal_coherence_loss(feats, mask)
+    b = losses.temporal_coherence_loss(padded, pmask, lengths=torch.tensor([7]))
+    assert torch.allclose(a, b)
+    assert float(losses.temporal_coherence_loss(feats, torch.zeros(1, 7, dtype=torch.bool))[0]) == 0
+
+
+def test_fisher_penalty_matches_reference_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True),
+              torch.randn(2, 2, generator=g, dtype=torch.float64, requires_grad=True)]
+    anchors = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
+    fisher = [torch.rand(p.shape, generator=g, dtype=torch.float64) for p in params]
+    ref = sum(float(f) * (float(p) - float(a)) ** 2 for P, A, Fi in zip(params, anchors, fisher)
+              for p, a, f in zip(P.detach().flatten(), A.flatten(), Fi.flatten()))
+    got = losses.fisher_penalty(params, anchors, fisher)
+    assert abs(float(got.detach()) - ref) < 1e-12
+    got.backward()
+    for p, a, f in zip(params, anchors, fisher):   # d/dtheta = 2 F (theta - theta0)
+        assert torch.allclose(p.grad, 2 * f * (p.detach() - a))
+
+
+def test_mean_probability_and_entropy_margin():
+    x = logits(T=5, V=4)
+    ref = [sum(_softmax(x[0, t])[v] for t in range(5)) / 5 for v in range(4)]
+    assert torch.allclose(losses.mean_probability(x)[0], torch.tensor(ref, dtype=x.dtype))
+    padded = torch.cat([x, 40 * torch.ones(1, 3, 4, dtype=x.dtype)], 1)
+    assert torch.allclose(losses.mean_probability(padded, torch.tensor([5])), losses.mean_probability(x))
+    assert abs(losses.entropy_margin(32) - 0.4 * math.log(32)) < 1e-12
+    assert abs(losses.entropy_margin(1000, 0.5) - 0.5 * math.log(1000)) < 1e-12

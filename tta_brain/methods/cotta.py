@@ -1,0 +1,107 @@
+"""CoTTA (Wang et al., CVPR 2022) for CTC, continual: a student adapts every weight towards an EMA
+teacher, a frozen source anchor decides when the teacher averages augmented views, and a random
+0.1 % of the weights go back to the source after each step.
+
+Per utterance: the anchor (source weights) gives the mean max-probability of x_t; below
+``ap_threshold`` the teacher output is the mean of ``n_augment`` teacher passes on x_t plus
+Gaussian noise (each view noised with probability 0.5, amplitude uniform in [0.001, 0.015] on the
+raw waveform, as audiomentations' AddGaussianNoise; a seeded generator), else one plain teacher
+pass. Loss: symmetric cross-entropy teacher/student over the student's non-blank frames; one
+optimiser step; teacher <- EMA(``ema_decay``) of the student when the loss is > 0; stochastic
+restore. The transcript is the teacher's output from before the update (the reference's).
+
+Cost: every weight adapts, so the method holds the model, the source anchor, the teacher and
+AdamW's two moments (5 model-sized copies, plus the gradients), and each utterance runs 2 aux +
+1 adapt forward, 1 backward, and ``n_augment`` more forwards when the anchor is unsure.
+"""
+import torch
+
+from tta_brain.methods import losses
+from tta_brain.methods.base import TTAMethod
+from tta_brain.methods.registry import register
+from tta_brain.methods.state import restore, snapshot
+
+RESTORE_MASKS = ("fresh", "fixed")
+
+
+@register("cotta")
+class CoTTA(TTAMethod):
+    episodic = False
+
+    def __init__(self, model, lr: float = 1e-4, steps: int = 1, ema_decay: float = 0.999,
+                 ap_threshold: float = 0.2, n_augment: int = 32, noise_min: float = 0.001,
+                 noise_max: float = 0.015, noise_p: float = 0.5, restore_prob: float = 0.001,
+                 restore_mask: str = "fresh", seed: int = 0, **kwargs):
+        if restore_mask not in RESTORE_MASKS:
+            raise ValueError(f"restore_mask = {restore_mask!r} is not valid: use fresh or fixed")
+        kwargs.setdefault("adapt_params", ({"select": "all"},))
+        super().__init__(model, lr=lr, steps=steps, **kwargs)
+        self.ema_decay, self.ap_threshold = float(ema_decay), float(ap_threshold)
+        self.n_augment, self.noise = int(n_augment), (float(noise_min), float(noise_max), float(noise_p))
+        self.restore_prob, self.restore_mask, self.seed = float(restore_prob), restore_mask, int(seed)
+        self.teacher = snapshot(self.params)
+        self.aug_gen = torch.Generator().manual_seed(self.seed)
+        self.restore_gen = torch.Generator().manual_seed(self.seed + 1)
+        self.counts.update(augmented=0)
+        self._wav = None
+
+    def process(self, wav, info=None):
+        self._wav = wav                        # the augmented views noise the raw waveform
+        return super().process(wav, info)
+
+    @torch.no_grad()
+    def teacher_logits(self, x):
+        self.counts["aux_forward"] += 2
+        anchor = self.logits(x, self.source).softmax(-1).max(-1).values.mean()
+        if float(anchor) >= self.ap_threshold or self.n_augment < 1:
+            return self.logits(x, self.teacher)
+        self.counts["augmented"] += 1
+        self.counts["aux_forward"] += self.n_augment - 1
+        wav = self._wav.reshape(-1).float()
+        lo, hi, p = self.noise
+        views = []
+        for _ in range(self.n_augment):
+            amp = lo + (hi - lo) * float(torch.rand((), generator=self.aug_gen))
+            noise = amp * torch.randn(wav.shape, generator=self.aug_gen)
+            keep = float(torch.rand((), generator=self.aug_gen)) >= p
+            xa = self.lobe.prepare(wav if keep else wav + noise)
+            views.append(self.lobe.logits(xa, dict(zip(self._lobe_names, self.teacher))))
+        return torch.stack(views).mean(0)
+
+    def forward_and_adapt(self, x, info):
+        teacher = self.teacher_logits(x)
+        for _ in range(self.steps):
+            value = self.adapt_step(x, loss_fn=lambda lg: losses.symmetric_cross_entropy_loss(
+                lg, teacher, blank_id=self.blank_id).mean())
+            if value > 0:                      # nan (skipped step) is not > 0
+                with torch.no_grad():
+                    torch._foreach_lerp_(self.teacher, [p.detach() for p in self.params],
+                                         1 - self.ema_decay)
+            self.stochastic_restore()
+        return self.lobe.decode(teacher)[0]
+
+    @torch.no_grad()
+    def stochastic_restore(self):
+        """Each adapted weight back to its source value with probability ``restore_prob``: a new
+        mask every step (``fresh``, the CoTTA paper) or the reference's (``fixed``: the generator
+        reseeded before each tensor, so the same weights every step)."""
+        for p, src in zip(self.params, self.source):
+            if self.restore_mask == "fixed":
+                self.restore_gen.manual_seed(self.seed + 1)
+            mask = torch.rand(p.shape, generator=self.restore_gen) < self.restore_prob
+            p.copy_(torch.where(mask.to(p.device), src, p))
+
+    def reset(self):
+        super().reset()
+        restore(self.teacher, self.source)
+
+    def state_dict(self):
+        return super().state_dict() | {"teacher": [t.clone() for t in self.teacher],
+                                       "aug_gen": self.aug_gen.get_state(),
+                                       "restore_gen": self.restore_gen.get_state()}
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)
+        restore(self.teacher, sd["teacher"])
+        self.aug_gen.set_state(sd["aug_gen"])
+        self.restore_gen.set_state(sd["restore_gen"])

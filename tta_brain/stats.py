@@ -1,0 +1,55 @@
+"""Compute source statistics (``tta_brain.methods.source_stats``) into one file::
+
+    python -m tta_brain.stats --source <model> --manifest <clean csv> [--data_root DIR] \\
+        --kinds fisher --out <file> [--max_utts N] [--device cpu] [--key=value ...]
+
+Use clean speech that is in no test stream (the recipes render or name such a set). Extra
+``--key=value`` options go to the kinds (``--params=layernorm,cnn``: the parameters whose Fisher
+information is kept). Errors are one line naming the file or option.
+"""
+import argparse
+import sys
+
+from tta_brain.methods import source_stats as ss
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tta_brain.stats", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", required=True, help="HF CTC checkpoint: directory or hub name")
+    p.add_argument("--manifest", required=True, help="clean manifest (ID,duration,wav,...)")
+    p.add_argument("--data_root", default="", help="replaces $data_root in the wav paths")
+    p.add_argument("--kinds", default="fisher", help=f"comma/space separated kinds")
+    p.add_argument("--out", required=True, help="the statistics file to write")
+    p.add_argument("--max_utts", type=int, default=0, help="first N utterances (0: all)")
+    p.add_argument("--max_duration", type=float, default=20.0, help="longer ones are left out")
+    p.add_argument("--device", default="cpu")
+    args, extra = p.parse_known_args(argv)
+    options = {}
+    for a in extra:
+        key, eq, value = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        if not key or not eq:
+            p.error(f"unrecognized argument {a!r} (kind options are --key=value)")
+        options[key] = value
+    return args, options
+
+
+def main(argv=None) -> int:
+    args, options = parse_args(argv)
+    kinds = [k for k in args.kinds.replace(",", " ").split() if k]
+    try:
+        record = ss.compute(args.source, args.manifest, kinds, data_root=args.data_root,
+                            max_utts=args.max_utts, device=args.device,
+                            max_duration=args.max_duration, options=options)
+        ss.save(record, args.out)
+    except (ss.SourceStatsError, ValueError, OSError, RuntimeError) as e:
+        print(f"ERROR: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    sizes = ", ".join(f"{k}: {len(v)} tensors" for k, v in record.stats.items())
+    print(f"{args.out}: {sizes} from {record.n_utts} utterances of {args.manifest} "
+          f"(model {record.model})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
