@@ -23,7 +23,8 @@ from tta_brain.data.manifest import (STREAM_COLUMNS, ManifestError, ManifestNotF
                                      read_manifest, resolve_path, validate_manifest,
                                      write_manifest)
 from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
-from tta_brain.data.prep.ms_snsd import LS_C_NOISES, corrupt_manifest, manifest_path
+from tta_brain.data.prep.ms_snsd import corrupt_manifest, manifest_path
+from tta_brain.data.prep.noise_table import LS_C_NOISES
 
 SR = 16000
 

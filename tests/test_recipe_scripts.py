@@ -10,7 +10,7 @@ from fake_corpora import estimate_snr_db, make_chime3, make_librispeech, make_ms
 from tta_brain.data.audio import load_audio
 from tta_brain.data.manifest import STREAM_COLUMNS, read_manifest, validate_manifest
 from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
-from tta_brain.data.prep.ms_snsd import LS_C_NOISES
+from tta_brain.data.prep.noise_table import LS_C_NOISES
 from tta_brain.data.streams import LS_C_DOMAINS, MD_EASY_ORDER, MD_HARD_ORDER, runs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,74 +29,14 @@ from pathlib import Path
 from ..cache import (HASH_CACHE_NAME, HashCache, as_stored, load_record, option_changes,
                     record_path, save_record, short)
 from ..manifest import manifest_text, read_manifest, to_placeholder, write_manifest
+from .noise_table import GAUSSIAN_NAMES, find_noise_dir, load_domain_table, noise_path, snr_tag
 
 logger = logging.getLogger(__name__)
 
-#: LS-C domains: MS-SNSD ``noise_test/`` files; GS = white Gaussian noise.
-LS_C_NOISES = {
-    "AA": "AirportAnnouncements_2.wav",
-    "AC": "AirConditioner_6.wav",
-    "BA": "Babble_4.wav",
-    "CM": "CopyMachine_2.wav",
-    "GS": None,
-    "MU": "Munching_3.wav",
-    "NB": "Neighbor_6.wav",
-    "SD": "ShuttingDoor_6.wav",
-    "TP": "Typing_2.wav",
-    "VC": "VacuumCleaner_1.wav",
-}
-GAUSSIAN_NAMES = (None, "", "gaussian", "GAUSSIAN", "white_gaussian")
 DEFAULT_SEED = 666  # the seed of the official preprocessing script
 #: Version of the mixing recipe (:func:`~tta_brain.data.mixing.mix_at_snr`, tiling, Gaussian
 #: noise). Bump it when that code changes: every existing mixture is then remade.
 MIX_VERSION = 1
-
-
-def load_domain_table(spec=None):
-    """A domain table from a dict, a YAML/JSON file path, or ``None`` (the LS-C table)."""
-    if spec is None:
-        return dict(LS_C_NOISES)
-    if isinstance(spec, dict):
-        return dict(spec)
-    import yaml  # PyYAML, a dependency of hyperpyyaml
-
-    path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"domain table not found: {path}")
-    table = yaml.safe_load(path.read_text(encoding="utf-8"))
-    if not isinstance(table, dict) or not table:
-        raise ValueError(f"{path}: a domain table must map domain codes to noise file names")
-    return {str(k): v for k, v in table.items()}
-
-
-def snr_tag(snr):
-    """``5`` -> ``"5dB"``, ``2.5`` -> ``"2.5dB"``, ``-5`` -> ``"-5dB"``."""
-    snr = float(snr)
-    return f"{int(snr)}dB" if snr.is_integer() else f"{snr:g}dB"
-
-
-def find_noise_dir(root):
-    """The folder holding the noise files: ``<root>/noise_test`` (MS-SNSD clone) or ``root``."""
-    if not root:
-        raise FileNotFoundError("noise folder not set: set MS_SNSD=/path/to/MS-SNSD (the clone "
-                                "that contains noise_test/) in the environment or in db.sh")
-    root = Path(root)
-    for cand in (root / "noise_test", root):
-        if cand.is_dir() and (any(cand.glob("*.wav")) or any(cand.glob("*.flac"))):
-            return cand
-    raise FileNotFoundError(f"no noise files in {root} or {root / 'noise_test'}; set MS_SNSD to "
-                            "a clone of https://github.com/microsoft/MS-SNSD")
-
-
-def noise_path(noise_dir, name):
-    """Path of a table entry's noise file (``.wav`` added when the name has no extension)."""
-    path = Path(noise_dir) / name
-    if not path.suffix:
-        path = path.with_suffix(".wav")
-    if not path.is_file():
-        raise FileNotFoundError(f"noise file {path} not found (domain table entry {name!r}); "
-                                "check MS_SNSD / the noise folder")
-    return path
 
 
 def manifest_path(out_dir, code, snr):

@@ -57,7 +57,7 @@ def _chime3(args):
 def _load_domains(args):
     """``({domain: rows}, {domain: source description})`` from the streams sub-command inputs."""
     from ..manifest import read_manifest
-    from .ms_snsd import snr_tag
+    from .noise_table import snr_tag
     from ..streams import filter_by_duration, group_by_domain
 
     sources = {}
@@ -118,7 +118,7 @@ def _domains_used(preset, domain_rows, overrides):
 def _streams(args):
     from ..cache import file_sha1, save_record, why_redo
     from ..manifest import manifest_text, write_manifest
-    from ..streams import build_stream, runs
+    from ..streams import build_stream, recurrence, runs
 
     domain_rows, sources = _load_domains(args)
     if args.names:
@@ -163,6 +163,9 @@ def _streams(args):
         segs = runs(stream)
         logger.info("wrote stream %s: %d utterances, %d segment(s) -> %s", name, len(stream),
                     len(segs), out_csv)
+        distinct, mean, most = recurrence(stream)
+        logger.info("%s: %d distinct clean utterances, each %.1f times on average (at most %d)",
+                    name, distinct, mean, most)
 
 
 def _validate(args):
