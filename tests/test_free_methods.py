@@ -1,0 +1,332 @@
+"""The backprop-free methods (LAME, T3A, FOA, E-BATS) on tiny real models: partial forwards equal
+the model's, the maths against slow references written from the formulas, CMA-ES reproducible,
+the population batched == one at a time, decodes, resume after kill -9."""
+import csv
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+import torch.nn.functional as F
+
+from conftest import save_ctc_model
+from fake_corpora import fake_speech, write_stream
+from tta_brain import decode, stats as stats_cli
+from tta_brain.lobes.hf_ctc import HFCTCLobe
+from tta_brain.lobes.partial import PartialForward
+from tta_brain.lobes.testing import TINY, save_random_ctc_model
+from tta_brain.methods import activation_stats as act, build_method, lame, t3a
+from tta_brain.methods.free import EarlyStop
+from tta_brain.methods.source_stats import SourceStatsError
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = {"ebats": ["--popsize=8", "--generations=4"], "foa": ["--popsize=8"], "t3a": [], "lame": []}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    """A 20-utterance test stream, and source statistics from OTHER (clean) speech made with the
+    statistics command."""
+    root = write_stream(tmp_path_factory.mktemp("stream"))
+    clean = tmp_path_factory.mktemp("clean")
+    rows = []
+    for i in range(6):
+        sig = fake_speech(0.6 + 0.1 * i, seed=500 + i)
+        sf.write(str(clean / f"c{i}.wav"), sig, 16000, subtype="PCM_16")
+        rows.append({"ID": f"c{i}", "duration": f"{len(sig) / 16000:.3f}", "wav": str(clean / f"c{i}.wav"),
+                     "spk_id": "s", "wrd": "ALPHA"})
+    with open(clean / "clean.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    stats = clean / "stats.pt"
+    assert stats_cli.main(["--source", tiny_model_dir, "--manifest", str(clean / "clean.csv"),
+                           "--kinds", "hidden,tokens", "--out", str(stats)]) == 0
+    return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir, "stats": stats,
+            "clean": [str(clean / f"c{i}.wav") for i in range(6)]}
+
+
+def build(setup, name, **kw):
+    if name in ("foa", "ebats"):
+        kw.setdefault("source_stats", str(setup["stats"]))
+    return build_method(name, model=HFCTCLobe(setup["model"]), **kw)
+
+
+def wavs(n=6):
+    return [torch.from_numpy(fake_speech(0.4 + 0.05 * i, seed=40 + i)) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- partial forwards
+@pytest.mark.parametrize("arch,cfg", [("wav2vec2", {}), ("wav2vec2", {"feat_extract_norm": "layer",
+                                       "do_stable_layer_norm": True}), ("hubert", {}),
+                                      ("data2vec-audio", {})])
+def test_partial_forward_is_the_models_forward(tmp_path, arch, cfg):
+    lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 1, arch=arch, **dict(TINY, **cfg)))
+    pf = PartialForward(lobe)
+    x = lobe.prepare(torch.from_numpy(fake_speech(0.7, seed=1)))
+    with torch.no_grad():
+        ref = lobe.model(x, output_hidden_states=True)
+        logits, _, states, _ = pf.hidden(x)
+        bias = torch.randn(3, pf.conv_channels)
+        batched = pf.from_features(pf.finish_cnn(pf.last_conv(x) + bias[:, :, None]))[0]
+        single = [pf.from_features(pf.finish_cnn(pf.last_conv(x) + b[None, :, None]))[0] for b in bias]
+    assert torch.equal(logits, ref.logits)
+    assert len(states) == len(ref.hidden_states)
+    assert all(torch.equal(a, b) for a, b in zip(states, ref.hidden_states))
+    assert torch.allclose(batched, torch.cat(single), atol=1e-5)
+    assert not torch.allclose(batched[0], batched[1]), "the bias had no effect"
+
+
+# ----------------------------------------------------------------------------- LAME
+def slow_lame(prob, feats, knn, lam, steps, tol):
+    """LAME from its formulas, with Python loops: kNN by sorting each row, W symmetrised."""
+    n, V = prob.shape
+    W = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        d = [(float((feats[i] - feats[j]).norm()), j) for j in range(n) if j != i]
+        for _, j in sorted(d)[:knn]:
+            W[i, j] += 0.5
+            W[j, i] += 0.5
+    unary = -torch.log(prob.double() + 1e-10)
+    Y = torch.softmax(-unary, -1)
+    old = math.inf
+    for it in range(steps):
+        Y = torch.softmax(-unary + lam * W @ Y, -1)
+        e = float((Y * (unary + Y.clamp(min=1e-20).log())).sum() - lam * (Y * (W @ Y)).sum())
+        if it > 1 and abs(old - e) <= tol * abs(old):
+            break
+        old = e
+    return Y
+
+
+def test_lame_against_slow_reference_and_converges():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 8, generator=g) * 2
+    logits[:, 0] -= 1.0                          # few likely-blank frames: all in the graph
+    hidden = torch.randn(40, 6, generator=g)
+    feats = F.normalize(hidden, dim=-1)
+    W = lame.knn_affinity(feats, 5)
+    assert torch.equal(W, W.T) and set(W.unique().tolist()) <= {0.0, 0.5, 1.0}
+    Y, energies = lame.laplacian_optimization(-(logits.softmax(-1) + 1e-10).log(), W, 1.0, 100, 1e-8)
+    assert len(energies) < 100, "did not converge in 100 steps"
+    assert abs(energies[-1] - energies[-2]) <= 1e-8 * abs(energies[-2])
+    assert energies[-1] <= energies[0] + 1e-6
+    ref = slow_lame(logits.softmax(-1), feats, 5, 1.0, 100, 1e-8)
+    assert torch.allclose(Y.double(), ref, atol=1e-5)
+    out = lame.lame_posteriors(logits, hidden, blank_id=0)
+    assert torch.allclose(out.sum(-1), torch.ones(40))
+
+
+def test_lame_leaves_blank_frames_out_and_restores_their_blank_probability():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(30, 6, generator=g)
+    logits[:12, 0] += 8                          # 12 likely-blank frames, 18 others (> k + 1)
+    hidden = torch.randn(30, 5, generator=g)
+    prob = logits.softmax(-1)
+    out = lame.lame_posteriors(logits, hidden, blank_id=0)
+    # likely-blank frames have no neighbours: Y = q, then renormalised with q_blank -> q
+    assert torch.allclose(out[:12], prob[:12], atol=1e-6)
+    keep = prob[:, 0] <= 0.5
+    ref = slow_lame(prob[keep], F.normalize(hidden[keep], dim=-1), 5, 1.0, 100, 1e-8)
+    assert torch.allclose(out[keep], (ref / ref.sum(-1, keepdim=True)).float(), atol=1e-5)
+
+
+def test_lame_changes_no_parameter(setup):
+    m = build(setup, "lame")
+    before = {k: v.clone() for k, v in m.net.state_dict().items()}
+    hyps = [m.process(w) for w in wavs(3)]
+    assert all(torch.equal(before[k], v) for k, v in m.net.state_dict().items())
+    assert m.episodic and m.counts["adapt_backward"] == 0 and m.counts["infer_forward"] == 3
+    assert any(hyps)
+
+
+# ----------------------------------------------------------------------------- T3A
+def test_select_supports_against_sorting():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 5, (200,), generator=g)
+    ent = torch.rand(200, generator=g)
+    keep = t3a.select_supports(labels, ent, 7)
+    for c in range(5):
+        idx = [i for i in range(200) if labels[i] == c]
+        best = sorted(idx, key=lambda i: float(ent[i]))[:7]
+        assert sorted(keep[labels[keep] == c].tolist()) == sorted(best)
+    assert len(t3a.select_supports(labels, ent, -1)) == 200
+
+
+def test_t3a_memory_stays_bounded_per_class(setup):
+    m = build(setup, "t3a", filter_K=3)
+    V = m.lobe.vocab_size
+    for w in wavs(6):
+        m.process(w)
+        counts = torch.bincount(m.labels, minlength=V)
+        assert int(counts.max()) <= 3 and len(m.supports) <= 3 * V
+    assert len(m.supports) > V, "no support was ever added: the test would prove nothing"
+    # the head's rows (entropy 1e-8) stay among the supports of their class
+    for c in range(V):
+        assert any(torch.equal(s, m.W[c]) for s in m.supports[m.labels == c]), c
+    assert m.meta_values()[0].shape == m.W.shape
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_hidden_and_token_stats_against_slow_references(setup):
+    lobe = HFCTCLobe(setup["model"])
+    inputs = [lobe.prepare(torch.from_numpy(sf.read(p, dtype="float32")[0])) for p in setup["clean"]]
+    hid, tok = act.hidden_stats(lobe, inputs), act.token_stats(lobe, inputs)
+    cnn, layers, frames = [], [], {}
+    with torch.no_grad():
+        for x in inputs:
+            out = lobe.model(x, output_hidden_states=True)
+            cnn.append(lobe.features(x)[0].mean(dim=1))
+            layers.append(torch.cat([h[0].mean(dim=0) for h in out.hidden_states]))
+            z = torch.cat([h[0] for h in out.hidden_states], dim=-1)
+            for f, v in enumerate(out.logits[0].argmax(-1).tolist()):
+                if v != lobe.blank_id:
+                    frames.setdefault(v, []).append(z[f])
+    s, m = torch.std_mean(torch.stack(layers), dim=0, unbiased=False)
+    assert torch.allclose(hid["layers_mean"], m, atol=1e-6) and torch.allclose(hid["layers_std"], s, atol=1e-6)
+    assert torch.allclose(hid["cnn_mean"], torch.stack(cnn).mean(0), atol=1e-6)
+    assert set(torch.nonzero(tok["count"])[:, 0].tolist()) == set(frames) and frames
+    for v, zs in frames.items():
+        s, m = torch.std_mean(torch.stack(zs), dim=0, unbiased=False)
+        assert int(tok["count"][v]) == len(zs)
+        assert torch.allclose(tok["mean"][v], m, atol=1e-5) and torch.allclose(tok["std"][v], s, atol=1e-4)
+
+
+def test_statistic_losses_against_slow_references():
+    g = torch.Generator().manual_seed(0)
+    P, Fr, H, L, V = 3, 12, 4, 3, 6
+    states = [torch.randn(P, Fr, H, generator=g) for _ in range(L)]
+    path = torch.randint(0, V, (P, Fr), generator=g)
+    path[2] = 0                                                     # all blank: loss 0
+    src = {"mean": torch.randn(V, L * H, generator=g), "std": torch.rand(V, L * H, generator=g),
+           "count": torch.tensor([5, 3, 0, 2, 7, 1])}               # label 2 never seen: skipped
+    got = act.token_alignment(states, path, src, blank_id=0)
+    for p in range(P):
+        z = torch.cat([h[p] for h in states], dim=-1)
+        terms = []
+        for v in sorted(set(path[p].tolist()) - {0, 2}):
+            s, m = torch.std_mean(z[path[p] == v], dim=0, unbiased=False)
+            terms.append(F.mse_loss(m, src["mean"][v]) + F.mse_loss(s, src["std"][v]))
+        want = sum(terms) / len(terms) if terms else torch.tensor(0.0)
+        assert torch.allclose(got[p], want, atol=1e-5), p
+    means = act.layer_means(states)
+    mu = torch.randn(L * H, generator=g)
+    for p in range(P):
+        want = sum(((states[l][p].mean(0) - mu[l * H:(l + 1) * H]) ** 2).sum() for l in range(L))
+        assert torch.allclose(act.mean_alignment(means, mu)[p], want, atol=1e-5)
+    w = act.confidence_weight(torch.tensor([0.0, 2.5, 5.0, 20.0]))
+    assert torch.allclose(w, torch.tensor([2.0, 1.5, 1.0, 0.0]), atol=1e-6)
+
+
+def test_early_stop_as_the_reference():
+    stop = EarlyStop(0.001, 3, previous=math.inf)
+    seq = [5.0, 4.0, 3.9995, 3.9994, 3.0, 3.0, 2.9999, 2.9999]
+    fired = [stop(b) for b in seq]
+    assert fired == [False, False, False, False, False, False, False, True]
+
+
+def test_missing_statistics_file_is_one_line_naming_the_command(setup, tmp_path):
+    with pytest.raises(SourceStatsError, match=r"not found: .*nope.pt .*tta_brain.stats .*--kinds hidden,tokens") as e:
+        build(setup, "ebats", source_stats=str(tmp_path / "nope.pt"))
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- CMA-ES methods
+@pytest.mark.parametrize("name,kw", [("ebats", {"popsize": 6, "generations": 3}), ("foa", {"popsize": 6})])
+def test_cma_es_is_reproducible_and_batched_equals_one_at_a_time(setup, name, kw):
+    runs = {}
+    for key, extra in (("a", {}), ("b", {}), ("one", {"population_batch": 1}),
+                       ("three", {"population_batch": 4}), ("seed", {"cma_seed": 7})):
+        m = build(setup, name, **kw, **extra)
+        hyps = [m.process(w) for w in wavs(4)]
+        runs[key] = (hyps, m.center().copy(), dict(m.counts))
+    assert runs["a"][0] == runs["b"][0] and np.array_equal(runs["a"][1], runs["b"][1])
+    assert runs["one"][0] == runs["a"][0] and runs["three"][0] == runs["a"][0]
+    assert np.allclose(runs["one"][1], runs["a"][1], atol=1e-6)
+    assert not np.allclose(runs["seed"][1], runs["a"][1]), "the seed changed nothing"
+    assert runs["a"][2]["adapt_backward"] == 0 and runs["a"][2]["adapt_forward"] >= 4 * 6
+
+
+def test_state_dict_resumes_identically(setup):
+    for name, kw in (("ebats", {"popsize": 6, "generations": 3}), ("foa", {"popsize": 6}), ("t3a", {})):
+        ws = wavs(6)
+        a = build(setup, name, **kw)
+        whole = [a.process(w) for w in ws]
+        b = build(setup, name, **kw)
+        first = [b.process(w) for w in ws[:3]]
+        sd = b.state_dict()
+        c = build(setup, name, **kw)
+        c.load_state_dict(sd)
+        assert first + [c.process(w) for w in ws[3:]] == whole, name
+
+
+def test_ebats_tema_restarts_from_the_ema(setup):
+    m = build(setup, "ebats", popsize=6, generations=2, ema_decay=0.5)
+    m.process(wavs(1)[0])
+    mean1 = m.es.mean.copy()
+    assert np.allclose(m.ema["mean"], 0.5 * mean1)                   # EMA from zero, decay 0.5
+    m.process(wavs(2)[1])
+    assert m.ema["sigma"] != m.sigma0
+    m.reset()
+    assert np.array_equal(m.ema["mean"], np.zeros(m.dim)) and m.best == math.inf
+
+
+# ----------------------------------------------------------------------------- the decode command
+def args(setup, name, out, *extra):
+    stats = [f"--source_stats={setup['stats']}"] if name in ("foa", "ebats") else []
+    return [name, f"--source={setup['model']}", f"--stream_csv={setup['csv']}",
+            f"--output_folder={out}", f"--data_root={setup['root']}", "--noprogressbar",
+            *stats, *SMALL[name], *extra]
+
+
+@pytest.mark.parametrize("name", ["lame", "t3a", "foa", "ebats"])
+def test_decodes_20_utterances(setup, tmp_path, name):
+    extra = ["--reset=fixed", "--reset_every=8"] if name != "lame" else []
+    s = decode.main(args(setup, name, tmp_path / "exp", *extra))
+    assert s.n_utts == 20 and s.n_skipped == 0
+    rows = list(csv.DictReader(open(tmp_path / "exp" / "transcripts.csv")))
+    assert len(rows) == 20 and any(r["hyp"] for r in rows)
+    if name != "lame":
+        assert s.resets == [8, 16]
+    assert s.counts["adapt_backward"] == 0
+
+
+def test_dynamic_reset_runs_on_a_free_method(setup, tmp_path):
+    s = decode.main(args(setup, "ebats", tmp_path / "exp", "--reset=dynamic", "--reset_K=6",
+                         "--reset_patience=1", "--reset_threshold=-100", "--ckpt_every=0"))
+    assert s.n_utts == 20 and s.resets
+    assert len(list(csv.DictReader(open(tmp_path / "exp" / "lii.csv")))) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["t3a", "foa", "ebats"])
+def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(setup, tmp_path, name):
+    ref = tmp_path / "ref"
+    decode.main(args(setup, name, ref, "--ckpt_every=3"))
+    out = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "tta_brain.decode", *args(setup, name, out, "--ckpt_every=3")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    try:
+        while not list((out / "save").glob("CKPT+*/stream.ckpt")):
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.time() < deadline, "no checkpoint after 240 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (out / "summary.json").exists(), "killed too late: the run had finished"
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Resuming" in (out / "log.txt").read_text()
+    for f in ("transcripts.csv", "resets.csv", "wer.txt"):
+        assert (out / f).read_text() == (ref / f).read_text(), f

@@ -1,0 +1,149 @@
+"""The backprop-free skeleton (LAME, T3A, FOA, E-BATS): no optimiser, no backward; a method
+evaluates candidates of one utterance and keeps (continual) or drops (episodic) what it learnt.
+
+It is a :class:`~tta_brain.methods.base.TTAMethod` with nothing to adapt by gradient, so the stream
+contract is the gradient skeleton's: ``process(wav, info) -> text`` (episodic: ``reset()`` first;
+continual: the reset-policy hooks around it), ``events``, ``counts``, ``state_dict`` /
+``load_state_dict``. What differs, per utterance x::
+
+    ctx = prefix(x)                      the network before the insertion point, once
+    losses, logits = evaluate(ctx, Z)    candidates Z [P, D] -> fitness [P], logits [P, F, V]
+    hyp = adapt(x, ctx)                  the method (CMA-ES generations, a classifier update, ...)
+
+``evaluate`` runs the whole population as one batch, or ``population_batch`` candidates at a time
+(1: one at a time, as the reference code). The carried state (``free_state``) is saved with the
+checkpoint; ``reset()`` goes back to ``initial_state()``. For the dynamic reset policy, the carried
+state is ``meta_values()`` and ``loss_with(values, x)`` the method's fitness with it.
+
+Counts: ``adapt_forward`` = candidates evaluated (one per candidate, batched or not),
+``aux_forward`` = policy passes, ``infer_forward`` = passes for a transcript alone.
+"""
+import copy
+import math
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from tta_brain.lobes.partial import PartialForward
+from tta_brain.methods.base import TTAMethod
+
+__all__ = ["FreeMethod", "make_es", "EarlyStop"]
+
+
+def make_es(x0, sigma0: float, popsize: int, seed: int):
+    """A pycma ``CMAEvolutionStrategy`` drawing from its own ``RandomState(seed)`` (the global
+    numpy RNG is left alone; the strategy pickles with its RNG, so a resumed run draws the same)."""
+    import cma
+    opts = {"seed": np.nan, "randn": np.random.RandomState(int(seed)).randn, "popsize": int(popsize),
+            "maxiter": float("inf"), "verbose": -9, "CMA_diagonal": False}
+    return cma.CMAEvolutionStrategy(np.asarray(x0, dtype=float), float(sigma0), opts)
+
+
+class EarlyStop:
+    """The reference's early stop of the CMA-ES generations of an utterance: a generation whose
+    best fitness does not improve on the previous generation's best (carried over from the
+    previous utterance: ``previous``) by more than ``threshold`` counts as stale, an improving
+    one clears the count; ``patience`` stale generations in a row stop."""
+
+    def __init__(self, threshold: float, patience: int, previous: float = math.inf):
+        self.threshold, self.patience, self.previous, self.stale = threshold, patience, previous, 0
+
+    def __call__(self, best: float) -> bool:
+        self.stale = 0 if self.previous - best > self.threshold else self.stale + 1
+        self.previous = best
+        return self.stale >= self.patience
+
+
+class FreeMethod(TTAMethod):
+    """The skeleton; a method sets ``prefix`` / ``evaluate`` (CMA-ES methods) or overrides
+    ``adapt``, and ``initial_state`` / ``free_state`` / ``load_free_state`` for what it carries."""
+
+    def __init__(self, model, episodic: Optional[bool] = None, reset_policy=None,
+                 population_batch: int = 0, **kwargs):
+        super().__init__(model, adapt_params=(), steps=kwargs.pop("steps", 1), episodic=episodic,
+                         reset_policy=reset_policy, **kwargs)
+        if int(population_batch) < 0:
+            raise ValueError(f"population_batch must be >= 0 (0: the whole population in one "
+                             f"batch, 1: one candidate at a time), got {population_batch}")
+        self.population_batch = int(population_batch)
+        self.pf = PartialForward(model)
+        self.load_free_state(self.initial_state())
+
+    def describe(self) -> str:
+        return (f"{self.name}: {'episodic' if self.episodic else 'continual'}, backprop-free "
+                f"(no parameter adapts by gradient); population batch "
+                f"{self.population_batch or 'all'}")
+
+    # ------------------------------------------------------------- what a method defines
+    def prefix(self, x: torch.Tensor):
+        """The network before the insertion point, once per utterance."""
+        return x
+
+    def evaluate(self, ctx, candidates: torch.Tensor):
+        """Candidates ``[P, D]`` of one utterance -> (fitness ``[P]``, logits ``[P, F, V]``)."""
+        raise NotImplementedError
+
+    def adapt(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """Adapt on the utterance; the logits ``[1, F, V]`` of its transcript."""
+        raise NotImplementedError
+
+    def initial_state(self) -> Dict:
+        return {}
+
+    def free_state(self) -> Dict:
+        return {}
+
+    def load_free_state(self, state: Dict) -> None:
+        pass
+
+    # ------------------------------------------------------------- the population
+    def evaluate_population(self, ctx, candidates) -> tuple:
+        """``evaluate`` over all candidates, ``population_batch`` at a time (0: all at once)."""
+        z = torch.as_tensor(np.asarray(candidates), dtype=torch.float32, device=self.lobe.device)
+        step = self.population_batch or len(z)
+        parts = [self.evaluate(ctx, z[i:i + step]) for i in range(0, len(z), step)]
+        self.counts["adapt_forward"] += len(z)
+        return torch.cat([p[0] for p in parts]), [p[1] for p in parts]
+
+    @staticmethod
+    def pick(logit_parts, index: int) -> torch.Tensor:
+        """Candidate ``index``'s logits ``[1, F, V]`` from ``evaluate_population``'s parts."""
+        for part in logit_parts:
+            if index < len(part):
+                return part[index:index + 1]
+            index -= len(part)
+        raise IndexError(index)
+
+    # ------------------------------------------------------------- the skeleton's hooks
+    @torch.no_grad()
+    def forward_and_adapt(self, x: torch.Tensor, info) -> str:
+        return self.lobe.decode(self.adapt(x, self.prefix(x)))[0]
+
+    def reset(self):
+        self.load_free_state(copy.deepcopy(self.initial_state()))
+
+    def meta_values(self) -> List[torch.Tensor]:
+        """The carried state as tensors (CMA-ES methods: the search mean)."""
+        return [torch.as_tensor(self.center(), dtype=torch.float32)]
+
+    def center(self) -> np.ndarray:
+        raise NotImplementedError(f"{self.name} carries no state a reset policy can test")
+
+    @torch.no_grad()
+    def loss_with(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> float:
+        """Fitness of ``x`` at the carried state ``values`` (None: the initial state)."""
+        if values is None:
+            values = [torch.zeros_like(self.meta_values()[0])]
+        self.counts["aux_forward"] += 1
+        z = values[0].reshape(1, -1).to(self.lobe.device)
+        return float(self.evaluate(self.prefix(x), z)[0][0])
+
+    def state_dict(self) -> Dict:
+        sd = super().state_dict()
+        sd["free"] = self.free_state()
+        return sd
+
+    def load_state_dict(self, sd: Dict):
+        super().load_state_dict(sd)
+        self.load_free_state(sd["free"])
