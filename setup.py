@@ -18,6 +18,7 @@ INSTALL_REQUIRES = [
     "scipy>=1.11",
     "espeakng-loader==0.2.4",
     "submitit>=1.5,<2",       # grids: local workers and Slurm (tta_brain.grid)
+    "cma>=4.3",               # CMA-ES of FOA and E-BATS (pycma; the E-BATS reference pins 4.3.0)
 ]
 
 setup(
