@@ -1,0 +1,297 @@
+"""Tent, EATA, SAR, CoTTA and CEA: each method's defining behaviour on a tiny real model, a decode
+of 20 generated utterances through ``tta_brain.decode`` for each, and transcripts identical after
+kill -9 + resume for the continual ones."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_on
+from fake_corpora import write_stream
+from tta_brain import decode, stats
+from tta_brain.methods import UttInfo, losses, source_stats
+from tta_brain.methods.resets import make_reset_policy
+
+REPO = Path(__file__).resolve().parents[1]
+FIELD = ("tent", "eata", "sar", "cotta", "cea")
+CONTINUAL = ("eata", "sar", "cotta")
+# The random tiny model is nearly uniform (entropy close to ln V): a margin factor above 1 keeps
+# every utterance reliable, so the steps run.
+RELIABLE = {"e_margin_factor": 1.01}
+
+
+def dist(a, b):
+    return sum(float((x.detach() - y.detach()).pow(2).sum()) for x, y in zip(a, b)) ** 0.5
+
+
+def fisher_file(path, model_dir, value=1.0):
+    """A statistics file with Fisher information ``value`` on every LayerNorm tensor of the model."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods.params import select_parameters
+    lobe = HFCTCLobe(model_dir)
+    fisher = {n: torch.full_like(p, value) for n, p, _ in select_parameters(lobe.model, [{"select": "layernorm"}])}
+    record = source_stats.SourceStats(stats={"fisher": fisher}, manifest="m.csv", manifest_sha1="0",
+                                      model=model_dir, model_params_sha1=source_stats.params_sha1(lobe.model),
+                                      n_utts=1)
+    source_stats.save(record, path)
+    return str(path)
+
+
+def source_entropies(model_dir, utterances):
+    m = build_on(model_dir, "tent")
+    with torch.no_grad():
+        return [float(losses.entropy_loss(m.logits(m.lobe.prepare(w)), temperature=1.0)[0])
+                for w in utterances]
+
+
+# ----------------------------------------------------------------------------- EATA
+def test_eata_drops_an_unreliable_utterance_and_counts_it(tiny_model_dir, utterances):
+    order = sorted(source_entropies(tiny_model_dir, utterances[:4]))
+    threshold = 0.5 * (order[1] + order[2])             # about half reliable
+    V = build_on(tiny_model_dir, "tent").lobe.vocab_size
+    m = build_on(tiny_model_dir, "eata", fisher_alpha=0.0, lr=1e-3, d_margin=2.0,
+                 e_margin_factor=threshold / math.log(V))
+    dropped = []
+    for i, w in enumerate(utterances[:4]):
+        with torch.no_grad():                           # what the step sees: the current model
+            h = float(losses.entropy_loss(m.logits(m.lobe.prepare(w)), temperature=1.0)[0])
+        before = [p.detach().clone() for p in m.params]
+        m.process(w, UttInfo(id=f"u{i}", position=i))
+        assert (dist(before, m.params) > 0) == (h < threshold), (i, h, threshold)
+        dropped += [i] if h >= threshold else []
+    assert 0 < len(dropped) < 4
+    assert m.counts["filtered_unreliable"] == len(dropped)
+    assert m.counts["adapt_backward"] == 4 - len(dropped)
+    filters = [e for e in m.events if e.kind == "filter"]
+    assert [e.position for e in filters] == dropped
+    assert all("unreliable" in e.reason for e in filters)
+
+
+def test_eata_redundancy_filter_drops_what_matches_the_ema(tiny_model_dir, utterances):
+    m = build_on(tiny_model_dir, "eata", fisher_alpha=0.0, d_margin=0.0, **RELIABLE)
+    for i, w in enumerate(utterances[:3]):              # the first starts the EMA, the rest match
+        m.process(w, UttInfo(position=i))
+    assert m.counts["filtered_redundant"] == 2 and m.counts["adapt_backward"] == 1
+    m2 = build_on(tiny_model_dir, "eata", fisher_alpha=0.0, d_margin=1.0 + 1e-6, **RELIABLE)
+    for i, w in enumerate(utterances[:3]):
+        m2.process(w, UttInfo(position=i))
+    assert m2.counts["filtered_redundant"] == 0 and m2.counts["adapt_backward"] == 3
+    assert m2.model_probs is not None and abs(float(m2.model_probs.sum()) - 1) < 1e-5
+
+
+def test_eata_fisher_term_pulls_towards_the_source(tiny_model_dir, utterances, tmp_path):
+    path = fisher_file(tmp_path / "fisher.pt", tiny_model_dir)
+    drift = {}
+    for alpha in (0.0, 1e4):
+        m = build_on(tiny_model_dir, "eata", fisher_alpha=alpha, source_stats=path, lr=5e-2,
+                     d_margin=2.0, **RELIABLE)
+        for i, w in enumerate(utterances * 2):
+            m.process(w, UttInfo(position=i))
+        assert m.counts["adapt_backward"] == 12
+        drift[alpha] = dist(m.params, m.source)
+    assert drift[1e4] < 0.5 * drift[0.0], drift
+
+
+def test_eata_statistics_errors_name_the_file_and_the_command(tiny_model_dir, tmp_path):
+    with pytest.raises(source_stats.SourceStatsError, match=r"not found: .*nope\.pt.*python -m tta_brain.stats"):
+        build_on(tiny_model_dir, "eata", source_stats=str(tmp_path / "nope.pt"))
+    with pytest.raises(source_stats.SourceStatsError, match="no source statistics file given"):
+        build_on(tiny_model_dir, "eata")
+    from conftest import save_ctc_model
+    other = save_ctc_model(str(tmp_path / "other"), seed=5)
+    path = fisher_file(tmp_path / "other.pt", other)
+    with pytest.raises(source_stats.SourceStatsError, match="computed on another model"):
+        build_on(tiny_model_dir, "eata", source_stats=path)
+    assert build_on(tiny_model_dir, "eata", fisher_alpha=0.0).fisher is None   # no file needed
+
+
+# ----------------------------------------------------------------------------- SAR
+def test_sar_does_two_passes_per_step_and_rho_zero_is_a_plain_step(tiny_model_dir, utterances):
+    m = build_on(tiny_model_dir, "sar", lr=1e-2, rho=0.0, reset_constant=-1.0, **RELIABLE)
+    tent = build_on(tiny_model_dir, "tent", lr=1e-2)
+    m.process(utterances[0])
+    tent.process(utterances[0])
+    assert m.counts["adapt_forward"] == 2 and m.counts["adapt_backward"] == 2
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(m.params, tent.params))
+    sam = build_on(tiny_model_dir, "sar", lr=1e-2, rho=0.5, reset_constant=-1.0, **RELIABLE)
+    sam.process(utterances[0])
+    assert dist(sam.params, tent.params) > 1e-6       # the gradient at the perturbed point
+    assert sam.ascent.eps is None                      # and the step was taken from theta
+
+
+def test_sar_filters_unreliable_passes(tiny_model_dir, utterances):
+    m = build_on(tiny_model_dir, "sar", e_margin_factor=0.01, reset_constant=-1.0)
+    m.process(utterances[0])
+    assert m.counts["filtered_first"] == 1 and m.counts["adapt_backward"] == 0
+    assert m.counts["adapt_forward"] == 1 and dist(m.params, m.source) == 0
+    assert m.ema is None
+
+
+def test_sar_recovers_when_the_loss_ema_is_low(tiny_model_dir, utterances):
+    m = build_on(tiny_model_dir, "sar", lr=1e-2, reset_constant=1e9, **RELIABLE)
+    m.process(utterances[0], UttInfo(id="a", position=0))
+    resets = [e for e in m.events if e.kind == "reset"]
+    assert [(e.position, e.reason) for e in resets] == [(1, "recovery")]
+    assert m.counts["recoveries"] == 1 and m.ema is None and dist(m.params, m.source) == 0
+    keep = build_on(tiny_model_dir, "sar", lr=1e-2, reset_constant=-1.0, **RELIABLE)
+    keep.process(utterances[0])
+    assert keep.ema is not None and dist(keep.params, keep.source) > 0
+    assert not [e for e in keep.events if e.kind == "reset"]
+
+
+# ----------------------------------------------------------------------------- CoTTA
+def test_cotta_teacher_is_an_ema_of_the_student(tiny_model_dir, utterances):
+    m = build_on(tiny_model_dir, "cotta", lr=1e-2, restore_prob=0.0, ema_decay=0.9, n_augment=0)
+    m.process(utterances[0])
+    want = [torch.lerp(s, p.detach(), 0.1) for s, p in zip(m.source, m.params)]
+    assert dist(m.params, m.source) > 0
+    assert all(torch.allclose(t, w, atol=1e-7) for t, w in zip(m.teacher, want))
+
+
+@pytest.mark.parametrize("mask", ["fresh", "fixed"])
+def test_cotta_stochastic_restore_rate_and_mask(tiny_model_dir, mask):
+    m = build_on(tiny_model_dir, "cotta", restore_prob=0.2, restore_mask=mask)
+    restored = []
+    for _ in range(2):
+        with torch.no_grad():
+            for p in m.params:
+                p.add_(1.0)
+        m.stochastic_restore()
+        restored.append(torch.cat([(p == s).flatten() for p, s in zip(m.params, m.source)]))
+    n = restored[0].numel()
+    for r in restored:
+        assert abs(float(r.float().mean()) - 0.2) < 4 * math.sqrt(0.2 * 0.8 / n)
+    assert torch.equal(restored[0], restored[1]) == (mask == "fixed")
+
+
+def test_cotta_augments_when_the_anchor_is_unsure(tiny_model_dir, utterances):
+    sure = build_on(tiny_model_dir, "cotta", ap_threshold=0.0, n_augment=3)
+    unsure = build_on(tiny_model_dir, "cotta", ap_threshold=1.0, n_augment=3)
+    hyps = [m.process(utterances[0]) for m in (sure, unsure)]
+    assert sure.counts["augmented"] == 0 and sure.counts["aux_forward"] == 2
+    assert unsure.counts["augmented"] == 1 and unsure.counts["aux_forward"] == 4
+    assert all(isinstance(h, str) for h in hyps)
+
+
+# ----------------------------------------------------------------------------- CEA, Tent
+def test_cea_two_stages_adapt_their_own_parameters(tiny_model_dir, utterances):
+    def changed(m):
+        return {n for n, p, s in zip(m.param_names, m.params, m.source) if not torch.equal(p, s)}
+    m1 = build_on(tiny_model_dir, "cea", steps=1, steps2=0, lr=1e-2)
+    m1.process(utterances[0])
+    m2 = build_on(tiny_model_dir, "cea", steps=0, steps2=1, lr2=1e-2)
+    m2.process(utterances[0])
+    assert any("feature_extractor" in n for n in changed(m1))
+    assert changed(m2) and not any("feature_extractor" in n for n in changed(m2))
+    m = build_on(tiny_model_dir, "cea", steps=2, steps2=3)
+    m.process(utterances[0])
+    assert m.counts["adapt_forward"] == 5 and m.counts["infer_forward"] == 1
+    m.process(utterances[1])                          # episodic: from the source again
+    assert m.counts["adapt_forward"] == 10
+
+
+def test_tent_is_episodic_entropy_on_layernorm(tiny_model_dir, utterances):
+    m = build_on(tiny_model_dir, "tent", lr=1e-2)
+    assert m.param_names and all("layer_norm" in n for n in m.param_names)
+    m.process(utterances[0])
+    after_first = [p.detach().clone() for p in m.params]
+    m.process(utterances[0])
+    assert all(torch.equal(a, b) for a, b in zip(after_first, m.params))   # reset in between
+    with pytest.raises(ValueError, match="continual"):
+        build_on(tiny_model_dir, "tent", reset_policy=make_reset_policy("fixed", every=2))
+
+
+# ----------------------------------------------------------------------------- reset policies
+@pytest.mark.parametrize("name", CONTINUAL)
+def test_reset_policies_act_on_every_continual_method(name, tiny_model_dir, utterances):
+    opts = {"eata": dict(fisher_alpha=0.0, d_margin=2.0, **RELIABLE),
+            "sar": dict(reset_constant=-1.0, **RELIABLE), "cotta": dict(n_augment=1)}[name]
+    m = build_on(tiny_model_dir, name, lr=1e-2, reset_policy=make_reset_policy("oracle"), **opts)
+    for i, w in enumerate(utterances[:4]):
+        m.process(w, UttInfo(position=i, segment=i // 2))
+        if i == 1:
+            assert dist(m.params, m.source) > 0
+    resets = [e.position for e in m.events if e.kind == "reset"]
+    assert resets == [2]
+    m.reset()                                         # and every piece of state goes with it
+    assert dist(m.params, m.source) == 0
+    assert {"eata": lambda: m.model_probs is None, "sar": lambda: m.ema is None,
+            "cotta": lambda: dist(m.teacher, m.source) == 0}[name]()
+
+
+# ----------------------------------------------------------------------------- decode
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_model_dir):
+    root = write_stream(tmp_path_factory.mktemp("field_stream"))
+    clean = write_stream(tmp_path_factory.mktemp("field_clean"), n=4, block=10)
+    out = root / "fisher.pt"
+    assert stats.main(["--source", tiny_model_dir, "--manifest", str(clean / "stream.csv"),
+                       "--data_root", str(clean), "--kinds", "fisher", "--out", str(out)]) == 0
+    return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir, "stats": out}
+
+
+OPTS = {"tent": ["--lr=0.01"], "cea": ["--steps=2", "--steps2=2"],
+        "eata": ["--e_margin_factor=1.01", "--lr=0.01", "--source_stats=$data_root/fisher.pt"],
+        "sar": ["--e_margin_factor=1.01", "--lr=0.01"], "cotta": ["--n_augment=2"]}
+
+
+def args(data, name, out, *extra):
+    return [name, f"--source={data['model']}", f"--stream_csv={data['csv']}",
+            f"--output_folder={out}", f"--data_root={data['root']}", "--noprogressbar",
+            *OPTS[name], *extra]
+
+
+@pytest.mark.parametrize("name", FIELD)
+def test_every_field_method_decodes_the_stream(name, data, tmp_path):
+    summary = decode.main(args(data, name, tmp_path / name, "--ckpt_every=0"))
+    assert summary.n_utts == 20 and summary.method == name
+    assert summary.counts["adapt_backward"] > 0
+    rows = (tmp_path / name / "transcripts.csv").read_text().splitlines()
+    assert len(rows) == 21
+
+
+def test_the_statistics_file_is_part_of_the_run_fingerprint(data, tmp_path):
+    out = tmp_path / "eata"
+    decode.main(args(data, "eata", out, "--ckpt_every=0"))
+    fp = (out / "fingerprint.json").read_text()
+    assert source_stats.file_identity(data["stats"]) in fp
+    other = data["root"] / "fisher2.pt"
+    record = source_stats.load(data["stats"])
+    record.stats["fisher"] = {k: 2 * v for k, v in record.stats["fisher"].items()}
+    source_stats.save(record, other)
+    with pytest.raises(SystemExit, match="source_stats"):
+        decode.main(args(data, "eata", out, "--ckpt_every=0", "--source_stats=$data_root/fisher2.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONTINUAL)
+def test_kill_9_and_resume_gives_the_same_transcripts(name, data, tmp_path):
+    ref = tmp_path / "ref"
+    decode.main(args(data, name, ref, "--ckpt_every=3", "--reset=fixed", "--reset_every=7"))
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "tta_brain.decode",
+           *args(data, name, out, "--ckpt_every=3", "--reset=fixed", "--reset_every=7")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    try:
+        while not list((out / "save").glob("CKPT+*/stream.ckpt")):
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.time() < deadline, "no checkpoint after 240 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (out / "summary.json").exists(), "killed too late: the run had finished"
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Resuming" in (out / "log.txt").read_text()
+    for f in ("transcripts.csv", "resets.csv"):
+        assert (out / f).read_text() == (ref / f).read_text(), f
