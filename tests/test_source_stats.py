@@ -1,0 +1,120 @@
+"""Source statistics: the file format with its provenance, the ``python -m tta_brain.stats``
+command, the kinds table, the Fisher kind against a direct computation, one-line errors."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fake_corpora import write_stream
+from tta_brain import stats
+from tta_brain.data.audio import load_audio
+from tta_brain.data.manifest import read_manifest
+from tta_brain.lobes.hf_ctc import HFCTCLobe
+from tta_brain.methods import source_stats as ss
+from tta_brain.run.identity import file_sha1, source_identity
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return write_stream(tmp_path_factory.mktemp("clean"), n=5, block=10)
+
+
+def run_cli(*argv):
+    return stats.main([str(a) for a in argv])
+
+
+def test_cli_writes_fisher_with_provenance(clean, tiny_model_dir, tmp_path):
+    out = tmp_path / "s" / "fisher.pt"
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--kinds", "fisher", "--out", out, "--max_utts", 3) == 0
+    rec = ss.load(out)
+    assert rec.kinds == ["fisher"] and rec.n_utts == 3
+    assert rec.manifest_sha1 == file_sha1(clean / "stream.csv")
+    assert rec.model == source_identity(tiny_model_dir)
+    lobe = HFCTCLobe(tiny_model_dir)
+    assert rec.model_params_sha1 == ss.params_sha1(lobe.model)
+    rec.check_model(lobe.model, out)
+    # F = 1/N sum_n (dL_n/dtheta)^2, L_n the mean frame CE against the argmax labels
+    names = [n for n in rec.stats["fisher"]]
+    params = dict(lobe.model.named_parameters())
+    assert names and all("layer_norm" in n for n in names)
+    want = {n: torch.zeros_like(params[n]) for n in names}
+    for row in read_manifest(clean / "stream.csv", replacements={"data_root": str(clean)})[:3]:
+        logits = lobe.model(lobe.prepare(load_audio(row["wav"]))).logits[0]
+        loss = F.cross_entropy(logits, logits.argmax(-1))
+        for n, g in zip(names, torch.autograd.grad(loss, [params[n] for n in names])):
+            want[n] += g ** 2 / 3
+    for n in names:
+        assert torch.allclose(rec.stats["fisher"][n], want[n], rtol=1e-4, atol=1e-12), n
+    assert any(float(v.sum()) > 0 for v in rec.stats["fisher"].values())
+
+
+def test_params_option_selects_the_tensors(clean, tiny_model_dir, tmp_path):
+    out = tmp_path / "cnn.pt"
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--out", out, "--max_utts", 1, "--params=cnn") == 0
+    rec = ss.load(out)
+    assert rec.options == {"params": "cnn"}
+    assert all("feature_" in n for n in rec.stats["fisher"])
+
+
+def test_a_new_kind_is_one_registration(clean, tiny_model_dir, tmp_path):
+    @ss.register_kind("test_frames")
+    def frames(lobe, inputs, options):
+        return {"frames": torch.tensor([float(lobe.logits(x).shape[1]) for x in inputs])}
+    try:
+        rec = ss.compute(tiny_model_dir, clean / "stream.csv", ["test_frames", "fisher"],
+                         data_root=str(clean), max_utts=2)
+        assert rec.kinds == ["fisher", "test_frames"]
+        assert rec.kind("test_frames")["frames"].shape == (2,)
+        with pytest.raises(ValueError, match="taken"):
+            ss.register_kind("test_frames")(lambda lobe, inputs, options: {})
+    finally:
+        ss.KINDS.pop("test_frames")
+
+
+def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, capsys):
+    missing = tmp_path / "none.pt"
+    with pytest.raises(ss.SourceStatsError) as e:
+        ss.load(missing)
+    assert str(missing) in str(e.value) and "python -m tta_brain.stats" in str(e.value)
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a pickle")
+    with pytest.raises(ss.SourceStatsError, match=f"{junk}: not a source statistics file"):
+        ss.load(junk)
+    torch.save({"format": "other"}, tmp_path / "other.pt")
+    with pytest.raises(ss.SourceStatsError, match="not a source statistics file"):
+        ss.load(tmp_path / "other.pt")
+    rec = ss.SourceStats(stats={"fisher": {}}, manifest="m", manifest_sha1="x", model="m",
+                         model_params_sha1="y", n_utts=1)
+    ss.save(rec, tmp_path / "ok.pt")
+    with pytest.raises(ss.SourceStatsError, match="no 'hidden' statistics .*--kinds hidden"):
+        ss.load(tmp_path / "ok.pt").kind("hidden", tmp_path / "ok.pt")
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--kinds", "nope", "--out", tmp_path / "x.pt") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ERROR: unknown statistics kind(s) nope") and "\n" not in err
+    assert run_cli("--source", tiny_model_dir, "--manifest", tmp_path / "no.csv",
+                   "--out", tmp_path / "x.pt") == 1
+    assert "no.csv" in capsys.readouterr().err
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_paths_and_identity(tmp_path):
+    assert ss.resolve_path("$data_root/a/s.pt", "/d") == "/d/a/s.pt"
+    assert ss.resolve_path("${data_root}/s.pt", "/d") == "/d/s.pt"
+    f = tmp_path / "s.pt"
+    assert ss.file_identity("$data_root/s.pt", str(tmp_path)) == f"missing:{f}"
+    f.write_bytes(b"abc")
+    assert ss.file_identity("$data_root/s.pt", str(tmp_path)) == f"sha1:{file_sha1(f)}"
+
+
+def test_module_entry_point_help():
+    res = subprocess.run([sys.executable, "-m", "tta_brain.stats", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--kinds" in res.stdout and "--manifest" in res.stdout
