@@ -15,7 +15,8 @@ import math
 import torch
 
 from tta_brain.methods import losses
-from tta_brain.methods.base import Event, TTAMethod
+from tta_brain.methods import Event      # (the package exports it wherever it is defined)
+from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 
 logger = logging.getLogger(__name__)
