@@ -6,12 +6,15 @@ from typing import Tuple
 ORDER = ("source", "suta", "sgem", "sdpl", "csuta", "csuta+dynamic", "csuta+fixed", "csuta+oracle",
          "awmc", "awmc+dynamic", "awmc+fixed", "awmc+oracle", "dsuta", "dsuta+dynamic",
          "dsuta+fixed", "dsuta+oracle",
+         "tent", "eata", "eata+dynamic", "eata+fixed", "eata+oracle", "sar", "sar+dynamic",
+         "sar+fixed", "sar+oracle", "cotta", "cotta+dynamic", "cotta+fixed", "cotta+oracle", "cea",
          "lame", "t3a", "t3a+dynamic", "t3a+fixed", "t3a+oracle", "foa", "foa+dynamic", "foa+fixed",
          "foa+oracle", "ebats", "ebats+dynamic", "ebats+fixed", "ebats+oracle")
 COLORS = {"source": "black", "suta": "tab:blue", "sgem": "tab:orange", "sdpl": "tab:olive",
           "csuta": "tab:brown", "awmc": "tab:purple", "dsuta": "tab:green",
           "dsuta+dynamic": "tab:red", "dsuta+fixed": "tab:pink", "dsuta+oracle": "tab:cyan",
-          "lame": "gold", "t3a": "teal", "foa": "navy", "ebats": "magenta"}
+          "tent": "steelblue", "eata": "darkorange", "sar": "crimson", "cotta": "darkgreen",
+          "cea": "orchid", "lame": "gold", "t3a": "teal", "foa": "navy", "ebats": "magenta"}
 OTHER_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d",
                 "#386cb0")
 
