@@ -8,6 +8,12 @@ from tta_brain.methods.sgem import SGEM
 from tta_brain.methods.csuta import CSUTA
 from tta_brain.methods.awmc import AWMC
 from tta_brain.methods.dsuta import DSUTA
+from tta_brain.methods.tent import Tent
+from tta_brain.methods.eata import EATA
+from tta_brain.methods.sar import SAR
+from tta_brain.methods.cotta import CoTTA
+from tta_brain.methods.cea import CEA
 
 __all__ = ["METHODS", "TTAMethod", "UttInfo", "Event", "DEFAULT_PARAMS", "build_method",
-           "register", "Source", "SUTA", "SDPL", "SGEM", "CSUTA", "AWMC", "DSUTA"]
+           "register", "Source", "SUTA", "SDPL", "SGEM", "CSUTA", "AWMC", "DSUTA",
+           "Tent", "EATA", "SAR", "CoTTA", "CEA"]
