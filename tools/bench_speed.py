@@ -94,6 +94,12 @@ SYNTH_CFG = dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=4, in
 UNITS = ("unit_fb", "unit_f")
 TRAIN_UNIT = "unit_fb_train"    # timed too when a benchmarked method adapts in train mode
 ALL_METHODS = ("source", "suta", "dsuta", "dsuta+dynamic")
+#: The field's gradient methods (``--methods tent,eata,sar,cotta,cea``) run at their own defaults
+#: (the class defaults, which are the packaged yamls'), not with --adapt / --suta_steps; EATA's and
+#: SAR's reliability filters are opened so every utterance takes its step (a random model is
+#: never reliable: the worst case), EATA's Fisher term comes from other generated speech.
+FIELD = {"tent": {}, "eata": {"e_margin_factor": 10.0}, "sar": {"e_margin_factor": 10.0},
+         "cotta": {}, "cea": {}}
 
 
 # ------------------------------------------------------------------------------ model
@@ -208,6 +214,11 @@ def make_entry(name, args, model_dir, device):
     if name in UNITS or name == TRAIN_UNIT:
         return UnitPass(lobe, adapt, name[len("unit_"):])
     base, _, reset = name.partition("+")
+    if base in FIELD:
+        kw = dict(FIELD[base], model=lobe, **field_stats(base, lobe, args))
+        if reset:
+            kw["reset_policy"] = make_reset_policy(reset, K=args.reset_K)
+        return build_method(base, **kw)
     kw = dict(model=lobe, lr=args.lr)
     if base != "source":
         kw.update(adapt_params=adapt)
@@ -221,6 +232,24 @@ def make_entry(name, args, model_dir, device):
         kw["reset_policy"] = make_reset_policy(reset, K=args.reset_K, patience=args.reset_patience,
                                                threshold=args.reset_threshold)
     return build_method(base, **kw)
+
+
+def field_stats(name, lobe, args):
+    """EATA's ``source_stats``: Fisher information on 4 other generated utterances, in a
+    temporary file (removed at exit)."""
+    if name != "eata":
+        return {}
+    import atexit
+    import shutil
+    from tta_brain.methods import source_stats as ss
+    clean = [lobe.prepare(w) for _, w in generated_stream(4, args.seconds, args.seed + 1)]
+    record = ss.SourceStats(stats={"fisher": ss.KINDS["fisher"](lobe, clean, {})},
+                            manifest="generated", manifest_sha1="", model="",
+                            model_params_sha1=ss.params_sha1(lobe.model), n_utts=len(clean))
+    folder = tempfile.mkdtemp(prefix="bench_eata_")
+    atexit.register(shutil.rmtree, folder, True)
+    ss.save(record, os.path.join(folder, "fisher.pt"))
+    return {"source_stats": os.path.join(folder, "fisher.pt")}
 
 
 def timed(entry, wav, info, device):
@@ -261,7 +290,8 @@ def parse_args(argv=None):
                    help="fresh: every pass meets a new input length, as on a real stream")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--methods", default=",".join(ALL_METHODS),
-                   help="comma-separated: source, suta, dsuta, dsuta+dynamic, dsuta+fixed, csuta, ...")
+                   help="comma-separated: source, suta, dsuta, dsuta+dynamic, dsuta+fixed, csuta, "
+                   "tent, eata, sar, cotta, cea, ...")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU); 1 is the "
                    "most stable on a shared machine")
     p.add_argument("--repeats", type=int, default=3, help="rounds")
