@@ -118,3 +118,16 @@ def test_module_entry_point_help():
     res = subprocess.run([sys.executable, "-m", "tta_brain.stats", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--kinds" in res.stdout and "--manifest" in res.stdout
+
+
+def test_reuse_keeps_a_current_file_and_recomputes_a_stale_one(clean, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "f.pt"
+    argv = ["--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root", clean,
+            "--out", out, "--max_utts", 2, "--reuse"]
+    assert run_cli(*argv) == 0 and "no file yet, computing" in capsys.readouterr().out
+    stamp = out.stat().st_mtime_ns
+    assert run_cli(*argv) == 0 and "up to date" in capsys.readouterr().out
+    assert out.stat().st_mtime_ns == stamp
+    assert run_cli(*argv[:-2], 3, "--reuse") == 0
+    assert "another number of utterances" in capsys.readouterr().out and ss.load(out).n_utts == 3
+    assert run_cli(*argv, "--params=cnn") == 0 and "other kinds or options" in capsys.readouterr().out

@@ -24,6 +24,8 @@ def parse_args(argv=None):
     p.add_argument("--max_utts", type=int, default=0, help="first N utterances (0: all)")
     p.add_argument("--max_duration", type=float, default=20.0, help="longer ones are left out")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep --out when it holds these kinds of this model on this manifest")
     args, extra = p.parse_known_args(argv)
     options = {}
     for a in extra:
@@ -37,6 +39,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args, options = parse_args(argv)
     kinds = [k for k in args.kinds.replace(",", " ").split() if k]
+    if args.reuse and (why := current(args, kinds, options)) is None:
+        print(f"{args.out}: up to date (same manifest content, model, kinds and options), kept")
+        return 0
+    if args.reuse:
+        print(f"{args.out}: {why}, computing")
     try:
         record = ss.compute(args.source, args.manifest, kinds, data_root=args.data_root,
                             max_utts=args.max_utts, device=args.device,
@@ -49,6 +56,29 @@ def main(argv=None) -> int:
     print(f"{args.out}: {sizes} from {record.n_utts} utterances of {args.manifest} "
           f"(model {record.model})")
     return 0
+
+
+def current(args, kinds, options):
+    """None when ``--out`` holds ``kinds`` computed with these inputs and options, else why not."""
+    import os
+    from tta_brain.run.identity import file_sha1, source_identity
+    if not os.path.isfile(args.out):
+        return "no file yet"
+    try:
+        rec = ss.load(args.out)
+    except ss.SourceStatsError as e:
+        return str(e)
+    if not os.path.isfile(args.manifest) or rec.manifest_sha1 != file_sha1(args.manifest):
+        return "another manifest content"
+    if rec.model != source_identity(args.source):
+        return "another model"
+    if set(kinds) - set(rec.kinds) or rec.options != options:
+        return "other kinds or options"
+    from tta_brain.data.manifest import read_manifest
+    n = sum(float(r.get("duration") or 0) <= args.max_duration for r in read_manifest(args.manifest))
+    if rec.n_utts != (min(n, args.max_utts) if args.max_utts else n):
+        return "another number of utterances"
+    return None
 
 
 if __name__ == "__main__":

@@ -106,9 +106,11 @@ def params_sha1(model: torch.nn.Module) -> str:
 
 
 def resolve_path(value, data_root="") -> str:
-    """``$data_root`` / ``${data_root}`` in a path replaced, as in the manifests' wav paths."""
+    """``$data_root`` / ``${data_root}`` in a path replaced (as in the manifests' wav paths), then
+    environment variables (``$TTA_SOURCE_STATS``: a recipe whose data root is a corpus folder)."""
     value = str(value or "")
-    return value.replace("${data_root}", str(data_root or "")).replace("$data_root", str(data_root or ""))
+    value = value.replace("${data_root}", str(data_root or "")).replace("$data_root", str(data_root or ""))
+    return os.path.expandvars(value)
 
 
 def file_identity(value, data_root="") -> str:
