@@ -37,6 +37,11 @@ logger = logging.getLogger("tta_brain.grid")
 
 #: Decode options that say where or how visibly a run goes, not what it computes: not in tags.
 UNTAGGED = ("noprogressbar", "device", "ckpt_every", "output_folder", "stream_csv", "data_root")
+#: Runs of at least this many stream rows are long: the progress line says how far each running
+#: one is and estimates the time to the end; it is then printed at least every PROGRESS_EVERY s.
+LONG_RUN = 1000
+PROGRESS_EVERY = 60.0
+
 
 
 @dataclass
@@ -47,6 +52,8 @@ class Run:
     status: str = "queued"          # queued | running | done | failed | skipped
     message: str = ""
     logs: List[str] = field(default_factory=list)
+    total: int = 0                  # rows of its stream
+    seen: Optional[tuple] = None    # what the progress rate is measured from (rate_since)
 
 
 class DecodeJob(submitit.helpers.Checkpointable):
@@ -165,6 +172,7 @@ def plan_runs(args) -> List[Run]:
         if not Path(csv).is_file() and not args.dry_run:
             raise SystemExit(f"ERROR: stream {csv} not found; run the earlier stages first")
         kind = "_md" if Path(name).name in md else ""
+        total = _stream_rows(csv)
         logger.info("%s: %s", name, "multi-domain option set (<method>_md.opts, --md_decode_opts)"
                     if kind else "single-domain option set")
         for token in tokens:
@@ -185,8 +193,17 @@ def plan_runs(args) -> List[Run]:
                             f"--output_folder={folder}", f"--seed={seed}",
                             f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
                             *recipe, *mine, *point]
-                    runs.append(Run(rel, folder, argv))
+                    runs.append(Run(rel, folder, argv, total=total))
     return _unique(runs)
+
+
+def _stream_rows(csv: str) -> int:
+    """Rows of a stream manifest (0 when it is not there yet: a dry run)."""
+    try:
+        with open(csv, "rb") as f:
+            return max(f.read().count(b"\n") - 1, 0)
+    except OSError:
+        return 0
 
 
 def _unique(runs: List[Run]) -> List[Run]:
@@ -251,7 +268,7 @@ def execute(runs: List[Run], args) -> None:
             r.status = "running"
     free = _slots(args)
     threads = max(1, (os.cpu_count() or 1) // max(1, len(free))) if args.engine == "local" else 0
-    last = None
+    last, printed = None, 0.0
     while True:
         while args.engine == "local" and free and any(r.status == "queued" for r in queued):
             r, gpu = next(r for r in queued if r.status == "queued"), free.pop(0)
@@ -264,10 +281,11 @@ def execute(runs: List[Run], args) -> None:
                 _collect(r, job)
                 if args.engine == "local":
                     free.append(gpu)
-        line = _progress(runs)
-        if line != last:
+        line = _progress(runs, time.monotonic())
+        head = line.split(" | ")[0]
+        if head != last or (line != head and time.monotonic() - printed >= PROGRESS_EVERY):
             print(line, flush=True)
-            last = line
+            last, printed = head, time.monotonic()
         if not any(r.status in ("queued", "running") for r in queued):
             return
         time.sleep(args.poll)
@@ -285,11 +303,48 @@ def _collect(run: Run, job) -> None:
         run.message = (errors[-1] if errors else lines[0] if lines else type(e).__name__)[:300]
 
 
-def _progress(runs: List[Run]) -> str:
+def rate_since(seen: Optional[tuple], rows: int, now: float):
+    """``(seen, rows per second)`` of a running run that has recorded ``rows`` rows at ``now``;
+    ``seen`` = ``(baseline rows, baseline time, rows last seen)``. The baseline moves with the
+    clock while the rows stay where they were (a job still queued or loading its model), so the
+    rate counts working time only, and starts anew when the rows go back (a resume cuts the
+    records back to its checkpoint); the rate is None until the rows have moved past it."""
+    if seen is None or rows <= seen[0] or rows < seen[2]:
+        return (rows, now, rows), None
+    return (seen[0], seen[1], rows), (rows - seen[0]) / max(now - seen[1], 1e-9)
+
+
+def fmt_duration(seconds: Optional[float]) -> str:
+    """``1h05`` / ``12m`` / ``40s``; ``?`` for an unknown duration."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}"
+    return f"{seconds // 60}m" if seconds >= 60 else f"{seconds}s"
+
+
+def _progress(runs: List[Run], now: Optional[float] = None) -> str:
     n = {s: sum(r.status == s for r in runs) for s in ("done", "running", "failed", "queued",
                                                       "skipped")}
-    return (f"grid: {n['done']} done, {n['running']} running, {n['failed']} failed, "
+    line = (f"grid: {n['done']} done, {n['running']} running, {n['failed']} failed, "
             f"{n['queued']} queued ({len(runs)} runs, {n['skipped']} already finished)")
+    running = [r for r in runs if r.status == "running"]
+    if now is None or not any(r.total >= LONG_RUN for r in running):
+        return line
+    # long runs: how far each running one is, its time left, and the grid's (rows left over the
+    # running runs' summed rate: an estimate that assumes the queued runs go as fast)
+    from tta_brain.run.records import rows_done
+    parts, left, speed = [], 0, 0.0
+    for r in running:
+        rows = min(rows_done(r.folder), r.total)
+        r.seen, rate = rate_since(r.seen, rows, now)
+        speed += rate or 0.0
+        left += r.total - rows
+        parts.append(f"{r.name} {rows}/{r.total} "
+                     f"{fmt_duration((r.total - rows) / rate if rate else None)} left")
+    left += sum(r.total for r in runs if r.status == "queued")
+    return f"{line} | {', '.join(parts)} | grid ETA {fmt_duration(left / speed if speed else None)}"
 
 
 def parse_args(argv=None):

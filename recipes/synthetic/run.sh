@@ -7,6 +7,8 @@
 #   stage 1: train the tiny source model (skipped: the committed one is reused unless --retrain)
 #   stage 2: noisy single-domain sets at the chosen SNRs (the LS-C writer, unchanged)
 #   stage 3: stream manifests (single domains, MD-Easy/Hard-like with s variants, MD-Long-like)
+#   --long true: the long-stream benchmark instead (md_long of 3,000 utterances from its own
+#   held-out split, every continual method of conf/long.methods; data/long<N>/, exp/long<N>/)
 #   stage 4: decode every method x stream x seed
 #   stage 5: RESULTS.md + plots
 set -euo pipefail
@@ -35,6 +37,10 @@ md_long_total=800      # MD-Long-like length (paper: 10000)
 md_long_min=20
 md_long_max=100        # (paper: 500)
 seeds="0"
+long=false             # true: the long-stream configuration (README "Long streams")
+long_total=3000        # --long true: md_long length (paper: 10000; 10000 works too)
+long_max=500           # --long true: longest domain block (paper: 500; shortest: md_long_min)
+n_long=                # --long true: clean utterances of its split (default long_total / 3)
 noprogressbar=false    # true: no progress bars (synthesis, corruption, training, decoding)
 
 help_message=$(cat <<EOM
@@ -48,6 +54,8 @@ Options (default):
   --streams "LIST" (${streams}; also single domains, md_*_s100, md_*_s20, md_long, and
                     NAME=KIND for a stream of your own name, e.g. held_out=md_easy)
   --per_domain N (${per_domain})  --md_long_total N (${md_long_total})
+  --long true|false (${long}: md_long of --long_total ${long_total} utterances, blocks
+                    ${md_long_min}-${long_max}, from --n_long held-out utterances, conf/long.methods)
   --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
   --methods "LIST" (${methods})
   --seeds "LIST" (${seeds})
@@ -57,6 +65,7 @@ ${grid_help}
 Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
 EOM
 )
+quick_streams=${streams} quick_methods=${methods}
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
@@ -68,6 +77,19 @@ if ${noprogressbar}; then
 fi
 case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
 case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
+test_split=test-synth
+if ${long}; then   # own data and results trees; --streams / --methods given still win
+  ${retrain} && { echo "$0: train the model without --long first" >&2; exit 1; }
+  data_dir=${data_dir}/long${long_total} exp_dir=${exp_dir}/long${long_total}
+  test_split=test-synth-long n_long=${n_long:-$((long_total / 3))}
+  md_long_total=${long_total} md_long_max=${long_max}
+  [ "${streams}" = "${quick_streams}" ] && streams=md_long
+  [ "${methods}" = "${quick_methods}" ] && methods=$(${python} -c "import sys
+from tta_brain import hparams
+tokens = [t for ln in open(sys.argv[1]) for t in ln.partition('#')[0].split()]
+print(' '.join(t for t in tokens if t.partition('+')[0] in hparams.available()))" \
+    "${conf_dir}/long.methods")
+fi
 # K of the dynamic reset and the fixed-reset period follow the block size: K = half a block
 # (the construction stage ends inside the first block), the fixed period a quarter of it.
 if [ -z "${md_decode_opts}" ]; then
@@ -83,9 +105,15 @@ domains=$(${python} -c "import yaml,sys; print(' '.join(yaml.safe_load(open(sys.
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   train_n=0
   if ${retrain}; then train_n=${n_train}; fi
-  log "Stage 0: speech (${n_test} test, ${train_n} train) -> ${corpus}; noises -> ${noise_dir}"
-  run ${python} -m tta_brain.data.prep.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
-    --n_test "${n_test}" --seed "${corpus_seed}"
+  if ${long}; then
+    log "Stage 0: long-stream speech (${n_long} test) -> ${corpus}; noises -> ${noise_dir}"
+    run ${python} -m tta_brain.data.prep.synthetic long_test --root "${corpus}" \
+      --n_test "${n_long}" --seed "${corpus_seed}" --n_train_ref "${n_train}" --n_test_ref "${n_test}"
+  else
+    log "Stage 0: speech (${n_test} test, ${train_n} train) -> ${corpus}; noises -> ${noise_dir}"
+    run ${python} -m tta_brain.data.prep.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
+      --n_test "${n_test}" --seed "${corpus_seed}"
+  fi
   run ${python} -m tta_brain.data.prep.synthetic noises --noise_dir "${noise_dir}" --seed "${noise_seed}"
 fi
 
@@ -104,7 +132,7 @@ fi
 
 if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   log "Stage 2: noisy sets [${domains}] at [${snrs}] dB -> ${noisy_dir}"
-  run ${python} -m tta_brain.data.prep.prepare librispeech --root "${corpus}" --split test-synth \
+  run ${python} -m tta_brain.data.prep.prepare librispeech --root "${corpus}" --split "${test_split}" \
     --out "${test_csv}"
   # shellcheck disable=SC2086
   run ${python} -m tta_brain.data.prep.prepare corrupt --manifest "${test_csv}" --out "${noisy_dir}" \
@@ -133,6 +161,10 @@ if [ ${stage} -le 5 ] && [ ${stop_stage} -ge 5 ]; then
     # smoothing and reset-detection window: half a domain block (= the dynamic reset's K)
     run ${python} -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
       --out "${exp_dir}/snr${snr}/RESULTS.md" --window $((per_domain / 2)) --smooth $((per_domain / 2))
+    if ${long}; then   # collapse figures, memory and the WER-over-position plot (windows of 100)
+      run ${python} -m tta_brain.report.long --exp_dir "${exp_dir}/snr${snr}" --stream md_long \
+        --window 100 --margin 5
+    fi
   done
 fi
 

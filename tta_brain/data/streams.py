@@ -246,6 +246,18 @@ def runs(stream):
     return [(d, s, n) for d, s, n, _ in out]
 
 
+def recurrence(stream, key="source_id"):
+    """How often the clean utterances recur in a stream: ``(distinct, mean, max)`` appearances per
+    ``key`` value (the clean utterance a noisy one was mixed from; ``ID`` for rows without it)."""
+    counts = {}
+    for row in stream:
+        ident = row.get(key) or row["ID"]
+        counts[ident] = counts.get(ident, 0) + 1
+    if not counts:
+        return 0, 0.0, 0
+    return len(counts), len(stream) / len(counts), max(counts.values())
+
+
 def boundaries(stream):
     """Positions where ``segment`` changes (the first position of every segment but the first)."""
     return [start for _, start, _ in runs(stream)[1:]]

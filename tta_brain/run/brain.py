@@ -23,13 +23,14 @@ from tta_brain.run import checkpoint, identity
 from tta_brain.asr import metrics
 from tta_brain.data.loader import StreamLoader, load_stream
 from tta_brain.methods.base import UttInfo
-from tta_brain.run.records import RecordWriter, Reject, Reset, Transcript
+from tta_brain.run.records import Memory, RecordWriter, Reject, Reset, Transcript
 from tta_brain.lobes.runtime import release_freed_memory
 from tta_brain.run.summary import summarise
 
 logger = logging.getLogger(__name__)
 
 TRIM_EVERY = 25      # utterances between returns of freed heap memory to the OS
+MEMORY_EVERY = 50    # utterances between samples of the process memory (memory.csv; after a trim)
 PREFETCH = 2         # rows read ahead by a background thread while one adapts (0: none)
 
 
@@ -99,6 +100,8 @@ class TTABrain(sb.Brain):
                 self.state.cursor = done = utt.index + 1
                 if done % TRIM_EVERY == 0:
                     release_freed_memory()
+                if done % MEMORY_EVERY == 0:
+                    writer.memory(Memory.sample(utt.position, self.device))
                 bar.update(1)
                 if show:
                     bar.set_postfix(wer=f"{100 * writer.n_err / max(writer.n_words, 1):.1f}",

@@ -5,6 +5,7 @@ that reads or writes them (the Brain writes, the report and the plots read).
     rejects.csv      skipped utterances and why (:class:`Reject`)
     resets.csv       resets (:class:`Reset`): position = first utterance decoded after it
     lii.csv          LII values of the dynamic reset (:class:`Lii`)
+    memory.csv       process memory along the stream (:class:`Memory`)
     wer.txt          SpeechBrain ``ErrorRateStats`` with per-utterance alignments
     summary.json     :class:`Summary`
 """
@@ -18,10 +19,10 @@ from typing import Dict, Iterable, List, Optional
 
 from speechbrain.utils.metric_stats import ErrorRateStats
 
-__all__ = ["Transcript", "Reject", "Reset", "Lii", "Summary", "Run", "RecordWriter",
+__all__ = ["Transcript", "Reject", "Reset", "Lii", "Memory", "Summary", "Run", "RecordWriter",
            "RecordError", "CSV_FILES", "read_transcripts", "read_rejects", "read_resets",
-           "read_lii", "read_summary", "write_summary", "write_wer_file", "load_run", "clear_run",
-           "RUN_FILES"]
+           "read_lii", "read_memory", "rows_done", "read_summary", "write_summary",
+           "write_wer_file", "load_run", "clear_run", "RUN_FILES"]
 
 
 class RecordError(ValueError):
@@ -68,7 +69,38 @@ class Lii:
     stage: str              # construction | detection
 
 
-CSV_FILES = {"transcripts": Transcript, "rejects": Reject, "resets": Reset, "lii": Lii}
+@dataclass
+class Memory:
+    position: int           # the last utterance decoded before the sample
+    rss_mb: float           # resident set size of the process (MiB)
+    cuda_mb: float          # memory held by torch's CUDA tensors (MiB; 0 on CPU)
+
+    @classmethod
+    def sample(cls, position: int, device="cpu") -> "Memory":
+        """This process's memory now (RSS from ``/proc/self/status``, else ``ru_maxrss``)."""
+        rss = None
+        try:
+            with open("/proc/self/status") as f:
+                rss = next((int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmRSS:")), None)
+        except OSError:
+            pass
+        if rss is None:     # not Linux: the peak (ru_maxrss: kB on Linux, bytes on macOS)
+            import resource
+            import sys
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            rss = peak / 2 ** 20 if sys.platform == "darwin" else peak / 1024
+        cuda = 0.0
+        if str(device).startswith("cuda"):
+            import torch
+            cuda = torch.cuda.memory_allocated(device) / 2 ** 20
+        return cls(int(position), round(rss, 2), round(cuda, 2))
+
+
+CSV_FILES = {"transcripts": Transcript, "rejects": Reject, "resets": Reset, "lii": Lii,
+             "memory": Memory}
+#: Record files newer than some checkpoints: resuming from a checkpoint without their offset
+#: starts them anew instead of refusing the resume.
+ADDED_LATER = ("memory",)
 
 
 def _columns(cls) -> List[str]:
@@ -114,6 +146,24 @@ def read_lii(folder) -> List[Lii]:
     return _read(folder, "lii")
 
 
+def read_memory(folder) -> List[Memory]:
+    """``memory.csv`` (empty for runs written before it existed)."""
+    return _read(folder, "memory") if (Path(folder) / "memory.csv").is_file() else []
+
+
+def rows_done(folder) -> int:
+    """Stream rows a run has recorded so far (transcripts + rejects), read while it runs: the
+    grid's progress. Counts complete lines only; 0 for a folder with no records yet."""
+    n = 0
+    for name in ("transcripts", "rejects"):
+        try:
+            with open(Path(folder) / f"{name}.csv", "rb") as f:
+                n += max(f.read().count(b"\n") - 1, 0)
+        except OSError:
+            pass
+    return n
+
+
 def write_wer_file(folder, transcripts: Iterable[Transcript]) -> None:
     """``wer.txt``: SpeechBrain's ``ErrorRateStats`` of the transcripts (Kaldi-style alignments)."""
     stats = ErrorRateStats()
@@ -141,6 +191,9 @@ class RecordWriter:
             path = self.folder / f"{name}.csv"
             if offsets is not None:
                 size = offsets.get(name)
+                if size is None and name in ADDED_LATER:
+                    size = 0            # started anew: a fresh header is written below
+                    path.touch()
                 have = path.stat().st_size if path.is_file() else -1
                 if size is None or have < size:
                     raise RecordError(
@@ -150,6 +203,8 @@ class RecordWriter:
                 with open(path, "r+b") as f:
                     f.truncate(size)
                 fh = open(path, "a", newline="", encoding="utf-8")
+                if size == 0:
+                    csv.writer(fh).writerow(_columns(cls))
             else:
                 fh = open(path, "w", newline="", encoding="utf-8")
                 csv.writer(fh).writerow(_columns(cls))
@@ -180,6 +235,9 @@ class RecordWriter:
         self._row("resets", rec)
         self._pending.add(rec.position)
         self.n_resets += 1
+
+    def memory(self, rec: Memory) -> None:
+        self._row("memory", rec)
 
     def lii(self, position: int, value: float, stage: str) -> None:
         self._writers["lii"].writerow([position, f"{value:.6g}", stage])
@@ -272,6 +330,7 @@ class Run:
     transcripts: List[Transcript]
     resets: List[int]
     lii: List[Lii]
+    memory: List[Memory] = field(default_factory=list)
 
     @property
     def method(self) -> str:
@@ -301,7 +360,8 @@ def load_run(folder, root=None) -> Run:
     return Run(dir=folder, name=os.path.relpath(folder, root) if root is not None else folder.name,
                summary=summary, transcripts=sorted(read_transcripts(folder), key=lambda t: t.position),
                resets=sorted(r.position for r in read_resets(folder)),
-               lii=sorted(read_lii(folder), key=lambda v: v.position))
+               lii=sorted(read_lii(folder), key=lambda v: v.position),
+               memory=sorted(read_memory(folder), key=lambda m: m.position))
 
 
 #: Everything a run writes into its folder besides the record CSVs (``save/``: checkpoints).

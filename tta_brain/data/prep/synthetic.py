@@ -16,6 +16,11 @@ Command line (used by ``recipes/synthetic/run.sh`` stage 0)::
 
     python -m tta_brain.data.prep.synthetic corpus --root /data/synth --n_train 10000 --n_test 400
     python -m tta_brain.data.prep.synthetic noises --noise_dir /data/synth/noises
+    python -m tta_brain.data.prep.synthetic long_test --root /data/synth/long --n_test 1000
+
+``long_test`` renders the larger held-out split of the long streams (``test-synth-long``):
+sentences disjoint from the training *and* the quick-start test sentences, new test speakers
+(held-out voice variants, other pitches and rates).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import numpy as np
 import soundfile as sf
 
 from .synthetic_noise import NOISE_FILES, make_noises  # noqa: F401  (re-exported)
-from .synthetic_text import VOCABULARY, SentenceGenerator, make_sentence_sets  # noqa: F401
+from .synthetic_text import (VOCABULARY, SentenceGenerator, held_out_sentences,  # noqa: F401
+                             make_sentence_sets)
 from .tts import in_fresh_processes
 
 SAMPLE_RATE = 16000
@@ -204,6 +210,42 @@ def make_corpus(root: str, n_train: int = 10000, n_test: int = 400, seed: int = 
     return stamp
 
 
+def make_long_test(root: str, n_test: int = 1000, seed: int = 1, n_speakers: int = 40,
+                   n_train_ref: int = 10000, n_test_ref: int = 400, num_workers: int = 2,
+                   split: str = "test-synth-long") -> Dict:
+    """Render the long streams' test split under ``root/LibriSpeech/<split>``.
+
+    Held out like the quick-start test split: test voice variants only (speaker ids from 9500,
+    pitches and rates drawn with another seed) and sentences that are in neither set of
+    ``make_corpus(n_train=n_train_ref, n_test=n_test_ref, seed=seed)`` (the committed source
+    model's training sentences and the quick-start test sentences). Skips all work when its stamp
+    (``.<split>_stamp.json``) holds the same options; returns the stamp.
+    """
+    options = dict(version=CORPUS_VERSION, n_test=n_test, seed=seed, n_speakers=n_speakers,
+                   n_train_ref=n_train_ref, n_test_ref=n_test_ref, split=split,
+                   num_workers=num_workers)
+    base = os.path.join(root, "LibriSpeech")
+    stamp_path = os.path.join(base, f".{split}_stamp.json")
+    if os.path.isfile(stamp_path):
+        with open(stamp_path) as f:
+            stamp = json.load(f)
+        if stamp.get("options") == options:
+            return stamp
+    split_dir = os.path.join(base, split)
+    if os.path.isdir(split_dir):
+        import shutil
+
+        shutil.rmtree(split_dir)  # options changed: never mix two splits
+    sentences = held_out_sentences(3 * n_test, seed, 3 * n_train_ref, 3 * n_test_ref)
+    speakers = make_speakers(TEST_VARIANTS, n_speakers, seed + 2, first_id=9500)
+    stats = _render_split(split_dir, speakers, sentences, n_test, seed + 104729, num_workers)
+    stats["speakers"] = {str(p["spk"]): p for p in speakers}
+    stamp = dict(options=options, stats={split: stats})
+    with open(stamp_path, "w") as f:
+        json.dump(stamp, f, indent=1)
+    return stamp
+
+
 # --------------------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tta_brain.data.prep.synthetic", description=__doc__,
@@ -217,6 +259,16 @@ def main(argv=None):
     c.add_argument("--n_test_speakers", type=int, default=20)
     c.add_argument("--seed", type=int, default=1)
     c.add_argument("--num_workers", type=int, default=2)
+    lt = sub.add_parser("long_test", help="render the long streams' held-out test split")
+    lt.add_argument("--root", required=True)
+    lt.add_argument("--n_test", type=int, default=1000)
+    lt.add_argument("--n_speakers", type=int, default=40)
+    lt.add_argument("--seed", type=int, default=1)
+    lt.add_argument("--n_train_ref", type=int, default=10000,
+                    help="training utterances of the source model (their sentences are excluded)")
+    lt.add_argument("--n_test_ref", type=int, default=400,
+                    help="quick-start test utterances (their sentences are excluded)")
+    lt.add_argument("--num_workers", type=int, default=2)
     nz = sub.add_parser("noises", help="write the synthetic background noises")
     nz.add_argument("--noise_dir", required=True)
     nz.add_argument("--seed", type=int, default=1)
@@ -227,9 +279,13 @@ def main(argv=None):
     if args.noprogressbar:
         from tta_brain.run.progress import disable_progressbars
         disable_progressbars()
-    if args.cmd == "corpus":
-        stamp = make_corpus(args.root, args.n_train, args.n_test, args.seed,
-                            args.n_train_speakers, args.n_test_speakers, args.num_workers)
+    if args.cmd in ("corpus", "long_test"):
+        if args.cmd == "corpus":
+            stamp = make_corpus(args.root, args.n_train, args.n_test, args.seed,
+                                args.n_train_speakers, args.n_test_speakers, args.num_workers)
+        else:
+            stamp = make_long_test(args.root, args.n_test, args.seed, args.n_speakers,
+                                   args.n_train_ref, args.n_test_ref, args.num_workers)
         for split, st in stamp["stats"].items():
             print(f"{split}: {st['n_utts']} utterances, {st['hours']:.2f} h, "
                   f"{len(st['speakers'])} speakers")

@@ -125,20 +125,32 @@ class SentenceGenerator:
                 return " ".join(words)
 
 
+def _draw_unique(gen: SentenceGenerator, seen: set, size: int) -> List[str]:
+    """``size`` sentences from ``gen`` not in ``seen`` (which they join)."""
+    out, tries = [], 0
+    while len(out) < size:
+        s = gen.sentence()
+        tries += 1
+        if tries > 50 * size + 1000:
+            raise RuntimeError("the grammar cannot produce enough distinct sentences")
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
 def make_sentence_sets(n_train: int, n_test: int, seed: int) -> Tuple[List[str], List[str]]:
     """Disjoint lists of unique sentences (test first, so its set does not depend on n_train)."""
-    gen = SentenceGenerator(seed)
-    seen, test, train = set(), [], []
-    for target, size in ((test, n_test), (train, n_train)):
-        tries = 0
-        while len(target) < size:
-            s = gen.sentence()
-            tries += 1
-            if tries > 50 * size + 1000:
-                raise RuntimeError("the grammar cannot produce enough distinct sentences")
-            if s not in seen:
-                seen.add(s)
-                target.append(s)
-    return train, test
+    gen, seen = SentenceGenerator(seed), set()
+    test = _draw_unique(gen, seen, n_test)
+    return _draw_unique(gen, seen, n_train), test
 
 
+def held_out_sentences(n: int, seed: int, n_train: int, n_test: int) -> List[str]:
+    """``n`` further unique sentences, disjoint from both sets of
+    ``make_sentence_sets(n_train, n_test, seed)`` (the long-stream test split: never heard in
+    training, never in the quick-start test set)."""
+    gen, seen = SentenceGenerator(seed), set()
+    _draw_unique(gen, seen, n_test)
+    _draw_unique(gen, seen, n_train)
+    return _draw_unique(gen, seen, n)

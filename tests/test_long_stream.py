@@ -1,0 +1,220 @@
+"""Long streams (issue #21): the collapse figures, the memory record along a run, the grid's
+progress line with per-run ETA, the long split's held-out speech, the long report, and (slow) the
+synthetic recipe's collapse-and-recovery regression at the documented stress setting."""
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fake_corpora import write_stream
+from tta_brain import decode, grid
+from tta_brain.data.prep.synthetic_text import held_out_sentences, make_sentence_sets
+from tta_brain.data.streams import md_long, recurrence
+from tta_brain.report.long import (first_above, memory_slope, windowed_wer, worst_window,
+                                   write_long_report)
+from tta_brain.report.results import collect_runs
+from tta_brain.run import brain, records
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------- pure collapse figures
+def test_windowed_wer_uses_full_windows_only():
+    err, words = [1, 0, 2, 3, 0], [2, 2, 2, 2, 0]
+    curve = windowed_wer(err, words, window=2)
+    assert math.isnan(curve[0])                       # no full window yet
+    assert curve[1:4].tolist() == [25.0, 50.0, 125.0]
+    assert curve[4] == 150.0                          # 3 errors / 2 words (the last has none)
+    assert np.isnan(windowed_wer([0], [0], 1)).all()  # no reference words: undefined
+
+
+def test_worst_window_and_first_position_above_the_source():
+    curve = np.array([np.nan, 40.0, 60.0, 90.0, 70.0])
+    source = np.array([np.nan, 50.0, 50.0, 80.0, 60.0])
+    assert worst_window(curve) == (90.0, 3)
+    assert worst_window([np.nan, np.nan]) == (None, None)
+    assert first_above(curve, source, margin=5) == 2          # 60 > 50 + 5
+    assert first_above(curve, source, margin=10) is None      # never more than 10 above
+    assert first_above(curve, source[:2], margin=0) is None   # past the shorter curve: not compared
+    assert first_above([np.nan, 99.0], [np.nan, np.nan], 0) is None
+
+
+def test_memory_slope_per_thousand_utterances_over_the_second_half():
+    pos = np.arange(0, 3000, 50)
+    flat = 500 + 0.3 * np.sin(pos)                            # noise, no trend
+    growing = 500 + np.where(pos < 1500, 0.0, 0.01 * (pos - 1500))   # +10 MiB per 1k, late
+    warmup = 400 + np.minimum(pos, 200) * 0.5                 # grows at first, then flat
+    assert abs(memory_slope(pos, flat)) < 0.5
+    assert memory_slope(pos, growing) == pytest.approx(10.0, rel=1e-6)
+    assert abs(memory_slope(pos, warmup)) < 1e-9
+    assert memory_slope(pos[:5], flat[:5]) is None
+
+
+# ------------------------------------------------------------------------- grid progress and ETA
+def test_rate_counts_working_time_only_and_durations_read_well():
+    seen, rate = grid.rate_since(None, 0, now=100.0)           # queued / loading: no rate
+    assert rate is None and seen == (0, 100.0, 0)
+    seen, rate = grid.rate_since(seen, 0, now=160.0)           # still nothing: baseline moves
+    assert rate is None and seen == (0, 160.0, 0)
+    seen, rate = grid.rate_since(seen, 50, now=170.0)
+    assert seen == (0, 160.0, 50) and rate == 5.0
+    seen, rate = grid.rate_since(seen, 40, now=180.0)          # resumed: records cut back
+    assert rate is None and seen == (40, 180.0, 40)
+    seen, rate = grid.rate_since(seen, 60, now=190.0)
+    assert rate == 2.0
+    assert [grid.fmt_duration(s) for s in (None, 42, 600, 3725)] == ["?", "42s", "10m", "1h02"]
+
+
+def _rows(folder, n, rejects=0):
+    folder.mkdir(parents=True, exist_ok=True)
+    w = records.RecordWriter(folder)
+    for i in range(n):
+        w.transcript(records.Transcript(i, f"u{i}", "AC", 0, 1.0, "a b", "a", 2, 1, 0, 1, 0))
+    for i in range(rejects):
+        w.reject(records.Reject(n + i, f"r{i}", "x.wav", "too long"))
+    w.close()
+
+
+def test_progress_line_says_how_far_each_long_run_is(tmp_path):
+    runs = [grid.Run(f"md_long/m{i}/seed0", tmp_path / f"m{i}", [], total=3000) for i in range(3)]
+    runs[0].status, runs[1].status = "running", "running"
+    _rows(runs[0].folder, 100)
+    _rows(runs[1].folder, 10, rejects=2)
+    grid._progress(runs, now=0.0)                              # first look: the baselines
+    _rows(runs[0].folder, 400)
+    _rows(runs[1].folder, 112)
+    line = grid._progress(runs, now=100.0)
+    head, per_run, total = line.split(" | ")
+    assert head == "grid: 0 done, 2 running, 0 failed, 1 queued (3 runs, 0 already finished)"
+    # m0: 300 rows in 100 s -> 2600 left at 3/s = 14m; m1: 100 rows -> 2888 left at 1/s = 48m
+    assert per_run == "md_long/m0/seed0 400/3000 14m left, md_long/m1/seed0 112/3000 48m left"
+    assert total == "grid ETA 35m"        # (2600 + 2888 + 3000) rows at 4 rows/s: 2122 s
+    assert "\n" not in line
+    short = [grid.Run("md_hard/suta/seed0", tmp_path / "s", [], status="running", total=400)]
+    assert grid._progress(short, now=5.0) == grid._progress(short)   # short runs: as before
+
+
+# ------------------------------------------------------------------------- the memory record
+def test_memory_records_resume_and_old_checkpoints_start_them_anew(tmp_path):
+    w = records.RecordWriter(tmp_path)
+    w.memory(records.Memory.sample(49))
+    offsets = w.sync()
+    w.memory(records.Memory.sample(99))                        # after the checkpoint
+    w.close()
+    assert [m.position for m in records.read_memory(tmp_path)] == [49, 99]
+    records.RecordWriter(tmp_path, offsets, cursor=50).close()   # a resume cuts it back
+    kept = records.read_memory(tmp_path)
+    assert [m.position for m in kept] == [49] and kept[0].rss_mb > 10 and kept[0].cuda_mb == 0
+    del offsets["memory"]                                      # a checkpoint from before memory.csv
+    w = records.RecordWriter(tmp_path, offsets, cursor=50)
+    w.memory(records.Memory.sample(149))
+    w.close()
+    assert [m.position for m in records.read_memory(tmp_path)] == [149]
+    assert records.read_memory(tmp_path / "nothing") == []
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory, tiny_model_dir):
+    """source and dsuta on a 20-utterance stream, memory sampled every 5 utterances."""
+    root = write_stream(tmp_path_factory.mktemp("stream"))
+    exp = tmp_path_factory.mktemp("exp")
+    old, brain.MEMORY_EVERY = brain.MEMORY_EVERY, 5
+    try:
+        for method, extra in (("source", []), ("dsuta", ["--steps=2", "--lr=0.05",
+                                                          "--buffer_size=2"])):
+            decode.main([method, f"--source={tiny_model_dir}", f"--stream_csv={root / 'stream.csv'}",
+                         f"--output_folder={exp / 'md_long' / method / 'seed0'}",
+                         f"--data_root={root}", "--noprogressbar", "--stream_name=md_long",
+                         "--ckpt_every=7", *extra])
+    finally:
+        brain.MEMORY_EVERY = old
+    return exp
+
+
+def test_a_run_samples_its_memory_along_the_stream(decoded):
+    mem = records.read_memory(decoded / "md_long" / "dsuta" / "seed0")
+    assert [m.position for m in mem] == [4, 9, 14, 19]
+    assert all(m.rss_mb > 10 for m in mem)
+    assert records.rows_done(decoded / "md_long" / "dsuta" / "seed0") == 20
+
+
+def test_long_report_table_plot_and_memory_verdict(decoded):
+    runs = collect_runs(decoded)
+    assert {r.method for r in runs} == {"source", "dsuta"} and all(r.memory for r in runs)
+    out = write_long_report(runs, decoded, "md_long", window=5, margin=0.0)
+    text = out.read_text()
+    assert "|method|seed|utts|WER %|worst 5-utt window (ends at)|first position > source + 0|" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("|dsuta|"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "20" and "@" in cells[4]
+    assert cells[5] == "never" or 4 <= int(cells[5]) < 20
+    assert "Memory not judged (fewer than 6 samples" in text and (decoded / "plots" / "long_md_long.png").stat().st_size > 10000
+    with pytest.raises(ValueError, match="no finished run of stream 'md_hard'"):
+        write_long_report(runs, decoded, "md_hard")
+
+
+# ------------------------------------------------------------------------- the long split
+def test_held_out_sentences_are_new_and_the_quick_start_sets_unchanged():
+    train, test = make_sentence_sets(300, 30, seed=1)
+    extra = held_out_sentences(60, seed=1, n_train=300, n_test=30)
+    assert len(set(extra)) == 60 and not set(extra) & (set(train) | set(test))
+    assert held_out_sentences(20, 1, 300, 30) == extra[:20]   # more utterances: a superset
+    again_train, again_test = make_sentence_sets(300, 30, seed=1)
+    assert (again_train, again_test) == (train, test)
+
+
+def test_md_long_recurrence_shrinks_with_more_distinct_speech():
+    def pools(n):
+        return {d: [{"ID": f"{i}_{d}", "source_id": str(i)} for i in range(n)] for d in "ABCD"}
+    few = md_long(pools(100), total=3000, min_len=20, max_len=500, seed=0)
+    many = md_long(pools(1000), total=3000, min_len=20, max_len=500, seed=0)
+    assert recurrence(few)[0] == 100 and recurrence(few)[1] == 30.0
+    distinct, mean, most = recurrence(many)
+    assert distinct <= 1000 and mean == 3000 / distinct and most <= 4
+
+
+def test_long_split_renders_held_out_speech(tmp_path):
+    from tta_brain.data.prep.synthetic import make_long_test
+    stamp = make_long_test(str(tmp_path), n_test=4, seed=1, n_speakers=2, n_train_ref=50,
+                           n_test_ref=10, num_workers=1)
+    split = tmp_path / "LibriSpeech" / "test-synth-long"
+    assert stamp["stats"]["test-synth-long"]["n_utts"] == 4 and len(list(split.rglob("*.flac"))) == 4
+    texts = [ln.split(" ", 1)[1].lower() for f in split.rglob("*.trans.txt")
+             for ln in f.read_text().splitlines()]
+    train, test = make_sentence_sets(150, 30, seed=1)
+    assert len(texts) == 4 and not set(texts) & (set(train) | set(test))
+    assert {p.parent.parent.name for p in split.rglob("*.flac")} <= {"9500", "9501"}
+    mtime = next(split.rglob("*.flac")).stat().st_mtime_ns
+    make_long_test(str(tmp_path), n_test=4, seed=1, n_speakers=2, n_train_ref=50, n_test_ref=10,
+                   num_workers=1)                                  # same options: nothing redone
+    assert next(split.rglob("*.flac")).stat().st_mtime_ns == mtime
+
+
+# ------------------------------------------------------------------------- the recipe switch
+def test_long_switch_plans_its_own_trees_and_registered_methods(tmp_path):
+    res = subprocess.run(["bash", str(REPO / "recipes/synthetic/run.sh"), "--long", "true",
+                          "--dry_run", "true", "--data_dir", str(tmp_path / "data"),
+                          "--exp_dir", str(tmp_path / "exp")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout + res.stderr
+    data = tmp_path / "data" / "long3000"
+    assert f"long_test --root {data}/corpus --n_test 1000" in out
+    assert "--split test-synth-long" in out
+    assert "--names md_long" in out and "--total 3000" in out and "--max_len 500" in out
+    for token in ("source", "suta", "dsuta+dynamic", "dsuta+oracle", "csuta+dynamic", "awmc"):
+        assert f"{tmp_path}/exp/long3000/snr20/md_long/{token}/seed0" in out
+    assert "tta_brain.report.long" in out
+    quick = subprocess.run(["bash", str(REPO / "recipes/synthetic/run.sh"), "--dry_run", "true",
+                            "--data_dir", str(tmp_path / "data")],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    plan = quick.stdout + quick.stderr                       # the quick start as it was
+    assert quick.returncode == 0 and "long_test" not in plan and "long3000" not in plan
+    assert f"corpus --root {tmp_path}/data/corpus --n_train 0 --n_test 400" in plan
+    assert "--split test-synth --out" in plan and "--names md_easy md_hard" in plan
+    assert "--total 800 --min_len 20 --max_len 100" in plan and "report.long" not in plan

@@ -1,0 +1,269 @@
+"""Long streams at a glance: collapse figures per run, memory along the stream, one plot.
+
+    python -m tta_brain.report.long --exp_dir exp/long/snr20 [--stream md_long] [--window 100]
+        [--margin 5] [--out exp/long/snr20/LONG.md]
+
+Per run (the paper's MD-Long table, one row per method and seed): the WER, and two collapse
+figures on the windowed WER (errors / reference words over the last ``window`` utterances, full
+windows only): the **worst window** (its WER and where it ends), and the **first position where
+the windowed WER exceeds the source model's by more than ``margin`` points** ("never" if it does
+not). The source curve is the ``source`` run of the same stream (same seed when there is one).
+Memory: the process RSS sampled along the stream (``memory.csv``) and its least-squares slope over
+the second half of the samples, per 1,000 utterances; a run is *flat* when that slope is at most
+``--flat_mib`` (default 5 MiB per 1,000 utterances, the 0.5 MiB per 100 of
+``tools/bench_memory.py``).
+
+The plot (``plots/long_<stream>.png``): windowed WER over stream position per method (mean over
+seeds), the domain blocks shaded and labelled, dynamic (detected) resets as markers on their
+curve; below it, RSS over position per run.
+"""
+import argparse
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from tta_brain.report import tags
+from tta_brain.report.tables import fmt, md_table, run_wer
+from tta_brain.run.records import Run
+
+logger = logging.getLogger("tta_brain.report.long")
+
+WINDOW = 100        # utterances (the windows of 100 of issue #21's measurement)
+MARGIN = 5.0        # WER points above the source model's windowed WER that count as collapse
+FLAT_MIB = 5.0      # MiB per 1,000 utterances: a larger RSS slope is growth
+
+
+# ------------------------------------------------------------------------------------------------
+# pure figures
+# ------------------------------------------------------------------------------------------------
+def windowed_wer(n_err: Sequence[float], n_words: Sequence[float], window: int = WINDOW) -> np.ndarray:
+    """WER (%) of the ``window`` utterances ending at each position; NaN before the first full
+    window and where a window has no reference words."""
+    from tta_brain.report.plots import smoothed_wer
+    curve = smoothed_wer(n_err, n_words, window)
+    curve[:max(int(window), 1) - 1] = np.nan
+    return curve
+
+
+def worst_window(curve: Sequence[float]) -> Tuple[Optional[float], Optional[int]]:
+    """``(largest windowed WER, the position its window ends at)``; ``(None, None)`` if none."""
+    curve = np.asarray(curve, dtype=float)
+    if not np.isfinite(curve).any():
+        return None, None
+    at = int(np.nanargmax(curve))
+    return float(curve[at]), at
+
+
+def first_above(curve: Sequence[float], reference: Sequence[float], margin: float = MARGIN) -> Optional[int]:
+    """First position where ``curve`` exceeds ``reference`` by more than ``margin`` points (both
+    defined there), or None (never). Positions past the shorter curve are not compared."""
+    n = min(len(curve), len(reference))
+    diff = np.asarray(curve[:n], dtype=float) - np.asarray(reference[:n], dtype=float)
+    with np.errstate(invalid="ignore"):
+        hits = np.nonzero(diff > margin)[0]
+    return int(hits[0]) if hits.size else None
+
+
+def memory_slope(positions: Sequence[float], values: Sequence[float]) -> Optional[float]:
+    """Least-squares slope of ``values`` over the second half of the samples, per 1,000
+    utterances (the first half holds the warm-up); None with fewer than 6 samples."""
+    x, y = np.asarray(positions, dtype=float), np.asarray(values, dtype=float)
+    if len(x) < 6:
+        return None
+    x, y = x[len(x) // 2:], y[len(y) // 2:]
+    if np.ptp(x) == 0:
+        return None
+    return float(np.polyfit(x, y, 1)[0] * 1000.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# runs -> figures, table, plot
+# ------------------------------------------------------------------------------------------------
+def run_curve(run: Run, window: int = WINDOW) -> np.ndarray:
+    """The run's windowed WER indexed by stream position (NaN at positions it did not decode)."""
+    ts = run.transcripts
+    if not ts:
+        return np.full(0, np.nan)
+    n = max(t.position for t in ts) + 1
+    err, words = np.zeros(n), np.zeros(n)
+    for t in ts:
+        err[t.position], words[t.position] = t.n_err, t.n_words
+    return windowed_wer(err, words, window)
+
+
+def _source_for(run: Run, runs: Sequence[Run]) -> Optional[Run]:
+    same = [r for r in runs if r.stream == run.stream and r.method == "source"]
+    return next((r for r in same if r.seed == run.seed), same[0] if same else None)
+
+
+def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
+                     margin: float = MARGIN) -> Dict:
+    """WER, worst window (WER, position), first position above source + margin, RSS slope."""
+    curve = run_curve(run, window)
+    worst, at = worst_window(curve)
+    out = {"wer": run_wer(run), "worst": worst, "worst_at": at, "first_above": None,
+           "has_source": source is not None, "rss_slope": None, "rss": None}
+    if source is not None:
+        out["first_above"] = first_above(curve, run_curve(source, window), margin)
+    if run.memory:
+        out["rss_slope"] = memory_slope([m.position for m in run.memory],
+                                        [m.rss_mb for m in run.memory])
+        out["rss"] = (run.memory[0].rss_mb, run.memory[-1].rss_mb)
+    return out
+
+
+def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: float = MARGIN,
+               flat_mib: float = FLAT_MIB) -> Tuple[str, List[str]]:
+    """The Markdown table of ``stream``, the runs whose RSS is not flat and those with too few
+    memory samples to tell."""
+    rows, not_flat, unknown = [], [], []
+    for r in [r for r in runs if r.stream == stream]:
+        f = collapse_figures(r, _source_for(r, runs), window, margin)
+        if r.method == "source":
+            above = "-"
+        elif not f["has_source"]:
+            above = "no source run"
+        else:
+            above = "never" if f["first_above"] is None else str(f["first_above"])
+        slope = f["rss_slope"]
+        if slope is None:
+            unknown.append(r.name)
+        elif slope > flat_mib:
+            not_flat.append(r.name)
+        rss = "-" if f["rss"] is None else f"{f['rss'][0]:.0f} -> {f['rss'][1]:.0f}"
+        rows.append([r.method, str(r.seed), str(len(r.transcripts)), fmt(f["wer"]),
+                     "-" if f["worst"] is None else f"{fmt(f['worst'])} @ {f['worst_at']}",
+                     above, str(len(r.resets)), rss, "-" if slope is None else f"{slope:+.1f}"])
+    header = ["method", "seed", "utts", "WER %", f"worst {window}-utt window (ends at)",
+              f"first position > source + {margin:g}", "resets", "RSS MiB (first -> last)",
+              "RSS slope MiB / 1k utts"]
+    return md_table(header, rows), not_flat, unknown
+
+
+def _mean_curves(runs: Sequence[Run], window: int) -> Dict[str, np.ndarray]:
+    by: Dict[str, List[np.ndarray]] = {}
+    for r in runs:
+        by.setdefault(r.method, []).append(run_curve(r, window))
+    out = {}
+    for method in sorted(by, key=tags.sort_key):
+        n = min(len(c) for c in by[method])
+        with warnings.catch_warnings():     # all-NaN columns (before the first window) stay NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out[method] = np.nanmean(np.stack([c[:n] for c in by[method]]), axis=0)
+    return out
+
+
+def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW) -> Optional[str]:
+    """Windowed WER over position per method with shaded, labelled domain blocks and reset
+    markers; RSS per run below."""
+    from tta_brain.report.plots import _save, _segments, plt
+    sruns = [r for r in runs if r.stream == stream and r.transcripts]
+    if not sruns:
+        return None
+    has_mem = any(r.memory for r in sruns)
+    fig, axes = plt.subplots(2 if has_mem else 1, 1, figsize=(13, 6.5 if has_mem else 4.8),
+                             sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1] if has_mem else [1]})
+    ax = axes[0][0]
+    segs = _segments(max(sruns, key=lambda r: len(r.transcripts)))
+    domains = sorted({d for _, _, d in segs})
+    shade = {d: plt.cm.Pastel1(i % 9) if i < 9 else plt.cm.Pastel2(i % 8)
+             for i, d in enumerate(domains)}
+    end = segs[-1][1]
+    for start, stop, domain in segs:
+        for a in [x[0] for x in axes]:
+            a.axvspan(start, stop, color=shade[domain], alpha=0.6, linewidth=0)
+        if stop - start >= end / 60:
+            ax.text((start + stop) / 2, 1.01, domain, transform=ax.get_xaxis_transform(),
+                    ha="center", va="bottom", fontsize=7)
+    for method, curve in _mean_curves(sruns, window).items():
+        n_seeds = sum(r.method == method for r in sruns)
+        ax.plot(np.arange(len(curve)), curve, color=tags.color(method), linewidth=1.2,
+                label=f"{method} (n={n_seeds})")
+        if method != "source" and not method.endswith(("+fixed", "+oracle")):
+            resets = sorted({p for r in sruns if r.method == method for p in r.resets
+                             if 0 <= p < len(curve)})
+            ok = [p for p in resets if np.isfinite(curve[p])]
+            if ok:
+                ax.plot(ok, curve[ok], linestyle="none", marker="v", markersize=6,
+                        color=tags.color(method), markeredgecolor="k")
+    ax.set_ylabel(f"WER % (last {window} utts)")
+    ax.set_title(f"{stream}: windowed WER over the stream (shaded: domain blocks; "
+                 f"v: resets detected by the method)", pad=14)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    if has_mem:
+        mem = axes[1][0]
+        for r in sruns:
+            if r.memory:
+                mem.plot([m.position for m in r.memory], [m.rss_mb for m in r.memory],
+                         color=tags.color(r.method), linewidth=1.0)
+        mem.set_ylabel("RSS MiB")
+        mem.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("stream position (utterances)")
+    axes[-1][0].set_xlim(0, end)
+    return _save(fig, Path(out_png))
+
+
+def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=None,
+                      window: int = WINDOW, margin: float = MARGIN, flat_mib: float = FLAT_MIB,
+                      plots: bool = True) -> Path:
+    """``LONG.md`` (table + memory verdict + plot link) for ``stream``; returns its path."""
+    root = Path(root)
+    out = Path(out) if out else root / "LONG.md"
+    sruns = [r for r in runs if r.stream == stream]
+    if not sruns:
+        raise ValueError(f"no finished run of stream {stream!r} under {root}")
+    table, not_flat, unknown = table_long(runs, stream, window, margin, flat_mib)
+    n = max(len(r.transcripts) for r in sruns)
+    lines = [f"# {stream}: {n} utterances, {len(sruns)} runs", "",
+             f"Windowed WER: errors / words over the last {window} utterances (full windows "
+             f"only). Collapse figures: the worst window, and the first position where a run's "
+             f"windowed WER exceeds the source model's by more than {margin:g} points.", "",
+             table, ""]
+    rule = f"RSS slope over the second half of the stream at most {flat_mib:g} MiB per 1,000 utterances"
+    if not_flat:
+        lines.append(f"**Memory grows** ({rule} is flat): {', '.join(not_flat)}.")
+    elif not unknown:
+        lines.append(f"Memory: flat in every run ({rule}).")
+    if unknown:
+        lines.append(f"Memory not judged (fewer than 6 samples in memory.csv): {', '.join(unknown)}.")
+    if plots:
+        png = plot_long(runs, stream, root / "plots" / f"long_{stream}.png", window)
+        if png:
+            lines += ["", f"![{stream}]({os.path.relpath(png, out.parent)})"]
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tta_brain.report.long",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--exp_dir", required=True, help="results root (e.g. exp/long/snr20)")
+    p.add_argument("--stream", default="md_long")
+    p.add_argument("--out", default=None, help="default: <exp_dir>/LONG.md")
+    p.add_argument("--window", type=int, default=WINDOW, help="window of the WER (utterances)")
+    p.add_argument("--margin", type=float, default=MARGIN, help="WER points above the source")
+    p.add_argument("--flat_mib", type=float, default=FLAT_MIB,
+                   help="largest RSS slope (MiB per 1,000 utterances) that counts as flat")
+    p.add_argument("--no_plots", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from tta_brain.report.results import collect_runs
+    try:
+        out = write_long_report(collect_runs(args.exp_dir), args.exp_dir, args.stream, args.out,
+                                args.window, args.margin, args.flat_mib, not args.no_plots)
+    except ValueError as err:
+        print(f"ERROR: {err}", file=sys.stderr)
+        return 1
+    print(out.read_text(encoding="utf-8"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
