@@ -26,6 +26,41 @@ per_gpu=2             # local: decodes per GPU
 slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of one Slurm job
 grid_help="  --engine local|slurm  --nj N  --gpus \"LIST\"  --per_gpu N  --slurm_conf YAML
   --decode_opts \"OPTS\"  --md_decode_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"  --hparams_dir DIR"
+# Source statistics of the methods that need them (eata: Fisher information), before decoding.
+stats_csv=            # clean manifest of speech that is in no stream (synthetic: rendered if empty)
+stats_utts=100        # its first N utterances (the EATA reference: 100)
+grid_help="${grid_help}
+  --stats_csv CSV (clean speech in no stream: eata's source statistics)  --stats_utts N (${stats_utts})"
+
+# stats_kinds: the source-statistics kinds the listed methods need (eata: fisher).
+stats_kinds() {
+  local tok kinds=""
+  for tok in ${methods}; do
+    case ${tok%%+*} in
+      eata) kinds="${kinds} fisher" ;;
+    esac
+  done
+  echo $(printf '%s\n' ${kinds} | sort -u)
+}
+
+# source_stats_stage STAGE CSV DATA_ROOT OUT: the statistics the listed methods need, of ${model}
+# on the first ${stats_utts} utterances of CSV (clean, in no stream) -> OUT; a current OUT is kept.
+source_stats_stage() {
+  local kinds
+  kinds=$(stats_kinds)
+  [ -n "${kinds}" ] || return 0
+  if [ -z "$2" ] && [ -f "$4" ]; then
+    log "Stage $1: source statistics (${kinds}): using $4 (--stats_csv CSV to recompute them)"
+    return 0
+  elif [ -z "$2" ]; then
+    echo "ERROR: [${methods}] need source statistics (${kinds}): name a manifest of clean speech" \
+      "that is in no stream with --stats_csv CSV" >&2
+    exit 1
+  fi
+  log "Stage $1: source statistics (${kinds}) of ${model} on ${stats_utts} utterances of $2 -> $4"
+  run ${python} -m tta_brain.stats --source "${model}" --manifest "$2" --data_root "$3" \
+    --kinds "${kinds}" --out "$4" --max_utts "${stats_utts}" --reuse
+}
 
 # grid_streams DATA_DIR "SNRS" "STREAMS": stream_args (snr<S>/<name>=<csv>) and md_streams (the
 # names decoded with the multi-domain option set: md_*, or NAME=md_* of your own name).
