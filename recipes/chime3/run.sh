@@ -84,6 +84,14 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
     --names "${stream_name}=random" --seed "${stream_seed}" ${dur_opts[@]+"${dur_opts[@]}"}
 fi
 
+if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; then
+  # eata's source statistics from clean speech in no stream (--stats_csv, e.g. tr05 clean
+  # close-talk; not et05); conf/eata.opts reads the file from $TTA_SOURCE_STATS (the data root
+  # of the decodes is the corpus)
+  export TTA_SOURCE_STATS=${data_dir}/source_stats.pt
+  source_stats_stage 3 "${stats_csv}" "${CHIME3:-}" "${TTA_SOURCE_STATS}"
+fi
+
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
   db_require CHIME3 "The stream's audio paths are relative to it (\$data_root)."
   if [ -z "${model}" ]; then

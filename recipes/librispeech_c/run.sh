@@ -16,6 +16,7 @@ recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # Options (each can be given as --name value).
 stop_stage=4          # last stage to run
 split=test-other      # LibriSpeech split
+stats_split=          # LibriSpeech split for eata's source statistics (in no stream, e.g. dev-clean)
 snrs="5"              # SNRs in dB (the paper: 5; also 0 and 10)
 domains="AA AC BA CM GS MU NB SD TP VC"
 noise_seed=666        # seed of the Gaussian (GS) noise
@@ -89,6 +90,19 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
       --max_duration "${max_duration}" ${size_opts[@]+"${size_opts[@]}"}
   done
+fi
+
+if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; then
+  # eata's source statistics from clean speech in no stream: --stats_csv, or --stats_split NAME
+  # of LibriSpeech (e.g. dev-clean; the E-BATS reference took test-other, this recipe's test data)
+  if [ -z "${stats_csv}" ] && [ -n "${stats_split}" ]; then
+    [ "${stats_split}" = "${split}" ] && { echo "ERROR: --stats_split ${stats_split} is the test split" >&2; exit 1; }
+    db_require LIBRISPEECH "It must be the folder that contains LibriSpeech/${stats_split}."
+    stats_csv=${data_dir}/librispeech_${stats_split//-/_}.csv
+    run ${python} -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" \
+      --split "${stats_split}" --out "${stats_csv}"
+  fi
+  source_stats_stage 3 "${stats_csv}" "${data_dir}" "${data_dir}/source_stats.pt"  # conf/eata.opts
 fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then

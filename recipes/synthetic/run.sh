@@ -151,6 +151,19 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
   done
 fi
 
+if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ] && [ -n "$(stats_kinds)" ]; then
+  # eata's source statistics from clean speech in no stream: without --stats_csv, ${stats_utts}
+  # utterances rendered with other sentences and speaker draws (corpus seed + 1000), no noise
+  if [ -z "${stats_csv}" ]; then
+    stats_csv=${data_dir}/stats_synth.csv
+    run ${python} -m tta_brain.data.prep.synthetic corpus --root "${data_dir}/stats_corpus" \
+      --n_train 0 --n_test "${stats_utts}" --n_test_speakers 10 --seed $((corpus_seed + 1000))
+    run ${python} -m tta_brain.data.prep.prepare librispeech --root "${data_dir}/stats_corpus" \
+      --split test-synth --out "${stats_csv}"
+  fi
+  source_stats_stage 4 "${stats_csv}" "${data_dir}" "${data_dir}/source_stats.pt"  # conf/eata.opts
+fi
+
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
   decode_snr_streams 4 "${data_dir}"
 fi
