@@ -49,6 +49,27 @@ def build_on(model_dir, name, plain=False, **kwargs):
     return build_method(name, model=HFCTCLobe(model_dir, runtime=Runtime(**runtime)), **kwargs)
 
 
+def kill_9_mid_run(cmd, out, env, timeout=240):
+    """Run ``cmd`` (a ``tta_brain.decode`` writing ``out``) and SIGKILL it as soon as its first
+    checkpoint exists; the run must not have finished by then (its rerun is the test's part)."""
+    import signal
+    import time
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    try:
+        while not list((out / "save").glob("CKPT+*/stream.ckpt")):
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.time() < deadline, f"no checkpoint after {timeout} s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "summary.json").exists(), "killed too late: the run had finished"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return save_ctc_model(str(tmp_path_factory.mktemp("tiny_w2v2")))
