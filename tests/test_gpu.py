@@ -3,7 +3,8 @@ CUDA checks (skipped without a GPU).
 
 On CPU the skeleton keeps its host path, untouched (tests/test_methods.py and
 tests/test_speed_paths.py check its numbers; here: that it is taken). The device path itself is
-device-agnostic, so it is exercised on CPU tensors (``_force_device_steps``): its results against
+device-agnostic, so it is exercised on CPU tensors (the method built with
+``make_step(device_on_cpu=True)``, a fake graph backend passed in): its results against
 the host path, its device-side guard on non-finite losses and gradients (parameters, moments and
 step counts unchanged; skipped steps counted once per utterance), and the graph bookkeeping
 with a fake graph backend that records the step at "capture" and re-executes it on "replay" (so
@@ -18,11 +19,12 @@ import json
 import logging
 import math
 from contextlib import nullcontext
+from functools import partial
 
 import pytest
 import torch
 
-from tta_brain.gpu import device_step, graphs
+from tta_brain.gpu import DeviceStep, HostStep, graphs, guard, make_step, step_blocker
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo, build_method
 from tta_brain.methods.resets import make_reset_policy
@@ -69,11 +71,11 @@ class FakeBackend:
 
 
 def build(model_dir, name, mode="host", device="cpu", backend=None, runtime=None, **kw):
-    """``mode``: host (the CPU path), device (the device path forced on CPU tensors), graph
-    (device path + cuda_graphs with ``backend``, a FakeBackend by default)."""
+    """``mode``: host (the CPU path), device (the device step, on CPU tensors when ``device`` is
+    cpu), graph (device step + cuda_graphs with ``backend``, on CPU a FakeBackend by default)."""
     base, _, reset = name.partition("+")
     rt = dict(runtime or {})
-    rt.setdefault("cuda_graphs", mode == "graph")
+    rt.setdefault("cuda_graphs", "on" if mode == "graph" else "off")
     rt.setdefault("cuda_device_steps", mode == "device")
     lobe = HFCTCLobe(model_dir, device=device, runtime=Runtime(**rt))
     if reset:
@@ -84,12 +86,11 @@ def build(model_dir, name, mode="host", device="cpu", backend=None, runtime=None
     kw.setdefault("steps", 3 if base != "dsuta" else 3)
     if base == "dsuta":
         kw.setdefault("buffer_size", 2)
-    m = build_method(base, model=lobe, **kw)
-    if mode != "host" and device == "cpu":
-        m._force_device_steps = True
     if mode == "graph" and device == "cpu":
-        m._graph_backend = backend or FakeBackend()
-    return m
+        backend = backend or FakeBackend()
+    if mode != "host":
+        kw["make_step"] = partial(make_step, backend=backend, device_on_cpu=device == "cpu")
+    return build_method(base, model=lobe, **kw)
 
 
 def stream(utterances, n, lengths=None):
@@ -134,12 +135,13 @@ def test_cpu_keeps_the_host_path(tiny_model_dir, utterances):
     no effect (bit-identical)."""
     items = stream(utterances, 4)
     a = build(tiny_model_dir, "dsuta", "host")
-    b = build(tiny_model_dir, "dsuta", "host", runtime={"cuda_graphs": True})
+    b = build(tiny_model_dir, "dsuta", "host", runtime={"cuda_graphs": "on",
+                                                        "cuda_device_steps": True})
     ha, hb = run(a, items), run(b, items)
     assert ha == hb
     assert max_diff(a.params, b.params) == 0.0 and max_diff(a.meta, b.meta) == 0.0
     for m in (a, b):
-        assert m.__dict__["_device_steps"] is False
+        assert type(m.step) is HostStep
         assert all(g["foreach"] and not g.get("fused") for g in m.optimizer.param_groups)
         assert all(not g.get("fused") for g in m.slow_optimizer.param_groups)
 
@@ -183,7 +185,7 @@ def test_replayed_steps_equal_eager_device_steps(tiny_model_dir, utterances, nam
     assert max_diff(opt_tensors(e.optimizer, e.params), opt_tensors(g.optimizer, g.params)) == 0.0
     assert e.counts == g.counts
     assert events(e) == events(g)
-    steps = g._device_steps
+    steps = g.step
     assert g.features.enabled == (adapt == "layernorm")
     assert steps.stats["replays"] > 0 and fake.captures >= 1
     assert len(steps.cache) <= 2
@@ -201,13 +203,13 @@ def test_warmup_and_capture_schedule(tiny_model_dir, utterances):
     w = utterances[1]                                   # 1.2 s
     a, b, c = w[:9600].clone(), w[:11200].clone(), w[:11200].clone() * 0.5
     m.process(a, UttInfo(id="a"))          # 3 eager (first warm-up) + 1 eager (1 step left)
-    st = m._device_steps
+    st = m.step
     assert (st.stats["eager"], st.stats["replays"], len(st.cache)) == (4, 0, 0)
     m.process(b, UttInfo(id="b"))          # new length: 1 eager, capture, 3 replays
     assert (st.stats["eager"], st.stats["replays"], len(st.cache)) == (5, 3, 1)
     m.process(c, UttInfo(id="c"))          # the cached length: 4 replays, nothing eager
     assert (st.stats["eager"], st.stats["replays"]) == (5, 7)
-    assert st.cache.stats["hits"] == 1 and m._graph_backend.captures == 1
+    assert st.cache.stats["hits"] == 1 and st.backend.captures == 1
     assert m.counts["adapt_backward"] == 12
 
 
@@ -222,8 +224,8 @@ def test_cached_graph_is_dropped_when_the_state_is_replaced(tiny_model_dir, utte
         m.load_state_dict(copy.deepcopy(m.state_dict()))   # new state tensors, as from a file
     he, hg = run(e, items[3:]), run(g, items[3:])
     assert he == hg and max_diff(e.params, g.params) == 0.0
-    assert g._device_steps.cache.stats["clears"] >= 1
-    assert g._graph_backend.released >= 1
+    assert g.step.cache.stats["clears"] >= 1
+    assert g.step.backend.released >= 1
 
 
 def test_capture_failure_falls_back_to_eager(tiny_model_dir, utterances, caplog):
@@ -233,7 +235,7 @@ def test_capture_failure_falls_back_to_eager(tiny_model_dir, utterances, caplog)
     with caplog.at_level(logging.WARNING):
         he, hg = run(e, items), run(g, items)
     assert he == hg and max_diff(e.params, g.params) == 0.0 and e.counts == g.counts
-    assert not g._device_steps.graphs
+    assert not g.step.graphs
     assert "capture failed" in caplog.text
 
 
@@ -244,22 +246,42 @@ def test_graphs_only_in_fp32_without_compile(tiny_model_dir, runtime, why, caplo
     with caplog.at_level(logging.WARNING):
         m = build(tiny_model_dir, "suta", "graph", runtime=runtime)
         run(m, stream([torch.randn(9600)], 1))
-    assert not m._device_steps.graphs and why in caplog.text
+    assert not m.step.graphs and why in caplog.text
 
 
 def test_methods_with_host_work_keep_the_host_path(tiny_model_dir, utterances, caplog):
     """sgem, sdpl, awmc: their losses need host work; they keep the eager host path and say so."""
     for name in ("sgem", "sdpl", "awmc"):
-        m = build(tiny_model_dir, name, "graph", steps=1)
-        assert m.device_step_blocker()
         with caplog.at_level(logging.INFO):
+            m = build(tiny_model_dir, name, "graph", steps=1)
             m.process(utterances[0], UttInfo(id="x"))
-        assert m.__dict__["_device_steps"] is False
+        assert step_blocker(m) and type(m.step) is HostStep
         assert not any(g.get("fused") for g in m.optimizer.param_groups)
-    assert "keep the host check" in caplog.text and "cuda_graphs do not apply" in caplog.text
+    assert "keep the host check" in caplog.text and "no device step (its loss" in caplog.text
     for name in ("suta", "csuta", "dsuta"):
-        assert build(tiny_model_dir, name, "graph").device_step_blocker() is None
-    assert build(tiny_model_dir, "source", "graph").device_step_blocker() == "nothing adapts"
+        assert step_blocker(build(tiny_model_dir, name, "graph")) is None
+    assert step_blocker(build(tiny_model_dir, "source", "graph")) == "nothing adapts"
+
+
+@pytest.mark.parametrize("runtime,kind,graphs_on", [
+    ({}, DeviceStep, True),                                          # auto: captured
+    ({"precision": "bf16"}, HostStep, False),                        # auto, not exact: host
+    ({"cuda_graphs": "off"}, HostStep, False),
+    ({"cuda_graphs": "off", "cuda_device_steps": True}, DeviceStep, False),
+    ({"cuda_graphs": "on", "precision": "bf16"}, DeviceStep, False),  # asked: eager, says why
+    ({"cuda_graphs": "on"}, DeviceStep, True)])
+def test_the_step_is_chosen_once_from_the_runtime_options(tiny_model_dir, runtime, kind,
+                                                          graphs_on):
+    """The factory's choice, on CPU tensors standing in for the device (``device_on_cpu``) with a
+    fake graph backend; without the doubles a CPU method always gets the host step."""
+    fake = FakeBackend()
+    lobe = HFCTCLobe(tiny_model_dir, runtime=Runtime(**runtime))
+    m = build_method("suta", model=lobe, steps=3,
+                     make_step=partial(make_step, backend=fake, device_on_cpu=True))
+    assert type(m.step) is kind
+    assert (kind is DeviceStep and m.step.graphs) == graphs_on
+    plain = build_method("suta", model=HFCTCLobe(tiny_model_dir, runtime=Runtime(**runtime)))
+    assert type(plain.step) is HostStep
 
 
 # ------------------------------------------------------------------------------ the guard
@@ -339,32 +361,31 @@ def test_fused_step_with_found_inf_leaves_the_optimiser_unchanged():
     for q in p:
         q.grad = torch.randn_like(q)
     opt.step()                                        # foreach state: step on the host
-    assert device_step.device_optimizer_blocker(opt) is None
-    device_step.to_device_optimizer(opt)
-    assert device_step.is_device_optimizer(opt)
+    assert guard.device_optimizer_blocker(opt) is None
+    guard.to_device_optimizer(opt)
+    assert guard.is_device_optimizer(opt)
     found = torch.ones(())
     before = snapshot(p), opt_tensors(opt, p)
-    opt.found_inf = found
-    opt.step()
+    guard.guarded_update(opt, found)
     assert max_diff(before[0], p) == 0.0 and max_diff(before[1], opt_tensors(opt, p)) == 0.0
-    assert float(opt.state[p[0]]["step"]) == 1.0
+    assert float(opt.state[p[0]]["step"]) == 1.0 and not hasattr(opt, "found_inf")
     found.zero_()
-    opt.step()
+    guard.guarded_update(opt, found)
     assert float(opt.state[p[0]]["step"]) == 2.0 and max_diff(before[0], p) > 0
 
 
 def test_device_optimizer_blocker():
     from tta_brain.methods.optim import RepeatedAdam
     p = [torch.nn.Parameter(torch.randn(3))]
-    assert "SGD" in device_step.device_optimizer_blocker(torch.optim.SGD(p, lr=0.1))
-    assert "RepeatedAdam" in device_step.device_optimizer_blocker(
+    assert "SGD" in guard.device_optimizer_blocker(torch.optim.SGD(p, lr=0.1))
+    assert "RepeatedAdam" in guard.device_optimizer_blocker(
         RepeatedAdam([{"params": p, "lr": 0.1}], lr=0.1))
-    assert device_step.device_optimizer_blocker(torch.optim.Adam(p, lr=0.1)) is None
-    assert device_step.device_optimizer_blocker(None) == "no optimiser"
+    assert guard.device_optimizer_blocker(torch.optim.Adam(p, lr=0.1)) is None
+    assert guard.device_optimizer_blocker(None) == "no optimiser"
 
 
 def test_step_flags_count_and_fetch_once():
-    f = device_step.StepFlags("cpu", scale=4.0)
+    f = guard.StepFlags("cpu", scale=4.0)
     assert float(f.inv_scale) == 0.25
     f.note_loss(torch.tensor(float("nan")))
     f.found.fill_(1.0)
@@ -430,19 +451,79 @@ def test_captured_step_loads_its_input_once_per_utterance():
 def test_runtime_options_and_run_block():
     from tta_brain import hparams
     rt = Runtime()
-    assert (rt.cuda_graphs, rt.cuda_graph_cache, rt.cuda_graph_warmup) == (False, 1, 1)
-    with pytest.raises(ValueError, match="cuda_graph_cache"):
-        Runtime(cuda_graph_cache=0)
-    with pytest.raises(ValueError, match="cuda_graph_warmup"):
-        Runtime(cuda_graph_warmup=0)
+    assert (rt.cuda_graphs, rt.cuda_device_steps, rt.cuda_graph_cache,
+            rt.cuda_graph_warmup) == ("auto", False, 1, 1)
     keys = {k: v for k, v, _ in hparams.describe("suta")}
-    assert keys["cuda_graphs"] == "false" and keys["cuda_graph_cache"] == "1"
+    assert keys["cuda_graphs"] == "auto" and keys["cuda_graph_cache"] == "1"
+    need = {"source": "m", "stream_csv": "s.csv", "output_folder": "o"}
+    assert hparams.resolve("suta", dict(need, cuda_graphs="off")).values["cuda_graphs"] == "off"
+    # one spelling per value, checked by the yaml rules only
+    for key, bad in (("cuda_graphs", True), ("cuda_graphs", "false"), ("cuda_graph_cache", 0),
+                     ("cuda_graph_warmup", 0)):
+        with pytest.raises(hparams.HparamsError, match=f"{key} = .* is not valid"):
+            hparams.resolve("suta", dict(need, **{key: bad}))
 
 
 def test_decode_labels_equals_decode(tiny_lobe):
     logits = torch.randn(2, 30, tiny_lobe.vocab_size)
     assert tiny_lobe.decode_labels(logits.argmax(-1)) == tiny_lobe.decode(logits)
     assert tiny_lobe.decode_labels(logits[0].argmax(-1)) == tiny_lobe.decode(logits[0])
+
+
+# ------------------------------------------------------------------------------ run options
+def _grid_args(tmp_path, model, *extra):
+    from fake_corpora import write_stream
+    from tta_brain import grid
+    root = tmp_path / "s"
+    if not (root / "stream.csv").is_file():
+        write_stream(root, n=4, block=2)
+    return grid.parse_args(["--exp_dir", str(tmp_path / "exp"), "--source", model,
+                            "--data_root", str(root), "--streams", f"s={root / 'stream.csv'}",
+                            "--methods", "source suta", "--seeds", "0", *extra])
+
+
+def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir):
+    """``--gpus``: every run decodes on CUDA (the local engine shows each its one GPU), under the
+    same run names; on a machine without CUDA the runs fail with the reason instead of silently
+    decoding on the CPU."""
+    from tta_brain import grid
+    cpu = grid.plan_runs(_grid_args(tmp_path, tiny_model_dir))
+    gpu = grid.plan_runs(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0 1"))
+    assert [r.name for r in cpu] == [r.name for r in gpu]
+    assert all("--device=cuda" in r.argv for r in gpu)
+    assert not any(a.startswith("--device") for r in cpu for a in r.argv)
+    assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0 1")) == [0, 0, 1, 1]
+    if not CUDA:
+        grid.check_done(gpu)
+        assert all(r.status == "failed" and "no CUDA device" in r.message for r in gpu)
+
+
+def test_device_description_names_the_machine_gpu():
+    """The GPU id a run used (log.txt, env.log, summary.json): CUDA device I of the process is
+    entry I of CUDA_VISIBLE_DEVICES, which the grid sets for each run."""
+    from tta_brain.run.envinfo import describe_device
+    assert describe_device("cpu") == "cpu"
+    assert describe_device("cuda:1", visible="2,3").startswith("cuda:1 (GPU 3")
+    assert describe_device("cuda", visible="5").startswith("cuda:0 (GPU 5")
+    assert describe_device("cuda:0", visible=None).startswith("cuda:0 (GPU ") or CUDA
+
+
+def test_decode_records_device_and_deterministic(tmp_path, tiny_model_dir):
+    from fake_corpora import write_stream
+    from tta_brain import decode
+    from tta_brain.run.cli import UsageError, parse_arguments
+    root = write_stream(tmp_path / "s", n=2, block=2)
+    out = tmp_path / "run"
+    decode.main(["source", f"--source={tiny_model_dir}", f"--stream_csv={root / 'stream.csv'}",
+                 f"--output_folder={out}", f"--data_root={root}", "--noprogressbar",
+                 "--deterministic=false"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"] == "cpu" and summary["hparams"]["deterministic"] is False
+    assert "Deterministic kernels: false (no effect on cpu)" in (out / "env.log").read_text()
+    assert "Device: cpu; deterministic kernels: false" in (out / "log.txt").read_text()
+    assert "deterministic: true" in parse_arguments(["suta", "--deterministic"]).overrides
+    with pytest.raises(UsageError, match="--deterministic takes true or false"):
+        parse_arguments(["suta", "--deterministic=maybe"])
 
 
 # ------------------------------------------------------------------------------ tools
@@ -484,8 +565,8 @@ def test_gpu_check_sections_run_on_cpu(tmp_path):
 
 def test_bench_speed_has_the_cuda_graphs_option():
     import bench_speed
-    assert bench_speed.parse_args(["--cuda_graphs"]).cuda_graphs is True
-    assert bench_speed.parse_args([]).cuda_graphs is False
+    assert bench_speed.parse_args(["--cuda_graphs", "off"]).cuda_graphs == "off"
+    assert bench_speed.parse_args([]).cuda_graphs == "auto"
 
 
 # ------------------------------------------------------------------------------ CUDA
@@ -516,10 +597,10 @@ def test_cuda_graph_replay_gives_eager_transcripts(tiny_model_dir, utterances, n
     assert he == hg
     assert max_diff(e.params, g.params) < 1e-5
     assert e.counts == g.counts
-    st = g._device_steps
+    st = g.step
     assert st.graphs and st.stats["replays"] > 0 and st.cache.stats["captures"] >= 1
     assert len(st.cache) <= g.runtime.cuda_graph_cache
-    assert e._device_steps and not e._device_steps.graphs
+    assert type(e.step) is DeviceStep and not e.step.graphs
 
 
 @cuda
@@ -539,9 +620,9 @@ def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     m.predict(x)
-    assert not m._device_steps.flags.pending
+    assert not m.step.flags.pending
     if graphs_on:
-        assert m._device_steps.stats["replays"] > 0
+        assert m.step.stats["replays"] > 0
 
 
 @cuda
@@ -557,8 +638,8 @@ def test_cuda_graph_memory_does_not_grow(tiny_model_dir):
         if i in (9, 39):
             torch.cuda.synchronize()
             marks.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
-    assert m._device_steps.cache.stats["evictions"] > 0
+    assert m.step.cache.stats["evictions"] > 0
     assert marks[1][0] - marks[0][0] < 8 * 2 ** 20
     assert marks[1][1] - marks[0][1] < 64 * 2 ** 20
-    m.release_graphs()
-    assert len(m._device_steps.cache) == 0
+    m.step.release()
+    assert len(m.step.cache) == 0

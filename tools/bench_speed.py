@@ -50,12 +50,13 @@ Usage::
     python tools/bench_speed.py --stream recipes/synthetic/.../MD-Easy.csv --data_root /data --n_utts 30
     python tools/bench_speed.py --w2v2_base --device cuda:0  # random wav2vec2-base-sized model, GPU
     python tools/bench_speed.py --device cuda:0 --precision bf16 --compile
-    python tools/bench_speed.py --w2v2_base --device cuda:0 --cuda_graphs   # captured steps
+    python tools/bench_speed.py --w2v2_base --device cuda:0 --cuda_graphs off   # eager steps
 
 Runtime options (``--precision``, ``--compile``, ``--cache_features``, ``--onednn_backward``,
 ``--cuda_graphs``) go to every entry's lobe (``tta_brain.lobes.runtime.Runtime``), ``--slow_grad`` to
-DSUTA. ``--cuda_graphs`` (CUDA, fp32) replays the methods' adaptation steps from captured graphs
-(``tta_brain.gpu.graphs``); the unit passes stay eager, so the overhead column of a captured method
+DSUTA. ``--cuda_graphs`` (auto | on | off; CUDA, fp32: auto and on replay the methods'
+adaptation steps from captured graphs, ``tta_brain.gpu``); the unit passes stay eager, so the
+overhead column of a captured method
 can come out negative. ``tools/gpu_check.py`` runs the eager and the captured benchmark side by
 side.
 """
@@ -208,7 +209,7 @@ def make_entry(name, args, model_dir, device):
     runtime = Runtime(precision=args.precision, compile=args.compile,
                       cache_features=args.cache_features,
                       cpu_native_backward=not args.onednn_backward,
-                      cuda_graphs=getattr(args, "cuda_graphs", False))
+                      cuda_graphs=getattr(args, "cuda_graphs", "auto"))
     lobe = HFCTCLobe(model_dir, device=str(device), runtime=runtime)
     adapt = [{"select": s} for s in args.adapt.split(",")]
     if name in UNITS or name == TRAIN_UNIT:
@@ -314,7 +315,7 @@ def parse_args(argv=None):
     p.add_argument("--cache_features", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--onednn_backward", action="store_true",
                    help="CPU: keep oneDNN in the backward (cpu_native_backward=False)")
-    p.add_argument("--cuda_graphs", action="store_true",
+    p.add_argument("--cuda_graphs", default="auto", choices=("auto", "on", "off"),
                    help="CUDA: replay the adaptation steps from captured graphs (Runtime.cuda_graphs)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", default=None, help="cProfile this entry over the first round")

@@ -152,7 +152,7 @@ def _method(name, model_dir, device, graphs, cache=1, **kw):
     from tta_brain.lobes.runtime import Runtime
     base, _, reset = name.partition("+")
     lobe = HFCTCLobe(model_dir, device=device,
-                     runtime=Runtime(cuda_device_steps=True, cuda_graphs=graphs,
+                     runtime=Runtime(cuda_device_steps=True, cuda_graphs="on" if graphs else "off",
                                      cuda_graph_cache=cache))
     if reset:
         kw["reset_policy"] = make_reset_policy(reset, K=kw.pop("reset_K", 6))
@@ -179,8 +179,9 @@ def _wavs(n, lo, hi, n_lengths=0, seed=0):
 
 
 def _stats(m):
-    steps = m.__dict__.get("_device_steps")
-    if not steps:
+    from tta_brain.gpu import DeviceStep
+    steps = m.step
+    if not isinstance(steps, DeviceStep):
         return {"device_path": False}
     return dict(device_path=True, graphs=steps.graphs, **steps.stats, **steps.cache.stats)
 
@@ -292,7 +293,7 @@ def section_bench(args, rep, work):
         tag = "captured" if graphs else "eager"
         rep.say(f"--- bench_speed ({tag}) ---")
         res[tag] = bench_speed.main(common + ["--json", os.path.join(work, f"bench_{tag}.json")]
-                                    + (["--cuda_graphs"] if graphs else []))
+                                    + ["--cuda_graphs", "on" if graphs else "off"])
     rep.say(f"{'method':<16}{'eager s/aud s':>15}{'captured':>11}{'speed-up':>10}")
     for m in res["eager"]:
         e, c = res["eager"][m]["wall"]["s_per_audio_s"], res["captured"][m]["wall"]["s_per_audio_s"]
@@ -312,8 +313,8 @@ def section_decode(args, rep, work):
     runs = [("source", "source", [], False), ("suta", "suta", [], False),
             ("suta", "suta", [], True), ("dsuta", "dsuta", ["--steps=5"], False),
             ("dsuta", "dsuta", ["--steps=5"], True),
-            ("dsuta+dynamic", "dsuta", ["--steps=5", "--reset=dynamic", "--reset_K=6"], False),
-            ("dsuta+dynamic", "dsuta", ["--steps=5", "--reset=dynamic", "--reset_K=6"], True)]
+            ("dsuta+dynamic", "dsuta", ["--steps=5", "--reset=dynamic", "--reset_K=10"], False),
+            ("dsuta+dynamic", "dsuta", ["--steps=5", "--reset=dynamic", "--reset_K=10"], True)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [p for p in (os.path.join(ROOT, ".site"), ROOT, os.environ.get("PYTHONPATH")) if p]))
     res = {}
@@ -325,7 +326,7 @@ def section_decode(args, rep, work):
         cmd = [sys.executable, "-m", "tta_brain.decode", hp, f"--source={model}",
                f"--stream_csv={stream}", f"--output_folder={out}", f"--data_root={data}",
                f"--device={args.device}", "--noprogressbar", *extra,
-               *(["--cuda_graphs=true"] if graphs else [])]
+               f"--cuda_graphs={'on' if graphs else 'off'}"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         wall = time.perf_counter() - t0
@@ -375,7 +376,7 @@ def section_memory(args, rep, work):
         rep.say(f"dsuta {tag}: (allocated, reserved) MB after utterance " +
                 ", ".join(f"{k}: {v}" for k, v in marks.items()) +
                 f"; peak allocated {res[tag]['peak_alloc_mb']:.0f} MB; {_stats(m)}")
-        m.release_graphs()
+        m.step.release()
         del m
     c = res["captured"]["marks"]
     growth = c[40][1] - c[20][1]

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import speechbrain as sb
-import torch
 
 from tta_brain import hparams as hp_files
 from tta_brain.run import identity
@@ -37,9 +36,10 @@ from tta_brain.run.checkpoint import ResumeError
 from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hparams
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
-from tta_brain.run.envinfo import versions
+from tta_brain.run.envinfo import describe_device, versions
 from tta_brain.run.records import CSV_FILES, RecordError, clear_run, read_summary
-from tta_brain.lobes.runtime import KERNEL_CACHE_VARIABLES, bound_kernel_caches
+from tta_brain.lobes.runtime import (KERNEL_CACHE_VARIABLES, bound_kernel_caches,
+                                     deterministic_kernels)
 
 logger = logging.getLogger(__name__)
 
@@ -51,25 +51,28 @@ def _fail(message):
     raise SystemExit(f"ERROR: {message}")
 
 
-def _determinism(device):
-    """Deterministic kernels where they matter (CUDA); CPU kernels are deterministic already."""
+def _determinism(device, on) -> str:
+    """The run option ``deterministic`` (CUDA kernels; CPU kernels are deterministic already);
+    the line logged with the run."""
     if device is not None and str(device).startswith("cuda"):
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        # warn_only: CTC loss backward (AWMC, SDPL) has no deterministic CUDA kernel
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        deterministic_kernels(bool(on))
+        return "true" if on else "false (PyTorch's default kernels)"
+    return f"{'true' if on else 'false'} (no effect on {device})"
 
 
-def _log_run(out, argv, seed):
-    """Seed, versions and command in log.txt and env.log (SpeechBrain wrote the pip freeze)."""
+def _log_run(out, argv, seed, device, deterministic):
+    """Seed, device, versions and command in log.txt and env.log (SpeechBrain wrote the pip
+    freeze)."""
     vers = versions()
     logger.info("Command: python -m tta_brain.decode %s", " ".join(argv))
     logger.info("Seed: %s", seed)
+    logger.info("Device: %s; deterministic kernels: %s", device, deterministic)
     logger.info("Versions: %s", json.dumps(vers))
     with open(os.path.join(out, "env.log"), "a", encoding="utf-8") as f:
         f.write("\n==============================\ntta-brain run\n")
         f.write(f"Command: python -m tta_brain.decode {' '.join(argv)}\n")
         f.write(f"Seed: {seed}\n")
+        f.write(f"Device: {device}\nDeterministic kernels: {deterministic}\n")
         for k, v in vers.items():
             f.write(f"{k}: {v}\n")
         for k in KERNEL_CACHE_VARIABLES:
@@ -183,7 +186,7 @@ def _run(p: Plan, argv):
         _refuse(p.out, diffs)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS reads it at start-up
     bound_kernel_caches()                                          # before the first forward
-    _determinism(p.resolved.get("device"))
+    determinism = _determinism(p.resolved.get("device"), p.resolved.get("deterministic", True))
     try:
         hparams = hp_files.load(p.path, p.args.overrides)
     except hp_files.HparamsError as e:
@@ -201,7 +204,7 @@ def _run(p: Plan, argv):
     sb.create_experiment_directory(experiment_directory=out)
     with open(os.path.join(out, "hyperparams.yaml"), "w", encoding="utf-8") as f:
         f.write(hp_files.resolved_text(p.path, p.args.overrides))
-    _log_run(out, argv, seed)
+    _log_run(out, argv, seed, describe_device(p.resolved.get("device", "cpu")), determinism)
     logger.info("%s", hparams["method"].describe())
     if not os.path.exists(os.path.join(out, "stream.csv")):
         shutil.copyfile(p.stream_csv, os.path.join(out, "stream.csv"))

@@ -165,6 +165,8 @@ def plan_runs(args) -> List[Run]:
     rule.check("--decode_opts", user)
     rule.check("--md_decode_opts", md_opts)
     rule.check("--sweep", points[0])
+    # --gpus: each local run sees its one GPU (CUDA_VISIBLE_DEVICES) and decodes on it
+    gpu = ["--device=cuda"] if args.engine == "local" and args.gpus.split() else []
     runs = []
     for spec in args.streams:
         name, _, csv = spec.rpartition("=") if "=" in spec else ("", "", spec)
@@ -192,7 +194,7 @@ def plan_runs(args) -> List[Run]:
                     argv = [yaml, f"--source={args.source}", f"--stream_csv={csv}",
                             f"--output_folder={folder}", f"--seed={seed}",
                             f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
-                            *recipe, *mine, *point]
+                            *gpu, *recipe, *mine, *point]
                     runs.append(Run(rel, folder, argv, total=total))
     return _unique(runs)
 
@@ -365,7 +367,8 @@ def parse_args(argv=None):
     p.add_argument("--engine", default="local", choices=("local", "slurm"))
     p.add_argument("--nj", type=int, default=0, help="runs at a time (local default: one per CPU "
                    "core, or --per_gpu per GPU; slurm: array parallelism)")
-    p.add_argument("--gpus", default="", help="local: GPU ids, e.g. '0 1 2 3'")
+    p.add_argument("--gpus", default="", help="local: GPU ids, e.g. '0 1 2 3': the runs decode "
+                   "on them (--device=cuda, one GPU visible to each run)")
     p.add_argument("--per_gpu", type=int, default=2, help="local: runs per GPU")
     p.add_argument("--slurm_conf", default="", help="yaml of submitit Slurm parameters "
                    "(slurm_partition, timeout_min, mem_gb, cpus_per_task, gpus_per_node, ...)")

@@ -1,1 +1,95 @@
-"""The CUDA path of the adaptation steps: device-side guard, captured graphs."""
+"""The adaptation step of a method, chosen once when the method is built (:func:`make_step`):
+
+* :class:`~tta_brain.gpu.host_step.HostStep`: the eager step with the finiteness check read on
+  the host (CPU, and the methods or settings the device step does not cover);
+* :class:`~tta_brain.gpu.device_step.DeviceStep` (CUDA): the guard on the device, no host sync
+  inside a step (``guard``), eager or replayed from captured CUDA graphs (``graphs``).
+
+A method declares what the device step needs to know (class attributes, read here): ``device_loss``
+(True: its loss and steps run on the device alone; None, the default: only if it keeps the
+skeleton's ``loss``, ``before_step`` and ``forward_and_adapt``, i.e. the SUTA family; False: never)
+and ``device_optimizers`` (names of optimisers besides ``optimizer`` that the device step runs
+fused too; DSUTA: ``slow_optimizer``).
+
+Runtime options (``tta_brain.lobes.runtime.Runtime``): ``cuda_graphs: auto`` (default) captures
+the steps on CUDA wherever that is exact (fp32, no ``compile``, no train mode, a method whose steps
+run on the device alone) and keeps the host step elsewhere; ``on`` says why where it cannot;
+``off`` never captures. ``cuda_device_steps: true`` takes the device step without capture wherever
+it applies (``cuda_graphs: on`` or ``auto`` captured where they can).
+"""
+import logging
+from typing import Optional
+
+from tta_brain.gpu.device_step import DeviceStep
+from tta_brain.gpu.graphs import CudaGraphBackend
+from tta_brain.gpu.guard import device_optimizer_blocker
+from tta_brain.gpu.host_step import HostStep
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["make_step", "step_blocker", "HostStep", "DeviceStep"]
+
+#: what a method overrides when its steps do host work (beam search, pseudo labels, lr schedule)
+_STEP_HOOKS = ("loss", "before_step", "forward_and_adapt")
+
+
+def _defined_by(cls, name):
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def step_blocker(m) -> Optional[str]:
+    """Why method ``m``'s steps cannot take the device step (None: they can)."""
+    if not m.params:
+        return "nothing adapts"
+    declared = getattr(m, "device_loss", None)
+    if declared is False:
+        return "its loss needs host work"
+    skeleton = _defined_by(type(m), "adapt_step")
+    if declared is None and any(_defined_by(type(m), h) is not skeleton for h in _STEP_HOOKS):
+        return "its loss or its steps need host work (only the SUTA family's run on the device)"
+    return device_optimizer_blocker(m.optimizer)
+
+
+def _no_graph(m, rt, device, backend) -> Optional[str]:
+    """Why the steps of ``m`` are not captured (None: they are)."""
+    return ("cuda_graphs is off" if rt.cuda_graphs == "off" else
+            f"precision {rt.precision} (fp32 only)" if rt.dtype is not None else
+            "compile is on" if rt.compile else
+            "train_mode" if m.train_mode else
+            "not on CUDA" if device.type != "cuda" and backend is None else None)
+
+
+def make_step(m, backend=None, device_on_cpu: bool = False):
+    """The step of method ``m`` from its lobe's runtime options, its device and what it declares.
+
+    Test doubles: ``backend`` replaces the CUDA graph backend (a fake that records and replays
+    the step), ``device_on_cpu`` takes the device step on CPU tensors (the path is
+    device-agnostic). Pass them with ``functools.partial(make_step, ...)`` as the method's
+    ``make_step`` argument.
+    """
+    rt = m.runtime
+    device = m.params[0].device if m.params else m.lobe.device
+    asked = rt.cuda_graphs == "on" or rt.cuda_device_steps      # asked for, not the default
+    if device.type != "cuda" and not device_on_cpu:
+        if asked:
+            logger.info("%s: cuda_device_steps / cuda_graphs have no effect on %s", m.name, device)
+        return HostStep(m)
+    why = step_blocker(m)
+    if why:
+        (logger.warning if asked else logger.info)(
+            "%s: no device step (%s); the steps keep the host check on %s", m.name, why, device)
+        return HostStep(m)
+    no_graph = _no_graph(m, rt, device, backend)
+    if no_graph and not asked:              # auto: captured where exact, the host step elsewhere
+        logger.info("%s: steps not captured (%s); the host step on %s", m.name, no_graph, device)
+        return HostStep(m)
+    if no_graph and rt.cuda_graphs == "on":
+        logger.warning("%s: no CUDA graphs (%s); the steps run eagerly with the device-side "
+                       "check", m.name, no_graph)
+    if no_graph is None and backend is None:
+        backend = CudaGraphBackend(device)
+    logger.info("%s: adaptation steps on %s with the device-side check and fused %s%s",
+                m.name, device, type(m.optimizer).__name__,
+                ", captured as CUDA graphs" if no_graph is None else "")
+    return DeviceStep(m, backend if no_graph is None else None, rt.cuda_graph_cache,
+                      rt.cuda_graph_warmup, getattr(m, "device_optimizers", ()))

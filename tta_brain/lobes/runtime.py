@@ -2,9 +2,9 @@
 backward kernels. One small object, owned by the lobe; methods ask it, they do not configure it.
 
 Only ``precision`` changes the numbers; the other options are exact (tests compare them with the
-plain paths, ``tools/bench_speed.py`` measures them). ``cuda_device_steps`` and ``cuda_graphs``
-(CUDA only, off by default, unmeasured) run the SUTA family's adaptation steps without host syncs
-(``tta_brain.gpu.device_step``), the latter replayed from captured graphs (``tta_brain.gpu.graphs``).
+plain paths, ``tools/bench_speed.py`` measures them). ``cuda_graphs`` (CUDA only, ``auto`` by
+default, unmeasured) runs the SUTA family's adaptation steps without host syncs, replayed from
+captured graphs (``tta_brain.gpu``).
 """
 import ctypes
 import ctypes.util
@@ -15,10 +15,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["Runtime", "FeatureCache", "PRECISIONS", "native_cpu_kernels", "release_freed_memory"]
+__all__ = ["Runtime", "FeatureCache", "PRECISIONS", "native_cpu_kernels", "release_freed_memory",
+           "deterministic_kernels"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-CACHE_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -41,19 +41,19 @@ class Runtime:
         its convolution-backward kernels for every new input length, which on a real stream costs
         about one extra backward per utterance; the native kernels need no per-length set-up.
         Gradients agree to rounding. No effect on GPU.
-    cuda_device_steps : bool
-        CUDA only, off by default, unmeasured: the adaptation steps of methods whose loss runs on
-        the device alone (suta, csuta, dsuta) with the finiteness check on the device and torch's
-        fused AdamW, no host sync inside a step (rounding differs from the eager path's
-        ``foreach`` AdamW). Implied by ``cuda_graphs``.
-    cuda_graphs : bool
-        CUDA only, off by default, unmeasured (see README, "GPU"): capture one adaptation step
-        (forward, loss, backward, device-side finiteness check, fused AdamW update) as a CUDA
-        graph per input length and replay it for the utterance's remaining steps
-        (``tta_brain.gpu.graphs``). Only for methods whose loss runs on the device alone (suta, csuta,
-        dsuta) in fp32 without ``compile``; the others run their steps eagerly. The first
+    cuda_graphs : "auto" | "on" | "off"
+        CUDA only (see README, "GPU"; ``tta_brain.gpu.make_step`` chooses a method's step once).
+        ``auto`` (default): the adaptation steps of methods whose loss runs on the device alone
+        (suta, csuta, dsuta) are captured as CUDA graphs wherever that is exact (fp32, no
+        ``compile``, no train mode) and replayed for the utterance's remaining steps, with the
+        finiteness check on the device and torch's fused AdamW (no host sync inside a step;
+        rounding differs from the host step's ``foreach`` AdamW); elsewhere the host step.
+        ``on``: the same, and says why where it cannot capture; ``off``: never captured. The first
         ``cuda_graph_warmup`` steps of a new length run eagerly (and 3 in all before the first
-        capture); they are real steps, so an utterance still gets N.
+        capture); they are real steps, so an utterance still gets N. No effect on CPU.
+    cuda_device_steps : bool
+        CUDA only: the device-side check and fused AdamW also where the steps are not captured
+        (``cuda_graphs: off``, bf16/fp16, ``compile``).
     cuda_graph_cache : int
         Captured lengths kept (LRU; one shared memory pool; default 1). A stream of distinct
         lengths captures once per utterance whatever the size; a length seen again while still
@@ -62,6 +62,9 @@ class Runtime:
         alive in the pool (``tta_brain.gpu.graphs``); ``tools/gpu_check.py`` checks it with 4.
     cuda_graph_warmup : int
         Eager steps of a new length before it is captured (>= 1).
+
+    The values are checked where they are read, by the yaml rules (``tta_brain.hparams.RULES``);
+    the constructor does not check them again.
     """
 
     precision: str = "fp32"
@@ -69,32 +72,12 @@ class Runtime:
     cache_features: str = "auto"
     cpu_native_backward: bool = True
     loss_scale: Optional[float] = None
+    cuda_graphs: str = "auto"
     cuda_device_steps: bool = False
-    cuda_graphs: bool = False
     cuda_graph_cache: int = 1
     cuda_graph_warmup: int = 1
 
     def __post_init__(self):
-        if self.precision in (None, "none", False):     # the older spelling
-            self.precision = "fp32"
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not "
-                             f"'{self.precision}'")
-        mode = {True: "on", False: "off", None: "off"}.get(self.cache_features, self.cache_features)
-        if mode not in CACHE_MODES:
-            raise ValueError(f"cache_features must be auto, on or off, not '{self.cache_features}'")
-        self.cache_features = mode
-        self.compile = bool(self.compile)
-        self.cpu_native_backward = bool(self.cpu_native_backward)
-        self.cuda_graphs = bool(self.cuda_graphs)
-        self.cuda_device_steps = bool(self.cuda_device_steps) or self.cuda_graphs
-        self.cuda_graph_cache = int(self.cuda_graph_cache)
-        self.cuda_graph_warmup = int(self.cuda_graph_warmup)
-        if self.cuda_graph_cache < 1:
-            raise ValueError(f"cuda_graph_cache must be >= 1, not {self.cuda_graph_cache}")
-        if self.cuda_graph_warmup < 1:
-            raise ValueError(f"cuda_graph_warmup must be >= 1 (a capture needs an eager step of "
-                             f"its length first), not {self.cuda_graph_warmup}")
         self.dtype = PRECISIONS[self.precision]
         self.scale = float(self.loss_scale if self.loss_scale is not None
                            else 2.0 ** 12 if self.precision == "fp16" else 1.0)
@@ -168,6 +151,18 @@ class FeatureCache:
 
     def clear(self) -> None:
         self._src = self._feats = None
+
+
+def deterministic_kernels(on: bool) -> None:
+    """Process-wide choice of the CUDA kernels (the run option ``deterministic``): ``True`` makes
+    cuDNN pick deterministic algorithms (no autotuning) and asks torch for deterministic kernels
+    (``warn_only``: CTC loss backward, used by AWMC and SDPL, has none on CUDA); ``False`` is
+    PyTorch's default (faster kernels that may order floating-point sums differently from run
+    to run). CPU kernels are deterministic either way. cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG``
+    set before CUDA starts (``tta_brain.decode`` does it)."""
+    torch.backends.cudnn.deterministic = bool(on)
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(bool(on), warn_only=True)
 
 
 @contextmanager

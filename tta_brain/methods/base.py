@@ -16,43 +16,22 @@ Per utterance x_t (t counted from 1) the skeleton runs::
                 else meta_update(); policy: end of step t
 """
 import logging
-import math
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from tta_brain.gpu import device_step
+from tta_brain.gpu import make_step as default_step
 from tta_brain.methods import losses
+from tta_brain.methods.events import Event, UttInfo
 from tta_brain.methods.optim import build_optimizer
 from tta_brain.methods.params import describe_selection, select_parameters
 from tta_brain.methods.state import restore, snapshot, zero_optimizer_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TTAMethod", "UttInfo", "Event", "DEFAULT_PARAMS"]
+__all__ = ["TTAMethod", "DEFAULT_PARAMS"]
 
 DEFAULT_PARAMS = ({"select": "layernorm"}, {"select": "cnn"})
-
-
-@dataclass
-class UttInfo:
-    """What a method may know about an utterance besides its audio."""
-    id: str = ""
-    position: int = 0          # 0-based position in the stream
-    domain: str = ""
-    segment: int = 0           # contiguous-block index (only oracle reset may look at it)
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something the driver records: ``reset`` (``position`` = first utterance decoded from the
-    reset model), ``lii`` (``value`` at ``position``, ``reason`` = stage) or ``skip`` (an
-    adaptation step skipped at utterance index ``position``, ``reason`` = why)."""
-    kind: str
-    position: int
-    reason: str = ""
-    value: float = float("nan")
 
 
 class TTAMethod:
@@ -79,6 +58,11 @@ class TTAMethod:
         For continual methods only; see ``tta_brain.methods.resets``.
     train_mode : bool
         Adapt with the model in train mode (dropout on); predictions stay in eval mode.
+    make_step : callable, optional
+        ``method -> step``: chooses the adaptation step once, at the end of construction
+        (default ``tta_brain.gpu.make_step``: the host step, or the device step where the runtime
+        options, the device and the method's declared ``device_loss`` allow it). Tests pass a
+        factory with their doubles here.
     """
 
     name = "base"
@@ -87,7 +71,7 @@ class TTAMethod:
     def __init__(self, model, adapt_params: Sequence = DEFAULT_PARAMS, lr: float = 2e-5,
                  optimizer: Optional[Callable] = None, steps: int = 10, temperature: float = 2.5,
                  em_coef: float = 0.3, episodic: Optional[bool] = None, reset_policy=None,
-                 train_mode: bool = False):
+                 train_mode: bool = False, make_step: Optional[Callable] = None):
         self.lobe, self.net, self.runtime = model, model.model, model.runtime
         self.blank_id = model.blank_id
         self.steps, self.lr = int(steps), float(lr)
@@ -117,6 +101,7 @@ class TTAMethod:
                                  f"(csuta, dsuta, awmc); '{self.name}' starts every utterance "
                                  f"from the source model already")
             reset_policy.bind(self)
+        self.step = (make_step or default_step)(self)
 
     def describe(self) -> str:
         """One line: what adapts, by group, and how (logged by the driver)."""
@@ -156,50 +141,18 @@ class TTAMethod:
         self.counts["adapt_backward"] += 1
         return grads
 
-    @staticmethod
-    def _grads_finite(grads: List[torch.Tensor]) -> bool:
-        return bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
-
-    def step_loss(self, x: torch.Tensor, optimizer, loss_fn=None) -> torch.Tensor:
-        """The first half of a step: zeroed gradients, the counted forward (in train mode if the
-        method adapts so), the loss."""
-        optimizer.zero_grad(set_to_none=False)
-        if self.train_mode:
-            self.net.train()
-        logits = self.forward(x, "adapt_forward")
-        loss = (loss_fn or self.loss)(logits)
-        if self.train_mode:
-            self.net.eval()
-        return loss
-
     def adapt_step(self, x: torch.Tensor, optimizer=None, loss_fn=None, after_backward=None):
-        """One forward/backward/update on ``x``. Non-finite losses or gradients skip the update.
+        """One forward/backward/update on ``x`` by the method's step (``self.step``). Non-finite
+        losses or gradients skip the update (recorded with :meth:`record_skip`).
 
         ``after_backward()`` runs between backward and the optimiser step (DSUTA keeps the
-        first-step gradient there). Returns the loss value (float, may be nan).
-
-        With ``Runtime.cuda_graphs`` on CUDA, a method whose loss runs on the device alone takes
-        the device path instead (``tta_brain.gpu.device_step``): the same step with the check on the
-        device and no host sync (skipped steps are counted by ``predict``), eager or replayed from
-        a captured graph; it returns the loss as a 0-d device tensor.
+        first-step gradient there). Returns the loss: a float (may be nan), or a 0-d device tensor
+        from the device step, which reads nothing on the host until the prediction.
         """
-        optimizer = optimizer or self.optimizer
-        device_steps = device_step.steps_for(self, optimizer)
-        if device_steps is not None:
-            return device_steps.step(x, optimizer, loss_fn, after_backward)
-        loss = self.step_loss(x, optimizer, loss_fn)
-        value = float(loss.detach())               # the one host sync before the backward
-        if not math.isfinite(value):
-            return self._skip(f"non-finite loss {value}")
-        grads = self.backward(loss)
-        if grads and not self._grads_finite(grads):
-            return self._skip("non-finite gradient")
-        if after_backward is not None:
-            after_backward()
-        optimizer.step()
-        return value
+        return self.step(x, optimizer or self.optimizer, loss_fn, after_backward)
 
-    def _skip(self, why: str, clear_grads: bool = True) -> float:
+    def record_skip(self, why: str, clear_grads: bool = True) -> float:
+        """A skipped adaptation step: counted, logged, recorded as an event; returns nan."""
         self.counts["skipped_steps"] += 1
         for p in self.params if clear_grads else ():
             p.grad = None
@@ -207,44 +160,9 @@ class TTAMethod:
         self.events.append(Event("skip", self.t, why))
         return float("nan")
 
-    # ------------------------------------------------------------- the device path (CUDA)
-    #: Does the adaptation loss run on the device alone (no host work inside a step)? None:
-    #: decided by ``tta_brain.gpu.device_step.blocker`` (the SUTA loss and the skeleton's steps).
-    device_loss: Optional[bool] = None
-
-    def device_step_blocker(self) -> Optional[str]:
-        """Why this method's steps cannot take the device path (None: they can)."""
-        return device_step.blocker(self, TTAMethod)
-
-    def _device_optimizer_names(self) -> List[str]:
-        """Optimisers besides ``optimizer`` that the device path runs fused (DSUTA: the slow one,
-        whose state is copied into the fast one every utterance)."""
-        return []
-
-    def after_backward_skipped(self, n: int) -> None:
-        """Device path: ``n`` of this utterance's steps that ran an ``after_backward`` hook were
-        skipped (non-finite); the hook saw zero gradients there. Undo what it counted (DSUTA)."""
-
-    def release_graphs(self) -> None:
-        """Free the captured CUDA graphs (they are captured again when needed)."""
-        steps = self.__dict__.get("_device_steps")
-        if steps:
-            steps.release()
-
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> str:
-        logits = self.forward(x, "infer_forward")
-        steps = self.__dict__.get("_device_steps")
-        if steps and steps.flags.pending:
-            # the device path: the transcript's labels and the step counters in one copy
-            labels, counts = steps.flags.fetch(logits.argmax(-1))
-            reasons, hooked = device_step.skipped(counts)
-            for why in reasons:
-                self._skip(why, clear_grads=False)
-            if hooked:
-                self.after_backward_skipped(hooked)
-            return self.lobe.decode_labels(labels)[0]
-        return self.lobe.decode(logits)[0]
+        return self.step.transcript(self.forward(x, "infer_forward"))
 
     @torch.no_grad()
     def loss_with(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> float:

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from tta_brain.gpu.host_step import grads_finite
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 from tta_brain.methods.optim import build_optimizer
@@ -36,16 +37,8 @@ class DSUTA(TTAMethod):
                  slow_optimizer: Optional[Callable] = None, fast_moments: str = "slow",
                  slow_grad: str = "reuse", slow_lr: Optional[float] = None, **kwargs):
         super().__init__(model, steps=steps, **kwargs)
-        if fast_moments not in ("slow", "zero"):
-            raise ValueError(f"fast_moments must be 'slow' or 'zero', not '{fast_moments}'")
-        if slow_grad not in ("reuse", "recompute"):
-            raise ValueError(f"slow_grad must be 'reuse' or 'recompute', not '{slow_grad}'")
         self.slow_grad = slow_grad
         self.M = int(buffer_size)
-        if self.M < 1:
-            raise ValueError("buffer_size (M) must be >= 1")
-        if self.reset_policy is not None:
-            self.reset_policy.check_update_every(self.M)
         self.fast_moments = fast_moments
         # slow (meta) parameters phi_t: plain leaf tensors with their own optimiser
         self.meta = [torch.nn.Parameter(t, requires_grad=False) for t in snapshot(self.params)]
@@ -84,25 +77,21 @@ class DSUTA(TTAMethod):
         elif not reuse:
             self.buffer_x.append(x)
         hyp = self.predict(x)
+        # the device step runs the hook before it knows a step is skipped (the hook then added
+        # zero gradients): such a step's gradient does not count
+        self.n_grads -= self.step.skipped_hooks
         self.n_buffered += 1
         return hyp
 
     def update_due(self):
         return self.n_buffered >= self.M
 
-    # ------------------------------------------------------- the device path (CUDA)
-    # The SUTA loss on the device: on CUDA the fast steps take the device path (tta_brain.gpu.graphs);
-    # the first step (with _accumulate) runs eagerly, the others may be replayed from a graph.
+    # what the device step needs to know (tta_brain.gpu): the SUTA loss runs on the device alone
+    # (the first fast step, with _accumulate, runs eagerly, the others may be replayed from a
+    # captured graph), and the slow optimiser runs fused too (its state is copied into the fast
+    # one every utterance: both keep their step counts on the device, a copy in place)
     device_loss = True
-
-    def _device_optimizer_names(self):
-        # the slow optimiser's state is copied into the fast one every utterance: both keep their
-        # step counts on the device, so that copy stays a device-to-device copy in place
-        return ["slow_optimizer"]
-
-    def after_backward_skipped(self, n):
-        # a skipped first step added zero gradients to grad_sum; it must not count either
-        self.n_grads -= n
+    device_optimizers = ("slow_optimizer",)
 
     def _slow_gradient_only(self, x):
         """grad L(live params, x) into the buffer sum by one forward/backward, no update (skipped
@@ -112,7 +101,7 @@ class DSUTA(TTAMethod):
         loss = self.loss(logits)
         if torch.isfinite(loss):
             grads = self.backward(loss)
-            if not grads or self._grads_finite(grads):
+            if not grads or grads_finite(grads):
                 self._accumulate()
 
     def _recompute_slow_gradient(self):

@@ -2,10 +2,10 @@
 
 Run options (SpeechBrain's names): ``--device`` (cpu, cuda, cuda:N), ``--precision``
 (fp32 | bf16 | fp16), ``--compile`` (``--compile`` or ``--compile=true|false``),
-``--noprogressbar``. ``--device``, ``--precision`` and ``--compile`` set the yaml keys of the same
-name (the run block), so they reach the model and are recorded with the run. SpeechBrain's
-training options (``--debug``, ``--data_parallel_backend``, ``--grad_accumulation_factor``, ...)
-do nothing here and are refused. Every other ``--key=value`` (or ``--key value``) overrides the
+``--deterministic`` (the same), ``--noprogressbar``. ``--device``, ``--precision``, ``--compile``
+and ``--deterministic`` set the yaml keys of the same name (the run block), so they reach the
+model and are recorded with the run. SpeechBrain's training options (``--debug``,
+``--data_parallel_backend``, ``--grad_accumulation_factor``, ...) do nothing here and are refused. Every other ``--key=value`` (or ``--key value``) overrides the
 yaml key ``key``; a later one wins over an earlier one (recipes append ``.opts`` files).
 """
 from dataclasses import dataclass, field
@@ -27,11 +27,12 @@ RUN_OPTIONS = {
     "device": "cpu, cuda or cuda:N: where the model runs (sets the yaml key `device`)",
     "precision": "fp32 | bf16 | fp16: autocast of the model forward (sets `precision`)",
     "compile": "torch.compile the model forward (flag; sets `compile`)",
+    "deterministic": "CUDA: deterministic kernels (flag, or =true|false; sets `deterministic`)",
     "noprogressbar": "no progress bar (flag)",
     "overwrite": "delete the records of a finished or started run with other settings in "
                  "--output_folder and start over (flag)",
 }
-FLAGS = ("compile", "noprogressbar", "overwrite")
+FLAGS = ("compile", "deterministic", "noprogressbar", "overwrite")
 #: SpeechBrain training options that decoding does not use: refused, not ignored.
 SB_TRAINING_OPTIONS = (
     "test_only", "debug", "debug_batches", "debug_epochs", "debug_persistently",
@@ -109,7 +110,7 @@ def parse_arguments(argv: List[str]) -> Arguments:
             else:
                 args.overwrite = flag
             continue
-        if key == "compile":
+        if key in ("compile", "deterministic"):
             value = str(_bool(key, value) if has_value else True).lower()
         if key == "device":
             args.run_opts["device"] = value

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-__all__ = ["versions", "environment", "git_hash"]
+__all__ = ["versions", "environment", "git_hash", "describe_device"]
 
 PACKAGES = ("torch", "torchaudio", "speechbrain", "transformers", "numpy", "soundfile")
 
@@ -37,6 +37,25 @@ def versions() -> Dict[str, str]:
         out["cuda"] = torch.version.cuda
         out["cudnn"] = torch.backends.cudnn.version()
     return out
+
+
+def describe_device(device, visible: Optional[str] = None) -> str:
+    """``cpu``, or ``cuda:I (GPU P: name)`` with ``P`` the machine's GPU id (``nvidia-smi``'s
+    index) that CUDA device ``I`` of this process is: entry ``I`` of ``CUDA_VISIBLE_DEVICES``
+    (``visible``; default: the environment's), which a grid sets for each of its runs."""
+    name = str(device)
+    if not name.startswith("cuda"):
+        return name
+    torch = sys.modules.get("torch")
+    index = name.partition(":")[2]
+    if not index:
+        index = str(torch.cuda.current_device()) if torch and torch.cuda.is_available() else "0"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else None
+    gpu = ids[int(index)] if ids is not None and int(index) < len(ids) else index
+    model = (f": {torch.cuda.get_device_name(int(index))}"
+             if torch is not None and torch.cuda.is_available() else "")
+    return f"cuda:{index} (GPU {gpu}{model})"
 
 
 def _command(args: Sequence[str], cwd=None) -> Optional[str]:

@@ -4,7 +4,7 @@ import logging
 from typing import Dict, List
 
 from tta_brain.data.loader import boundaries
-from tta_brain.run.envinfo import versions
+from tta_brain.run.envinfo import describe_device, versions
 from tta_brain.asr.metrics import error_rate
 from tta_brain.run.records import (Summary, read_rejects, read_resets, read_transcripts,
                                write_summary, write_wer_file)
@@ -40,7 +40,7 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
         resets=[r.position for r in read_resets(folder)], boundaries=boundaries(rows),
         counts=dict(method.counts), wall_time_s=wall, audio_s=audio,
         time_per_audio_s=wall / max(audio, 1e-9), num_adapted_params=method.num_adapted,
-        hparams=dict(hparams), device=str(device), versions=versions(),
+        hparams=dict(hparams), device=describe_device(device), versions=versions(),
         fingerprint=dict(fingerprint or {}), warnings=list(warnings))
     write_summary(folder, summary)
     wer = "-" if summary.wer is None or summary.wer != summary.wer else f"{summary.wer:.2f}%"

@@ -1,0 +1,132 @@
+"""The device-side guard of an adaptation step (no host sync): torch's fused, capturable
+Adam/AdamW skips a step whose ``found_inf`` flag is 1, and :class:`StepFlags` adds the flags up per
+utterance on the device, read once with the transcript.
+
+The check itself is :meth:`tta_brain.lobes.runtime.Runtime.backward_guarded`: it sets the float
+flag ``found_inf`` (the loss or a gradient is not finite) in the kernel that also unscales the
+gradients (GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``). The fused optimiser
+(``fused=True, capturable=True``: its step counts live on the device) then leaves parameters,
+moments and step counts unchanged (the fused step adds 1 to the counts and subtracts
+``found_inf`` again). Per utterance the flags are added up on the device (skipped steps, of which
+non-finite loss, of which a step whose ``after_backward`` hook ran) and read once, with the
+transcript's labels (one device-to-host copy). Device-agnostic: the tests run it on CPU tensors.
+"""
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+
+__all__ = ["StepFlags", "device_optimizer_blocker", "to_device_optimizer", "is_device_optimizer",
+           "guarded_update", "skipped"]
+
+#: Slots of the per-utterance counters on the device.
+SKIPPED, LOSS_NONFINITE, HOOKED = 0, 1, 2
+
+
+# ------------------------------------------------------------------------------ optimiser
+def device_optimizer_blocker(opt) -> Optional[str]:
+    """Why ``opt`` cannot be run as a fused, capturable Adam/AdamW (None: it can)."""
+    if opt is None:
+        return "no optimiser"
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"the optimiser is {type(opt).__name__}, not torch's Adam/AdamW"
+    for g in opt.param_groups:
+        if g.get("differentiable"):
+            return "a differentiable optimiser"
+        if torch.is_tensor(g["lr"]) or any(torch.is_tensor(b) for b in g["betas"]):
+            return "a tensor lr or betas"
+        for p in g["params"]:
+            if not torch.is_floating_point(p) or p.is_sparse:
+                return "a parameter that is not a dense floating-point tensor"
+    return None
+
+
+def is_device_optimizer(opt) -> bool:
+    return all(g.get("fused") and g.get("capturable") for g in opt.param_groups)
+
+
+@torch.no_grad()
+def to_device_optimizer(opt) -> None:
+    """Run ``opt`` (torch's Adam/AdamW, see :func:`device_optimizer_blocker`) as its fused,
+    capturable implementation, in place: the step counts move to the parameters' device (float32,
+    as the fused kernels keep them); moments are untouched. The update is the same Adam/AdamW up
+    to rounding (the CPU's ``foreach`` path computes the bias corrections on the host)."""
+    for g in opt.param_groups:
+        g["fused"], g["foreach"], g["capturable"] = True, False, True
+        for p in g["params"]:
+            st = opt.state.get(p)
+            step = st.get("step") if st else None
+            if torch.is_tensor(step) and (step.device != p.device or step.dtype != torch.float32):
+                st["step"] = step.to(device=p.device, dtype=torch.float32)
+    opt.defaults.update(fused=True, foreach=False, capturable=True)
+
+
+def guarded_update(opt, found_inf: torch.Tensor) -> None:
+    """``opt.step()`` skipped on the device when ``found_inf`` is 1 (the GradScaler protocol's
+    ``found_inf`` attribute, which the fused kernels read). capturable=True is what a capture
+    requires and the fused kernels do not depend on it, so torch's warning about running a
+    capturable optimiser uncaptured does not apply to the eager steps."""
+    opt.found_inf = found_inf
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_UNCAPTURED_WARNING)
+            opt.step()
+    finally:
+        del opt.found_inf
+
+
+_UNCAPTURED_WARNING = "This instance was constructed with capturable=True"
+
+
+# ------------------------------------------------------------------------------ flags
+class StepFlags:
+    """The device-side bookkeeping of the guarded steps (all tensors allocated once, outside any
+    capture, so a captured step reads and writes the same memory on every replay).
+
+    ``found``: 1.0 when the running step is skipped; ``acct``: per-utterance sums (skipped,
+    of which non-finite loss, of which hooked); ``loss``: the last step's loss; ``inv_scale``:
+    ``1 / loss scale``.
+    """
+
+    def __init__(self, device, scale: float = 1.0):
+        f32 = dict(dtype=torch.float32, device=device)
+        self.found = torch.zeros((), **f32)
+        self.acct = torch.zeros(3, **f32)
+        self.loss = torch.zeros((), **f32)
+        self.inv_scale = torch.full((), 1.0 / scale, **f32)
+        self.pending = False           # steps recorded since the last fetch (host-side)
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [self.found, self.acct, self.loss, self.inv_scale]
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        loss = loss.detach()
+        self.loss.copy_(loss)
+        self.acct[LOSS_NONFINITE].add_(torch.logical_not(torch.isfinite(loss)))
+
+    def note_step(self, hooked: bool) -> None:
+        self.acct[SKIPPED].add_(self.found)
+        if hooked:
+            self.acct[HOOKED].add_(self.found)
+
+    def fetch(self, labels: Optional[torch.Tensor] = None):
+        """(labels on the host or None, [skipped, non-finite loss, hooked]) with ONE device-to-host
+        copy; the counters are zeroed (asynchronously) for the next utterance."""
+        acct = self.acct.to(torch.int64)
+        if labels is None:
+            counts, host = acct.cpu().tolist(), None
+        else:
+            packed = torch.cat([labels.reshape(-1).to(torch.int64), acct]).cpu()
+            n = labels.numel()
+            host, counts = packed[:n].view(labels.shape), packed[n:].tolist()
+        self.acct.zero_()
+        self.pending = False
+        return host, counts
+
+
+
+def skipped(counts) -> Tuple[List[str], int]:
+    """The reasons of an utterance's skipped steps (from the counters read once by ``predict``)
+    and how many of them had run an ``after_backward`` hook."""
+    n, bad_loss, hooked = (int(c) for c in counts)
+    return ["non-finite loss"] * bad_loss + ["non-finite gradient"] * (n - bad_loss), hooked
