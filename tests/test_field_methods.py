@@ -282,3 +282,23 @@ def test_kill_9_and_resume_gives_the_same_transcripts(name, data, tmp_path):
     assert "Resuming" in (out / "log.txt").read_text()
     for f in ("transcripts.csv", "resets.csv", "wer.txt"):
         assert (out / f).read_text() == (ref / f).read_text(), f
+
+
+@pytest.mark.parametrize("name", FIELD)
+def test_every_field_method_runs_through_the_stream_api(name, tiny_model_dir, utterances, data):
+    from tta_brain.stream import TTAStream
+    overrides = {"source_stats": str(data["stats"])} if name == "eata" else {}
+    overrides.update({"cotta": {"n_augment": 1}, "cea": {"steps": 1, "steps2": 1},
+                      "eata": RELIABLE, "sar": RELIABLE}.get(name, {}))
+    stream = TTAStream.from_hparams(name, source=tiny_model_dir, overrides=overrides)
+    assert all(isinstance(stream.transcribe(w), str) for w in utterances[:2])
+    assert stream.counts["adapt_backward"] > 0
+
+
+def test_eata_without_statistics_is_a_one_line_error_naming_the_command(data, tmp_path, capsys):
+    argv = [a for a in args(data, "eata", tmp_path / "e") if not a.startswith("--source_stats")]
+    with pytest.raises(SystemExit) as e:
+        decode.main(argv + ["--source_stats=$data_root/none.pt"])
+    msg = str(e.value)
+    assert "none.pt" in msg and "python -m tta_brain.stats" in msg and "\n" not in msg.strip()
+    assert not (tmp_path / "e").exists()
