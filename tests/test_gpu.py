@@ -455,13 +455,14 @@ def test_runtime_options_and_run_block():
             rt.cuda_graph_warmup) == ("auto", False, 1, 1)
     keys = {k: v for k, v, _ in hparams.describe("suta")}
     assert keys["cuda_graphs"] == "auto" and keys["cuda_graph_cache"] == "1"
-    need = {"source": "m", "stream_csv": "s.csv", "output_folder": "o"}
-    assert hparams.resolve("suta", dict(need, cuda_graphs="off")).values["cuda_graphs"] == "off"
+    path = hparams.find("suta")
+    for value in ("auto", "on", "off"):
+        hparams.check(path, {"cuda_graphs": value, "deterministic": value == "on"})
     # one spelling per value, checked by the yaml rules only
     for key, bad in (("cuda_graphs", True), ("cuda_graphs", "false"), ("cuda_graph_cache", 0),
-                     ("cuda_graph_warmup", 0)):
+                     ("cuda_graph_warmup", 0), ("deterministic", "yes")):
         with pytest.raises(hparams.HparamsError, match=f"{key} = .* is not valid"):
-            hparams.resolve("suta", dict(need, **{key: bad}))
+            hparams.check(path, {key: bad})
 
 
 def test_decode_labels_equals_decode(tiny_lobe):
