@@ -62,7 +62,7 @@ class CoTTA(TTAMethod):
         views = []
         for _ in range(self.n_augment):
             amp = lo + (hi - lo) * float(torch.rand((), generator=self.aug_gen))
-            noise = amp * torch.randn(wav.shape, generator=self.aug_gen)
+            noise = (amp * torch.randn(wav.shape, generator=self.aug_gen)).to(wav.device)
             keep = float(torch.rand((), generator=self.aug_gen)) >= p
             xa = self.lobe.prepare(wav if keep else wav + noise)
             views.append(self.lobe.logits(xa, dict(zip(self._lobe_names, self.teacher))))
@@ -84,7 +84,8 @@ class CoTTA(TTAMethod):
     def stochastic_restore(self):
         """Each adapted weight back to its source value with probability ``restore_prob``: a new
         mask every step (``fresh``, the CoTTA paper) or the reference's (``fixed``: the generator
-        reseeded before each tensor, so the same weights every step)."""
+        reseeded before each tensor, so the same weights every step). The masks are drawn on the
+        CPU (a seeded generator, the same on every device) and moved to the weights' device."""
         for p, src in zip(self.params, self.source):
             if self.restore_mask == "fixed":
                 self.restore_gen.manual_seed(self.seed + 1)
