@@ -243,12 +243,14 @@ def test_missing_statistics_file_is_one_line_naming_the_command(setup, tmp_path)
 def test_cma_es_is_reproducible_and_batched_equals_one_at_a_time(setup, name, kw):
     runs = {}
     for key, extra in (("a", {}), ("b", {}), ("one", {"population_batch": 1}),
-                       ("three", {"population_batch": 4}), ("seed", {"cma_seed": 7})):
+                       ("three", {"population_batch": 4}), ("seed", {"cma_seed": 7}),
+                       ("reference", {"population_batch": 1, "shared_prefix": False})):
         m = build(setup, name, **kw, **extra)
         hyps = [m.process(w) for w in wavs(4)]
         runs[key] = (hyps, m.center().copy(), dict(m.counts))
     assert runs["a"][0] == runs["b"][0] and np.array_equal(runs["a"][1], runs["b"][1])
     assert runs["one"][0] == runs["a"][0] and runs["three"][0] == runs["a"][0]
+    assert runs["reference"][0] == runs["a"][0]
     assert np.allclose(runs["one"][1], runs["a"][1], atol=1e-6)
     assert not np.allclose(runs["seed"][1], runs["a"][1]), "the seed changed nothing"
     assert runs["a"][2]["adapt_backward"] == 0 and runs["a"][2]["adapt_forward"] >= 4 * 6

@@ -103,14 +103,23 @@ def token_alignment(states, path: torch.Tensor, source: Dict[str, torch.Tensor],
     with mu_v / s_v the mean / biased std of the all-layer states of the frames labelled v; the
     average over those labels (0 if none). ``states``: list of ``[P, F, H]``; ``path [P, F]``."""
     z = torch.cat(states, dim=-1)                                   # [P, F, D]
-    V = source["count"].shape[0]
-    onehot = _label_onehot(path, V, blank_id) * (source["count"] > 0).to(z)
-    n = onehot.sum(dim=1)                                           # [P, V]
-    mean = onehot.transpose(1, 2) @ z / n.clamp(min=1)[..., None]   # [P, V, D]
-    centred = z - torch.gather(mean, 1, path[..., None].expand(-1, -1, z.shape[2]))
-    std = (onehot.transpose(1, 2) @ centred.pow(2) / n.clamp(min=1)[..., None]).sqrt()
-    mse = ((mean - source["mean"].to(z)).pow(2).mean(-1)
-           + (std - source["std"].to(z)).pow(2).mean(-1))          # [P, V]
+    used = torch.zeros_like(source["count"], dtype=torch.bool)
+    used[path.flatten()] = True
+    used &= source["count"] > 0
+    used[blank_id] = False
+    labels = used.nonzero()[:, 0]                                   # the K labels that count
+    if not len(labels):
+        return z.new_zeros(len(z))
+    lut = torch.full_like(source["count"], len(labels))             # others -> dropped column K
+    lut[labels] = torch.arange(len(labels), device=lut.device)
+    onehot = torch.nn.functional.one_hot(lut[path], len(labels) + 1)[..., :-1].to(z)   # [P, F, K]
+    n = onehot.sum(dim=1)                                           # [P, K]
+    per_label = onehot.transpose(1, 2)                              # [P, K, F]
+    mean = per_label @ z / n.clamp(min=1)[..., None]                # [P, K, D]
+    centred = z - onehot @ mean                                     # each frame minus its label's mean
+    std = (per_label @ (centred * centred) / n.clamp(min=1)[..., None]).sqrt()
+    mse = ((mean - source["mean"][labels].to(z)).pow(2).mean(-1)
+           + (std - source["std"][labels].to(z)).pow(2).mean(-1))  # [P, K]
     present = (n > 0).to(z)
     k = present.sum(dim=1)
     return torch.where(k > 0, (mse * present).sum(dim=1) / k.clamp(min=1), torch.zeros_like(k))

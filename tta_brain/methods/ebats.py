@@ -81,15 +81,15 @@ class EBATS(FreeMethod):
         return self.fitness(logits, feats, states), logits
 
     def fitness(self, logits, feats, states):
-        s = self.stats["hidden"]
-        ent = losses.entropy_loss(logits, temperature=self.temperature, blank_id=self.blank_id)
-        nb = losses.non_blank_mask(logits, blank_id=self.blank_id).any(dim=1)
+        s, path = self.stats["hidden"], logits.argmax(-1)
+        ent = losses.entropy_loss(logits, temperature=self.temperature, blank_id=self.blank_id, path=path)
+        nb = (path != self.blank_id).any(dim=1)
         ent = torch.where(nb, ent, torch.full_like(ent, 10.0))   # no non-blank frame: 10 (reference)
         align = (mean_alignment(feats.mean(dim=2), s["cnn_mean"])
                  + mean_alignment(layer_means(states), s["layers_mean"]) / self.pf.hidden_size)
         loss = self.a * ent + self.b * align
         if self.tokenwise:
-            tok = token_alignment(states, logits.argmax(-1), self.stats["tokens"], self.blank_id)
+            tok = token_alignment(states, path, self.stats["tokens"], self.blank_id)
             loss = loss + confidence_weight(loss, self.loss_max) * tok
         return loss
 
@@ -100,7 +100,7 @@ class EBATS(FreeMethod):
         stop, logits = EarlyStop(self.threshold, self.patience, self.best), None
         for _ in range(self.generations):
             cands = self.es.ask()
-            fit, parts = self.evaluate_population(conv_out, cands)
+            fit, parts = self.evaluate_population(x, conv_out, cands)
             best = int(fit.argmin())
             logits = self.pick(parts, best)
             self.es.tell(cands, fit.double().cpu().tolist())

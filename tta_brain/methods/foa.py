@@ -75,7 +75,7 @@ class FOA(FreeMethod):
     def adapt(self, x, h0):
         cands = self.es.ask() + [self.best_prompt]
         self._last_means = []
-        fit, parts = self.evaluate_population(h0, cands)
+        fit, parts = self.evaluate_population(x, h0, cands)
         best = int(fit.argmin())
         self.best_prompt = np.array(cands[best])
         self.es.tell(cands, fit.double().cpu().tolist())

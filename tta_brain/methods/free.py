@@ -11,7 +11,7 @@ continual: the reset-policy hooks around it), ``events``, ``counts``, ``state_di
     hyp = adapt(x, ctx)                  the method (CMA-ES generations, a classifier update, ...)
 
 ``evaluate`` runs the whole population as one batch, or ``population_batch`` candidates at a time
-(1: one at a time, as the reference code). The carried state (``free_state``) is saved with the
+(1: one at a time; with ``shared_prefix: false`` each from the input again, as the reference). The carried state (``free_state``) is saved with the
 checkpoint; ``reset()`` goes back to ``initial_state()``. For the dynamic reset policy, the carried
 state is ``meta_values()`` and ``loss_with(values, x)`` the method's fitness with it.
 
@@ -60,13 +60,16 @@ class FreeMethod(TTAMethod):
     ``adapt``, and ``initial_state`` / ``free_state`` / ``load_free_state`` for what it carries."""
 
     def __init__(self, model, episodic: Optional[bool] = None, reset_policy=None,
-                 population_batch: int = 0, **kwargs):
+                 population_batch: int = 0, shared_prefix: bool = True, **kwargs):
+        if kwargs.pop("adapt_params", None):
+            raise ValueError(f"{self.name} is backprop-free: it adapts no parameter by gradient "
+                             f"(no adapt_params)")
         super().__init__(model, adapt_params=(), steps=kwargs.pop("steps", 1), episodic=episodic,
                          reset_policy=reset_policy, **kwargs)
         if int(population_batch) < 0:
             raise ValueError(f"population_batch must be >= 0 (0: the whole population in one "
                              f"batch, 1: one candidate at a time), got {population_batch}")
-        self.population_batch = int(population_batch)
+        self.population_batch, self.shared_prefix = int(population_batch), bool(shared_prefix)
         self.pf = PartialForward(model)
         self.load_free_state(self.initial_state())
 
@@ -98,11 +101,14 @@ class FreeMethod(TTAMethod):
         pass
 
     # ------------------------------------------------------------- the population
-    def evaluate_population(self, ctx, candidates) -> tuple:
-        """``evaluate`` over all candidates, ``population_batch`` at a time (0: all at once)."""
+    def evaluate_population(self, x, ctx, candidates) -> tuple:
+        """``evaluate`` over all candidates, ``population_batch`` at a time (0: all at once);
+        without ``shared_prefix`` each evaluation starts from the input ``x`` again (the
+        reference's loop: population_batch 1, shared_prefix false)."""
         z = torch.as_tensor(np.asarray(candidates), dtype=torch.float32, device=self.lobe.device)
         step = self.population_batch or len(z)
-        parts = [self.evaluate(ctx, z[i:i + step]) for i in range(0, len(z), step)]
+        parts = [self.evaluate(ctx if self.shared_prefix else self.prefix(x), z[i:i + step])
+                 for i in range(0, len(z), step)]
         self.counts["adapt_forward"] += len(z)
         return torch.cat([p[0] for p in parts]), [p[1] for p in parts]
 
