@@ -8,6 +8,10 @@ from tta_brain.methods.sgem import SGEM
 from tta_brain.methods.csuta import CSUTA
 from tta_brain.methods.awmc import AWMC
 from tta_brain.methods.dsuta import DSUTA
+from tta_brain.methods.lame import LAME
+from tta_brain.methods.t3a import T3A
+from tta_brain.methods.foa import FOA
+from tta_brain.methods.ebats import EBATS
 from tta_brain.methods.tent import Tent
 from tta_brain.methods.eata import EATA
 from tta_brain.methods.sar import SAR
@@ -16,4 +20,4 @@ from tta_brain.methods.cea import CEA
 
 __all__ = ["METHODS", "TTAMethod", "UttInfo", "Event", "DEFAULT_PARAMS", "build_method",
            "register", "Source", "SUTA", "SDPL", "SGEM", "CSUTA", "AWMC", "DSUTA",
-           "Tent", "EATA", "SAR", "CoTTA", "CEA"]
+           "Tent", "EATA", "SAR", "CoTTA", "CEA", "LAME", "T3A", "FOA", "EBATS"]
