@@ -332,3 +332,12 @@ def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(setup, tmp_path, name
     assert "Resuming" in (out / "log.txt").read_text()
     for f in ("transcripts.csv", "resets.csv", "wer.txt"):
         assert (out / f).read_text() == (ref / f).read_text(), f
+
+
+@pytest.mark.slow
+def test_speed_benchmark_population_modes_agree():
+    import bench_speed
+    res = bench_speed.main(["--population", "--n_utts", "2", "--seconds", "0.6"])
+    for name in ("ebats", "foa"):
+        assert set(res[name]) == {"batched", "one at a time", "reference loop"}
+        assert all(r["same_transcripts"] for r in res[name].values()), name

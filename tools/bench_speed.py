@@ -42,6 +42,11 @@ every round (after the first round nothing is new).
 Note: with the per-utterance CNN feature cache active (``cache_features``, only when no
 feature-encoder parameter adapts, e.g. ``--adapt layernorm``) a method's passes are cheaper than
 the unit passes, and its overhead comes out negative by the CNN's share.
+The backprop-free methods (lame, t3a, foa, ebats) count one adaptation forward per CMA-ES
+candidate (no backward); their population runs as one batch from its insertion point, so their
+overhead comes out negative. ``--population`` times E-BATS and FOA with the population batched,
+one candidate at a time from the shared prefix, and the reference's loop (every candidate's
+forward from the input), checking the transcripts agree; on the tests' tiny model unless ``--model``.
 
 Usage::
 
@@ -51,6 +56,7 @@ Usage::
     python tools/bench_speed.py --w2v2_base --device cuda:0  # random wav2vec2-base-sized model, GPU
     python tools/bench_speed.py --device cuda:0 --precision bf16 --compile
     python tools/bench_speed.py --w2v2_base --device cuda:0 --cuda_graphs off   # eager steps
+    python tools/bench_speed.py --population --n_utts 6 --seconds 2   # E-BATS/FOA: batched population
 
 Runtime options (``--precision``, ``--compile``, ``--cache_features``, ``--onednn_backward``,
 ``--cuda_graphs``) go to every entry's lobe (``tta_brain.lobes.runtime.Runtime``), ``--slow_grad`` to
@@ -80,7 +86,7 @@ from tta_brain.methods import losses  # noqa: E402
 from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
 from tta_brain.lobes.runtime import Runtime  # noqa: E402
-from tta_brain.lobes.testing import BASE_960H, save_random_ctc_model  # noqa: E402
+from tta_brain.lobes.testing import BASE_960H, TINY, save_random_ctc_model  # noqa: E402
 from tta_brain.methods.params import select_parameters  # noqa: E402
 from tta_brain.methods.resets import make_reset_policy  # noqa: E402
 
@@ -100,7 +106,8 @@ ALL_METHODS = ("source", "suta", "dsuta", "dsuta+dynamic")
 #: SAR's reliability filters are opened so every utterance takes its step (a random model is
 #: never reliable: the worst case), EATA's Fisher term comes from other generated speech.
 FIELD = {"tent": {}, "eata": {"e_margin_factor": 10.0}, "sar": {"e_margin_factor": 10.0},
-         "cotta": {}, "cea": {}}
+         "cotta": {}, "cea": {}, "lame": {}, "t3a": {}, "foa": {}, "ebats": {}}
+STATS_KINDS = {"eata": ("fisher",), "foa": ("hidden",), "ebats": ("hidden", "tokens")}
 
 
 # ------------------------------------------------------------------------------ model
@@ -236,21 +243,21 @@ def make_entry(name, args, model_dir, device):
 
 
 def field_stats(name, lobe, args):
-    """EATA's ``source_stats``: Fisher information on 4 other generated utterances, in a
-    temporary file (removed at exit)."""
-    if name != "eata":
+    """The ``source_stats`` of EATA (Fisher information), FOA and E-BATS (hidden / token
+    statistics) on 4 other generated utterances, in a temporary file (removed at exit)."""
+    if name not in STATS_KINDS:
         return {}
     import atexit
     import shutil
     from tta_brain.methods import source_stats as ss
     clean = [lobe.prepare(w) for _, w in generated_stream(4, args.seconds, args.seed + 1)]
-    record = ss.SourceStats(stats={"fisher": ss.KINDS["fisher"](lobe, clean, {})},
+    record = ss.SourceStats(stats={k: ss.KINDS[k](lobe, clean, {}) for k in STATS_KINDS[name]},
                             manifest="generated", manifest_sha1="", model="",
                             model_params_sha1=ss.params_sha1(lobe.model), n_utts=len(clean))
-    folder = tempfile.mkdtemp(prefix="bench_eata_")
+    folder = tempfile.mkdtemp(prefix=f"bench_{name}_")
     atexit.register(shutil.rmtree, folder, True)
-    ss.save(record, os.path.join(folder, "fisher.pt"))
-    return {"source_stats": os.path.join(folder, "fisher.pt")}
+    ss.save(record, os.path.join(folder, "stats.pt"))
+    return {"source_stats": os.path.join(folder, "stats.pt")}
 
 
 def timed(entry, wav, info, device):
@@ -273,6 +280,51 @@ def variant(info, wav, r, j, fresh):
     pos = (r + 2) * 100000 + info.position          # warm-up: r = -1, profile: r = -2
     return UttInfo(id=f"{info.id}@r{r}e{j}", position=pos, domain=info.domain,
                    segment=info.segment), wav
+
+
+# ------------------------------------------------------------------------------ CMA-ES population
+POPULATION_MODES = {"batched": dict(population_batch=0),           # the default
+                    "one at a time": dict(population_batch=1),     # same prefix, a loop
+                    "reference loop": dict(population_batch=1, shared_prefix=False)}
+
+
+def population_speed(args, model_dir, device):
+    """``--population``: E-BATS and FOA with the CMA-ES population in one batch vs one candidate
+    at a time (from the shared prefix), vs the reference's loop (each candidate's forward from the
+    input), on the same utterances, interleaved (rotating who goes first): wall and CPU time per
+    audio second, speed-ups and whether the transcripts agree. Source statistics come from other
+    generated speech."""
+    utts = generated_stream(args.n_utts, args.seconds, args.seed)
+    audio = sum(w.numel() for _, w in utts) / 16000
+    res = {}
+    for name in ("ebats", "foa"):
+        runs = {}
+        for mode, kw in POPULATION_MODES.items():
+            lobe = HFCTCLobe(model_dir, device=str(device))
+            runs[mode] = dict(method=build_method(name, model=lobe, **kw, **field_stats(name, lobe, args)),
+                              wall=0.0, cpu=0.0, hyps=[])
+        modes = list(runs)
+        for i, (info, wav) in enumerate(utts):
+            for mode in modes[i % 3:] + modes[:i % 3]:
+                r = runs[mode]
+                sync(device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                r["hyps"].append(r["method"].process(wav, info))
+                sync(device)
+                r["wall"] += time.perf_counter() - t0
+                r["cpu"] += time.process_time() - c0
+        b = runs["batched"]
+        n = b["method"].counts["adapt_forward"] / len(utts)
+        res[name] = {mode: dict(s_per_audio_s=r["wall"] / audio, cpu_s_per_audio_s=r["cpu"] / audio,
+                                speedup_of_batched_wall=r["wall"] / b["wall"],
+                                speedup_of_batched_cpu=r["cpu"] / b["cpu"],
+                                same_transcripts=r["hyps"] == b["hyps"]) for mode, r in runs.items()}
+        print(f"{name}: {n:.0f} candidates per utterance; s per audio s (wall / CPU), batched's speed-up")
+        for mode, r in res[name].items():
+            print(f"  {mode:<15}{r['s_per_audio_s']:>9.4f} /{r['cpu_s_per_audio_s']:>8.4f}   "
+                  f"{r['speedup_of_batched_wall']:>5.1f}x / {r['speedup_of_batched_cpu']:>4.1f}x   "
+                  f"same transcripts: {r['same_transcripts']}", flush=True)
+    return res
 
 
 # ------------------------------------------------------------------------------ main
@@ -319,6 +371,9 @@ def parse_args(argv=None):
                    help="CUDA: replay the adaptation steps from captured graphs (Runtime.cuda_graphs)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", default=None, help="cProfile this entry over the first round")
+    p.add_argument("--population", action="store_true", help="only E-BATS and FOA: the CMA-ES "
+                   "population in one batch vs one candidate at a time (same transcripts?); on the "
+                   "tests' tiny model unless --model")
     return p.parse_args(argv)
 
 
@@ -359,6 +414,19 @@ def main(argv=None):
             model_dir = build_random_model(tmp.name, w2v2_base=args.w2v2_base, seed=args.seed)
     model_desc = model_dir if tmp is None else ("random wav2vec2-base" if args.w2v2_base
                                                  else "random synthetic-size wav2vec2")
+    if args.population:
+        tiny = tempfile.TemporaryDirectory(prefix="bench_pop_")
+        if args.model is None:          # the tests' tiny random wav2vec2 (31 k parameters)
+            model_dir = save_random_ctc_model(tiny.name, args.seed, **TINY)
+            model_desc = "tiny random wav2vec2 (lobes.testing.TINY)"
+        print(f"model: {model_desc}; device: {device}, threads: {torch.get_num_threads()}; "
+              f"{args.n_utts} generated utterances (mean {args.seconds} s)", flush=True)
+        try:
+            return population_speed(args, model_dir, device)
+        finally:
+            tiny.cleanup()
+            if tmp is not None:
+                tmp.cleanup()
     fresh = args.lengths == "fresh"
     warm, rounds = load_utterances(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
