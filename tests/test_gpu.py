@@ -541,7 +541,10 @@ def test_gpu_check_arguments():
         with pytest.raises(SystemExit) as e:
             gc.parse_args(bad)
         assert e.value.code == 2
-    assert "memory" not in gc.parse_args(["--out", "x", "--cpu_smoke"]).sections
+    smoke = gc.parse_args(["--out", "x", "--cpu_smoke"])
+    assert smoke.sections == list(gc.SECTIONS) and smoke.device == "cpu"
+    assert set(gc.COST) == set(gc.SECTIONS)
+    assert gc.fixed_cost((3.0, 0.13), (8.0, 0.18)) == pytest.approx((0.1, 0.01))
     assert "pip install --no-index --no-deps --target .site .whl/*.whl" in gc.__doc__
 
 
@@ -555,13 +558,19 @@ def test_gpu_check_refuses_without_cuda_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_gpu_check_sections_run_on_cpu(tmp_path):
-    """The script's own plumbing (tiny model, CPU: the device path is not taken, no figures)."""
+@pytest.mark.slow
+def test_gpu_check_every_section_runs_on_cpu(tmp_path):
+    """The script's own plumbing, every section (tiny model, CPU: the host step, no figures;
+    about a minute on one core)."""
     gc = _gpu_check()
-    assert gc.main(["--out", str(tmp_path), "--cpu_smoke", "--sections", "transcripts,step"]) == 0
+    assert gc.main(["--out", str(tmp_path), "--cpu_smoke"]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["status"] == {"transcripts": "done", "step": "done"}
-    assert "earlier H200 measurement" in (tmp_path / "gpu_check.txt").read_text()
+    assert report["status"] == {s: "done" for s in gc.SECTIONS}
+    text = (tmp_path / "gpu_check.txt").read_text()
+    assert "earlier H200 measurement" in text and "fixed s/utt" in text
+    assert "price = deterministic / default kernels" in text
+    assert len(report["memory"]["marks"]) == 12
+    assert report["decode"]["suta default"]["device"] == "cpu"
 
 
 def test_bench_speed_has_the_cuda_graphs_option():

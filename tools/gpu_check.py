@@ -1,28 +1,38 @@
 #!/usr/bin/env python3
-"""GPU check of the device-side adaptation steps and their CUDA-graph capture (``cuda_graphs``).
+"""GPU check of the adaptation steps on CUDA: the default (captured steps, ``cuda_graphs: auto``)
+against the eager steps, per-utterance fixed cost, deterministic kernels, memory along a long
+stream.
 
-Everything in one run, eager and captured (``cuda_graphs: true``) side by side, on one CUDA
-device; "eager" is the device-side steps without capture (``cuda_device_steps: true``) in
-sections 1, 2 and 5, and the default path users get in sections 3 and 4. Results go to stdout
-and ``<out>/gpu_check.txt`` / ``.json``:
+Everything in one run on one CUDA device. "default" is what a run gets without options
+(``cuda_graphs: auto``: suta, csuta and dsuta captured in fp32); "eager" is ``cuda_graphs: off``
+(the host step: finiteness read on the host, ``foreach`` AdamW); "device eager" is the device-side
+steps without capture (``cuda_graphs: off, cuda_device_steps: true``), the exact reference of the
+captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
 
-1. ``transcripts``: graph replay vs eager execution on a tiny random wav2vec2 (the tests' model)
-   for 20 utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset):
-   same transcripts? largest parameter difference; captures, cache hits, replays.
+1. ``transcripts``: captured vs device eager on a tiny random wav2vec2 (the tests' model) for 20
+   utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset), graph
+   cache 1 and 4: same transcripts? largest parameter difference; captures, hits, replays.
 2. ``step``: one SUTA step on a 3 s utterance of a random wav2vec2-base-sized model, fp32, LayerNorm
-   + CNN adapted: ms per step, eager vs replayed (the earlier, hand-written H200 measurement was
-   22 ms eager and 8.3 ms replayed; that is *not* what this script measured).
-3. ``bench``: ``tools/bench_speed.py --w2v2_base`` (source, suta, dsuta, dsuta+dynamic), once
-   eager and once with ``--cuda_graphs``: s per audio s and the ratio.
-4. ``decode``: ``python -m tta_brain.decode`` on a generated stream (speech-like audio, as
-   ``tools/bench_memory.py`` writes it) with the same random base-sized model: process wall time,
-   the method's time (summary.json), and whether eager and captured runs wrote the same
-   transcripts.
-5. ``memory``: CUDA memory (allocated / reserved) along a stream of distinct lengths with dsuta,
-   eager and captured: graphs must not make it grow.
+   + CNN adapted: ms per step, eager / device eager / default (the earlier, hand-written H200
+   measurement was 22 ms eager and 8.3 ms replayed; that is *not* what this script measured).
+3. ``lengths``: the per-utterance fixed cost: s per utterance of suta and dsuta + dynamic (default
+   steps) on utterances of about 3 s and 8 s (every one a new length, as in a real stream), and the
+   intercept of the line through the two (time = fixed + slope x length).
+4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
+   run option ``--deterministic``): s per audio s and the price of determinism.
+5. ``bench``: ``tools/bench_speed.py --w2v2_base`` (source, suta, dsuta, dsuta+dynamic), default
+   and ``--cuda_graphs off``: s per audio s and the ratio.
+6. ``decode``: ``python -m tta_brain.decode`` (in this process) on a generated stream with the same
+   random base-sized model, default and ``--cuda_graphs=off``: the method's time (summary.json)
+   per audio second, and how many transcript rows agree (the eager path rounds differently).
+7. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps): CUDA memory
+   (allocated / reserved) every 50 utterances and the slope of the reserved memory over the last
+   half (MB per 100 utterances; FLAT below 1 MB per 100).
 
 Each section is skipped (and says so) once ``--budget_s`` (default 450 s) would be exceeded, so the
 whole check stays under 8 minutes on one GPU; a failing section is reported and the next runs.
+``--cpu_smoke`` runs every section on CPU with a tiny model and a few utterances (no figures: the
+script's own test, tests/test_gpu.py).
 
 Recipe for a fresh GPU machine with torch 2.11 + CUDA but none of our other packages and no
 network. Here (with network), put the wheels into ``.whl/``::
@@ -44,7 +54,6 @@ import argparse
 import importlib
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -54,8 +63,14 @@ for _p in (ROOT, TOOLS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-SECTIONS = ("transcripts", "step", "bench", "decode", "memory")
+SECTIONS = ("transcripts", "step", "lengths", "deterministic", "bench", "decode", "memory")
+#: rough seconds of each section on one GPU (unmeasured guesses), for the budget
+COST = {"transcripts": 40, "step": 30, "lengths": 50, "deterministic": 40, "bench": 110,
+        "decode": 60, "memory": 120}
 GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
+#: runtime options of the three ways a step runs
+DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
+                                                          "cuda_device_steps": True}
 #: What the check imports besides torch (module names), for the one-line preflight.
 NEEDED = ("numpy", "yaml", "ruamel.yaml", "hyperpyyaml", "speechbrain", "transformers",
           "tokenizers", "huggingface_hub", "safetensors", "soundfile", "jiwer", "tqdm")
@@ -74,13 +89,15 @@ def parse_args(argv=None):
                    help="skip the sections that would start after this many seconds")
     p.add_argument("--n_utts", type=int, default=20, help="utterances per method (transcripts)")
     p.add_argument("--decode_utts", type=int, default=16, help="utterances of the decode stream")
+    p.add_argument("--memory_utts", type=int, default=1000, help="utterances of the memory stream")
     p.add_argument("--seconds", type=float, default=3.0, help="utterance length of step/bench")
-    # the script's own smoke test on CPU (tiny model everywhere, no figures): tests/test_gpu.py
-    p.add_argument("--cpu_smoke", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--long_seconds", type=float, default=8.0, help="the second length (lengths)")
+    p.add_argument("--cpu_smoke", action="store_true",
+                   help="every section on CPU with a tiny model and a few utterances (no figures)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
-        args.device, args.n_utts, args.decode_utts, args.seconds = "cpu", 3, 3, 1.0
-        args.sections = ",".join(s for s in args.sections.split(",") if s.strip() != "memory")
+        args.device, args.n_utts, args.decode_utts, args.memory_utts = "cpu", 3, 3, 12
+        args.seconds, args.long_seconds = 0.6, 1.2
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
@@ -138,24 +155,16 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _determinism():
-    import torch
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def _method(name, model_dir, device, graphs, cache=1, **kw):
+def _method(name, model_dir, device, runtime, cache=1, **kw):
+    """Method ``name`` (a token: ``dsuta+dynamic``) on a fresh lobe with ``runtime`` options."""
     from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.runtime import Runtime
     from tta_brain.methods import build_method
     from tta_brain.methods.resets import make_reset_policy
-    from tta_brain.lobes.runtime import Runtime
     base, _, reset = name.partition("+")
-    lobe = HFCTCLobe(model_dir, device=device,
-                     runtime=Runtime(cuda_device_steps=True, cuda_graphs="on" if graphs else "off",
-                                     cuda_graph_cache=cache))
+    lobe = HFCTCLobe(model_dir, device=device, runtime=Runtime(cuda_graph_cache=cache, **runtime))
     if reset:
-        kw["reset_policy"] = make_reset_policy(reset, K=kw.pop("reset_K", 6))
+        kw["reset_policy"] = make_reset_policy(reset, K=kw.pop("reset_K", 10))
     kw.pop("reset_K", None)
     return build_method(base, model=lobe, **kw)
 
@@ -182,8 +191,26 @@ def _stats(m):
     from tta_brain.gpu import DeviceStep
     steps = m.step
     if not isinstance(steps, DeviceStep):
-        return {"device_path": False}
-    return dict(device_path=True, graphs=steps.graphs, **steps.stats, **steps.cache.stats)
+        return {"step": type(steps).__name__}
+    return dict(step="DeviceStep", graphs=steps.graphs, **steps.stats, **steps.cache.stats)
+
+
+def _process_all(m, wavs, device):
+    """Transcripts and the seconds spent (process() ends with the prediction's host copy)."""
+    from tta_brain.methods import UttInfo
+    _sync(device)
+    t0 = time.perf_counter()
+    hyps = [m.process(w, UttInfo(id=f"u{i}", position=i, domain="d")) for i, w in enumerate(wavs)]
+    _sync(device)
+    return hyps, time.perf_counter() - t0
+
+
+def _release(m, device):
+    import torch
+    m.step.release()
+    del m
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def _tiny_model(work):
@@ -205,9 +232,14 @@ def _base_model(work, args):
     return path
 
 
+def _steps(args, base):
+    """Steps per utterance: the paper's (suta 10, dsuta 5 on multi-domain streams); 2 in the smoke
+    test."""
+    return 2 if args.cpu_smoke else (5 if base == "dsuta" else 10)
+
+
 # ----------------------------------------------------------------------------- sections
 def section_transcripts(args, rep, work):
-    from tta_brain.methods import UttInfo
     tiny = _tiny_model(work)
     # 8 distinct lengths in random order: captures, cache hits and (cache 4) replays of older
     # graphs after newer ones were captured into the same pool
@@ -218,25 +250,20 @@ def section_transcripts(args, rep, work):
         kw = dict(lr=1e-3, steps=3 if name == "csuta" else 4)   # csuta: N=1 would never capture
         if name.startswith("dsuta"):
             kw.update(buffer_size=3, reset_K=6)
-        runs = {}
-        for graphs, cache in ((False, 1), (True, 1), (True, 4)):
-            m = _method(name, tiny, args.device, graphs, cache=cache, **dict(kw))
-            hyps = [m.process(w, UttInfo(id=f"u{i}", position=i, domain="d"))
-                    for i, w in enumerate(wavs)]
-            runs[graphs, cache] = (m, hyps)
-        a, ha = runs[False, 1]
+        a = _method(name, tiny, args.device, DEVICE_EAGER, **dict(kw))
+        ha, _ = _process_all(a, wavs, args.device)
         for cache in (1, 4):
-            b, hb = runs[True, cache]
+            b = _method(name, tiny, args.device, DEFAULT, cache=cache, **dict(kw))
+            hb, _ = _process_all(b, wavs, args.device)
             same = sum(x == y for x, y in zip(ha, hb))
             diff = max(float((p.detach() - q.detach()).abs().max())
                        for p, q in zip(a.params, b.params))
             st = _stats(b)
-            ok &= same == len(ha) and st.get("replays", 0) > 0
+            ok &= same == len(ha) and (args.cpu_smoke or st.get("replays", 0) > 0)
             res[f"{name} cache {cache}"] = dict(same=same, n=len(ha), max_param_diff=diff,
                                                 eager=_stats(a), graphs=st)
             rep.say(f"{name + ', ' + str(cache):<22}{same:>12}/{len(ha):<5}{diff:>14.2e}  {st}")
-    _sync(args.device)
-    rep.say("transcripts: " + ("OK (graph replay == eager)" if ok else "MISMATCH or no replay"))
+    rep.say("transcripts: " + ("OK (captured == device eager)" if ok else "MISMATCH or no replay"))
     rep.data["transcripts"] = dict(ok=ok, methods=res)
 
 
@@ -246,38 +273,98 @@ def section_step(args, rep, work):
     cuda = args.device.startswith("cuda")
     x_wav = _wavs(1, args.seconds, args.seconds, seed=2)[0]
     res = {}
-    for graphs in (False, True):
-        m = _method("suta", model, args.device, graphs, lr=2e-5, steps=10)
+    for tag, runtime in (("eager", EAGER), ("device eager", DEVICE_EAGER), ("default", DEFAULT)):
+        m = _method("suta", model, args.device, runtime, lr=2e-5, steps=10)
         x = m.lobe.prepare(x_wav)
         with torch.enable_grad():
             for _ in range(4):                     # warm-up (and, captured: the capture)
                 m.adapt_step(x)
             _sync(args.device)
             n, t0 = 20, time.perf_counter()
-            if cuda:
-                start, end = (torch.cuda.Event(enable_timing=True),
-                              torch.cuda.Event(enable_timing=True))
-                start.record()
             for _ in range(n):
                 m.adapt_step(x)
-            if cuda:
-                end.record()
             _sync(args.device)
             wall = (time.perf_counter() - t0) / n * 1e3
         m.predict(x)                               # settles the step counters
-        res["captured" if graphs else "eager"] = dict(
-            ms_per_step=wall, gpu_ms_per_step=start.elapsed_time(end) / n if cuda else None,
-            stats=_stats(m))
-        del m
-        if cuda:
-            torch.cuda.empty_cache()
-    e, c = res["eager"], res["captured"]
+        res[tag] = dict(ms_per_step=wall, stats=_stats(m))
+        _release(m, args.device)
     size = "tiny" if args.cpu_smoke else "wav2vec2-base"
-    rep.say(f"SUTA step, {args.seconds:.1f} s, random {size} model, fp32 (this run): eager "
-            f"{e['ms_per_step']:.2f} ms, captured {c['ms_per_step']:.2f} ms "
-            f"(x{e['ms_per_step'] / max(c['ms_per_step'], 1e-9):.2f}); {c['stats']}")
+    ratio = res["eager"]["ms_per_step"] / max(res["default"]["ms_per_step"], 1e-9)
+    rep.say(f"SUTA step, {args.seconds:.1f} s, random {size} model, fp32 (this run, "
+            f"{'GPU' if cuda else 'CPU'}): "
+            + ", ".join(f"{k} {v['ms_per_step']:.2f} ms" for k, v in res.items())
+            + f" (eager / default x{ratio:.2f})")
+    rep.say(f"  default: {res['default']['stats']}")
     rep.say(f"  ({EARLIER})")
     rep.data["step"] = res
+
+
+def fixed_cost(short, long):
+    """``(fixed s per utterance, s per audio s)`` of the line through two (audio s, s) points."""
+    (a1, t1), (a2, t2) = short, long
+    slope = (t2 - t1) / max(a2 - a1, 1e-9)
+    return t1 - slope * a1, slope
+
+
+def section_lengths(args, rep, work):
+    """Per-utterance time at two lengths, every utterance a new length (+-5 %)."""
+    model = _base_model(work, args)
+    n = 3 if args.cpu_smoke else 12
+    res = {}
+    rep.say(f"{'method (default steps)':<24}{'s/utt ' + str(args.seconds) + ' s':>14}"
+            f"{'s/utt ' + str(args.long_seconds) + ' s':>14}{'fixed s/utt':>13}{'s/audio s':>11}")
+    for name in ("suta", "dsuta+dynamic"):
+        base = name.partition("+")[0]
+        kw = dict(lr=2e-5, steps=_steps(args, base))
+        if base == "dsuta":
+            kw.update(buffer_size=5, reset_K=10)
+        m = _method(name, model, args.device, DEFAULT, **kw)
+        _process_all(m, _wavs(4, 0.95 * args.seconds, 1.05 * args.seconds, seed=4), args.device)
+        points = []
+        for i, sec in enumerate((args.seconds, args.long_seconds)):
+            wavs = _wavs(n, 0.95 * sec, 1.05 * sec, seed=5 + i)
+            _, t = _process_all(m, wavs, args.device)
+            points.append((sum(w.numel() for w in wavs) / 16000 / n, t / n))
+        fixed, per_s = fixed_cost(*points)
+        res[name] = dict(points=points, fixed_s_per_utt=fixed, s_per_audio_s=per_s,
+                         stats=_stats(m))
+        rep.say(f"{name:<24}{points[0][1]:>14.4f}{points[1][1]:>14.4f}{fixed:>13.4f}{per_s:>11.4f}")
+        _release(m, args.device)
+    rep.say("fixed s/utt: the intercept of time = fixed + slope x audio seconds (a warm process, "
+            "every utterance a new length)")
+    rep.data["lengths"] = res
+
+
+def section_deterministic(args, rep, work):
+    from tta_brain.lobes.runtime import deterministic_kernels
+    model = _base_model(work, args)
+    wavs = _wavs(2 if args.cpu_smoke else 8, 0.9 * args.seconds, 1.1 * args.seconds, seed=6)
+    audio = sum(w.numel() for w in wavs) / 16000
+    res = {}
+    try:
+        for name in ("suta", "dsuta+dynamic"):
+            base = name.partition("+")[0]
+            for tag, runtime in (("default", DEFAULT), ("eager", EAGER)):
+                for on in (True, False):
+                    deterministic_kernels(on)
+                    kw = dict(lr=2e-5, steps=_steps(args, base))
+                    if base == "dsuta":
+                        kw.update(buffer_size=5, reset_K=10)
+                    m = _method(name, model, args.device, runtime, **kw)
+                    _process_all(m, wavs[:1], args.device)                  # warm-up
+                    _, t = _process_all(m, wavs, args.device)
+                    res[f"{name} {tag} deterministic={on}"] = t / audio
+                    _release(m, args.device)
+    finally:
+        deterministic_kernels(True)                 # the check's default, as decode's
+    rep.say(f"{'method, steps':<24}{'deterministic':>14}{'default kernels':>17}{'price':>8}")
+    for name in ("suta", "dsuta+dynamic"):
+        for tag in ("default", "eager"):
+            on, off = (res[f"{name} {tag} deterministic={b}"] for b in (True, False))
+            rep.say(f"{name + ', ' + tag:<24}{on:>14.4f}{off:>17.4f}{on / max(off, 1e-12):>7.2f}x")
+    rep.say("s per audio s; price = deterministic / default kernels (the run option "
+            "--deterministic, default true)")
+    rep.data["deterministic"] = res
 
 
 def section_bench(args, rep, work):
@@ -289,14 +376,13 @@ def section_bench(args, rep, work):
                "--warmup", "1", "--suta_steps", "2", "--dsuta_steps", "2"] if args.cpu_smoke \
         else ["--w2v2_base"]
     res = {}
-    for graphs in (False, True):
-        tag = "captured" if graphs else "eager"
-        rep.say(f"--- bench_speed ({tag}) ---")
-        res[tag] = bench_speed.main(common + ["--json", os.path.join(work, f"bench_{tag}.json")]
-                                    + ["--cuda_graphs", "on" if graphs else "off"])
-    rep.say(f"{'method':<16}{'eager s/aud s':>15}{'captured':>11}{'speed-up':>10}")
+    for tag, mode in (("eager", "off"), ("default", "auto")):
+        rep.say(f"--- bench_speed ({tag}: --cuda_graphs {mode}) ---")
+        res[tag] = bench_speed.main(common + ["--json", os.path.join(work, f"bench_{tag}.json"),
+                                              "--cuda_graphs", mode])
+    rep.say(f"{'method':<16}{'eager s/aud s':>15}{'default':>11}{'speed-up':>10}")
     for m in res["eager"]:
-        e, c = res["eager"][m]["wall"]["s_per_audio_s"], res["captured"][m]["wall"]["s_per_audio_s"]
+        e, c = res["eager"][m]["wall"]["s_per_audio_s"], res["default"][m]["wall"]["s_per_audio_s"]
         rep.say(f"{m:<16}{e:>15.4f}{c:>11.4f}{e / max(c, 1e-12):>9.2f}x")
     rep.data["bench"] = {t: {m: r["wall"]["s_per_audio_s"] for m, r in v.items()}
                          for t, v in res.items()}
@@ -304,85 +390,89 @@ def section_bench(args, rep, work):
 
 def section_decode(args, rep, work):
     import bench_memory
+    from tta_brain import decode
     model = _base_model(work, args)
     data = os.path.join(work, "decode_data")
     secs = (0.6, 1.2) if args.cpu_smoke else (2.0, 4.0)
     rows = bench_memory.make_audio(data, args.decode_utts, secs, block=8, n_lengths=0)
     stream = os.path.join(data, "stream.csv")
     bench_memory.write_stream(stream, rows)
-    runs = [("source", "source", [], False), ("suta", "suta", [], False),
-            ("suta", "suta", [], True), ("dsuta", "dsuta", ["--steps=5"], False),
-            ("dsuta", "dsuta", ["--steps=5"], True),
-            ("dsuta+dynamic", "dsuta", ["--steps=5", "--reset=dynamic", "--reset_K=10"], False),
-            ("dsuta+dynamic", "dsuta", ["--steps=5", "--reset=dynamic", "--reset_K=10"], True)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [p for p in (os.path.join(ROOT, ".site"), ROOT, os.environ.get("PYTHONPATH")) if p]))
+    dsuta = ["--steps=5", "--buffer_size=5"]
+    runs = [("source", "source", []), ("suta", "suta", []), ("dsuta", "dsuta", dsuta),
+            ("dsuta+dynamic", "dsuta", dsuta + ["--reset=dynamic", "--reset_K=10"])]
+    if args.cpu_smoke:                             # the plumbing only
+        runs = runs[1::2]
     res = {}
-    rep.say(f"{'run':<26}{'process s':>10}{'method s':>10}{'audio s':>9}{'s/aud s':>9}"
-            f"  transcripts")
-    for tag, hp, extra, graphs in runs:
-        name = f"{tag}{' captured' if graphs else ''}"
-        out = os.path.join(work, "decode", f"{tag}{'_graphs' if graphs else ''}")
-        cmd = [sys.executable, "-m", "tta_brain.decode", hp, f"--source={model}",
-               f"--stream_csv={stream}", f"--output_folder={out}", f"--data_root={data}",
-               f"--device={args.device}", "--noprogressbar", *extra,
-               f"--cuda_graphs={'on' if graphs else 'off'}"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            rep.say(f"{name:<26} FAILED (exit {proc.returncode}): "
-                    f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-            res[name] = dict(failed=proc.returncode, tail=(proc.stderr or "")[-2000:])
-            continue
-        with open(os.path.join(out, "summary.json")) as f:
-            s = json.load(f)
-        with open(os.path.join(out, "transcripts.csv")) as f:
-            hyps = [line.rstrip("\n") for line in f]
-        r = dict(process_s=wall, method_s=s["wall_time_s"], audio_s=s["audio_s"],
-                 s_per_audio_s=s["time_per_audio_s"], hyps=hyps)
-        same = ""
-        if graphs and tag in res:
-            ref = res[tag]["hyps"]
-            same = f"{sum(a == b for a, b in zip(ref, hyps)) - 1}/{len(hyps) - 1} rows as eager"
-        res[name if graphs else tag] = r
-        rep.say(f"{name:<26}{wall:>10.1f}{r['method_s']:>10.2f}{r['audio_s']:>9.1f}"
-                f"{r['s_per_audio_s']:>9.4f}  {same}")
-    rep.say("process s includes start-up (imports, model load); method s = adapt + predict "
-            "(summary.json wall_time_s)")
+    rep.say(f"{'run':<24}{'run s':>8}{'method s':>10}{'audio s':>9}{'s/aud s':>9}  transcripts")
+    for tag, hp, extra in runs:
+        for mode in ("off", "auto"):
+            name = f"{tag} {'default' if mode == 'auto' else 'eager'}"
+            out = os.path.join(work, "decode", f"{tag}_{mode}")
+            argv = [hp, f"--source={model}", f"--stream_csv={stream}", f"--output_folder={out}",
+                    f"--data_root={data}", f"--device={args.device}", "--noprogressbar",
+                    "--overwrite", f"--cuda_graphs={mode}", *extra]
+            t0 = time.perf_counter()
+            try:
+                s = decode.main(argv)
+            except SystemExit as e:
+                rep.say(f"{name:<24} FAILED: {e}")
+                res[name] = dict(failed=str(e))
+                continue
+            wall = time.perf_counter() - t0
+            with open(os.path.join(out, "transcripts.csv")) as f:
+                hyps = [line.rstrip("\n") for line in f][1:]
+            same = ""
+            if mode == "auto" and f"{tag} eager" in res and "hyps" in res[f"{tag} eager"]:
+                ref = res[f"{tag} eager"]["hyps"]
+                same = f"{sum(a == b for a, b in zip(ref, hyps))}/{len(hyps)} rows as eager"
+            res[name] = dict(run_s=wall, method_s=s.wall_time_s, audio_s=s.audio_s,
+                             s_per_audio_s=s.time_per_audio_s, device=s.device, hyps=hyps)
+            rep.say(f"{name:<24}{wall:>8.1f}{s.wall_time_s:>10.2f}{s.audio_s:>9.1f}"
+                    f"{s.time_per_audio_s:>9.4f}  {same}")
+    rep.say("run s includes loading the model; method s = adapt + predict (summary.json); the "
+            "eager path rounds differently (foreach vs fused AdamW)")
     rep.data["decode"] = {k: {kk: vv for kk, vv in v.items() if kk != "hyps"}
                           for k, v in res.items()}
 
 
-def section_memory(args, rep, work):
+def _memory_mb(device):
+    """(allocated, reserved) CUDA MB, or (RSS, RSS) on CPU (the smoke test)."""
     import torch
+    if str(device).startswith("cuda"):
+        return (torch.cuda.memory_allocated(device) / 2 ** 20,
+                torch.cuda.memory_reserved(device) / 2 ** 20)
+    import bench_memory
+    rss = bench_memory.rss_mb() or 0.0
+    return rss, rss
+
+
+def section_memory(args, rep, work):
+    import bench_memory
     from tta_brain.methods import UttInfo
     model = _base_model(work, args)
-    wavs = _wavs(40, 2.0, 4.0, seed=3)              # 40 distinct lengths
-    res = {}
-    for graphs in (False, True):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        m = _method("dsuta", model, args.device, graphs, lr=2e-5, steps=5, buffer_size=5)
-        marks = {}
-        for i, w in enumerate(wavs):
-            m.process(w, UttInfo(id=f"m{i}", position=i, domain="d"))
-            if (i + 1) % 10 == 0:
-                marks[i + 1] = (round(torch.cuda.memory_allocated() / 2 ** 20, 1),
-                                round(torch.cuda.memory_reserved() / 2 ** 20, 1))
-        tag = "captured" if graphs else "eager"
-        res[tag] = dict(marks=marks, peak_alloc_mb=torch.cuda.max_memory_allocated() / 2 ** 20,
-                        stats=_stats(m))
-        rep.say(f"dsuta {tag}: (allocated, reserved) MB after utterance " +
-                ", ".join(f"{k}: {v}" for k, v in marks.items()) +
-                f"; peak allocated {res[tag]['peak_alloc_mb']:.0f} MB; {_stats(m)}")
-        m.step.release()
-        del m
-    c = res["captured"]["marks"]
-    growth = c[40][1] - c[20][1]
-    rep.say(f"memory: reserved 20 -> 40 utterances with graphs: {growth:+.1f} MB "
-            f"({'flat' if growth <= 64 else 'GROWS'})")
-    rep.data["memory"] = res
+    n, every = args.memory_utts, max(1, args.memory_utts // 20)
+    lo, hi = (0.5, 1.0) if args.cpu_smoke else (1.0, 3.0)
+    m = _method("dsuta", model, args.device, DEFAULT, lr=2e-5, steps=_steps(args, "dsuta"),
+                buffer_size=5)
+    marks, trace = {}, []
+    for i, w in enumerate(_wavs(n, lo, hi, seed=3)):          # n distinct lengths
+        m.process(w, UttInfo(id=f"m{i}", position=i, domain="d"))
+        if (i + 1) % every == 0:
+            _sync(args.device)
+            alloc, reserved = _memory_mb(args.device)
+            marks[i + 1] = (round(alloc, 1), round(reserved, 1))
+            trace.append(reserved)
+    # the slope per 100 utterances over the second half of the marks
+    slope = bench_memory.tail_slope(trace) / every if len(trace) >= 4 else float("nan")
+    flat = slope == slope and slope < 1.0
+    verdict = "no verdict in the smoke test" if args.cpu_smoke else "FLAT" if flat else "GROWS"
+    what = "reserved CUDA" if args.device.startswith("cuda") else "RSS (CPU smoke test)"
+    rep.say(f"dsuta default, {n} utterances of distinct lengths ({lo}-{hi} s): (allocated, "
+            f"reserved) MB every {every}: " + ", ".join(f"{k}: {v}" for k, v in marks.items()))
+    rep.say(f"memory: {what} slope over the last half {slope:+.3f} MB per 100 utterances "
+            f"({verdict}); {_stats(m)}")
+    rep.data["memory"] = dict(marks=marks, slope_mb_per_100=slope, flat=flat, stats=_stats(m))
+    _release(m, args.device)
 
 
 def main(argv=None):
@@ -393,7 +483,8 @@ def main(argv=None):
         return 2
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
-    _determinism()
+    from tta_brain.lobes.runtime import deterministic_kernels
+    deterministic_kernels(True)                    # decode's default (--deterministic)
     name = ("CPU smoke test (no figures)" if args.cpu_smoke
             else torch.cuda.get_device_name(args.device))
     os.makedirs(args.out, exist_ok=True)
@@ -407,12 +498,11 @@ def main(argv=None):
     rep.say("All figures below are from this run; nothing here is the earlier H200 measurement "
             "unless labelled so.")
     rep.data["device"] = name
-    cost = {"transcripts": 40, "step": 40, "bench": 120, "decode": 150, "memory": 40}  # rough s
     status = {}
     for name in args.sections:
         spent = time.perf_counter() - t_start
-        if spent + cost[name] > args.budget_s:
-            rep.say(f"\n== {name}: SKIPPED (budget: {spent:.0f} s spent, ~{cost[name]} s needed)")
+        if spent + (0 if args.cpu_smoke else COST[name]) > args.budget_s:
+            rep.say(f"\n== {name}: SKIPPED (budget: {spent:.0f} s spent, ~{COST[name]} s needed)")
             status[name] = "skipped"
             continue
         rep.say(f"\n== {name}")
@@ -425,6 +515,7 @@ def main(argv=None):
             rep.say(f"{name} FAILED: {type(e).__name__}: {e}")
             rep.data[f"{name}_traceback"] = traceback.format_exc()
             status[name] = "failed"
+        rep.data.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
         rep.say(f"({name}: {time.perf_counter() - t0:.0f} s)")
         rep.save()
     rep.data["status"] = status

@@ -19,7 +19,8 @@ def grads_finite(grads: List[torch.Tensor]) -> bool:
 
 def step_loss(m, x: torch.Tensor, optimizer, loss_fn=None) -> torch.Tensor:
     """The first half of a step of method ``m`` (host and device steps): zeroed gradients, the
-    counted forward (in train mode if the method adapts so), the loss (``loss_fn`` or ``m.loss``)."""
+    counted forward (in train mode if the method adapts so), the loss (``loss_fn``, else
+    ``m.loss``)."""
     optimizer.zero_grad(set_to_none=False)
     if m.train_mode:
         m.net.train()
