@@ -30,14 +30,17 @@ grid_help="  --engine local|slurm  --nj N  --gpus \"LIST\"  --per_gpu N  --slurm
 stats_csv=            # clean manifest of speech that is in no stream (synthetic: rendered if empty)
 stats_utts=100        # its first N utterances (the EATA reference: 100)
 grid_help="${grid_help}
-  --stats_csv CSV (clean speech in no stream: eata's source statistics)  --stats_utts N (${stats_utts})"
+  --stats_csv CSV (clean speech in no stream: the source statistics of eata, foa, ebats)  --stats_utts N (${stats_utts})"
 
-# stats_kinds: the source-statistics kinds the listed methods need (eata: fisher).
+# stats_kinds: the source-statistics kinds the listed methods need (eata: fisher; foa: hidden;
+# ebats: hidden, tokens).
 stats_kinds() {
   local tok kinds=""
   for tok in ${methods}; do
     case ${tok%%+*} in
       eata) kinds="${kinds} fisher" ;;
+      foa) kinds="${kinds} hidden" ;;
+      ebats) kinds="${kinds} hidden tokens" ;;
     esac
   done
   echo $(printf '%s\n' ${kinds} | sort -u)
