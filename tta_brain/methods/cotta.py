@@ -11,8 +11,9 @@ optimiser step; teacher <- EMA(``ema_decay``) of the student when the loss is > 
 restore. The transcript is the teacher's output from before the update (the reference's).
 
 Cost: every weight adapts, so the method holds the model, the source anchor, the teacher and
-AdamW's two moments (5 model-sized copies, plus the gradients), and each utterance runs 2 aux +
-1 adapt forward, 1 backward, and ``n_augment`` more forwards when the anchor is unsure.
+AdamW's two moments (5 model-sized copies, plus the gradients), and each utterance runs the
+anchor (aux), the teacher (the transcript: infer) and the student (adapt) forwards and one
+backward, the teacher ``n_augment`` times instead of once when the anchor is unsure.
 """
 import torch
 
@@ -51,7 +52,10 @@ class CoTTA(TTAMethod):
 
     @torch.no_grad()
     def teacher_logits(self, x):
-        self.counts["aux_forward"] += 2
+        """The teacher's output (the transcript's: counted as the inference forward; the anchor
+        and the augmented views beyond the first are auxiliary forwards)."""
+        self.counts["aux_forward"] += 1
+        self.counts["infer_forward"] += 1
         anchor = self.logits(x, self.source).softmax(-1).max(-1).values.mean()
         if float(anchor) >= self.ap_threshold or self.n_augment < 1:
             return self.logits(x, self.teacher)
