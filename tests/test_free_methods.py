@@ -4,10 +4,8 @@ the population batched == one at a time, decodes, resume after kill -9."""
 import csv
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ import soundfile as sf
 import torch
 import torch.nn.functional as F
 
-from conftest import save_ctc_model
+from conftest import kill_9_mid_run
 from fake_corpora import fake_speech, write_stream
 from tta_brain import decode, stats as stats_cli
 from tta_brain.lobes.hf_ctc import HFCTCLobe
@@ -315,23 +313,28 @@ def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(setup, tmp_path, name
     out = tmp_path / "exp"
     cmd = [sys.executable, "-m", "tta_brain.decode", *args(setup, name, out, "--ckpt_every=3")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    try:
-        while not list((out / "save").glob("CKPT+*/stream.ckpt")):
-            assert proc.poll() is None, "the run ended before its first checkpoint"
-            assert time.time() < deadline, "no checkpoint after 240 s"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert not (out / "summary.json").exists(), "killed too late: the run had finished"
+    kill_9_mid_run(cmd, out, env)
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Resuming" in (out / "log.txt").read_text()
     for f in ("transcripts.csv", "resets.csv", "wer.txt"):
         assert (out / f).read_text() == (ref / f).read_text(), f
+
+
+@pytest.mark.parametrize("name", ["lame", "t3a", "foa", "ebats"])
+def test_every_free_method_runs_through_the_stream_api(setup, tmp_path, name):
+    from tta_brain.stream import TTAStream
+    overrides = {"source_stats": str(setup["stats"])} if name in ("foa", "ebats") else {}
+    overrides.update({"ebats": {"popsize": 6, "generations": 2}, "foa": {"popsize": 6}}.get(name, {}))
+    stream = TTAStream.from_hparams(name, source=setup["model"], overrides=overrides)
+    ws = wavs(4)
+    first = [stream.transcribe(w) for w in ws[:2]]
+    stream.save(tmp_path / "state.pt")
+    rest = [stream.transcribe(w) for w in ws[2:]]
+    again = TTAStream.from_hparams(name, source=setup["model"], overrides=overrides)
+    again.load(tmp_path / "state.pt")
+    assert [again.transcribe(w) for w in ws[2:]] == rest and all(isinstance(h, str) for h in first)
+    assert stream.counts["adapt_backward"] == 0
 
 
 @pytest.mark.slow
