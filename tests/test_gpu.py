@@ -213,6 +213,19 @@ def test_warmup_and_capture_schedule(tiny_model_dir, utterances):
     assert m.counts["adapt_backward"] == 12
 
 
+def test_capture_without_a_per_length_warmup(tiny_model_dir, utterances):
+    """``cuda_graph_warmup: 0``: once warm (3 eager steps in all), every new length is captured
+    at its first step, so no utterance after the first runs an eager step; the results stay
+    those of the eager device path."""
+    items = stream(utterances, 6, [9600, 11200, 8000, 12800, 10400, 9600])
+    e = build(tiny_model_dir, "suta", "device", steps=4)
+    g = build(tiny_model_dir, "suta", "graph", steps=4, runtime={"cuda_graph_warmup": 0})
+    he, hg = run(e, items), run(g, items)
+    assert he == hg and max_diff(e.params, g.params) == 0.0 and e.counts == g.counts
+    st = g.step
+    assert (st.stats["eager"], st.stats["replays"], st.backend.captures) == (4, 20, 5)
+
+
 def test_cached_graph_is_dropped_when_the_state_is_replaced(tiny_model_dir, utterances):
     """load_state_dict replaces the optimiser state tensors: the captured steps are dropped (the
     signature check), captured again, and the results stay those of the eager device path."""
@@ -459,8 +472,9 @@ def test_runtime_options_and_run_block():
     for value in ("auto", "on", "off"):
         hparams.check(path, {"cuda_graphs": value, "deterministic": value == "on"})
     # one spelling per value, checked by the yaml rules only
+    hparams.check(path, {"cuda_graph_warmup": 0})
     for key, bad in (("cuda_graphs", True), ("cuda_graphs", "false"), ("cuda_graph_cache", 0),
-                     ("cuda_graph_warmup", 0), ("deterministic", "yes")):
+                     ("cuda_graph_warmup", -1), ("deterministic", "yes")):
         with pytest.raises(hparams.HparamsError, match=f"{key} = .* is not valid"):
             hparams.check(path, {key: bad})
 
@@ -544,7 +558,6 @@ def test_gpu_check_arguments():
     smoke = gc.parse_args(["--out", "x", "--cpu_smoke"])
     assert smoke.sections == list(gc.SECTIONS) and smoke.device == "cpu"
     assert set(gc.COST) == set(gc.SECTIONS)
-    assert gc.fixed_cost((3.0, 0.13), (8.0, 0.18)) == pytest.approx((0.1, 0.01))
     assert "pip install --no-index --no-deps --target .site .whl/*.whl" in gc.__doc__
 
 
@@ -575,6 +588,8 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
 
 def test_bench_speed_has_the_cuda_graphs_option():
     import bench_speed
+    assert bench_speed.fixed_cost((3.0, 0.13), (8.0, 0.18)) == pytest.approx((0.1, 0.01))
+    assert bench_speed.parse_args(["--two_lengths", "3,8"]).two_lengths == "3,8"
     assert bench_speed.parse_args(["--cuda_graphs", "off"]).cuda_graphs == "off"
     assert bench_speed.parse_args([]).cuda_graphs == "auto"
 
@@ -592,17 +607,17 @@ def cuda_determinism():
 
 
 @cuda
-@pytest.mark.parametrize("cache", [1, 4])
+@pytest.mark.parametrize("cache,warmup", [(1, 1), (4, 1), (1, 0)])
 @pytest.mark.parametrize("name", GRAPH_METHODS)
-def test_cuda_graph_replay_gives_eager_transcripts(tiny_model_dir, utterances, name, cache,
+def test_cuda_graph_replay_gives_eager_transcripts(tiny_model_dir, utterances, name, cache, warmup,
                                                     cuda_determinism):
     """20 utterances (lengths repeating: captures, hits, evictions; with 4 cached graphs older
     graphs replay after newer ones were captured into the shared pool): captured == eager."""
     items = stream(utterances, 20, [8000, 9600, 11200, 12800, 14400, 9600])
     kw = dict(steps=3) if name == "csuta" else {}
     e = build(tiny_model_dir, name, "device", device="cuda", **kw)
-    g = build(tiny_model_dir, name, "graph", device="cuda", runtime={"cuda_graph_cache": cache},
-              **kw)
+    g = build(tiny_model_dir, name, "graph", device="cuda",
+              runtime={"cuda_graph_cache": cache, "cuda_graph_warmup": warmup}, **kw)
     he, hg = run(e, items), run(g, items)
     assert he == hg
     assert max_diff(e.params, g.params) < 1e-5

@@ -216,7 +216,8 @@ def make_entry(name, args, model_dir, device):
     runtime = Runtime(precision=args.precision, compile=args.compile,
                       cache_features=args.cache_features,
                       cpu_native_backward=not args.onednn_backward,
-                      cuda_graphs=getattr(args, "cuda_graphs", "auto"))
+                      cuda_graphs=getattr(args, "cuda_graphs", "auto"),
+                      cuda_graph_warmup=getattr(args, "cuda_graph_warmup", 1))
     lobe = HFCTCLobe(model_dir, device=str(device), runtime=runtime)
     adapt = [{"select": s} for s in args.adapt.split(",")]
     if name in UNITS or name == TRAIN_UNIT:
@@ -327,6 +328,38 @@ def population_speed(args, model_dir, device):
     return res
 
 
+# ------------------------------------------------------------------------------ two lengths
+def fixed_cost(short, long):
+    """``(fixed s per utterance, s per audio s)`` of the line through two (audio s, s) points."""
+    (a1, t1), (a2, t2) = short, long
+    slope = (t2 - t1) / max(a2 - a1, 1e-9)
+    return t1 - slope * a1, slope
+
+
+def two_lengths(args, model_dir, device):
+    """``--two_lengths A,B``: seconds per utterance of each method at about A and at about B
+    seconds (every utterance a new length, after ``--warmup`` utterances), and the per-utterance
+    fixed cost: the intercept of time = fixed + slope x audio seconds through the two."""
+    secs = [float(s) for s in args.two_lengths.split(",")]
+    print(f"{'method':<16}{f's/utt {secs[0]:g} s':>12}{f's/utt {secs[1]:g} s':>12}"
+          f"{'fixed s/utt':>13}{'s/audio s':>11}", flush=True)
+    res = {}
+    for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        e = make_entry(name, args, model_dir, device)
+        for info, wav in generated_stream(args.warmup, secs[0], args.seed + 7):
+            e.process(wav, info)
+        points = []
+        for k, sec in enumerate(secs):
+            utts = generated_stream(args.n_utts, sec, args.seed + 11 + k)
+            wall = sum(timed(e, wav, info, device)[0] for info, wav in utts)
+            points.append((sum(w.numel() for _, w in utts) / 16000 / len(utts), wall / len(utts)))
+        fixed, per_s = fixed_cost(*points)
+        res[name] = dict(points=points, fixed_s_per_utt=fixed, s_per_audio_s=per_s)
+        print(f"{name:<16}{points[0][1]:>12.4f}{points[1][1]:>12.4f}{fixed:>13.4f}{per_s:>11.4f}",
+              flush=True)
+    return res
+
+
 # ------------------------------------------------------------------------------ main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -369,8 +402,13 @@ def parse_args(argv=None):
                    help="CPU: keep oneDNN in the backward (cpu_native_backward=False)")
     p.add_argument("--cuda_graphs", default="auto", choices=("auto", "on", "off"),
                    help="CUDA: replay the adaptation steps from captured graphs (Runtime.cuda_graphs)")
+    p.add_argument("--cuda_graph_warmup", type=int, default=1,
+                   help="eager steps of a new length before its capture (0: none once warm)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", default=None, help="cProfile this entry over the first round")
+    p.add_argument("--two_lengths", default=None, metavar="A,B", help="instead of the table: "
+                   "s per utterance of each method at about A and B seconds and the fixed cost per "
+                   "utterance (the intercept), e.g. 3,8")
     p.add_argument("--population", action="store_true", help="only E-BATS and FOA: the CMA-ES "
                    "population in one batch vs one candidate at a time (same transcripts?); on the "
                    "tests' tiny model unless --model")
@@ -425,6 +463,15 @@ def main(argv=None):
             return population_speed(args, model_dir, device)
         finally:
             tiny.cleanup()
+            if tmp is not None:
+                tmp.cleanup()
+    if args.two_lengths:
+        print(f"model: {model_desc}; device: {device}, threads: {torch.get_num_threads()}; "
+              f"{args.n_utts} utterances per length after {args.warmup} warm-up; cuda_graphs: "
+              f"{args.cuda_graphs}", flush=True)
+        try:
+            return two_lengths(args, model_dir, device)
+        finally:
             if tmp is not None:
                 tmp.cleanup()
     fresh = args.lengths == "fresh"

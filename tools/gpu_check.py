@@ -11,13 +11,15 @@ captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
 
 1. ``transcripts``: captured vs device eager on a tiny random wav2vec2 (the tests' model) for 20
    utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset), graph
-   cache 1 and 4: same transcripts? largest parameter difference; captures, hits, replays.
+   cache 1 and 4, and ``cuda_graph_warmup: 0``: same transcripts? largest parameter difference; captures, hits, replays.
 2. ``step``: one SUTA step on a 3 s utterance of a random wav2vec2-base-sized model, fp32, LayerNorm
    + CNN adapted: ms per step, eager / device eager / default (the earlier, hand-written H200
    measurement was 22 ms eager and 8.3 ms replayed; that is *not* what this script measured).
-3. ``lengths``: the per-utterance fixed cost: s per utterance of suta and dsuta + dynamic (default
-   steps) on utterances of about 3 s and 8 s (every one a new length, as in a real stream), and the
-   intercept of the line through the two (time = fixed + slope x length).
+3. ``lengths``: the per-utterance fixed cost (``tools/bench_speed.py --two_lengths 3,8``): s per
+   utterance of suta and dsuta + dynamic, eager, default and with ``cuda_graph_warmup: 0`` (a new
+   length captured at once, no eager step per utterance), on utterances of about 3 s and 8 s
+   (every one a new length, as in a real stream), and the intercept of the line through the two
+   (time = fixed + slope x audio seconds).
 4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
    run option ``--deterministic``): s per audio s and the price of determinism.
 5. ``bench``: ``tools/bench_speed.py --w2v2_base`` (source, suta, dsuta, dsuta+dynamic), default
@@ -244,7 +246,7 @@ def section_transcripts(args, rep, work):
     # 8 distinct lengths in random order: captures, cache hits and (cache 4) replays of older
     # graphs after newer ones were captured into the same pool
     wavs = _wavs(args.n_utts, 0.6, 1.4, n_lengths=8, seed=1)
-    rep.say(f"{'method, graph cache':<22}{'same transcripts':>18}{'max |dparam|':>14}  graph stats")
+    rep.say(f"{'method, graph cache':<26}{'same transcripts':>14}{'max |dparam|':>14}  graph stats")
     res, ok = {}, True
     for name in GRAPH_METHODS:
         kw = dict(lr=1e-3, steps=3 if name == "csuta" else 4)   # csuta: N=1 would never capture
@@ -252,17 +254,19 @@ def section_transcripts(args, rep, work):
             kw.update(buffer_size=3, reset_K=6)
         a = _method(name, tiny, args.device, DEVICE_EAGER, **dict(kw))
         ha, _ = _process_all(a, wavs, args.device)
-        for cache in (1, 4):
-            b = _method(name, tiny, args.device, DEFAULT, cache=cache, **dict(kw))
+        for cache, warmup in ((1, 1), (4, 1), (1, 0)):
+            b = _method(name, tiny, args.device, dict(DEFAULT, cuda_graph_warmup=warmup),
+                        cache=cache, **dict(kw))
             hb, _ = _process_all(b, wavs, args.device)
             same = sum(x == y for x, y in zip(ha, hb))
             diff = max(float((p.detach() - q.detach()).abs().max())
                        for p, q in zip(a.params, b.params))
             st = _stats(b)
             ok &= same == len(ha) and (args.cpu_smoke or st.get("replays", 0) > 0)
-            res[f"{name} cache {cache}"] = dict(same=same, n=len(ha), max_param_diff=diff,
-                                                eager=_stats(a), graphs=st)
-            rep.say(f"{name + ', ' + str(cache):<22}{same:>12}/{len(ha):<5}{diff:>14.2e}  {st}")
+            label = f"{name}, {cache}{', warmup 0' if warmup == 0 else ''}"
+            res[label] = dict(same=same, n=len(ha), max_param_diff=diff, eager=_stats(a),
+                              graphs=st)
+            rep.say(f"{label:<26}{same:>8}/{len(ha):<5}{diff:>14.2e}  {st}")
     rep.say("transcripts: " + ("OK (captured == device eager)" if ok else "MISMATCH or no replay"))
     rep.data["transcripts"] = dict(ok=ok, methods=res)
 
@@ -299,37 +303,24 @@ def section_step(args, rep, work):
     rep.data["step"] = res
 
 
-def fixed_cost(short, long):
-    """``(fixed s per utterance, s per audio s)`` of the line through two (audio s, s) points."""
-    (a1, t1), (a2, t2) = short, long
-    slope = (t2 - t1) / max(a2 - a1, 1e-9)
-    return t1 - slope * a1, slope
-
-
 def section_lengths(args, rep, work):
-    """Per-utterance time at two lengths, every utterance a new length (+-5 %)."""
+    """``tools/bench_speed.py --two_lengths``: s per utterance at two lengths (every utterance a
+    new length, as on a real stream) and the intercept, with the default steps."""
+    import bench_speed
     model = _base_model(work, args)
-    n = 3 if args.cpu_smoke else 12
+    common = ["--device", args.device, "--model", model, "--methods", "suta,dsuta+dynamic",
+              "--two_lengths", f"{args.seconds},{args.long_seconds}"]
+    common += (["--n_utts", "3", "--warmup", "2", "--suta_steps", "2", "--dsuta_steps", "2"]
+               if args.cpu_smoke else ["--n_utts", "12", "--warmup", "8"])
     res = {}
-    rep.say(f"{'method (default steps)':<24}{'s/utt ' + str(args.seconds) + ' s':>14}"
-            f"{'s/utt ' + str(args.long_seconds) + ' s':>14}{'fixed s/utt':>13}{'s/audio s':>11}")
-    for name in ("suta", "dsuta+dynamic"):
-        base = name.partition("+")[0]
-        kw = dict(lr=2e-5, steps=_steps(args, base))
-        if base == "dsuta":
-            kw.update(buffer_size=5, reset_K=10)
-        m = _method(name, model, args.device, DEFAULT, **kw)
-        _process_all(m, _wavs(4, 0.95 * args.seconds, 1.05 * args.seconds, seed=4), args.device)
-        points = []
-        for i, sec in enumerate((args.seconds, args.long_seconds)):
-            wavs = _wavs(n, 0.95 * sec, 1.05 * sec, seed=5 + i)
-            _, t = _process_all(m, wavs, args.device)
-            points.append((sum(w.numel() for w in wavs) / 16000 / n, t / n))
-        fixed, per_s = fixed_cost(*points)
-        res[name] = dict(points=points, fixed_s_per_utt=fixed, s_per_audio_s=per_s,
-                         stats=_stats(m))
-        rep.say(f"{name:<24}{points[0][1]:>14.4f}{points[1][1]:>14.4f}{fixed:>13.4f}{per_s:>11.4f}")
-        _release(m, args.device)
+    for tag, opts in (("eager", ["--cuda_graphs", "off"]), ("default", []),
+                      ("warmup 0", ["--cuda_graph_warmup", "0"])):
+        rep.say(f"--- bench_speed --two_lengths ({tag}: {' '.join(opts) or 'no options'}) ---")
+        res[tag] = bench_speed.main(common + opts)
+        for name, r in res[tag].items():
+            rep.say(f"{name + ' ' + tag:<24} s/utt {r['points'][0][1]:.4f} at "
+                    f"{r['points'][0][0]:.2f} s, {r['points'][1][1]:.4f} at {r['points'][1][0]:.2f} "
+                    f"s: fixed {r['fixed_s_per_utt']:.4f} s/utt + {r['s_per_audio_s']:.4f} s/audio s")
     rep.say("fixed s/utt: the intercept of time = fixed + slope x audio seconds (a warm process, "
             "every utterance a new length)")
     rep.data["lengths"] = res

@@ -46,7 +46,7 @@ class DeviceStep:
         self.flags = StepFlags(self.device, method.runtime.scale)
         self.backend = backend
         self.cache = GraphCache(capacity)
-        self.warmup = max(1, int(warmup))
+        self.warmup = max(0, int(warmup))
         self.captured_once = False
         self._x = None
         self._calls = self._eager = 0

@@ -4,7 +4,8 @@
   Within an utterance every step has the same input. The first steps of a new input length run
   eagerly (``cuda_graph_warmup``; 3 eager steps in all before the first capture): they are real
   steps and warm up what a capture must not do for the first time (cuBLAS/cuDNN set-up,
-  optimiser state). A length is captured only when at least 2 steps of the utterance remain. Then
+  optimiser state). With ``cuda_graph_warmup: 0`` a new length is captured at once once the
+  process is warm (its first step is then a replay too: no eager step per utterance; unmeasured). A length is captured only when at least 2 steps of the utterance remain. Then
   one step (zero the gradients, forward, loss, guarded backward, fused update, the counters) is
   captured into a ``torch.cuda.CUDAGraph`` (capture does not run it) and replayed for this and
   the remaining steps. Everything a replay reads or writes outside its own scratch memory is

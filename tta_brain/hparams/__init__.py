@@ -137,7 +137,7 @@ RULES = {
     "ns_coef": (_FLOAT, ">=0"), "ns_threshold": (_FLOAT, ">=0"), "beam_width": (_INT, ">=1"),
     "lm_weight": (_FLOAT, None), "word_bonus": (_FLOAT, None), "reset_every": (_INT, ">=1"),
     "reset_K": (_INT, ">=4"), "reset_patience": (_INT, ">=1"), "reset_threshold": (_FLOAT, None),
-    "cuda_graph_cache": (_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=1"),
+    "cuda_graph_cache": (_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=0"),
     "compile": (_BOOL, None), "cpu_native_backward": (_BOOL, None), "train_mode": (_BOOL, None),
     "deterministic": (_BOOL, None),
     "cuda_graphs": (("auto", "on", "off"), None), "cuda_device_steps": (_BOOL, None),

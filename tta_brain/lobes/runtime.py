@@ -61,7 +61,10 @@ class Runtime:
         ones were captured into the same pool, which is safe only because a capture leaves nothing
         alive in the pool (``tta_brain.gpu.graphs``); ``tools/gpu_check.py`` checks it with 4.
     cuda_graph_warmup : int
-        Eager steps of a new length before it is captured (>= 1).
+        Eager steps of a new length before it is captured (default 1). 0: once the first 3
+        steps of the run have run eagerly, a new length is captured at once (no eager step per
+        utterance: the per-utterance fixed cost; unmeasured on a GPU, ``tools/gpu_check.py``
+        checks that it replays the eager transcripts).
 
     The values are checked where they are read, by the yaml rules (``tta_brain.hparams.RULES``);
     the constructor does not check them again.
