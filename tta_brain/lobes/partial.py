@@ -83,10 +83,11 @@ class PartialForward:
         return states, h[:, skip:]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Last hidden state ``[B, F, H]`` -> logits ``[B, F, V]`` (adapter, dropout, lm_head)."""
+        """Last hidden state ``[B, F, H]`` -> float32 logits ``[B, F, V]`` (adapter, dropout,
+        lm_head; under autocast the passes run in the autocast precision)."""
         if getattr(self.base, "adapter", None) is not None:
             hidden = self.base.adapter(hidden)
-        return self.model.lm_head(self.model.dropout(hidden))
+        return self.model.lm_head(self.model.dropout(hidden)).float()
 
     # ----------------------------------------------------------------- whole passes
     def prompted(self, h: torch.Tensor, prompts: Optional[torch.Tensor] = None):

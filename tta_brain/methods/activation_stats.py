@@ -24,7 +24,7 @@ __all__ = ["hidden_stats", "token_stats", "load_stats", "layer_means", "mean_ali
 
 def layer_means(states) -> torch.Tensor:
     """Hidden states (a list of ``[P, F, H]``) -> their time means, concatenated ``[P, (L+1)H]``."""
-    return torch.cat([h.mean(dim=1) for h in states], dim=1)
+    return torch.cat([h.float().mean(dim=1) for h in states], dim=1)
 
 
 @stats_file.register_kind("hidden")
@@ -93,6 +93,7 @@ def _label_onehot(path: torch.Tensor, V: int, blank_id: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- losses
 def mean_alignment(means: torch.Tensor, source_mean: torch.Tensor) -> torch.Tensor:
     """``sum_d (mu_p,d - mu_src,d)^2`` per candidate: ``means [P, D]`` -> ``[P]``."""
+    means = means.float()
     return (means - source_mean.to(means)).pow(2).sum(dim=1)
 
 
@@ -102,7 +103,7 @@ def token_alignment(states, path: torch.Tensor, source: Dict[str, torch.Tensor],
     seen in the source statistics), ``mean_d (mu_v - mu_src,v)^2 + mean_d (s_v - s_src,v)^2``
     with mu_v / s_v the mean / biased std of the all-layer states of the frames labelled v; the
     average over those labels (0 if none). ``states``: list of ``[P, F, H]``; ``path [P, F]``."""
-    z = torch.cat(states, dim=-1)                                   # [P, F, D]
+    z = torch.cat(states, dim=-1).float()                           # [P, F, D]
     used = torch.zeros_like(source["count"], dtype=torch.bool)
     used[path.flatten()] = True
     used &= source["count"] > 0

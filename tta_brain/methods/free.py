@@ -124,7 +124,8 @@ class FreeMethod(TTAMethod):
     # ------------------------------------------------------------- the skeleton's hooks
     @torch.no_grad()
     def forward_and_adapt(self, x: torch.Tensor, info) -> str:
-        return self.lobe.decode(self.adapt(x, self.prefix(x)))[0]
+        with self.runtime.autocast(self.lobe.device.type):       # the run's precision
+            return self.lobe.decode(self.adapt(x, self.prefix(x)))[0]
 
     def reset(self):
         self.load_free_state(copy.deepcopy(self.initial_state()))
@@ -143,7 +144,8 @@ class FreeMethod(TTAMethod):
             values = [torch.zeros_like(self.meta_values()[0])]
         self.counts["aux_forward"] += 1
         z = values[0].reshape(1, -1).to(self.lobe.device)
-        return float(self.evaluate(self.prefix(x), z)[0][0])
+        with self.runtime.autocast(self.lobe.device.type):
+            return float(self.evaluate(self.prefix(x), z)[0][0])
 
     def state_dict(self) -> Dict:
         sd = super().state_dict()
