@@ -49,6 +49,35 @@ def build_on(model_dir, name, plain=False, **kwargs):
     return build_method(name, model=HFCTCLobe(model_dir, runtime=Runtime(**runtime)), **kwargs)
 
 
+def max_diff(a, b):
+    """Largest absolute difference between two equally long lists of tensors (0 for none)."""
+    assert len(a) == len(b)
+    return max((float((x.detach().double().cpu() - y.detach().double().cpu()).abs().max())
+                for x, y in zip(a, b)), default=0.0)
+
+
+@pytest.fixture
+def make(tiny_model_dir):
+    """``make(name, model_dir=None, **kwargs)``: a method on its own freshly loaded tiny model
+    (see :func:`build_on`)."""
+    def _make(name, model_dir=None, **kwargs):
+        return build_on(model_dir or tiny_model_dir, name, **kwargs)
+    return _make
+
+
+@pytest.fixture
+def source_values(tiny_model_dir):
+    """``source_values(names_or_method)``: the checkpoint's values of the named parameters (or of
+    a method's adapted ones)."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    params = dict(HFCTCLobe(tiny_model_dir).model.named_parameters())
+
+    def values(names):
+        names = getattr(names, "param_names", names)
+        return [params[n].detach().clone() for n in names]
+    return values
+
+
 def kill_9_mid_run(cmd, out, env, timeout=240):
     """Run ``cmd`` (a ``tta_brain.decode`` writing ``out``) and SIGKILL it as soon as its first
     checkpoint exists; the run must not have finished by then (its rerun is the test's part)."""
@@ -79,6 +108,23 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_lobe(tiny_model_dir):
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     return HFCTCLobe(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_stats(tiny_model_dir, tmp_path_factory):
+    """A source statistics file of the tiny model (kinds hidden, tokens: FOA, E-BATS) from
+    generated clean speech that is in no test stream."""
+    from fake_corpora import fake_speech
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import source_stats as ss
+    lobe = HFCTCLobe(tiny_model_dir)
+    inputs = [lobe.prepare(torch.from_numpy(fake_speech(0.7, seed=900 + i))) for i in range(4)]
+    record = ss.SourceStats(stats={k: ss.KINDS[k](lobe, inputs, {}) for k in ("hidden", "tokens")},
+                            manifest="generated", manifest_sha1="", model=tiny_model_dir,
+                            model_params_sha1=ss.params_sha1(lobe.model), n_utts=len(inputs))
+    path = tmp_path_factory.mktemp("tiny_stats") / "stats.pt"
+    ss.save(record, path)
+    return str(path)
 
 
 @pytest.fixture(scope="session")
@@ -119,17 +165,17 @@ def _slurm_conf():
 def slurm_cluster(monkeypatch):
     """The SLURM_CONF of a running cluster (set in os.environ, so sbatch and the jobs see it)."""
     if shutil.which("sbatch") is None:
-        _unavailable("sbatch not found: start a cluster with tools/slurm/cluster.sh start")
+        _unavailable("sbatch not found: start a cluster with .ci/slurm_cluster.sh start")
     conf = _slurm_conf()
     if conf is None:
         _unavailable("no slurm.conf found (SLURM_CONF unset, no /tmp/tta-slurm/etc/slurm.conf): "
-                     "start a cluster with tools/slurm/cluster.sh start")
+                     "start a cluster with .ci/slurm_cluster.sh start")
     monkeypatch.setenv("SLURM_CONF", conf)
     ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
     if ping.returncode != 0 or "UP" not in ping.stdout:
         first = ((ping.stdout + ping.stderr).strip().splitlines() or ["no output"])[0]
         _unavailable(f"slurmctld does not answer (SLURM_CONF={conf}: {first[:200]}): "
-                     "start a cluster with tools/slurm/cluster.sh start")
+                     "start a cluster with .ci/slurm_cluster.sh start")
     if importlib.util.find_spec("submitit") is None:
         _unavailable("submitit is not installed (pip install submitit)")
     return conf

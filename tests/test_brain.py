@@ -68,6 +68,7 @@ def test_reference_run_has_resets_and_lii(reference):
     assert not list((reference / "save").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(data, reference, tmp_path):
     out = tmp_path / "exp"
     cmd = [sys.executable, "-m", "tta_brain.decode", *args(data, out, *DSUTA, "--ckpt_every=3")]
@@ -94,6 +95,7 @@ def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(data, reference, tmp_
     assert summary(out) == summary(reference)
 
 
+@pytest.mark.slow
 def test_crashes_at_several_points_resume_exactly(data, reference, tmp_path, monkeypatch):
     """Crash (exception) after checkpoints at 8 and 16, where a reset triggered by the previous
     utterance takes effect on the first resumed one; also a torn last line and a checkpoint

@@ -87,6 +87,7 @@ def holder_pid(folder):
 
 
 # ----------------------------------------------------------------------------- one folder
+@pytest.mark.slow
 def test_second_writer_stops_at_once_and_the_first_finishes_intact(data, tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "exp"
     decode.main(decode_argv(data, ref, "dsuta", "--reset=dynamic"))
@@ -104,6 +105,7 @@ def test_second_writer_stops_at_once_and_the_first_finishes_intact(data, tmp_pat
     assert compare_runs.compare(ref, out) == []
 
 
+@pytest.mark.slow
 def test_rerun_with_other_settings_is_refused_overwrite_and_skip(data, tmp_path):
     out = tmp_path / "exp"
     decode.main(decode_argv(data, out))
@@ -123,6 +125,7 @@ def test_rerun_with_other_settings_is_refused_overwrite_and_skip(data, tmp_path)
     assert s["hparams"]["steps"] == 3 and s["counts"]["adapt_forward"] == 3 * 24
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_is_only_resumed_with_its_own_settings(data, tmp_path):
     out = tmp_path / "exp"
     cmd = [sys.executable, "-m", "tta_brain.decode", *decode_argv(data, out, "csuta")]
@@ -172,6 +175,7 @@ def test_one_rule_for_an_option_a_method_lacks(data, tmp_path, caplog):
             grid.plan_runs(args)
 
 
+@pytest.mark.slow
 def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_path):
     methods = "suta dsuta+dynamic"
     ref = tmp_path / "ref"
@@ -200,6 +204,7 @@ def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_pa
 
 
 # ----------------------------------------------------------------------------- Slurm
+@pytest.mark.slow
 def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slurm_cluster):
     methods = "source suta dsuta+dynamic"
     ref, exp = tmp_path / "ref", tmp_path / "exp"

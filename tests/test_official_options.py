@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import build_on
+from tta_brain import hparams
 from tta_brain.methods import losses
 from tta_brain.asr.ctc import collapse
 from tta_brain.lobes.hf_ctc import HFCTCLobe
@@ -88,12 +89,15 @@ def test_lii_positions_after_a_reset(count):
 def test_lii_count_options():
     assert make_reset_policy("dynamic", K=10).lii_count == "paper"
     assert make_reset_policy("dynamic", K=10, lii_count="official").lii_count == "official"
-    with pytest.raises(ValueError, match="lii_count"):
-        DynamicReset(K=10, lii_count="half")
-    DynamicReset(K=4)                                      # paper: 2 values
-    with pytest.raises(ValueError, match="K must be >= 5"):
-        DynamicReset(K=4, lii_count="official")           # official: 1 value
-    DynamicReset(K=5, lii_count="official")               # 2 values
+    # the yaml rules (tta_brain.hparams) refuse K = 4 with the official count (1 value)
+    for K, count, ok in ((4, "paper", True), (4, "official", False), (5, "official", True)):
+        values = {"reset": "dynamic", "reset_K": K, "reset_lii_count": count}
+        if ok:
+            hparams.check("dsuta.yaml", values)
+        else:
+            with pytest.raises(hparams.HparamsError, match="reset_K = 4 with reset_lii_count = "
+                                                           "official is not valid"):
+                hparams.check("dsuta.yaml", values)
     from tta_brain.hparams import __file__ as hp
     text = open(os.path.join(os.path.dirname(hp), "reset.yaml")).read()
     assert "\nreset_lii_count: paper " in text and "lii_count: !ref <reset_lii_count>" in text

@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow   # end to end: python -m pytest -m 'not slow' leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """

@@ -13,6 +13,8 @@ from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.lobes.testing import BASE_960H, save_random_ctc_model
 from tta_brain.methods import build_method
 
+pytestmark = pytest.mark.slow   # end to end: python -m pytest -m 'not slow' leaves it out
+
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     return save_random_ctc_model(str(tmp_path_factory.mktemp("w2v2_base_960h_random")), 0,

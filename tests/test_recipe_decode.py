@@ -6,9 +6,13 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import save_ctc_model
 from fake_corpora import make_chime3, make_librispeech, make_ms_snsd
 from tta_brain.data.manifest import read_manifest
+
+pytestmark = pytest.mark.slow   # end to end: python -m pytest -m 'not slow' leaves it out
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = "--noprogressbar --ckpt_every=0"     # keys every method yaml has

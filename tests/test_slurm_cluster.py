@@ -1,4 +1,4 @@
-"""submitit on a real Slurm cluster (``tools/slurm/cluster.sh start``): a job, a job array, and
+"""submitit on a real Slurm cluster (``.ci/slurm_cluster.sh start``): a job, a job array, and
 the checkpoint/requeue path that a time limit or a preemption takes.
 
 Skipped when no cluster is reachable (no ``sbatch`` on PATH, no config, no slurmctld answering),
@@ -10,6 +10,8 @@ import sys
 import time
 
 import pytest
+
+pytestmark = pytest.mark.slow   # end to end: python -m pytest -m 'not slow' leaves it out
 
 # The jobs unpickle what they run: this test module is not importable there (tests/ is not a
 # package on the job's sys.path), so cloudpickle ships its functions by value.

@@ -138,11 +138,6 @@ def test_dsuta_recompute_state_dict_round_trip(make, utterances):
     assert max_diff(rest.meta, full.meta) == 0
 
 
-def test_bad_slow_grad(make):
-    with pytest.raises(ValueError, match="slow_grad"):
-        make("dsuta", slow_grad="sometimes")
-
-
 # ----------------------------------------------------------------------------- CNN feature cache
 LN_ONLY = ({"select": "layernorm"},)
 

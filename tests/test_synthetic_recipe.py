@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow   # end to end: python -m pytest -m 'not slow' leaves it out
+
 REPO = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("synthetic_regression",
                                               REPO / "recipes" / "synthetic" / "regression.py")

@@ -81,15 +81,21 @@ def _log_run(out, argv, seed, device, deterministic):
 
 @dataclass
 class Plan:
-    """What a decode command would do, worked out without loading the model or writing a file."""
-    path: str                     # the method yaml
+    """What a decode command would do, worked out once without loading the model or writing a
+    file: the resolved yaml, the stream's rows, the fingerprint and the folder's status."""
+    hp: object                    # hparams.Resolved: path, resolved text, values
     args: object                  # cli.Arguments
-    resolved: dict                # the yaml's plain values
+    rows: list                    # the stream manifest's rows (read once)
+    record: dict                  # the plain values recorded with the run (summary, fingerprint)
     stream_csv: str
     out: str
     fingerprint: dict
     status: str                   # new | resume | done | differs
     diffs: list
+
+    @property
+    def resolved(self) -> dict:
+        return self.hp.values if self.hp is not None else {}
 
 
 def folder_status(out, fp):
@@ -117,23 +123,24 @@ def plan(argv) -> Plan:
     try:
         args = parse_arguments(list(argv))
         if args.help:
-            return Plan("", args, {}, "", "", {}, "help", [])
-        path = hp_files.find(args.method)
-        resolved = hp_files.resolve(path, args.overrides)
+            return Plan(None, args, [], {}, "", "", {}, "help", [])
+        hp = hp_files.resolve(args.method, args.overrides)
     except (UsageError, hp_files.HparamsError) as e:
         _fail(str(e))
+    resolved = hp.values
     for key in ("model", "method", "stream_csv", "output_folder"):
         if key not in resolved:
-            _fail(f"{path}: no '{key}' key (a method yaml needs model, method, stream_csv and "
+            _fail(f"{hp.path}: no '{key}' key (a method yaml needs model, method, stream_csv and "
                   f"output_folder; `include: [run]` gives the last three)")
     stream_csv, out = str(resolved["stream_csv"]), str(resolved["output_folder"])
     try:   # before the experiment folder exists: a bad manifest leaves nothing behind
         rows = load_stream(stream_csv, resolved.get("data_root"))
     except ManifestError as e:
         _fail(f"{e} (--stream_csv)")
-    fp = identity.fingerprint(record_hparams(resolved), stream_csv, len(rows))
+    record = record_hparams(resolved)
+    fp = identity.fingerprint(record, stream_csv, len(rows))
     status, diffs = folder_status(out, fp)
-    return Plan(str(path), args, resolved, stream_csv, out, fp, status, diffs)
+    return Plan(hp, args, rows, record, stream_csv, out, fp, status, diffs)
 
 
 def main(argv=None):
@@ -188,7 +195,7 @@ def _run(p: Plan, argv):
     bound_kernel_caches()                                          # before the first forward
     determinism = _determinism(p.resolved.get("device"), p.resolved.get("deterministic", True))
     try:
-        hparams = hp_files.load(p.path, p.args.overrides)
+        hparams = p.hp.build()
     except hp_files.HparamsError as e:
         _fail(str(e))
     if status == "differs":          # --overwrite, once the new run is known to build
@@ -199,11 +206,11 @@ def _run(p: Plan, argv):
     if seed is None:
         seed = 0
         sb.utils.seed_everything(seed)
-        logger.warning("%s has no 'seed'; seeded with 0", p.path)
+        logger.warning("%s has no 'seed'; seeded with 0", p.hp.path)
     out = p.out
     sb.create_experiment_directory(experiment_directory=out)
     with open(os.path.join(out, "hyperparams.yaml"), "w", encoding="utf-8") as f:
-        f.write(hp_files.resolved_text(p.path, p.args.overrides))
+        f.write(p.hp.record)
     _log_run(out, argv, seed, describe_device(p.resolved.get("device", "cpu")), determinism)
     logger.info("%s", hparams["method"].describe())
     if not os.path.exists(os.path.join(out, "stream.csv")):
@@ -211,9 +218,9 @@ def _run(p: Plan, argv):
     checkpointer = sb.utils.checkpoints.Checkpointer(os.path.join(out, "save"))
     brain = TTABrain(modules={"model": hparams["model"]}, hparams=hparams,
                      run_opts=p.args.run_opts, checkpointer=checkpointer,
-                     fingerprint=p.fingerprint, record_hparams=record_hparams(p.resolved))
+                     fingerprint=p.fingerprint, record_hparams=p.record)
     try:
-        summary = brain.evaluate(p.stream_csv, data_root=hparams.get("data_root"))
+        summary = brain.evaluate(p.stream_csv, rows=p.rows)
     except (ManifestError, ResumeError, RecordError) as e:
         logger.error("%s", e)
         _fail(str(e))

@@ -9,6 +9,7 @@ without an ``include`` line is used as it is.
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -18,7 +19,7 @@ import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
 
 __all__ = ["HPARAMS_DIR", "BLOCKS", "HparamsError", "available", "find", "compose", "load",
-           "resolve", "resolved_text", "describe", "keys", "check", "check_device", "RULES"]
+           "Resolved", "resolve", "describe", "keys", "check", "check_device", "RULES"]
 
 HPARAMS_DIR = Path(__file__).resolve().parent
 BLOCKS = ("run", "reset")
@@ -70,35 +71,39 @@ def compose(path: PathLike) -> str:
     return "\n".join(parts) + f"\n# ---- {path.name}\n" + body
 
 
-def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None) -> Dict:
-    """The yaml's values with the overrides applied and references resolved, without building
-    any object (``!new:`` / ``!apply:`` nodes stay tagged): for checks, ``--help`` and records."""
+@dataclass
+class Resolved:
+    """A yaml worked out once: composed with its blocks, the overrides applied, the references
+    resolved and the values checked. ``values`` are plain (``!new:`` / ``!apply:`` nodes stay
+    tagged: for checks, ``--help``, fingerprints and records); :meth:`build` makes the objects
+    from the same text; :attr:`record` is what a run folder keeps as ``hyperparams.yaml``."""
+    path: Path
+    text: str
+    values: Dict
+
+    @property
+    def record(self) -> str:
+        return f"# Resolved from {self.path} with the command-line overrides\n" + self.text
+
+    def build(self) -> Dict:
+        """The yaml's objects (model, method, reset policy)."""
+        with _errors(self.path):
+            return load_hyperpyyaml(self.text)
+
+
+def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None) -> Resolved:
+    """Find, compose and resolve a yaml with ``overrides`` once, and :func:`check` its values."""
     path = find(name_or_path)
-    text = compose(path)
     with _errors(path):
-        stream = resolve_references(text, overrides, overrides_must_match=True)
-        values = ruamel.yaml.YAML().load(stream)
+        text = resolve_references(compose(path), overrides, overrides_must_match=True).getvalue()
+        values = ruamel.yaml.YAML().load(text)
     check(path, values)
-    return values
-
-
-def resolved_text(name_or_path: PathLike, overrides=None) -> str:
-    """The resolved yaml as text (written as ``hyperparams.yaml`` into a run folder)."""
-    path = find(name_or_path)
-    with _errors(path):
-        stream = resolve_references(compose(path), overrides,
-                                    overrides_must_match=True)
-    return f"# Resolved from {path} with the command-line overrides\n" + stream.getvalue()
+    return Resolved(path, text, values)
 
 
 def load(name_or_path: PathLike, overrides=None) -> Dict:
-    """Build the yaml's objects (model, method, reset policy) with the overrides applied (after
-    :func:`check` of the values)."""
-    path = find(name_or_path)
-    resolve(path, overrides)
-    text = compose(path)
-    with _errors(path):
-        return load_hyperpyyaml(text, overrides)
+    """Build the yaml's objects with the overrides applied (after :func:`check` of the values)."""
+    return resolve(name_or_path, overrides).build()
 
 
 def keys(name_or_path: PathLike) -> List[str]:
@@ -183,8 +188,26 @@ def check(path, values: Dict) -> None:
             what = f" ({meaning[key]})" if meaning.get(key) else ""
             raise HparamsError(f"{path}: {key} = {values[key]!r} is not valid: {key} must be "
                                f"{_expected(kind, rng)}{what}")
+    if values.get("reset") == "dynamic":
+        _check_dynamic_reset(path, values)
     if "device" in values:
         check_device(values["device"])
+
+
+def _check_dynamic_reset(path, values: Dict) -> None:
+    """The dynamic reset's K against the LII count and the meta-update period (buffer_size)."""
+    K, M = values.get("reset_K"), values.get("buffer_size")
+    if K is None:
+        return
+    if values.get("reset_lii_count") == "official" and K < 5:
+        raise HparamsError(f"{path}: reset_K = {K} with reset_lii_count = official is not valid: "
+                           f"K/2 utterances build phi_D and the official count keeps K/2 - 1 LII "
+                           f"values, at least 2 are needed for the Gaussian; use reset_K >= 5")
+    if M is not None and K // 2 < M:
+        raise HparamsError(
+            f"{path}: reset_K = {K} with buffer_size = {M}: phi_D is saved after K/2 = {K // 2} "
+            f"utterances, before the first meta-update (every {M}), so it is the source model, "
+            f"every LII is 0 and the reset never fires; use reset_K >= {2 * M}")
 
 
 def check_device(device) -> None:

@@ -111,6 +111,11 @@ class TTAMethod:
                 f"step(s) per utterance; adapts {len(self.params)} tensors, "
                 f"{self.num_adapted / 1e6:.3f}M of {total / 1e6:.2f}M parameters ({groups})")
 
+    def warnings(self, n_utts: int) -> List[str]:
+        """Why the reset policy cannot act on a stream of ``n_utts`` utterances (the driver logs
+        them and keeps them in the summary)."""
+        return self.reset_policy.warnings(n_utts) if self.reset_policy is not None else []
+
     # ------------------------------------------------------------- set-up
     def configure_model(self):
         """Eval mode (no dropout / SpecAugment) and gradients only for the adapted parameters."""

@@ -37,16 +37,8 @@ class DSUTA(TTAMethod):
                  slow_optimizer: Optional[Callable] = None, fast_moments: str = "slow",
                  slow_grad: str = "reuse", slow_lr: Optional[float] = None, **kwargs):
         super().__init__(model, steps=steps, **kwargs)
-        if fast_moments not in ("slow", "zero"):
-            raise ValueError(f"fast_moments must be 'slow' or 'zero', not '{fast_moments}'")
-        if slow_grad not in ("reuse", "recompute"):
-            raise ValueError(f"slow_grad must be 'reuse' or 'recompute', not '{slow_grad}'")
         self.slow_grad = slow_grad
         self.M = int(buffer_size)
-        if self.M < 1:
-            raise ValueError("buffer_size (M) must be >= 1")
-        if self.reset_policy is not None:
-            self.reset_policy.check_update_every(self.M)
         self.fast_moments = fast_moments
         # slow (meta) parameters phi_t: plain leaf tensors with their own optimiser
         self.meta = [torch.nn.Parameter(t, requires_grad=False) for t in snapshot(self.params)]

@@ -64,20 +64,21 @@ class TTABrain(sb.Brain):
         wav, info = batch
         return self.method.process(wav, info)
 
-    def evaluate(self, test_set, data_root=None, progressbar=None, **_):
+    def evaluate(self, test_set, data_root=None, progressbar=None, rows=None, **_):
         """Decode the stream manifest ``test_set`` (a CSV path) in order; returns the summary.
+        ``rows``: its rows when the caller read them already (``decode.plan``), else they are
+        read here.
 
         Raises ``ManifestError`` for a bad manifest, :class:`~tta_brain.run.checkpoint.ResumeError`
         when the folder holds a checkpoint of another run.
         """
-        rows = load_stream(test_set, data_root)
+        rows = load_stream(test_set, data_root) if rows is None else rows
         self.out.mkdir(parents=True, exist_ok=True)
         if self.state.fingerprint is None:
             self.state.fingerprint = identity.stream_fingerprint(test_set, len(rows), self.tag)
         logger.info("Decoding %s (%d utterances) with %s, seed %s", test_set, len(rows), self.tag,
                     self._hp("seed"))
-        policy = getattr(self.method, "reset_policy", None)
-        warnings = policy.warnings(len(rows)) if policy is not None else []
+        warnings = self.method.warnings(len(rows))
         for text in warnings:
             logger.warning("%s", text)
         resumed = checkpoint.recover(self.checkpointer)
