@@ -550,7 +550,7 @@ def _gpu_check():
 def test_gpu_check_arguments():
     gc = _gpu_check()
     a = gc.parse_args(["--out", "/tmp/x", "--sections", "step,bench"])
-    assert a.sections == ["step", "bench"] and a.device == "cuda:0" and a.budget_s == 450
+    assert a.sections == ["step", "bench"] and a.device == "cuda:0" and a.budget_s == 470
     for bad in ([], ["--out", "x", "--sections", "nope"], ["--out", "x", "--device", "cpu"]):
         with pytest.raises(SystemExit) as e:
             gc.parse_args(bad)
