@@ -29,7 +29,8 @@ def tema_restart(es, ema, cov_ratio: float):
     es.sm.C = cov_ratio * ema["C"] + (1 - cov_ratio) * np.eye(len(ema["mean"]))
     es.sm.update_now(-1)
     es.pc = np.zeros_like(es.pc)
-    es.adapt_sigma.ps = np.zeros_like(es.adapt_sigma.ps) if hasattr(es.adapt_sigma, "ps") else None
+    if getattr(es.adapt_sigma, "ps", None) is not None:       # CSA's path (the default)
+        es.adapt_sigma.ps = np.zeros_like(es.adapt_sigma.ps)
 
 
 def ema_update(ema, es, decay: float):
@@ -42,8 +43,8 @@ def ema_update(ema, es, decay: float):
 class EBATS(FreeMethod):
     episodic = False
 
-    def __init__(self, model, source_stats="", data_root: str = "", popsize: int = 50, sigma: float = 0.01,
-                 generations: int = 25, early_stop_threshold: float = 0.001, patience: int = 3,
+    def __init__(self, model, source_stats="", data_root: str = "", popsize: int = 50,
+                 sigma: float = 0.01, generations: int = 25, early_stop_threshold: float = 0.001, patience: int = 3,
                  entropy_coef: float = 1.0, stats_coef: float = 2.0, temperature: float = 2.0,
                  tokenwise: bool = True, loss_max: float = 5.0, ema_decay: float = 0.9,
                  cov_ratio: float = 1.0, cma_seed: int = 2024, **kwargs):

@@ -27,14 +27,15 @@ from tta_brain.methods.registry import register
 class FOA(FreeMethod):
     episodic = False
 
-    def __init__(self, model, source_stats="", data_root: str = "", n_prompts: int = 3, popsize: int = 27,
-                 sigma: float = 0.1, fitness_coef: float = 0.2, disc_div: float = 64.0,
-                 temperature: float = 2.5, shift_coef: float = 0.1, hist_decay: float = 0.95,
-                 cma_seed: int = 2020, **kwargs):
+    def __init__(self, model, source_stats="", data_root: str = "", n_prompts: int = 3,
+                 popsize: int = 27, sigma: float = 0.1, fitness_coef: float = 0.2,
+                 disc_div: float = 64.0, temperature: float = 2.5, shift_coef: float = 0.1,
+                 hist_decay: float = 0.95, cma_seed: int = 2020, **kwargs):
         self.stats = load_stats(source_stats, data_root, model, ("hidden",))
         self.n_prompts, self.popsize = int(n_prompts), int(popsize)
         self.sigma0, self.coef, self.disc_div = float(sigma), float(fitness_coef), float(disc_div)
-        self.shift_coef, self.hist_decay, self.cma_seed = float(shift_coef), float(hist_decay), int(cma_seed)
+        self.shift_coef, self.hist_decay = float(shift_coef), float(hist_decay)
+        self.cma_seed = int(cma_seed)
         self.H = model.model.config.hidden_size
         self.dim = self.n_prompts * self.H
         super().__init__(model, temperature=temperature, **kwargs)
@@ -64,7 +65,8 @@ class FOA(FreeMethod):
     def evaluate(self, h0, z):
         logits, states, last = self.pf.prompted(h0, z.view(len(z), self.n_prompts, self.H))
         means = layer_means(states)
-        disc = self.coef * mean_alignment(means, self.stats["hidden"]["layers_mean"]) / self.disc_div
+        src = self.stats["hidden"]["layers_mean"]
+        disc = self.coef * mean_alignment(means, src) / self.disc_div
         ent = losses.entropy_loss(logits, temperature=self.temperature, blank_id=self.blank_id)
         self._last_means.append(means[:, -self.H:])
         if self.hist is not None:                                  # activation shifting
@@ -80,5 +82,5 @@ class FOA(FreeMethod):
         self.best_prompt = np.array(cands[best])
         self.es.tell(cands, fit.double().cpu().tolist())
         m = torch.cat(self._last_means).mean(dim=0)
-        self.hist = m if self.hist is None else self.hist_decay * self.hist + (1 - self.hist_decay) * m
+        self.hist = m if self.hist is None else torch.lerp(m, self.hist, self.hist_decay)
         return self.pick(parts, best)

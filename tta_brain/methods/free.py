@@ -7,13 +7,14 @@ continual: the reset-policy hooks around it), ``events``, ``counts``, ``state_di
 ``load_state_dict``. What differs, per utterance x::
 
     ctx = prefix(x)                      the network before the insertion point, once
-    losses, logits = evaluate(ctx, Z)    candidates Z [P, D] -> fitness [P], logits [P, F, V]
+    fitness, logits = evaluate(ctx, Z)   candidates Z [P, D] -> fitness [P], logits [P, F, V]
     hyp = adapt(x, ctx)                  the method (CMA-ES generations, a classifier update, ...)
 
 ``evaluate`` runs the whole population as one batch, or ``population_batch`` candidates at a time
-(1: one at a time; with ``shared_prefix: false`` each from the input again, as the reference). The carried state (``free_state``) is saved with the
-checkpoint; ``reset()`` goes back to ``initial_state()``. For the dynamic reset policy, the carried
-state is ``meta_values()`` and ``loss_with(values, x)`` the method's fitness with it.
+(1: one at a time; with ``shared_prefix: false`` each from the input again, as the reference).
+The carried state (``free_state``) is saved with the checkpoint; ``reset()`` goes back to
+``initial_state()``. For the dynamic reset policy, the carried state is ``meta_values()`` and
+``loss_with(values, x)`` the method's fitness with it.
 
 Counts: ``adapt_forward`` = candidates evaluated (one per candidate, batched or not),
 ``aux_forward`` = policy passes, ``infer_forward`` = passes for a transcript alone.
