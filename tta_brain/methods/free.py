@@ -19,7 +19,6 @@ The carried state (``free_state``) is saved with the checkpoint; ``reset()`` goe
 Counts: ``adapt_forward`` = candidates evaluated (one per candidate, batched or not),
 ``aux_forward`` = policy passes, ``infer_forward`` = passes for a transcript alone.
 """
-import copy
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -75,9 +74,11 @@ class FreeMethod(TTAMethod):
         self.load_free_state(self.initial_state())
 
     def describe(self) -> str:
+        population = "" if type(self).evaluate is FreeMethod.evaluate else (
+            f"; candidates per forward: {self.population_batch or 'the whole population'}"
+            f"{'' if self.shared_prefix else ', each from the input'}")
         return (f"{self.name}: {'episodic' if self.episodic else 'continual'}, backprop-free "
-                f"(no parameter adapts by gradient); population batch "
-                f"{self.population_batch or 'all'}")
+                f"(no parameter adapts by gradient){population}")
 
     # ------------------------------------------------------------- what a method defines
     def prefix(self, x: torch.Tensor):
@@ -93,6 +94,7 @@ class FreeMethod(TTAMethod):
         raise NotImplementedError
 
     def initial_state(self) -> Dict:
+        """A fresh copy of the state a method starts from (and resets to)."""
         return {}
 
     def free_state(self) -> Dict:
@@ -129,7 +131,7 @@ class FreeMethod(TTAMethod):
             return self.lobe.decode(self.adapt(x, self.prefix(x)))[0]
 
     def reset(self):
-        self.load_free_state(copy.deepcopy(self.initial_state()))
+        self.load_free_state(self.initial_state())
 
     def meta_values(self) -> List[torch.Tensor]:
         """The carried state as tensors (CMA-ES methods: the search mean)."""
@@ -140,7 +142,7 @@ class FreeMethod(TTAMethod):
 
     @torch.no_grad()
     def loss_with(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> float:
-        """Fitness of ``x`` at the carried state ``values`` (None: the initial state)."""
+        """Fitness of ``x`` at the carried state ``values`` (None: zero, where the search starts)."""
         if values is None:
             values = [torch.zeros_like(self.meta_values()[0])]
         self.counts["aux_forward"] += 1
