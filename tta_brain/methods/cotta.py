@@ -44,7 +44,7 @@ class CoTTA(TTAMethod):
         self.aug_gen = torch.Generator().manual_seed(self.seed)
         self.restore_gen = torch.Generator().manual_seed(self.seed + 1)
         self.counts.update(augmented=0)
-        self._wav = None
+        self._wav, self._fixed = None, None
 
     def process(self, wav, info=None):
         self._wav = wav                        # the augmented views noise the raw waveform
@@ -89,12 +89,33 @@ class CoTTA(TTAMethod):
         """Each adapted weight back to its source value with probability ``restore_prob``: a new
         mask every step (``fresh``, the CoTTA paper) or the reference's (``fixed``: the generator
         reseeded before each tensor, so the same weights every step). The masks are drawn on the
-        CPU (a seeded generator, the same on every device) and moved to the weights' device."""
-        for p, src in zip(self.params, self.source):
-            if self.restore_mask == "fixed":
-                self.restore_gen.manual_seed(self.seed + 1)
-            mask = torch.rand(p.shape, generator=self.restore_gen) < self.restore_prob
-            p.copy_(torch.where(mask.to(p.device), src, p))
+        CPU (a seeded generator, the same on every device) as flat indices."""
+        for p, src, idx in zip(self.params, self.source, self.restore_indices()):
+            idx = idx.to(p.device)
+            p.view(-1).index_copy_(0, idx, src.view(-1).index_select(0, idx))
+
+    def restore_indices(self):
+        """Per adapted tensor, the flat indices to restore this step. ``fresh``: each weight
+        independently with probability p, drawn sparsely (K ~ Binomial(n, p) weights, a uniform
+        K-subset of all n: the same law as n Bernoulli draws, without drawing n numbers)."""
+        if self.restore_mask == "fixed":
+            if self._fixed is None:
+                self._fixed = []
+                for p in self.params:
+                    self.restore_gen.manual_seed(self.seed + 1)
+                    mask = torch.rand(p.shape, generator=self.restore_gen) < self.restore_prob
+                    self._fixed.append(mask.view(-1).nonzero().squeeze(1))
+            return self._fixed
+        sizes = torch.tensor([p.numel() for p in self.params])
+        n, g = int(sizes.sum()), self.restore_gen
+        k = int(torch.binomial(torch.tensor(float(n)), torch.tensor(self.restore_prob), generator=g))
+        flat = torch.empty(0, dtype=torch.long)
+        while flat.numel() < k:                  # distinct draws: a uniform k-subset
+            flat = torch.cat([flat, torch.randint(n, (k - flat.numel(),), generator=g)]).unique()
+        ends = sizes.cumsum(0)
+        owner = torch.bucketize(flat, ends, right=True)
+        local = flat - (ends - sizes)[owner]
+        return local.split(torch.bincount(owner, minlength=len(sizes)).tolist())
 
     def reset(self):
         super().reset()
