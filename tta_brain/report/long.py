@@ -36,6 +36,7 @@ logger = logging.getLogger("tta_brain.report.long")
 WINDOW = 100        # utterances (the windows of 100 of issue #21's measurement)
 MARGIN = 5.0        # WER points above the source model's windowed WER that count as collapse
 FLAT_MIB = 5.0      # MiB per 1,000 utterances: a larger RSS slope is growth
+MIN_SAMPLES = 10    # memory samples (every 50 utterances: 500) before flatness is judged
 
 
 # ------------------------------------------------------------------------------------------------
@@ -71,9 +72,10 @@ def first_above(curve: Sequence[float], reference: Sequence[float], margin: floa
 
 def memory_slope(positions: Sequence[float], values: Sequence[float]) -> Optional[float]:
     """Least-squares slope of ``values`` over the second half of the samples, per 1,000
-    utterances (the first half holds the warm-up); None with fewer than 6 samples."""
+    utterances (the first half holds the warm-up: RSS rises for the first ~250 utterances);
+    None with fewer than :data:`MIN_SAMPLES` samples."""
     x, y = np.asarray(positions, dtype=float), np.asarray(values, dtype=float)
-    if len(x) < 6:
+    if len(x) < MIN_SAMPLES:
         return None
     x, y = x[len(x) // 2:], y[len(y) // 2:]
     if np.ptp(x) == 0:
@@ -194,7 +196,7 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW) -
                         color=tags.color(method), markeredgecolor="k")
     ax.set_ylabel(f"WER % (last {window} utts)")
     ax.set_title(f"{stream}: windowed WER over the stream (shaded: domain blocks; "
-                 f"v: resets detected by the method)", pad=14)
+                 f"v: resets detected by the method)", pad=18)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     if has_mem:
@@ -232,7 +234,8 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
     elif not unknown:
         lines.append(f"Memory: flat in every run ({rule}).")
     if unknown:
-        lines.append(f"Memory not judged (fewer than 6 samples in memory.csv): {', '.join(unknown)}.")
+        lines.append(f"Memory not judged (fewer than {MIN_SAMPLES} samples in memory.csv): "
+                     f"{', '.join(unknown)}.")
     if plots:
         png = plot_long(runs, stream, root / "plots" / f"long_{stream}.png", window)
         if png:
