@@ -179,6 +179,7 @@ def test_non_finite_loss_skips_the_step_and_is_logged(data, tmp_path, monkeypatc
     assert all(torch.isfinite(p).all() for p in m.params + m.meta)
 
 
+@pytest.mark.slow
 def test_kernel_caches_are_bounded_unless_the_user_sets_them(data, tmp_path):
     """A run bounds oneDNN's and ideep's shape-keyed caches (a long stream of new lengths would
     fill them: tools/bench_memory.py), says so in env.log, keeps a value the user set, and the

@@ -326,6 +326,7 @@ def test_bench_speed_runs(tiny_model_dir, tmp_path, capsys):
     assert "overhead_frac" in data["methods"]["dsuta"]["wall"]
 
 
+@pytest.mark.slow
 def test_bench_memory_runs(tmp_path, capsys):
     """The memory benchmark's whole path (generated model, decode children, windows, the control
     loop) on a few utterances; its figures are for a person to read, not asserted."""

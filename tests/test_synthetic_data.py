@@ -55,6 +55,7 @@ def test_sentences_are_disjoint_seeded_and_in_vocabulary():
         assert set(words) <= vocab
 
 
+@pytest.mark.slow
 def test_corpus_has_librispeech_layout(tmp_path):
     stamp = synthetic.make_corpus(str(tmp_path), n_train=8, n_test=4, seed=2,
                                   n_train_speakers=2, n_test_speakers=2, num_workers=1)
@@ -101,6 +102,7 @@ def _band_profile(x):
     return 10 * np.log10(e / e.sum() + 1e-12)
 
 
+@pytest.mark.slow
 def test_noises_are_distinct_and_deterministic(tmp_path):
     a = synthetic.make_noises(str(tmp_path / "a"), seed=5, seconds=3)
     b = synthetic.make_noises(str(tmp_path / "b"), seed=5, seconds=3)
