@@ -6,7 +6,6 @@ puts their text in front of its own (a block is a packaged name, or a path relat
 so every key of the result is top-level and ``--key=value`` overrides reach all of them. A yaml
 without an ``include`` line is used as it is.
 """
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -18,6 +17,9 @@ import ruamel.yaml.error
 import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
 
+from tta_brain.hparams import rules
+from tta_brain.hparams.rules import RULES, HparamsError, check_device
+
 __all__ = ["HPARAMS_DIR", "BLOCKS", "HparamsError", "available", "find", "compose", "load",
            "Resolved", "resolve", "describe", "keys", "check", "check_device", "RULES"]
 
@@ -26,10 +28,6 @@ BLOCKS = ("run", "reset")
 _INCLUDE = re.compile(r"^include:[ \t]*(\[[^\]\n]*\]|[^\s#]+)[^\n]*\n?", re.M)
 
 PathLike = Union[str, os.PathLike]
-
-
-class HparamsError(ValueError):
-    """A yaml or an override that cannot be used; the message is one line naming file and key."""
 
 
 def available() -> List[str]:
@@ -129,104 +127,9 @@ def describe(name_or_path: PathLike) -> List[Tuple[str, str, str]]:
     return out
 
 
-# ---------------------------------------------------------------------------- value checks
-#: Types and ranges of the packaged yamls' keys: (kind, test, what a valid value is). A value
-#: that fails is an error naming the key before anything is built.
-_INT, _FLOAT, _BOOL = "an integer", "a number", "true or false"
-RULES = {
-    "seed": (_INT, None), "steps": (_INT, ">=0"), "buffer_size": (_INT, ">=1"),
-    "ckpt_every": (_INT, ">=0"), "max_duration": (_FLOAT, ">=0"), "lr": (_FLOAT, ">0"),
-    "slow_lr": (_FLOAT, ">0?"), "lr_min": (_FLOAT, ">=0"), "em_coef": (_FLOAT, "0..1"),
-    "temperature": (_FLOAT, ">0"), "layernorm_lr_mult": (_FLOAT, ">=0"),
-    "cnn_lr_mult": (_FLOAT, ">=0"), "ema_decay": (_FLOAT, "0..1"), "renyi_alpha": (_FLOAT, ">0"),
-    "ns_coef": (_FLOAT, ">=0"), "ns_threshold": (_FLOAT, ">=0"), "beam_width": (_INT, ">=1"),
-    "lm_weight": (_FLOAT, None), "word_bonus": (_FLOAT, None), "reset_every": (_INT, ">=1"),
-    "reset_K": (_INT, ">=4"), "reset_patience": (_INT, ">=1"), "reset_threshold": (_FLOAT, None),
-    "cuda_graph_cache": (_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=0"),
-    "compile": (_BOOL, None), "cpu_native_backward": (_BOOL, None), "train_mode": (_BOOL, None),
-    "deterministic": (_BOOL, None),
-    "cuda_graphs": (("auto", "on", "off"), None), "cuda_device_steps": (_BOOL, None),
-    "precision": (("fp32", "bf16", "fp16"), None), "cache_features": (("auto", "on", "off"), None),
-    "reset": (("none", "fixed", "oracle", "dynamic"), None), "fast_moments": (("slow", "zero"), None),
-    "slow_grad": (("reuse", "recompute"), None), "param_collection": (("clean", "official"), None),
-    "reset_lii_count": (("paper", "official"), None),
-}
-
-
-def _valid(value, kind, rng) -> bool:
-    if kind == _BOOL:
-        return isinstance(value, bool)
-    if isinstance(kind, tuple):
-        return isinstance(value, str) and value in kind
-    if rng == ">0?" and value is None:
-        return True
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    if kind == _INT and not isinstance(value, int):
-        return False
-    if not math.isfinite(value):
-        return False
-    return {None: True, ">=0": value >= 0, ">0": value > 0, ">0?": value > 0, ">=1": value >= 1,
-            ">=4": value >= 4, "0..1": 0 <= value <= 1}[rng]
-
-
-def _expected(kind, rng) -> str:
-    if isinstance(kind, tuple):
-        return "one of " + ", ".join(kind)
-    text = {None: "", ">=0": " >= 0", ">0": " > 0", ">0?": " > 0 (or null)", ">=1": " >= 1",
-            ">=4": " >= 4", "0..1": " between 0 and 1"}[rng]
-    return kind + text
-
-
 def check(path, values: Dict) -> None:
-    """Every known key's value has its type and range, and ``device`` exists here; else an
-    :class:`HparamsError` naming the key, the value, what it must be and what the key means."""
-    meaning = None
-    for key, (kind, rng) in RULES.items():
-        if key in values and not _valid(values[key], kind, rng):
-            meaning = meaning or {k: c for k, _, c in describe(path)}
-            what = f" ({meaning[key]})" if meaning.get(key) else ""
-            raise HparamsError(f"{path}: {key} = {values[key]!r} is not valid: {key} must be "
-                               f"{_expected(kind, rng)}{what}")
-    if values.get("reset") == "dynamic":
-        _check_dynamic_reset(path, values)
-    if "device" in values:
-        check_device(values["device"])
-
-
-def _check_dynamic_reset(path, values: Dict) -> None:
-    """The dynamic reset's K against the LII count and the meta-update period (buffer_size)."""
-    K, M = values.get("reset_K"), values.get("buffer_size")
-    if K is None:
-        return
-    if values.get("reset_lii_count") == "official" and K < 5:
-        raise HparamsError(f"{path}: reset_K = {K} with reset_lii_count = official is not valid: "
-                           f"K/2 utterances build phi_D and the official count keeps K/2 - 1 LII "
-                           f"values, at least 2 are needed for the Gaussian; use reset_K >= 5")
-    if M is not None and K // 2 < M:
-        raise HparamsError(
-            f"{path}: reset_K = {K} with buffer_size = {M}: phi_D is saved after K/2 = {K // 2} "
-            f"utterances, before the first meta-update (every {M}), so it is the source model, "
-            f"every LII is 0 and the reset never fires; use reset_K >= {2 * M}")
-
-
-def check_device(device) -> None:
-    """``cpu``, or a CUDA device that exists on this machine."""
-    name = str(device)
-    if name == "cpu":
-        return
-    if not re.fullmatch(r"cuda(:\d+)?", name):
-        raise HparamsError(f"device = {name!r} (--device) is not valid: use cpu, cuda or cuda:N")
-    import torch
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 0:
-        build = "" if torch.backends.cuda.is_built() else ", a CPU-only build"
-        raise HparamsError(f"--device={name}: no CUDA device here (torch {torch.__version__}"
-                           f"{build} sees none); available: cpu")
-    index = int(name.split(":")[1]) if ":" in name else 0
-    if index >= n:
-        raise HparamsError(f"--device={name}: this machine has {n} CUDA device(s): "
-                           + ", ".join(f"cuda:{i}" for i in range(n)))
+    """:func:`tta_brain.hparams.rules.check` with the yaml's comments as the keys' meanings."""
+    rules.check(path, values, lambda: {k: c for k, _, c in describe(path)})
 
 
 class _errors:

@@ -22,7 +22,6 @@ from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 from tta_brain.methods.state import restore, snapshot
 
-RESTORE_MASKS = ("fresh", "fixed")
 
 
 @register("cotta")
@@ -33,8 +32,6 @@ class CoTTA(TTAMethod):
                  ap_threshold: float = 0.2, n_augment: int = 32, noise_min: float = 0.001,
                  noise_max: float = 0.015, noise_p: float = 0.5, restore_prob: float = 0.001,
                  restore_mask: str = "fresh", seed: int = 0, **kwargs):
-        if restore_mask not in RESTORE_MASKS:
-            raise ValueError(f"restore_mask = {restore_mask!r} is not valid: use fresh or fixed")
         kwargs.setdefault("adapt_params", ({"select": "all"},))
         super().__init__(model, lr=lr, steps=steps, **kwargs)
         self.ema_decay, self.ap_threshold = float(ema_decay), float(ap_threshold)

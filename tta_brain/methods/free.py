@@ -66,9 +66,6 @@ class FreeMethod(TTAMethod):
                              f"(no adapt_params)")
         super().__init__(model, adapt_params=(), steps=kwargs.pop("steps", 1), episodic=episodic,
                          reset_policy=reset_policy, **kwargs)
-        if int(population_batch) < 0:
-            raise ValueError(f"population_batch must be >= 0 (0: the whole population in one "
-                             f"batch, 1: one candidate at a time), got {population_batch}")
         self.population_batch, self.shared_prefix = int(population_batch), bool(shared_prefix)
         self.pf = PartialForward(model)
         self.load_free_state(self.initial_state())

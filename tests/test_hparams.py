@@ -1,0 +1,35 @@
+"""The packaged yamls and their one validation source (tta_brain.hparams.rules)."""
+import re
+
+import pytest
+
+from tta_brain import hparams
+
+REQUIRED = "source: x\nstream_csv: y\noutput_folder: z\nsource_stats: s\n"
+
+
+@pytest.mark.parametrize("method", hparams.available())
+def test_every_key_of_every_packaged_yaml_has_a_rule_and_its_default_passes(method):
+    keys = [k for k, _, _ in hparams.describe(method)]
+    assert keys and [k for k in keys if k not in hparams.RULES] == []
+    overrides = "".join(line + "\n" for line in REQUIRED.splitlines()
+                        if line.split(":")[0] in hparams.keys(method))
+    values = hparams.resolve(method, overrides).values
+    assert values["method"] is not None
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("eata_optimizer", "adam", "eata_optimizer must be one of adamw, sgd"),
+    ("restore_mask", "random", "restore_mask must be one of fresh, fixed"),
+    ("population_batch", -1, "population_batch must be an integer >= 0"),
+    ("filter_K", 0, "filter_K must be an integer >= 1 (or -1: all)"),
+    ("popsize", 1, "popsize must be an integer >= 2"),
+    ("source", 3, "source must be a string"),
+])
+def test_a_bad_value_names_the_key_what_it_must_be_and_what_it_means(key, value, expected):
+    method = next(m for m in hparams.available() if key in hparams.keys(m))
+    with pytest.raises(hparams.HparamsError, match=re.escape(expected)) as err:
+        hparams.check(hparams.find(method), {key: value})
+    comment = dict((k, c) for k, _, c in hparams.describe(method))[key]
+    assert comment and comment in str(err.value) and "\n" not in str(err.value)
+    hparams.check(hparams.find(method), {"filter_K": -1, "popsize": 2})      # edges allowed

@@ -1,0 +1,141 @@
+"""The one validation source of the yamls' values: every key's type and range (:data:`RULES`), the
+keys that constrain each other (the dynamic reset's K), and the device. Checked by
+:func:`tta_brain.hparams.resolve` before anything is built, so a bad value is one line naming the
+file, the key, what it must be and what the key means; the constructors do not check again."""
+import math
+import re
+from typing import Callable, Dict, Optional
+
+__all__ = ["RULES", "HparamsError", "check", "check_device"]
+
+
+class HparamsError(ValueError):
+    """A yaml or an override that cannot be used; the message is one line naming file and key."""
+
+
+#: Types and ranges of the packaged yamls' keys: (kind, test, what a valid value is). A value
+#: that fails is an error naming the key before anything is built.
+_INT, _FLOAT, _BOOL, _TEXT = "an integer", "a number", "true or false", "a string"
+RULES = {
+    # the run block (run.yaml): what is decoded, where, how
+    "seed": (_INT, None), "ckpt_every": (_INT, ">=0"), "max_duration": (_FLOAT, ">=0"),
+    "source": (_TEXT, None), "stream_csv": (_TEXT, None), "output_folder": (_TEXT, None),
+    "data_root": (_TEXT, None), "stream_name": (_TEXT, None), "device": (_TEXT, None),
+    "method_tag": (_TEXT, None), "precision": (("fp32", "bf16", "fp16"), None),
+    "compile": (_BOOL, None), "cache_features": (("auto", "on", "off"), None),
+    "cpu_native_backward": (_BOOL, None), "deterministic": (_BOOL, None),
+    "cuda_graphs": (("auto", "on", "off"), None), "cuda_device_steps": (_BOOL, None),
+    "cuda_graph_cache": (_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=0"),
+    # the reset block (reset.yaml)
+    "reset": (("none", "fixed", "oracle", "dynamic"), None), "reset_every": (_INT, ">=1"),
+    "reset_K": (_INT, ">=4"), "reset_patience": (_INT, ">=1"), "reset_threshold": (_FLOAT, None),
+    "reset_lii_count": (("paper", "official"), None),
+    # the gradient methods
+    "steps": (_INT, ">=0"), "lr": (_FLOAT, ">0"), "em_coef": (_FLOAT, "0..1"),
+    "temperature": (_FLOAT, ">0"), "layernorm_lr_mult": (_FLOAT, ">=0"),
+    "cnn_lr_mult": (_FLOAT, ">=0"), "train_mode": (_BOOL, None),
+    "param_collection": (("clean", "official"), None),
+    "buffer_size": (_INT, ">=1"), "slow_lr": (_FLOAT, ">0?"), "fast_moments": (("slow", "zero"), None),
+    "slow_grad": (("reuse", "recompute"), None), "ema_decay": (_FLOAT, "0..1"),
+    "lr_min": (_FLOAT, ">=0"), "renyi_alpha": (_FLOAT, ">0"), "ns_coef": (_FLOAT, ">=0"),
+    "ns_threshold": (_FLOAT, ">=0"), "beam_width": (_INT, ">=1"), "lm_path": (_TEXT, None),
+    "lm_unigrams": (_TEXT, None), "lm_weight": (_FLOAT, None), "word_bonus": (_FLOAT, None),
+    "eata_optimizer": (("adamw", "sgd"), None), "momentum": (_FLOAT, "0..1"),
+    "e_margin_factor": (_FLOAT, ">=0"), "d_margin": (_FLOAT, ">=0"), "probs_ema": (_FLOAT, "0..1"),
+    "fisher_alpha": (_FLOAT, ">=0"), "source_stats": (_TEXT, None),
+    "rho": (_FLOAT, ">=0"), "loss_ema": (_FLOAT, "0..1"), "reset_constant": (_FLOAT, None),
+    "ap_threshold": (_FLOAT, "0..1"), "n_augment": (_INT, ">=0"), "noise_min": (_FLOAT, ">=0"),
+    "noise_max": (_FLOAT, ">=0"), "noise_p": (_FLOAT, "0..1"), "restore_prob": (_FLOAT, "0..1"),
+    "restore_mask": (("fresh", "fixed"), None),
+    "steps2": (_INT, ">=0"), "lr2": (_FLOAT, ">0"), "tc_coef": (_FLOAT, ">=0"),
+    # the backprop-free methods
+    "population_batch": (_INT, ">=0"), "shared_prefix": (_BOOL, None),
+    "knn": (_INT, ">=1"), "bound_lambda": (_FLOAT, ">=0"), "max_steps": (_INT, ">=1"),
+    "tol": (_FLOAT, ">=0"), "blank_threshold": (_FLOAT, "0..1"), "filter_K": (_INT, "-1|>=1"),
+    "popsize": (_INT, ">=2"), "sigma": (_FLOAT, ">0"), "generations": (_INT, ">=1"),
+    "early_stop_threshold": (_FLOAT, ">=0"), "patience": (_INT, ">=1"), "cma_seed": (_INT, None),
+    "entropy_coef": (_FLOAT, ">=0"), "stats_coef": (_FLOAT, ">=0"), "tokenwise": (_BOOL, None),
+    "loss_max": (_FLOAT, ">0"), "cov_ratio": (_FLOAT, "0..1"), "n_prompts": (_INT, ">=1"),
+    "fitness_coef": (_FLOAT, ">=0"), "disc_div": (_FLOAT, ">0"), "shift_coef": (_FLOAT, None),
+    "hist_decay": (_FLOAT, "0..1"),
+}
+#: The ranges above, as a test and as words.
+RANGES = {None: (lambda v: True, ""), ">=0": (lambda v: v >= 0, " >= 0"),
+          ">0": (lambda v: v > 0, " > 0"), ">0?": (lambda v: v > 0, " > 0 (or null)"),
+          ">=1": (lambda v: v >= 1, " >= 1"), ">=2": (lambda v: v >= 2, " >= 2"),
+          ">=4": (lambda v: v >= 4, " >= 4"), "0..1": (lambda v: 0 <= v <= 1, " between 0 and 1"),
+          "-1|>=1": (lambda v: v == -1 or v >= 1, " >= 1 (or -1: all)")}
+
+
+def _valid(value, kind, rng) -> bool:
+    if kind == _TEXT:     # a path or a name; null where the yaml allows it; a yaml object (!apply)
+        return value is None or isinstance(value, str) or bool(getattr(getattr(value, "tag", None),
+                                                                          "value", None))
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if isinstance(kind, tuple):
+        return isinstance(value, str) and value in kind
+    if rng == ">0?" and value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind == _INT and not isinstance(value, int):
+        return False
+    return math.isfinite(value) and RANGES[rng][0](value)
+
+
+def _expected(kind, rng) -> str:
+    if isinstance(kind, tuple):
+        return "one of " + ", ".join(kind)
+    return kind + RANGES[rng][1]
+
+
+def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] = None) -> None:
+    """Every known key's value has its type and range, the dynamic reset's K fits, and ``device``
+    exists here; else an :class:`HparamsError` naming the key, the value, what it must be and
+    what the key means (``meanings()``: key -> the yaml's comment)."""
+    for key, (kind, rng) in RULES.items():
+        if key in values and not _valid(values[key], kind, rng):
+            meaning = meanings() if meanings is not None else {}
+            what = f" ({meaning[key]})" if meaning.get(key) else ""
+            raise HparamsError(f"{path}: {key} = {values[key]!r} is not valid: {key} must be "
+                               f"{_expected(kind, rng)}{what}")
+    if values.get("reset") == "dynamic":
+        _check_dynamic_reset(path, values)
+    if "device" in values:
+        check_device(values["device"])
+
+
+def _check_dynamic_reset(path, values: Dict) -> None:
+    """The dynamic reset's K against the LII count and the meta-update period (buffer_size)."""
+    K, M = values.get("reset_K"), values.get("buffer_size")
+    if K is None:
+        return
+    if values.get("reset_lii_count") == "official" and K < 5:
+        raise HparamsError(f"{path}: reset_K = {K} with reset_lii_count = official is not valid: "
+                           f"K/2 utterances build phi_D and the official count keeps K/2 - 1 LII "
+                           f"values, at least 2 are needed for the Gaussian; use reset_K >= 5")
+    if M is not None and K // 2 < M:
+        raise HparamsError(
+            f"{path}: reset_K = {K} with buffer_size = {M}: phi_D is saved after K/2 = {K // 2} "
+            f"utterances, before the first meta-update (every {M}), so it is the source model, "
+            f"every LII is 0 and the reset never fires; use reset_K >= {2 * M}")
+
+
+def check_device(device) -> None:
+    """``cpu``, or a CUDA device that exists on this machine."""
+    name = str(device)
+    if name == "cpu":
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", name):
+        raise HparamsError(f"device = {name!r} (--device) is not valid: use cpu, cuda or cuda:N")
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        build = "" if torch.backends.cuda.is_built() else ", a CPU-only build"
+        raise HparamsError(f"--device={name}: no CUDA device here (torch {torch.__version__}"
+                           f"{build} sees none); available: cpu")
+    index = int(name.split(":")[1]) if ":" in name else 0
+    if index >= n:
+        raise HparamsError(f"--device={name}: this machine has {n} CUDA device(s): "
+                           + ", ".join(f"cuda:{i}" for i in range(n)))
