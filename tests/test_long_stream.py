@@ -158,6 +158,17 @@ def test_long_report_table_plot_and_memory_verdict(decoded):
         write_long_report(runs, decoded, "md_hard")
 
 
+def test_memory_verdict_covers_cuda_memory_on_a_gpu(decoded):
+    from tta_brain.report.long import table_long
+    runs = collect_runs(decoded)
+    pos = range(49, 3000, 50)
+    runs[0].memory = [records.Memory(p, 800.0, 0.0) for p in pos]            # CPU, flat
+    runs[1].memory = [records.Memory(p, 800.0, 100 + 0.02 * p) for p in pos]  # CUDA grows
+    table, not_flat, unknown = table_long(runs, "md_long", window=5)
+    assert not_flat == [runs[1].name] and unknown == []
+    assert "+0.0 (CUDA +20.0)" in table
+
+
 # ------------------------------------------------------------------------- the long split
 def test_held_out_sentences_are_new_and_the_quick_start_sets_unchanged():
     train, test = make_sentence_sets(300, 30, seed=1)

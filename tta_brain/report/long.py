@@ -1,7 +1,7 @@
 """Long streams at a glance: collapse figures per run, memory along the stream, one plot.
 
-    python -m tta_brain.report.long --exp_dir exp/long/snr20 [--stream md_long] [--window 100]
-        [--margin 5] [--out exp/long/snr20/LONG.md]
+    python -m tta_brain.report.long --exp_dir exp/long3000/snr20 [--stream md_long] [--window 100]
+        [--margin 5] [--out exp/long3000/snr20/LONG.md]
 
 Per run (the paper's MD-Long table, one row per method and seed): the WER, and two collapse
 figures on the windowed WER (errors / reference words over the last ``window`` utterances, full
@@ -9,9 +9,9 @@ windows only): the **worst window** (its WER and where it ends), and the **first
 the windowed WER exceeds the source model's by more than ``margin`` points** ("never" if it does
 not). The source curve is the ``source`` run of the same stream (same seed when there is one).
 Memory: the process RSS sampled along the stream (``memory.csv``) and its least-squares slope over
-the second half of the samples, per 1,000 utterances; a run is *flat* when that slope is at most
-``--flat_mib`` (default 5 MiB per 1,000 utterances, the 0.5 MiB per 100 of
-``tools/bench_memory.py``).
+the second half of the samples, per 1,000 utterances (on a GPU also that of torch's CUDA memory);
+a run is *flat* when that slope is at most ``--flat_mib`` (default 5 MiB per 1,000 utterances,
+the 0.5 MiB per 100 of ``tools/bench_memory.py``), judged from 10 samples (500 utterances) on.
 
 The plot (``plots/long_<stream>.png``): windowed WER over stream position per method (mean over
 seeds), the domain blocks shaded and labelled, dynamic (detected) resets as markers on their
@@ -109,13 +109,16 @@ def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
     curve = run_curve(run, window)
     worst, at = worst_window(curve)
     out = {"wer": run_wer(run), "worst": worst, "worst_at": at, "first_above": None,
-           "has_source": source is not None, "rss_slope": None, "rss": None}
+           "has_source": source is not None, "rss_slope": None, "rss": None, "cuda_slope": None}
     if source is not None:
         out["first_above"] = first_above(curve, run_curve(source, window), margin)
     if run.memory:
         out["rss_slope"] = memory_slope([m.position for m in run.memory],
                                         [m.rss_mb for m in run.memory])
         out["rss"] = (run.memory[0].rss_mb, run.memory[-1].rss_mb)
+        if any(m.cuda_mb for m in run.memory):        # a GPU run: its device memory too
+            out["cuda_slope"] = memory_slope([m.position for m in run.memory],
+                                             [m.cuda_mb for m in run.memory])
     return out
 
 
@@ -132,19 +135,24 @@ def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: f
             above = "no source run"
         else:
             above = "never" if f["first_above"] is None else str(f["first_above"])
-        slope = f["rss_slope"]
+        slope, cuda = f["rss_slope"], f["cuda_slope"]
         if slope is None:
             unknown.append(r.name)
-        elif slope > flat_mib:
+        elif max(slope, cuda or 0.0) > flat_mib:
             not_flat.append(r.name)
         rss = "-" if f["rss"] is None else f"{f['rss'][0]:.0f} -> {f['rss'][1]:.0f}"
         rows.append([r.method, str(r.seed), str(len(r.transcripts)), fmt(f["wer"]),
                      "-" if f["worst"] is None else f"{fmt(f['worst'])} @ {f['worst_at']}",
-                     above, str(len(r.resets)), rss, "-" if slope is None else f"{slope:+.1f}"])
+                     above, str(len(r.resets)), rss, "-" if slope is None else _signed(slope)
+                     + ("" if cuda is None else f" (CUDA {_signed(cuda)})")])
     header = ["method", "seed", "utts", "WER %", f"worst {window}-utt window (ends at)",
               f"first position > source + {margin:g}", "resets", "RSS MiB (first -> last)",
               "RSS slope MiB / 1k utts"]
     return md_table(header, rows), not_flat, unknown
+
+
+def _signed(value: float) -> str:
+    return f"{round(value, 1) + 0.0:+.1f}"      # (+ 0.0: no "-0.0")
 
 
 def _mean_curves(runs: Sequence[Run], window: int) -> Dict[str, np.ndarray]:
@@ -228,7 +236,8 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
              f"only). Collapse figures: the worst window, and the first position where a run's "
              f"windowed WER exceeds the source model's by more than {margin:g} points.", "",
              table, ""]
-    rule = f"RSS slope over the second half of the stream at most {flat_mib:g} MiB per 1,000 utterances"
+    rule = (f"RSS (and CUDA memory) slope over the second half of the stream at most "
+            f"{flat_mib:g} MiB per 1,000 utterances")
     if not_flat:
         lines.append(f"**Memory grows** ({rule} is flat): {', '.join(not_flat)}.")
     elif not unknown:
@@ -247,7 +256,7 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tta_brain.report.long",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--exp_dir", required=True, help="results root (e.g. exp/long/snr20)")
+    p.add_argument("--exp_dir", required=True, help="results root (e.g. exp/long3000/snr20)")
     p.add_argument("--stream", default="md_long")
     p.add_argument("--out", default=None, help="default: <exp_dir>/LONG.md")
     p.add_argument("--window", type=int, default=WINDOW, help="window of the WER (utterances)")
