@@ -12,6 +12,7 @@ import torch
 
 from conftest import build_on, kill_9_mid_run
 from fake_corpora import write_stream
+from tta_brain.data.cache import file_identity
 from tta_brain import decode, stats
 from tta_brain.methods import UttInfo, losses, source_stats
 from tta_brain.methods.resets import make_reset_policy
@@ -259,7 +260,7 @@ def test_the_statistics_file_is_part_of_the_run_fingerprint(data, tmp_path):
     out = tmp_path / "eata"
     decode.main(args(data, "eata", out, "--ckpt_every=0"))
     fp = (out / "fingerprint.json").read_text()
-    assert source_stats.file_identity(data["stats"]) in fp
+    assert file_identity(data["stats"]) in fp
     other = data["root"] / "fisher2.pt"
     record = source_stats.load(data["stats"])
     record.stats["fisher"] = {k: 2 * v for k, v in record.stats["fisher"].items()}

@@ -14,7 +14,8 @@ from tta_brain.data.audio import load_audio
 from tta_brain.data.manifest import read_manifest
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import source_stats as ss
-from tta_brain.run.identity import file_sha1, source_identity
+from tta_brain.data.cache import file_identity, file_sha1, source_identity
+from tta_brain.data.manifest import expand_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,12 +107,12 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
 
 
 def test_paths_and_identity(tmp_path):
-    assert ss.resolve_path("$data_root/a/s.pt", "/d") == "/d/a/s.pt"
-    assert ss.resolve_path("${data_root}/s.pt", "/d") == "/d/s.pt"
+    assert expand_path("$data_root/a/s.pt", "/d") == "/d/a/s.pt"
+    assert expand_path("${data_root}/s.pt", "/d") == "/d/s.pt"
     f = tmp_path / "s.pt"
-    assert ss.file_identity("$data_root/s.pt", str(tmp_path)) == f"missing:{f}"
+    assert file_identity(expand_path("$data_root/s.pt", str(tmp_path))) == f"missing:{f}"
     f.write_bytes(b"abc")
-    assert ss.file_identity("$data_root/s.pt", str(tmp_path)) == f"sha1:{file_sha1(f)}"
+    assert file_identity(expand_path("$data_root/s.pt", str(tmp_path))) == f"sha1:{file_sha1(f)}"
 
 
 def test_module_entry_point_help():

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 def current(args, kinds, options):
     """None when ``--out`` holds ``kinds`` computed with these inputs and options, else why not."""
     import os
-    from tta_brain.run.identity import file_sha1, source_identity
+    from tta_brain.data.cache import file_sha1, source_identity
     if not os.path.isfile(args.out):
         return "no file yet"
     try:

@@ -24,6 +24,7 @@ always noticed. Files changed less than :data:`RACY_MARGIN_NS` before they were 
 stored (their timestamps could coincide with a later change: git's "racily clean" problem); they
 are hashed again on the next run.
 """
+import functools
 import hashlib
 import json
 import logging
@@ -49,6 +50,35 @@ def file_sha1(path, chunk=1 << 20):
         for block in iter(lambda: f.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+#: Files of a model directory that decide its outputs (weights, config, processor).
+MODEL_FILES = (".json", ".safetensors", ".bin", ".txt", ".model", ".pt")
+
+
+@functools.lru_cache(maxsize=64)
+def _dir_sha1(path: str, stamp: tuple) -> str:
+    h = hashlib.sha1()
+    for name, _, _ in stamp:
+        h.update(name.encode())
+        h.update(file_sha1(os.path.join(path, name)).encode())
+    return h.hexdigest()
+
+
+def source_identity(source: str) -> str:
+    """``sha1:<hex>`` of a local model directory's files, else ``hub:<name>``."""
+    if os.path.isdir(source):
+        names = sorted(n for n in os.listdir(source) if n.endswith(MODEL_FILES)
+                       and os.path.isfile(os.path.join(source, n)))
+        stamp = tuple((n, os.path.getsize(os.path.join(source, n)),
+                       os.stat(os.path.join(source, n)).st_mtime_ns) for n in names)
+        return f"sha1:{_dir_sha1(os.path.abspath(source), stamp)}"
+    return f"hub:{source}"
+
+
+def file_identity(path) -> str:
+    """``sha1:<content>`` of a file, ``missing:<path>`` if there is none (a run's input file)."""
+    return f"sha1:{file_sha1(path)}" if os.path.isfile(path) else f"missing:{path}"
 
 
 def short(digest):

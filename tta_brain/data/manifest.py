@@ -251,6 +251,14 @@ def to_placeholder(path, data_root=None):
     return str(path)
 
 
+def expand_path(value, data_root="") -> str:
+    """A path option outside a manifest (e.g. ``source_stats``): ``$data_root`` / ``${data_root}``
+    replaced anywhere in it, then environment variables (``$TTA_SOURCE_STATS``)."""
+    root = str(data_root or "")
+    value = str(value or "").replace("${data_root}", root).replace("$data_root", root)
+    return os.path.expandvars(value)
+
+
 def resolve_path(value, data_root=None):
     """Inverse of :func:`to_placeholder` for one value."""
     if value.startswith(PLACEHOLDER):

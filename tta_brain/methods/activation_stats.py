@@ -15,6 +15,7 @@ from typing import Dict, Iterable
 
 import torch
 
+from tta_brain.data.manifest import expand_path
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods import source_stats as stats_file
 
@@ -74,7 +75,7 @@ def load_stats(path: str, data_root: str, lobe, kinds) -> Dict[str, Dict[str, to
     """The statistics ``kinds`` of file ``path`` (``$data_root`` replaced) on ``lobe``'s device,
     checked to come from this source model; a one-line error naming the file and the command
     that makes it otherwise."""
-    path = stats_file.resolve_path(path, data_root)
+    path = expand_path(path, data_root)
     try:
         record = stats_file.load(path)
     except stats_file.SourceStatsError as e:

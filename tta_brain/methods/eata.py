@@ -18,6 +18,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from tta_brain.data.manifest import expand_path
 from tta_brain.methods import losses
 from tta_brain.methods import source_stats as stats_file
 from tta_brain.methods import Event      # (the package exports it wherever it is defined)
@@ -55,7 +56,7 @@ class EATA(TTAMethod):
         self.fisher_alpha = float(fisher_alpha)
         self.model_probs = None
         self.counts.update(filtered_unreliable=0, filtered_redundant=0)
-        self.stats_path = stats_file.resolve_path(source_stats, data_root)
+        self.stats_path = expand_path(source_stats, data_root)
         self.fisher = self._fisher(self.stats_path) if self.fisher_alpha > 0 else None
 
     def _fisher(self, path):

@@ -36,8 +36,10 @@ from typing import Callable, Dict, List, Sequence
 import torch
 import torch.nn.functional as F
 
+from tta_brain.data.cache import file_sha1, source_identity
+
 __all__ = ["SourceStats", "SourceStatsError", "KINDS", "register_kind", "save", "load", "compute",
-           "resolve_path", "file_identity", "params_sha1", "make_command", "FORMAT", "VERSION"]
+           "params_sha1", "make_command", "FORMAT", "VERSION"]
 
 FORMAT, VERSION = "tta_brain.source_stats", 1
 KINDS: Dict[str, Callable] = {}
@@ -105,21 +107,6 @@ def params_sha1(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def resolve_path(value, data_root="") -> str:
-    """``$data_root`` / ``${data_root}`` in a path replaced (as in the manifests' wav paths), then
-    environment variables (``$TTA_SOURCE_STATS``: a recipe whose data root is a corpus folder)."""
-    value = str(value or "")
-    value = value.replace("${data_root}", str(data_root or "")).replace("$data_root", str(data_root or ""))
-    return os.path.expandvars(value)
-
-
-def file_identity(value, data_root="") -> str:
-    """How a run fingerprints its statistics file: ``sha1:<content>`` (``missing:<path>``)."""
-    from tta_brain.run.identity import file_sha1
-    path = resolve_path(value, data_root)
-    return f"sha1:{file_sha1(path)}" if os.path.isfile(path) else f"missing:{path}"
-
-
 # ---------------------------------------------------------------------------- the file
 def save(record: SourceStats, path) -> None:
     """Write ``record`` to ``path`` (atomically: a temporary file, then a rename)."""
@@ -166,7 +153,6 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     from tta_brain.data.audio import load_audio
     from tta_brain.data.manifest import read_manifest
     from tta_brain.lobes.hf_ctc import HFCTCLobe
-    from tta_brain.run.identity import file_sha1, source_identity
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise SourceStatsError(f"unknown statistics kind(s) {', '.join(unknown) or '(none given)'} "

@@ -9,8 +9,6 @@ resolved hyperparameter except where the run is written and how often it checkpo
 only resumed or skipped by a run with the same fingerprint.
 """
 import fcntl
-import functools
-import hashlib
 import json
 import os
 import socket
@@ -18,44 +16,20 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-__all__ = ["LOCATION_KEYS", "file_sha1", "source_identity", "fingerprint", "stream_fingerprint",
+from tta_brain.data.cache import file_identity, file_sha1, source_identity
+from tta_brain.data.manifest import expand_path
+
+__all__ = ["LOCATION_KEYS", "CONTENT_KEYS", "fingerprint", "stream_fingerprint",
            "differences", "FolderLock", "LockedError", "FINGERPRINT_FILE", "LOCK_FILE"]
 
 #: Keys that say where a run is written or read from and how often it checkpoints, not what it
 #: computes (the stream's content is fingerprinted instead of its path).
 LOCATION_KEYS = ("output_folder", "stream_csv", "data_root", "ckpt_every")
+#: Keys whose value is an input file, fingerprinted by its content (the source model is by
+#: ``source_identity``).
+CONTENT_KEYS = ("source_stats",)
 FINGERPRINT_FILE = "fingerprint.json"
 LOCK_FILE = ".lock"
-#: Files of a model directory that decide its outputs (weights, config, processor).
-MODEL_FILES = (".json", ".safetensors", ".bin", ".txt", ".model", ".pt")
-
-
-def file_sha1(path) -> str:
-    h = hashlib.sha1()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=64)
-def _dir_sha1(path: str, stamp: tuple) -> str:
-    h = hashlib.sha1()
-    for name, _, _ in stamp:
-        h.update(name.encode())
-        h.update(file_sha1(os.path.join(path, name)).encode())
-    return h.hexdigest()
-
-
-def source_identity(source: str) -> str:
-    """``sha1:<hex>`` of a local model directory's files, else ``hub:<name>``."""
-    if os.path.isdir(source):
-        names = sorted(n for n in os.listdir(source) if n.endswith(MODEL_FILES)
-                       and os.path.isfile(os.path.join(source, n)))
-        stamp = tuple((n, os.path.getsize(os.path.join(source, n)),
-                       os.stat(os.path.join(source, n)).st_mtime_ns) for n in names)
-        return f"sha1:{_dir_sha1(os.path.abspath(source), stamp)}"
-    return f"hub:{source}"
 
 
 def fingerprint(hparams: Dict, stream_csv, n_rows: int) -> Dict:
@@ -66,9 +40,9 @@ def fingerprint(hparams: Dict, stream_csv, n_rows: int) -> Dict:
         hp["device"] = str(hp["device"]).split(":")[0]
     if "source" in hp:
         hp["source"] = source_identity(str(hp["source"]))
-    if hp.get("source_stats"):     # a statistics file counts by its content, as the model does
-        from tta_brain.methods.source_stats import file_identity
-        hp["source_stats"] = file_identity(hp["source_stats"], hparams.get("data_root", ""))
+    for key in CONTENT_KEYS:       # an input file counts by its content, as the model does
+        if hp.get(key):
+            hp[key] = file_identity(expand_path(hp[key], hparams.get("data_root", "")))
     return {"stream_sha1": file_sha1(stream_csv), "n_rows": n_rows,
             "tta_brain": tta_brain.__version__, "hparams": hp}
 
