@@ -38,7 +38,7 @@ from tta_brain.data.audio import load_audio
 from tta_brain.data.prep.librispeech import read_transcripts
 from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB, normalize_waveforms
 from tta_brain.asr.metrics import corpus_error_rate
-from tta_brain.run.progress import disable_progressbars, progress
+from tta_brain.data.prep.progress import disable_progressbars, progress
 
 # The exact vocabulary of facebook/wav2vec2-base-960h.
 VOCAB = {t: i for i, t in enumerate(W2V2_CHAR_VOCAB)}

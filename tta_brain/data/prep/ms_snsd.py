@@ -75,7 +75,7 @@ def corrupt_domain(rows, code, noise, out_dir, snr, seed=DEFAULT_SEED, data_root
     Gaussian noise. Which files are written: those whose source ID is in ``only`` when it is given,
     else every file with ``overwrite``, else the missing ones.
     """
-    from tta_brain.run.progress import progress
+    from tta_brain.data.prep.progress import progress
 
     from ..audio import load_audio, write_audio
     from ..mixing import gaussian_noise, mix_at_snr, utterance_seed

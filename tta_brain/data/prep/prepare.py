@@ -252,7 +252,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.noprogressbar:
-        from tta_brain.run.progress import disable_progressbars
+        from tta_brain.data.prep.progress import disable_progressbars
         disable_progressbars()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

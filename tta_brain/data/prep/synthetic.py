@@ -91,7 +91,7 @@ def _worker_init():
 
 
 def _render_many(jobs: List[Dict]) -> List[Dict]:
-    from tta_brain.run.progress import progress
+    from tta_brain.data.prep.progress import progress
     _worker_init()
     worker = jobs[0]["worker"] if jobs else 0
     return [_render(j) for j in progress(jobs, desc=f"synthesis (worker {worker})",
@@ -277,7 +277,7 @@ def main(argv=None):
     p.add_argument("--noprogressbar", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
     if args.noprogressbar:
-        from tta_brain.run.progress import disable_progressbars
+        from tta_brain.data.prep.progress import disable_progressbars
         disable_progressbars()
     if args.cmd in ("corpus", "long_test"):
         if args.cmd == "corpus":
