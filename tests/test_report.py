@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tta_brain.report import plots, results as report, tables
-from tta_brain.run import records
+from tta_brain.run import records, summary
 
 WORDS = 10  # reference words per utterance
 MD_DOMAINS = ["AA", "GS", "NB"]  # md_easy: 3 segments of 200 utterances
@@ -51,7 +51,7 @@ def make_run(root, method, stream, seed, errs, resets=(), lii=None, counts=None,
     writer.close()
     n = len(layout)
     boundaries = [p for p in range(1, n) if layout[p][1] != layout[p - 1][1]]
-    records.write_summary(d, records.Summary(
+    summary.write_summary(d, summary.Summary(
         method=method, stream=stream, seed=seed, wer=100.0 * n_err_total / (n * WORDS),
         wer_per_domain={}, n_utts=n, n_words=n * WORDS, n_err=n_err_total, n_skipped=0, skipped=[],
         resets=list(resets), boundaries=boundaries,

@@ -37,7 +37,9 @@ from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hpa
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
 from tta_brain.run.envinfo import describe_device, versions
-from tta_brain.run.records import CSV_FILES, RecordError, clear_run, read_summary
+from tta_brain.run.folder import clear_run
+from tta_brain.run.records import CSV_FILES, RecordError
+from tta_brain.run.summary import read_summary
 from tta_brain.lobes.runtime import (KERNEL_CACHE_VARIABLES, bound_kernel_caches,
                                      deterministic_kernels)
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from tta_brain.report import tags
 from tta_brain.report.tables import fmt, md_table, run_wer
-from tta_brain.run.records import Run
+from tta_brain.run.folder import Run
 
 logger = logging.getLogger("tta_brain.report.long")
 

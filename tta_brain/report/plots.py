@@ -1,5 +1,5 @@
 """Plots of finished runs (matplotlib, Agg backend): WER difference over time, reset timelines,
-LII distributions and WER vs number of adaptation steps. Runs are :class:`tta_brain.run.records.Run`
+LII distributions and WER vs number of adaptation steps. Runs are :class:`tta_brain.run.folder.Run`
 objects; every ``plot_*`` returns the PNG path written, or None when there is nothing to draw."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tta_brain.report import tags  # noqa: E402
-from tta_brain.run.records import Run  # noqa: E402
+from tta_brain.run.folder import Run  # noqa: E402
 from tta_brain.report.tables import (aggregate, group_runs, has_resets, label_text,  # noqa: E402
                               run_wer, steps_groups, streams_of)
 

@@ -25,7 +25,8 @@ from typing import List, Sequence
 
 from tta_brain.report import tables, tags
 from tta_brain.run.envinfo import environment
-from tta_brain.run.records import RecordError, Run, load_run
+from tta_brain.run.folder import Run, load_run
+from tta_brain.run.records import RecordError
 
 logger = logging.getLogger("tta_brain.report.results")  # same name under python -m
 

@@ -1,4 +1,4 @@
-"""Numbers of a set of runs (:class:`tta_brain.run.records.Run`) and the Markdown tables of RESULTS.md:
+"""Numbers of a set of runs (:class:`tta_brain.run.folder.Run`) and the Markdown tables of RESULTS.md:
 per-run WERs, grouping by method label and stream, mean +- sample std over seeds, resets against
 the true boundaries, ESPnet-style scores, efficiency, WER vs adaptation steps."""
 import math
@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from tta_brain.report import tags
 from tta_brain.asr.metrics import error_rate
-from tta_brain.run.records import Run
+from tta_brain.run.folder import Run
 
 COUNT_KEYS = ("adapt_forward", "adapt_backward", "infer_forward", "aux_forward")
 Label = Tuple[str, Optional[int]]

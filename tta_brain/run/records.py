@@ -1,5 +1,5 @@
-"""The run record: the files of one experiment folder, their columns and types. The only module
-that reads or writes them (the Brain writes, the report and the plots read).
+"""The run record: the per-utterance files of one experiment folder, their columns and types. The
+only module that reads or writes them (the Brain writes, the report and the plots read).
 
     transcripts.csv  one row per decoded utterance (:class:`Transcript`)
     rejects.csv      skipped utterances and why (:class:`Reject`)
@@ -7,22 +7,21 @@ that reads or writes them (the Brain writes, the report and the plots read).
     lii.csv          LII values of the dynamic reset (:class:`Lii`)
     memory.csv       process memory along the stream (:class:`Memory`)
     wer.txt          SpeechBrain ``ErrorRateStats`` with per-utterance alignments
-    summary.json     :class:`Summary`
+
+``summary.json`` is :mod:`tta_brain.run.summary`'s; the folder as a whole (the typed :class:`Run` the
+report reads, clearing it for ``--overwrite``) is :mod:`tta_brain.run.folder`'s.
 """
 import csv
-import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 from speechbrain.utils.metric_stats import ErrorRateStats
 
-__all__ = ["Transcript", "Reject", "Reset", "Lii", "Memory", "Summary", "Run", "RecordWriter",
-           "RecordError", "CSV_FILES", "read_transcripts", "read_rejects", "read_resets",
-           "read_lii", "read_memory", "rows_done", "read_summary", "write_summary",
-           "write_wer_file", "load_run", "clear_run", "RUN_FILES"]
+__all__ = ["Transcript", "Reject", "Reset", "Lii", "Memory", "RecordWriter", "RecordError",
+           "CSV_FILES", "read_transcripts", "read_rejects", "read_resets", "read_lii",
+           "read_memory", "rows_done", "write_wer_file"]
 
 
 class RecordError(ValueError):
@@ -256,130 +255,3 @@ class RecordWriter:
     def close(self) -> None:
         for fh in self._files.values():
             fh.close()
-
-
-@dataclass
-class Summary:
-    """``summary.json``: the run's result and what produced it."""
-    method: str                             # tag, e.g. dsuta+dynamic
-    stream: str
-    seed: Optional[int]
-    wer: Optional[float]                    # % (null without reference words)
-    wer_per_domain: Dict[str, Optional[float]]
-    n_utts: int
-    n_words: int
-    n_err: int
-    n_skipped: int
-    skipped: List[Dict]                     # [{position, ID, reason}]
-    resets: List[int]
-    boundaries: List[int]                   # positions where the manifest's segment changes
-    counts: Dict[str, int]                  # passes: adapt_forward, adapt_backward, ...
-    wall_time_s: float
-    audio_s: float
-    time_per_audio_s: float
-    num_adapted_params: int
-    hparams: Dict                           # the resolved scalar hparams of the run
-    device: str
-    versions: Dict[str, str]
-    fingerprint: Dict = field(default_factory=dict)
-    warnings: List[str] = field(default_factory=list)   # what the run could not do (e.g. reset)
-
-    @property
-    def steps(self) -> Optional[int]:
-        value = self.hparams.get("steps")
-        return None if value is None else int(value)
-
-
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    return value
-
-
-def write_summary(folder, summary: Summary) -> None:
-    """``summary.json``, written atomically (temporary file + rename)."""
-    path = Path(folder) / "summary.json"
-    tmp = path.with_name(".summary.json.tmp")
-    tmp.write_text(json.dumps({k: _json_safe(v) for k, v in asdict(summary).items()}, indent=2),
-                   encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_summary(folder) -> Summary:
-    path = Path(folder) / "summary.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise RecordError(f"{path}: cannot read ({err})") from None
-    names = {f.name for f in fields(Summary)}
-    missing = sorted(n for n in names if n not in data and n not in ("fingerprint", "warnings"))
-    if not isinstance(data, dict) or missing:
-        raise RecordError(f"{path}: not a summary of this tta_brain version (missing: "
-                          f"{', '.join(missing)})")
-    return Summary(**{k: v for k, v in data.items() if k in names})
-
-
-@dataclass
-class Run:
-    """An experiment folder as the report and the plots see it."""
-    dir: Path
-    name: str                      # relative to the results root
-    summary: Summary
-    transcripts: List[Transcript]
-    resets: List[int]
-    lii: List[Lii]
-    memory: List[Memory] = field(default_factory=list)
-
-    @property
-    def method(self) -> str:
-        return self.summary.method
-
-    @property
-    def stream(self) -> str:
-        return self.summary.stream
-
-    @property
-    def seed(self):
-        return self.summary.seed
-
-    @property
-    def steps(self) -> Optional[int]:
-        return self.summary.steps
-
-    @property
-    def boundaries(self) -> List[int]:
-        return self.summary.boundaries
-
-
-def load_run(folder, root=None) -> Run:
-    """Read a finished experiment folder (raises :class:`RecordError` naming the bad file)."""
-    folder = Path(folder)
-    summary = read_summary(folder)
-    return Run(dir=folder, name=os.path.relpath(folder, root) if root is not None else folder.name,
-               summary=summary, transcripts=sorted(read_transcripts(folder), key=lambda t: t.position),
-               resets=sorted(r.position for r in read_resets(folder)),
-               lii=sorted(read_lii(folder), key=lambda v: v.position),
-               memory=sorted(read_memory(folder), key=lambda m: m.position))
-
-
-#: Everything a run writes into its folder besides the record CSVs (``save/``: checkpoints).
-RUN_FILES = ("wer.txt", "summary.json", "stream.csv", "hyperparams.yaml", "log.txt", "env.log",
-             "fingerprint.json", "save")
-
-
-def clear_run(folder) -> List[str]:
-    """Delete a run's records, summary, checkpoints and logs (``--overwrite``); the names removed."""
-    import shutil
-    folder, removed = Path(folder), []
-    for name in [f"{n}.csv" for n in CSV_FILES] + list(RUN_FILES):
-        path = folder / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-        else:
-            continue
-        removed.append(name)
-    return removed

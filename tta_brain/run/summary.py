@@ -1,17 +1,86 @@
-"""The end of a run: ``wer.txt`` and ``summary.json`` computed from the written records (never from
+"""``summary.json``: its typed record (:class:`Summary`, the one reader and writer of the file) and
+the end of a run: ``wer.txt`` and ``summary.json`` computed from the written records (never from
 memory, so a resumed run summarises exactly like an uninterrupted one)."""
+import json
 import logging
-from typing import Dict, List
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Dict, List, Optional
 
 from tta_brain.data.loader import boundaries
 from tta_brain.run.envinfo import describe_device, versions
 from tta_brain.asr.metrics import error_rate
-from tta_brain.run.records import (Summary, read_rejects, read_resets, read_transcripts,
-                               write_summary, write_wer_file)
+from tta_brain.run.records import (RecordError, read_rejects, read_resets, read_transcripts,
+                                   write_wer_file)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["summarise"]
+__all__ = ["Summary", "read_summary", "write_summary", "summarise"]
+
+
+@dataclass
+class Summary:
+    """``summary.json``: the run's result and what produced it."""
+    method: str                             # tag, e.g. dsuta+dynamic
+    stream: str
+    seed: Optional[int]
+    wer: Optional[float]                    # % (null without reference words)
+    wer_per_domain: Dict[str, Optional[float]]
+    n_utts: int
+    n_words: int
+    n_err: int
+    n_skipped: int
+    skipped: List[Dict]                     # [{position, ID, reason}]
+    resets: List[int]
+    boundaries: List[int]                   # positions where the manifest's segment changes
+    counts: Dict[str, int]                  # passes: adapt_forward, adapt_backward, ...
+    wall_time_s: float
+    audio_s: float
+    time_per_audio_s: float
+    num_adapted_params: int
+    hparams: Dict                           # the resolved scalar hparams of the run
+    device: str
+    versions: Dict[str, str]
+    fingerprint: Dict = field(default_factory=dict)
+    warnings: List[str] = field(default_factory=list)   # what the run could not do (e.g. reset)
+
+    @property
+    def steps(self) -> Optional[int]:
+        value = self.hparams.get("steps")
+        return None if value is None else int(value)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
+def write_summary(folder, summary: Summary) -> None:
+    """``summary.json``, written atomically (temporary file + rename)."""
+    path = Path(folder) / "summary.json"
+    tmp = path.with_name(".summary.json.tmp")
+    tmp.write_text(json.dumps({k: _json_safe(v) for k, v in asdict(summary).items()}, indent=2),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_summary(folder) -> Summary:
+    path = Path(folder) / "summary.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise RecordError(f"{path}: cannot read ({err})") from None
+    names = {f.name for f in fields(Summary)}
+    missing = sorted(n for n in names if n not in data and n not in ("fingerprint", "warnings"))
+    if not isinstance(data, dict) or missing:
+        raise RecordError(f"{path}: not a summary of this tta_brain version (missing: "
+                          f"{', '.join(missing)})")
+    return Summary(**{k: v for k, v in data.items() if k in names})
 
 
 def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, seed,

@@ -1,0 +1,76 @@
+"""An experiment folder as a whole: the typed :class:`Run` the report and the plots read (records +
+summary), and clearing a folder for ``--overwrite``."""
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+from tta_brain.run.records import (CSV_FILES, Lii, Memory, Transcript, read_lii, read_memory,
+                                   read_resets, read_transcripts)
+from tta_brain.run.summary import Summary, read_summary
+
+__all__ = ["Run", "load_run", "clear_run", "RUN_FILES"]
+
+
+@dataclass
+class Run:
+    """An experiment folder as the report and the plots see it."""
+    dir: Path
+    name: str                      # relative to the results root
+    summary: Summary
+    transcripts: List[Transcript]
+    resets: List[int]
+    lii: List[Lii]
+    memory: List[Memory] = field(default_factory=list)
+
+    @property
+    def method(self) -> str:
+        return self.summary.method
+
+    @property
+    def stream(self) -> str:
+        return self.summary.stream
+
+    @property
+    def seed(self):
+        return self.summary.seed
+
+    @property
+    def steps(self) -> Optional[int]:
+        return self.summary.steps
+
+    @property
+    def boundaries(self) -> List[int]:
+        return self.summary.boundaries
+
+
+def load_run(folder, root=None) -> Run:
+    """Read a finished experiment folder (raises :class:`RecordError` naming the bad file)."""
+    folder = Path(folder)
+    summary = read_summary(folder)
+    return Run(dir=folder, name=os.path.relpath(folder, root) if root is not None else folder.name,
+               summary=summary, transcripts=sorted(read_transcripts(folder), key=lambda t: t.position),
+               resets=sorted(r.position for r in read_resets(folder)),
+               lii=sorted(read_lii(folder), key=lambda v: v.position),
+               memory=sorted(read_memory(folder), key=lambda m: m.position))
+
+
+#: Everything a run writes into its folder besides the record CSVs (``save/``: checkpoints).
+RUN_FILES = ("wer.txt", "summary.json", "stream.csv", "hyperparams.yaml", "log.txt", "env.log",
+             "fingerprint.json", "save")
+
+
+def clear_run(folder) -> List[str]:
+    """Delete a run's records, summary, checkpoints and logs (``--overwrite``); the names removed."""
+    import shutil
+    folder, removed = Path(folder), []
+    for name in [f"{n}.csv" for n in CSV_FILES] + list(RUN_FILES):
+        path = folder / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
