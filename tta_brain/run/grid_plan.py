@@ -1,0 +1,177 @@
+"""The runs of a grid, planned without running anything: every (stream, method token, seed, sweep
+point) with its folder ``<exp_dir>/<stream>/<token>[_<tag>]/seed<seed>`` and its decode arguments.
+
+The tag names the ``--decode_opts`` and ``--sweep`` values that make a run differ from the recipe
+(ESPnet's inference_tag), so a sweep never collides. A run's overrides come from
+``<conf_dir>/<method>.opts``, ``<conf_dir>/<method>_md.opts`` (streams in ``--md_streams``),
+``<conf_dir>/<token>.opts``, ``--md_decode_opts``, ``--decode_opts`` and the sweep point, later
+ones winning. One rule (:class:`OptionRule`) for a grid-wide option a method lacks.
+"""
+import itertools
+import logging
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+logger = logging.getLogger("tta_brain.grid")
+
+__all__ = ["Run", "plan_runs", "inference_tag", "sweep_points", "method_yaml", "OptionRule",
+           "UNTAGGED"]
+
+#: Decode options that say where or how visibly a run goes, not what it computes: not in tags.
+UNTAGGED = ("noprogressbar", "device", "ckpt_every", "output_folder", "stream_csv", "data_root")
+
+@dataclass
+class Run:
+    name: str                       # <stream>/<tag>/seed<seed>, relative to exp_dir
+    folder: Path
+    argv: List[str]                 # tta_brain.decode arguments
+    status: str = "queued"          # queued | running | done | failed | skipped
+    message: str = ""
+    logs: List[str] = field(default_factory=list)
+    total: int = 0                  # rows of its stream
+    seen: Optional[tuple] = None    # what the progress rate is measured from (rate_since)
+
+
+def _opts_file(path: Path) -> List[str]:
+    if not path.is_file():
+        return []
+    return [a for line in path.read_text().splitlines() if not line.strip().startswith("#")
+            for a in shlex.split(line)]
+
+
+def _keyvals(opts: List[str]) -> Dict[str, str]:
+    out = {}
+    for a in opts:
+        key, _, value = a[2:].partition("=") if a.startswith("--") else (a, "", "")
+        out[key] = value
+    return out
+
+
+def inference_tag(opts: List[str]) -> str:
+    """``lr1e-4_reset_K50`` from ``--lr=1e-4 --reset_K=50`` (run options left out)."""
+    parts = [f"{k}{v}" for k, v in _keyvals(opts).items() if k not in UNTAGGED]
+    return re.sub(r"[^A-Za-z0-9._=+-]+", "-", "_".join(parts))
+
+
+def sweep_points(specs: List[str]) -> List[List[str]]:
+    """``["lr=1e-4,3e-4", "steps=5,10"]`` -> the cartesian product as ``--key=value`` lists."""
+    axes = []
+    for spec in specs:
+        key, _, values = spec.partition("=")
+        if not key or not values:
+            raise SystemExit(f"ERROR: --sweep {spec!r}: use key=v1,v2,...")
+        axes.append([f"--{key.lstrip('-')}={v}" for v in values.split(",")])
+    return [list(p) for p in itertools.product(*axes)] or [[]]
+
+
+def method_yaml(token: str, hparams_dir: Optional[str]):
+    """The yaml of a method token and the ``--reset`` it implies (``dsuta+dynamic``)."""
+    base, _, reset = token.partition("+")
+    if hparams_dir:
+        for name in (token, base):
+            if (Path(hparams_dir) / f"{name}.yaml").is_file():
+                yaml = str(Path(hparams_dir) / f"{name}.yaml")
+                return yaml, ([f"--reset={reset}"] if reset and name == base else [])
+    from tta_brain import hparams
+    if base not in hparams.available():
+        where = f"no {Path(hparams_dir or '.') / (token + '.yaml')} and " if hparams_dir else ""
+        raise SystemExit(f"ERROR: method '{token}': {where}no packaged method '{base}' "
+                         f"(packaged: {', '.join(hparams.available())})")
+    return base, [f"--reset={reset}"] if reset else []
+
+
+class OptionRule:
+    """One rule for an option a method does not have, for every grid-wide option list
+    (``--decode_opts``, ``--md_decode_opts``, ``--sweep``): a key that no method of the grid has
+    is a one-line error before anything runs (a typo); a key that some methods lack is not passed
+    to those, and the log says so once per key and method."""
+
+    def __init__(self, yamls: Dict[str, str]):
+        from tta_brain import hparams
+        from tta_brain.run.cli import FLAGS
+        self.keys = {token: set(hparams.keys(y)) | set(FLAGS) for token, y in yamls.items()}
+        self.logged = set()
+
+    def check(self, source: str, opts: List[str]) -> None:
+        for key in _keyvals(opts):
+            if not any(key in keys for keys in self.keys.values()):
+                raise SystemExit(f"ERROR: {source} --{key}: no method of this grid has the key "
+                                 f"'{key}' (methods: {', '.join(self.keys)}); check its spelling")
+
+    def kept(self, token: str, source: str, opts: List[str]) -> List[str]:
+        """``opts`` without the keys ``token``'s yaml lacks."""
+        keys = self.keys[token]
+        kept = [a for a in opts if _keyvals([a]) and next(iter(_keyvals([a]))) in keys]
+        for a in opts:
+            if a not in kept and (token, source, a) not in self.logged:
+                self.logged.add((token, source, a))
+                logger.info("%s: %s %s is not a key of its yaml, not passed", token, source, a)
+        return kept
+
+
+def plan_runs(args) -> List[Run]:
+    """Every run of the grid, in order (streams, methods, seeds, sweep points)."""
+    conf = Path(args.conf_dir) if args.conf_dir else None
+    md = set(args.md_streams.split())
+    user, md_opts = shlex.split(args.decode_opts), shlex.split(args.md_decode_opts)
+    points = sweep_points(args.sweep)
+    tokens = args.methods.split()
+    yamls = {token: method_yaml(token, args.hparams_dir) for token in tokens}
+    rule = OptionRule({token: y for token, (y, _) in yamls.items()})
+    rule.check("--decode_opts", user)
+    rule.check("--md_decode_opts", md_opts)
+    rule.check("--sweep", points[0])
+    # --gpus: each local run sees its one GPU (CUDA_VISIBLE_DEVICES) and decodes on it
+    gpu = ["--device=cuda"] if args.engine == "local" and args.gpus.split() else []
+    runs = []
+    for spec in args.streams:
+        name, _, csv = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        name = name or Path(csv).stem
+        if not Path(csv).is_file() and not args.dry_run:
+            raise SystemExit(f"ERROR: stream {csv} not found; run the earlier stages first")
+        kind = "_md" if Path(name).name in md else ""
+        total = _stream_rows(csv)
+        logger.info("%s: %s", name, "multi-domain option set (<method>_md.opts, --md_decode_opts)"
+                    if kind else "single-domain option set")
+        for token in tokens:
+            yaml, reset = yamls[token]
+            base = token.partition("+")[0]
+            files = [f"{base}.opts"] + ([f"{base}{kind}.opts"] if kind else []) \
+                + ([f"{token}.opts"] if token != base else [])
+            recipe = reset + [a for f in files for a in (_opts_file(conf / f) if conf else [])]
+            recipe += rule.kept(token, "--md_decode_opts", md_opts) if kind else []
+            mine = rule.kept(token, "--decode_opts", user)
+            for point in points:
+                point = rule.kept(token, "--sweep", point)
+                tag = inference_tag(mine + point)
+                for seed in args.seeds.split():
+                    rel = f"{name}/{token}{'_' + tag if tag else ''}/seed{seed}"
+                    folder = Path(args.exp_dir) / rel
+                    argv = [yaml, f"--source={args.source}", f"--stream_csv={csv}",
+                            f"--output_folder={folder}", f"--seed={seed}",
+                            f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
+                            *gpu, *recipe, *mine, *point]
+                    runs.append(Run(rel, folder, argv, total=total))
+    return _unique(runs)
+
+
+def _stream_rows(csv: str) -> int:
+    """Rows of a stream manifest (0 when it is not there yet: a dry run)."""
+    try:
+        with open(csv, "rb") as f:
+            return max(f.read().count(b"\n") - 1, 0)
+    except OSError:
+        return 0
+
+
+def _unique(runs: List[Run]) -> List[Run]:
+    """Sweep points that differ only in keys a method lacks give that method the same run once."""
+    seen, out = set(), []
+    for r in runs:
+        if r.name not in seen:
+            seen.add(r.name)
+            out.append(r)
+    return out
