@@ -24,6 +24,7 @@ from functools import partial
 import pytest
 import torch
 
+from conftest import max_diff
 from tta_brain.gpu import DeviceStep, HostStep, graphs, guard, make_step, step_blocker
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo, build_method
@@ -112,12 +113,6 @@ def run(m, items):
 def opt_tensors(opt, params):
     return [v.detach().clone() for p in params for k, v in sorted(opt.state[p].items())
             if torch.is_tensor(v)]
-
-
-def max_diff(a, b):
-    assert len(a) == len(b)
-    return max((float((x.detach().double().cpu() - y.detach().double().cpu()).abs().max())
-                for x, y in zip(a, b)), default=0.0)
 
 
 def events(m):

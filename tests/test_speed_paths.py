@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from conftest import build_on
+from conftest import max_diff
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo
 from tta_brain.methods.resets import DynamicReset
@@ -32,13 +32,6 @@ TOL = 1e-6
 
 
 
-@pytest.fixture
-def make(tiny_model_dir):
-    def _make(name, model_dir=None, **kwargs):
-        return build_on(model_dir or tiny_model_dir, name, **kwargs)
-    return _make
-
-
 def items(utterances, n):
     return [(utterances[i % len(utterances)], UttInfo(id=f"u{i}", position=i, domain="d"))
             for i in range(n)]
@@ -46,11 +39,6 @@ def items(utterances, n):
 
 def run(method, stream):
     return [method.process(w, info) for w, info in stream]
-
-
-def max_diff(a, b):
-    assert len(a) == len(b)
-    return max(float((x.detach().double() - y.detach().double()).abs().max()) for x, y in zip(a, b))
 
 
 def opt_tensors(opt, params):
@@ -80,7 +68,7 @@ def assert_same_run(a, b, hyps_a, hyps_b, meta=False):
 
 # ----------------------------------------------------------------------------- SUTA / CSUTA
 @pytest.mark.parametrize("name", ["suta", "csuta"])
-def test_suta_fast_paths_equal_plain(make, utterances, source_values_of, name):
+def test_suta_fast_paths_equal_plain(make, utterances, source_values, name):
     kw = dict(steps=3, lr=1e-3)
     fast, plain = make(name, **kw), make(name, plain=True, **kw)
     assert fast.optimizer.param_groups[0]["foreach"] is True
@@ -88,15 +76,8 @@ def test_suta_fast_paths_equal_plain(make, utterances, source_values_of, name):
     assert not fast.features.enabled                   # layernorm + cnn: the CNN is adapted
     stream = items(utterances, 4)
     assert_same_run(fast, plain, run(fast, stream), run(plain, stream))
-    assert max_diff(fast.params, source_values_of(fast)) > 1e-4      # it did adapt
+    assert max_diff(fast.params, source_values(fast)) > 1e-4      # it did adapt
     assert fast.counts == plain.counts
-
-
-@pytest.fixture
-def source_values_of(tiny_model_dir):
-    net = HFCTCLobe(tiny_model_dir).model
-    params = dict(net.named_parameters())
-    return lambda m: [params[n].detach().clone() for n in m.param_names]
 
 
 # ----------------------------------------------------------------------------- DSUTA
