@@ -99,6 +99,18 @@ def kill_9_mid_run(cmd, out, env, timeout=240):
     assert not (out / "summary.json").exists(), "killed too late: the run had finished"
 
 
+def assert_resumes_after_kill_9(cmd, out, env, ref,
+                                files=("transcripts.csv", "resets.csv", "wer.txt")):
+    """``kill -9`` the decode ``cmd`` at its first checkpoint and rerun it: it resumes, and its
+    ``files`` equal those of the uninterrupted run in ``ref``."""
+    kill_9_mid_run(cmd, out, env)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Resuming" in (out / "log.txt").read_text()
+    for f in files:
+        assert (out / f).read_text() == (ref / f).read_text(), f
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return save_ctc_model(str(tmp_path_factory.mktemp("tiny_w2v2")))

@@ -7,15 +7,14 @@ are written and resets happen (positions 8 and 16) across checkpoints.
 import csv
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import kill_9_mid_run
 from fake_corpora import write_stream
 from tta_brain import decode
 from tta_brain.run.brain import TTABrain
@@ -73,20 +72,7 @@ def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(data, reference, tmp_
     out = tmp_path / "exp"
     cmd = [sys.executable, "-m", "tta_brain.decode", *args(data, out, *DSUTA, "--ckpt_every=3")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    try:
-        while not list((out / "save").glob("CKPT+*/stream.ckpt")):
-            assert proc.poll() is None, "the run ended before its first checkpoint"
-            assert time.time() < deadline, "no checkpoint after 240 s"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (out / "summary.json").exists(), "killed too late: the run had finished"
+    kill_9_mid_run(cmd, out, env)
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     log = (out / "log.txt").read_text()

@@ -3,14 +3,13 @@ of 20 generated utterances through ``tta_brain.decode`` for each, and transcript
 kill -9 + resume for the continual ones."""
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import build_on, kill_9_mid_run
+from conftest import assert_resumes_after_kill_9, build_on
 from fake_corpora import write_stream
 from tta_brain.data.cache import file_identity
 from tta_brain import decode, stats
@@ -278,12 +277,7 @@ def test_kill_9_and_resume_gives_the_same_transcripts(name, data, tmp_path):
     cmd = [sys.executable, "-m", "tta_brain.decode",
            *args(data, name, out, "--ckpt_every=3", "--reset=fixed", "--reset_every=7")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    kill_9_mid_run(cmd, out, env)
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "Resuming" in (out / "log.txt").read_text()
-    for f in ("transcripts.csv", "resets.csv", "wer.txt"):
-        assert (out / f).read_text() == (ref / f).read_text(), f
+    assert_resumes_after_kill_9(cmd, out, env, ref)
 
 
 @pytest.mark.parametrize("name", FIELD)

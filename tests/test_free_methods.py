@@ -4,7 +4,6 @@ the population batched == one at a time, decodes, resume after kill -9."""
 import csv
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import soundfile as sf
 import torch
 import torch.nn.functional as F
 
-from conftest import kill_9_mid_run
+from conftest import assert_resumes_after_kill_9
 from fake_corpora import fake_speech, write_stream
 from tta_brain import decode, stats as stats_cli
 from tta_brain.lobes.hf_ctc import HFCTCLobe
@@ -313,12 +312,7 @@ def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(setup, tmp_path, name
     out = tmp_path / "exp"
     cmd = [sys.executable, "-m", "tta_brain.decode", *args(setup, name, out, "--ckpt_every=3")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    kill_9_mid_run(cmd, out, env)
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "Resuming" in (out / "log.txt").read_text()
-    for f in ("transcripts.csv", "resets.csv", "wer.txt"):
-        assert (out / f).read_text() == (ref / f).read_text(), f
+    assert_resumes_after_kill_9(cmd, out, env, ref)
 
 
 @pytest.mark.parametrize("name", ["lame", "t3a", "foa", "ebats"])
