@@ -127,7 +127,8 @@ def decoded(tmp_path_factory, tiny_model_dir):
     try:
         for method, extra in (("source", []), ("dsuta", ["--steps=2", "--lr=0.05",
                                                           "--buffer_size=2"])):
-            decode.main([method, f"--source={tiny_model_dir}", f"--stream_csv={root / 'stream.csv'}",
+            decode.main([method, f"--source={tiny_model_dir}",
+                         f"--stream_csv={root / 'stream.csv'}",
                          f"--output_folder={exp / 'md_long' / method / 'seed0'}",
                          f"--data_root={root}", "--noprogressbar", "--stream_name=md_long",
                          "--ckpt_every=7", *extra])
@@ -148,12 +149,14 @@ def test_long_report_table_plot_and_memory_verdict(decoded):
     assert {r.method for r in runs} == {"source", "dsuta"} and all(r.memory for r in runs)
     out = write_long_report(runs, decoded, "md_long", window=5, margin=0.0)
     text = out.read_text()
-    assert "|method|seed|utts|WER %|worst 5-utt window (ends at)|first position > source + 0|" in text
+    assert ("|method|seed|utts|WER %|worst 5-utt window (ends at)|first position > source + 0|"
+            in text)
     row = next(ln for ln in text.splitlines() if ln.startswith("|dsuta|"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "20" and "@" in cells[4]
     assert cells[5] == "never" or 4 <= int(cells[5]) < 20
-    assert "Memory not judged (fewer than 10 samples" in text and (decoded / "plots" / "long_md_long.png").stat().st_size > 10000
+    assert "Memory not judged (fewer than 10 samples" in text
+    assert (decoded / "plots" / "long_md_long.png").stat().st_size > 10000
     with pytest.raises(ValueError, match="no finished run of stream 'md_hard'"):
         write_long_report(runs, decoded, "md_hard")
 
@@ -194,7 +197,8 @@ def test_long_split_renders_held_out_speech(tmp_path):
     stamp = make_long_test(str(tmp_path), n_test=4, seed=1, n_speakers=2, n_train_ref=50,
                            n_test_ref=10, num_workers=1)
     split = tmp_path / "LibriSpeech" / "test-synth-long"
-    assert stamp["stats"]["test-synth-long"]["n_utts"] == 4 and len(list(split.rglob("*.flac"))) == 4
+    assert stamp["stats"]["test-synth-long"]["n_utts"] == 4
+    assert len(list(split.rglob("*.flac"))) == 4
     texts = [ln.split(" ", 1)[1].lower() for f in split.rglob("*.trans.txt")
              for ln in f.read_text().splitlines()]
     train, test = make_sentence_sets(150, 30, seed=1)

@@ -42,7 +42,8 @@ MIN_SAMPLES = 10    # memory samples (every 50 utterances: 500) before flatness 
 # ------------------------------------------------------------------------------------------------
 # pure figures
 # ------------------------------------------------------------------------------------------------
-def windowed_wer(n_err: Sequence[float], n_words: Sequence[float], window: int = WINDOW) -> np.ndarray:
+def windowed_wer(n_err: Sequence[float], n_words: Sequence[float],
+                 window: int = WINDOW) -> np.ndarray:
     """WER (%) of the ``window`` utterances ending at each position; NaN before the first full
     window and where a window has no reference words."""
     from tta_brain.report.plots import smoothed_wer
@@ -60,7 +61,8 @@ def worst_window(curve: Sequence[float]) -> Tuple[Optional[float], Optional[int]
     return float(curve[at]), at
 
 
-def first_above(curve: Sequence[float], reference: Sequence[float], margin: float = MARGIN) -> Optional[int]:
+def first_above(curve: Sequence[float], reference: Sequence[float],
+                margin: float = MARGIN) -> Optional[int]:
     """First position where ``curve`` exceeds ``reference`` by more than ``margin`` points (both
     defined there), or None (never). Positions past the shorter curve are not compared."""
     n = min(len(curve), len(reference))
