@@ -283,3 +283,19 @@ def test_dry_run_writes_nothing_and_prints_every_stage(recipe, tmp_path):
     assert any("-m tta_brain.decode" in x for x in lines)
     assert any("-m tta_brain.report" in x for x in lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_methods_all_decodes_every_packaged_method(tmp_path):
+    """--methods all: every packaged method, and the statistics stage for those that need it."""
+    from tta_brain import hparams
+    res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
+              "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--methods", "all",
+              "--dry_run", "true")
+    assert res.returncode == 0, res.stderr
+    cmds = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+            if x.startswith("DRY-RUN:")]
+    decoded = {c[c.index("tta_brain.decode") + 1] for c in cmds if "tta_brain.decode" in c}
+    assert decoded == set(hparams.available()) and len(decoded) >= 16
+    stats = [c for c in cmds if "tta_brain.stats" in c]
+    assert stats and stats[0][stats[0].index("--kinds") + 1].split() == ["fisher", "hidden", "tokens"]
+    assert not (tmp_path / "data").exists()

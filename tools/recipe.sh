@@ -9,7 +9,7 @@ export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
 # Options every recipe has (each can be given as --name value).
 stage=0               # first stage to run
 python=python3
-methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # method tokens (sdpl too)
+methods="source suta sgem csuta awmc dsuta dsuta+dynamic dsuta+fixed dsuta+oracle"  # method tokens, or all
 conf_dir=${recipe_dir}/conf   # <method>.opts, <method>_md.opts, <token>.opts: decode overrides
 data_dir=${recipe_dir}/data
 exp_dir=${recipe_dir}/exp
@@ -32,11 +32,20 @@ stats_utts=100        # its first N utterances (the EATA reference: 100)
 grid_help="${grid_help}
   --stats_csv CSV (clean speech in no stream: the source statistics of eata, foa, ebats)  --stats_utts N (${stats_utts})"
 
+# method_tokens: the method tokens of --methods ("all": every packaged method).
+method_tokens() {
+  if [ "${methods}" = all ]; then
+    ${python} -c "from tta_brain import hparams; print(' '.join(hparams.available()))"
+  else
+    echo "${methods}"
+  fi
+}
+
 # stats_kinds: the source-statistics kinds the listed methods need (eata: fisher; foa: hidden;
 # ebats: hidden, tokens).
 stats_kinds() {
   local tok kinds=""
-  for tok in ${methods}; do
+  for tok in $(method_tokens); do
     case ${tok%%+*} in
       eata) kinds="${kinds} fisher" ;;
       foa) kinds="${kinds} hidden" ;;

@@ -194,7 +194,8 @@ def parse_args(argv=None):
     p.add_argument("--source", required=True, help="source model (local dir or hub name)")
     p.add_argument("--data_root", default="", help="replaces $data_root in the manifests")
     p.add_argument("--streams", nargs="+", required=True, help="stream manifests, CSV or NAME=CSV")
-    p.add_argument("--methods", required=True, help="method tokens, e.g. 'suta dsuta+dynamic'")
+    p.add_argument("--methods", required=True, help="method tokens, e.g. 'suta dsuta+dynamic', "
+                   "or all (every packaged method)")
     p.add_argument("--seeds", default="0", help="seeds, e.g. '0 1 2'")
     p.add_argument("--hparams_dir", default="", help="own yamls (<token>.yaml or <method>.yaml)")
     p.add_argument("--conf_dir", default="", help="folder of <method>[_md].opts / <token>.opts")

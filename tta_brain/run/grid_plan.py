@@ -119,6 +119,9 @@ def plan_runs(args) -> List[Run]:
     user, md_opts = shlex.split(args.decode_opts), shlex.split(args.md_decode_opts)
     points = sweep_points(args.sweep)
     tokens = args.methods.split()
+    if tokens == ["all"]:                  # every packaged method
+        from tta_brain import hparams
+        tokens = hparams.available()
     yamls = {token: method_yaml(token, args.hparams_dir) for token in tokens}
     rule = OptionRule({token: y for token, (y, _) in yamls.items()})
     rule.check("--decode_opts", user)
