@@ -22,6 +22,7 @@ import pytest
 
 from fake_corpora import write_stream
 from tta_brain import decode, grid
+from tta_brain.run import identity
 from tta_brain.run.identity import LOCK_FILE
 
 import compare_runs  # tools/, on the path from conftest.py
@@ -148,10 +149,25 @@ def test_plan_names_runs_by_their_overrides(data, tmp_path):
     runs = grid.plan_runs(args)
     assert [r.name for r in runs] == ["s/suta_lr0.1/seed0", "s/suta_lr0.2/seed0",
                                       "s/dsuta+dynamic_lr0.1/seed0", "s/dsuta+dynamic_lr0.2/seed0"]
-    assert "--reset=dynamic" in runs[2].argv and runs[1].argv[-1] == "--lr=0.2"
+    assert "--reset=dynamic" in runs[2].argv and runs[1].argv[-2:] == ["--lr=0.2",
+                                                                      "--method_tag=suta_lr0.2"]
+    assert runs[2].argv[-1] == "--method_tag=dsuta+dynamic_lr0.1"    # reports do not pool it
     assert "--reset_K=4" in runs[2].argv and "--reset_K=4" not in runs[0].argv   # conf/<method>
     args.decode_opts = "--ckpt_every=5 --temperature=2"      # run options stay out of names
     assert grid.plan_runs(args)[0].name == "s/suta_temperature2_lr0.1/seed0"
+
+
+def test_labels_are_not_part_of_the_fingerprint(data, tmp_path):
+    """A run's report label (the grid's --method_tag for a tagged run, --stream_name) does not
+    change what it computes: same fingerprint, also against one recorded with a label."""
+    plain = decode.plan(decode_argv(data, tmp_path / "x"))
+    named = decode.plan(decode_argv(data, tmp_path / "x", "suta", "--method_tag=suta_lr1",
+                                    "--stream_name=other"))
+    assert plain.fingerprint == named.fingerprint
+    older = {**plain.fingerprint, "hparams": {**plain.fingerprint["hparams"], "method_tag": "suta"}}
+    assert identity.differences(older, named.fingerprint) == []
+    assert identity.differences(older, decode.plan(decode_argv(
+        data, tmp_path / "x", "suta", "--steps=3")).fingerprint) == ["hparams.steps: 2 != 3"]
 
 
 def test_one_rule_for_an_option_a_method_lacks(data, tmp_path, caplog):

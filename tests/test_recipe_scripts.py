@@ -267,7 +267,13 @@ def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
     assert not any("--reset_K=30" in c for c in cmds if "--stream_name=GS" in c)
     assert not any("--reset_K=30" in c for c in cmds if c[c.index("tta_brain.decode") + 1] == "suta")
     for opt in ("--reset_K=30", "--reset_every=15"):     # logged once, not once per stream
-        assert res.stderr.count(f"suta: --md_decode_opts {opt} is not a key of its yaml") == 1
+        assert res.stderr.count(f"suta: --md_recipe_opts {opt} is not a key of its yaml") == 1
+    # the recipe's own settings are no typo: a grid of methods without resets runs too
+    res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
+              "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",
+              "md_hard", "--methods", "tent sdpl", "--dry_run", "true")
+    assert res.returncode == 0, res.stderr
+    assert not any("--reset_K" in x for x in res.stdout.splitlines() if x.startswith("DRY-RUN:"))
 
 
 @pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])

@@ -18,6 +18,7 @@ dry_run=false         # print the decode/report commands instead of running them
 hparams_dir=          # own yamls (<token>.yaml or <method>.yaml; empty: the packaged ones)
 decode_opts=          # overrides for every decode (named in the run folder, e.g. suta_lr1e-4)
 md_decode_opts=       # overrides for multi-domain streams only (md_*, NAME=md_*)
+md_recipe_opts=       # the recipe's own settings for those streams (e.g. K = half a block)
 sweep=                # "key=v1,v2 ...": one run per combination (named in the run folder)
 engine=local          # local | slurm: where the decodes run
 nj=0                  # decodes at a time (0: local, one per CPU core or --per_gpu per GPU; slurm 64)
@@ -107,5 +108,6 @@ decode_grid() {
   ${python} -m tta_brain.grid --exp_dir "${exp}" --source "${model}" --data_root "${data_root}" \
     --streams "$@" --methods "${methods}" --seeds "${seeds}" --hparams_dir "${hparams_dir}" \
     --conf_dir "${conf_dir}" --md_streams "${md}" --md_decode_opts="${md_decode_opts}" \
+    --md_recipe_opts="${md_recipe_opts}" \
     --decode_opts="${decode_opts}" ${sweep:+--sweep ${sweep}} "${opts[@]}"
 }

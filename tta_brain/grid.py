@@ -201,6 +201,9 @@ def parse_args(argv=None):
     p.add_argument("--conf_dir", default="", help="folder of <method>[_md].opts / <token>.opts")
     p.add_argument("--md_streams", default="", help="stream names that get the _md option set")
     p.add_argument("--md_decode_opts", default="", help="overrides for --md_streams only")
+    p.add_argument("--md_recipe_opts", default="", help="the recipe's own settings for "
+                   "--md_streams (before --md_decode_opts): a key a method lacks is not passed "
+                   "to it, and none of the grid's methods needing it is no error")
     p.add_argument("--decode_opts", default="", help="overrides for every run (named in the tag)")
     p.add_argument("--sweep", nargs="*", default=[], help="key=v1,v2 ...: one run per combination")
     p.add_argument("--engine", default="local", choices=("local", "slurm"))

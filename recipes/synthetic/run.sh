@@ -93,7 +93,7 @@ fi
 # K of the dynamic reset and the fixed-reset period follow the block size: K = half a block
 # (the construction stage ends inside the first block), the fixed period a quarter of it.
 if [ -z "${md_decode_opts}" ]; then
-  md_decode_opts="--reset_K=$((per_domain / 2)) --reset_every=$((per_domain / 4))"
+  md_recipe_opts="--reset_K=$((per_domain / 2)) --reset_every=$((per_domain / 4))"
 fi
 
 corpus=${data_dir}/corpus

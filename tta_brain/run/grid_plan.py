@@ -21,7 +21,8 @@ __all__ = ["Run", "plan_runs", "inference_tag", "sweep_points", "method_yaml", "
            "UNTAGGED"]
 
 #: Decode options that say where or how visibly a run goes, not what it computes: not in tags.
-UNTAGGED = ("noprogressbar", "device", "ckpt_every", "output_folder", "stream_csv", "data_root")
+UNTAGGED = ("noprogressbar", "device", "ckpt_every", "output_folder", "stream_csv", "data_root",
+            "method_tag", "stream_name")
 
 @dataclass
 class Run:
@@ -117,6 +118,7 @@ def plan_runs(args) -> List[Run]:
     conf = Path(args.conf_dir) if args.conf_dir else None
     md = set(args.md_streams.split())
     user, md_opts = shlex.split(args.decode_opts), shlex.split(args.md_decode_opts)
+    md_recipe = shlex.split(getattr(args, "md_recipe_opts", ""))     # recipe settings: no check
     points = sweep_points(args.sweep)
     tokens = args.methods.split()
     if tokens == ["all"]:                  # every packaged method
@@ -145,18 +147,23 @@ def plan_runs(args) -> List[Run]:
             files = [f"{base}.opts"] + ([f"{base}{kind}.opts"] if kind else []) \
                 + ([f"{token}.opts"] if token != base else [])
             recipe = reset + [a for f in files for a in (_opts_file(conf / f) if conf else [])]
-            recipe += rule.kept(token, "--md_decode_opts", md_opts) if kind else []
+            if kind:
+                recipe += (rule.kept(token, "--md_recipe_opts", md_recipe)
+                           + rule.kept(token, "--md_decode_opts", md_opts))
             mine = rule.kept(token, "--decode_opts", user)
             for point in points:
                 point = rule.kept(token, "--sweep", point)
                 tag = inference_tag(mine + point)
+                # a run with options of its own is named by its tag in reports, not pooled
+                label = rule.kept(token, "--method_tag", [f"--method_tag={token}_{tag}"] if tag
+                                  else [])
                 for seed in args.seeds.split():
                     rel = f"{name}/{token}{'_' + tag if tag else ''}/seed{seed}"
                     folder = Path(args.exp_dir) / rel
                     argv = [yaml, f"--source={args.source}", f"--stream_csv={csv}",
                             f"--output_folder={folder}", f"--seed={seed}",
                             f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
-                            *gpu, *recipe, *mine, *point]
+                            *gpu, *recipe, *mine, *point, *label]
                     runs.append(Run(rel, folder, argv, total=total))
     return _unique(runs)
 

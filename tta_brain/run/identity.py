@@ -25,6 +25,9 @@ __all__ = ["LOCATION_KEYS", "CONTENT_KEYS", "fingerprint", "stream_fingerprint",
 #: Keys that say where a run is written or read from and how often it checkpoints, not what it
 #: computes (the stream's content is fingerprinted instead of its path).
 LOCATION_KEYS = ("output_folder", "stream_csv", "data_root", "ckpt_every")
+#: Keys that only name a run in reports (the grid names a run with options by its folder tag):
+#: not part of what it computes, ignored in fingerprints old and new.
+LABEL_KEYS = ("method_tag", "stream_name")
 #: Keys whose value is an input file, fingerprinted by its content (the source model is by
 #: ``source_identity``).
 CONTENT_KEYS = ("source_stats",)
@@ -35,7 +38,7 @@ LOCK_FILE = ".lock"
 def fingerprint(hparams: Dict, stream_csv, n_rows: int) -> Dict:
     """The fingerprint of a run from its resolved plain hparams and its stream manifest."""
     import tta_brain
-    hp = {k: v for k, v in sorted(hparams.items()) if k not in LOCATION_KEYS}
+    hp = {k: v for k, v in sorted(hparams.items()) if k not in LOCATION_KEYS + LABEL_KEYS}
     if "device" in hp:
         hp["device"] = str(hp["device"]).split(":")[0]
     if "source" in hp:
@@ -66,7 +69,8 @@ def differences(old: Optional[Dict], new: Dict) -> List[str]:
     """``key: old != new`` for every key that differs (hparams flattened)."""
     if not old:
         return ["no fingerprint recorded (a folder written by an older tta_brain, or not a run)"]
-    a, b = _flat(old), _flat(new)
+    labels = {f"hparams.{k}" for k in LABEL_KEYS}
+    a, b = ({k: v for k, v in _flat(fp).items() if k not in labels} for fp in (old, new))
     return [f"{k}: {a.get(k, '(unset)')!r} != {b.get(k, '(unset)')!r}"
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
