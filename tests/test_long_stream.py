@@ -274,19 +274,23 @@ def stress_figures(root: Path) -> dict:
     return out
 
 
+#: The runs' report labels: the grid names a run with options of its own by its folder tag.
+DSUTA, DYNAMIC = f"dsuta_lr{STRESS_LR}", f"dsuta+dynamic_lr{STRESS_LR}"
+
+
 def stress_margins(fig: dict) -> dict:
-    dsuta = fig["dsuta"]["wer"]
+    dsuta = fig[DSUTA]["wer"]
     return {"dsuta_minus_source": dsuta - fig["source"]["wer"],
-            "dsuta_minus_dynamic": dsuta - fig["dsuta+dynamic"]["wer"],
-            "source_minus_dynamic": fig["source"]["wer"] - fig["dsuta+dynamic"]["wer"]}
+            "dsuta_minus_dynamic": dsuta - fig[DYNAMIC]["wer"],
+            "source_minus_dynamic": fig["source"]["wer"] - fig[DYNAMIC]["wer"]}
 
 
 @pytest.mark.slow
 def test_dsuta_collapses_without_reset_and_the_dynamic_reset_recovers(tmp_path):
     fig = stress_figures(run_stress(tmp_path, STRESS_SEED))
     margins = stress_margins(fig)
-    assert fig["dsuta"]["first_above"] is not None, fig         # above the source + 5 somewhere
-    assert fig["dsuta+dynamic"]["resets"], fig
+    assert fig[DSUTA]["first_above"] is not None, fig           # above the source + 5 somewhere
+    assert fig[DYNAMIC]["resets"], fig
     for key, least in MARGINS.items():
         assert margins[key] > least, (key, margins, fig)
 
