@@ -1,11 +1,9 @@
 """Long streams (issue #21): the collapse figures, the memory record along a run, the grid's
 progress line with per-run ETA, the long split's held-out speech, the long report, and (slow) the
 synthetic recipe's collapse-and-recovery regression at the documented stress setting."""
-import csv
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np

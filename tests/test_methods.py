@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from conftest import build_on, max_diff
+from conftest import max_diff
 from tta_brain.methods import losses
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import METHODS, UttInfo, build_method

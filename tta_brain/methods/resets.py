@@ -146,7 +146,6 @@ class DynamicReset(ResetPolicy):
     fewer; the LII at t = r + K then only counts for detection).
     """
     name = "dynamic"
-    LII_COUNTS = ("paper", "official")
 
     def __init__(self, K: int = 100, patience: int = 2, threshold: float = 2.0,
                  lii_count: str = "paper"):
