@@ -72,54 +72,83 @@ class TTABrain(sb.Brain):
         Raises ``ManifestError`` for a bad manifest, :class:`~tta_brain.run.checkpoint.ResumeError`
         when the folder holds a checkpoint of another run.
         """
+        cursor = self.start_stream(test_set, data_root, progressbar, rows)
+        # the next rows are read (audio decoded and checked) while this one adapts, from the cursor
+        utts = self.stream_loader.prefetch(cursor, PREFETCH)
+        try:
+            for utt in utts:
+                self.decode_row(utt)
+            self.end_stream()
+        finally:
+            utts.close()                            # stops and joins the prefetch thread
+            self.close_stream()
+        return self.stream_summary()
+
+    # The stream loop in parts (``evaluate`` runs them in order; ``run.sweep`` runs several
+    # Brains over one stream in lock-step): start_stream -> decode_row(utt) per row from the
+    # cursor -> end_stream -> close_stream (always) -> stream_summary.
+    def start_stream(self, test_set, data_root=None, progressbar=None, rows=None) -> int:
+        """Open the run: the stream's rows, the checkpoint (if any), the records, the loader; the
+        stream row to go on from."""
         rows = load_stream(test_set, data_root) if rows is None else rows
         self.out.mkdir(parents=True, exist_ok=True)
         if self.state.fingerprint is None:
             self.state.fingerprint = identity.stream_fingerprint(test_set, len(rows), self.tag)
         logger.info("Decoding %s (%d utterances) with %s, seed %s", test_set, len(rows), self.tag,
                     self._hp("seed"))
-        warnings = self.method.warnings(len(rows))
-        for text in warnings:
+        self._warnings = self.method.warnings(len(rows))
+        for text in self._warnings:
             logger.warning("%s", text)
         resumed = checkpoint.recover(self.checkpointer)
         if resumed:
             logger.info("Resuming %s at stream row %d / %d", self.out, self.state.cursor, len(rows))
         cursor = self.state.cursor if resumed else 0
-        writer = RecordWriter(self.out, self.state.offsets if resumed else None, cursor)
-        loader = StreamLoader(rows, float(self._hp("max_duration", 20.0) or 0),
-                              int(self._hp("sample_rate", 16000)), self._frames)
-        ckpt_every = int(self._hp("ckpt_every", 200) or 0)
-        show = not self.noprogressbar if progressbar is None else progressbar
-        bar = tqdm(total=len(rows), initial=cursor, disable=not show, dynamic_ncols=True,
-                   desc=self.tag)
-        # the next rows are read (audio decoded and checked) while this one adapts, from the cursor
-        utts = loader.prefetch(cursor, PREFETCH)
-        try:
-            for utt in utts:
-                self._decode(utt, writer, rows, loader.sr)
-                writer.flush()                      # a crash loses nothing written so far
-                self.state.cursor = done = utt.index + 1
-                if done % TRIM_EVERY == 0:
-                    release_freed_memory()
-                if done % MEMORY_EVERY == 0:
-                    writer.memory(Memory.sample(utt.position, self.device))
-                bar.update(1)
-                if show:
-                    bar.set_postfix(wer=f"{100 * writer.n_err / max(writer.n_words, 1):.1f}",
-                                    resets=writer.n_resets, refresh=False)
-                if (ckpt_every and self.checkpointer is not None and done % ckpt_every == 0
-                        and done < len(rows)):
-                    checkpoint.save(self.checkpointer, self.state, writer)
-            if self.checkpointer is not None:
-                checkpoint.save(self.checkpointer, self.state, writer)
-        finally:
-            utts.close()                            # stops and joins the prefetch thread
-            bar.close()
-            writer.close()
-        return summarise(self.out, rows, self.state, self.method, self.tag,
+        self._test_set, self._rows = test_set, rows
+        self._writer = RecordWriter(self.out, self.state.offsets if resumed else None, cursor)
+        self.stream_loader = StreamLoader(rows, float(self._hp("max_duration", 20.0) or 0),
+                                   int(self._hp("sample_rate", 16000)), self._frames)
+        self._ckpt_every = int(self._hp("ckpt_every", 200) or 0)
+        self._show = not self.noprogressbar if progressbar is None else progressbar
+        self._bar = tqdm(total=len(rows), initial=cursor, disable=not self._show,
+                         dynamic_ncols=True, desc=self.tag)
+        return cursor
+
+    def decode_row(self, utt) -> None:
+        """One stream row (``data.loader`` utterance) at the cursor: decoded or rejected, the
+        records flushed, a checkpoint when one is due."""
+        writer, rows = self._writer, self._rows
+        self._decode(utt, writer, rows, self.stream_loader.sr)
+        writer.flush()                      # a crash loses nothing written so far
+        self.state.cursor = done = utt.index + 1
+        if done % TRIM_EVERY == 0:
+            release_freed_memory()
+        if done % MEMORY_EVERY == 0:
+            writer.memory(Memory.sample(utt.position, self.device))
+        self._bar.update(1)
+        if self._show:
+            self._bar.set_postfix(wer=f"{100 * writer.n_err / max(writer.n_words, 1):.1f}",
+                                  resets=writer.n_resets, refresh=False)
+        if (self._ckpt_every and self.checkpointer is not None and done % self._ckpt_every == 0
+                and done < len(rows)):
+            checkpoint.save(self.checkpointer, self.state, self._writer)
+
+    def end_stream(self) -> None:
+        """The stream is done: the last checkpoint."""
+        if self.checkpointer is not None:
+            checkpoint.save(self.checkpointer, self.state, self._writer)
+
+    def close_stream(self) -> None:
+        """Close the progress bar and the records (also after an error)."""
+        self._bar.close()
+        self._writer.close()
+
+    def stream_summary(self):
+        """summary.json of the finished run (``run.summary``)."""
+        test_set = self._test_set
+        return summarise(self.out, self._rows, self.state, self.method, self.tag,
                          self._hp("stream_name") or Path(test_set).stem, self._hp("seed"),
                          self.record_hparams, self.device,
-                         self.state.fingerprint, warnings)
+                         self.state.fingerprint, self._warnings)
 
     def _decode(self, utt, writer, rows, sr):
         """One row: a reject record, or adapt + predict and the transcript and event records."""
