@@ -94,6 +94,7 @@ class Plan:
     fingerprint: dict
     status: str                   # new | resume | done | differs
     diffs: list
+    determinism: str = ""         # the deterministic-kernels line (set by prepare)
 
     @property
     def resolved(self) -> dict:
@@ -187,19 +188,25 @@ def _refuse(out, diffs):
           f"--output_folder, or add --overwrite to delete its records and start over")
 
 
-def _run(p: Plan, argv):
-    status, diffs = folder_status(p.out, p.fingerprint)      # again, now that we hold the lock
+def prepare(p: Plan) -> str:
+    """The folder's status again, now that the lock is held (``done``: skip it; a ``differs``
+    without ``--overwrite`` stops here), and the process-wide settings of a run on its device."""
+    status, diffs = folder_status(p.out, p.fingerprint)
     if status == "done":
-        return _skip(p.out)
+        return status
     if status == "differs" and not p.args.overwrite:
         _refuse(p.out, diffs)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS reads it at start-up
     bound_kernel_caches()                                          # before the first forward
-    determinism = _determinism(p.resolved.get("device"), p.resolved.get("deterministic", True))
-    try:
-        hparams = p.hp.build()
-    except hp_files.HparamsError as e:
-        _fail(str(e))
+    p.determinism = _determinism(p.resolved.get("device"), p.resolved.get("deterministic", True))
+    return status
+
+
+def open_folder(p: Plan, argv, status: str, hparams) -> "sb.utils.checkpoints.Checkpointer":
+    """Make ``p.out`` this run's folder (``--overwrite`` clears another run's records first): the
+    fingerprint, the experiment directory (log.txt, env.log), hyperparams.yaml, the logged seed,
+    device and versions, the method's description, stream.csv; the run's checkpointer.
+    ``hparams``: the built yaml (``method`` may be a stand-in with ``describe()``)."""
     if status == "differs":          # --overwrite, once the new run is known to build
         removed = clear_run(p.out)
         print(f"{p.out}: --overwrite: removed {', '.join(removed) or 'nothing'}")
@@ -213,11 +220,22 @@ def _run(p: Plan, argv):
     sb.create_experiment_directory(experiment_directory=out)
     with open(os.path.join(out, "hyperparams.yaml"), "w", encoding="utf-8") as f:
         f.write(p.hp.record)
-    _log_run(out, argv, seed, describe_device(p.resolved.get("device", "cpu")), determinism)
+    _log_run(out, argv, seed, describe_device(p.resolved.get("device", "cpu")), p.determinism)
     logger.info("%s", hparams["method"].describe())
     if not os.path.exists(os.path.join(out, "stream.csv")):
         shutil.copyfile(p.stream_csv, os.path.join(out, "stream.csv"))
-    checkpointer = sb.utils.checkpoints.Checkpointer(os.path.join(out, "save"))
+    return sb.utils.checkpoints.Checkpointer(os.path.join(out, "save"))
+
+
+def _run(p: Plan, argv):
+    status = prepare(p)
+    if status == "done":
+        return _skip(p.out)
+    try:
+        hparams = p.hp.build()
+    except hp_files.HparamsError as e:
+        _fail(str(e))
+    checkpointer = open_folder(p, argv, status, hparams)
     brain = TTABrain(modules={"model": hparams["model"]}, hparams=hparams,
                      run_opts=p.args.run_opts, checkpointer=checkpointer,
                      fingerprint=p.fingerprint, record_hparams=p.record)
@@ -226,11 +244,16 @@ def _run(p: Plan, argv):
     except (ManifestError, ResumeError, RecordError) as e:
         logger.error("%s", e)
         _fail(str(e))
-    wer = "-" if summary.wer is None else f"{summary.wer:.2f}%"
-    print(f"{summary.method} | {summary.stream} | WER {wer} | {summary.n_utts} utts, "
-          f"{summary.n_skipped} skipped, {len(summary.resets)} resets | "
-          f"{summary.time_per_audio_s:.3f} s per audio s")
+    print(summary_line(summary))
     return summary
+
+
+def summary_line(summary) -> str:
+    """The line a finished run prints."""
+    wer = "-" if summary.wer is None else f"{summary.wer:.2f}%"
+    return (f"{summary.method} | {summary.stream} | WER {wer} | {summary.n_utts} utts, "
+            f"{summary.n_skipped} skipped, {len(summary.resets)} resets | "
+            f"{summary.time_per_audio_s:.3f} s per audio s")
 
 
 if __name__ == "__main__":
