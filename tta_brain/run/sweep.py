@@ -1,0 +1,261 @@
+"""A batched sweep: R decode runs over the same stream that differ only in settings, in one
+process, as R adapted states over one shared model (``tta_brain.methods.batched``).
+
+    python -m tta_brain.run.sweep <decode arguments> -- <decode arguments> [-- ...]
+
+Each run writes its own ordinary run folder, as ``python -m tta_brain.decode`` with the same
+arguments would: the same fingerprint, hyperparams.yaml, log.txt, records, checkpoints and summary
+(each through its own ``TTABrain``, driven row by row in lock-step; the stream is read once).
+Supported: ``suta`` and ``csuta`` (reset none / fixed / oracle) in fp32; the runs may differ in
+:data:`MAY_DIFFER` (lr, steps, em_coef, temperature, the reset policy and its period, lr
+multipliers, seed). Anything else (another method, another stream, source model, device or
+precision, any other key that differs) is refused with one line naming the run and the option
+(:class:`Refused`) before a folder is written; the grid then runs those runs separately.
+
+Rerunning: finished runs are skipped; each unfinished run resumes from its own last checkpoint
+(the sweep starts at the earliest cursor, a run joins when the stream reaches its own), so a
+killed sweep goes on as its runs would alone. A folder started by the sweep can be resumed by a
+separate ``tta_brain.decode`` and the other way round (the checkpoint's format is the method's).
+"""
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import List, Optional
+
+from tta_brain import decode
+from tta_brain.data.manifest import ManifestError
+from tta_brain.methods.batched import POLICIES, BatchedSUTA
+from tta_brain.run import identity
+from tta_brain.run.brain import PREFETCH, TTABrain
+from tta_brain.run.checkpoint import ResumeError
+from tta_brain.run.records import RecordError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Refused", "refusal", "run", "MAY_DIFFER", "METHODS"]
+
+#: The batched methods (packaged yaml names) and the keys in which the runs of a batch may differ.
+METHODS = ("suta", "csuta")
+MAY_DIFFER = ("lr", "steps", "em_coef", "temperature", "reset", "reset_every", "seed",
+              "layernorm_lr_mult", "cnn_lr_mult", "reset_K", "reset_patience", "reset_threshold",
+              "reset_lii_count") + identity.LOCATION_KEYS + identity.LABEL_KEYS
+
+
+class Refused(ValueError):
+    """These runs cannot be one batch; the message is one line naming the run and the option."""
+
+
+def _method_name(p) -> str:
+    node = p.resolved.get("method")
+    try:
+        return str(node["name"])
+    except (TypeError, KeyError):
+        return "?"
+
+
+def refusal(plans) -> Optional[str]:
+    """Why the planned runs (``decode.plan``) cannot run as one batch (None: they can), from
+    their resolved yamls alone (the built methods are checked again)."""
+    first = plans[0]
+    for i, p in enumerate(plans):
+        who = f"run {i + 1} ({p.out})"
+        name, v = _method_name(p), p.resolved
+        if name not in METHODS:
+            return f"{who}: method {name} is not batched (batched: {', '.join(METHODS)})"
+        if str(v.get("reset", "none")) not in [c.name for c in POLICIES]:
+            return f"{who}: reset {v.get('reset')} is not batched (none, fixed, oracle)"
+        if str(v.get("precision", "fp32")) != "fp32" or v.get("compile"):
+            return f"{who}: precision {v.get('precision')} / compile {v.get('compile')} (fp32 only)"
+        if str(v.get("param_collection", "clean")) != "clean":
+            return f"{who}: param_collection {v.get('param_collection')} (clean only)"
+        if p.hp.path != first.hp.path:
+            return f"{who}: yaml {p.hp.path} != run 1's {first.hp.path}"
+        if p.rows != first.rows or p.fingerprint["stream_sha1"] != first.fingerprint["stream_sha1"]:
+            return f"{who}: another stream than run 1's ({p.stream_csv} vs {first.stream_csv})"
+        a, b = first.fingerprint["hparams"], p.fingerprint["hparams"]
+        for key in sorted(set(a) | set(b)):
+            if key not in MAY_DIFFER and a.get(key) != b.get(key):
+                return (f"{who}: option {key} differs from run 1's ({b.get(key)!r} != "
+                        f"{a.get(key)!r}; a batch may differ in {', '.join(MAY_DIFFER[:9])})")
+    return None
+
+
+class _RunLogs:
+    """One log.txt per run in one process: a record goes to the run being served (and records of
+    the batch's own work, outside any run, to every run's log)."""
+
+    def __init__(self, folders):
+        root = logging.getLogger()
+        for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+            root.removeHandler(h)                   # the last folder's, from its set-up
+            h.close()
+        self.current: Optional[int] = None
+        self.handlers = []
+        fmt = logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s")
+        for i, folder in enumerate(folders):
+            h = logging.FileHandler(os.path.join(folder, "log.txt"), encoding="utf-8")
+            h.setFormatter(fmt)
+            h.addFilter(lambda rec, i=i: self.current in (None, i))
+            root.addHandler(h)
+            self.handlers.append(h)
+
+    @contextmanager
+    def run(self, i: int):
+        self.current = i
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def close(self):
+        root = logging.getLogger()
+        for h in self.handlers:
+            root.removeHandler(h)
+            h.close()
+
+
+def run(argvs: List[List[str]]):
+    """Run the decodes ``argvs`` (``tta_brain.decode`` arguments) as one batch; their summaries
+    (None for a run skipped as finished). Raises :class:`Refused` before writing anything when
+    they cannot be batched; ``SystemExit`` (one ``ERROR:`` line) as decode does."""
+    plans = [decode.plan(a) for a in argvs]
+    for p in plans:
+        if p.status == "help":
+            raise Refused("--help is not a run")
+        if p.status == "differs" and not p.args.overwrite:
+            decode._refuse(p.out, p.diffs)
+    todo = [(p, a) for p, a in zip(plans, argvs) if p.status != "done"]
+    for p in plans:
+        if p.status == "done":
+            decode._skip(p.out)
+    if not todo:
+        return [None] * len(plans)
+    why = refusal([p for p, _ in todo])
+    if why:
+        raise Refused(why)
+    outs = [p.out for p, _ in todo]
+    if len(set(outs)) != len(outs):
+        raise Refused("two runs of the batch write the same --output_folder")
+    locks, created = [], [not os.path.exists(p.out) for p, _ in todo]
+    try:
+        for p, a in todo:
+            lock = identity.FolderLock(p.out)
+            try:
+                lock.acquire("python -m tta_brain.run.sweep: python -m tta_brain.decode "
+                             + " ".join(a))
+            except (identity.LockedError, OSError) as e:
+                decode._fail(str(e))
+            locks.append(lock)
+        summaries = _run(todo)
+    finally:
+        for lock in locks:
+            lock.release()
+        for (p, _), new in zip(todo, created):
+            if new and os.path.isdir(p.out) and os.listdir(p.out) == [identity.LOCK_FILE]:
+                os.remove(os.path.join(p.out, identity.LOCK_FILE))
+                os.rmdir(p.out)
+    done = iter(summaries)
+    return [None if p.status == "done" else next(done) for p in plans]
+
+
+def _run(todo):
+    statuses = [decode.prepare(p) for p, _ in todo]
+    if "done" in statuses:                  # finished meanwhile by another process
+        raise Refused("a run of the batch was finished by another process meanwhile; rerun")
+    built = []
+    for p, _ in todo:                       # each run's own yaml; its own model is dropped
+        try:
+            hparams = p.hp.build()
+        except decode.hp_files.HparamsError as e:
+            decode._fail(str(e))
+        built.append(hparams)
+        if len(built) > 1:          # only its settings are read: its weights go at once
+            hparams["model"].to("meta")
+            hparams["model"] = built[0]["model"]
+    try:
+        batch = BatchedSUTA(built[0]["model"], [h["method"] for h in built])
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    brains = []
+    for r, ((p, argv), status, hparams) in enumerate(zip(todo, statuses, built)):
+        hparams["method"] = batch.views[r]
+        ckpt = decode.open_folder(p, argv, status, hparams)
+        brains.append(TTABrain(modules={"model": batch.lobe}, hparams=hparams,
+                               run_opts=p.args.run_opts, checkpointer=ckpt,
+                               fingerprint=p.fingerprint, record_hparams=p.record))
+    del built
+    logs = _RunLogs([p.out for p, _ in todo])
+    logger.info("Batched sweep of %d runs over one model (%s)", len(brains),
+                ", ".join(p.out for p, _ in todo))
+    try:
+        return _walk(brains, todo[0][0], logs)
+    except (ManifestError, ResumeError, RecordError) as e:
+        logger.error("%s", e)
+        decode._fail(str(e))
+    finally:
+        logs.close()
+
+
+def _walk(brains, p, logs):
+    """The stream once, each row for the runs whose cursor is there, in lock-step."""
+    cursors = []
+    for i, b in enumerate(brains):
+        with logs.run(i):
+            cursors.append(b.start_stream(p.stream_csv, rows=p.rows, progressbar=False))
+    batch = brains[0].method.batch
+    utts = brains[0].stream_loader.prefetch(min(cursors), PREFETCH)
+    try:
+        for utt in utts:
+            active = [i for i, b in enumerate(brains) if b.state.cursor == utt.index]
+            if utt.reason is None and active:
+                t0 = time.perf_counter()
+                batch.process(active, utt.wav, _info(utt))
+                share = (time.perf_counter() - t0) / len(active)
+                for i in active:
+                    brains[i].state.wall_time += share
+            for i in active:
+                with logs.run(i):
+                    brains[i].decode_row(utt)
+        for i, b in enumerate(brains):
+            with logs.run(i):
+                b.end_stream()
+    finally:
+        utts.close()
+        for b in brains:
+            b.close_stream()
+    summaries = []
+    for i, b in enumerate(brains):
+        with logs.run(i):
+            summaries.append(b.stream_summary())
+        print(decode.summary_line(summaries[-1]), flush=True)
+    return summaries
+
+
+def _info(utt):
+    from tta_brain.methods.events import UttInfo
+    return UttInfo(id=utt.id, position=utt.position, domain=utt.domain, segment=utt.segment)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    groups, cur = [], []
+    for a in argv + ["--"]:
+        if a == "--":
+            if cur:
+                groups.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    if not groups:
+        raise SystemExit("usage: python -m tta_brain.run.sweep <decode args> -- <decode args> ...")
+    try:
+        run(groups)
+    except Refused as e:
+        raise SystemExit(f"ERROR: not batched: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
