@@ -56,6 +56,40 @@ class DecodeJob(submitit.helpers.Checkpointable):
         return None if summary is None else {"wer": summary.wer, "n_utts": summary.n_utts}
 
 
+class SweepJob(DecodeJob):
+    """Several decodes of one stream as one batched sweep (``tta_brain.run.sweep``) in a job
+    process; when the sweep refuses them, they run one after another (logged). Returns one
+    ``None`` (done) or error line per run."""
+
+    def __init__(self, argvs: List[List[str]], threads: int = 0):
+        super().__init__([], threads)
+        self.argvs = [list(a) for a in argvs]
+
+    def __call__(self):
+        if self.threads:
+            os.environ["OMP_NUM_THREADS"] = str(self.threads)
+            import torch
+            torch.set_num_threads(self.threads)
+        from tta_brain import decode
+        from tta_brain.run import sweep
+        try:
+            sweep.run(self.argvs)
+            return [None] * len(self.argvs)
+        except sweep.Refused as e:
+            print(f"grid: not batched ({e}); the {len(self.argvs)} runs run one after another",
+                  flush=True)
+        except SystemExit as e:
+            raise RuntimeError(str(e)) from None
+        out = []
+        for argv in self.argvs:
+            try:
+                decode.main(argv)
+                out.append(None)
+            except SystemExit as e:
+                out.append(str(e))
+        return out
+
+
 def check_done(runs: List[Run]) -> None:
     """Mark runs finished with the same fingerprint as skipped, and refused ones as failed."""
     from tta_brain import decode
@@ -65,12 +99,41 @@ def check_done(runs: List[Run]) -> None:
         except SystemExit as e:
             run.status, run.message = "failed", str(e)
             continue
+        run.plan = p
         if p.status == "done":
             run.status, run.message = "skipped", "finished with the same settings"
         elif p.status == "differs" and "--overwrite" not in run.argv:
             run.status = "failed"
             run.message = (f"holds a run with other settings ({'; '.join(p.diffs)}); use another "
                            f"--exp_dir or --decode_opts --overwrite")
+
+
+def batches(runs: List[Run], size: int) -> List[List[Run]]:
+    """The queued runs as jobs: one run each (``size`` 1), or batches of at most ``size`` runs of
+    one (method yaml, source, stream, data root), each one batched sweep (``--batch_runs``). A
+    batch that ``tta_brain.run.sweep`` refuses is split into separate runs, with a logged line."""
+    queued = [r for r in runs if r.status == "queued"]
+    if size <= 1:
+        return [[r] for r in queued]
+    from tta_brain import decode
+    from tta_brain.run import sweep
+    where = ("--source=", "--stream_csv=", "--data_root=")
+    groups = {}
+    for r in queued:
+        key = (r.argv[0],) + tuple(a for a in r.argv if a.startswith(where))
+        groups.setdefault(key, []).append(r)
+    units = []
+    for group in groups.values():
+        for i in range(0, len(group), size):
+            chunk = group[i:i + size]
+            why = len(chunk) > 1 and sweep.refusal([r.plan or decode.plan(r.argv) for r in chunk])
+            if why:
+                logger.info("--batch_runs: %s run separately: %s",
+                            ", ".join(r.name for r in chunk), why)
+                units += [[r] for r in chunk]
+            else:
+                units.append(chunk)
+    return sorted(units, key=lambda u: queued.index(u[0]))
 
 
 def _engine(args):
@@ -94,31 +157,41 @@ def _slots(args) -> List[Optional[int]]:
 
 
 def execute(runs: List[Run], args) -> None:
-    """Submit the queued runs and follow them to the end, printing the grid's progress."""
-    queued = [r for r in runs if r.status == "queued"]
-    if not queued:
+    """Submit the queued runs (one job per run, or per batch with ``--batch_runs``) and follow
+    them to the end, printing the grid's progress."""
+    units = batches(runs, getattr(args, "batch_runs", 1))
+    if not units:
         return
     ex = _engine(args)
     jobs = {}
+
+    def job(unit, threads=0):
+        if len(unit) == 1:
+            return DecodeJob(unit[0].argv, threads)
+        return SweepJob([r.argv for r in unit], threads)
+
     if args.engine == "slurm":
         with ex.batch():
-            for r in queued:
-                jobs[id(r)] = (r, ex.submit(DecodeJob(r.argv)), None)
-        for r in queued:
-            r.status = "running"
+            for u in units:
+                jobs[id(u)] = (u, ex.submit(job(u)), None)
+        for u in units:
+            for r in u:
+                r.status = "running"
     free = _slots(args)
     threads = max(1, (os.cpu_count() or 1) // max(1, len(free))) if args.engine == "local" else 0
     last, printed = None, 0.0
+    waiting = [u for u in units if args.engine == "local"]
     while True:
-        while args.engine == "local" and free and any(r.status == "queued" for r in queued):
-            r, gpu = next(r for r in queued if r.status == "queued"), free.pop(0)
+        while free and waiting:
+            u, gpu = waiting.pop(0), free.pop(0)
             ex.update_parameters(visible_gpus=[gpu] if gpu is not None else [],
                                  gpus_per_node=1 if gpu is not None else 0)
-            jobs[id(r)] = (r, ex.submit(DecodeJob(r.argv, threads)), gpu)
-            r.status = "running"
-        for key, (r, job, gpu) in list(jobs.items()):
-            if r.status == "running" and job.done():
-                _collect(r, job)
+            jobs[id(u)] = (u, ex.submit(job(u, threads)), gpu)
+            for r in u:
+                r.status = "running"
+        for key, (u, j, gpu) in list(jobs.items()):
+            if u[0].status == "running" and j.done():
+                _collect(u, j)
                 if args.engine == "local":
                     free.append(gpu)
         line = _progress(runs, time.monotonic())
@@ -126,21 +199,25 @@ def execute(runs: List[Run], args) -> None:
         if head != last or (line != head and time.monotonic() - printed >= PROGRESS_EVERY):
             print(line, flush=True)
             last, printed = head, time.monotonic()
-        if not any(r.status in ("queued", "running") for r in queued):
+        if not any(r.status in ("queued", "running") for u in units for r in u):
             return
         time.sleep(args.poll)
 
 
-def _collect(run: Run, job) -> None:
-    run.logs = [str(job.paths.stdout), str(job.paths.stderr), str(run.folder / "log.txt")]
+def _collect(unit: List[Run], job) -> None:
+    for run in unit:
+        run.logs = [str(job.paths.stdout), str(job.paths.stderr), str(run.folder / "log.txt")]
     try:
-        job.result()
-        run.status = "done"
+        result = job.result()
+        errors = result if len(unit) > 1 else [None]
+        for run, error in zip(unit, errors):
+            run.status, run.message = ("failed", error) if error else ("done", run.message)
     except Exception as e:       # FailedJobError (with the job's stderr), UncompletedJobError
-        run.status = "failed"
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         errors = [ln for ln in lines if "ERROR:" in ln or "Error" in ln]
-        run.message = (errors[-1] if errors else lines[0] if lines else type(e).__name__)[:300]
+        for run in unit:
+            run.status = "failed"
+            run.message = (errors[-1] if errors else lines[0] if lines else type(e).__name__)[:300]
 
 
 def rate_since(seen: Optional[tuple], rows: int, now: float):
@@ -212,6 +289,10 @@ def parse_args(argv=None):
     p.add_argument("--gpus", default="", help="local: GPU ids, e.g. '0 1 2 3': the runs decode "
                    "on them (--device=cuda, one GPU visible to each run)")
     p.add_argument("--per_gpu", type=int, default=2, help="local: runs per GPU")
+    p.add_argument("--batch_runs", type=int, default=1, help="runs of one stream, method and "
+                   "source that differ only in settings (suta, csuta: lr, steps, em_coef, "
+                   "temperature, reset, seed) as batched sweeps of at most N runs, each one job "
+                   "(tta_brain.run.sweep); others run separately (default 1: every run its job)")
     p.add_argument("--slurm_conf", default="", help="yaml of submitit Slurm parameters "
                    "(slurm_partition, timeout_min, mem_gb, cpus_per_task, gpus_per_node, ...)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between progress checks")

@@ -34,6 +34,7 @@ class Run:
     logs: List[str] = field(default_factory=list)
     total: int = 0                  # rows of its stream
     seen: Optional[tuple] = None    # what the progress rate is measured from (rate_since)
+    plan: object = None             # its decode.plan, once the grid has looked at its folder
 
 
 def _opts_file(path: Path) -> List[str]:
