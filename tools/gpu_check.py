@@ -32,6 +32,12 @@ captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
    random base-sized model, default and ``--cuda_graphs=off``: the method's time (summary.json)
    per audio second, and how many transcript rows agree (the eager path rounds differently).
 
+``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
+8 SUTA runs (10 steps, lr 1e-5 .. 8e-5) on the random base-sized model, as one batched sweep
+process (``python -m tta_brain.run.sweep``) vs 8 ``python -m tta_brain.decode`` processes started
+together on the GPU (``tools/bench_sweep.py``): throughput of both over the decode loops and over
+the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree.
+
 Each section is skipped (and says so) once ``--budget_s`` (default 470 s) would be exceeded, so the
 whole check stays under 8 minutes on one GPU; a failing section is reported and the next runs
 (the sections' costs are guesses until a GPU run measures them: ``gpu_check.json`` records each
@@ -67,10 +73,11 @@ for _p in (ROOT, TOOLS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench", "decode")
+SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench", "decode",
+            "sweep")
 #: rough seconds of each section on one GPU (unmeasured guesses), for the budget
 COST = {"transcripts": 40, "step": 30, "lengths": 80, "deterministic": 40, "memory": 150,
-        "bench": 110, "decode": 60}
+        "bench": 110, "decode": 60, "sweep": 60}
 GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
 #: runtime options of the three ways a step runs
 DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
@@ -96,11 +103,13 @@ def parse_args(argv=None):
     p.add_argument("--memory_utts", type=int, default=1000, help="utterances of the memory stream")
     p.add_argument("--seconds", type=float, default=3.0, help="utterance length of step/bench")
     p.add_argument("--long_seconds", type=float, default=8.0, help="the second length (lengths)")
+    p.add_argument("--sweep_utts", type=int, default=12, help="utterances of the sweep stream")
     p.add_argument("--cpu_smoke", action="store_true",
                    help="every section on CPU with a tiny model and a few utterances (no figures)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.device, args.n_utts, args.decode_utts, args.memory_utts = "cpu", 3, 3, 12
+        args.sweep_utts = 3
         args.seconds, args.long_seconds = 0.6, 1.2
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in args.sections if s not in SECTIONS]
@@ -466,6 +475,29 @@ def section_memory(args, rep, work):
             f"({verdict}); {_stats(m)}")
     rep.data["memory"] = dict(marks=marks, slope_mb_per_100=slope, flat=flat, stats=_stats(m))
     _release(m, args.device)
+
+
+def section_sweep(args, rep, work):
+    import bench_memory
+    import bench_sweep
+    model = _base_model(work, args)
+    data = os.path.join(work, "sweep_data")
+    runs, steps = (2, 2) if args.cpu_smoke else (8, 10)
+    secs = (0.6, 1.2) if args.cpu_smoke else (2.0, 4.0)
+    rows = bench_memory.make_audio(data, args.sweep_utts, secs, block=8, n_lengths=0)
+    stream = os.path.join(data, "stream.csv")
+    bench_memory.write_stream(stream, rows)
+    res = bench_sweep.gpu_bench(model, stream, data, os.path.join(work, "sweep"), args.device,
+                                runs=runs, steps=steps)
+    for arm in ("separate", "batched"):
+        r = res[arm]
+        rep.say(f"{runs} SUTA runs {arm:<9}: {r['audio_s']:.1f} audio s in {r['loop_s']:.1f} s of "
+                f"decode loops ({r['audio_per_s_loop']:.1f} audio s/s), {r['wall_s']:.1f} s wall "
+                f"({r['audio_per_s_wall']:.1f} audio s/s)")
+    rep.say(f"batched / separate throughput: {res['ratio_loop']:.2f}x (decode loops), "
+            f"{res['ratio_wall']:.2f}x (wall); {res['same_runs']}/{runs} runs with the same "
+            f"transcripts (the batched step rounds differently; eager vs captured steps)")
+    rep.data["sweep"] = res
 
 
 def main(argv=None):

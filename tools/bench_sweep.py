@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Batched sweep vs separate runs (``tta_brain.run.sweep``, issue #22 item 6).
+
+CPU (default): R SUTA runs (lr 1e-4 x 1, 2, 3, ...) of the tests' tiny model over the same
+generated utterances, batched (one ``BatchedSUTA``) vs one after another in this process; s per
+audio second of all R runs together for both, the ratio, and whether the transcripts agree::
+
+    python tools/bench_sweep.py [--runs 4] [--n_utts 6] [--steps 10] [--seconds 2]
+
+``--gpu`` (what ``tools/gpu_check.py``'s ``sweep`` section runs): a generated stream decoded by
+R SUTA runs (different lr) as one ``python -m tta_brain.run.sweep`` process vs R
+``python -m tta_brain.decode`` processes started together on the same device; throughput = R x the
+stream's audio seconds over the span of the decode loops (first "Decoding" to last summary line of
+the runs' log.txt: process start-up and model loading left out) and over the processes' wall time.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "tools")
+for _p in (ROOT, TOOLS):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None):
+    import torch
+    torch.set_num_threads(threads)
+    from gpu_check import _wavs
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
+    from tta_brain.methods import UttInfo, build_method
+    from tta_brain.methods.batched import BatchedSUTA
+    if model is None:
+        model = save_random_ctc_model("/tmp/bench_sweep_tiny", 0, **dict(
+            TINY, feat_extract_norm="group", do_stable_layer_norm=False))
+    wavs = _wavs(n_utts, 0.9 * seconds, 1.1 * seconds, seed=3)
+    audio = sum(w.numel() for w in wavs) / 16000
+    lrs = [1e-4 * (r + 1) for r in range(runs)]
+    build = lambda lr: build_method("suta", model=HFCTCLobe(model), lr=lr, steps=steps)
+    sep_hyps, t0 = [], time.perf_counter()
+    for lr in lrs:
+        m = build(lr)
+        sep_hyps.append([m.process(w, UttInfo(position=i)) for i, w in enumerate(wavs)])
+    t_sep = time.perf_counter() - t0
+    ms = [build(lr) for lr in lrs]
+    batch = BatchedSUTA(ms[0].lobe, ms)
+    bat_hyps, t0 = [[] for _ in lrs], time.perf_counter()
+    for i, w in enumerate(wavs):
+        batch.process(list(range(runs)), w, UttInfo(position=i))
+        for r, v in enumerate(batch.views):
+            bat_hyps[r].append(v.process(w))
+    t_bat = time.perf_counter() - t0
+    res = dict(runs=runs, n_utts=n_utts, steps=steps, audio_s=audio,
+               separate_s_per_audio_s=t_sep / audio, batched_s_per_audio_s=t_bat / audio,
+               speedup=t_sep / t_bat, same_transcripts=sep_hyps == bat_hyps)
+    print(f"{runs} SUTA runs x {n_utts} utterances ({audio:.1f} audio s each), {steps} steps, "
+          f"{threads} thread(s): separate {t_sep / audio:.3f} s per audio s (all runs), batched "
+          f"{t_bat / audio:.3f}: {t_sep / t_bat:.2f}x; same transcripts: {res['same_transcripts']}")
+    return res
+
+
+def _span(folders):
+    """(first 'Decoding' time, last summary time) over the runs' log.txt."""
+    fmt = "%Y-%m-%d %H:%M:%S,%f"
+    starts, ends = [], []
+    for f in folders:
+        for line in open(os.path.join(f, "log.txt"), encoding="utf-8"):
+            stamp = line[:23]
+            if " - tta_brain.run.brain - INFO - Decoding " in line:
+                starts.append(datetime.datetime.strptime(stamp, fmt))
+            elif " - tta_brain.run.summary - INFO - " in line:
+                ends.append(datetime.datetime.strptime(stamp, fmt))
+    return (max(ends) - min(starts)).total_seconds()
+
+
+def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, timeout=400):
+    """Batched sweep vs ``runs`` concurrent decode processes on one device; a dict of figures."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    lrs = [f"{1e-5 * (r + 1):.0e}" for r in range(runs)]
+
+    def argv(out, lr):
+        return ["suta", f"--source={model}", f"--stream_csv={stream}", f"--output_folder={out}",
+                f"--data_root={data_root}", f"--device={device}", "--noprogressbar",
+                "--overwrite", f"--steps={steps}", f"--lr={lr}"]
+    res = {}
+    for arm in ("separate", "batched"):
+        outs = [os.path.join(work, arm, f"run{r}") for r in range(runs)]
+        t0 = time.perf_counter()
+        if arm == "batched":
+            cmd = [sys.executable, "-m", "tta_brain.run.sweep"]
+            for r, o in enumerate(outs):
+                cmd += (["--"] if r else []) + argv(o, lrs[r])
+            procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True)]
+        else:
+            procs = [subprocess.Popen([sys.executable, "-m", "tta_brain.decode", *argv(o, lr)],
+                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True)
+                     for o, lr in zip(outs, lrs)]
+        errs = [p.communicate(timeout=timeout)[1] for p in procs]
+        wall = time.perf_counter() - t0
+        bad = [e.strip().splitlines()[-1] for p, e in zip(procs, errs) if p.returncode and e.strip()]
+        if bad or any(p.returncode for p in procs):
+            raise RuntimeError(f"{arm}: {bad[:1] or 'failed'}")
+        audio = sum(json.load(open(os.path.join(o, "summary.json")))["audio_s"] for o in outs)
+        span = _span(outs)
+        hyps = [open(os.path.join(o, "transcripts.csv")).read() for o in outs]
+        res[arm] = dict(wall_s=wall, loop_s=span, audio_s=audio, hyps=hyps,
+                        audio_per_s_loop=audio / span, audio_per_s_wall=audio / wall)
+    res["ratio_loop"] = res["batched"]["audio_per_s_loop"] / res["separate"]["audio_per_s_loop"]
+    res["ratio_wall"] = res["batched"]["audio_per_s_wall"] / res["separate"]["audio_per_s_wall"]
+    res["same_runs"] = sum(a == b for a, b in zip(res["batched"].pop("hyps"),
+                                                  res["separate"].pop("hyps")))
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--n_utts", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default="")
+    a = p.parse_args(argv)
+    res = cpu_bench(a.runs, a.n_utts, a.steps, a.seconds, a.threads)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
