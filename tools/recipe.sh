@@ -24,8 +24,9 @@ engine=local          # local | slurm: where the decodes run
 nj=0                  # decodes at a time (0: local, one per CPU core or --per_gpu per GPU; slurm 64)
 gpus=                 # local: GPU ids, e.g. "0 1 2 3"
 per_gpu=2             # local: decodes per GPU
+batch_runs=1          # suta/csuta runs of one stream differing only in settings: batched sweeps of N
 slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of one Slurm job
-grid_help="  --engine local|slurm  --nj N  --gpus \"LIST\"  --per_gpu N  --slurm_conf YAML
+grid_help="  --engine local|slurm  --nj N  --gpus \"LIST\"  --per_gpu N  --batch_runs N  --slurm_conf YAML
   --decode_opts \"OPTS\"  --md_decode_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"  --hparams_dir DIR"
 # Source statistics of the methods that need them (eata: Fisher information), before decoding.
 stats_csv=            # clean manifest of speech that is in no stream (synthetic: rendered if empty)
@@ -102,6 +103,7 @@ decode_grid() {
   local exp=$1 data_root=$2 md=$3
   shift 3
   local opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}")
+  [ "${batch_runs}" != 1 ] && opts+=(--batch_runs "${batch_runs}")
   [ "${engine}" = slurm ] && opts+=(--slurm_conf "${slurm_conf}")
   ${dry_run} && opts+=(--dry_run)
   # shellcheck disable=SC2086
