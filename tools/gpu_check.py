@@ -31,6 +31,15 @@ captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
 7. ``decode``: ``python -m tta_brain.decode`` (in this process) on a generated stream with the same
    random base-sized model, default and ``--cuda_graphs=off``: the method's time (summary.json)
    per audio second, and how many transcript rows agree (the eager path rounds differently).
+8. ``official``: the official code (a checkout of hhhaaahhhaa/Dynamic-SUTA given by
+   ``--official_dir``, default ``.official/Dynamic-SUTA``; not shipped, never imported elsewhere)
+   and ``decode`` side by side in this process: SUTA and DSUTA + dynamic reset on the same random
+   base-sized model and utterances at ``--seconds`` and ``--long_seconds``, s per audio s and the
+   speed-up. Without the checkout: ours only. The smoke test runs the official code on CPU
+   (its ``.cuda()`` made a no-op).
+9. ``field``: ``bench_speed`` over the field's methods (tent, eata, sar, cotta, cea, lame, t3a,
+   foa, ebats, with source and suta) on the base-sized model, and ``--population``: E-BATS and
+   FOA with the CMA-ES population batched vs one candidate at a time vs the reference's loop.
 
 ``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
 8 SUTA runs (10 steps, lr 1e-5 .. 8e-5) on the random base-sized model, as one batched sweep
@@ -74,10 +83,10 @@ for _p in (ROOT, TOOLS):
         sys.path.insert(0, _p)
 
 SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench", "decode",
-            "sweep")
+            "official", "field", "sweep")
 #: rough seconds of each section on one GPU (unmeasured guesses), for the budget
 COST = {"transcripts": 40, "step": 30, "lengths": 80, "deterministic": 40, "memory": 150,
-        "bench": 110, "decode": 60, "sweep": 60}
+        "bench": 110, "decode": 60, "official": 90, "field": 60, "sweep": 60}
 GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
 #: runtime options of the three ways a step runs
 DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
@@ -103,6 +112,9 @@ def parse_args(argv=None):
     p.add_argument("--memory_utts", type=int, default=1000, help="utterances of the memory stream")
     p.add_argument("--seconds", type=float, default=3.0, help="utterance length of step/bench")
     p.add_argument("--long_seconds", type=float, default=8.0, help="the second length (lengths)")
+    p.add_argument("--official_dir", default=os.path.join(ROOT, ".official", "Dynamic-SUTA"),
+                   help="a checkout of the official code (hhhaaahhhaa/Dynamic-SUTA: its src/, "
+                        "config/ and vocab.json) for the section official; not shipped")
     p.add_argument("--sweep_utts", type=int, default=12, help="utterances of the sweep stream")
     p.add_argument("--cpu_smoke", action="store_true",
                    help="every section on CPU with a tiny model and a few utterances (no figures)")
@@ -475,6 +487,168 @@ def section_memory(args, rep, work):
             f"({verdict}); {_stats(m)}")
     rep.data["memory"] = dict(marks=marks, slope_mb_per_100=slope, flat=flat, stats=_stats(m))
     _release(m, args.device)
+
+# The official code's runs of SUTA and DSUTA + dynamic reset (its config files; steps 10 and 5,
+# buffer 5, patience 2), with K small so that a short stream reaches the detection stage.
+OFFICIAL_RUNS = (("suta", "SUTAStrategy", "basic", ["10step.yaml"], {}, []),
+                 ("dsuta+dynamic", "DSUTAResetStrategy", "dsuta_reset",
+                  ["dynamic-reset.yaml", "5step.yaml"], {"K": 10},
+                  ["--steps=5", "--buffer_size=5", "--reset=dynamic", "--reset_K=10"]))
+
+
+class _NoCuda:
+    """CPU smoke test only: the official code calls ``model.cuda()``; make it a no-op."""
+
+    def __enter__(self):
+        import torch
+        self.orig = torch.nn.Module.cuda
+        torch.nn.Module.cuda = lambda mod, *a, **k: mod
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+        torch.nn.Module.cuda = self.orig
+
+
+def _official_run(args, cls_name, module, strategy_files, extra, model, wavs):
+    """Seconds of the official strategy's ``run`` over ``wavs`` (model loading not timed); the
+    official code reads ``vocab.json`` from the working directory and runs PyTorch's default
+    kernels, as it does in its own repository."""
+    import importlib
+    import contextlib
+    import yaml
+    from tta_brain.lobes.runtime import deterministic_kernels
+    od = args.official_dir
+    if od not in sys.path:
+        sys.path.insert(0, od)
+    mod = importlib.import_module(f"src.strategies.{module}")
+    with open(os.path.join(od, "config", "system", "suta.yaml")) as f:
+        system = dict(yaml.safe_load(f), model_name=model)
+    strategy = {}
+    for name in strategy_files:
+        with open(os.path.join(od, "config", "strategy", name)) as f:
+            strategy.update(yaml.safe_load(f))
+    strategy.update(extra)
+    if args.cpu_smoke:                             # the plumbing only
+        strategy["steps"] = 2
+    ds = [{"wav": w.numpy(), "text": "A B", "id": f"o{i}"} for i, w in enumerate(wavs)]
+    cwd = os.getcwd()
+    deterministic_kernels(False)
+    try:
+        os.chdir(od)
+        with (_NoCuda() if args.cpu_smoke else contextlib.nullcontext()), \
+                contextlib.redirect_stdout(open(os.devnull, "w")), \
+                contextlib.redirect_stderr(open(os.devnull, "w")):
+            strat = getattr(mod, cls_name)({"system_config": system, "strategy_config": strategy})
+            if not args.cpu_smoke:                         # warm-up on its own copy
+                strat.run(ds[:2])
+                strat = getattr(mod, cls_name)({"system_config": system,
+                                                "strategy_config": strategy})
+            _sync(args.device)
+            t0 = time.perf_counter()
+            out = strat.run(ds)
+            _sync(args.device)
+            wall = time.perf_counter() - t0
+    finally:
+        os.chdir(cwd)
+        deterministic_kernels(True)
+    del strat
+    return wall, [t for _, t in out["transcriptions"]]
+
+
+def _ours_decode(args, work, tag, hp, extra, model, stream, data):
+    """Our run command on the same stream (its default options); (method s, run s)."""
+    from tta_brain import decode
+    out = os.path.join(work, "official_ours", tag)
+    argv = [hp, f"--source={model}", f"--stream_csv={stream}", f"--output_folder={out}",
+            f"--data_root={data}", f"--device={args.device}", "--noprogressbar", "--overwrite",
+            *extra]
+    t0 = time.perf_counter()
+    s = decode.main(argv)
+    return s.wall_time_s, time.perf_counter() - t0
+
+
+def section_official(args, rep, work):
+    """The official code (``--official_dir``) and ours in this process on the same GPU, model
+    (the random wav2vec2-base-sized one) and utterances, at ``--seconds`` and
+    ``--long_seconds``: s per audio s and our speed-up. Ours is ``python -m tta_brain.decode``
+    with its defaults (method time from summary.json; the run's own model loading excluded, as
+    the official side's is)."""
+    import bench_memory
+    import soundfile as sf
+    import torch
+    have = os.path.isfile(os.path.join(args.official_dir, "src", "strategies", "basic.py"))
+    if not have:
+        rep.say(f"official code not found in {args.official_dir} (a checkout of "
+                "hhhaaahhhaa/Dynamic-SUTA, --official_dir): ours only")
+    model = _base_model(work, args)
+    res = {}
+    lengths = (args.seconds,) if args.cpu_smoke else (args.seconds, args.long_seconds)
+    rep.say(f"{'method, length':<26}{'official s/aud s':>17}{'ours s/aud s':>14}{'speed-up':>10}")
+    for li, sec in enumerate(lengths):
+        data = os.path.join(work, f"official_data_{li}")
+        n = 2 if args.cpu_smoke else (24 if sec < 5 else 16)
+        rows = bench_memory.make_audio(data, n, (0.9 * sec, 1.1 * sec), block=n, n_lengths=0,
+                                       seed=10 + li)
+        stream = os.path.join(data, "stream.csv")
+        bench_memory.write_stream(stream, rows)
+        wavs = [torch.from_numpy(sf.read(os.path.join(data, "wav", f"{r['ID']}.wav"),
+                                         dtype="float32")[0]) for r in rows]
+        audio = sum(w.numel() for w in wavs) / 16000
+        for tag, cls_name, module, files, extra, ours_opts in OFFICIAL_RUNS:
+            hp = tag.partition("+")[0]
+            off = None
+            if have:
+                try:
+                    wall, _ = _official_run(args, cls_name, module, files, extra, model, wavs)
+                    off = wall / audio
+                except Exception as e:              # noqa: BLE001 - report, go on with ours
+                    rep.say(f"official {tag} FAILED: {type(e).__name__}: {e}")
+            steps = ["--steps=2"] if args.cpu_smoke else []
+            if not args.cpu_smoke:                         # a warm process, as the official
+                _ours_decode(args, work, f"{tag}_warm{li}", hp, ours_opts + steps, model,
+                             stream, data)
+            meth, run_s = _ours_decode(args, work, f"{tag}_{li}", hp, ours_opts + steps, model,
+                                       stream, data)
+            ours = meth / audio
+            key = f"{tag}, {sec:.0f} s"
+            res[key] = dict(official=off, ours=ours, ours_run_s=run_s, audio_s=audio, n=n)
+            up = f"{off / ours:>9.2f}x" if off else f"{'-':>10}"
+            rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{up}")
+    rep.say("official: its strategy's run() (model loading not timed), PyTorch's default kernels; "
+            "ours: decode with its defaults (captured steps on CUDA, --deterministic true); "
+            "each side warmed up on its own first")
+    rep.data["official"] = res
+
+
+FIELD_METHODS = "source,suta,tent,eata,sar,cotta,cea,lame,t3a,foa,ebats"
+
+
+def section_field(args, rep, work):
+    """The field's methods' s per audio s on the random base-sized model (bench_speed), and the
+    CMA-ES population batched vs one candidate at a time (E-BATS, FOA)."""
+    import bench_speed
+    model = _base_model(work, args)
+    common = ["--device", args.device, "--model", model, "--methods", FIELD_METHODS,
+              "--seconds", str(args.seconds), "--cuda_graphs", "auto"]
+    common += (["--n_utts", "2", "--repeats", "1", "--warmup", "1", "--suta_steps", "2"]
+               if args.cpu_smoke else ["--n_utts", "4", "--repeats", "1", "--warmup", "2"])
+    rep.say("--- bench_speed, the field's methods (default options) ---")
+    res = bench_speed.main(common + ["--json", os.path.join(work, "bench_field.json")])
+    rep.say(f"{'method':<12}{'s/aud s':>10}")
+    for m, r in res.items():
+        rep.say(f"{m:<12}{r['wall']['s_per_audio_s']:>10.4f}")
+    pop = ["--device", args.device, "--model", model, "--population", "--seconds",
+           str(args.seconds)] + (["--n_utts", "1"] if args.cpu_smoke else ["--n_utts", "3"])
+    rep.say("--- bench_speed --population (E-BATS, FOA: batched vs one at a time) ---")
+    popres = bench_speed.main(pop)
+    for name, modes in popres.items():
+        for mode, r in modes.items():
+            rep.say(f"{name} {mode:<15}{r['s_per_audio_s']:>9.4f} s/aud s, batched x"
+                    f"{r['speedup_of_batched_wall']:.1f} faster, same transcripts: "
+                    f"{r['same_transcripts']}")
+    rep.data["field"] = dict(s_per_audio_s={m: r["wall"]["s_per_audio_s"] for m, r in res.items()},
+                             population=popres)
 
 
 def section_sweep(args, rep, work):

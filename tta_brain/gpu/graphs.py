@@ -25,6 +25,7 @@
 Everything here but the capture itself is device-agnostic (tests run it on CPU tensors, with a
 fake graph that records the step and re-executes it on replay).
 """
+import gc
 import logging
 from collections import OrderedDict
 from typing import Callable, Hashable
@@ -161,17 +162,26 @@ class CudaGraphBackend:
     def capture(self, body: Callable[[], None], pool=None) -> _CudaGraph:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
-        with self.side():
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                body()
-            except BaseException:
+        # No cyclic garbage collection inside a capture: a collected graph (an evicted one still
+        # in a reference cycle) resets itself, which a capturing stream does not permit and which
+        # invalidates the capture (seen on an H100: dsuta + dynamic reset, graph cache 4).
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            with self.side():
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    graph.capture_end()
-                except Exception:           # the capture is invalid anyway
-                    pass
-                raise
-            graph.capture_end()
+                    body()
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except Exception:           # the capture is invalid anyway
+                        pass
+                    raise
+                graph.capture_end()
+        finally:
+            if gc_was_on:
+                gc.enable()
         return _CudaGraph(graph)
 
 

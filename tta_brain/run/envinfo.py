@@ -53,8 +53,10 @@ def describe_device(device, visible: Optional[str] = None) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     ids = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else None
     gpu = ids[int(index)] if ids is not None and int(index) < len(ids) else index
+    # the name only of a device this process has (a planned index may be beyond them)
     model = (f": {torch.cuda.get_device_name(int(index))}"
-             if torch is not None and torch.cuda.is_available() else "")
+             if torch is not None and torch.cuda.is_available()
+             and int(index) < torch.cuda.device_count() else "")
     return f"cuda:{index} (GPU {gpu}{model})"
 
 
