@@ -105,7 +105,8 @@ def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, t
                      for o, lr in zip(outs, lrs)]
         errs = [p.communicate(timeout=timeout)[1] for p in procs]
         wall = time.perf_counter() - t0
-        bad = [e.strip().splitlines()[-1] for p, e in zip(procs, errs) if p.returncode and e.strip()]
+        bad = [next((ln for ln in reversed(e.splitlines()) if "Error" in ln or "ERROR" in ln),
+                    e.strip()[-300:]) for p, e in zip(procs, errs) if p.returncode]
         if bad or any(p.returncode for p in procs):
             raise RuntimeError(f"{arm}: {bad[:1] or 'failed'}")
         audio = sum(json.load(open(os.path.join(o, "summary.json")))["audio_s"] for o in outs)

@@ -201,10 +201,21 @@ class BatchedSUTA:
 
     # ------------------------------------------------------------- passes
     def logits(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``[R', 1, F, V]`` logits of ``x`` under each row of ``flat`` ``[R', N]``."""
+        """``[R', 1, F, V]`` logits of ``x`` under each row of ``flat`` ``[R', N]``. Attention
+        runs as matmul + softmax (transformers' eager attention) inside the vmap: the fused SDPA
+        kernels have no vmap batching rule on CPU (a per-row loop) and failed in the backward on
+        CUDA; the same maths, other rounding."""
         def one(row):
             return functional_call(self.lobe, dict(zip(self.names, self._rows(row))), (x,))
-        return vmap(one, randomness="same")(flat)
+        config = self.lobe.model.config
+        attn = getattr(config, "_attn_implementation", None)
+        try:
+            if attn is not None:
+                config._attn_implementation = "eager"
+            return vmap(one, randomness="same")(flat)
+        finally:
+            if attn is not None:
+                config._attn_implementation = attn
 
     def step(self, runs: List[int], x: torch.Tensor) -> None:
         """One adaptation step of ``runs`` on ``x``."""
