@@ -219,6 +219,47 @@ def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_pa
     assert compare_runs.main([str(ref), str(exp)]) == 0
 
 
+@pytest.mark.slow
+def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path):
+    """SIGTERM to the grid (as Ctrl-C) cancels its local workers, which bypass SIGTERM
+    themselves: none goes on decoding after the grid has gone; the rerun resumes."""
+    exp = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "tta_brain.grid",
+           *grid_argv(data, exp, "suta dsuta+dynamic", "0", "--nj", "2")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    victim = exp / "s" / "dsuta+dynamic" / "seed0"
+    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
+             "a checkpoint of the victim")
+    pid = holder_pid(victim)
+    assert proc.poll() is None and pid, "the grid ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert "cancelled" in out and "grid: interrupted" in out, out[-3000:]
+    grid_dir = str(exp / ".grid")
+    wait_for(lambda: not holder_pid_alive(victim) and not workers_of(grid_dir),
+             "the workers' exit", 30)
+    assert not (victim / "summary.json").exists()
+    rerun = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "Resuming" in (victim / "log.txt").read_text()
+    assert json.loads((victim / "summary.json").read_text())["n_utts"] == 24
+
+
+def workers_of(grid_dir):
+    """Processes whose command line names ``grid_dir`` (the grid's submitit workers)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if grid_dir in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
 # ----------------------------------------------------------------------------- Slurm
 @pytest.mark.slow
 def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slurm_cluster):

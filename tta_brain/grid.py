@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -177,6 +178,29 @@ def execute(runs: List[Run], args) -> None:
         for u in units:
             for r in u:
                 r.status = "running"
+    try:
+        _follow(runs, units, args, ex, jobs, job)
+    finally:
+        if args.engine == "local":
+            _stop_workers(jobs)
+
+
+def _stop_workers(jobs) -> None:
+    """Cancel the local jobs still running (the grid is ending early: Ctrl-C, SIGTERM, an
+    error). submitit's workers bypass SIGTERM (Slurm's preemption warning), so without this they
+    would go on decoding after the grid is gone; ``cancel`` ends each worker and its decode. A
+    cancelled run keeps its checkpoints: rerunning the grid resumes it."""
+    running = [(u, j) for u, j, _ in jobs.values() if u[0].status == "running" and not j.done()]
+    for u, j in running:
+        j.cancel()
+        for r in u:
+            r.status, r.message = "failed", "cancelled: the grid was stopped"
+    if running:
+        print(f"grid: stopped; cancelled {sum(len(u) for u, _ in running)} running run(s) "
+              "(rerun the same command to resume them)", flush=True)
+
+
+def _follow(runs, units, args, ex, jobs, job) -> None:
     free = _slots(args)
     threads = max(1, (os.cpu_count() or 1) // max(1, len(free))) if args.engine == "local" else 0
     last, printed = None, 0.0
@@ -300,6 +324,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -310,7 +338,16 @@ def main(argv=None) -> int:
         return 0
     check_done(runs)
     print(_progress(runs), flush=True)
-    execute(runs, args)
+    # SIGTERM (kill, a batch system ending this job) ends the grid as Ctrl-C does: through
+    # execute's clean-up, which cancels the local workers
+    old = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        execute(runs, args)
+    except KeyboardInterrupt:
+        print("grid: interrupted", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
     failed = [r for r in runs if r.status == "failed"]
     for r in failed:
         print(f"FAILED {r.name}: {r.message}" + (f"\n  logs: {', '.join(r.logs)}" if r.logs else ""),
