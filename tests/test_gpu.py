@@ -546,6 +546,9 @@ def test_gpu_check_arguments():
     gc = _gpu_check()
     a = gc.parse_args(["--out", "/tmp/x", "--sections", "step,bench"])
     assert a.sections == ["step", "bench"] and a.device == "cuda:0" and a.budget_s == 470
+    default = gc.parse_args(["--out", "/tmp/x"])
+    assert default.sections == list(gc.DEFAULT_SECTIONS) and set(gc.DEFAULT_SECTIONS) < set(gc.SECTIONS)
+    assert sum(gc.COST[s] for s in gc.DEFAULT_SECTIONS) <= default.budget_s   # all fit in 8 min
     for bad in ([], ["--out", "x", "--sections", "nope"], ["--out", "x", "--device", "cpu"]):
         with pytest.raises(SystemExit) as e:
             gc.parse_args(bad)
@@ -553,7 +556,7 @@ def test_gpu_check_arguments():
     smoke = gc.parse_args(["--out", "x", "--cpu_smoke"])
     assert smoke.sections == list(gc.SECTIONS) and smoke.device == "cpu"
     assert set(gc.COST) == set(gc.SECTIONS)
-    assert "pip install --no-index --no-deps --target .site .whl/*.whl" in gc.__doc__
+    assert "rm -rf .site; pip install --no-index --no-deps --target .site .whl/*.whl" in gc.__doc__
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal without CUDA")

@@ -47,10 +47,12 @@ process (``python -m tta_brain.run.sweep``) vs 8 ``python -m tta_brain.decode`` 
 together on the GPU (``tools/bench_sweep.py``): throughput of both over the decode loops and over
 the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree.
 
-Each section is skipped (and says so) once ``--budget_s`` (default 470 s) would be exceeded, so the
-whole check stays under 8 minutes on one GPU; a failing section is reported and the next runs
-(the sections' costs are guesses until a GPU run measures them: ``gpu_check.json`` records each
-section's seconds). ``--cpu_smoke`` runs every section on CPU with a tiny model and a few
+By default a GPU run checks, in this order, official, sweep, memory, lengths, deterministic,
+transcripts and field (``--sections`` picks others, in the order given). Each section is skipped
+(and says so) once ``--budget_s`` (default 470 s) would be exceeded, so the whole check stays
+under 8 minutes on one GPU; a failing section is reported and the next runs (``COST``: the seconds
+each took on an H100 on 2026-11-26, sweep's a guess; ``gpu_check.json`` records each section's
+seconds). ``--cpu_smoke`` runs every section on CPU with a tiny model and a few
 utterances (no figures: the script's own test, tests/test_gpu.py).
 
 Recipe for a fresh GPU machine with torch 2.11 + CUDA but none of our other packages and no
@@ -60,9 +62,10 @@ network. Here (with network), put the wheels into ``.whl/``::
         ruamel.yaml ruamel.yaml.clib transformers==4.57.6 tokenizers huggingface_hub soundfile \\
         cffi pycparser espeakng-loader submitit cloudpickle
 
-then carry ``.whl`` along and, on the GPU machine, in the repository root::
+then carry ``.whl`` along and, on the GPU machine, in the repository root (into an empty
+``.site``: reinstalling over an earlier one left it without some modules)::
 
-    pip install --no-index --no-deps --target .site .whl/*.whl
+    rm -rf .site; pip install --no-index --no-deps --target .site .whl/*.whl
     PYTHONPATH=.site:. python tools/gpu_check.py --out $OUT
 
 (The imports also need numpy, PyYAML, regex, safetensors, tqdm, requests, packaging, joblib,
@@ -85,8 +88,13 @@ for _p in (ROOT, TOOLS):
 SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench", "decode",
             "official", "field", "sweep")
 #: rough seconds of each section on one GPU (unmeasured guesses), for the budget
-COST = {"transcripts": 40, "step": 30, "lengths": 80, "deterministic": 40, "memory": 150,
-        "bench": 110, "decode": 60, "official": 90, "field": 60, "sweep": 60}
+COST = {"transcripts": 15, "step": 30, "lengths": 45, "deterministic": 25, "memory": 155,
+        "bench": 110, "decode": 60, "official": 100, "field": 70, "sweep": 60}
+#: What a GPU run checks by default, most wanted first (the seconds of the H100 run of
+#: 2026-11-26 add up to about 470 s); ``step``, ``bench`` and ``decode`` on request
+#: (``--sections``; ``official`` times decode against the method loop on the same utterances)
+DEFAULT_SECTIONS = ("official", "sweep", "memory", "lengths", "deterministic", "transcripts",
+                    "field")
 GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
 #: runtime options of the three ways a step runs
 DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
@@ -103,8 +111,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for the report and the runs")
     p.add_argument("--device", default="cuda:0", help="a CUDA device (default cuda:0)")
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--sections", default="",
+                   help=f"comma-separated, in this order, from {','.join(SECTIONS)} (default: "
+                        f"{','.join(DEFAULT_SECTIONS)}; the CPU smoke test: all)")
     p.add_argument("--budget_s", type=float, default=470.0,
                    help="skip the sections that would start after this many seconds")
     p.add_argument("--n_utts", type=int, default=20, help="utterances per method (transcripts)")
@@ -123,7 +132,8 @@ def parse_args(argv=None):
         args.device, args.n_utts, args.decode_utts, args.memory_utts = "cpu", 3, 3, 12
         args.sweep_utts = 3
         args.seconds, args.long_seconds = 0.6, 1.2
-    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    args.sections = ([s.strip() for s in args.sections.split(",") if s.strip()] or
+                     list(SECTIONS if args.cpu_smoke else DEFAULT_SECTIONS))
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
         p.error(f"unknown section(s) {', '.join(bad)} (choose from {', '.join(SECTIONS)})")
@@ -556,6 +566,19 @@ def _official_run(args, cls_name, module, strategy_files, extra, model, wavs):
     return wall, [t for _, t in out["transcriptions"]]
 
 
+def _method_loop(args, tag, model, wavs):
+    """Seconds of ``process()`` over ``wavs`` with the run's settings (default steps), after a
+    warm-up on the first two: the benchmark's measurement on decode's utterances."""
+    kw = dict(lr=2e-5, steps=2 if args.cpu_smoke else (5 if tag.startswith("dsuta") else 10))
+    if tag.startswith("dsuta"):
+        kw.update(buffer_size=5, reset_K=10)
+    m = _method(tag, model, args.device, DEFAULT, **kw)
+    _process_all(m, wavs[:2], args.device)
+    _, t = _process_all(m, wavs, args.device)
+    _release(m, args.device)
+    return t
+
+
 def _ours_decode(args, work, tag, hp, extra, model, stream, data):
     """Our run command on the same stream (its default options); (method s, run s)."""
     from tta_brain import decode
@@ -584,7 +607,8 @@ def section_official(args, rep, work):
     model = _base_model(work, args)
     res = {}
     lengths = (args.seconds,) if args.cpu_smoke else (args.seconds, args.long_seconds)
-    rep.say(f"{'method, length':<26}{'official s/aud s':>17}{'ours s/aud s':>14}{'speed-up':>10}")
+    rep.say(f"{'method, length':<26}{'official s/aud s':>17}{'ours s/aud s':>14}{'speed-up':>10}"
+            f"{'loop s/aud s':>14}{'decode':>10}")
     for li, sec in enumerate(lengths):
         data = os.path.join(work, f"official_data_{li}")
         n = 2 if args.cpu_smoke else (24 if sec < 5 else 16)
@@ -611,13 +635,18 @@ def section_official(args, rep, work):
             meth, run_s = _ours_decode(args, work, f"{tag}_{li}", hp, ours_opts + steps, model,
                                        stream, data)
             ours = meth / audio
+            loop = _method_loop(args, tag, model, wavs) / audio
             key = f"{tag}, {sec:.0f} s"
-            res[key] = dict(official=off, ours=ours, ours_run_s=run_s, audio_s=audio, n=n)
+            res[key] = dict(official=off, ours=ours, ours_run_s=run_s, audio_s=audio, n=n,
+                            method_loop=loop, decode_over_loop=ours / loop)
             up = f"{off / ours:>9.2f}x" if off else f"{'-':>10}"
-            rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{up}")
+            rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{up}"
+                    f"{loop:>14.4f}{ours / loop - 1:>+10.0%}")
     rep.say("official: its strategy's run() (model loading not timed), PyTorch's default kernels; "
             "ours: decode with its defaults (captured steps on CUDA, --deterministic true); "
-            "each side warmed up on its own first")
+            "each side warmed up on its own first; loop: the same method object's process() over "
+            "the same utterances in this process (what bench_speed times), and decode's time over "
+            "it (issue #22: within 10 %)")
     rep.data["official"] = res
 
 
@@ -632,14 +661,14 @@ def section_field(args, rep, work):
     common = ["--device", args.device, "--model", model, "--methods", FIELD_METHODS,
               "--seconds", str(args.seconds), "--cuda_graphs", "auto"]
     common += (["--n_utts", "2", "--repeats", "1", "--warmup", "1", "--suta_steps", "2"]
-               if args.cpu_smoke else ["--n_utts", "4", "--repeats", "1", "--warmup", "2"])
+               if args.cpu_smoke else ["--n_utts", "2", "--repeats", "1", "--warmup", "1"])
     rep.say("--- bench_speed, the field's methods (default options) ---")
     res = bench_speed.main(common + ["--json", os.path.join(work, "bench_field.json")])
     rep.say(f"{'method':<12}{'s/aud s':>10}")
     for m, r in res.items():
         rep.say(f"{m:<12}{r['wall']['s_per_audio_s']:>10.4f}")
     pop = ["--device", args.device, "--model", model, "--population", "--seconds",
-           str(args.seconds)] + (["--n_utts", "1"] if args.cpu_smoke else ["--n_utts", "3"])
+           str(args.seconds)] + (["--n_utts", "1"] if args.cpu_smoke else ["--n_utts", "2"])
     rep.say("--- bench_speed --population (E-BATS, FOA: batched vs one at a time) ---")
     popres = bench_speed.main(pop)
     for name, modes in popres.items():
