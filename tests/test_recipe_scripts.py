@@ -2,6 +2,7 @@
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,43 @@ def test_methods_all_decodes_every_packaged_method(tmp_path):
     stats = [c for c in cmds if "tta_brain.stats" in c]
     assert stats and stats[0][stats[0].index("--kinds") + 1].split() == ["fisher", "hidden", "tokens"]
     assert not (tmp_path / "data").exists()
+
+
+def test_source_stats_one_file_per_method_never_rewritten(tmp_path, tiny_model_dir):
+    """The recipes' stats stage (tools/recipe.sh) writes each method's statistics to its own
+    file, which adding another method's statistics later leaves byte for byte as it was (its runs'
+    fingerprints count that content); a current file is kept, a missing manifest is an error."""
+    from fake_corpora import write_stream
+    root = write_stream(tmp_path / "s", n=4, block=2)
+    out = tmp_path / "stats"
+    out.mkdir()
+
+    def stage(methods, csv=root / "stream.csv"):
+        script = (f'set -euo pipefail; recipe_dir={REPO}/recipes/synthetic; '
+                  f'. {REPO}/tools/recipe.sh; methods={shlex.quote(methods)}; '
+                  f'model={tiny_model_dir}; stats_utts=3; python={shlex.quote(sys.executable)}; '
+                  f'source_stats_stage 4 "{csv}" "{root}" "{out}"')
+        return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+
+    res = stage("source eata")
+    assert res.returncode == 0, res.stderr
+    eata = out / "source_stats_eata.pt"
+    before = (eata.read_bytes(), eata.stat().st_mtime_ns)
+    res = stage("foa ebats+dynamic eata")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "source_stats_eata.pt", "source_stats_ebats.pt", "source_stats_foa.pt"]
+    assert (eata.read_bytes(), eata.stat().st_mtime_ns) == before
+    assert "source_stats_eata.pt: up to date" in res.stdout
+    from tta_brain.methods import source_stats as ss
+    assert ss.load(out / "source_stats_ebats.pt").kinds == ["hidden", "tokens"]
+    assert ss.load(out / "source_stats_foa.pt").kinds == ["hidden"]
+    assert ss.load(eata).kinds == ["fisher"]
+    res = stage("suta sgem")                                     # nobody needs statistics
+    assert res.returncode == 0 and "source statistics" not in res.stderr
+    res = stage("foa", csv="")                                   # no manifest: keep the file
+    assert res.returncode == 0 and "using" in res.stderr
+    (out / "source_stats_foa.pt").unlink()
+    res = stage("foa", csv="")
+    assert res.returncode == 1 and "foa needs source statistics (hidden)" in res.stderr

@@ -43,37 +43,51 @@ method_tokens() {
   fi
 }
 
-# stats_kinds: the source-statistics kinds the listed methods need (eata: fisher; foa: hidden;
-# ebats: hidden, tokens).
-stats_kinds() {
-  local tok kinds=""
-  for tok in $(method_tokens); do
-    case ${tok%%+*} in
-      eata) kinds="${kinds} fisher" ;;
-      foa) kinds="${kinds} hidden" ;;
-      ebats) kinds="${kinds} hidden tokens" ;;
-    esac
-  done
-  echo $(printf '%s\n' ${kinds} | sort -u)
+# method_stats_kinds METHOD: the source-statistics kinds a method reads (eata: fisher; foa:
+# hidden; ebats: hidden, tokens; none for the others).
+method_stats_kinds() {
+  case $1 in
+    eata) echo fisher ;;
+    foa) echo hidden ;;
+    ebats) echo hidden tokens ;;
+  esac
 }
 
-# source_stats_stage STAGE CSV DATA_ROOT OUT: the statistics the listed methods need, of ${model}
-# on the first ${stats_utts} utterances of CSV (clean, in no stream) -> OUT; a current OUT is kept.
+# stats_methods: the listed methods that read source statistics (each once).
+stats_methods() {
+  local tok
+  for tok in $(method_tokens); do
+    if [ -n "$(method_stats_kinds "${tok%%+*}")" ]; then echo "${tok%%+*}"; fi
+  done | sort -u
+}
+
+# stats_kinds: the source-statistics kinds the listed methods need.
+stats_kinds() {
+  local m
+  echo $(for m in $(stats_methods); do printf '%s\n' $(method_stats_kinds "${m}"); done | sort -u)
+}
+
+# source_stats_stage STAGE CSV DATA_ROOT DIR: the statistics of each listed method that needs
+# them, of ${model} on the first ${stats_utts} utterances of CSV (clean, in no stream) ->
+# DIR/source_stats_<method>.pt (conf/<method>.opts names it). One file per method, so a method's
+# file never changes when another method is added (its runs' fingerprints count the file's
+# content); a current file is kept.
 source_stats_stage() {
-  local kinds
-  kinds=$(stats_kinds)
-  [ -n "${kinds}" ] || return 0
-  if [ -z "$2" ] && [ -f "$4" ]; then
-    log "Stage $1: source statistics (${kinds}): using $4 (--stats_csv CSV to recompute them)"
-    return 0
-  elif [ -z "$2" ]; then
-    echo "ERROR: [${methods}] need source statistics (${kinds}): name a manifest of clean speech" \
-      "that is in no stream with --stats_csv CSV" >&2
-    exit 1
-  fi
-  log "Stage $1: source statistics (${kinds}) of ${model} on ${stats_utts} utterances of $2 -> $4"
-  run ${python} -m tta_brain.stats --source "${model}" --manifest "$2" --data_root "$3" \
-    --kinds "${kinds}" --out "$4" --max_utts "${stats_utts}" --reuse
+  local m kinds out
+  for m in $(stats_methods); do
+    kinds=$(method_stats_kinds "${m}") out=$4/source_stats_${m}.pt
+    if [ -z "$2" ] && [ -f "${out}" ]; then
+      log "Stage $1: source statistics of ${m} (${kinds}): using ${out} (--stats_csv CSV to recompute them)"
+      continue
+    elif [ -z "$2" ]; then
+      echo "ERROR: ${m} needs source statistics (${kinds}): name a manifest of clean speech" \
+        "that is in no stream with --stats_csv CSV" >&2
+      exit 1
+    fi
+    log "Stage $1: source statistics of ${m} (${kinds}) of ${model} on ${stats_utts} utterances of $2 -> ${out}"
+    run ${python} -m tta_brain.stats --source "${model}" --manifest "$2" --data_root "$3" \
+      --kinds "${kinds}" --out "${out}" --max_utts "${stats_utts}" --reuse
+  done
 }
 
 # grid_streams DATA_DIR "SNRS" "STREAMS": stream_args (snr<S>/<name>=<csv>) and md_streams (the

@@ -48,6 +48,8 @@ if [ -n "${md_decode_opts}" ]; then
 fi
 # absolute paths: manifests and decode commands must not depend on the working directory
 case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
+# the source statistics' folder (conf/<method>.opts: the decodes' data root is the corpus)
+export TTA_SOURCE_STATS_DIR=${data_dir}
 case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
 
 manifest=${data_dir}/chime3_et05.csv
@@ -85,11 +87,9 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
 fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; then
-  # eata's source statistics from clean speech in no stream (--stats_csv, e.g. tr05 clean
-  # close-talk; not et05); conf/eata.opts reads the file from $TTA_SOURCE_STATS (the data root
-  # of the decodes is the corpus)
-  export TTA_SOURCE_STATS=${data_dir}/source_stats.pt
-  source_stats_stage 3 "${stats_csv}" "${CHIME3:-}" "${TTA_SOURCE_STATS}"
+  # the source statistics of eata / foa / ebats from clean speech in no stream (--stats_csv, e.g.
+  # tr05 clean close-talk; not et05); conf/<method>.opts reads them from $TTA_SOURCE_STATS_DIR
+  source_stats_stage 3 "${stats_csv}" "${CHIME3:-}" "${data_dir}"
 fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then

@@ -102,7 +102,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; the
     run ${python} -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" \
       --split "${stats_split}" --out "${stats_csv}"
   fi
-  source_stats_stage 3 "${stats_csv}" "${data_dir}" "${data_dir}/source_stats.pt"  # conf/eata.opts
+  source_stats_stage 3 "${stats_csv}" "${data_dir}" "${data_dir}"  # conf/<method>.opts
 fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then

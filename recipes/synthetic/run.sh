@@ -161,7 +161,7 @@ if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ] && [ -n "$(stats_kinds)" ]; the
     run ${python} -m tta_brain.data.prep.prepare librispeech --root "${data_dir}/stats_corpus" \
       --split test-synth --out "${stats_csv}"
   fi
-  source_stats_stage 4 "${stats_csv}" "${data_dir}" "${data_dir}/source_stats.pt"  # conf/eata.opts
+  source_stats_stage 4 "${stats_csv}" "${data_dir}" "${data_dir}"  # conf/<method>.opts
 fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
