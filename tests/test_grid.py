@@ -197,14 +197,8 @@ def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_pa
     ref = tmp_path / "ref"
     serial(data, ref, methods)
     exp = tmp_path / "exp"
-    cmd = [sys.executable, "-m", "tta_brain.grid",
-           *grid_argv(data, exp, methods, "0 1", "--nj", "2")]
     # reset_K etc. are dsuta keys: the grid passes them with the recipe (md) options only
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    victim = exp / "s" / "dsuta+dynamic" / "seed0"
-    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
-             "a checkpoint of the victim")
+    cmd, proc, victim = grid_until_checkpoint(data, exp, methods, "0 1")
     pid = freeze_mid_run(victim)
     assert proc.poll() is None, "the grid ended before the worker could be killed"
     os.kill(pid, signal.SIGKILL)       # the decode process of that run (it holds the lock)
@@ -224,13 +218,7 @@ def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path):
     """SIGTERM to the grid (as Ctrl-C) cancels its local workers, which bypass SIGTERM
     themselves: none goes on decoding after the grid has gone; the rerun resumes."""
     exp = tmp_path / "exp"
-    cmd = [sys.executable, "-m", "tta_brain.grid",
-           *grid_argv(data, exp, "suta dsuta+dynamic", "0", "--nj", "2")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    victim = exp / "s" / "dsuta+dynamic" / "seed0"
-    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
-             "a checkpoint of the victim")
+    cmd, proc, victim = grid_until_checkpoint(data, exp, "suta dsuta+dynamic", "0")
     pid = holder_pid(victim)
     assert proc.poll() is None and pid, "the grid ended before it could be stopped"
     proc.send_signal(signal.SIGTERM)
@@ -245,6 +233,19 @@ def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path):
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "Resuming" in (victim / "log.txt").read_text()
     assert json.loads((victim / "summary.json").read_text())["n_utts"] == 24
+
+
+def grid_until_checkpoint(data, exp, methods, seeds):
+    """A local grid of 2 workers started in the background, returned once its run
+    ``dsuta+dynamic/seed0`` has a checkpoint (or the grid ended): (command, process, that run)."""
+    cmd = [sys.executable, "-m", "tta_brain.grid",
+           *grid_argv(data, exp, methods, seeds, "--nj", "2")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    victim = exp / "s" / "dsuta+dynamic" / "seed0"
+    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
+             "a checkpoint of the victim")
+    return cmd, proc, victim
 
 
 def workers_of(grid_dir):
