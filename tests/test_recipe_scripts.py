@@ -303,8 +303,10 @@ def test_methods_all_decodes_every_packaged_method(tmp_path):
             if x.startswith("DRY-RUN:")]
     decoded = {c[c.index("tta_brain.decode") + 1] for c in cmds if "tta_brain.decode" in c}
     assert decoded == set(hparams.available()) and len(decoded) >= 16
-    stats = [c for c in cmds if "tta_brain.stats" in c]
-    assert stats and stats[0][stats[0].index("--kinds") + 1].split() == ["fisher", "hidden", "tokens"]
+    stats = {Path(c[c.index("--out") + 1]).name: c[c.index("--kinds") + 1].split()
+             for c in cmds if "tta_brain.stats" in c}
+    assert stats == {"source_stats_eata.pt": ["fisher"], "source_stats_ebats.pt": ["hidden", "tokens"],
+                     "source_stats_foa.pt": ["hidden"]}
     assert not (tmp_path / "data").exists()
 
 
