@@ -1,4 +1,4 @@
-"""Batched sweeps (tta_brain.run.sweep, tta_brain.methods.batched): R runs of suta / csuta in one
+"""Batched sweeps (tta_brain.sweep, tta_brain.methods.batched): R runs of suta / csuta in one
 process give the transcripts of the separate runs, each in an ordinary run folder.
 
 Measured on the tiny model (lr up to 1e-2, up to 4 steps, 20 utterances): the adapted parameters
@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, kill_9_mid_run
 from fake_corpora import write_stream
 from tta_brain import decode, grid
-from tta_brain.run import sweep
+from tta_brain import sweep
 from tta_brain.run.folder import load_run
 
 RECORDS = ("transcripts.csv", "resets.csv", "rejects.csv", "lii.csv", "wer.txt")
@@ -102,7 +102,7 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
             sweep.run(argvs)
         assert expected in str(e.value) and "\n" not in str(e.value)
         assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    res = subprocess.run([sys.executable, "-m", "tta_brain.run.sweep", *cases[0][0][0], "--",
+    res = subprocess.run([sys.executable, "-m", "tta_brain.sweep", *cases[0][0][0], "--",
                           *cases[0][0][1]], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert res.stderr.strip().splitlines()[-1].startswith("ERROR: not batched: run 1")
@@ -115,7 +115,7 @@ def test_killed_sweep_resumes(data, tmp_path):
     seps = separate(data, tmp_path, "csuta", cfgs)
     outs = [tmp_path / f"bat{i}" for i in range(3)]
     argvs = [args(data, o, *c, "--ckpt_every=2") for o, c in zip(outs, cfgs)]
-    cmd = [sys.executable, "-m", "tta_brain.run.sweep", *argvs[0], "--", *argvs[1], "--",
+    cmd = [sys.executable, "-m", "tta_brain.sweep", *argvs[0], "--", *argvs[1], "--",
            *argvs[2]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     kill_9_mid_run(cmd, outs[0], env)

@@ -110,6 +110,24 @@ def make_audio(root, n, seconds, block, n_lengths, seed=0):
     return rows
 
 
+def speech_like_wavs(n, lo, hi, n_lengths=0, seed=0):
+    """Speech-like tensors (the GPU check's and the sweep benchmark's): ``n_lengths`` distinct durations in [lo, hi] s (0: all distinct)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    lengths = ([int(16000 * (lo + (hi - lo) * i / max(n_lengths - 1, 1))) for i in range(n_lengths)]
+               if n_lengths else None)
+    out = []
+    for i in range(n):
+        n_s = (lengths[int(torch.randint(len(lengths), (), generator=g))] if lengths else
+               int(16000 * (lo + (hi - lo) * torch.rand((), generator=g).item())))
+        t = torch.arange(n_s) / 16000
+        f0 = 100 + 100 * torch.rand((), generator=g).item()
+        env = 0.5 * (1 + torch.sin(2 * torch.pi * 3 * t))
+        wav = env * sum(torch.sin(2 * torch.pi * f0 * h * t) / h for h in (1, 2, 3))
+        out.append((0.3 * wav + 0.05 * torch.randn(n_s, generator=g)).float())
+    return out
+
+
 def write_stream(path, rows):
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

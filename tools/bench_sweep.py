@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Batched sweep vs separate runs (``tta_brain.run.sweep``, issue #22 item 6).
+"""Batched sweep vs separate runs (``tta_brain.sweep``, issue #22 item 6).
 
 CPU (default): R SUTA runs (lr 1e-4 x 1, 2, 3, ...) of the tests' tiny model over the same
 generated utterances, batched (one ``BatchedSUTA``) vs one after another in this process; s per
@@ -8,7 +8,7 @@ audio second of all R runs together for both, the ratio, and whether the transcr
     python tools/bench_sweep.py [--runs 4] [--n_utts 6] [--steps 10] [--seconds 2]
 
 ``--gpu`` (what ``tools/gpu_check.py``'s ``sweep`` section runs): a generated stream decoded by
-R SUTA runs (different lr) as one ``python -m tta_brain.run.sweep`` process vs R
+R SUTA runs (different lr) as one ``python -m tta_brain.sweep`` process vs R
 ``python -m tta_brain.decode`` processes started together on the same device; throughput = R x the
 stream's audio seconds over the span of the decode loops (first "Decoding" to last summary line of
 the runs' log.txt: process start-up and model loading left out) and over the processes' wall time.
@@ -31,7 +31,7 @@ for _p in (ROOT, TOOLS):
 def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None):
     import torch
     torch.set_num_threads(threads)
-    from gpu_check import _wavs
+    from bench_memory import speech_like_wavs
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.lobes.testing import TINY, save_random_ctc_model
     from tta_brain.methods import UttInfo, build_method
@@ -39,7 +39,7 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None):
     if model is None:
         model = save_random_ctc_model("/tmp/bench_sweep_tiny", 0, **dict(
             TINY, feat_extract_norm="group", do_stable_layer_norm=False))
-    wavs = _wavs(n_utts, 0.9 * seconds, 1.1 * seconds, seed=3)
+    wavs = speech_like_wavs(n_utts, 0.9 * seconds, 1.1 * seconds, seed=3)
     audio = sum(w.numel() for w in wavs) / 16000
     lrs = [1e-4 * (r + 1) for r in range(runs)]
     build = lambda lr: build_method("suta", model=HFCTCLobe(model), lr=lr, steps=steps)
@@ -93,7 +93,7 @@ def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, t
         outs = [os.path.join(work, arm, f"run{r}") for r in range(runs)]
         t0 = time.perf_counter()
         if arm == "batched":
-            cmd = [sys.executable, "-m", "tta_brain.run.sweep"]
+            cmd = [sys.executable, "-m", "tta_brain.sweep"]
             for r, o in enumerate(outs):
                 cmd += (["--"] if r else []) + argv(o, lrs[r])
             procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,

@@ -43,7 +43,7 @@ captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
 
 ``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
 8 SUTA runs (10 steps, lr 1e-5 .. 8e-5) on the random base-sized model, as one batched sweep
-process (``python -m tta_brain.run.sweep``) vs 8 ``python -m tta_brain.decode`` processes started
+process (``python -m tta_brain.sweep``) vs 8 ``python -m tta_brain.decode`` processes started
 together on the GPU (``tools/bench_sweep.py``): throughput of both over the decode loops and over
 the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree.
 
@@ -205,21 +205,9 @@ def _method(name, model_dir, device, runtime, cache=1, **kw):
 
 
 def _wavs(n, lo, hi, n_lengths=0, seed=0):
-    """Speech-like waveforms: ``n_lengths`` distinct durations in [lo, hi] s (0: all distinct)."""
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    lengths = ([int(16000 * (lo + (hi - lo) * i / max(n_lengths - 1, 1))) for i in range(n_lengths)]
-               if n_lengths else None)
-    out = []
-    for i in range(n):
-        n_s = (lengths[int(torch.randint(len(lengths), (), generator=g))] if lengths else
-               int(16000 * (lo + (hi - lo) * torch.rand((), generator=g).item())))
-        t = torch.arange(n_s) / 16000
-        f0 = 100 + 100 * torch.rand((), generator=g).item()
-        env = 0.5 * (1 + torch.sin(2 * torch.pi * 3 * t))
-        wav = env * sum(torch.sin(2 * torch.pi * f0 * h * t) / h for h in (1, 2, 3))
-        out.append((0.3 * wav + 0.05 * torch.randn(n_s, generator=g)).float())
-    return out
+    """Speech-like waveforms (``bench_memory.speech_like_wavs``)."""
+    from bench_memory import speech_like_wavs
+    return speech_like_wavs(n, lo, hi, n_lengths, seed)
 
 
 def _stats(m):

@@ -58,7 +58,7 @@ class DecodeJob(submitit.helpers.Checkpointable):
 
 
 class SweepJob(DecodeJob):
-    """Several decodes of one stream as one batched sweep (``tta_brain.run.sweep``) in a job
+    """Several decodes of one stream as one batched sweep (``tta_brain.sweep``) in a job
     process; when the sweep refuses them, they run one after another (logged). Returns one
     ``None`` (done) or error line per run."""
 
@@ -72,7 +72,7 @@ class SweepJob(DecodeJob):
             import torch
             torch.set_num_threads(self.threads)
         from tta_brain import decode
-        from tta_brain.run import sweep
+        from tta_brain import sweep
         try:
             sweep.run(self.argvs)
             return [None] * len(self.argvs)
@@ -112,12 +112,12 @@ def check_done(runs: List[Run]) -> None:
 def batches(runs: List[Run], size: int) -> List[List[Run]]:
     """The queued runs as jobs: one run each (``size`` 1), or batches of at most ``size`` runs of
     one (method yaml, source, stream, data root), each one batched sweep (``--batch_runs``). A
-    batch that ``tta_brain.run.sweep`` refuses is split into separate runs, with a logged line."""
+    batch that ``tta_brain.sweep`` refuses is split into separate runs, with a logged line."""
     queued = [r for r in runs if r.status == "queued"]
     if size <= 1:
         return [[r] for r in queued]
     from tta_brain import decode
-    from tta_brain.run import sweep
+    from tta_brain import sweep
     where = ("--source=", "--stream_csv=", "--data_root=")
     groups = {}
     for r in queued:
@@ -316,7 +316,7 @@ def parse_args(argv=None):
     p.add_argument("--batch_runs", type=int, default=1, help="runs of one stream, method and "
                    "source that differ only in settings (suta, csuta: lr, steps, em_coef, "
                    "temperature, reset, seed) as batched sweeps of at most N runs, each one job "
-                   "(tta_brain.run.sweep); others run separately (default 1: every run its job)")
+                   "(tta_brain.sweep); others run separately (default 1: every run its job)")
     p.add_argument("--slurm_conf", default="", help="yaml of submitit Slurm parameters "
                    "(slurm_partition, timeout_min, mem_gb, cpus_per_task, gpus_per_node, ...)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between progress checks")

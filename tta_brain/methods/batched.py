@@ -9,7 +9,7 @@ then step n = 0 .. max(N_r) - 1 over the runs with ``n < N_r`` (a run with fewer
 parameters and moments alone), the per-run losses summed for one backward (the runs do not mix:
 each row's gradient is its own loss's), each run's AdamW update with its own learning rates, and
 one batched prediction. A non-finite loss or gradient skips that run's update only, as the host
-step does. :class:`BatchedSUTA` is driven by ``tta_brain.run.sweep``; :class:`RunView` is one
+step does. :class:`BatchedSUTA` is driven by ``tta_brain.sweep``; :class:`RunView` is one
 run's method as the Brain and its checkpoint see it (``process``, ``events``, ``counts``,
 ``state_dict`` in the ordinary method's format).
 """

@@ -84,7 +84,7 @@ class TTABrain(sb.Brain):
             self.close_stream()
         return self.stream_summary()
 
-    # The stream loop in parts (``evaluate`` runs them in order; ``run.sweep`` runs several
+    # The stream loop in parts (``evaluate`` runs them in order; ``tta_brain.sweep`` runs several
     # Brains over one stream in lock-step): start_stream -> decode_row(utt) per row from the
     # cursor -> end_stream -> close_stream (always) -> stream_summary.
     def start_stream(self, test_set, data_root=None, progressbar=None, rows=None) -> int:
