@@ -1,7 +1,7 @@
 """A batched sweep: R decode runs over the same stream that differ only in settings, in one
 process, as R adapted states over one shared model (``tta_brain.methods.batched``).
 
-    python -m tta_brain.run.sweep <decode arguments> -- <decode arguments> [-- ...]
+    python -m tta_brain.sweep <decode arguments> -- <decode arguments> [-- ...]
 
 Each run writes its own ordinary run folder, as ``python -m tta_brain.decode`` with the same
 arguments would: the same fingerprint, hyperparams.yaml, log.txt, records, checkpoints and summary
@@ -143,7 +143,7 @@ def run(argvs: List[List[str]]):
         for p, a in todo:
             lock = identity.FolderLock(p.out)
             try:
-                lock.acquire("python -m tta_brain.run.sweep: python -m tta_brain.decode "
+                lock.acquire("python -m tta_brain.sweep: python -m tta_brain.decode "
                              + " ".join(a))
             except (identity.LockedError, OSError) as e:
                 decode._fail(str(e))
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         else:
             cur.append(a)
     if not groups:
-        raise SystemExit("usage: python -m tta_brain.run.sweep <decode args> -- <decode args> ...")
+        raise SystemExit("usage: python -m tta_brain.sweep <decode args> -- <decode args> ...")
     try:
         run(groups)
     except Refused as e:
