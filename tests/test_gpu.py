@@ -221,6 +221,92 @@ def test_capture_without_a_per_length_warmup(tiny_model_dir, utterances):
     assert (st.stats["eager"], st.stats["replays"], st.backend.captures) == (4, 20, 5)
 
 
+def test_bucket_length_edges():
+    """Buckets: the smallest edge >= n of ``1 s * (1 + r)^k`` on the stride; an input longer
+    than 1 s is padded by less than ``r`` of its length plus one stride."""
+    assert graphs.bucket_length(1, 0.1, 320, 16000) == 16000
+    assert graphs.bucket_length(16000, 0.1, 320, 16000) == 16000
+    assert graphs.bucket_length(16001, 0.1, 320, 16000) == 17600
+    g = torch.Generator().manual_seed(0)
+    for n in torch.randint(1, 700000, (3000,), generator=g).tolist():
+        for r in (0.05, 0.1, 0.25):
+            e = graphs.bucket_length(n, r, 320, 16000)
+            assert e >= n and e % 320 == 0
+            assert e == 16000 if n <= 16000 else e < n * (1 + r) + 320
+            assert graphs.bucket_length(e, r, 320, 16000) == e          # an edge is its own bucket
+    edges = {graphs.bucket_length(n, 0.1, 320, 16000) for n in range(16000, 35 * 16000, 160)}
+    assert len(edges) == 39                                             # 1 s .. 35 s at 10 %
+    with pytest.raises(ValueError):
+        graphs.bucket_length(100, 0.0)
+
+
+BUCKET_LENGTHS = [9600, 12800, 8000, 14400, 10400, 11200, 17000, 19000]
+
+
+def bucketed_eager(m):
+    """The device step on length buckets without graphs: the eager reference of the replays."""
+    return DeviceStep(m, None, buckets=0.25, extra_optimizers=getattr(m, "device_optimizers", ()))
+
+
+@pytest.mark.parametrize("adapt", ["layernorm,cnn", "layernorm"])       # feature cache off / on
+@pytest.mark.parametrize("name", GRAPH_METHODS)
+def test_length_buckets_replay_one_graph_for_many_lengths(tiny_model_dir, utterances, name, adapt):
+    """With ``cuda_graph_buckets`` one graph per bucket serves every length in it: 12 utterances
+    of 8 lengths capture 2 graphs (1 s and 1.25 s buckets), every later utterance replays from
+    its first plain step. The replays equal the padded eager steps bit for bit, and the padded
+    steps give the unpadded run's transcripts with its parameters to rounding."""
+    sel = [{"select": s} for s in adapt.split(",")]
+    items = stream(utterances, 12, BUCKET_LENGTHS)
+    plain = build(tiny_model_dir, name, "device", adapt_params=sel)
+    eager = build(tiny_model_dir, name, "host", adapt_params=sel, make_step=bucketed_eager)
+    fake = FakeBackend()
+    g = build(tiny_model_dir, name, "graph", backend=fake, adapt_params=sel,
+              runtime={"cuda_graph_buckets": 0.25, "cuda_graph_cache": 4})
+    hp, he, hg = run(plain, items), run(eager, items), run(g, items)
+    assert he == hg and hp == he
+    assert max_diff(eager.params, g.params) == 0.0
+    assert max_diff(opt_tensors(eager.optimizer, eager.params),
+                    opt_tensors(g.optimizer, g.params)) == 0.0
+    assert max_diff(plain.params, g.params) < 1e-4
+    assert plain.counts == eager.counts == g.counts
+    assert events(eager) == events(g) and events(plain)[0] == events(g)[0]
+    st = g.step
+    assert st.buckets == 0.25 and g.features.enabled == (adapt == "layernorm")
+    assert fake.captures == 2 and st.cache.stats["hits"] == 9
+    # the warm-up is per bucket: suta / csuta run the run's first 3 steps eagerly (the 1 s
+    # bucket's warm-up) and one step of the 1.25 s bucket; dsuta also runs the first fast step of
+    # each utterance eagerly (the slow gradient's hook, on the exact length)
+    assert st.stats["eager"] == (12 + 2 + 1 if name.startswith("dsuta") else 3 + 1)
+    if name.startswith("dsuta"):
+        assert max_diff(eager.meta, g.meta) == 0.0 and eager.n_grads == g.n_grads
+
+
+def test_one_step_method_is_captured_on_buckets(tiny_model_dir, utterances):
+    """CSUTA's one step per utterance is never worth a capture of its own length; on buckets a
+    captured graph serves the later utterances of the bucket."""
+    items = stream(utterances, 8, BUCKET_LENGTHS)
+    a = build(tiny_model_dir, "csuta", "graph", steps=1)
+    b = build(tiny_model_dir, "csuta", "graph", steps=1, runtime={"cuda_graph_buckets": 0.25,
+                                                                  "cuda_graph_cache": 4})
+    assert run(a, items) == run(b, items)
+    assert a.step.stats["replays"] == 0 and a.step.backend.captures == 0
+    # utterances 1-3 warm up (the run's first 3 steps), 4-6 replay the 1 s bucket's graph,
+    # 7 warms up the 1.25 s bucket, 8 replays its graph
+    assert b.step.stats["replays"] == 4 and b.step.backend.captures == 2
+
+
+def test_buckets_only_where_the_padded_pass_is_exact(tmp_path, utterances, caplog):
+    """A model whose padding the padded pass cannot mask (data2vec-audio) keeps one graph per
+    length, and says why."""
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
+    model = save_random_ctc_model(str(tmp_path), 0, arch="data2vec-audio", **TINY)
+    with caplog.at_level(logging.WARNING):
+        m = build(model, "suta", "graph", runtime={"cuda_graph_buckets": 0.25})
+    assert m.step.buckets == 0.0
+    assert "no length buckets" in caplog.text and "Data2VecAudioEncoder" in caplog.text
+    run(m, stream(utterances, 2))
+
+
 def test_cached_graph_is_dropped_when_the_state_is_replaced(tiny_model_dir, utterances):
     """load_state_dict replaces the optimiser state tensors: the captured steps are dropped (the
     signature check), captured again, and the results stay those of the eager device path."""
@@ -627,11 +713,30 @@ def test_cuda_graph_replay_gives_eager_transcripts(tiny_model_dir, utterances, n
 
 
 @cuda
-@pytest.mark.parametrize("graphs_on", [False, True])
-def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on):
-    """No host synchronisation inside a step (eager device steps and replays): the sync debug
-    mode raises on one."""
-    m = build(tiny_model_dir, "suta", "graph" if graphs_on else "device", device="cuda", steps=6)
+@pytest.mark.parametrize("name", GRAPH_METHODS)
+def test_cuda_length_buckets_give_the_unbucketed_transcripts(tiny_model_dir, utterances, name,
+                                                             cuda_determinism):
+    """Length buckets on CUDA: the padded pass captures (no host read), one graph per bucket
+    replays for many lengths, and the transcripts are those of the unbucketed captured run."""
+    items = stream(utterances, 16, BUCKET_LENGTHS)
+    kw = dict(steps=3) if name == "csuta" else {}
+    a = build(tiny_model_dir, name, "graph", device="cuda", **kw)
+    b = build(tiny_model_dir, name, "graph", device="cuda", runtime={
+        "cuda_graph_buckets": 0.25, "cuda_graph_cache": 4}, **kw)
+    assert run(a, items) == run(b, items)
+    assert max_diff(a.params, b.params) < 1e-4
+    st = b.step
+    assert st.graphs and st.buckets == 0.25
+    assert st.cache.stats["captures"] == 2 and st.cache.stats["hits"] >= 12
+
+
+@cuda
+@pytest.mark.parametrize("graphs_on,buckets", [(False, 0.0), (True, 0.0), (True, 0.25)])
+def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on, buckets):
+    """No host synchronisation inside a step (eager device steps and replays, on length buckets
+    too): the sync debug mode raises on one."""
+    m = build(tiny_model_dir, "suta", "graph" if graphs_on else "device", device="cuda", steps=6,
+              runtime={"cuda_graph_buckets": buckets})
     run(m, stream(utterances, 2))                      # first-time set-up outside the check
     x = m.lobe.prepare(utterances[3])
     torch.cuda.synchronize()

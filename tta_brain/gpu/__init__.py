@@ -14,7 +14,9 @@ fused too; DSUTA: ``slow_optimizer``).
 Runtime options (``tta_brain.lobes.runtime.Runtime``): ``cuda_graphs: auto`` (default) captures
 the steps on CUDA wherever that is exact (fp32, no ``compile``, no train mode, a method whose steps
 run on the device alone) and keeps the host step elsewhere; ``on`` says why where it cannot;
-``off`` never captures. ``cuda_device_steps: true`` takes the device step without capture wherever
+``off`` never captures. ``cuda_graph_buckets: r`` (> 0) runs the captured steps on length buckets
+where the padded pass is exact (:func:`bucket_blocker`), so one graph serves a bucket of lengths.
+``cuda_device_steps: true`` takes the device step without capture wherever
 it applies (``cuda_graphs: on`` or ``auto`` captured where they can).
 """
 import logging
@@ -27,7 +29,7 @@ from tta_brain.gpu.host_step import HostStep
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["make_step", "step_blocker", "HostStep", "DeviceStep"]
+__all__ = ["make_step", "step_blocker", "bucket_blocker", "HostStep", "DeviceStep"]
 
 #: what a method overrides when its steps do host work (beam search, pseudo labels, lr schedule)
 _STEP_HOOKS = ("loss", "before_step", "forward_and_adapt")
@@ -48,6 +50,16 @@ def step_blocker(m) -> Optional[str]:
     if declared is None and any(_defined_by(type(m), h) is not skeleton for h in _STEP_HOOKS):
         return "its loss or its steps need host work (only the SUTA family's run on the device)"
     return device_optimizer_blocker(m.optimizer)
+
+
+def bucket_blocker(m) -> Optional[str]:
+    """Why method ``m``'s steps cannot run on length buckets (None: they can): the padded pass
+    must be exact for the model (``lobe.padding_blocker``) and the loss the skeleton's SUTA loss,
+    which masks the padded frames."""
+    skeleton = _defined_by(type(m), "adapt_step")
+    if _defined_by(type(m), "loss") is not skeleton:
+        return "its loss does not mask padded frames (only the skeleton's SUTA loss does)"
+    return m.lobe.padding_blocker()
 
 
 def _no_graph(m, rt, device, backend) -> Optional[str]:
@@ -88,8 +100,13 @@ def make_step(m, backend=None, device_on_cpu: bool = False):
                        "check", m.name, no_graph)
     if no_graph is None and backend is None:
         backend = CudaGraphBackend(device)
+    buckets = rt.cuda_graph_buckets if no_graph is None else 0.0
+    if buckets and (why := bucket_blocker(m)):
+        logger.warning("%s: no length buckets (%s); every new length is captured", m.name, why)
+        buckets = 0.0
     logger.info("%s: adaptation steps on %s with the device-side check and fused %s%s",
                 m.name, device, type(m.optimizer).__name__,
-                ", captured as CUDA graphs" if no_graph is None else "")
+                (", captured as CUDA graphs" if no_graph is None else "")
+                + (f" on length buckets (ratio {buckets:g})" if buckets else ""))
     return DeviceStep(m, backend if no_graph is None else None, rt.cuda_graph_cache,
-                      rt.cuda_graph_warmup, getattr(m, "device_optimizers", ()))
+                      rt.cuda_graph_warmup, getattr(m, "device_optimizers", ()), buckets)

@@ -11,8 +11,9 @@ import logging
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
-from tta_brain.gpu.graphs import FIRST_WARMUP, CapturedStep, GraphCache
+from tta_brain.gpu.graphs import FIRST_WARMUP, CapturedStep, GraphCache, bucket_length
 from tta_brain.gpu.guard import (StepFlags, device_optimizer_blocker, guarded_update,
                                  is_device_optimizer, skipped, to_device_optimizer)
 from tta_brain.gpu.host_step import HostStep, step_loss
@@ -31,6 +32,8 @@ class DeviceStep:
     ``release``). ``extra_optimizers``: names of the method's optimisers besides ``optimizer``
     that run fused too (DSUTA: ``slow_optimizer``, whose state is copied into the fast one every
     utterance: both keep their step counts on the device, so that copy stays in place).
+    ``buckets``: the length-bucket ratio (0: off; ``Runtime.cuda_graph_buckets``): the plain steps,
+    eager and captured, run on the padded input (the graphs module's docstring).
     """
 
     #: steps of the last utterance skipped after their ``after_backward`` hook had run: the hook
@@ -38,8 +41,11 @@ class DeviceStep:
     skipped_hooks = 0
 
     def __init__(self, method, backend=None, capacity: int = 1, warmup: int = 1,
-                 extra_optimizers=()):
+                 extra_optimizers=(), buckets: float = 0.0):
         self.m = method
+        self.buckets = float(buckets)
+        self._padded = None                   # (utterance, its padded input, its valid samples)
+        self._warmed = {}                     # buckets: eager warm-up steps run per graph key
         self.host = HostStep(method)          # steps with another optimiser than the method's
         self.extra_optimizers = tuple(extra_optimizers)
         self.device = method.params[0].device
@@ -67,7 +73,7 @@ class DeviceStep:
     def release(self) -> None:
         """Drop the captured graphs (their pool goes back to the allocator)."""
         self.cache.clear()
-        self._entry = None
+        self._entry = self._padded = None
 
     # ------------------------------------------------------------------ one step
     def __call__(self, x: torch.Tensor, optimizer, loss_fn=None, after_backward=None):
@@ -84,27 +90,74 @@ class DeviceStep:
             self._x, self._calls, self._eager, self._entry = x, 0, 0, None
         self._calls += 1
         self.flags.pending = True
-        if (self.backend is None or loss_fn is not None or after_backward is not None
-                or m.train_mode):
+        if loss_fn is not None or after_backward is not None or m.train_mode:
             return self._eager_step(x, optimizer, loss_fn, after_backward)
         feats = m.features.get(x)             # cached CNN features (None: off), outside the graph
-        src = x if feats is None else feats
+        src, samples = self._source(x, feats)
+        if self.backend is None:
+            return self._plain_eager(x, src, samples, feats is not None, optimizer)
         entry = self._entry or self._cached(optimizer, src, feats is not None)
         if entry is None:
             remaining = m.steps - self._calls + 1
-            if (self._eager < self.warmup or self.stats["eager"] < FIRST_WARMUP
-                    or remaining < 2):
-                return self._eager_step(x, optimizer, None, None)
-            entry = self._capture(optimizer, src, feats is not None)
+            # the warm-up is per new length, or per new bucket; without buckets a graph serves
+            # this utterance alone: worth it from 2 steps on
+            if self.buckets:
+                key = self._key(optimizer, src, feats is not None)
+                cold = self._warmed.get(key, 0) < self.warmup
+            else:
+                key, cold = None, self._eager < self.warmup
+            if cold or self.stats["eager"] < FIRST_WARMUP or remaining < (1 if self.buckets else 2):
+                if key is not None:
+                    self._warmed[key] = self._warmed.get(key, 0) + 1
+                return self._plain_eager(x, src, samples, feats is not None, optimizer)
+            entry = self._capture(optimizer, src, feats is not None, samples)
             if entry is None:                  # capture failed: graphs are off, eager step
-                return self._eager_step(x, optimizer, None, None)
+                return self._plain_eager(x, src, samples, feats is not None, optimizer)
         self._entry = entry
-        entry.load(src)
+        entry.load(src, samples)
         entry.replay()
         m.counts["adapt_forward"] += 1
         m.counts["adapt_backward"] += 1
         self.stats["replays"] += 1
         return self.flags.loss.clone()
+
+    def _source(self, x, feats):
+        """What a plain step reads: the input (or its CNN features) and None, or with length
+        buckets the zero-padded input (features) and its valid samples (once per utterance)."""
+        if not self.buckets:
+            return (x if feats is None else feats), None
+        if self._padded is None or self._padded[0] is not x:
+            lobe, n = self.m.lobe, x.shape[-1]
+            n_pad = bucket_length(n, self.buckets, lobe.frame_stride, lobe.sample_rate)
+            samples = torch.full((x.shape[0],), n, dtype=torch.long, device=x.device)
+            if feats is None:
+                src = F.pad(x, (0, n_pad - n))
+            else:
+                frames = int(lobe.output_lengths(torch.tensor(n_pad)))
+                src = F.pad(feats, (0, frames - feats.shape[-1]))
+            self._padded = (x, src, samples)
+        return self._padded[1], self._padded[2]
+
+    def _padded_loss(self, src, samples, features: bool):
+        m = self.m
+        logits, frames = m.lobe.padded_logits(None if features else src, samples,
+                                              src if features else None)
+        return m.loss(logits, frames)
+
+    def _plain_eager(self, x, src, samples, features: bool, optimizer):
+        """An eager plain step: on ``x`` (the method's own forward), or on the padded input."""
+        if samples is None:
+            return self._eager_step(x, optimizer, None, None)
+        m = self.m
+        self._eager += 1
+        self.stats["eager"] += 1
+        with (self.backend.side() if self.backend is not None else nullcontext()):
+            optimizer.zero_grad(set_to_none=False)
+            m.counts["adapt_forward"] += 1
+            loss = self._padded_loss(src, samples, features)
+            self._update(loss, optimizer)
+            m.counts["adapt_backward"] += 1
+            return loss.detach()
 
     def _eager_step(self, x, optimizer, loss_fn, after_backward):
         m = self.m
@@ -181,20 +234,23 @@ class DeviceStep:
             entry = None
         return entry
 
-    def _capture(self, optimizer, src, features):
+    def _capture(self, optimizer, src, features, samples=None):
         m = self.m
         missing = [i for i, p in enumerate(m.params) if p.grad is None]
         key = self._key(optimizer, src, features)
-        entry = CapturedStep(key, torch.empty_like(src), features, None)
-        entry.load(src)
+        entry = CapturedStep(key, torch.empty_like(src), features, None,
+                             None if samples is None else torch.empty_like(samples))
+        entry.load(src, samples)
 
         def body():
             optimizer.zero_grad(set_to_none=False)
-            if features:
-                logits = m.lobe.logits(None, None, entry.static)
+            if samples is not None:
+                loss = self._padded_loss(entry.static, entry.samples, features)
+            elif features:
+                loss = m.loss(m.lobe.logits(None, None, entry.static))
             else:
-                logits = m.lobe.logits(entry.static)
-            self._update(m.loss(logits), optimizer)
+                loss = m.loss(m.lobe.logits(entry.static))
+            self._update(loss, optimizer)
 
         try:
             entry.graph = self.backend.capture(body, self.cache.pool())

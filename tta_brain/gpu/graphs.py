@@ -21,24 +21,51 @@
   tensors allocated outside the capture), so the pool holds only scratch that every replay
   rewrites before reading: graphs of different lengths reuse it instead of growing it. An
   evicted graph is reset; when the cache empties the pool goes back to the allocator.
+* **Length buckets** (``Runtime.cuda_graph_buckets``, off by default, unmeasured on a GPU). Every
+  utterance of a real stream has its own length, so without buckets each one pays a warm-up and a
+  capture and the cache never hits. With buckets the plain steps run on the input zero-padded to
+  its bucket (:func:`bucket_length`) with the valid length in a static device tensor; the padded
+  pass masks the padding exactly (``tta_brain.lobes.partial``), so one graph per bucket serves
+  every length in it, from the utterance's first step, and a one-step method (csuta) is captured
+  too. Only for models and losses where that is exact (``tta_brain.gpu.bucket_blocker``).
 
 Everything here but the capture itself is device-agnostic (tests run it on CPU tensors, with a
 fake graph that records the step and re-executes it on replay).
 """
 import gc
 import logging
+import math
 from collections import OrderedDict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GraphCache", "CapturedStep", "CudaGraphBackend", "FIRST_WARMUP"]
+__all__ = ["GraphCache", "CapturedStep", "CudaGraphBackend", "FIRST_WARMUP", "bucket_length"]
 
 #: Eager steps (in all) before the first capture of a method (PyTorch's recipe warms up a few
 #: iterations); each later length needs ``warmup`` eager steps of its own.
 FIRST_WARMUP = 3
+
+
+def bucket_length(n: int, ratio: float, multiple: int = 1, smallest: int = 1) -> int:
+    """The length bucket of an input of ``n`` samples: the smallest edge ``>= n`` of
+    ``ceil(smallest * (1 + ratio)^k / multiple) * multiple``, k = 0, 1, ... (so a bucket pads an
+    input longer than ``smallest`` by less than ``ratio`` of its length plus ``multiple``)."""
+    if ratio <= 0:
+        raise ValueError("bucket ratio must be > 0")
+    multiple, smallest = max(1, int(multiple)), max(1, int(smallest))
+
+    def edge(k):
+        return -(-math.ceil(smallest * (1.0 + ratio) ** k) // multiple) * multiple
+
+    k = 0 if n <= smallest else max(0, math.ceil(math.log(n / smallest) / math.log1p(ratio)) - 1)
+    while edge(k) < n:
+        k += 1
+    while k > 0 and edge(k - 1) >= n:
+        k -= 1
+    return edge(k)
 
 
 # ------------------------------------------------------------------------------ graph cache
@@ -106,14 +133,18 @@ class GraphCache:
 class CapturedStep:
     """One captured step: the graph, its static input, what it was captured against."""
 
-    def __init__(self, key, static: torch.Tensor, features: bool, signature):
+    def __init__(self, key, static: torch.Tensor, features: bool, signature,
+                 samples: Optional[torch.Tensor] = None):
         self.key, self.static, self.features, self.signature = key, static, features, signature
+        self.samples = samples           # length buckets: the valid samples of ``static``
         self.graph = None
         self.src = None                  # the utterance tensor last copied into ``static``
 
-    def load(self, src: torch.Tensor) -> None:
+    def load(self, src: torch.Tensor, samples: Optional[torch.Tensor] = None) -> None:
         if self.src is not src:
             self.static.copy_(src)
+            if self.samples is not None:
+                self.samples.copy_(samples)
             self.src = src
 
     def replay(self) -> None:
@@ -125,7 +156,7 @@ class CapturedStep:
     def release(self) -> None:
         if self.graph is not None:
             self.graph.release()
-        self.graph = self.static = self.src = None
+        self.graph = self.static = self.src = self.samples = None
 
 
 # ------------------------------------------------------------------------------ backends

@@ -26,6 +26,7 @@ RULES = {
     "cpu_native_backward": (_BOOL, None), "deterministic": (_BOOL, None),
     "cuda_graphs": (("auto", "on", "off"), None), "cuda_device_steps": (_BOOL, None),
     "cuda_graph_cache": (_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=0"),
+    "cuda_graph_buckets": (_FLOAT, ">=0"),
     # the reset block (reset.yaml)
     "reset": (("none", "fixed", "oracle", "dynamic"), None), "reset_every": (_INT, ">=1"),
     "reset_K": (_INT, ">=4"), "reset_patience": (_INT, ">=1"), "reset_threshold": (_FLOAT, None),

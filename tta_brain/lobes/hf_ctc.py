@@ -14,6 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from tta_brain.asr.ctc import collapse
+from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -244,6 +245,33 @@ class HFCTCLobe(nn.Module):
         self.__dict__["_compiled_model"] = torch.compile(self.model, **kwargs)
         self.__dict__["_compiled_from_features"] = torch.compile(self._logits_from_features, **kwargs)
         return self
+
+    # ------------------------------------------------------------- padded passes
+    def padding_blocker(self) -> Optional[str]:
+        """Why a padded pass (:meth:`padded_logits`) would not give this model's logits (None:
+        it does; ``tta_brain.lobes.partial``)."""
+        return padding_blocker(self)
+
+    def padded_logits(self, inputs: Optional[torch.Tensor], samples: torch.Tensor,
+                      features: Optional[torch.Tensor] = None):
+        """Float32 logits of a zero-padded utterance and its valid frames, ``(logits [B, F, V],
+        frames [B])``: the normalised input ``inputs [B, T]`` with ``samples [B]`` valid samples
+        (a long tensor on the device), or the zero-padded CNN features of the unpadded input.
+        Exact (to rounding) where :meth:`padding_blocker` is None; no host read."""
+        partial = self.__dict__.get("_partial")
+        if partial is None:
+            partial = self.__dict__["_partial"] = PartialForward(self)
+        with self.runtime.autocast(self.device.type):
+            logits, frames = partial.padded(inputs, samples, features)
+        return logits.float(), frames
+
+    @property
+    def frame_stride(self) -> int:
+        """Input samples per logit frame (the product of the CNN's strides)."""
+        stride = 1
+        for s in getattr(self.model.config, "conv_stride", (1,)):
+            stride *= int(s)
+        return stride
 
     def output_lengths(self, input_lengths: torch.Tensor) -> torch.Tensor:
         """Number of logit frames for each input length in samples."""

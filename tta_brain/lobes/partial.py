@@ -14,13 +14,63 @@ a full pass assembled from them gives the model's logits)::
 
 ``layers`` returns the hidden states as ``output_hidden_states=True`` would (the layers' inputs
 and the last output: ``num_hidden_layers + 1`` tensors).
+
+**Padded passes** (:meth:`PartialForward.padded`, the length buckets of the captured steps,
+``tta_brain.gpu``): one utterance zero-padded to a longer input, its valid length given as a
+device tensor, gives the logits of the unpadded pass on the valid frames, exactly in arithmetic
+(to floating-point rounding: the sums run over other lengths). The padded samples and frames are
+kept out of everything the valid frames see: the GroupNorm of the first CNN layer (wav2vec2-base's
+per-channel normalisation over time) takes its statistics over the valid frames only, the CNN's
+other layers have no padding (a valid frame reads valid samples only), the projected frames past
+the valid length are zeroed before the positional convolution (as the unpadded pass's zero
+padding) and masked as attention keys. :func:`padding_blocker` says where that does not hold (data2vec-audio's
+stacked positional convolutions, HuBERT's ``conv_pos_batch_norm``, adapters, other encoders).
+Nothing in a padded pass reads a value on the host, so it can be captured in a CUDA graph.
 """
 from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["PartialForward"]
+__all__ = ["PartialForward", "padding_blocker", "PADDABLE_ENCODERS"]
+
+#: encoders whose padded frames a padded pass masks exactly (see the module docstring)
+PADDABLE_ENCODERS = ("Wav2Vec2Encoder", "Wav2Vec2EncoderStableLayerNorm", "HubertEncoder",
+                     "HubertEncoderStableLayerNorm")
+
+
+def padding_blocker(lobe) -> Optional[str]:
+    """Why a padded pass of ``lobe``'s model would not give its unpadded logits (None: it does)."""
+    model = lobe.model
+    if not lobe.supports_features:
+        return f"{type(model).__name__} is not a wav2vec 2.0-style model"
+    base = model.base_model
+    name = type(base.encoder).__name__
+    if name not in PADDABLE_ENCODERS:
+        return (f"its encoder ({name}) is not one whose padding is masked exactly "
+                f"({', '.join(PADDABLE_ENCODERS)})")
+    if getattr(base.encoder.pos_conv_embed, "batch_norm", None) is not None:
+        return "its positional convolution normalises over padded frames (conv_pos_batch_norm)"
+    if getattr(base, "adapter", None) is not None:
+        return "it has an adapter (strided convolutions over padded frames)"
+    for i, layer in enumerate(base.feature_extractor.conv_layers):
+        norm = getattr(layer, "layer_norm", None)
+        if isinstance(norm, nn.GroupNorm) and (i > 0 or norm.num_groups != norm.num_channels):
+            return f"CNN layer {i} has a GroupNorm the padded pass does not mask"
+        if norm is not None and not isinstance(norm, (nn.GroupNorm, nn.LayerNorm)):
+            return f"CNN layer {i} normalises with {type(norm).__name__}"
+    return None
+
+
+def _masked_channel_norm(norm: nn.GroupNorm, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``norm`` (a GroupNorm with one group per channel) on ``h [B, C, L]`` with the statistics of
+    the first ``valid [B]`` frames only."""
+    mask = (torch.arange(h.shape[-1], device=h.device)[None] < valid[:, None]).to(h.dtype)[:, None]
+    count = mask.sum(-1, keepdim=True)
+    mean = (h * mask).sum(-1, keepdim=True) / count
+    var = (((h - mean) * mask) ** 2).sum(-1, keepdim=True) / count
+    out = (h - mean) * torch.rsqrt(var + norm.eps)
+    return out * norm.weight[None, :, None] + norm.bias[None, :, None]
 
 
 class PartialForward:
@@ -70,13 +120,15 @@ class PartialForward:
             h = self.encoder.layer_norm(h)
         return self.encoder.dropout(h)
 
-    def layers(self, h: torch.Tensor, skip: int = 0) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    def layers(self, h: torch.Tensor, skip: int = 0,
+               attention_mask: Optional[torch.Tensor] = None) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """The transformer layers on ``h [B, F, H]``; the hidden states (each layer's input and
-        the last output, the first ``skip`` positions - prompts - dropped) and the last one."""
+        the last output, the first ``skip`` positions - prompts - dropped) and the last one.
+        ``attention_mask``: additive ``[B, 1, F, F]`` (padded passes)."""
         states = []
         for layer in self.encoder.layers:
             states.append(h[:, skip:])
-            h = layer(h, attention_mask=None)[0]
+            h = layer(h, attention_mask=attention_mask)[0]
         if self.stable:
             h = self.encoder.layer_norm(h)
         states.append(h[:, skip:])
@@ -111,3 +163,41 @@ class PartialForward:
         feats = self.finish_cnn(self.last_conv(x))
         logits, states, last = self.from_features(feats)
         return logits, feats, states, last
+
+    # ----------------------------------------------------------------- padded passes
+    def frames(self, samples: torch.Tensor) -> torch.Tensor:
+        """Valid logit frames of inputs of ``samples`` valid samples (device tensor arithmetic)."""
+        return self.model._get_feat_extract_output_lengths(samples)
+
+    def padded(self, x: Optional[torch.Tensor], samples: torch.Tensor,
+               features: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A padded pass (module docstring; exact where :func:`padding_blocker` is None): the
+        normalised input ``x [B, T]``, zero past ``samples [B]`` (long, on the device), or its CNN
+        features ``[B, C, F]`` computed from the unpadded input and zero-padded -> (logits
+        ``[B, F, V]``, valid frames ``[B]``). Logits past the valid frames are meaningless."""
+        frames = self.frames(samples)
+        if features is None:
+            first = self.conv_layers[0]
+            norm = getattr(first, "layer_norm", None)
+            if isinstance(norm, nn.GroupNorm):       # statistics over the valid frames only
+                k, s = first.conv.kernel_size[0], first.conv.stride[0]
+                valid0 = torch.div(samples - k, s, rounding_mode="floor") + 1
+                h = first.activation(_masked_channel_norm(norm, first.conv(x[:, None]), valid0))
+            else:
+                h = first(x[:, None])
+            for layer in self.conv_layers[1:]:
+                h = layer(h)
+            features = h
+        valid = torch.arange(features.shape[-1], device=features.device)[None] < frames[:, None]
+        out = self.base.feature_projection(features.transpose(1, 2))
+        h = out[0] if isinstance(out, tuple) else out
+        h = h * valid[..., None].to(h.dtype)
+        h = h + self.encoder.pos_conv_embed(h)
+        if not self.stable:
+            h = self.encoder.layer_norm(h)
+        h = self.encoder.dropout(h)
+        F = h.shape[1]
+        keys = torch.zeros(valid.shape, dtype=h.dtype, device=h.device)
+        keys = keys.masked_fill(~valid, torch.finfo(h.dtype).min)
+        _, last = self.layers(h, attention_mask=keys[:, None, None, :].expand(-1, 1, F, F))
+        return self.head(last), frames

@@ -65,6 +65,16 @@ class Runtime:
         steps of the run have run eagerly, a new length is captured at once (no eager step per
         utterance: the per-utterance fixed cost; unmeasured on a GPU, ``tools/gpu_check.py``
         checks that it replays the eager transcripts).
+    cuda_graph_buckets : float
+        Length buckets of the captured steps (default 0: off). With ``r > 0`` every plain step of
+        an utterance runs on its input zero-padded to the next bucket (edges ``1 s * (1 + r)^k``,
+        on the CNN's stride), with its valid length as a device tensor
+        (``tta_brain.lobes.partial``: the padding is masked exactly), so one captured graph serves
+        every length of its bucket: a new utterance replays from its first step without a warm-up
+        or a capture. Only where the padded pass is exact (wav2vec2 and HuBERT encoders, group- or
+        layer-norm CNNs, no adapter; the skeleton's SUTA loss; see ``padding_blocker``); the
+        logits equal the unpadded ones to rounding, not bit for bit. Give ``cuda_graph_cache``
+        room for the buckets a stream visits (about ``ln(longest / 1 s) / ln(1 + r)``).
 
     The values are checked where they are read, by the yaml rules (``tta_brain.hparams.RULES``);
     the constructor does not check them again.
@@ -79,6 +89,7 @@ class Runtime:
     cuda_device_steps: bool = False
     cuda_graph_cache: int = 1
     cuda_graph_warmup: int = 1
+    cuda_graph_buckets: float = 0.0
 
     def __post_init__(self):
         self.dtype = PRECISIONS[self.precision]

@@ -124,9 +124,10 @@ class TTAMethod:
         for p in self.params:
             p.requires_grad_(True)
 
-    def loss(self, logits: torch.Tensor) -> torch.Tensor:
-        """The adaptation objective of one utterance (default: SUTA)."""
-        return losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
+    def loss(self, logits: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The adaptation objective of one utterance (default: SUTA); ``lengths``: its valid
+        frames when the logits are padded (the length buckets of ``tta_brain.gpu``)."""
+        return losses.suta_loss(logits, lengths, alpha=self.em_coef, temperature=self.temperature,
                                 blank_id=self.blank_id).mean()
 
     # ------------------------------------------------------------- passes
