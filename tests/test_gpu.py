@@ -269,14 +269,19 @@ def test_length_buckets_replay_one_graph_for_many_lengths(tiny_model_dir, uttera
                     opt_tensors(g.optimizer, g.params)) == 0.0
     assert max_diff(plain.params, g.params) < 1e-4
     assert plain.counts == eager.counts == g.counts
-    assert events(eager) == events(g) and events(plain)[0] == events(g)[0]
+    assert events(eager) == events(g)
+    # reset positions as the unpadded run's (their z-scores, from 2 LII values, to rounding)
+    assert [e[:2] for e in events(plain)[0]] == [e[:2] for e in events(g)[0]]
     st = g.step
     assert st.buckets == 0.25 and g.features.enabled == (adapt == "layernorm")
-    assert fake.captures == 2 and st.cache.stats["hits"] == 9
-    # the warm-up is per bucket: suta / csuta run the run's first 3 steps eagerly (the 1 s
-    # bucket's warm-up) and one step of the 1.25 s bucket; dsuta also runs the first fast step of
-    # each utterance eagerly (the slow gradient's hook, on the exact length)
-    assert st.stats["eager"] == (12 + 2 + 1 if name.startswith("dsuta") else 3 + 1)
+    # dsuta: a second graph per bucket for the first fast step, which adds the slow gradient
+    # (its DeviceHook) and is replayed too
+    dsuta = name.startswith("dsuta")
+    assert fake.captures == (4 if dsuta else 2)
+    assert st.cache.stats["hits"] == (17 if dsuta else 9)
+    # the warm-up is per bucket (and hook): the run's first 3 steps (the 1 s bucket's), then the
+    # first step of each graph of the 1.25 s bucket
+    assert st.stats["eager"] == (3 + 2 if dsuta else 3 + 1)
     if name.startswith("dsuta"):
         assert max_diff(eager.meta, g.meta) == 0.0 and eager.n_grads == g.n_grads
 
@@ -727,7 +732,8 @@ def test_cuda_length_buckets_give_the_unbucketed_transcripts(tiny_model_dir, utt
     assert max_diff(a.params, b.params) < 1e-4
     st = b.step
     assert st.graphs and st.buckets == 0.25
-    assert st.cache.stats["captures"] == 2 and st.cache.stats["hits"] >= 12
+    assert st.cache.stats["captures"] == (4 if name.startswith("dsuta") else 2)
+    assert st.cache.stats["hits"] >= 12
 
 
 @cuda

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tta_brain.gpu.graphs import FIRST_WARMUP, CapturedStep, GraphCache, bucket_length
-from tta_brain.gpu.guard import (StepFlags, device_optimizer_blocker, guarded_update,
+from tta_brain.gpu.guard import (DeviceHook, StepFlags, device_optimizer_blocker, guarded_update,
                                  is_device_optimizer, skipped, to_device_optimizer)
 from tta_brain.gpu.host_step import HostStep, step_loss
 
@@ -90,32 +90,39 @@ class DeviceStep:
             self._x, self._calls, self._eager, self._entry = x, 0, 0, None
         self._calls += 1
         self.flags.pending = True
-        if loss_fn is not None or after_backward is not None or m.train_mode:
+        # on length buckets a DeviceHook step is captured too (its graph serves the bucket)
+        hook = after_backward if self.buckets and isinstance(after_backward, DeviceHook) else None
+        if loss_fn is not None or (after_backward is not None and hook is None) or m.train_mode:
             return self._eager_step(x, optimizer, loss_fn, after_backward)
         feats = m.features.get(x)             # cached CNN features (None: off), outside the graph
         src, samples = self._source(x, feats)
+        features = feats is not None
         if self.backend is None:
-            return self._plain_eager(x, src, samples, feats is not None, optimizer)
-        entry = self._entry or self._cached(optimizer, src, feats is not None)
+            return self._plain_eager(x, src, samples, features, optimizer, hook)
+        entry = (self._entry if hook is None else None) or self._cached(optimizer, src, features,
+                                                                        hook)
         if entry is None:
             remaining = m.steps - self._calls + 1
             # the warm-up is per new length, or per new bucket; without buckets a graph serves
             # this utterance alone: worth it from 2 steps on
             if self.buckets:
-                key = self._key(optimizer, src, feats is not None)
+                key = self._key(optimizer, src, features, hook)
                 cold = self._warmed.get(key, 0) < self.warmup
             else:
                 key, cold = None, self._eager < self.warmup
             if cold or self.stats["eager"] < FIRST_WARMUP or remaining < (1 if self.buckets else 2):
                 if key is not None:
                     self._warmed[key] = self._warmed.get(key, 0) + 1
-                return self._plain_eager(x, src, samples, feats is not None, optimizer)
-            entry = self._capture(optimizer, src, feats is not None, samples)
+                return self._plain_eager(x, src, samples, features, optimizer, hook)
+            entry = self._capture(optimizer, src, features, samples, hook)
             if entry is None:                  # capture failed: graphs are off, eager step
-                return self._plain_eager(x, src, samples, feats is not None, optimizer)
-        self._entry = entry
+                return self._plain_eager(x, src, samples, features, optimizer, hook)
+        if hook is None:
+            self._entry = entry
         entry.load(src, samples)
         entry.replay()
+        if hook is not None:
+            hook.host()
         m.counts["adapt_forward"] += 1
         m.counts["adapt_backward"] += 1
         self.stats["replays"] += 1
@@ -144,10 +151,11 @@ class DeviceStep:
                                               src if features else None)
         return m.loss(logits, frames)
 
-    def _plain_eager(self, x, src, samples, features: bool, optimizer):
-        """An eager plain step: on ``x`` (the method's own forward), or on the padded input."""
+    def _plain_eager(self, x, src, samples, features: bool, optimizer, hook=None):
+        """An eager plain step (or a DeviceHook step): on ``x`` (the method's own forward), or on
+        the padded input."""
         if samples is None:
-            return self._eager_step(x, optimizer, None, None)
+            return self._eager_step(x, optimizer, None, hook)
         m = self.m
         self._eager += 1
         self.stats["eager"] += 1
@@ -155,7 +163,7 @@ class DeviceStep:
             optimizer.zero_grad(set_to_none=False)
             m.counts["adapt_forward"] += 1
             loss = self._padded_loss(src, samples, features)
-            self._update(loss, optimizer)
+            self._update(loss, optimizer, hook)
             m.counts["adapt_backward"] += 1
             return loss.detach()
 
@@ -204,10 +212,10 @@ class DeviceStep:
         return m.lobe.decode_labels(labels)[0]
 
     # ------------------------------------------------------------------ graphs
-    def _key(self, optimizer, src, features):
-        return (id(optimizer), features, tuple(src.shape), src.dtype)
+    def _key(self, optimizer, src, features, hook=None):
+        return (id(optimizer), features, tuple(src.shape), src.dtype, hook is not None)
 
-    def signature(self, optimizer):
+    def signature(self, optimizer, hook=None):
         """Addresses of everything a captured step reads or writes outside its scratch memory,
         and the hyperparameters baked into it."""
         sig = [self.m.net.training]
@@ -222,22 +230,24 @@ class DeviceStep:
                 sig += [(k, st[k].data_ptr() if torch.is_tensor(st[k]) else st[k])
                         for k in sorted(st)]
         sig += [t.data_ptr() for t in self.flags.tensors()]
+        if hook is not None:
+            sig += [t.data_ptr() for t in hook.tensors()]
         return tuple(sig)
 
-    def _cached(self, optimizer, src, features):
-        key = self._key(optimizer, src, features)
+    def _cached(self, optimizer, src, features, hook=None):
+        key = self._key(optimizer, src, features, hook)
         entry = self.cache.get(key)
-        if entry is not None and entry.signature != self.signature(optimizer):
+        if entry is not None and entry.signature != self.signature(optimizer, hook):
             logger.info("%s: parameters, optimiser state or settings were replaced; the captured "
                         "steps are dropped", self.m.name)
             self.release()
             entry = None
         return entry
 
-    def _capture(self, optimizer, src, features, samples=None):
+    def _capture(self, optimizer, src, features, samples=None, hook=None):
         m = self.m
         missing = [i for i, p in enumerate(m.params) if p.grad is None]
-        key = self._key(optimizer, src, features)
+        key = self._key(optimizer, src, features, hook)
         entry = CapturedStep(key, torch.empty_like(src), features, None,
                              None if samples is None else torch.empty_like(samples))
         entry.load(src, samples)
@@ -250,7 +260,7 @@ class DeviceStep:
                 loss = m.loss(m.lobe.logits(None, None, entry.static))
             else:
                 loss = m.loss(m.lobe.logits(entry.static))
-            self._update(loss, optimizer)
+            self._update(loss, optimizer, None if hook is None else hook.device)
 
         try:
             entry.graph = self.backend.capture(body, self.cache.pool())
@@ -261,7 +271,7 @@ class DeviceStep:
             entry.release()                    # a gradient was allocated inside the capture
             self.disable_graphs("a gradient was first allocated during the capture")
             return None
-        entry.signature = self.signature(optimizer)
+        entry.signature = self.signature(optimizer, hook)
         self.cache.put(key, entry)
         self.captured_once = True
         return entry

@@ -16,11 +16,26 @@ from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["StepFlags", "device_optimizer_blocker", "to_device_optimizer", "is_device_optimizer",
-           "guarded_update", "skipped"]
+__all__ = ["StepFlags", "DeviceHook", "device_optimizer_blocker", "to_device_optimizer",
+           "is_device_optimizer", "guarded_update", "skipped"]
 
 #: Slots of the per-utterance counters on the device.
 SKIPPED, LOSS_NONFINITE, HOOKED = 0, 1, 2
+
+
+class DeviceHook:
+    """An ``after_backward`` hook whose device work can be captured with the step (DSUTA's slow
+    gradient): ``device()`` reads the gradients and writes only tensors that stay in place
+    (``tensors()``, whose addresses a captured graph is checked against), ``host()`` is its host
+    bookkeeping, run after every step that ran ``device()`` (eager or replayed). Called as a plain
+    hook it runs both (the host step)."""
+
+    def __init__(self, device, host, tensors):
+        self.device, self.host, self.tensors = device, host, tensors
+
+    def __call__(self):
+        self.device()
+        self.host()
 
 
 # ------------------------------------------------------------------------------ optimiser

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from tta_brain.gpu.guard import DeviceHook
 from tta_brain.gpu.host_step import grads_finite
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
@@ -52,14 +53,18 @@ class DSUTA(TTAMethod):
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
         self.n_buffered = 0            # utterances in the buffer (their gradients are in grad_sum)
         self.n_grads = 0               # of which contributed a finite gradient
+        # the first fast step's hook: its device half is captured with the step on length buckets
+        self._accumulate = DeviceHook(self._add_grads, self._count_grad, lambda: self.grad_sum)
 
     # ---------------------------------------------------------------- steps
-    def _accumulate(self):
+    def _add_grads(self):
         # a selected parameter unused by the eval forward (e.g. wav2vec2's masked_spec_embed
         # under `adapt_params: [all]`) has no gradient: it contributes zero
         pairs = [(s, p.grad) for s, p in zip(self.grad_sum, self.params) if p.grad is not None]
         if pairs:
             torch._foreach_add_([s for s, _ in pairs], [g for _, g in pairs])
+
+    def _count_grad(self):
         self.n_grads += 1
 
     def forward_and_adapt(self, x, info):
