@@ -252,9 +252,10 @@ def bucketed_eager(m):
 @pytest.mark.parametrize("name", GRAPH_METHODS)
 def test_length_buckets_replay_one_graph_for_many_lengths(tiny_model_dir, utterances, name, adapt):
     """With ``cuda_graph_buckets`` one graph per bucket serves every length in it: 12 utterances
-    of 8 lengths capture 2 graphs (1 s and 1.25 s buckets), every later utterance replays from
-    its first plain step. The replays equal the padded eager steps bit for bit, and the padded
-    steps give the unpadded run's transcripts with its parameters to rounding."""
+    of 8 lengths capture 2 step graphs (1 s and 1.25 s buckets), every later utterance replays
+    from its first step, and its prediction (and LII) forwards replay too. The replays equal the
+    padded eager passes bit for bit, and the padded passes give the unpadded run's transcripts
+    with its parameters to rounding."""
     sel = [{"select": s} for s in adapt.split(",")]
     items = stream(utterances, 12, BUCKET_LENGTHS)
     plain = build(tiny_model_dir, name, "device", adapt_params=sel)
@@ -277,8 +278,12 @@ def test_length_buckets_replay_one_graph_for_many_lengths(tiny_model_dir, uttera
     # dsuta: a second graph per bucket for the first fast step, which adds the slow gradient
     # (its DeviceHook) and is replayed too
     dsuta = name.startswith("dsuta")
-    assert fake.captures == (4 if dsuta else 2)
+    assert st.cache.stats["captures"] == (4 if dsuta else 2)
     assert st.cache.stats["hits"] == (17 if dsuta else 9)
+    # the no-grad forwards replay too: the 12 predictions less one warm-up per bucket, and with
+    # the dynamic reset its 16 LII losses (phi_D and the source) less one warm-up each
+    assert st.stats["forward_replays"] == (10 + 14 if name == "dsuta+dynamic" else 10)
+    assert fake.captures == st.cache.stats["captures"] + st.forwards.stats["captures"]
     # the warm-up is per bucket (and hook): the run's first 3 steps (the 1 s bucket's), then the
     # first step of each graph of the 1.25 s bucket
     assert st.stats["eager"] == (3 + 2 if dsuta else 3 + 1)
@@ -297,7 +302,7 @@ def test_one_step_method_is_captured_on_buckets(tiny_model_dir, utterances):
     assert a.step.stats["replays"] == 0 and a.step.backend.captures == 0
     # utterances 1-3 warm up (the run's first 3 steps), 4-6 replay the 1 s bucket's graph,
     # 7 warms up the 1.25 s bucket, 8 replays its graph
-    assert b.step.stats["replays"] == 4 and b.step.backend.captures == 2
+    assert b.step.stats["replays"] == 4 and b.step.cache.stats["captures"] == 2
 
 
 def test_buckets_only_where_the_padded_pass_is_exact(tmp_path, utterances, caplog):

@@ -52,12 +52,15 @@ class DeviceStep:
         self.flags = StepFlags(self.device, method.runtime.scale)
         self.backend = backend
         self.cache = GraphCache(capacity)
+        # length buckets: the no-grad forwards (prediction, the reset policy's losses), one graph
+        # per bucket and parameter set (live, the policy's phi_D, the source), own memory pool
+        self.forwards = GraphCache(3 * capacity)
         self.warmup = max(0, int(warmup))
         self.captured_once = False
         self._x = None
         self._calls = self._eager = 0
         self._entry = None
-        self.stats = {"eager": 0, "replays": 0}
+        self.stats = {"eager": 0, "replays": 0, "forward_replays": 0}
 
     @property
     def graphs(self) -> bool:
@@ -73,6 +76,7 @@ class DeviceStep:
     def release(self) -> None:
         """Drop the captured graphs (their pool goes back to the allocator)."""
         self.cache.clear()
+        self.forwards.clear()
         self._entry = self._padded = None
 
     # ------------------------------------------------------------------ one step
@@ -142,14 +146,16 @@ class DeviceStep:
             else:
                 frames = int(lobe.output_lengths(torch.tensor(n_pad)))
                 src = F.pad(feats, (0, frames - feats.shape[-1]))
-            self._padded = (x, src, samples)
+            valid = int(lobe.output_lengths(torch.tensor(n)))       # on the host: no sync
+            self._padded = (x, src, samples, valid)
         return self._padded[1], self._padded[2]
 
+    def _padded_logits(self, src, samples, features: bool, params=None):
+        return self.m.lobe.padded_logits(None if features else src, samples,
+                                         src if features else None, params)
+
     def _padded_loss(self, src, samples, features: bool):
-        m = self.m
-        logits, frames = m.lobe.padded_logits(None if features else src, samples,
-                                              src if features else None)
-        return m.loss(logits, frames)
+        return self.m.loss(*self._padded_logits(src, samples, features))
 
     def _plain_eager(self, x, src, samples, features: bool, optimizer, hook=None):
         """An eager plain step (or a DeviceHook step): on ``x`` (the method's own forward), or on
@@ -210,6 +216,58 @@ class DeviceStep:
         for why in reasons:
             m.record_skip(why, clear_grads=False)
         return m.lobe.decode_labels(labels)[0]
+
+    # ------------------------------------------------------------------ no-grad forwards
+    def logits(self, x: torch.Tensor, params=None):
+        """No-grad logits of ``x`` for the prediction and the reset policy's losses (``params``:
+        {lobe name: tensor} replacing adapted parameters, as ``lobe.logits``): on length buckets
+        a padded pass, replayed from a captured graph once its bucket and parameter set are warm,
+        sliced to the valid frames (a view of the graph's output, valid until its next replay).
+        None without buckets or under autograd: the method runs its own pass."""
+        if not self.buckets or torch.is_grad_enabled():
+            return None
+        m = self.m
+        feats = m.features.get(x)
+        src, samples = self._source(x, feats)
+        valid, features = self._padded[3], feats is not None
+        if self.backend is None:
+            return self._padded_logits(src, samples, features, params)[0][:, :valid]
+        tensors = m.params if params is None else list(params.values())
+        key = ("forward", features, tuple(src.shape), src.dtype,
+               tuple(t.data_ptr() for t in tensors))
+        entry = self.forwards.get(key)
+        if entry is None:
+            if self._warmed.get(key, 0) < self.warmup:
+                self._warmed[key] = self._warmed.get(key, 0) + 1
+                return self._padded_logits(src, samples, features, params)[0][:, :valid]
+            entry = self._capture_forward(key, src, samples, features, params)
+            if entry is None:
+                return self._padded_logits(src, samples, features, params)[0][:, :valid]
+        entry.load(src, samples)
+        entry.replay()
+        self.stats["forward_replays"] += 1
+        return entry.out[:, :valid]
+
+    def _capture_forward(self, key, src, samples, features, params):
+        m = self.m
+        entry = CapturedStep(key, torch.empty_like(src), features, None, torch.empty_like(samples))
+        entry.load(src, samples)
+        frames = src.shape[-1] if features else int(m.lobe.output_lengths(torch.tensor(src.shape[-1])))
+        # the output lives outside the capture (nothing a capture allocates outlives it)
+        entry.out = torch.empty(src.shape[0], frames, m.lobe.vocab_size, device=src.device)
+
+        def body():
+            with torch.no_grad():
+                entry.out.copy_(self._padded_logits(entry.static, entry.samples, features,
+                                                    params)[0])
+
+        try:
+            entry.graph = self.backend.capture(body, self.forwards.pool())
+        except Exception as e:                 # noqa: BLE001 - any capture error: eager from now on
+            self.disable_graphs(f"capture failed: {type(e).__name__}: {e}")
+            return None
+        self.forwards.put(key, entry)
+        return entry
 
     # ------------------------------------------------------------------ graphs
     def _key(self, optimizer, src, features, hook=None):

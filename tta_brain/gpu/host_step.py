@@ -59,5 +59,9 @@ class HostStep:
     def transcript(self, logits: torch.Tensor) -> str:
         return self.m.lobe.decode(logits)[0]
 
+    def logits(self, x: torch.Tensor, params=None):
+        """None: the method runs its own pass (the device step replays some on length buckets)."""
+        return None
+
     def release(self) -> None:
         """Nothing held (the device step frees its captured graphs here)."""

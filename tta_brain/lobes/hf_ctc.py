@@ -155,13 +155,20 @@ class HFCTCLobe(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def forward(self, inputs: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor] = None,
-                features: Optional[torch.Tensor] = None) -> torch.Tensor:
+                features: Optional[torch.Tensor] = None,
+                samples: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Normalised input ``[B, T]`` -> logits ``[B, F, V]``.
 
         ``features``: the CNN feature encoder's output for ``inputs`` (:meth:`features`); the
         forward then starts after the CNN (same operations as the model's own forward, so the
-        logits are identical). Only without an attention mask.
+        logits are identical). Only without an attention mask. ``samples``: the valid samples of
+        zero-padded ``inputs`` (or ``features``): a padded pass (:meth:`padded_logits`).
         """
+        if samples is not None:
+            partial = self.__dict__.get("_partial")
+            if partial is None:
+                partial = self.__dict__["_partial"] = PartialForward(self)
+            return partial.padded(inputs, samples, features)[0]
         if features is not None:
             return self._from_features(features)
         if attention_mask is not None and self.use_attention_mask:
@@ -169,14 +176,17 @@ class HFCTCLobe(nn.Module):
         return self._model(inputs).logits
 
     def logits(self, inputs: torch.Tensor, params: Optional[dict] = None,
-               features: Optional[torch.Tensor] = None) -> torch.Tensor:
+               features: Optional[torch.Tensor] = None,
+               samples: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Float32 logits of normalised ``inputs`` under the runtime's precision.
 
         ``params`` ({name: tensor}, names as in ``lobe.named_parameters()``, i.e. ``model.<...>``)
         replace those parameters for this call only (``torch.func.functional_call``); the live
-        model is untouched. ``features``: see :meth:`forward`.
+        model is untouched. ``features``, ``samples``: see :meth:`forward`.
         """
         kwargs = {} if features is None else {"features": features}
+        if samples is not None:
+            kwargs["samples"] = samples
         with self.runtime.autocast(self.device.type):
             if params is None:
                 logits = self(inputs, **kwargs)
@@ -253,17 +263,14 @@ class HFCTCLobe(nn.Module):
         return padding_blocker(self)
 
     def padded_logits(self, inputs: Optional[torch.Tensor], samples: torch.Tensor,
-                      features: Optional[torch.Tensor] = None):
+                      features: Optional[torch.Tensor] = None, params: Optional[dict] = None):
         """Float32 logits of a zero-padded utterance and its valid frames, ``(logits [B, F, V],
         frames [B])``: the normalised input ``inputs [B, T]`` with ``samples [B]`` valid samples
-        (a long tensor on the device), or the zero-padded CNN features of the unpadded input.
-        Exact (to rounding) where :meth:`padding_blocker` is None; no host read."""
-        partial = self.__dict__.get("_partial")
-        if partial is None:
-            partial = self.__dict__["_partial"] = PartialForward(self)
-        with self.runtime.autocast(self.device.type):
-            logits, frames = partial.padded(inputs, samples, features)
-        return logits.float(), frames
+        (a long tensor on the device), or the zero-padded CNN features of the unpadded input;
+        ``params`` as in :meth:`logits`. Exact (to rounding) where :meth:`padding_blocker` is
+        None; no host read."""
+        return (self.logits(inputs, params, features, samples),
+                self.output_lengths(samples))
 
     @property
     def frame_stride(self) -> int:

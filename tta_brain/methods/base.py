@@ -139,6 +139,9 @@ class TTAMethod:
         """Logits of ``x`` (float32), with the adapted parameters set to ``values`` if given (the
         live model is untouched). Not counted."""
         params = None if values is None else dict(zip(self._lobe_names, values))
+        out = self.step.logits(x, params)        # the device step's replayed forwards, or None
+        if out is not None:
+            return out
         return self.lobe.logits(x, params, self.features.get(x))
 
     def backward(self, loss: torch.Tensor) -> List[torch.Tensor]:
