@@ -217,7 +217,9 @@ def make_entry(name, args, model_dir, device):
                       cache_features=args.cache_features,
                       cpu_native_backward=not args.onednn_backward,
                       cuda_graphs=getattr(args, "cuda_graphs", "auto"),
-                      cuda_graph_warmup=getattr(args, "cuda_graph_warmup", 1))
+                      cuda_graph_warmup=getattr(args, "cuda_graph_warmup", 1),
+                      cuda_graph_buckets=getattr(args, "cuda_graph_buckets", 0.0),
+                      cuda_graph_cache=getattr(args, "cuda_graph_cache", 1))
     lobe = HFCTCLobe(model_dir, device=str(device), runtime=runtime)
     adapt = [{"select": s} for s in args.adapt.split(",")]
     if name in UNITS or name == TRAIN_UNIT:
@@ -338,16 +340,19 @@ def fixed_cost(short, long):
 
 def two_lengths(args, model_dir, device):
     """``--two_lengths A,B``: seconds per utterance of each method at about A and at about B
-    seconds (every utterance a new length, after ``--warmup`` utterances), and the per-utterance
-    fixed cost: the intercept of time = fixed + slope x audio seconds through the two."""
+    seconds (every utterance a new length, after ``--warmup`` utterances of about each length:
+    a warm process, which with length buckets has met the buckets it is timed on), and the
+    per-utterance fixed cost: the intercept of time = fixed + slope x audio seconds through the
+    two."""
     secs = [float(s) for s in args.two_lengths.split(",")]
     print(f"{'method':<16}{f's/utt {secs[0]:g} s':>12}{f's/utt {secs[1]:g} s':>12}"
           f"{'fixed s/utt':>13}{'s/audio s':>11}", flush=True)
     res = {}
     for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
         e = make_entry(name, args, model_dir, device)
-        for info, wav in generated_stream(args.warmup, secs[0], args.seed + 7):
-            e.process(wav, info)
+        for k, sec in enumerate(secs):
+            for info, wav in generated_stream(args.warmup, sec, args.seed + 7 + 100 * k):
+                e.process(wav, info)
         points = []
         for k, sec in enumerate(secs):
             utts = generated_stream(args.n_utts, sec, args.seed + 11 + k)
@@ -404,6 +409,10 @@ def parse_args(argv=None):
                    help="CUDA: replay the adaptation steps from captured graphs (Runtime.cuda_graphs)")
     p.add_argument("--cuda_graph_warmup", type=int, default=1,
                    help="eager steps of a new length before its capture (0: none once warm)")
+    p.add_argument("--cuda_graph_buckets", type=float, default=0.0,
+                   help="length buckets of the captured steps (Runtime.cuda_graph_buckets; 0: off)")
+    p.add_argument("--cuda_graph_cache", type=int, default=1,
+                   help="captured graphs kept (Runtime.cuda_graph_cache)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", default=None, help="cProfile this entry over the first round")
     p.add_argument("--two_lengths", default=None, metavar="A,B", help="instead of the table: "

@@ -11,19 +11,20 @@ captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
 
 1. ``transcripts``: captured vs device eager on a tiny random wav2vec2 (the tests' model) for 20
    utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset), graph
-   cache 1 and 4, and ``cuda_graph_warmup: 0``: same transcripts? largest parameter difference;
-   captures, hits, replays.
+   cache 1 and 4, ``cuda_graph_warmup: 0``, and length buckets (0.25, cache 4: padded passes,
+   equal to rounding): same transcripts? largest parameter difference; captures, hits, replays.
 2. ``step``: one SUTA step on a 3 s utterance of a random wav2vec2-base-sized model, fp32, LayerNorm
    + CNN adapted: ms per step, eager / device eager / default (the earlier, hand-written H200
    measurement was 22 ms eager and 8.3 ms replayed; that is *not* what this script measured).
 3. ``lengths``: the per-utterance fixed cost (``tools/bench_speed.py --two_lengths 3,8``): s per
-   utterance of suta and dsuta + dynamic, eager, default and with ``cuda_graph_warmup: 0`` (a new
-   length captured at once, no eager step per utterance), on utterances of about 3 s and 8 s
-   (every one a new length, as in a real stream), and the intercept of the line through the two
-   (time = fixed + slope x audio seconds).
+   utterance of suta and dsuta + dynamic, eager, default and on length buckets (``BUCKETS``: one
+   captured graph per bucket, replayed from an utterance's first step), on utterances of about
+   3 s and 8 s (every one a new length, as in a real stream, after a warm-up at both lengths),
+   and the intercept of the line through the two (time = fixed + slope x audio seconds).
 4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
    run option ``--deterministic``): s per audio s and the price of determinism.
-5. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps): CUDA memory
+5. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps; on length
+   buckets unless ``--memory_runtime default``): CUDA memory
    (allocated / reserved) every 50 utterances and the slope of the reserved memory over the last
    half (MB per 100 utterances; FLAT below 1 MB per 100).
 6. ``bench``: ``tools/bench_speed.py --w2v2_base`` (source, suta, dsuta, dsuta+dynamic), default
@@ -35,7 +36,7 @@ captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
    ``--official_dir``, default ``.official/Dynamic-SUTA``; not shipped, never imported elsewhere)
    and ``decode`` side by side in this process: SUTA and DSUTA + dynamic reset on the same random
    base-sized model and utterances at ``--seconds`` and ``--long_seconds``, s per audio s and the
-   speed-up. Without the checkout: ours only. The smoke test runs the official code on CPU
+   speed-up; ours also on length buckets (``BUCKETS``; the second of two decodes of the stream). Without the checkout: ours only. The smoke test runs the official code on CPU
    (its ``.cuda()`` made a no-op).
 9. ``field``: ``bench_speed`` over the field's methods (tent, eata, sar, cotta, cea, lame, t3a,
    foa, ebats, with source and suta) on the base-sized model, and ``--population``: E-BATS and
@@ -47,11 +48,11 @@ process (``python -m tta_brain.sweep``) vs 8 ``python -m tta_brain.decode`` proc
 together on the GPU (``tools/bench_sweep.py``): throughput of both over the decode loops and over
 the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree.
 
-By default a GPU run checks, in this order, official, sweep, memory, lengths, deterministic,
-transcripts and field (``--sections`` picks others, in the order given). Each section is skipped
+By default a GPU run checks, in this order, transcripts, official, lengths, sweep, memory and
+deterministic (``--sections`` picks others, in the order given). Each section is skipped
 (and says so) once ``--budget_s`` (default 470 s) would be exceeded, so the whole check stays
 under 8 minutes on one GPU; a failing section is reported and the next runs (``COST``: the seconds
-each took on an H100 on 2026-11-26, sweep's a guess; ``gpu_check.json`` records each section's
+each took on an H100 on 2026-11-26, plus guesses for what the length buckets added; ``gpu_check.json`` records each section's
 seconds). ``--cpu_smoke`` runs every section on CPU with a tiny model and a few
 utterances (no figures: the script's own test, tests/test_gpu.py).
 
@@ -88,14 +89,20 @@ for _p in (ROOT, TOOLS):
 SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench", "decode",
             "official", "field", "sweep")
 #: rough seconds of each section on one GPU (unmeasured guesses), for the budget
-COST = {"transcripts": 15, "step": 30, "lengths": 45, "deterministic": 25, "memory": 155,
-        "bench": 110, "decode": 60, "official": 100, "field": 70, "sweep": 60}
-#: What a GPU run checks by default, most wanted first (the seconds of the H100 run of
-#: 2026-11-26 add up to about 470 s); ``step``, ``bench`` and ``decode`` on request
-#: (``--sections``; ``official`` times decode against the method loop on the same utterances)
-DEFAULT_SECTIONS = ("official", "sweep", "memory", "lengths", "deterministic", "transcripts",
-                    "field")
+COST = {"transcripts": 20, "step": 30, "lengths": 70, "deterministic": 25, "memory": 155,
+        "bench": 110, "decode": 60, "official": 140, "field": 70, "sweep": 60}
+#: What a GPU run checks by default, most wanted first: the H100 run of 2026-11-26 measured
+#: every section but the length buckets, which transcripts, official, lengths and memory now add
+#: (their COST: that run's seconds plus a guess for the buckets); they add up to 470 s. ``field``
+#: (measured then), ``step``, ``bench`` and ``decode`` on request (``--sections``; ``official``
+#: times decode against the method loop on the same utterances)
+DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
 GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
+#: the length buckets measured (Runtime.cuda_graph_buckets; off by default until measured): at
+#: most 10 % padding, room for the 39 buckets of 1-35 s
+BUCKETS, BUCKET_CACHE = {"cuda_graph_buckets": 0.1}, 32
+BUCKET_OPTS = ["--cuda_graph_buckets", "0.1", "--cuda_graph_cache", str(BUCKET_CACHE)]
+DECODE_BUCKET_OPTS = ["--cuda_graph_buckets=0.1", f"--cuda_graph_cache={BUCKET_CACHE}"]
 #: runtime options of the three ways a step runs
 DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
                                                           "cuda_device_steps": True}
@@ -116,6 +123,9 @@ def parse_args(argv=None):
                         f"{','.join(DEFAULT_SECTIONS)}; the CPU smoke test: all)")
     p.add_argument("--budget_s", type=float, default=470.0,
                    help="skip the sections that would start after this many seconds")
+    p.add_argument("--memory_runtime", default="buckets", choices=("buckets", "default"),
+                   help="memory: dsuta on length buckets (BUCKETS; the default path was measured "
+                        "flat on an H100 on 2026-11-26) or with the default options")
     p.add_argument("--n_utts", type=int, default=20, help="utterances per method (transcripts)")
     p.add_argument("--decode_utts", type=int, default=16, help="utterances of the decode stream")
     p.add_argument("--memory_utts", type=int, default=1000, help="utterances of the memory stream")
@@ -215,7 +225,8 @@ def _stats(m):
     steps = m.step
     if not isinstance(steps, DeviceStep):
         return {"step": type(steps).__name__}
-    return dict(step="DeviceStep", graphs=steps.graphs, **steps.stats, **steps.cache.stats)
+    return dict(step="DeviceStep", graphs=steps.graphs, buckets=steps.buckets, **steps.stats,
+                **steps.cache.stats, forward_captures=steps.forwards.stats["captures"])
 
 
 def _process_all(m, wavs, device):
@@ -275,16 +286,19 @@ def section_transcripts(args, rep, work):
             kw.update(buffer_size=3, reset_K=6)
         a = _method(name, tiny, args.device, DEVICE_EAGER, **dict(kw))
         ha, _ = _process_all(a, wavs, args.device)
-        for cache, warmup in ((1, 1), (4, 1), (1, 0)):
-            b = _method(name, tiny, args.device, dict(DEFAULT, cuda_graph_warmup=warmup),
+        for cache, warmup, buckets in ((1, 1, 0.0), (4, 1, 0.0), (1, 0, 0.0), (4, 1, 0.25)):
+            b = _method(name, tiny, args.device, dict(DEFAULT, cuda_graph_warmup=warmup,
+                                                      cuda_graph_buckets=buckets),
                         cache=cache, **dict(kw))
             hb, _ = _process_all(b, wavs, args.device)
             same = sum(x == y for x, y in zip(ha, hb))
             diff = max(float((p.detach() - q.detach()).abs().max())
                        for p, q in zip(a.params, b.params))
             st = _stats(b)
+            # buckets: the padded passes equal the unpadded ones to rounding, not bit for bit
             ok &= same == len(ha) and (args.cpu_smoke or st.get("replays", 0) > 0)
-            label = f"{name}, {cache}{', warmup 0' if warmup == 0 else ''}"
+            label = (f"{name}, {cache}{', warmup 0' if warmup == 0 else ''}"
+                     f"{f', buckets {buckets:g}' if buckets else ''}")
             res[label] = dict(same=same, n=len(ha), max_param_diff=diff, eager=_stats(a),
                               graphs=st)
             rep.say(f"{label:<26}{same:>8}/{len(ha):<5}{diff:>14.2e}  {st}")
@@ -335,7 +349,7 @@ def section_lengths(args, rep, work):
                if args.cpu_smoke else ["--n_utts", "12", "--warmup", "8"])
     res = {}
     for tag, opts in (("eager", ["--cuda_graphs", "off"]), ("default", []),
-                      ("warmup 0", ["--cuda_graph_warmup", "0"])):
+                      ("buckets", BUCKET_OPTS)):
         rep.say(f"--- bench_speed --two_lengths ({tag}: {' '.join(opts) or 'no options'}) ---")
         res[tag] = bench_speed.main(common + opts)
         for name, r in res[tag].items():
@@ -464,7 +478,9 @@ def section_memory(args, rep, work):
     model = _base_model(work, args)
     n, every = args.memory_utts, max(1, args.memory_utts // 20)
     lo, hi = (0.5, 1.0) if args.cpu_smoke else (1.0, 3.0)
-    m = _method("dsuta", model, args.device, DEFAULT, lr=2e-5, steps=_steps(args, "dsuta"),
+    buckets = args.memory_runtime == "buckets"
+    m = _method("dsuta", model, args.device, BUCKETS if buckets else DEFAULT,
+                cache=BUCKET_CACHE if buckets else 1, lr=2e-5, steps=_steps(args, "dsuta"),
                 buffer_size=5)
     marks, trace = {}, []
     for i, w in enumerate(_wavs(n, lo, hi, seed=3)):          # n distinct lengths
@@ -479,11 +495,12 @@ def section_memory(args, rep, work):
     flat = slope == slope and slope < 1.0
     verdict = "no verdict in the smoke test" if args.cpu_smoke else "FLAT" if flat else "GROWS"
     what = "reserved CUDA" if args.device.startswith("cuda") else "RSS (CPU smoke test)"
-    rep.say(f"dsuta default, {n} utterances of distinct lengths ({lo}-{hi} s): (allocated, "
+    rep.say(f"dsuta {args.memory_runtime}, {n} utterances of distinct lengths ({lo}-{hi} s): (allocated, "
             f"reserved) MB every {every}: " + ", ".join(f"{k}: {v}" for k, v in marks.items()))
     rep.say(f"memory: {what} slope over the last half {slope:+.3f} MB per 100 utterances "
             f"({verdict}); {_stats(m)}")
-    rep.data["memory"] = dict(marks=marks, slope_mb_per_100=slope, flat=flat, stats=_stats(m))
+    rep.data["memory"] = dict(runtime=args.memory_runtime, marks=marks, slope_mb_per_100=slope,
+                              flat=flat, stats=_stats(m))
     _release(m, args.device)
 
 # The official code's runs of SUTA and DSUTA + dynamic reset (its config files; steps 10 and 5,
@@ -596,7 +613,7 @@ def section_official(args, rep, work):
     res = {}
     lengths = (args.seconds,) if args.cpu_smoke else (args.seconds, args.long_seconds)
     rep.say(f"{'method, length':<26}{'official s/aud s':>17}{'ours s/aud s':>14}{'speed-up':>10}"
-            f"{'loop s/aud s':>14}{'decode':>10}")
+            f"{'loop s/aud s':>14}{'decode':>10}{'buckets s/aud s':>17}{'speed-up':>10}")
     for li, sec in enumerate(lengths):
         data = os.path.join(work, f"official_data_{li}")
         n = 2 if args.cpu_smoke else (24 if sec < 5 else 16)
@@ -624,17 +641,26 @@ def section_official(args, rep, work):
                                        stream, data)
             ours = meth / audio
             loop = _method_loop(args, tag, model, wavs) / audio
+            # length buckets (off by default until measured): a warm process that has met the
+            # buckets of these utterances once, as a long stream's later utterances have
+            bopts = ours_opts + steps + DECODE_BUCKET_OPTS
+            _ours_decode(args, work, f"{tag}_bwarm{li}", hp, bopts, model, stream, data)
+            bmeth, _ = _ours_decode(args, work, f"{tag}_b{li}", hp, bopts, model, stream, data)
+            buck = bmeth / audio
             key = f"{tag}, {sec:.0f} s"
             res[key] = dict(official=off, ours=ours, ours_run_s=run_s, audio_s=audio, n=n,
-                            method_loop=loop, decode_over_loop=ours / loop)
+                            method_loop=loop, decode_over_loop=ours / loop, buckets=buck)
             up = f"{off / ours:>9.2f}x" if off else f"{'-':>10}"
+            bup = f"{off / buck:>9.2f}x" if off else f"{'-':>10}"
             rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{up}"
-                    f"{loop:>14.4f}{ours / loop - 1:>+10.0%}")
+                    f"{loop:>14.4f}{ours / loop - 1:>+10.0%}{buck:>17.4f}{bup}")
     rep.say("official: its strategy's run() (model loading not timed), PyTorch's default kernels; "
             "ours: decode with its defaults (captured steps on CUDA, --deterministic true); "
             "each side warmed up on its own first; loop: the same method object's process() over "
             "the same utterances in this process (what bench_speed times), and decode's time over "
-            "it (issue #22: within 10 %)")
+            "it (issue #22: within 10 %); buckets: decode with " + " ".join(DECODE_BUCKET_OPTS)
+            + " after one decode of the same utterances (a warm process; each decode captures "
+            "its own graphs)")
     rep.data["official"] = res
 
 
