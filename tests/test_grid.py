@@ -170,6 +170,20 @@ def test_labels_are_not_part_of_the_fingerprint(data, tmp_path):
         data, tmp_path / "x", "suta", "--steps=3")).fingerprint) == ["hparams.steps: 2 != 3"]
 
 
+def test_a_key_added_later_with_its_old_default_matches_older_fingerprints(data, tmp_path):
+    """A folder decoded before a run-block key existed (its fingerprint lacks the key) is the
+    same run as one with the key at the default that computes what it computed; another value
+    differs."""
+    new = decode.plan(decode_argv(data, tmp_path / "x")).fingerprint
+    assert new["hparams"]["cuda_graph_buckets"] == 0.0
+    older = {**new, "hparams": {k: v for k, v in new["hparams"].items()
+                                if k != "cuda_graph_buckets"}}
+    assert identity.differences(older, new) == []
+    bucketed = decode.plan(decode_argv(data, tmp_path / "x", "suta",
+                                       "--cuda_graph_buckets=0.1")).fingerprint
+    assert identity.differences(older, bucketed) == ["hparams.cuda_graph_buckets: 0.0 != 0.1"]
+
+
 def test_one_rule_for_an_option_a_method_lacks(data, tmp_path, caplog):
     """A key no method of the grid has is an error before anything runs; a key some lack is
     not passed to those (nor named in their folders), logged once."""
