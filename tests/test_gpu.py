@@ -141,7 +141,7 @@ def test_cpu_keeps_the_host_path(tiny_model_dir, utterances):
         assert all(not g.get("fused") for g in m.slow_optimizer.param_groups)
 
 
-@pytest.mark.parametrize("name", GRAPH_METHODS)
+@pytest.mark.parametrize("name", GRAPH_METHODS + ("tent",))
 def test_device_path_matches_host_path(tiny_model_dir, utterances, name):
     """The guarded device step (fused AdamW) vs the host path: same transcripts, resets and LII
     positions; parameters to rounding; the same pass counts."""
@@ -249,7 +249,7 @@ def bucketed_eager(m):
 
 
 @pytest.mark.parametrize("adapt", ["layernorm,cnn", "layernorm"])       # feature cache off / on
-@pytest.mark.parametrize("name", GRAPH_METHODS)
+@pytest.mark.parametrize("name", GRAPH_METHODS + ("tent",))
 def test_length_buckets_replay_one_graph_for_many_lengths(tiny_model_dir, utterances, name, adapt):
     """With ``cuda_graph_buckets`` one graph per bucket serves every length in it: 12 utterances
     of 8 lengths capture 2 step graphs (1 s and 1.25 s buckets), every later utterance replays
@@ -723,13 +723,13 @@ def test_cuda_graph_replay_gives_eager_transcripts(tiny_model_dir, utterances, n
 
 
 @cuda
-@pytest.mark.parametrize("name", GRAPH_METHODS)
+@pytest.mark.parametrize("name", GRAPH_METHODS + ("tent",))
 def test_cuda_length_buckets_give_the_unbucketed_transcripts(tiny_model_dir, utterances, name,
                                                              cuda_determinism):
     """Length buckets on CUDA: the padded pass captures (no host read), one graph per bucket
     replays for many lengths, and the transcripts are those of the unbucketed captured run."""
     items = stream(utterances, 16, BUCKET_LENGTHS)
-    kw = dict(steps=3) if name == "csuta" else {}
+    kw = dict(steps=3) if name in ("csuta", "tent") else {}
     a = build(tiny_model_dir, name, "graph", device="cuda", **kw)
     b = build(tiny_model_dir, name, "graph", device="cuda", runtime={
         "cuda_graph_buckets": 0.25, "cuda_graph_cache": 4}, **kw)

@@ -4,7 +4,7 @@ against the eager steps, per-utterance fixed cost, deterministic kernels, memory
 stream.
 
 Everything in one run on one CUDA device. "default" is what a run gets without options
-(``cuda_graphs: auto``: suta, csuta and dsuta captured in fp32); "eager" is ``cuda_graphs: off``
+(``cuda_graphs: auto``: suta, csuta, dsuta and tent captured in fp32); "eager" is ``cuda_graphs: off``
 (the host step: finiteness read on the host, ``foreach`` AdamW); "device eager" is the device-side
 steps without capture (``cuda_graphs: off, cuda_device_steps: true``), the exact reference of the
 captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
@@ -97,7 +97,7 @@ COST = {"transcripts": 20, "step": 30, "lengths": 70, "deterministic": 25, "memo
 #: (measured then), ``step``, ``bench`` and ``decode`` on request (``--sections``; ``official``
 #: times decode against the method loop on the same utterances)
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
-GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
+GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent")
 #: the length buckets measured (Runtime.cuda_graph_buckets; off by default until measured): at
 #: most 10 % padding, room for the 39 buckets of 1-35 s
 BUCKETS, BUCKET_CACHE = {"cuda_graph_buckets": 0.1}, 32

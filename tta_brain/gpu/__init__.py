@@ -7,7 +7,8 @@
 
 A method declares what the device step needs to know (class attributes, read here): ``device_loss``
 (True: its loss and steps run on the device alone; None, the default: only if it keeps the
-skeleton's ``loss``, ``before_step`` and ``forward_and_adapt``, i.e. the SUTA family; False: never)
+skeleton's ``loss``, ``before_step`` and ``forward_and_adapt``, i.e. the SUTA family; False: never;
+DSUTA and Tent declare True)
 and ``device_optimizers`` (names of optimisers besides ``optimizer`` that the device step runs
 fused too; DSUTA: ``slow_optimizer``).
 
@@ -19,6 +20,7 @@ where the padded pass is exact (:func:`bucket_blocker`), so one graph serves a b
 ``cuda_device_steps: true`` takes the device step without capture wherever
 it applies (``cuda_graphs: on`` or ``auto`` captured where they can).
 """
+import inspect
 import logging
 from typing import Optional
 
@@ -48,17 +50,17 @@ def step_blocker(m) -> Optional[str]:
         return "its loss needs host work"
     skeleton = _defined_by(type(m), "adapt_step")
     if declared is None and any(_defined_by(type(m), h) is not skeleton for h in _STEP_HOOKS):
-        return "its loss or its steps need host work (only the SUTA family's run on the device)"
+        return ("its loss or its steps need host work (only the SUTA family's and Tent's run on "
+                "the device)")
     return device_optimizer_blocker(m.optimizer)
 
 
 def bucket_blocker(m) -> Optional[str]:
     """Why method ``m``'s steps cannot run on length buckets (None: they can): the padded pass
-    must be exact for the model (``lobe.padding_blocker``) and the loss the skeleton's SUTA loss,
-    which masks the padded frames."""
-    skeleton = _defined_by(type(m), "adapt_step")
-    if _defined_by(type(m), "loss") is not skeleton:
-        return "its loss does not mask padded frames (only the skeleton's SUTA loss does)"
+    must be exact for the model (``lobe.padding_blocker``) and the loss must mask the padded
+    frames (it takes their number: ``loss(logits, lengths)``, as the SUTA loss and Tent's)."""
+    if "lengths" not in inspect.signature(type(m).loss).parameters:
+        return "its loss does not mask padded frames (it takes no lengths)"
     return m.lobe.padding_blocker()
 
 

@@ -44,7 +44,7 @@ class Runtime:
     cuda_graphs : "auto" | "on" | "off"
         CUDA only (see README, "GPU"; ``tta_brain.gpu.make_step`` chooses a method's step once).
         ``auto`` (default): the adaptation steps of methods whose loss runs on the device alone
-        (suta, csuta, dsuta) are captured as CUDA graphs wherever that is exact (fp32, no
+        (suta, csuta, dsuta, tent) are captured as CUDA graphs wherever that is exact (fp32, no
         ``compile``, no train mode) and replayed for the utterance's remaining steps, with the
         finiteness check on the device and torch's fused AdamW (no host sync inside a step;
         rounding differs from the host step's ``foreach`` AdamW); elsewhere the host step.

@@ -15,6 +15,11 @@ class Tent(TTAMethod):
         kwargs.setdefault("adapt_params", ({"select": "layernorm"},))
         super().__init__(model, steps=steps, temperature=temperature, **kwargs)
 
-    def loss(self, logits):
-        return losses.entropy_loss(logits, temperature=self.temperature,
+    def loss(self, logits, lengths=None):
+        return losses.entropy_loss(logits, lengths, temperature=self.temperature,
                                    blank_id=self.blank_id).mean()
+
+    # what the device step needs to know (tta_brain.gpu): the entropy runs on the device alone,
+    # so on CUDA the step is the device step (captured on length buckets, whose padded frames the
+    # loss masks through ``lengths``)
+    device_loss = True
