@@ -305,6 +305,69 @@ def test_one_step_method_is_captured_on_buckets(tiny_model_dir, utterances):
     assert b.step.stats["replays"] == 4 and b.step.cache.stats["captures"] == 2
 
 
+class HostReads:
+    """A dispatch mode that records the operators that read a device value on the host (on CUDA
+    a synchronisation; here, on CPU tensors, the same operators): scalar reads, ``nonzero``, and
+    boolean-mask indexing other than ATen's masked-fill fast path."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        aten = torch.ops.aten
+        seen = self.seen = []
+        reads = {aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonzero.default}
+
+        def bool_index(idx):
+            return any(t is not None and t.dtype == torch.bool for t in idx)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if (func in reads or func is aten.index.Tensor and bool_index(args[1])
+                        or func is aten.index_put_.default and bool_index(args[1])
+                        and args[2].numel() != 1):
+                    seen.append(str(func))
+                return func(*args, **kwargs)
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("buckets", [0.0, 0.25])
+@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic"])
+def test_replays_read_nothing_on_the_host(tiny_model_dir, utterances, name, buckets):
+    """What a CUDA step would synchronise on is visible on CPU as the operators that read a
+    value on the host: none inside a replayed step (the padded pass, the SUTA loss with its
+    masks, the guarded fused update, DSUTA's slow-gradient hook) nor a replayed forward."""
+    m = build(tiny_model_dir, name, "graph", steps=4, runtime={"cuda_graph_buckets": buckets,
+                                                               "cuda_graph_cache": 4})
+    lengths = [9600, 11200, 10400, 9600] if buckets else [9600] * 4
+    run(m, stream(utterances, 4, lengths))                     # warm, captured
+    x = m.lobe.prepare(utterances[4][:10400 if buckets else 9600].clone())
+    with torch.enable_grad():
+        m.adapt_step(x, after_backward=getattr(m, "_accumulate", None))   # the utterance's set-up
+        replays = m.step.stats["replays"]
+        with HostReads() as reads, torch.enable_grad():
+            for _ in range(3):
+                m.adapt_step(x)
+        assert m.step.stats["replays"] == replays + 3
+    if buckets:
+        with HostReads() as fwd, torch.no_grad():
+            m.logits(x)
+            m.logits(x, m.source)
+        assert m.step.stats["forward_replays"] >= 2
+        assert fwd.seen == []
+    assert reads.seen == []
+    with torch.no_grad():                                      # the detector does see a read
+        with HostReads() as control:
+            float(m.loss(m.lobe.logits(x)))
+    assert control.seen
+
+
 def test_buckets_only_where_the_padded_pass_is_exact(tmp_path, utterances, caplog):
     """A model whose padding the padded pass cannot mask (data2vec-audio) keeps one graph per
     length, and says why."""
