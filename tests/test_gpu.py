@@ -688,11 +688,41 @@ def test_decode_records_device_and_deterministic(tmp_path, tiny_model_dir):
                  "--deterministic=false"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["device"] == "cpu" and summary["hparams"]["deterministic"] is False
-    assert "Deterministic kernels: false (no effect on cpu)" in (out / "env.log").read_text()
+    assert ("Deterministic kernels: false; tf32: torch (no effect on cpu)"
+            in (out / "env.log").read_text())
     assert "Device: cpu; deterministic kernels: false" in (out / "log.txt").read_text()
     assert "deterministic: true" in parse_arguments(["suta", "--deterministic"]).overrides
     with pytest.raises(UsageError, match="--deterministic takes true or false"):
         parse_arguments(["suta", "--deterministic=maybe"])
+
+
+def test_tf32_means_what_the_run_option_says(tmp_path, tiny_model_dir):
+    """Importing speechbrain turns TF32 matmuls on (its allow_tf32 quirk); a decode sets the run
+    option ``tf32`` instead (default: PyTorch's own defaults, fp32 matmuls), records it, and
+    ``on`` gives SpeechBrain's setting back."""
+    import speechbrain  # noqa: F401  (its import-time quirk)
+    from fake_corpora import write_stream
+    from tta_brain import decode
+    from tta_brain.lobes.runtime import tf32_kernels
+    root = write_stream(tmp_path / "s", n=2, block=2)
+    argv = ["source", f"--source={tiny_model_dir}", f"--stream_csv={root / 'stream.csv'}",
+            f"--data_root={root}", "--noprogressbar"]
+    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True            # as speechbrain leaves it
+        decode.main(argv + [f"--output_folder={tmp_path / 'a'}"])
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True)
+        summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+        assert summary["hparams"]["tf32"] == "torch"
+        decode.main(argv + [f"--output_folder={tmp_path / 'b'}", "--tf32=on"])
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+        assert "tf32: on (no effect on cpu)" in (tmp_path / "b" / "log.txt").read_text()
+        tf32_kernels("off")
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
+        with pytest.raises(SystemExit, match="tf32"):
+            decode.main(argv + [f"--output_folder={tmp_path / 'c'}", "--tf32=maybe"])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
 
 
 # ------------------------------------------------------------------------------ tools

@@ -182,6 +182,14 @@ def test_a_key_added_later_with_its_old_default_matches_older_fingerprints(data,
     bucketed = decode.plan(decode_argv(data, tmp_path / "x", "suta",
                                        "--cuda_graph_buckets=0.1")).fingerprint
     assert identity.differences(older, bucketed) == ["hparams.cuda_graph_buckets: 0.0 != 0.1"]
+    # tf32: a CPU run computed the same either way; a CUDA run had SpeechBrain's TF32 matmuls
+    older = {**new, "hparams": {k: v for k, v in new["hparams"].items() if k != "tf32"}}
+    assert new["hparams"]["tf32"] == "torch" and identity.differences(older, new) == []
+    cuda_new = {**new, "hparams": {**new["hparams"], "device": "cuda"}}
+    cuda_old = {**older, "hparams": {**older["hparams"], "device": "cuda"}}
+    assert identity.differences(cuda_old, cuda_new) == ["hparams.tf32: 'on' != 'torch'"]
+    assert identity.differences(cuda_old, {**cuda_new, "hparams": {**cuda_new["hparams"],
+                                                                   "tf32": "on"}}) == []
 
 
 def test_one_rule_for_an_option_a_method_lacks(data, tmp_path, caplog):

@@ -85,7 +85,8 @@ if ROOT not in sys.path:
 from tta_brain.methods import losses  # noqa: E402
 from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
-from tta_brain.lobes.runtime import Runtime  # noqa: E402
+from tta_brain.lobes.runtime import (Runtime, deterministic_kernels,  # noqa: E402
+                                     tf32_kernels)
 from tta_brain.lobes.testing import BASE_960H, TINY, save_random_ctc_model  # noqa: E402
 from tta_brain.methods.params import select_parameters  # noqa: E402
 from tta_brain.methods.resets import make_reset_policy  # noqa: E402
@@ -413,6 +414,10 @@ def parse_args(argv=None):
                    help="length buckets of the captured steps (Runtime.cuda_graph_buckets; 0: off)")
     p.add_argument("--cuda_graph_cache", type=int, default=1,
                    help="captured graphs kept (Runtime.cuda_graph_cache)")
+    p.add_argument("--deterministic", default="true", choices=("true", "false"),
+                   help="CUDA: deterministic kernels, as decode's run option (default true)")
+    p.add_argument("--tf32", default="torch", choices=("torch", "off", "on"),
+                   help="CUDA: TF32 use, as decode's run option (default torch: fp32 matmuls)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", default=None, help="cProfile this entry over the first round")
     p.add_argument("--two_lengths", default=None, metavar="A,B", help="instead of the table: "
@@ -451,6 +456,10 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
+    if device.type == "cuda":            # the kernels a decode with the same options runs
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        deterministic_kernels(args.deterministic == "true")
+    tf32_kernels(args.tf32)
     tmp = None
     model_dir = args.model
     if model_dir is None:

@@ -725,8 +725,10 @@ def main(argv=None):
         return 2
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
-    from tta_brain.lobes.runtime import deterministic_kernels
+    from tta_brain.lobes.runtime import deterministic_kernels, tf32_kernels
     deterministic_kernels(True)                    # decode's default (--deterministic)
+    tf32 = tf32_kernels("torch")                   # decode's default (--tf32; the preflight's
+    #                                                speechbrain import had turned TF32 matmuls on)
     name = ("CPU smoke test (no figures)" if args.cpu_smoke
             else torch.cuda.get_device_name(args.device))
     os.makedirs(args.out, exist_ok=True)
@@ -738,7 +740,7 @@ def main(argv=None):
             f"CUDA {torch.version.cuda}; sections {', '.join(args.sections)}; budget "
             f"{args.budget_s:.0f} s")
     rep.say("All figures below are from this run; nothing here is the earlier H200 measurement "
-            "unless labelled so.")
+            f"unless labelled so. Kernels: deterministic, tf32 {tf32}, as decode's defaults.")
     rep.data["device"] = name
     status = {}
     for name in args.sections:

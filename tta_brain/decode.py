@@ -41,7 +41,7 @@ from tta_brain.run.folder import clear_run
 from tta_brain.run.records import CSV_FILES, RecordError
 from tta_brain.run.summary import read_summary
 from tta_brain.lobes.runtime import (KERNEL_CACHE_VARIABLES, bound_kernel_caches,
-                                     deterministic_kernels)
+                                     deterministic_kernels, tf32_kernels)
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +53,15 @@ def _fail(message):
     raise SystemExit(f"ERROR: {message}")
 
 
-def _determinism(device, on) -> str:
-    """The run option ``deterministic`` (CUDA kernels; CPU kernels are deterministic already);
-    the line logged with the run."""
+def _determinism(device, on, tf32="torch") -> str:
+    """The run options ``deterministic`` and ``tf32`` (CUDA kernels; CPU kernels are
+    deterministic and fp32 already); the line logged with the run."""
     if device is not None and str(device).startswith("cuda"):
         deterministic_kernels(bool(on))
-        return "true" if on else "false (PyTorch's default kernels)"
-    return f"{'true' if on else 'false'} (no effect on {device})"
+        return (("true" if on else "false (PyTorch's default kernels)")
+                + f"; tf32: {tf32_kernels(tf32)}")
+    tf32_kernels(tf32)          # process-wide; undoes speechbrain's import-time setting
+    return f"{'true' if on else 'false'}; tf32: {tf32} (no effect on {device})"
 
 
 def _log_run(out, argv, seed, device, deterministic):
@@ -94,7 +96,7 @@ class Plan:
     fingerprint: dict
     status: str                   # new | resume | done | differs
     diffs: list
-    determinism: str = ""         # the deterministic-kernels line (set by prepare)
+    determinism: str = ""         # the deterministic-kernels and TF32 line (set by prepare)
 
     @property
     def resolved(self) -> dict:
@@ -198,7 +200,8 @@ def prepare(p: Plan) -> str:
         _refuse(p.out, diffs)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS reads it at start-up
     bound_kernel_caches()                                          # before the first forward
-    p.determinism = _determinism(p.resolved.get("device"), p.resolved.get("deterministic", True))
+    p.determinism = _determinism(p.resolved.get("device"), p.resolved.get("deterministic", True),
+                                 p.resolved.get("tf32", "torch"))
     return status
 
 

@@ -24,6 +24,7 @@ RULES = {
     "method_tag": (_TEXT, None), "precision": (("fp32", "bf16", "fp16"), None),
     "compile": (_BOOL, None), "cache_features": (("auto", "on", "off"), None),
     "cpu_native_backward": (_BOOL, None), "deterministic": (_BOOL, None),
+    "tf32": (("torch", "off", "on"), None),
     "cuda_graphs": (("auto", "on", "off"), None), "cuda_device_steps": (_BOOL, None),
     "cuda_graph_cache": (_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=0"),
     "cuda_graph_buckets": (_FLOAT, ">=0"),

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import torch
 
 __all__ = ["Runtime", "FeatureCache", "PRECISIONS", "native_cpu_kernels", "release_freed_memory",
-           "deterministic_kernels"]
+           "deterministic_kernels", "tf32_kernels", "TF32_MODES"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -177,6 +177,26 @@ def deterministic_kernels(on: bool) -> None:
     torch.backends.cudnn.deterministic = bool(on)
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(bool(on), warn_only=True)
+
+
+#: the run option ``tf32``: what each value lets run in TensorFloat-32 on CUDA (Ampere and later)
+TF32_MODES = {"torch": "cuDNN convolutions (PyTorch's defaults; fp32 matmuls)",
+              "off": "nothing (fp32 matmuls and convolutions)",
+              "on": "matmuls and cuDNN convolutions (SpeechBrain's allow_tf32 quirk)"}
+
+
+def tf32_kernels(mode: str = "torch") -> str:
+    """Process-wide TF32 use on CUDA (the run option ``tf32``); returns the line logged with a run.
+
+    Importing ``speechbrain`` turns TF32 on for matmuls and cuDNN convolutions (its
+    ``allow_tf32`` quirk), so without this a run's "fp32" matmuls ran in TF32 (10-bit mantissa)
+    while a script that never imports speechbrain (the official code, ``tools/bench_speed.py``)
+    ran them in fp32. ``torch`` (the run block's default) restores PyTorch's defaults: fp32
+    matmuls, TF32 cuDNN convolutions, as the official code runs; ``off``: no TF32 at all;
+    ``on``: SpeechBrain's setting. No effect on CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = mode == "on"
+    torch.backends.cudnn.allow_tf32 = mode != "off"
+    return f"{mode} (TF32: {TF32_MODES[mode]})"
 
 
 @contextmanager

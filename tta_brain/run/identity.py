@@ -28,10 +28,12 @@ LOCATION_KEYS = ("output_folder", "stream_csv", "data_root", "ckpt_every")
 #: Keys that only name a run in reports (the grid names a run with options by its folder tag):
 #: not part of what it computes, ignored in fingerprints old and new.
 LABEL_KEYS = ("method_tag", "stream_name")
-#: Keys added to the packaged yamls after runs were fingerprinted without them, with the default
-#: that computes what those runs computed: a fingerprint without the key matches that value (a
-#: folder decoded before the key existed is resumed or skipped, not refused as different).
-ADDED_KEYS = {"cuda_graph_buckets": 0.0}
+#: Keys added to the packaged yamls after runs were fingerprinted without them, with the value
+#: that computes what those runs computed (by the run's device type where that differs): a
+#: fingerprint without the key matches that value (a folder decoded before the key existed is
+#: resumed or skipped, not refused as different). ``tf32``: runs on CUDA ran with SpeechBrain's
+#: TF32 matmuls ("on"); on CPU it has no effect.
+ADDED_KEYS = {"cuda_graph_buckets": 0.0, "tf32": {"cpu": "torch", "cuda": "on"}}
 #: Keys whose value is an input file, fingerprinted by its content (the source model is by
 #: ``source_identity``).
 CONTENT_KEYS = ("source_stats",)
@@ -77,6 +79,8 @@ def differences(old: Optional[Dict], new: Dict) -> List[str]:
     a, b = ({k: v for k, v in _flat(fp).items() if k not in labels} for fp in (old, new))
     for key, default in ADDED_KEYS.items():
         if f"hparams.{key}" not in a and "hparams.seed" in a:     # an older run's fingerprint
+            if isinstance(default, dict):
+                default = default.get(str(a.get("hparams.device", "cpu")))
             a[f"hparams.{key}"] = default
     return [f"{k}: {a.get(k, '(unset)')!r} != {b.get(k, '(unset)')!r}"
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
