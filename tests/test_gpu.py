@@ -721,6 +721,12 @@ def test_tf32_means_what_the_run_option_says(tmp_path, tiny_model_dir):
         assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
         with pytest.raises(SystemExit, match="tf32"):
             decode.main(argv + [f"--output_folder={tmp_path / 'c'}", "--tf32=maybe"])
+        from tta_brain.stream import TTAStream           # the Python API applies it too
+        torch.backends.cuda.matmul.allow_tf32 = True
+        TTAStream.from_hparams("suta", source=tiny_model_dir)
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"tf32": "on"})
+        assert torch.backends.cuda.matmul.allow_tf32 is True
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
 

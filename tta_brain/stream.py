@@ -18,7 +18,7 @@ import torch
 
 from tta_brain import hparams as hp_files
 from tta_brain.methods.base import TTAMethod, UttInfo
-from tta_brain.lobes.runtime import bound_kernel_caches
+from tta_brain.lobes.runtime import bound_kernel_caches, deterministic_kernels, tf32_kernels
 
 
 class TTAStream:
@@ -36,13 +36,20 @@ class TTAStream:
     def from_hparams(cls, hparams: str = "dsuta", source: Optional[str] = None,
                      overrides: Optional[Dict] = None, device: str = "cpu") -> "TTAStream":
         """Build from a method yaml: a packaged method name (``tta_brain/hparams``) or a path.
+        The run block's process-wide CUDA settings (``deterministic``, ``tf32``) are applied as
+        ``tta_brain.decode`` applies them.
 
         Raises :class:`tta_brain.hparams.HparamsError` (one line naming the file and key)."""
         ov = {"stream_csv": "", "output_folder": "", "device": device}
         if source is not None:
             ov["source"] = str(source)
         ov.update(overrides or {})
+        if str(ov["device"]).startswith("cuda"):
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts
         hp = hp_files.load(hparams, ov)
+        if str(ov["device"]).startswith("cuda"):
+            deterministic_kernels(bool(hp.get("deterministic", True)))
+        tf32_kernels(hp.get("tf32", "torch"))     # the yaml's speechbrain import had set TF32 on
         return cls(hp["method"], sample_rate=16000)
 
     def transcribe(self, waveform: Union[torch.Tensor, np.ndarray], sample_rate: Optional[int] = None,
