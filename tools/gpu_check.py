@@ -4,13 +4,14 @@ against the eager steps, per-utterance fixed cost, deterministic kernels, memory
 stream.
 
 Everything in one run on one CUDA device. "default" is what a run gets without options
-(``cuda_graphs: auto``: suta, csuta, dsuta and tent captured in fp32); "eager" is ``cuda_graphs: off``
-(the host step: finiteness read on the host, ``foreach`` AdamW); "device eager" is the device-side
-steps without capture (``cuda_graphs: off, cuda_device_steps: true``), the exact reference of the
-captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
+(``cuda_graphs: auto``: suta, csuta, dsuta and tent captured in fp32); "eager" is
+``cuda_graphs: off`` (the host step: finiteness read on the host, ``foreach`` AdamW); "device
+eager" is the device-side steps without capture (``cuda_graphs: off, cuda_device_steps: true``),
+the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_check.txt`` /
+``.json``:
 
 1. ``transcripts``: captured vs device eager on a tiny random wav2vec2 (the tests' model) for 20
-   utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset), graph
+   utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset, tent), graph
    cache 1 and 4, ``cuda_graph_warmup: 0``, and length buckets (0.25, cache 4: padded passes,
    equal to rounding): same transcripts? largest parameter difference; captures, hits, replays.
 2. ``step``: one SUTA step on a 3 s utterance of a random wav2vec2-base-sized model, fp32, LayerNorm
@@ -36,8 +37,9 @@ captured steps. Results go to stdout and ``<out>/gpu_check.txt`` / ``.json``:
    ``--official_dir``, default ``.official/Dynamic-SUTA``; not shipped, never imported elsewhere)
    and ``decode`` side by side in this process: SUTA and DSUTA + dynamic reset on the same random
    base-sized model and utterances at ``--seconds`` and ``--long_seconds``, s per audio s and the
-   speed-up; ours also on length buckets (``BUCKETS``; the second of two decodes of the stream). Without the checkout: ours only. The smoke test runs the official code on CPU
-   (its ``.cuda()`` made a no-op).
+   speed-up; ours also on length buckets (``BUCKETS``; the second of two decodes of the
+   stream). Without the checkout: ours only. The smoke test runs the official code on CPU (its
+   ``.cuda()`` made a no-op).
 9. ``field``: ``bench_speed`` over the field's methods (tent, eata, sar, cotta, cea, lame, t3a,
    foa, ebats, with source and suta) on the base-sized model, and ``--population``: E-BATS and
    FOA with the CMA-ES population batched vs one candidate at a time vs the reference's loop.
@@ -52,9 +54,9 @@ By default a GPU run checks, in this order, transcripts, official, lengths, swee
 deterministic (``--sections`` picks others, in the order given). Each section is skipped
 (and says so) once ``--budget_s`` (default 470 s) would be exceeded, so the whole check stays
 under 8 minutes on one GPU; a failing section is reported and the next runs (``COST``: the seconds
-each took on an H100 on 2026-11-26, plus guesses for what the length buckets added; ``gpu_check.json`` records each section's
-seconds). ``--cpu_smoke`` runs every section on CPU with a tiny model and a few
-utterances (no figures: the script's own test, tests/test_gpu.py).
+each took on an H100 on 2026-11-26, plus guesses for what the length buckets added;
+``gpu_check.json`` records each section's seconds). ``--cpu_smoke`` runs every section on CPU
+with a tiny model and a few utterances (no figures: the script's own test, tests/test_gpu.py).
 
 Recipe for a fresh GPU machine with torch 2.11 + CUDA but none of our other packages and no
 network. Here (with network), put the wheels into ``.whl/``::
@@ -495,8 +497,9 @@ def section_memory(args, rep, work):
     flat = slope == slope and slope < 1.0
     verdict = "no verdict in the smoke test" if args.cpu_smoke else "FLAT" if flat else "GROWS"
     what = "reserved CUDA" if args.device.startswith("cuda") else "RSS (CPU smoke test)"
-    rep.say(f"dsuta {args.memory_runtime}, {n} utterances of distinct lengths ({lo}-{hi} s): (allocated, "
-            f"reserved) MB every {every}: " + ", ".join(f"{k}: {v}" for k, v in marks.items()))
+    rep.say(f"dsuta {args.memory_runtime}, {n} utterances of distinct lengths ({lo}-{hi} s): "
+            f"(allocated, reserved) MB every {every}: "
+            + ", ".join(f"{k}: {v}" for k, v in marks.items()))
     rep.say(f"memory: {what} slope over the last half {slope:+.3f} MB per 100 utterances "
             f"({verdict}); {_stats(m)}")
     rep.data["memory"] = dict(runtime=args.memory_runtime, marks=marks, slope_mb_per_100=slope,

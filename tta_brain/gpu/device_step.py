@@ -252,7 +252,8 @@ class DeviceStep:
         m = self.m
         entry = CapturedStep(key, torch.empty_like(src), features, None, torch.empty_like(samples))
         entry.load(src, samples)
-        frames = src.shape[-1] if features else int(m.lobe.output_lengths(torch.tensor(src.shape[-1])))
+        frames = (src.shape[-1] if features
+                  else int(m.lobe.output_lengths(torch.tensor(src.shape[-1]))))
         # the output lives outside the capture (nothing a capture allocates outlives it)
         entry.out = torch.empty(src.shape[0], frames, m.lobe.vocab_size, device=src.device)
 

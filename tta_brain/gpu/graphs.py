@@ -137,6 +137,7 @@ class CapturedStep:
                  samples: Optional[torch.Tensor] = None):
         self.key, self.static, self.features, self.signature = key, static, features, signature
         self.samples = samples           # length buckets: the valid samples of ``static``
+        self.out = None                  # a captured forward's output (allocated outside it)
         self.graph = None
         self.src = None                  # the utterance tensor last copied into ``static``
 
@@ -156,7 +157,7 @@ class CapturedStep:
     def release(self) -> None:
         if self.graph is not None:
             self.graph.release()
-        self.graph = self.static = self.src = self.samples = None
+        self.graph = self.static = self.src = self.samples = self.out = None
 
 
 # ------------------------------------------------------------------------------ backends

@@ -23,8 +23,9 @@ kept out of everything the valid frames see: the GroupNorm of the first CNN laye
 per-channel normalisation over time) takes its statistics over the valid frames only, the CNN's
 other layers have no padding (a valid frame reads valid samples only), the projected frames past
 the valid length are zeroed before the positional convolution (as the unpadded pass's zero
-padding) and masked as attention keys. :func:`padding_blocker` says where that does not hold (data2vec-audio's
-stacked positional convolutions, HuBERT's ``conv_pos_batch_norm``, adapters, other encoders).
+padding) and masked as attention keys. :func:`padding_blocker` says where that does not hold
+(data2vec-audio's stacked positional convolutions, HuBERT's ``conv_pos_batch_norm``, adapters,
+other encoders).
 Nothing in a padded pass reads a value on the host, so it can be captured in a CUDA graph.
 """
 from typing import List, Optional, Tuple
@@ -120,8 +121,8 @@ class PartialForward:
             h = self.encoder.layer_norm(h)
         return self.encoder.dropout(h)
 
-    def layers(self, h: torch.Tensor, skip: int = 0,
-               attention_mask: Optional[torch.Tensor] = None) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    def layers(self, h: torch.Tensor, skip: int = 0, attention_mask: Optional[torch.Tensor] = None
+               ) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """The transformer layers on ``h [B, F, H]``; the hidden states (each layer's input and
         the last output, the first ``skip`` positions - prompts - dropped) and the last one.
         ``attention_mask``: additive ``[B, 1, F, F]`` (padded passes)."""
