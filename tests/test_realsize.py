@@ -119,3 +119,41 @@ def test_official_collection_on_the_real_size_model(lobe):
     assert sum(sum(g["repeats"]) for g in suta.optimizer.param_groups) == 94
     assert suta.num_adapted == 4_633_856
     suta.reset()
+
+
+def test_padded_pass_on_the_real_size_model(lobe):
+    """The length buckets' padded pass at wav2vec2-base size (512-channel GroupNorm, 12 layers):
+    1.47 s padded to its 25 % bucket (1.58 s, 5 frames more) gives the unpadded logits, SUTA loss
+    and gradients (LayerNorm + CNN) to rounding."""
+    import torch.nn.functional as F
+    from tta_brain.gpu.graphs import bucket_length
+    from tta_brain.methods import losses
+    g = torch.Generator().manual_seed(0)
+    t = torch.arange(23456) / 16000
+    wav = (0.3 * torch.sin(2 * torch.pi * 180 * t) * (1 + torch.sin(2 * torch.pi * 3 * t))
+           + 0.05 * torch.randn(23456, generator=g))
+    x = lobe.prepare(wav)
+    n = x.shape[-1]
+    padded = F.pad(x, (0, bucket_length(n, 0.25, lobe.frame_stride, 16000) - n))
+    assert padded.shape[-1] > n
+    params = [p for name, p in lobe.model.named_parameters()
+              if "layer_norm" in name or "feature_extractor" in name or "feature_projection" in name]
+    lobe.model.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        ref = lobe.logits(x)
+        loss_ref = losses.suta_loss(ref).mean()
+        g_ref = torch.autograd.grad(loss_ref, params)
+        logits, frames = lobe.padded_logits(padded, torch.tensor([n]))
+        loss = losses.suta_loss(logits, frames).mean()
+        g_pad = torch.autograd.grad(loss, params)
+    finally:
+        lobe.model.requires_grad_(False)
+    T = ref.shape[1]
+    assert int(frames) == T and logits.shape[1] > T
+    assert (logits[:, :T] - ref).abs().max() < 2e-5
+    assert torch.equal(logits[:, :T].argmax(-1), ref.argmax(-1))
+    assert abs(float(loss) - float(loss_ref)) < 1e-5
+    for a, b in zip(g_ref, g_pad):
+        assert (a - b).norm() <= 1e-4 * a.norm() + 1e-12
