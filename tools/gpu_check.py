@@ -202,8 +202,38 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+class _ReplayBackend:
+    """CPU smoke test only: a stand-in for the CUDA graph backend. "Capture" keeps the step's
+    body without running it and "replay" runs it, so the device step's bookkeeping (warm-up,
+    captures, cache, length buckets, forward graphs) runs on CPU tensors as on a GPU."""
+
+    class Graph:
+        def __init__(self, body):
+            self.body, self._pool = body, object()
+
+        def replay(self):
+            self.body()
+
+        def pool(self):
+            return self._pool
+
+        def release(self):
+            self.body = None
+
+    def side(self):
+        from contextlib import nullcontext
+        return nullcontext()
+
+    def capture(self, body, pool=None):
+        return self.Graph(body)
+
+
 def _method(name, model_dir, device, runtime, cache=1, **kw):
-    """Method ``name`` (a token: ``dsuta+dynamic``) on a fresh lobe with ``runtime`` options."""
+    """Method ``name`` (a token: ``dsuta+dynamic``) on a fresh lobe with ``runtime`` options. On
+    CPU (the smoke test) the device step runs on CPU tensors with :class:`_ReplayBackend`."""
+    from functools import partial
+
+    from tta_brain.gpu import make_step
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.lobes.runtime import Runtime
     from tta_brain.methods import build_method
@@ -213,6 +243,8 @@ def _method(name, model_dir, device, runtime, cache=1, **kw):
     if reset:
         kw["reset_policy"] = make_reset_policy(reset, K=kw.pop("reset_K", 10))
     kw.pop("reset_K", None)
+    if not str(device).startswith("cuda"):
+        kw["make_step"] = partial(make_step, backend=_ReplayBackend(), device_on_cpu=True)
     return build_method(base, model=lobe, **kw)
 
 
