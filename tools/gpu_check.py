@@ -587,8 +587,8 @@ def _official_run(args, cls_name, module, strategy_files, extra, model, wavs):
     try:
         os.chdir(od)
         with (_NoCuda() if args.cpu_smoke else contextlib.nullcontext()), \
-                contextlib.redirect_stdout(open(os.devnull, "w")), \
-                contextlib.redirect_stderr(open(os.devnull, "w")):
+                open(os.devnull, "w") as null, contextlib.redirect_stdout(null), \
+                contextlib.redirect_stderr(null):
             strat = getattr(mod, cls_name)({"system_config": system, "strategy_config": strategy})
             if not args.cpu_smoke:                         # warm-up on its own copy
                 strat.run(ds[:2])
