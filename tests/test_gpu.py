@@ -380,6 +380,17 @@ def test_buckets_only_where_the_padded_pass_is_exact(tmp_path, utterances, caplo
     run(m, stream(utterances, 2))
 
 
+def test_buckets_with_a_one_graph_cache_say_so(tiny_model_dir, caplog):
+    with caplog.at_level(logging.WARNING):
+        m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1})
+    assert m.step.buckets == 0.1 and "set cuda_graph_cache" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1,
+                                                        "cuda_graph_cache": 32})
+    assert "cuda_graph_cache" not in caplog.text
+
+
 def test_cached_graph_is_dropped_when_the_state_is_replaced(tiny_model_dir, utterances):
     """load_state_dict replaces the optimiser state tensors: the captured steps are dropped (the
     signature check), captured again, and the results stay those of the eager device path."""

@@ -106,6 +106,11 @@ def make_step(m, backend=None, device_on_cpu: bool = False):
     if buckets and (why := bucket_blocker(m)):
         logger.warning("%s: no length buckets (%s); every new length is captured", m.name, why)
         buckets = 0.0
+    if buckets and rt.cuda_graph_cache < 4:
+        logger.warning("%s: length buckets with cuda_graph_cache %d keep the graphs of %s bucket: "
+                       "a stream that moves between buckets captures again and again (set "
+                       "cuda_graph_cache to about the number of buckets it visits, e.g. 32)",
+                       m.name, rt.cuda_graph_cache, "one" if rt.cuda_graph_cache == 1 else "few")
     logger.info("%s: adaptation steps on %s with the device-side check and fused %s%s",
                 m.name, device, type(m.optimizer).__name__,
                 (", captured as CUDA graphs" if no_graph is None else "")

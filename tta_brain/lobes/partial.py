@@ -197,8 +197,8 @@ class PartialForward:
         if not self.stable:
             h = self.encoder.layer_norm(h)
         h = self.encoder.dropout(h)
-        F = h.shape[1]
+        n = h.shape[1]
         keys = torch.zeros(valid.shape, dtype=h.dtype, device=h.device)
         keys = keys.masked_fill(~valid, torch.finfo(h.dtype).min)
-        _, last = self.layers(h, attention_mask=keys[:, None, None, :].expand(-1, 1, F, F))
+        _, last = self.layers(h, attention_mask=keys[:, None, None, :].expand(-1, 1, n, n))
         return self.head(last), frames
