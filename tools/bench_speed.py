@@ -85,8 +85,7 @@ if ROOT not in sys.path:
 from tta_brain.methods import losses  # noqa: E402
 from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
-from tta_brain.lobes.runtime import (Runtime, deterministic_kernels,  # noqa: E402
-                                     tf32_kernels)
+from tta_brain.lobes.runtime import Runtime, process_settings  # noqa: E402
 from tta_brain.lobes.testing import BASE_960H, TINY, save_random_ctc_model  # noqa: E402
 from tta_brain.methods.params import select_parameters  # noqa: E402
 from tta_brain.methods.resets import make_reset_policy  # noqa: E402
@@ -456,10 +455,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    if device.type == "cuda":            # the kernels a decode with the same options runs
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        deterministic_kernels(args.deterministic == "true")
-    tf32_kernels(args.tf32)
+    process_settings(device, args.deterministic == "true", args.tf32)   # as decode's run options
     tmp = None
     model_dir = args.model
     if model_dir is None:

@@ -758,12 +758,11 @@ def main(argv=None):
     if why:
         print(f"gpu_check: {why}", file=sys.stderr)
         return 2
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
-    from tta_brain.lobes.runtime import deterministic_kernels, tf32_kernels
-    deterministic_kernels(True)                    # decode's default (--deterministic)
-    tf32 = tf32_kernels("torch")                   # decode's default (--tf32; the preflight's
-    #                                                speechbrain import had turned TF32 matmuls on)
+    from tta_brain.lobes.runtime import process_settings
+    # decode's defaults (--deterministic, --tf32; the preflight's speechbrain import had turned
+    # TF32 matmuls on)
+    kernels = process_settings(args.device, True, "torch")
     name = ("CPU smoke test (no figures)" if args.cpu_smoke
             else torch.cuda.get_device_name(args.device))
     os.makedirs(args.out, exist_ok=True)
@@ -775,7 +774,7 @@ def main(argv=None):
             f"CUDA {torch.version.cuda}; sections {', '.join(args.sections)}; budget "
             f"{args.budget_s:.0f} s")
     rep.say("All figures below are from this run; nothing here is the earlier H200 measurement "
-            f"unless labelled so. Kernels: deterministic, tf32 {tf32}, as decode's defaults.")
+            f"unless labelled so. Kernels as decode's defaults: deterministic {kernels}.")
     rep.data["device"] = name
     status = {}
     for name in args.sections:

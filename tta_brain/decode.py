@@ -40,8 +40,7 @@ from tta_brain.run.envinfo import describe_device, versions
 from tta_brain.run.folder import clear_run
 from tta_brain.run.records import CSV_FILES, RecordError
 from tta_brain.run.summary import read_summary
-from tta_brain.lobes.runtime import (KERNEL_CACHE_VARIABLES, bound_kernel_caches,
-                                     deterministic_kernels, tf32_kernels)
+from tta_brain.lobes.runtime import KERNEL_CACHE_VARIABLES, bound_kernel_caches, process_settings
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +50,6 @@ def _fail(message):
     if os.environ.get("TTA_DEBUG") and sys.exc_info()[1] is not None:
         raise
     raise SystemExit(f"ERROR: {message}")
-
-
-def _determinism(device, on, tf32="torch") -> str:
-    """The run options ``deterministic`` and ``tf32`` (CUDA kernels; CPU kernels are
-    deterministic and fp32 already); the line logged with the run."""
-    if device is not None and str(device).startswith("cuda"):
-        deterministic_kernels(bool(on))
-        return (("true" if on else "false (PyTorch's default kernels)")
-                + f"; tf32: {tf32_kernels(tf32)}")
-    tf32_kernels(tf32)          # process-wide; undoes speechbrain's import-time setting
-    return f"{'true' if on else 'false'}; tf32: {tf32} (no effect on {device})"
 
 
 def _log_run(out, argv, seed, device, deterministic):
@@ -198,10 +186,10 @@ def prepare(p: Plan) -> str:
         return status
     if status == "differs" and not p.args.overwrite:
         _refuse(p.out, diffs)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS reads it at start-up
     bound_kernel_caches()                                          # before the first forward
-    p.determinism = _determinism(p.resolved.get("device"), p.resolved.get("deterministic", True),
-                                 p.resolved.get("tf32", "torch"))
+    p.determinism = process_settings(p.resolved.get("device"),
+                                     p.resolved.get("deterministic", True),
+                                     p.resolved.get("tf32", "torch"))
     return status
 
 

@@ -18,7 +18,7 @@ import torch
 
 from tta_brain import hparams as hp_files
 from tta_brain.methods.base import TTAMethod, UttInfo
-from tta_brain.lobes.runtime import bound_kernel_caches, deterministic_kernels, tf32_kernels
+from tta_brain.lobes.runtime import bound_kernel_caches, process_settings
 
 
 class TTAStream:
@@ -44,12 +44,8 @@ class TTAStream:
         if source is not None:
             ov["source"] = str(source)
         ov.update(overrides or {})
-        if str(ov["device"]).startswith("cuda"):
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts
         hp = hp_files.load(hparams, ov)
-        if str(ov["device"]).startswith("cuda"):
-            deterministic_kernels(bool(hp.get("deterministic", True)))
-        tf32_kernels(hp.get("tf32", "torch"))     # the yaml's speechbrain import had set TF32 on
+        process_settings(ov["device"], hp.get("deterministic", True), hp.get("tf32", "torch"))
         return cls(hp["method"], sample_rate=16000)
 
     def transcribe(self, waveform: Union[torch.Tensor, np.ndarray], sample_rate: Optional[int] = None,

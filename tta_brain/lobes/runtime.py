@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import torch
 
 __all__ = ["Runtime", "FeatureCache", "PRECISIONS", "native_cpu_kernels", "release_freed_memory",
-           "deterministic_kernels", "tf32_kernels", "TF32_MODES"]
+           "deterministic_kernels", "tf32_kernels", "TF32_MODES", "process_settings"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -197,6 +197,21 @@ def tf32_kernels(mode: str = "torch") -> str:
     torch.backends.cuda.matmul.allow_tf32 = mode == "on"
     torch.backends.cudnn.allow_tf32 = mode != "off"
     return f"{mode} (TF32: {TF32_MODES[mode]})"
+
+
+def process_settings(device, deterministic: bool = True, tf32: str = "torch") -> str:
+    """The run block's process-wide settings for a run on ``device`` (``tta_brain.decode`` and
+    ``TTAStream.from_hparams`` call it before the first pass): on CUDA the cuBLAS workspace
+    variable (read when cuBLAS starts) and :func:`deterministic_kernels`; everywhere
+    :func:`tf32_kernels` (loading a yaml imports speechbrain, which turned TF32 on). Returns the
+    line logged with the run."""
+    if device is not None and str(device).startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        deterministic_kernels(bool(deterministic))
+        return (("true" if deterministic else "false (PyTorch's default kernels)")
+                + f"; tf32: {tf32_kernels(tf32)}")
+    tf32_kernels(tf32)
+    return f"{'true' if deterministic else 'false'}; tf32: {tf32} (no effect on {device})"
 
 
 @contextmanager
