@@ -338,13 +338,14 @@ class HostReads:
 
 
 @pytest.mark.parametrize("buckets", [0.0, 0.25])
-@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic"])
+@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic", "eata"])
 def test_replays_read_nothing_on_the_host(tiny_model_dir, utterances, name, buckets):
     """What a CUDA step would synchronise on is visible on CPU as the operators that read a
     value on the host: none inside a replayed step (the padded pass, the SUTA loss with its
     masks, the guarded fused update, DSUTA's slow-gradient hook) nor a replayed forward."""
+    kw = dict(fisher_alpha=0.0, e_margin_factor=1.01) if name == "eata" else {}
     m = build(tiny_model_dir, name, "graph", steps=4, runtime={"cuda_graph_buckets": buckets,
-                                                               "cuda_graph_cache": 4})
+                                                               "cuda_graph_cache": 4}, **kw)
     lengths = [9600, 11200, 10400, 9600] if buckets else [9600] * 4
     run(m, stream(utterances, 4, lengths))                     # warm, captured
     x = m.lobe.prepare(utterances[4][:10400 if buckets else 9600].clone())
@@ -366,6 +367,67 @@ def test_replays_read_nothing_on_the_host(tiny_model_dir, utterances, name, buck
         with HostReads() as control:
             float(m.loss(m.lobe.logits(x)))
     assert control.seen
+
+
+def eata_mix(model_dir, tmp_path):
+    """EATA settings under which the tiny model's stream has kept steps and both kinds of dropped
+    ones (its posteriors are nearly uniform: entropies about 3.4590-3.4605 nats, cosines of the
+    mean posteriors about 0.998-0.9999), with a Fisher term."""
+    from test_field_methods import fisher_file
+    V = HFCTCLobe(model_dir).vocab_size
+    return dict(e_margin_factor=3.4598 / math.log(V), d_margin=0.9994, lr=1e-2, steps=3,
+                fisher_alpha=10.0, source_stats=fisher_file(tmp_path / "fisher.pt", model_dir))
+
+
+@pytest.mark.parametrize("mode", ["device", "graph", "buckets"])
+def test_eata_filter_is_decided_on_the_device(tiny_model_dir, utterances, tmp_path, mode):
+    """EATA's sample filter on the device step (eager, captured, on length buckets): the filter's
+    verdicts live on the device and are read once per utterance with the transcript, a dropped
+    step runs its backward but not its update. Against the host step (which reads the verdict at
+    once): the same transcripts, the same kept and dropped steps with the same recorded reasons,
+    parameters and the filter's EMA to rounding; the one difference is the dropped steps'
+    backwards, counted."""
+    items = stream(utterances, 12, BUCKET_LENGTHS)
+    kw = eata_mix(tiny_model_dir, tmp_path)
+    rt = {"cuda_graph_cache": 4} | ({"cuda_graph_buckets": 0.25} if mode == "buckets" else {})
+    h = build(tiny_model_dir, "eata", "host", **kw)
+    d = build(tiny_model_dir, "eata", "device" if mode == "device" else "graph", runtime=rt, **kw)
+    assert type(h.step) is HostStep and type(d.step) is DeviceStep
+    assert d.step.graphs == (mode != "device") and d.step.buckets == (0.25 if mode == "buckets" else 0)
+    assert run(h, items) == run(d, items)
+    fh = [(e.kind, e.position, e.reason) for e in h.events]
+    fd = [(e.kind, e.position, e.reason) for e in d.events]
+    if mode == "buckets":       # padded sums: the printed entropy may differ in its last digit
+        fh, fd = ([(k, p, r.split(":")[0]) for k, p, r in f] for f in (fh, fd))
+    assert fh == fd
+    assert {r.split(":")[0] for k, _, r in fh if k == "filter"} == {"unreliable", "redundant"}
+    dropped = h.counts["filtered_unreliable"] + h.counts["filtered_redundant"]
+    assert 0 < dropped < h.counts["adapt_forward"]
+    assert h.counts["adapt_backward"] == h.counts["adapt_forward"] - dropped
+    assert d.counts == dict(h.counts, adapt_backward=h.counts["adapt_forward"])
+    assert 0 < max_diff(h.source, h.params) and max_diff(h.params, d.params) < 1e-5
+    assert max_diff([h.model_probs], [d.model_probs]) < 1e-6
+    if mode != "device":
+        assert d.step.stats["replays"] > 0
+    # a reset clears the filter's state on the device too
+    d.reset()
+    assert d.model_probs is None and max_diff(d.source, d.params) == 0
+
+
+def test_step_filter_rows_travel_with_the_transcript():
+    """The filter's rows: one per step, read with the labels and counters in one copy (float64:
+    exact for the labels), the count back to 0 after a read; the host step's read is the same."""
+    flags, f = guard.StepFlags("cpu"), guard.StepFilter("cpu", steps=2, width=2)
+    f.note(torch.tensor(True), torch.tensor([1.0, 3.25]))
+    f.note(torch.tensor(False), torch.tensor([0.0, 0.5]))
+    f.note(torch.tensor(True), torch.tensor([2.0, 7.0]))       # a third: overwrites the last row
+    assert float(f.gate) == 1.0 and int(f.at) == 3
+    labels, counts, rest = flags.fetch(torch.tensor([[2 ** 40 + 1, 0, 5]]), f.packed())
+    assert labels.dtype == torch.int64 and labels.tolist() == [[2 ** 40 + 1, 0, 5]]
+    assert counts == [0, 0, 0]
+    assert f.unpack(rest) == [[1.0, 1.0, 3.25], [1.0, 2.0, 7.0]] and int(f.at) == 0
+    f.note(torch.tensor(False), torch.tensor([0.0, 0.125]))
+    assert f.take() == [[0.0, 0.0, 0.125]] and f.take() == []
 
 
 def test_buckets_only_where_the_padded_pass_is_exact(tmp_path, utterances, caplog):
@@ -575,8 +637,8 @@ def test_step_flags_count_and_fetch_once():
     f.found.fill_(0.0)
     f.note_step(hooked=False)
     f.pending = True
-    labels, counts = f.fetch(torch.tensor([[3, 0, 5]]))
-    assert labels.tolist() == [[3, 0, 5]] and counts == [2, 1, 1]
+    labels, counts, extra = f.fetch(torch.tensor([[3, 0, 5]]))
+    assert labels.tolist() == [[3, 0, 5]] and counts == [2, 1, 1] and extra is None
     assert not f.pending and f.acct.abs().sum() == 0 and float(f.loss) == 2.0
     assert f.fetch()[1] == [0, 0, 0]
 
@@ -852,12 +914,33 @@ def test_cuda_length_buckets_give_the_unbucketed_transcripts(tiny_model_dir, utt
 
 
 @cuda
+@pytest.mark.parametrize("buckets", [0.0, 0.25])
+def test_cuda_eata_filter_on_the_captured_step(tiny_model_dir, utterances, tmp_path, buckets,
+                                               cuda_determinism):
+    """EATA on CUDA: its captured step (its filter decided on the device) against its host step:
+    the same transcripts and the same kept and dropped steps."""
+    items = stream(utterances, 12, BUCKET_LENGTHS)
+    kw = eata_mix(tiny_model_dir, tmp_path)
+    h = build(tiny_model_dir, "eata", "host", device="cuda", **kw)
+    g = build(tiny_model_dir, "eata", "graph", device="cuda",
+              runtime={"cuda_graph_cache": 4, "cuda_graph_buckets": buckets}, **kw)
+    assert type(h.step) is HostStep and g.step.graphs
+    assert run(h, items) == run(g, items)
+    assert ([(e.kind, e.position, e.reason.split(":")[0]) for e in h.events]
+            == [(e.kind, e.position, e.reason.split(":")[0]) for e in g.events])
+    assert h.counts["filtered_unreliable"] and h.counts["filtered_redundant"]
+    assert max_diff(h.params, g.params) < 1e-5 and g.step.stats["replays"] > 0
+
+
+@cuda
+@pytest.mark.parametrize("name", ["suta", "eata"])
 @pytest.mark.parametrize("graphs_on,buckets", [(False, 0.0), (True, 0.0), (True, 0.25)])
-def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on, buckets):
+def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on, buckets, name):
     """No host synchronisation inside a step (eager device steps and replays, on length buckets
-    too): the sync debug mode raises on one."""
-    m = build(tiny_model_dir, "suta", "graph" if graphs_on else "device", device="cuda", steps=6,
-              runtime={"cuda_graph_buckets": buckets})
+    too; EATA's filter included): the sync debug mode raises on one."""
+    kw = dict(fisher_alpha=0.0, e_margin_factor=1.01) if name == "eata" else {}
+    m = build(tiny_model_dir, name, "graph" if graphs_on else "device", device="cuda", steps=6,
+              runtime={"cuda_graph_buckets": buckets}, **kw)
     run(m, stream(utterances, 2))                      # first-time set-up outside the check
     x = m.lobe.prepare(utterances[3])
     torch.cuda.synchronize()

@@ -4,14 +4,15 @@ against the eager steps, per-utterance fixed cost, deterministic kernels, memory
 stream.
 
 Everything in one run on one CUDA device. "default" is what a run gets without options
-(``cuda_graphs: auto``: suta, csuta, dsuta and tent captured in fp32); "eager" is
+(``cuda_graphs: auto``: suta, csuta, dsuta, tent and eata captured in fp32); "eager" is
 ``cuda_graphs: off`` (the host step: finiteness read on the host, ``foreach`` AdamW); "device
 eager" is the device-side steps without capture (``cuda_graphs: off, cuda_device_steps: true``),
 the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_check.txt`` /
 ``.json``:
 
 1. ``transcripts``: captured vs device eager on a tiny random wav2vec2 (the tests' model) for 20
-   utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset, tent), graph
+   utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset, tent,
+   eata: its sample filter decided on the device), graph
    cache 1 and 4, ``cuda_graph_warmup: 0``, and length buckets (0.25, cache 4: padded passes,
    equal to rounding): same transcripts? largest parameter difference; captures, hits, replays.
 2. ``step``: one SUTA step on a 3 s utterance of a random wav2vec2-base-sized model, fp32, LayerNorm
@@ -99,7 +100,7 @@ COST = {"transcripts": 20, "step": 30, "lengths": 70, "deterministic": 25, "memo
 #: (measured then), ``step``, ``bench`` and ``decode`` on request (``--sections``; ``official``
 #: times decode against the method loop on the same utterances)
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
-GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent")
+GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent", "eata")
 #: the length buckets measured (Runtime.cuda_graph_buckets; off by default until measured): at
 #: most 10 % padding, room for the 39 buckets of 1-35 s
 BUCKETS, BUCKET_CACHE = {"cuda_graph_buckets": 0.1}, 32
@@ -318,6 +319,8 @@ def section_transcripts(args, rep, work):
         kw = dict(lr=1e-3, steps=3 if name == "csuta" else 4)   # csuta: N=1 would never capture
         if name.startswith("dsuta"):
             kw.update(buffer_size=3, reset_K=6)
+        if name == "eata":      # no Fisher file; the tiny model is nearly uniform: a margin of
+            kw.update(fisher_alpha=0.0, e_margin_factor=1.0, d_margin=0.9995)  # ln V, a tight cos
         a = _method(name, tiny, args.device, DEVICE_EAGER, **dict(kw))
         ha, _ = _process_all(a, wavs, args.device)
         for cache, warmup, buckets in ((1, 1, 0.0), (4, 1, 0.0), (1, 0, 0.0), (4, 1, 0.25)):

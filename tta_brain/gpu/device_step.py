@@ -183,10 +183,20 @@ class DeviceStep:
             m.counts["adapt_backward"] += 1
             return loss.detach()
 
+    @property
+    def filter(self):
+        """The method's filter of its own steps (``guard.StepFilter``; EATA), or None."""
+        return getattr(self.m, "step_filter", None)
+
     def _update(self, loss, optimizer, after_backward=None) -> None:
-        """Guarded backward, the hook, the fused update: device work only (captured as is)."""
-        m, f = self.m, self.flags
-        f.note_loss(loss)
+        """Guarded backward, the hook, the fused update: device work only (captured as is). A step
+        the method's filter dropped (its loss set the gate) is skipped as a non-finite one is,
+        without being counted as one."""
+        m, f, gate = self.m, self.flags, self.filter
+        keep = None if gate is None else 1.0 - gate.gate
+        if gate is not None and after_backward is not None:
+            raise ValueError(f"{m.name}: a step filter and an after_backward hook in one step")
+        f.note_loss(loss, keep)
         grads = m.runtime.backward_guarded(loss, m.params, self.device, f.found, f.inv_scale)
         if after_backward is not None:
             if grads:                         # a skipped step hands the hook zero gradients
@@ -194,7 +204,9 @@ class DeviceStep:
                 for g in grads:
                     g.masked_fill_(bad, 0.0)
             after_backward()
-        f.note_step(after_backward is not None)
+        f.note_step(after_backward is not None, keep)
+        if gate is not None:
+            torch.maximum(f.found, gate.gate, out=f.found)
         guarded_update(optimizer, f.found)
 
     def _convert(self, name, opt) -> None:
@@ -211,10 +223,15 @@ class DeviceStep:
         if not self.flags.pending:
             self.skipped_hooks = 0
             return m.lobe.decode(logits)[0]
-        labels, counts = self.flags.fetch(logits.argmax(-1))
+        gate = self.filter
+        labels, counts, rows = self.flags.fetch(logits.argmax(-1),
+                                                None if gate is None else gate.packed())
         reasons, self.skipped_hooks = skipped(counts)
         for why in reasons:
             m.record_skip(why, clear_grads=False)
+        for row in gate.unpack(rows) if gate is not None else ():
+            if row[0]:
+                m.filtered(row[1:])
         return m.lobe.decode_labels(labels)[0]
 
     # ------------------------------------------------------------------ no-grad forwards
@@ -289,6 +306,8 @@ class DeviceStep:
                 sig += [(k, st[k].data_ptr() if torch.is_tensor(st[k]) else st[k])
                         for k in sorted(st)]
         sig += [t.data_ptr() for t in self.flags.tensors()]
+        if self.filter is not None:
+            sig += [t.data_ptr() for t in self.filter.tensors()]
         if hook is not None:
             sig += [t.data_ptr() for t in hook.tensors()]
         return tuple(sig)

@@ -16,8 +16,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["StepFlags", "DeviceHook", "device_optimizer_blocker", "to_device_optimizer",
-           "is_device_optimizer", "guarded_update", "skipped"]
+__all__ = ["StepFlags", "StepFilter", "DeviceHook", "device_optimizer_blocker",
+           "to_device_optimizer", "is_device_optimizer", "guarded_update", "skipped"]
 
 #: Slots of the per-utterance counters on the device.
 SKIPPED, LOSS_NONFINITE, HOOKED = 0, 1, 2
@@ -114,29 +114,82 @@ class StepFlags:
     def tensors(self) -> List[torch.Tensor]:
         return [self.found, self.acct, self.loss, self.inv_scale]
 
-    def note_loss(self, loss: torch.Tensor) -> None:
+    def note_loss(self, loss: torch.Tensor, keep: Optional[torch.Tensor] = None) -> None:
+        """``keep``: 0.0 when the method's filter drops this step (``StepFilter``), which the
+        host step would not have checked for finiteness, so it is not counted as non-finite."""
         loss = loss.detach()
         self.loss.copy_(loss)
-        self.acct[LOSS_NONFINITE].add_(torch.logical_not(torch.isfinite(loss)))
+        bad = torch.logical_not(torch.isfinite(loss))
+        self.acct[LOSS_NONFINITE].add_(bad if keep is None else bad * keep)
 
-    def note_step(self, hooked: bool) -> None:
-        self.acct[SKIPPED].add_(self.found)
+    def note_step(self, hooked: bool, keep: Optional[torch.Tensor] = None) -> None:
+        found = self.found if keep is None else self.found * keep
+        self.acct[SKIPPED].add_(found)
         if hooked:
-            self.acct[HOOKED].add_(self.found)
+            self.acct[HOOKED].add_(found)
 
-    def fetch(self, labels: Optional[torch.Tensor] = None):
-        """(labels on the host or None, [skipped, non-finite loss, hooked]) with ONE device-to-host
-        copy; the counters are zeroed (asynchronously) for the next utterance."""
-        acct = self.acct.to(torch.int64)
-        if labels is None:
-            counts, host = acct.cpu().tolist(), None
-        else:
-            packed = torch.cat([labels.reshape(-1).to(torch.int64), acct]).cpu()
-            n = labels.numel()
-            host, counts = packed[:n].view(labels.shape), packed[n:].tolist()
+    def fetch(self, labels: Optional[torch.Tensor] = None, extra: Optional[torch.Tensor] = None):
+        """(labels on the host or None, [skipped, non-finite loss, hooked], ``extra`` on the host
+        as a list of floats or None) with ONE device-to-host copy; the counters are zeroed
+        (asynchronously) for the next utterance. ``extra`` (a method's filter rows) travels as
+        float64 in the same copy, the labels and counters with it (exact: small integers)."""
+        parts = [] if labels is None else [labels.reshape(-1)]
+        parts.append(self.acct)
+        if extra is not None:
+            parts.append(extra.reshape(-1))
+        dtype = torch.int64 if extra is None else torch.float64
+        packed = torch.cat([t.to(dtype) for t in parts]).cpu()
+        n = 0 if labels is None else labels.numel()
+        host = None if labels is None else packed[:n].view(labels.shape).to(torch.int64)
+        counts = packed[n:n + len(self.acct)].to(torch.int64).tolist()
+        rest = None if extra is None else packed[n + len(self.acct):].tolist()
         self.acct.zero_()
         self.pending = False
-        return host, counts
+        return host, counts, rest
+
+
+class StepFilter:
+    """A method's filter of its own steps, decided on the device (EATA's sample filter): the
+    method's loss calls :meth:`note` once per step with ``drop`` (a 0-d bool tensor: this step
+    must not update) and ``values`` (floats that say why, for the record). Nothing is read on the
+    host there, so the step can be captured.
+
+    The host step reads the row at once (:meth:`take`) and skips the backward of a dropped step;
+    the device step runs the backward, skips the update as it skips a non-finite one (``gate``
+    merged into ``found_inf``), and reads the utterance's rows once, with the transcript
+    (:meth:`packed` in :meth:`StepFlags.fetch`). Rows: ``[drop, *values]``, one per step,
+    at most ``steps`` an utterance (``at``, on the device, counts them).
+    """
+
+    def __init__(self, device, steps: int, width: int):
+        f32 = dict(dtype=torch.float32, device=device)
+        self.gate = torch.zeros((), **f32)
+        self.rows = torch.zeros(max(1, int(steps)), 1 + int(width), **f32)
+        self.at = torch.zeros((), dtype=torch.int64, device=device)
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [self.gate, self.rows, self.at]
+
+    def note(self, drop: torch.Tensor, values: torch.Tensor) -> None:
+        self.gate.copy_(drop)
+        row = torch.cat([drop.reshape(1).to(self.rows.dtype), values.reshape(-1).to(self.rows.dtype)])
+        at = self.at.clamp(max=len(self.rows) - 1).reshape(1)
+        self.rows.index_copy_(0, at, row[None])
+        self.at.add_(1)
+
+    def packed(self) -> torch.Tensor:
+        """The count and the rows, one flat tensor for the transcript's copy."""
+        return torch.cat([self.at.reshape(1).to(self.rows.dtype), self.rows.reshape(-1)])
+
+    def unpack(self, values: List[float]) -> List[List[float]]:
+        """The rows noted since the last read (from :meth:`packed` on the host); starts again."""
+        self.at.zero_()
+        n, w = min(int(values[0]), len(self.rows)), self.rows.shape[1]
+        return [values[1 + i * w: 1 + (i + 1) * w] for i in range(n)]
+
+    def take(self) -> List[List[float]]:
+        """The host step's read: the rows noted since the last read (one host read)."""
+        return self.unpack(self.packed().tolist())
 
 
 

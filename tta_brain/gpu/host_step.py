@@ -3,6 +3,8 @@
 This is the step of every method on CPU, and on CUDA of the methods (or settings) the device step
 does not cover (``tta_brain.gpu.make_step``). A non-finite loss skips the backward, a non-finite
 gradient the update; the method records the skip (``record_skip``: counted, logged, an event).
+A step the method's own filter drops (``guard.StepFilter``, EATA) skips both, recorded by the
+method (``filtered``).
 """
 import math
 from typing import List
@@ -45,6 +47,12 @@ class HostStep:
     def __call__(self, x: torch.Tensor, optimizer, loss_fn=None, after_backward=None) -> float:
         m = self.m
         loss = step_loss(m, x, optimizer, loss_fn)
+        gate = getattr(m, "step_filter", None)
+        if gate is not None:                        # the method's filter (EATA): read at once
+            rows = gate.take()
+            if rows and rows[-1][0]:
+                m.filtered(rows[-1][1:])
+                return float("nan")
         value = float(loss.detach())               # the one host sync before the backward
         if not math.isfinite(value):
             return m.record_skip(f"non-finite loss {value}")

@@ -83,6 +83,7 @@ class TTAMethod:
                        "aux_forward": 0, "skipped_steps": 0}
         self.events: List[Event] = []
         self.t = 0                                   # utterances processed
+        self.info = UttInfo()                        # the utterance being processed
         self.adapt_params = list(adapt_params or ())
         self.selected = select_parameters(self.net, adapt_params) if adapt_params else []
         self.param_names = [n for n, _, _ in self.selected]
@@ -160,6 +161,15 @@ class TTAMethod:
         """
         return self.step(x, optimizer or self.optimizer, loss_fn, after_backward)
 
+    #: the method's filter of its own steps, decided on the device (``tta_brain.gpu.guard.
+    #: StepFilter``: EATA's sample filter), or None; a dropped step is handed to :meth:`filtered`
+    step_filter = None
+
+    def filtered(self, values: List[float]) -> None:
+        """A step that ``step_filter`` dropped (``values``: the row its loss noted, on the host),
+        called by the host step at once and by the device step with the transcript."""
+        raise NotImplementedError(f"{self.name} has a step_filter but no filtered()")
+
     def record_skip(self, why: str, clear_grads: bool = True) -> float:
         """A skipped adaptation step: counted, logged, recorded as an event; returns nan."""
         self.counts["skipped_steps"] += 1
@@ -186,7 +196,7 @@ class TTAMethod:
     @torch.enable_grad()
     def process(self, wav: torch.Tensor, info: Optional[UttInfo] = None) -> str:
         """Adapt on one utterance (1-D waveform at 16 kHz) and return its transcript."""
-        info = info or UttInfo(position=self.t)
+        info = self.info = info or UttInfo(position=self.t)
         x = self.lobe.prepare(wav)
         t = self.t + 1
         try:

@@ -8,7 +8,9 @@ vocabulary size; V is the model's vocabulary here). Redundancy: keep x_t only if
 ``|cos(p_bar, m)| < d_margin``, ``p_bar`` the mean posterior vector of x_t and ``m`` an EMA (0.9)
 of those of the kept utterances (the first reliable one only starts ``m``). A dropped utterance
 takes no step; it is counted (``counts['filtered_unreliable' | 'filtered_redundant']``), logged
-and left in ``events`` (kind ``filter``). Loss of a kept one: ``H + fisher_alpha * sum F
+and left in ``events`` (kind ``filter``). The filter is decided on the device (``loss`` notes its
+verdict with the step's ``StepFilter``): the host step reads it at once and skips the backward, the
+device step (CUDA: captured) skips the update and reads the verdicts with the transcript. Loss of a kept one: ``H + fisher_alpha * sum F
 (theta - theta0)^2``, F from the source statistics file (``python -m tta_brain.stats --kinds
 fisher``), theta0 the source values.
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tta_brain.data.manifest import expand_path
+from tta_brain.gpu.guard import StepFilter
 from tta_brain.methods import losses
 from tta_brain.methods import source_stats as stats_file
 from tta_brain.methods import Event      # (the package exports it wherever it is defined)
@@ -37,24 +40,31 @@ def optimizer_factory(name: str, momentum: float = 0.9):
     return OPTIMIZERS[name](momentum)
 
 
-class Dropped(Exception):
-    """The utterance failed a filter: no step."""
+#: the filter's verdicts (the first value of its rows)
+KEPT, UNRELIABLE, REDUNDANT = 0, 1, 2
 
 
 @register("eata")
 class EATA(TTAMethod):
     episodic = False
+    # its filter decides on the device (a StepFilter), so on CUDA the step is the device step
+    # (captured, on length buckets too: the loss masks padded frames through ``lengths``)
+    device_loss = True
 
     def __init__(self, model, steps: int = 1, temperature: float = 1.0,
                  e_margin_factor: float = 0.4, d_margin: float = 1.0, probs_ema: float = 0.9,
                  fisher_alpha: float = 2000.0, source_stats: str = "", data_root: str = "",
                  **kwargs):
         kwargs.setdefault("adapt_params", ({"select": "layernorm"},))
+        # the filter's state lives on the device, updated in place (a captured step reads it):
+        # the EMA m, whether it has started, and a row per step (verdict, entropy, |cos|)
+        self.step_filter = StepFilter(model.device, steps, width=3)
+        self._probs = torch.zeros(model.vocab_size, device=model.device)
+        self._started = torch.zeros((), dtype=torch.bool, device=model.device)
         super().__init__(model, steps=steps, temperature=temperature, **kwargs)
         self.e_margin = losses.entropy_margin(model.vocab_size, e_margin_factor)
         self.d_margin, self.probs_ema = float(d_margin), float(probs_ema)
         self.fisher_alpha = float(fisher_alpha)
-        self.model_probs = None
         self.counts.update(filtered_unreliable=0, filtered_redundant=0)
         self.stats_path = expand_path(source_stats, data_root)
         self.fisher = self._fisher(self.stats_path) if self.fisher_alpha > 0 else None
@@ -70,41 +80,57 @@ class EATA(TTAMethod):
                 f"...); make it with {stats_file.make_command(path)} --params=<the adapt_params>")
         return [table[n].to(p.device, p.dtype) for n, p in zip(self.param_names, self.params)]
 
-    def _filtered_loss(self, logits):
-        h = losses.entropy_loss(logits, temperature=self.temperature, blank_id=self.blank_id).mean()
-        value = float(h.detach())
-        if not value < self.e_margin:
-            raise Dropped(f"unreliable: entropy {value:.3f} >= E0 {self.e_margin:.3f}")
-        probs = losses.mean_probability(logits.detach())[0]
-        if self.model_probs is not None:
-            cos = float(F.cosine_similarity(self.model_probs, probs, dim=0))
-            if abs(cos) >= self.d_margin:
-                raise Dropped(f"redundant: |cos| {abs(cos):.4f} >= d_margin {self.d_margin}")
-            probs = torch.lerp(probs, self.model_probs, self.probs_ema)
-        self.model_probs = probs
+    @property
+    def model_probs(self):
+        """The EMA m of the kept utterances' mean posteriors (None before the first; a host read)."""
+        return self._probs.clone() if bool(self._started) else None
+
+    def loss(self, logits, lengths=None):
+        """The entropy (+ the Fisher term); the filter's verdict goes to ``step_filter``, all on
+        the device: a dropped step must not update (the step reads the verdict)."""
+        h = losses.entropy_loss(logits, lengths, temperature=self.temperature,
+                                blank_id=self.blank_id).mean()
+        value = h.detach()
+        probs = losses.mean_probability(logits.detach(), lengths)[0]
+        cos = F.cosine_similarity(self._probs, probs, dim=0).abs()
+        # compared in float64, as the host compares Python floats (the margins are not float32)
+        unreliable = torch.logical_not(value.double() < self.e_margin)
+        redundant = ~unreliable & self._started & (cos.double() >= self.d_margin)
+        keep = ~(unreliable | redundant)
+        ema = torch.where(self._started, torch.lerp(probs, self._probs, self.probs_ema), probs)
+        self._probs.copy_(torch.where(keep, ema, self._probs))
+        self._started.logical_or_(keep)
+        verdict = unreliable.float() * UNRELIABLE + redundant.float() * REDUNDANT
+        self.step_filter.note(~keep, torch.stack([verdict, value.float(), cos.float()]))
         if self.fisher is None:
             return h
         return h + self.fisher_alpha * losses.fisher_penalty(self.params, self.source, self.fisher)
 
-    def forward_and_adapt(self, x, info):
-        for _ in range(self.steps):
-            try:
-                self.adapt_step(x, loss_fn=self._filtered_loss)
-            except Dropped as e:
-                kind = str(e).split(":")[0]
-                self.counts[f"filtered_{kind}"] += 1
-                self.events.append(Event("filter", info.position, str(e)))
-                logger.info("eata: %s (position %d): %s, no step", info.id, info.position, e)
-        return self.predict(x)
+    def filtered(self, values):
+        """A dropped step: counted, logged and left in ``events`` (kind ``filter``)."""
+        verdict, value, cos = values
+        if verdict == UNRELIABLE:
+            kind, why = "unreliable", f"entropy {value:.3f} >= E0 {self.e_margin:.3f}"
+        else:
+            kind, why = "redundant", f"|cos| {cos:.4f} >= d_margin {self.d_margin}"
+        info = self.info
+        self.counts[f"filtered_{kind}"] += 1
+        self.events.append(Event("filter", info.position, f"{kind}: {why}"))
+        logger.info("eata: %s (position %d): %s: %s, no step", info.id, info.position, kind, why)
 
     def reset(self):
         super().reset()
-        self.model_probs = None
+        self._probs.zero_()
+        self._started.zero_()
 
     def state_dict(self):
         return super().state_dict() | {"model_probs": self.model_probs}
 
     def load_state_dict(self, sd):
         super().load_state_dict(sd)
-        self.model_probs = sd.get("model_probs")
-
+        probs = sd.get("model_probs")
+        self._started.fill_(probs is not None)
+        if probs is None:
+            self._probs.zero_()
+        else:
+            self._probs.copy_(probs)
