@@ -25,7 +25,9 @@ __all__ = ["DeviceStep"]
 
 class DeviceStep:
     """A method's adaptation steps with the device-side guard, eager or captured; the same
-    interface as :class:`tta_brain.gpu.host_step.HostStep`.
+    interface as :class:`tta_brain.gpu.host_step.HostStep`. A method may bring its own step body
+    (``device_body(step, logits_fn, optimizer)``, SAR's two passes: device work only, with
+    ``step_passes`` forward/backward passes) instead of its loss and :meth:`_update`.
 
     ``backend``: None (eager only), a :class:`tta_brain.gpu.graphs.CudaGraphBackend`, or a test
     double with ``side()``, ``capture(body, pool)`` (returning an object with ``replay``, ``pool``,
@@ -39,6 +41,8 @@ class DeviceStep:
     #: steps of the last utterance skipped after their ``after_backward`` hook had run: the hook
     #: runs before the device knows, and sees zero gradients there (DSUTA uncounts them)
     skipped_hooks = 0
+    #: the step runs on the device (verdicts and skips are read with the transcript)
+    on_device = True
 
     def __init__(self, method, backend=None, capacity: int = 1, warmup: int = 1,
                  extra_optimizers=(), buckets: float = 0.0):
@@ -127,8 +131,8 @@ class DeviceStep:
         entry.replay()
         if hook is not None:
             hook.host()
-        m.counts["adapt_forward"] += 1
-        m.counts["adapt_backward"] += 1
+        m.counts["adapt_forward"] += self.passes
+        m.counts["adapt_backward"] += self.passes
         self.stats["replays"] += 1
         return self.flags.loss.clone()
 
@@ -154,8 +158,21 @@ class DeviceStep:
         return self.m.lobe.padded_logits(None if features else src, samples,
                                          src if features else None, params)
 
-    def _padded_loss(self, src, samples, features: bool):
-        return self.m.loss(*self._padded_logits(src, samples, features))
+    @property
+    def passes(self) -> int:
+        """Forward/backward passes in one step of the method (SAR's SAM step: 2)."""
+        return int(getattr(self.m, "step_passes", 1))
+
+    def _body(self, logits_fn, optimizer, hook=None):
+        """One step's device work after the zeroed gradients: the method's own ``device_body``
+        (SAR: two passes), else its loss on ``logits_fn()`` (logits, valid frames or None) and
+        the guarded update. Runs eagerly or inside a capture."""
+        body = getattr(self.m, "device_body", None)
+        if body is not None:
+            return body(self, logits_fn, optimizer)
+        loss = self.m.loss(*logits_fn())
+        self._update(loss, optimizer, hook)
+        return loss
 
     def _plain_eager(self, x, src, samples, features: bool, optimizer, hook=None):
         """An eager plain step (or a DeviceHook step): on ``x`` (the method's own forward), or on
@@ -167,10 +184,9 @@ class DeviceStep:
         self.stats["eager"] += 1
         with (self.backend.side() if self.backend is not None else nullcontext()):
             optimizer.zero_grad(set_to_none=False)
-            m.counts["adapt_forward"] += 1
-            loss = self._padded_loss(src, samples, features)
-            self._update(loss, optimizer, hook)
-            m.counts["adapt_backward"] += 1
+            m.counts["adapt_forward"] += self.passes
+            loss = self._body(lambda: self._padded_logits(src, samples, features), optimizer, hook)
+            m.counts["adapt_backward"] += self.passes
             return loss.detach()
 
     def _eager_step(self, x, optimizer, loss_fn, after_backward):
@@ -178,10 +194,25 @@ class DeviceStep:
         self._eager += 1
         self.stats["eager"] += 1
         with (self.backend.side() if self.backend is not None else nullcontext()):
-            loss = step_loss(m, x, optimizer, loss_fn)
-            self._update(loss, optimizer, after_backward)
-            m.counts["adapt_backward"] += 1
+            if loss_fn is None and getattr(m, "device_body", None) is not None:
+                optimizer.zero_grad(set_to_none=False)
+                loss = self._body(lambda: (self._forward(x), None), optimizer, after_backward)
+            else:
+                loss = step_loss(m, x, optimizer, loss_fn)
+                self._update(loss, optimizer, after_backward)
+            m.counts["adapt_backward"] += self.passes if loss_fn is None else 1
             return loss.detach()
+
+    def _forward(self, x):
+        """The method's counted forward for its step (in train mode if it adapts so)."""
+        m = self.m
+        if m.train_mode:
+            m.net.train()
+        try:
+            return m.forward(x, "adapt_forward")
+        finally:
+            if m.train_mode:
+                m.net.eval()
 
     @property
     def filter(self):
@@ -229,9 +260,8 @@ class DeviceStep:
         reasons, self.skipped_hooks = skipped(counts)
         for why in reasons:
             m.record_skip(why, clear_grads=False)
-        for row in gate.unpack(rows) if gate is not None else ():
-            if row[0]:
-                m.filtered(row[1:])
+        if gate is not None:
+            m.step_notes(gate.unpack(rows))
         return m.lobe.decode_labels(labels)[0]
 
     # ------------------------------------------------------------------ no-grad forwards
@@ -308,6 +338,7 @@ class DeviceStep:
         sig += [t.data_ptr() for t in self.flags.tensors()]
         if self.filter is not None:
             sig += [t.data_ptr() for t in self.filter.tensors()]
+        sig += [t.data_ptr() for t in self.m.device_tensors()]
         if hook is not None:
             sig += [t.data_ptr() for t in hook.tensors()]
         return tuple(sig)
@@ -330,15 +361,16 @@ class DeviceStep:
                              None if samples is None else torch.empty_like(samples))
         entry.load(src, samples)
 
+        def logits():
+            if samples is not None:
+                return self._padded_logits(entry.static, entry.samples, features)
+            if features:
+                return m.lobe.logits(None, None, entry.static), None
+            return m.lobe.logits(entry.static), None
+
         def body():
             optimizer.zero_grad(set_to_none=False)
-            if samples is not None:
-                loss = self._padded_loss(entry.static, entry.samples, features)
-            elif features:
-                loss = m.loss(m.lobe.logits(None, None, entry.static))
-            else:
-                loss = m.loss(m.lobe.logits(entry.static))
-            self._update(loss, optimizer, None if hook is None else hook.device)
+            self._body(logits, optimizer, None if hook is None else hook.device)
 
         try:
             entry.graph = self.backend.capture(body, self.cache.pool())

@@ -157,14 +157,15 @@ class StepFilter:
     The host step reads the row at once (:meth:`take`) and skips the backward of a dropped step;
     the device step runs the backward, skips the update as it skips a non-finite one (``gate``
     merged into ``found_inf``), and reads the utterance's rows once, with the transcript
-    (:meth:`packed` in :meth:`StepFlags.fetch`). Rows: ``[drop, *values]``, one per step,
-    at most ``steps`` an utterance (``at``, on the device, counts them).
+    (:meth:`packed` in :meth:`StepFlags.fetch`). Rows (float64): ``[drop, *values]``, one per
+    step, at most ``steps`` an utterance (``at``, on the device, counts them).
     """
 
     def __init__(self, device, steps: int, width: int):
-        f32 = dict(dtype=torch.float32, device=device)
-        self.gate = torch.zeros((), **f32)
-        self.rows = torch.zeros(max(1, int(steps)), 1 + int(width), **f32)
+        self.gate = torch.zeros((), dtype=torch.float32, device=device)
+        # float64: float32 values and a float64 one (SAR's loss EMA) travel exactly
+        self.rows = torch.zeros(max(1, int(steps)), 1 + int(width), dtype=torch.float64,
+                                device=device)
         self.at = torch.zeros((), dtype=torch.int64, device=device)
 
     def tensors(self) -> List[torch.Tensor]:

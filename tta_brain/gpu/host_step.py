@@ -40,6 +40,8 @@ class HostStep:
     #: steps of the last utterance skipped after their ``after_backward`` hook had run (never here:
     #: the hook runs only after the checks passed; see ``DeviceStep``)
     skipped_hooks = 0
+    #: the checks are read on the host at every step (``DeviceStep``: on the device)
+    on_device = False
 
     def __init__(self, method):
         self.m = method
@@ -50,9 +52,10 @@ class HostStep:
         gate = getattr(m, "step_filter", None)
         if gate is not None:                        # the method's filter (EATA): read at once
             rows = gate.take()
-            if rows and rows[-1][0]:
-                m.filtered(rows[-1][1:])
-                return float("nan")
+            if rows:
+                m.step_notes(rows)
+                if rows[-1][0]:
+                    return float("nan")
         value = float(loss.detach())               # the one host sync before the backward
         if not math.isfinite(value):
             return m.record_skip(f"non-finite loss {value}")

@@ -162,13 +162,26 @@ class TTAMethod:
         return self.step(x, optimizer or self.optimizer, loss_fn, after_backward)
 
     #: the method's filter of its own steps, decided on the device (``tta_brain.gpu.guard.
-    #: StepFilter``: EATA's sample filter), or None; a dropped step is handed to :meth:`filtered`
+    #: StepFilter``: EATA's sample filter, SAR's device step), or None; its rows are handed to
+    #: :meth:`step_notes`
     step_filter = None
 
+    def step_notes(self, rows: List[List[float]]) -> None:
+        """The rows ``step_filter`` noted (``[dropped, *values]`` per step, on the host): by the
+        host step after every step, by the device step once per utterance with the transcript.
+        Default: each dropped step goes to :meth:`filtered`."""
+        for row in rows:
+            if row[0]:
+                self.filtered(row[1:])
+
     def filtered(self, values: List[float]) -> None:
-        """A step that ``step_filter`` dropped (``values``: the row its loss noted, on the host),
-        called by the host step at once and by the device step with the transcript."""
+        """A step that ``step_filter`` dropped (``values``: the row its loss noted)."""
         raise NotImplementedError(f"{self.name} has a step_filter but no filtered()")
+
+    def device_tensors(self) -> List[torch.Tensor]:
+        """Device state a captured step reads or writes besides parameters, optimiser state and
+        ``step_filter`` (updated in place; its addresses are checked before a graph is reused)."""
+        return []
 
     def record_skip(self, why: str, clear_grads: bool = True) -> float:
         """A skipped adaptation step: counted, logged, recorded as an event; returns nan."""

@@ -8,11 +8,13 @@ vocabulary size; V is the model's vocabulary here). Redundancy: keep x_t only if
 ``|cos(p_bar, m)| < d_margin``, ``p_bar`` the mean posterior vector of x_t and ``m`` an EMA (0.9)
 of those of the kept utterances (the first reliable one only starts ``m``). A dropped utterance
 takes no step; it is counted (``counts['filtered_unreliable' | 'filtered_redundant']``), logged
-and left in ``events`` (kind ``filter``). The filter is decided on the device (``loss`` notes its
-verdict with the step's ``StepFilter``): the host step reads it at once and skips the backward, the
-device step (CUDA: captured) skips the update and reads the verdicts with the transcript. Loss of a kept one: ``H + fisher_alpha * sum F
+and left in ``events`` (kind ``filter``). Loss of a kept one: ``H + fisher_alpha * sum F
 (theta - theta0)^2``, F from the source statistics file (``python -m tta_brain.stats --kinds
 fisher``), theta0 the source values.
+
+The filter is decided on the device (``loss`` notes its verdict with the method's ``StepFilter``):
+the host step reads it at once and skips the backward; the device step (CUDA: captured) skips the
+update and reads the verdicts with the transcript.
 """
 import logging
 from functools import partial
@@ -117,6 +119,9 @@ class EATA(TTAMethod):
         self.counts[f"filtered_{kind}"] += 1
         self.events.append(Event("filter", info.position, f"{kind}: {why}"))
         logger.info("eata: %s (position %d): %s: %s, no step", info.id, info.position, kind, why)
+
+    def device_tensors(self):
+        return [self._probs, self._started]
 
     def reset(self):
         super().reset()
