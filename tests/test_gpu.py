@@ -484,6 +484,47 @@ def test_sar_device_step_skips_nonfinite_passes_as_the_host(tiny_model_dir, utte
         assert d.step.stats["replays"] > 0
 
 
+def test_cea_two_stages_run_on_the_device(tiny_model_dir, utterances, caplog):
+    """CEA's two stages, each with its own AdamW, as device steps (both optimisers fused), each
+    stage captured per input length (its second stage's loss reads the CNN features of the
+    graph's own forward): the host step's transcripts and pass counts, parameters to rounding
+    (every CNN weight adapts), captured == eager device steps bit for bit, and no host read in
+    either stage's replay. Its losses do not mask padding: no length buckets, said once."""
+    items = stream(utterances, 10, LENGTHS)
+    kw = dict(steps=3, steps2=3, lr=1e-2, lr2=1e-2)
+    h = build(tiny_model_dir, "cea", "host", **kw)
+    e = build(tiny_model_dir, "cea", "device", **kw)
+    with caplog.at_level(logging.WARNING):
+        g = build(tiny_model_dir, "cea", "graph", runtime={"cuda_graph_cache": 4,
+                                                           "cuda_graph_buckets": 0.25}, **kw)
+    assert "no length buckets (its loss does not mask padded frames" in caplog.text
+    assert g.step.buckets == 0
+    hh, he, hg = run(h, items), run(e, items), run(g, items)
+    assert hh == he == hg
+    assert h.counts == e.counts == g.counts
+    assert max_diff(h.params, e.params) < 1e-4
+    assert max_diff(e.params, g.params) == 0.0
+    for m in (e, g):
+        assert all(grp["fused"] for o in (m.optimizer, m.optimizer2) for grp in o.param_groups)
+    st = g.step
+    assert st.stats["replays"] > 0
+    stages = {key[0] for key in st.cache.keys()}
+    assert stages == {id(g.optimizer), id(g.optimizer2)}
+    # no host read in either stage's replayed step
+    x = g.lobe.prepare(utterances[1][:LENGTHS[-1]].clone())
+    assert len(utterances[1]) >= LENGTHS[-1]
+    with torch.enable_grad():
+        for stage, opt in ((False, g.optimizer), (True, g.optimizer2)):
+            g._stage2 = stage
+            g.adapt_step(x, optimizer=opt)
+            replays = st.stats["replays"]
+            with HostReads() as reads:
+                g.adapt_step(x, optimizer=opt)
+                g.adapt_step(x, optimizer=opt)
+            assert st.stats["replays"] == replays + 2 and reads.seen == [], stage
+    g._stage2 = False
+
+
 def test_step_filter_rows_travel_with_the_transcript():
     """The filter's rows: one per step, read with the labels and counters in one copy (float64:
     exact for the labels), the count back to 0 after a read; the host step's read is the same."""

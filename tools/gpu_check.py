@@ -4,7 +4,7 @@ against the eager steps, per-utterance fixed cost, deterministic kernels, memory
 stream.
 
 Everything in one run on one CUDA device. "default" is what a run gets without options
-(``cuda_graphs: auto``: suta, csuta, dsuta, tent, eata and sar captured in fp32); "eager" is
+(``cuda_graphs: auto``: suta, csuta, dsuta, tent, eata, sar and cea captured in fp32); "eager" is
 ``cuda_graphs: off`` (the host step: finiteness read on the host, ``foreach`` AdamW); "device
 eager" is the device-side steps without capture (``cuda_graphs: off, cuda_device_steps: true``),
 the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_check.txt`` /
@@ -12,7 +12,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
 
 1. ``transcripts``: captured vs device eager on a tiny random wav2vec2 (the tests' model) for 20
    utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset, tent,
-   eata: its sample filter decided on the device, sar: its whole SAM step), graph
+   eata: its sample filter decided on the device, sar: its whole SAM step, cea: two stages with
+   their own optimisers; no length buckets for cea), graph
    cache 1 and 4, ``cuda_graph_warmup: 0``, and length buckets (0.25, cache 4: padded passes,
    equal to rounding): same transcripts? largest parameter difference; captures, hits, replays.
 2. ``step``: one SUTA step on a 3 s utterance of a random wav2vec2-base-sized model, fp32, LayerNorm
@@ -100,7 +101,7 @@ COST = {"transcripts": 20, "step": 30, "lengths": 70, "deterministic": 25, "memo
 #: (measured then), ``step``, ``bench`` and ``decode`` on request (``--sections``; ``official``
 #: times decode against the method loop on the same utterances)
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
-GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent", "eata", "sar")
+GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent", "eata", "sar", "cea")
 #: the length buckets measured (Runtime.cuda_graph_buckets; off by default until measured): at
 #: most 10 % padding, room for the 39 buckets of 1-35 s
 BUCKETS, BUCKET_CACHE = {"cuda_graph_buckets": 0.1}, 32
@@ -323,6 +324,8 @@ def section_transcripts(args, rep, work):
             kw.update(fisher_alpha=0.0, e_margin_factor=1.0, d_margin=0.9995)  # ln V, a tight cos
         if name == "sar":       # the same margin; a large ascent (some second passes stop)
             kw.update(e_margin_factor=1.0, rho=0.5)
+        if name == "cea":       # two stages, their own optimisers and graphs
+            kw.update(steps2=kw["steps"])
         a = _method(name, tiny, args.device, DEVICE_EAGER, **dict(kw))
         ha, _ = _process_all(a, wavs, args.device)
         for cache, warmup, buckets in ((1, 1, 0.0), (4, 1, 0.0), (1, 0, 0.0), (4, 1, 0.25)):

@@ -8,10 +8,10 @@
 A method declares what the device step needs to know (class attributes, read here): ``device_loss``
 (True: its loss and steps run on the device alone; None, the default: only if it keeps the
 skeleton's ``loss``, ``before_step`` and ``forward_and_adapt``, i.e. the SUTA family; False: never;
-DSUTA, Tent, EATA and SAR declare True; EATA's sample filter is a ``guard.StepFilter``, decided on
-the device; SAR brings its whole SAM step as a ``device_body``)
+DSUTA, Tent, EATA, SAR and CEA declare True; EATA's sample filter is a ``guard.StepFilter``,
+decided on the device; SAR brings its whole SAM step as a ``device_body``)
 and ``device_optimizers`` (names of optimisers besides ``optimizer`` that the device step runs
-fused too; DSUTA: ``slow_optimizer``).
+fused too; DSUTA: ``slow_optimizer``; CEA: ``optimizer2``, whose steps are device steps too).
 
 Runtime options (``tta_brain.lobes.runtime.Runtime``): ``cuda_graphs: auto`` (default) captures
 the steps on CUDA wherever that is exact (fp32, no ``compile``, no train mode, a method whose steps
@@ -51,9 +51,8 @@ def step_blocker(m) -> Optional[str]:
         return "its loss needs host work"
     skeleton = _defined_by(type(m), "adapt_step")
     if declared is None and any(_defined_by(type(m), h) is not skeleton for h in _STEP_HOOKS):
-        return ("its loss or its steps need host work (only the SUTA family's, Tent's, EATA's and "
-                "SAR's run on "
-                "the device)")
+        return ("its loss or its steps need host work (only the SUTA family's, Tent's, EATA's, "
+                "SAR's and CEA's run on the device)")
     return device_optimizer_blocker(m.optimizer)
 
 

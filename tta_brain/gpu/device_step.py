@@ -61,7 +61,7 @@ class DeviceStep:
         self.forwards = GraphCache(3 * capacity)
         self.warmup = max(0, int(warmup))
         self.captured_once = False
-        self._x = None
+        self._x = self._opt = None
         self._calls = self._eager = 0
         self._entry = None
         self.stats = {"eager": 0, "replays": 0, "forward_replays": 0}
@@ -86,16 +86,19 @@ class DeviceStep:
     # ------------------------------------------------------------------ one step
     def __call__(self, x: torch.Tensor, optimizer, loss_fn=None, after_backward=None):
         """One guarded step on ``x``; returns its loss as a device tensor (no sync). A step with
-        another optimiser than the method's takes the host step."""
+        an optimiser the device step does not run (neither ``optimizer`` nor one of
+        ``extra_optimizers``) takes the host step."""
         m = self.m
-        if optimizer is not m.optimizer:
+        optimizers = {name: getattr(m, name) for name in ("optimizer",) + self.extra_optimizers}
+        if not any(optimizer is opt for opt in optimizers.values()):
             return self.host(x, optimizer, loss_fn, after_backward)
-        for name in ("optimizer",) + self.extra_optimizers:
-            opt = getattr(m, name)
+        for name, opt in optimizers.items():
             if not is_device_optimizer(opt):   # first step, or a state loaded since
                 self._convert(name, opt)
-        if x is not self._x:                  # a new utterance (its steps share the input tensor)
-            self._x, self._calls, self._eager, self._entry = x, 0, 0, None
+        if x is not self._x or optimizer is not self._opt:
+            # a new run of steps: a new utterance (its steps share the input tensor), or the
+            # utterance's next stage with another optimiser (CEA)
+            self._x, self._opt, self._calls, self._eager, self._entry = x, optimizer, 0, 0, None
         self._calls += 1
         self.flags.pending = True
         # on length buckets a DeviceHook step is captured too (its graph serves the bucket)
@@ -110,7 +113,7 @@ class DeviceStep:
         entry = (self._entry if hook is None else None) or self._cached(optimizer, src, features,
                                                                         hook)
         if entry is None:
-            remaining = m.steps - self._calls + 1
+            remaining = m.steps_with(optimizer) - self._calls + 1
             # the warm-up is per new length, or per new bucket; without buckets a graph serves
             # this utterance alone: worth it from 2 steps on
             if self.buckets:
@@ -170,7 +173,9 @@ class DeviceStep:
         body = getattr(self.m, "device_body", None)
         if body is not None:
             return body(self, logits_fn, optimizer)
-        loss = self.m.loss(*logits_fn())
+        logits, lengths = logits_fn()
+        # lengths only on buckets (where the loss must take them: bucket_blocker)
+        loss = self.m.loss(logits) if lengths is None else self.m.loss(logits, lengths)
         self._update(loss, optimizer, hook)
         return loss
 
@@ -366,7 +371,7 @@ class DeviceStep:
                 return self._padded_logits(entry.static, entry.samples, features)
             if features:
                 return m.lobe.logits(None, None, entry.static), None
-            return m.lobe.logits(entry.static), None
+            return m.logits(entry.static), None       # the method's (CEA keeps its features)
 
         def body():
             optimizer.zero_grad(set_to_none=False)

@@ -235,6 +235,10 @@ class TTAMethod:
             self.adapt_step(x)
         return self.predict(x)
 
+    def steps_with(self, optimizer) -> int:
+        """Adaptation steps per utterance taken with ``optimizer`` (CEA: its second stage's)."""
+        return self.steps
+
     def update_due(self) -> bool:
         """Continual methods: is a meta-update due after this utterance (DSUTA: buffer full)?
         By default every utterance's steps are its update."""

@@ -21,6 +21,10 @@ from tta_brain.methods.state import zero_optimizer_state
 @register("cea")
 class CEA(TTAMethod):
     episodic = True
+    # on CUDA both stages are device steps, captured (one graph per stage and input length; no
+    # length buckets: its losses do not mask padded frames); its second optimiser runs fused too
+    device_loss = True
+    device_optimizers = ("optimizer2",)
 
     def __init__(self, model, steps: int = 10, steps2: int = 10, lr2: float = 2e-4,
                  tc_coef: float = 0.3, stage2_params=({"select": "layernorm"},), **kwargs):
@@ -55,6 +59,9 @@ class CEA(TTAMethod):
             mask = losses.non_blank_mask(logits, blank_id=self.blank_id)
             loss = loss + self.tc_coef * losses.temporal_coherence_loss(self._feats, mask)
         return loss.mean()
+
+    def steps_with(self, optimizer) -> int:
+        return self.steps2 if optimizer is self.optimizer2 else self.steps
 
     def forward_and_adapt(self, x, info):
         for n in range(self.steps):
