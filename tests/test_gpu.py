@@ -379,7 +379,8 @@ def recorded(m, exact=True):
 def eata_mix(model_dir, tmp_path):
     """EATA settings under which the tiny model's stream has kept steps and both kinds of dropped
     ones (its posteriors are nearly uniform: entropies about 3.4590-3.4605 nats, cosines of the
-    mean posteriors about 0.998-0.9999), with a Fisher term."""
+    mean posteriors about 0.998-0.9999; every value the filter sees is >= 1.8e-4 from E0 and
+    >= 3.5e-5 from d_margin, far above the device step's rounding), with a Fisher term."""
     from test_field_methods import fisher_file
     V = HFCTCLobe(model_dir).vocab_size
     return dict(e_margin_factor=3.4598 / math.log(V), d_margin=0.9994, lr=1e-2, steps=3,
@@ -420,10 +421,11 @@ def test_eata_filter_is_decided_on_the_device(tiny_model_dir, utterances, tmp_pa
 
 def sar_mix(model_dir):
     """SAR settings under which the tiny model's stream has updates, steps stopped after either
-    pass and a model recovery (entropies about 3.459-3.461 nats; the ascent rho 0.2 raises some
-    over E0)."""
+    pass and model recoveries (entropies about 3.459-3.461 nats; the ascent rho 0.15 raises some
+    over E0; every entropy of the stream is >= 5e-5 from E0, far above the device step's
+    rounding)."""
     V = HFCTCLobe(model_dir).vocab_size
-    return dict(e_margin_factor=3.4598 / math.log(V), rho=0.2, lr=1e-2, steps=3,
+    return dict(e_margin_factor=3.4598 / math.log(V), rho=0.15, lr=1e-2, steps=3,
                 reset_constant=3.4590)
 
 
@@ -439,7 +441,13 @@ def test_sar_sam_step_runs_on_the_device(tiny_model_dir, utterances, mode):
     h = build(tiny_model_dir, "sar", "host", **kw)
     d = build(tiny_model_dir, "sar", "device" if mode == "device" else "graph", runtime=rt, **kw)
     assert not h.step.on_device and d.step.on_device and d.step.graphs == (mode != "device")
-    assert run(h, items) == run(d, items)
+    eh, ed = [], []                                # the loss EMA after every utterance
+    for w, info in items:
+        assert h.process(w, info) == d.process(w, info)
+        eh.append(h.ema)
+        ed.append(d.ema)
+    assert [e is None for e in eh] == [e is None for e in ed] and None in eh
+    assert max(abs(a - b) for a, b in zip(eh, ed) if a is not None) < 1e-6
     fh, fd = recorded(h, exact=mode != "buckets"), recorded(d, exact=mode != "buckets")
     assert fh == fd
     c = h.counts
@@ -447,7 +455,7 @@ def test_sar_sam_step_runs_on_the_device(tiny_model_dir, utterances, mode):
     steps = 3 * len(items)
     assert 0 < c["adapt_backward"] < 2 * steps           # the host stops early, the device does not
     assert d.counts == dict(c, adapt_forward=2 * steps, adapt_backward=2 * steps)
-    assert max_diff(h.params, d.params) < 1e-5 and abs(h.ema - d.ema) < 1e-6
+    assert max_diff(h.params, d.params) < 1e-5
     if mode != "device":
         assert d.step.stats["replays"] > 0
     d.reset()
