@@ -43,7 +43,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    stream). Without the checkout: ours only. The smoke test runs the official code on CPU (its
    ``.cuda()`` made a no-op).
 9. ``field``: ``bench_speed`` over the field's methods (tent, eata, sar, cotta, cea, lame, t3a,
-   foa, ebats, with source and suta) on the base-sized model, and ``--population``: E-BATS and
+   foa, ebats, with source and suta) on the base-sized model, the one-step ones (tent, eata, sar)
+   again on length buckets (``BUCKETS``: only there are they captured), and ``--population``: E-BATS and
    FOA with the CMA-ES population batched vs one candidate at a time vs the reference's loop.
 
 ``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
@@ -94,7 +95,7 @@ SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench"
             "official", "field", "sweep")
 #: rough seconds of each section on one GPU (unmeasured guesses), for the budget
 COST = {"transcripts": 27, "step": 30, "lengths": 70, "deterministic": 25, "memory": 155,
-        "bench": 110, "decode": 60, "official": 140, "field": 70, "sweep": 60}
+        "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 60}
 #: What a GPU run checks by default, most wanted first: the H100 run of 2026-11-26 measured
 #: every section but the length buckets, which transcripts, official, lengths and memory now add
 #: (their COST: that run's seconds plus a guess for the buckets, and for the transcripts of eata,
@@ -713,6 +714,8 @@ def section_official(args, rep, work):
 
 
 FIELD_METHODS = "source,suta,tent,eata,sar,cotta,cea,lame,t3a,foa,ebats"
+#: the field's gradient methods with one step per utterance (captured only on length buckets)
+ONE_STEP = "tent,eata,sar"
 
 
 def section_field(args, rep, work):
@@ -729,6 +732,19 @@ def section_field(args, rep, work):
     rep.say(f"{'method':<12}{'s/aud s':>10}")
     for m, r in res.items():
         rep.say(f"{m:<12}{r['wall']['s_per_audio_s']:>10.4f}")
+    # one step per utterance: captured only on length buckets (warm: after the run's first
+    # three eager steps, every utterance of a visited bucket replays)
+    rep.say(f"--- bench_speed, {ONE_STEP} on length buckets ({' '.join(BUCKET_OPTS)}) ---")
+    bucketed = bench_speed.main(
+        ["--device", args.device, "--model", model, "--methods", ONE_STEP,
+         "--seconds", str(args.seconds), "--cuda_graphs", "auto", *BUCKET_OPTS]
+        + (["--n_utts", "2", "--repeats", "1", "--warmup", "1"] if args.cpu_smoke
+           else ["--n_utts", "6", "--repeats", "1", "--warmup", "4"]))
+    rep.say(f"{'method':<12}{'s/aud s':>10}{'speed-up vs default':>21}")
+    for m, r in bucketed.items():
+        base = res.get(m, {}).get("wall", {}).get("s_per_audio_s")
+        value = r["wall"]["s_per_audio_s"]
+        rep.say(f"{m:<12}{value:>10.4f}" + (f"{base / max(value, 1e-12):>20.2f}x" if base else ""))
     pop = ["--device", args.device, "--model", model, "--population", "--seconds",
            str(args.seconds)] + (["--n_utts", "1"] if args.cpu_smoke else ["--n_utts", "2"])
     rep.say("--- bench_speed --population (E-BATS, FOA: batched vs one at a time) ---")
@@ -739,6 +755,7 @@ def section_field(args, rep, work):
                     f"{r['speedup_of_batched_wall']:.1f} faster, same transcripts: "
                     f"{r['same_transcripts']}")
     rep.data["field"] = dict(s_per_audio_s={m: r["wall"]["s_per_audio_s"] for m, r in res.items()},
+                             buckets={m: r["wall"]["s_per_audio_s"] for m, r in bucketed.items()},
                              population=popres)
 
 
