@@ -42,8 +42,8 @@ def optimizer_factory(name: str, momentum: float = 0.9):
     return OPTIMIZERS[name](momentum)
 
 
-#: the filter's verdicts (the first value of its rows)
-KEPT, UNRELIABLE, REDUNDANT = 0, 1, 2
+#: the filter's verdicts of a dropped step (the first value of its rows; 0: kept)
+UNRELIABLE, REDUNDANT = 1, 2
 
 
 @register("eata")

@@ -141,8 +141,7 @@ class SAR(TTAMethod):
         bad1 = f.found.bool()
         ok1 = ~(out1 | bad1)
         with torch.no_grad():
-            norm = torch.stack(torch._foreach_norm(grads)).norm()
-            eps = torch._foreach_mul(grads, self.rho / (norm + 1e-12))
+            eps = sam_ascent(grads, self.rho)
             for e in eps:                                 # no ascent after a stopped pass 1
                 e.masked_fill_(~ok1, 0.0)
             torch._foreach_add_(params, eps)
@@ -212,6 +211,12 @@ class _Filtered(Exception):
     """A pass found the utterance unreliable: no update."""
 
 
+def sam_ascent(grads, rho: float):
+    """SAM's ascent ``rho g / ||g||_2`` (the norm over all of ``grads``), on the device."""
+    norm = torch.stack(torch._foreach_norm(grads)).norm()
+    return torch._foreach_mul(grads, rho / (norm + 1e-12))
+
+
 class SAMAscent:
     """SAM's first half as an optimiser for the skeleton's step: ``step()`` moves the parameters
     by ``rho g / ||g||_2`` (g their gradients, the norm over all of them), ``undo()`` moves them
@@ -227,9 +232,7 @@ class SAMAscent:
 
     @torch.no_grad()
     def step(self):
-        grads = [p.grad for p in self.params]
-        norm = torch.stack(torch._foreach_norm(grads)).norm()
-        self.eps = torch._foreach_mul(grads, (self.rho / (norm + 1e-12)).item())
+        self.eps = sam_ascent([p.grad for p in self.params], self.rho)
         torch._foreach_add_(self.params, self.eps)
 
     @torch.no_grad()
