@@ -6,9 +6,9 @@ process, as R adapted states over one shared model (``tta_brain.methods.batched`
 Each run writes its own ordinary run folder, as ``python -m tta_brain.decode`` with the same
 arguments would: the same fingerprint, hyperparams.yaml, log.txt, records, checkpoints and summary
 (each through its own ``TTABrain``, driven row by row in lock-step; the stream is read once).
-Supported: ``suta`` and ``csuta`` (reset none / fixed / oracle) in fp32; the runs may differ in
-:data:`MAY_DIFFER` (lr, steps, em_coef, temperature, the reset policy and its period, lr
-multipliers, seed). Anything else (another method, another stream, source model, device or
+Supported: ``suta``, ``csuta`` and ``dsuta`` (any reset policy: none, fixed, oracle, dynamic) in
+fp32; the runs may differ in :data:`MAY_DIFFER` (lr, steps, em_coef, temperature, the reset policy
+and its settings, lr multipliers, seed; DSUTA's buffer size, slow lr and fast moments). Anything else (another method, another stream, source model, device or
 precision, any other key that differs) is refused with one line naming the run and the option
 (:class:`Refused`) before a folder is written; the grid then runs those runs separately.
 
@@ -27,6 +27,7 @@ from typing import List, Optional
 from tta_brain import decode
 from tta_brain.data.manifest import ManifestError
 from tta_brain.methods.batched import POLICIES, BatchedSUTA
+from tta_brain.methods.batched_dsuta import BatchedDSUTA
 from tta_brain.run import identity
 from tta_brain.run.brain import PREFETCH, TTABrain
 from tta_brain.run.checkpoint import ResumeError
@@ -34,13 +35,16 @@ from tta_brain.run.records import RecordError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Refused", "refusal", "run", "MAY_DIFFER", "METHODS"]
+__all__ = ["Refused", "refusal", "run", "batch_for", "MAY_DIFFER", "METHODS"]
 
-#: The batched methods (packaged yaml names) and the keys in which the runs of a batch may differ.
-METHODS = ("suta", "csuta")
+#: The batches, the batched methods (packaged yaml names) and the keys in which the runs of a
+#: batch may differ.
+BATCHES = (BatchedSUTA, BatchedDSUTA)
+METHODS = tuple(c.name for b in BATCHES for c in b.methods)
 MAY_DIFFER = ("lr", "steps", "em_coef", "temperature", "reset", "reset_every", "seed",
               "layernorm_lr_mult", "cnn_lr_mult", "reset_K", "reset_patience", "reset_threshold",
-              "reset_lii_count") + identity.LOCATION_KEYS + identity.LABEL_KEYS
+              "reset_lii_count", "buffer_size", "slow_lr", "fast_moments"
+              ) + identity.LOCATION_KEYS + identity.LABEL_KEYS
 
 
 class Refused(ValueError):
@@ -65,7 +69,10 @@ def refusal(plans) -> Optional[str]:
         if name not in METHODS:
             return f"{who}: method {name} is not batched (batched: {', '.join(METHODS)})"
         if str(v.get("reset", "none")) not in [c.name for c in POLICIES]:
-            return f"{who}: reset {v.get('reset')} is not batched (none, fixed, oracle)"
+            return (f"{who}: reset {v.get('reset')} is not batched "
+                    f"({', '.join(c.name for c in POLICIES)})")
+        if str(v.get("slow_grad", "reuse")) != "reuse":
+            return f"{who}: slow_grad {v.get('slow_grad')} is not batched (reuse only)"
         if str(v.get("precision", "fp32")) != "fp32" or v.get("compile"):
             return f"{who}: precision {v.get('precision')} / compile {v.get('compile')} (fp32 only)"
         if str(v.get("param_collection", "clean")) != "clean":
@@ -80,6 +87,12 @@ def refusal(plans) -> Optional[str]:
                 return (f"{who}: option {key} differs from run 1's ({b.get(key)!r} != "
                         f"{a.get(key)!r}; a batch may differ in {', '.join(MAY_DIFFER[:9])})")
     return None
+
+
+def batch_for(method):
+    """The batch class that runs ``method``'s kind (``BatchedSUTA`` for one it refuses, which
+    then says why)."""
+    return next((b for b in BATCHES if type(method) in b.methods), BatchedSUTA)
 
 
 class _RunLogs:
@@ -174,8 +187,9 @@ def _run(todo):
         if len(built) > 1:          # only its settings are read: its weights go at once
             hparams["model"].to("meta")
             hparams["model"] = built[0]["model"]
+    methods = [h["method"] for h in built]
     try:
-        batch = BatchedSUTA(built[0]["model"], [h["method"] for h in built])
+        batch = batch_for(methods[0])(built[0]["model"], methods)
     except ValueError as e:
         raise Refused(str(e)) from None
     brains = []

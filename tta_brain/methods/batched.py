@@ -1,21 +1,23 @@
-"""R runs of the SUTA family (``suta``, ``csuta``) as one batch: R adapted states over one shared
-model, one batched forward/backward per step (``torch.func.vmap`` of ``functional_call`` over the
-stacked adapted parameters, the input shared; the frozen weights are the model's own, once).
+"""R runs of one method as one batch: R adapted states over one shared model, one batched
+forward/backward per step (``torch.func.vmap`` of ``functional_call`` over the stacked adapted
+parameters, the input shared; the frozen weights are the model's own, once).
 
-The R states are flat rows: parameters ``P [R, N]`` (every adapted tensor of a run, in the
-selection's order) and AdamW's moments ``M, V [R, N]`` with a step count per run. Per utterance:
-the runs' own resets (episodic: every utterance; continual: their policy: none, fixed, oracle),
-then step n = 0 .. max(N_r) - 1 over the runs with ``n < N_r`` (a run with fewer steps leaves its
-parameters and moments alone), the per-run losses summed for one backward (the runs do not mix:
-each row's gradient is its own loss's), each run's AdamW update with its own learning rates, and
-one batched prediction. A non-finite loss or gradient skips that run's update only, as the host
-step does. :class:`BatchedSUTA` is driven by ``tta_brain.sweep``; :class:`RunView` is one
-run's method as the Brain and its checkpoint see it (``process``, ``events``, ``counts``,
-``state_dict`` in the ordinary method's format).
+:class:`BatchedSUTA` batches ``suta`` and ``csuta``; ``tta_brain.methods.batched_dsuta`` adds the
+slow learner of ``dsuta``. The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
+(every adapted tensor of a run, in the selection's order) and AdamW's moments ``M, V [R, N]`` with
+a step count per run. Per utterance: the runs' own resets (episodic: every utterance; continual:
+their policy: none, fixed, oracle, dynamic), then step n = 0 .. max(N_r) - 1 over the runs with
+``n < N_r`` (a run with fewer steps leaves its parameters and moments alone), the per-run losses
+summed for one backward (the runs do not mix: each row's gradient is its own loss's), each run's
+AdamW update with its own learning rates, and one batched prediction. A non-finite loss or
+gradient skips that run's update only, as the host step does. The dynamic reset's LII losses are
+one batched forward too (every run's phi_D and the source). :class:`BatchedSUTA` is driven by
+``tta_brain.sweep``; :class:`RunView` is one run's method as the Brain and its checkpoint see it
+(``process``, ``events``, ``counts``, ``state_dict`` in the ordinary method's format).
 """
 import logging
 import math
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch.func import functional_call, vmap
@@ -24,31 +26,145 @@ from tta_brain.lobes.runtime import native_cpu_kernels
 from tta_brain.methods import losses
 from tta_brain.methods.csuta import CSUTA
 from tta_brain.methods.events import Event
-from tta_brain.methods.resets import FixedReset, NoReset, OracleReset
+from tta_brain.methods.resets import DynamicReset, FixedReset, NoReset, OracleReset
 from tta_brain.methods.suta import SUTA
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchedSUTA", "RunView", "batch_blocker"]
+__all__ = ["AdamRows", "BatchedSUTA", "RunView", "POLICIES"]
 
-METHODS = (SUTA, CSUTA)
-POLICIES = (NoReset, FixedReset, OracleReset)
+POLICIES = (NoReset, FixedReset, OracleReset, DynamicReset)
 
 
-def batch_blocker(m) -> Optional[str]:
-    """Why a built method cannot be one run of a batch (None: it can)."""
-    opt = m.optimizer
-    return (f"method {m.name} (batched: suta, csuta)" if type(m) not in METHODS else
-            f"reset {m.reset_policy.name} (batched: none, fixed, oracle)"
-            if m.reset_policy is not None and type(m.reset_policy) not in POLICIES else
-            f"precision {m.runtime.precision} (batched: fp32)" if m.runtime.dtype is not None else
-            "compile" if m.runtime.compile else
-            "train_mode" if m.train_mode else
-            "nothing adapts" if not m.params else
-            f"optimizer {type(opt).__name__} (batched: AdamW, Adam)"
-            if type(opt) not in (torch.optim.AdamW, torch.optim.Adam) else
-            "amsgrad / maximize" if opt.defaults.get("amsgrad") or opt.defaults.get("maximize")
-            else None)
+def optimizer_blocker(opt, what: str = "optimizer") -> Optional[str]:
+    """Why optimiser ``opt`` cannot be batched rows (None: it can)."""
+    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam):
+        return f"{what} {type(opt).__name__} (batched: AdamW, Adam)"
+    if opt.defaults.get("amsgrad") or opt.defaults.get("maximize"):
+        return f"{what}: amsgrad / maximize"
+    return None
+
+
+def optimizer_template(opt, params):
+    """The layout of ``opt.state_dict()`` over ``params``: its param groups, and for each of its
+    state indices the position of the tensor in ``params``."""
+    index = {id(p): k for k, p in enumerate(params)}
+    order = [index[id(p)] for g in opt.param_groups for p in g["params"]]
+    return opt.state_dict()["param_groups"], order
+
+
+def row_lrs(opt, params, numels) -> torch.Tensor:
+    """The learning rate of every element of ``params`` (flat, in their order) in ``opt``."""
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    return torch.cat([torch.full((n,), float(lr_of[id(p)]), dtype=torch.float32)
+                      for p, n in zip(params, numels)])
+
+
+class AdamRows:
+    """R rows of flat parameters ``P [R, N]`` with Adam / AdamW moments ``M, V`` and a step count
+    per row, updated as torch's foreach Adam(W) updates a parameter list, each row with its own
+    learning rates ``lr [R, N]``; ``init [N]``: the value a reset restores. ``opt``: an optimiser
+    of the runs (betas, eps, weight decay, AdamW or Adam)."""
+
+    def __init__(self, init: torch.Tensor, lr: torch.Tensor, opt):
+        self.init, self.lr = init, lr.to(init.device)
+        self.R = lr.shape[0]
+        self.P = init.repeat(self.R, 1)
+        self.M, self.V = torch.zeros_like(self.P), torch.zeros_like(self.P)
+        self.steps = [0] * self.R
+        self.beta1, self.beta2 = opt.defaults["betas"]
+        self.eps = opt.defaults["eps"]
+        self.wd = opt.defaults.get("weight_decay", 0.0) or 0.0
+        self.decoupled = isinstance(opt, torch.optim.AdamW) or bool(
+            opt.defaults.get("decoupled_weight_decay"))
+
+    def index(self, runs: List[int]) -> Optional[torch.Tensor]:
+        """None for all rows in order (no copy), else the rows' index tensor."""
+        return None if runs == list(range(self.R)) else torch.tensor(runs, device=self.P.device)
+
+    def rows(self, runs: List[int]) -> torch.Tensor:
+        idx = self.index(runs)
+        return self.P if idx is None else self.P[idx]
+
+    @torch.no_grad()
+    def update(self, runs: List[int], g: torch.Tensor) -> None:
+        """One Adam(W) step of ``runs`` with their gradient rows ``g [len(runs), N]``."""
+        idx = self.index(runs)
+        for r in runs:
+            self.steps[r] += 1
+        s = [self.steps[r] for r in runs]
+        dev = self.P.device
+        col = lambda vals: torch.tensor(vals, dtype=torch.float32, device=dev)[:, None]
+        if idx is None:
+            p, m, v, lr = self.P, self.M, self.V, self.lr
+        else:
+            p, m, v, lr = self.P[idx], self.M[idx], self.V[idx], self.lr[idx]
+        if self.wd:
+            if self.decoupled:
+                p.mul_(1 - lr * self.wd)
+            else:
+                g = g.add(p, alpha=self.wd)
+        m.lerp_(g, 1 - self.beta1)
+        v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        inv_bc1 = col([-1.0 / (1 - self.beta1 ** k) for k in s])
+        denom = v.sqrt().div_(col([(1 - self.beta2 ** k) ** 0.5 for k in s])).add_(self.eps)
+        p.add_(m.div(denom).mul_(lr * inv_bc1))
+        if idx is not None:
+            self.P[idx], self.M[idx], self.V[idx] = p, m, v
+
+    @torch.no_grad()
+    def reset(self, runs: List[int]) -> None:
+        """Rows back to ``init``, their moments and step counts to zero."""
+        idx = torch.tensor(runs, device=self.P.device)
+        self.P[idx] = self.init
+        self.zero_moments(runs)
+
+    @torch.no_grad()
+    def zero_moments(self, runs: List[int]) -> None:
+        idx = torch.tensor(runs, device=self.P.device)
+        self.M[idx] = 0.0
+        self.V[idx] = 0.0
+        for r in runs:
+            self.steps[r] = 0
+
+    @torch.no_grad()
+    def take(self, other: "AdamRows", runs: List[int], moments: List[int]) -> None:
+        """Rows ``runs`` from ``other``'s (DSUTA's fast learner from the slow one); the moments
+        and step counts of the rows in ``moments`` from ``other``'s, the others' zeroed."""
+        idx = torch.tensor(runs, device=self.P.device)
+        self.P[idx] = other.P[idx]
+        if moments:
+            mi = torch.tensor(moments, device=self.P.device)
+            self.M[mi], self.V[mi] = other.M[mi], other.V[mi]
+            for r in moments:
+                self.steps[r] = other.steps[r]
+        rest = [r for r in runs if r not in moments]
+        if rest:
+            self.zero_moments(rest)
+
+    def state(self, r: int, template, split) -> Dict:
+        """Row ``r``'s moments as the ``state_dict`` of its run's optimiser (``template``: see
+        :func:`optimizer_template`; ``split``: flat row -> the run's tensors)."""
+        groups, order = template
+        m, v = split(self.M[r]), split(self.V[r])
+        step = torch.tensor(float(self.steps[r]), dtype=torch.float32)
+        state = {i: {"step": step.clone(), "exp_avg": m[k].clone(), "exp_avg_sq": v[k].clone()}
+                 for i, k in enumerate(order)}
+        return {"state": state, "param_groups": [dict(g) for g in groups]}
+
+    @torch.no_grad()
+    def load(self, r: int, params, opt, template, numels) -> None:
+        """Row ``r`` from its run's tensors ``params`` and optimiser ``state_dict`` ``opt``."""
+        self.P[r] = torch.cat([p.reshape(-1).to(self.P) for p in params])
+        self.M[r].zero_(), self.V[r].zero_()
+        self.steps[r] = 0
+        _, order = template
+        for i, s in ((opt or {}).get("state") or {}).items():
+            k = order[int(i)]
+            off = sum(numels[:k])
+            self.M[r, off:off + numels[k]] = s["exp_avg"].reshape(-1).to(self.M)
+            self.V[r, off:off + numels[k]] = s["exp_avg_sq"].reshape(-1).to(self.V)
+            self.steps[r] = int(s["step"])
 
 
 class RunView:
@@ -64,6 +180,7 @@ class RunView:
         self.events: List[Event] = []
         self.t = 0
         self.hyp: Optional[str] = None          # set by the batch, returned by process
+        self.losses: Dict = {}                  # the LII losses the batch computed (loss_with)
         self.reset_policy = method.reset_policy
         if self.reset_policy is not None:
             self.reset_policy.bind(self)
@@ -83,7 +200,15 @@ class RunView:
         return hyp
 
     def meta_values(self):
-        return self.batch.values(self.r)
+        return self.batch.meta_values(self.r)
+
+    def loss_with(self, values, x) -> float:
+        """The SUTA loss of this utterance under ``values`` (the policy's phi_D) or the source
+        (None), as the batch computed it (``BatchedSUTA.lii_losses``)."""
+        if values is not None and values is not getattr(self.reset_policy, "phi_D", None):
+            raise RuntimeError(f"batched run {self.r}: loss_with only knows phi_D and the source")
+        self.counts["aux_forward"] += 1
+        return self.losses.pop("source" if values is None else "phi_D")
 
     def record_skip(self, why: str) -> None:
         self.counts["skipped_steps"] += 1
@@ -97,8 +222,7 @@ class RunView:
             self.reset_policy.on_reset(after)
 
     def state_dict(self):
-        sd = {"t": self.t, "counts": dict(self.counts), "params": self.batch.values(self.r),
-              "optimizer": self.batch.optimizer_state(self.r)}
+        sd = {"t": self.t, "counts": dict(self.counts)} | self.batch.state_dict(self.r)
         if self.reset_policy is not None:
             sd["reset_policy"] = self.reset_policy.state_dict()
         return sd
@@ -106,98 +230,96 @@ class RunView:
     def load_state_dict(self, sd):
         self.t = sd["t"]
         self.counts.update(sd["counts"])
-        self.batch.load(self.r, sd["params"], sd.get("optimizer"))
+        self.batch.load_state_dict(self.r, sd)
         if self.reset_policy is not None and "reset_policy" in sd:
             self.reset_policy.load_state_dict(sd["reset_policy"])
 
 
 class BatchedSUTA:
-    """R SUTA-family runs on ``lobe`` (the model of ``methods[0]``). ``methods``: the runs' built
-    methods (each checked by :func:`batch_blocker`; the same selection, betas and eps); only
-    their settings and optimisers' learning rates are read, their own models are not used."""
+    """R runs of ``suta`` or ``csuta`` on ``lobe`` (the model of ``methods[0]``). ``methods``:
+    the runs' built methods (each checked by :meth:`blocker`; one method, the same selection,
+    betas and eps); only their settings and optimisers' learning rates are read, their own
+    models are not used. Subclasses (``batched_dsuta``) override the hooks of :meth:`process`:
+    ``adapt``, ``update_due``, ``meta_update``, ``reset``, ``meta_values`` and the state."""
+
+    #: the method classes this batch runs
+    methods = (SUTA, CSUTA)
+
+    @classmethod
+    def blocker(cls, m) -> Optional[str]:
+        """Why a built method cannot be one run of this batch (None: it can)."""
+        names = ", ".join(c.name for c in cls.methods)
+        return (f"method {m.name} (this batch: {names})" if type(m) not in cls.methods
+                else f"reset {m.reset_policy.name} (batched: none, fixed, oracle, dynamic)"
+                if m.reset_policy is not None and type(m.reset_policy) not in POLICIES else
+                f"precision {m.runtime.precision} (batched: fp32)" if m.runtime.dtype is not None
+                else "compile" if m.runtime.compile else
+                "train_mode" if m.train_mode else
+                "nothing adapts" if not m.params else
+                optimizer_blocker(m.optimizer))
 
     def __init__(self, lobe, methods: Sequence):
         first = methods[0]
         for i, m in enumerate(methods):
-            why = batch_blocker(m)
+            why = self.blocker(m)
             if why:
                 raise ValueError(f"run {i + 1}: {why}")
+            if type(m) is not type(first):
+                raise ValueError(f"run {i + 1}: method {m.name}, run 1's is {first.name}")
             if m.param_names != first.param_names:
                 raise ValueError(f"run {i + 1}: adapts other parameters than run 1")
-            for k in ("betas", "eps", "weight_decay"):
-                if m.optimizer.defaults.get(k) != first.optimizer.defaults.get(k):
-                    raise ValueError(f"run {i + 1}: optimizer {k} differs from run 1's")
+            self._same(i, m.optimizer, first.optimizer, "optimizer")
         self.lobe, self.R = lobe, len(methods)
         self.names = [f"model.{n}" for n in first.param_names]
         self.shapes = [p.shape for p in first.params]
         self.numels = [p.numel() for p in first.params]
-        dev = lobe.device
-        self.source = torch.cat([p.detach().reshape(-1) for p in first.source]).to(dev)
-        self.P = self.source.repeat(self.R, 1)
-        self.M, self.V = torch.zeros_like(self.P), torch.zeros_like(self.P)
-        self.n_steps = [0] * self.R
-        self.beta1, self.beta2 = first.optimizer.defaults["betas"]
-        self.eps = first.optimizer.defaults["eps"]
-        self.wd = first.optimizer.defaults.get("weight_decay", 0.0) or 0.0
-        self.decoupled = isinstance(first.optimizer, torch.optim.AdamW) or bool(
-            first.optimizer.defaults.get("decoupled_weight_decay"))
-        self.lr = torch.stack([self._lrs(m) for m in methods])          # [R, N]
-        self.templates = [self._template(m) for m in methods]
+        self.source = torch.cat([p.detach().reshape(-1) for p in first.source]).to(lobe.device)
+        self.fast = AdamRows(self.source, torch.stack(
+            [row_lrs(m.optimizer, m.params, self.numels) for m in methods]), first.optimizer)
+        self.templates = [optimizer_template(m.optimizer, m.params) for m in methods]
         self.blank_id = first.blank_id
-        self.cpu_native = lobe.runtime.cpu_native_backward and dev.type == "cpu"
+        self.cpu_native = lobe.runtime.cpu_native_backward and lobe.device.type == "cpu"
         self.views = [RunView(self, r, m) for r, m in enumerate(methods)]
 
+    @staticmethod
+    def _same(i, opt, first, what):
+        for k in ("betas", "eps", "weight_decay"):
+            if opt.defaults.get(k) != first.defaults.get(k):
+                raise ValueError(f"run {i + 1}: {what} {k} differs from run 1's")
+
+    @property
+    def P(self) -> torch.Tensor:
+        """The runs' adapted parameters ``[R, N]``."""
+        return self.fast.P
+
     # ------------------------------------------------------------- per-run state
-    def _lrs(self, m) -> torch.Tensor:
-        """The run's learning rate of every adapted element (its optimiser's groups)."""
-        lr_of = {id(p): g["lr"] for g in m.optimizer.param_groups for p in g["params"]}
-        return torch.cat([torch.full((n,), float(lr_of[id(p)]), dtype=torch.float32)
-                          for p, n in zip(m.params, self.numels)]).to(self.P.device)
-
-    def _template(self, m):
-        """The run's optimiser ``state_dict`` layout: param groups, state index -> tensor."""
-        index = {id(p): k for k, p in enumerate(m.params)}
-        order = [index[id(p)] for g in m.optimizer.param_groups for p in g["params"]]
-        return m.optimizer.state_dict()["param_groups"], order
-
-    def _rows(self, flat: torch.Tensor) -> List[torch.Tensor]:
+    def split(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """A flat row as the run's tensors (views)."""
         return [t.view(s) for t, s in zip(flat.split(self.numels, -1), self.shapes)]
+
+    def flat(self, tensors) -> torch.Tensor:
+        """The run's tensors as one flat row."""
+        return torch.cat([t.reshape(-1).to(self.source) for t in tensors])
 
     def values(self, r: int) -> List[torch.Tensor]:
         """Run ``r``'s adapted tensors (copies)."""
-        return [t.clone() for t in self._rows(self.P[r])]
+        return [t.clone() for t in self.split(self.fast.P[r])]
 
-    def optimizer_state(self, r: int):
-        """Run ``r``'s AdamW state in the format of its own optimiser's ``state_dict``."""
-        groups, order = self.templates[r]
-        m, v = self._rows(self.M[r]), self._rows(self.V[r])
-        step = torch.tensor(float(self.n_steps[r]), dtype=torch.float32)
-        state = {i: {"step": step.clone(), "exp_avg": m[k].clone(), "exp_avg_sq": v[k].clone()}
-                 for i, k in enumerate(order)}
-        return {"state": state, "param_groups": [dict(g) for g in groups]}
+    def meta_values(self, r: int) -> List[torch.Tensor]:
+        """Run ``r``'s phi_t, the tensors its reset policy tests (copies)."""
+        return self.values(r)
 
-    @torch.no_grad()
-    def load(self, r: int, params, opt) -> None:
-        self.P[r] = torch.cat([p.reshape(-1).to(self.P) for p in params])
-        self.M[r].zero_(), self.V[r].zero_()
-        self.n_steps[r] = 0
-        _, order = self.templates[r]
-        for i, s in ((opt or {}).get("state") or {}).items():
-            k = order[int(i)]
-            off = sum(self.numels[:k])
-            self.M[r, off:off + self.numels[k]] = s["exp_avg"].reshape(-1).to(self.M)
-            self.V[r, off:off + self.numels[k]] = s["exp_avg_sq"].reshape(-1).to(self.V)
-            self.n_steps[r] = int(s["step"])
+    def state_dict(self, r: int) -> Dict:
+        """Run ``r``'s parameters and optimiser state in its method's checkpoint format."""
+        return {"params": self.values(r),
+                "optimizer": self.fast.state(r, self.templates[r], self.split)}
 
-    @torch.no_grad()
+    def load_state_dict(self, r: int, sd: Dict) -> None:
+        self.fast.load(r, sd["params"], sd.get("optimizer"), self.templates[r], self.numels)
+
     def reset(self, runs: List[int]) -> None:
         """Runs back to the source: parameters and optimiser state."""
-        idx = torch.tensor(runs, device=self.P.device)
-        self.P[idx] = self.source
-        self.M[idx] = 0.0
-        self.V[idx] = 0.0
-        for r in runs:
-            self.n_steps[r] = 0
+        self.fast.reset(runs)
 
     # ------------------------------------------------------------- passes
     def logits(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +328,7 @@ class BatchedSUTA:
         kernels have no vmap batching rule on CPU (a per-row loop) and failed in the backward on
         CUDA; the same maths, other rounding."""
         def one(row):
-            return functional_call(self.lobe, dict(zip(self.names, self._rows(row))), (x,))
+            return functional_call(self.lobe, dict(zip(self.names, self.split(row))), (x,))
         config = self.lobe.model.config
         attn = getattr(config, "_attn_implementation", None)
         try:
@@ -217,25 +339,28 @@ class BatchedSUTA:
             if attn is not None:
                 config._attn_implementation = attn
 
-    def step(self, runs: List[int], x: torch.Tensor) -> None:
-        """One adaptation step of ``runs`` on ``x``."""
+    def _loss(self, logits: torch.Tensor, v: RunView) -> torch.Tensor:
+        return losses.suta_loss(logits, alpha=v.em_coef, temperature=v.temperature,
+                                blank_id=self.blank_id).mean()
+
+    def step(self, runs: List[int], x: torch.Tensor, update: bool = True):
+        """One adaptation step of ``runs`` on ``x``: the runs whose loss and gradient were finite
+        and their gradient rows (None if none). ``update=False``: the gradients only (DSUTA's
+        slow gradient with no fast steps), non-finite ones dropped without a skip record."""
         views = [self.views[r] for r in runs]
-        idx = torch.tensor(runs, device=self.P.device)
-        whole = runs == list(range(self.R))
-        leaf = (self.P if whole else self.P[idx]).detach().requires_grad_(True)
+        leaf = self.fast.rows(runs).detach().requires_grad_(True)
         logits = self.logits(leaf, x)
-        per_run = [losses.suta_loss(logits[j], alpha=v.em_coef, temperature=v.temperature,
-                                    blank_id=self.blank_id).mean() for j, v in enumerate(views)]
+        per_run = [self._loss(logits[j], v) for j, v in enumerate(views)]
         values = torch.stack([l.detach() for l in per_run]).tolist()    # one host read
         ok = []
         for j, v in enumerate(views):
             v.counts["adapt_forward"] += 1
             if math.isfinite(values[j]):
                 ok.append(j)
-            else:
+            elif update:
                 v.record_skip(f"non-finite loss {values[j]}")
         if not ok:
-            return
+            return [], None
         total = sum(per_run[j] for j in ok)
         if self.cpu_native:
             with native_cpu_kernels():
@@ -248,47 +373,36 @@ class BatchedSUTA:
             views[j].counts["adapt_backward"] += 1
             if finite[j]:
                 apply.append(j)
-            else:
+            elif update:
                 views[j].record_skip("non-finite gradient")
-        if apply:
-            self._adamw([runs[j] for j in apply], grad if len(apply) == len(runs)
-                        else grad[torch.tensor(apply, device=grad.device)])
-
-    @torch.no_grad()
-    def _adamw(self, runs: List[int], g: torch.Tensor) -> None:
-        """AdamW (torch's foreach update, row by row with each run's lr) on ``runs``."""
-        whole = runs == list(range(self.R))
-        for r in runs:
-            self.n_steps[r] += 1
-        s = [self.n_steps[r] for r in runs]
-        dev = self.P.device
-        col = lambda vals: torch.tensor(vals, dtype=torch.float32, device=dev)[:, None]
-        if whole:
-            p, m, v, lr = self.P, self.M, self.V, self.lr
-        else:
-            idx = torch.tensor(runs, device=dev)
-            p, m, v, lr = self.P[idx], self.M[idx], self.V[idx], self.lr[idx]
-        if self.wd:
-            if self.decoupled:
-                p.mul_(1 - lr * self.wd)
-            else:
-                g = g.add(p, alpha=self.wd)
-        m.lerp_(g, 1 - self.beta1)
-        v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-        inv_bc1 = col([-1.0 / (1 - self.beta1 ** k) for k in s])
-        denom = v.sqrt().div_(col([(1 - self.beta2 ** k) ** 0.5 for k in s])).add_(self.eps)
-        p.add_(m.div(denom).mul_(lr * inv_bc1))
-        if not whole:
-            self.P[idx], self.M[idx], self.V[idx] = p, m, v
+        if not apply:
+            return [], None
+        g = grad if len(apply) == len(runs) else grad[torch.tensor(apply, device=grad.device)]
+        applied = [runs[j] for j in apply]
+        if update:
+            self.fast.update(applied, g)
+        return applied, g
 
     @torch.no_grad()
     def transcripts(self, runs: List[int], x: torch.Tensor) -> List[str]:
-        whole = runs == list(range(self.R))
-        flat = self.P if whole else self.P[torch.tensor(runs, device=self.P.device)]
-        logits = self.logits(flat, x)
+        logits = self.logits(self.fast.rows(runs), x)
         for r in runs:
             self.views[r].counts["infer_forward"] += 1
         return self.lobe.decode_labels(logits[:, 0].argmax(-1).cpu())
+
+    @torch.no_grad()
+    def lii_losses(self, views: List[RunView], x: torch.Tensor) -> None:
+        """For the runs whose reset policy computes an LII on this utterance: the SUTA losses
+        under their phi_D and under the source, one batched forward (read by ``loss_with``)."""
+        want = [v for v in views if v.reset_policy.needs_lii(v.t + 1)]
+        if not want:
+            return
+        rows = torch.stack([self.flat(v.reset_policy.phi_D) for v in want] + [self.source])
+        logits = self.logits(rows, x)
+        values = torch.stack([l for j, v in enumerate(want) for l in
+                              (self._loss(logits[j], v), self._loss(logits[-1], v))]).tolist()
+        for j, v in enumerate(want):
+            v.losses = {"phi_D": values[2 * j], "source": values[2 * j + 1]}
 
     # ------------------------------------------------------------- the skeleton, batched
     @torch.enable_grad()
@@ -304,17 +418,43 @@ class BatchedSUTA:
                 why = v.reset_policy.before_utterance(info)
                 if why:
                     v.reset_meta(v.t, info.position, why)
-        for n in range(max(v.steps for v in views)):
-            todo = [v.r for v in views if n < v.steps]
-            self.step(todo, x)
+        self.adapt(runs, x)
         for v, hyp in zip(views, self.transcripts(runs, x)):
             v.hyp = hyp
-            t = v.t + 1
+        self.after(views, x, info)
+        for v in views:
+            v.t += 1
+
+    def adapt(self, runs: List[int], x: torch.Tensor) -> None:
+        """The runs' adaptation steps on ``x`` (before the prediction)."""
+        for n in range(max(self.views[r].steps for r in runs)):
+            self.step([r for r in runs if n < self.views[r].steps], x)
+
+    def after(self, views: List[RunView], x: torch.Tensor, info) -> None:
+        """The continual runs' policies after the prediction (``TTAMethod._policy_after``): the
+        LII, then at an update a reset or the meta-update, then the end of the step."""
+        views = [v for v in views if not v.episodic]
+        self.lii_losses([v for v in views if v.reset_policy is not None], x)
+        due = []
+        for v in views:
             policy = v.reset_policy
-            if not v.episodic and policy is not None:
-                policy.after_utterance(t, x, info)
-                why = policy.at_update(t)
+            if policy is not None:
+                policy.after_utterance(v.t + 1, x, info)
+            if self.update_due(v.r):
+                why = policy.at_update(v.t + 1) if policy is not None else None
                 if why:
-                    v.reset_meta(t, info.position + 1, why)
-                policy.end_step(t)
-            v.t = t
+                    v.reset_meta(v.t + 1, info.position + 1, why)
+                else:
+                    due.append(v.r)
+        if due:
+            self.meta_update(due)
+        for v in views:
+            if v.reset_policy is not None:
+                v.reset_policy.end_step(v.t + 1)
+
+    def update_due(self, r: int) -> bool:
+        """Is run ``r``'s meta-update due after this utterance (``TTAMethod.update_due``)?"""
+        return True
+
+    def meta_update(self, runs: List[int]) -> None:
+        """The meta-update of ``runs`` (``TTAMethod.meta_update``: none for the SUTA family)."""

@@ -56,6 +56,10 @@ class ResetPolicy:
     def after_utterance(self, t: int, x: torch.Tensor, info) -> None:
         pass
 
+    def needs_lii(self, t: int) -> bool:
+        """Does ``after_utterance(t, ...)`` compute an LII (two ``loss_with`` calls)?"""
+        return False
+
     def at_update(self, t: int) -> Optional[str]:
         return None
 
@@ -162,8 +166,11 @@ class DynamicReset(ResetPolicy):
         self.mu = self.sigma = None
         self.counter = 0
 
+    def needs_lii(self, t):
+        return self.have_phi_D and t > self.last + self.k
+
     def after_utterance(self, t, x, info):
-        if not self.have_phi_D or t <= self.last + self.k:
+        if not self.needs_lii(t):
             return
         m = self.method
         lii = m.loss_with(self.phi_D, x) - m.loss_with(None, x)
