@@ -210,3 +210,54 @@ def test_grid_groups_runs_into_batches(data, tmp_path):
     runs = grid.plan_runs(bad)
     grid.check_done(runs)
     assert all(len(u) == 1 for u in grid.batches(runs, 3))
+
+
+def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
+    """A batched DSUTA run's state (mid-buffer, mid-construction of its dynamic reset) resumes a
+    separate DSUTA, and a separate DSUTA's state resumes a batched run: both go on as the run
+    that was never stopped (the checkpoint format is the method's, both ways)."""
+    import soundfile as sf
+    from tta_brain.methods import UttInfo
+    from tta_brain.methods.batched_dsuta import BatchedDSUTA
+    from tta_brain.methods.resets import make_reset_policy
+    wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
+            for p in sorted((data["root"] / "wav").glob("*.wav"))][:16]
+    info = lambda i: UttInfo(position=i, segment=str(i // 7))
+    cfgs = [dict(lr=3e-2, steps=1, buffer_size=3), dict(lr=1e-2, steps=2, buffer_size=2)]
+    build = lambda c: make("dsuta", reset_policy=make_reset_policy("dynamic", K=6), **c)
+    cut = 8                                       # run 1's buffer holds 2, run 2's none
+
+    def batch_of(methods):
+        return BatchedDSUTA(methods[0].lobe, methods)
+
+    def go(b, lo, hi):
+        out = [[] for _ in b.views]
+        for i in range(lo, hi):
+            b.process(list(range(len(b.views))), wavs[i], info(i))
+            for r, v in enumerate(b.views):
+                out[r].append(v.process(wavs[i]))
+        return out
+
+    whole = batch_of([build(c) for c in cfgs])
+    full = go(whole, 0, len(wavs))
+    first = batch_of([build(c) for c in cfgs])
+    assert go(first, 0, cut) == [h[:cut] for h in full]
+    states = [v.state_dict() for v in first.views]
+    assert states[0]["n_buffered"] == 2 and states[0]["reset_policy"]["have_phi_D"]
+    for r, c in enumerate(cfgs):                  # batch -> the method
+        m = build(c)
+        m.load_state_dict(states[r])
+        assert [m.process(w, info(i)) for i, w in enumerate(wavs[cut:], cut)] == full[r][cut:]
+        assert max_diff(m.meta, whole.meta_values(r)) < PARAM_TOL
+    seps = [build(c) for c in cfgs]               # the method -> a batch
+    for m in seps:
+        for i, w in enumerate(wavs[:cut]):
+            m.process(w, info(i))
+    again = batch_of([build(c) for c in cfgs])
+    for v, m in zip(again.views, seps):
+        v.load_state_dict(m.state_dict())
+    assert go(again, cut, len(wavs)) == [h[cut:] for h in full]
+    assert [v.counts for v in again.views] == [v.counts for v in whole.views]
+    for r in range(len(cfgs)):
+        assert max_diff(again.meta_values(r), whole.meta_values(r)) < PARAM_TOL
+        assert again.n_buffered[r] == whole.n_buffered[r]
