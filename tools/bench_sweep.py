@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """Batched sweep vs separate runs (``tta_brain.sweep``, issue #22 item 6).
 
-CPU (default): R SUTA runs (lr 1e-4 x 1, 2, 3, ...) of the tests' tiny model over the same
-generated utterances, batched (one ``BatchedSUTA``) vs one after another in this process; s per
-audio second of all R runs together for both, the ratio, and whether the transcripts agree::
+CPU (default): R runs of ``--method`` (suta, csuta or dsuta; lr 1e-4 x 1, 2, 3, ...; ``--reset``
+for the continual ones, the dynamic reset with ``K = max(4, n_utts // 3)``) of the tests' tiny model over
+the same generated utterances, batched (one batch of ``tta_brain.sweep``) vs one after another in
+this process; s per audio second of all R runs together for both, the ratio, and whether the
+transcripts agree::
 
     python tools/bench_sweep.py [--runs 4] [--n_utts 6] [--steps 10] [--seconds 2]
+        [--method dsuta --reset dynamic]
 
-``--gpu`` (what ``tools/gpu_check.py``'s ``sweep`` section runs): a generated stream decoded by
-R SUTA runs (different lr) as one ``python -m tta_brain.sweep`` process vs R
+``gpu_bench`` (what ``tools/gpu_check.py``'s ``sweep`` section runs): a generated stream decoded by
+R runs (SUTA, or the check's ``--sweep_method``; different lr) as one ``python -m tta_brain.sweep``
+process vs R
 ``python -m tta_brain.decode`` processes started together on the same device; throughput = R x the
 stream's audio seconds over the span of the decode loops (first "Decoding" to last summary line of
 the runs' log.txt: process start-up and model loading left out) and over the processes' wall time.
@@ -28,38 +32,43 @@ for _p in (ROOT, TOOLS):
         sys.path.insert(0, _p)
 
 
-def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None):
+def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta", reset="none"):
     import torch
     torch.set_num_threads(threads)
     from bench_memory import speech_like_wavs
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.lobes.testing import TINY, save_random_ctc_model
     from tta_brain.methods import UttInfo, build_method
-    from tta_brain.methods.batched import BatchedSUTA
+    from tta_brain.methods.resets import make_reset_policy
+    from tta_brain.sweep import batch_for
     if model is None:
         model = save_random_ctc_model("/tmp/bench_sweep_tiny", 0, **dict(
             TINY, feat_extract_norm="group", do_stable_layer_norm=False))
     wavs = speech_like_wavs(n_utts, 0.9 * seconds, 1.1 * seconds, seed=3)
     audio = sum(w.numel() for w in wavs) / 16000
     lrs = [1e-4 * (r + 1) for r in range(runs)]
-    build = lambda lr: build_method("suta", model=HFCTCLobe(model), lr=lr, steps=steps)
+    policy = lambda: (None if method == "suta" else
+                      make_reset_policy(reset, every=max(2, n_utts // 3), K=max(4, n_utts // 3)))
+    build = lambda lr: build_method(method, model=HFCTCLobe(model), lr=lr, steps=steps,
+                                    reset_policy=policy())
     sep_hyps, t0 = [], time.perf_counter()
     for lr in lrs:
         m = build(lr)
         sep_hyps.append([m.process(w, UttInfo(position=i)) for i, w in enumerate(wavs)])
     t_sep = time.perf_counter() - t0
     ms = [build(lr) for lr in lrs]
-    batch = BatchedSUTA(ms[0].lobe, ms)
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
     bat_hyps, t0 = [[] for _ in lrs], time.perf_counter()
     for i, w in enumerate(wavs):
         batch.process(list(range(runs)), w, UttInfo(position=i))
         for r, v in enumerate(batch.views):
             bat_hyps[r].append(v.process(w))
     t_bat = time.perf_counter() - t0
-    res = dict(runs=runs, n_utts=n_utts, steps=steps, audio_s=audio,
+    res = dict(method=method, reset=reset, runs=runs, n_utts=n_utts, steps=steps, audio_s=audio,
                separate_s_per_audio_s=t_sep / audio, batched_s_per_audio_s=t_bat / audio,
                speedup=t_sep / t_bat, same_transcripts=sep_hyps == bat_hyps)
-    print(f"{runs} SUTA runs x {n_utts} utterances ({audio:.1f} audio s each), {steps} steps, "
+    label = method + ("" if method == "suta" else f"+{reset}")
+    print(f"{runs} {label} runs x {n_utts} utterances ({audio:.1f} audio s each), {steps} steps, "
           f"{threads} thread(s): separate {t_sep / audio:.3f} s per audio s (all runs), batched "
           f"{t_bat / audio:.3f}: {t_sep / t_bat:.2f}x; same transcripts: {res['same_transcripts']}")
     return res
@@ -79,13 +88,15 @@ def _span(folders):
     return (max(ends) - min(starts)).total_seconds()
 
 
-def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, timeout=400):
-    """Batched sweep vs ``runs`` concurrent decode processes on one device; a dict of figures."""
+def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, timeout=400,
+              method="suta", opts=()):
+    """Batched sweep vs ``runs`` concurrent decode processes on one device; a dict of figures.
+    ``method``: the method token, ``opts``: decode options of every run (e.g. its reset)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     lrs = [f"{1e-5 * (r + 1):.0e}" for r in range(runs)]
 
     def argv(out, lr):
-        return ["suta", f"--source={model}", f"--stream_csv={stream}", f"--output_folder={out}",
+        return [method, *opts, f"--source={model}", f"--stream_csv={stream}", f"--output_folder={out}",
                 f"--data_root={data_root}", f"--device={device}", "--noprogressbar",
                 "--overwrite", f"--steps={steps}", f"--lr={lr}"]
     res = {}
@@ -128,9 +139,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--method", default="suta", choices=("suta", "csuta", "dsuta"))
+    p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"))
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
-    res = cpu_bench(a.runs, a.n_utts, a.steps, a.seconds, a.threads)
+    res = cpu_bench(a.runs, a.n_utts, a.steps, a.seconds, a.threads, method=a.method,
+                    reset=a.reset)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

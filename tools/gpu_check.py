@@ -48,7 +48,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    FOA with the CMA-ES population batched vs one candidate at a time vs the reference's loop.
 
 ``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
-8 SUTA runs (10 steps, lr 1e-5 .. 8e-5) on the random base-sized model, as one batched sweep
+8 SUTA runs (10 steps, lr 1e-5 .. 8e-5; ``--sweep_method dsuta+dynamic``: DSUTA with the dynamic
+reset, buffer 2, K a third of the stream, at least 4) on the random base-sized model, as one batched sweep
 process (``python -m tta_brain.sweep``) vs 8 ``python -m tta_brain.decode`` processes started
 together on the GPU (``tools/bench_sweep.py``): throughput of both over the decode loops and over
 the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree.
@@ -142,6 +143,8 @@ def parse_args(argv=None):
                    help="a checkout of the official code (hhhaaahhhaa/Dynamic-SUTA: its src/, "
                         "config/ and vocab.json) for the section official; not shipped")
     p.add_argument("--sweep_utts", type=int, default=12, help="utterances of the sweep stream")
+    p.add_argument("--sweep_method", default="suta", choices=("suta", "dsuta+dynamic"),
+                   help="the runs of the sweep section")
     p.add_argument("--cpu_smoke", action="store_true",
                    help="every section on CPU with a tiny model and a few utterances (no figures)")
     args = p.parse_args(argv)
@@ -769,11 +772,16 @@ def section_sweep(args, rep, work):
     rows = bench_memory.make_audio(data, args.sweep_utts, secs, block=8, n_lengths=0)
     stream = os.path.join(data, "stream.csv")
     bench_memory.write_stream(stream, rows)
+    method, opts = "suta", ()
+    if args.sweep_method == "dsuta+dynamic":
+        method, opts = "dsuta", ("--reset=dynamic", "--buffer_size=2",
+                                 f"--reset_K={max(4, args.sweep_utts // 3)}")
     res = bench_sweep.gpu_bench(model, stream, data, os.path.join(work, "sweep"), args.device,
-                                runs=runs, steps=steps)
+                                runs=runs, steps=steps, method=method, opts=opts)
+    res["method"] = args.sweep_method
     for arm in ("separate", "batched"):
         r = res[arm]
-        rep.say(f"{runs} SUTA runs {arm:<9}: {r['audio_s']:.1f} audio s in {r['loop_s']:.1f} s of "
+        rep.say(f"{runs} {args.sweep_method} runs {arm:<9}: {r['audio_s']:.1f} audio s in {r['loop_s']:.1f} s of "
                 f"decode loops ({r['audio_per_s_loop']:.1f} audio s/s), {r['wall_s']:.1f} s wall "
                 f"({r['audio_per_s_wall']:.1f} audio s/s)")
     rep.say(f"batched / separate throughput: {res['ratio_loop']:.2f}x (decode loops), "
