@@ -370,6 +370,34 @@ def test_replays_read_nothing_on_the_host(tiny_model_dir, utterances, name, buck
     assert control.seen
 
 
+@pytest.mark.parametrize("buckets", [0.0, 0.25])
+def test_dynamic_reset_reads_its_lii_with_the_transcript(tiny_model_dir, utterances, buckets):
+    """The dynamic reset's two LII losses are queued before the adaptation and read in the
+    transcript's one copy: after the prediction, the policy's hooks (LII, z-test, slow step or
+    reset) read nothing on the device; the LII values are the host step's to rounding."""
+    items = stream(utterances, 14, BUCKET_LENGTHS if buckets else LENGTHS)
+    h = build(tiny_model_dir, "dsuta+dynamic", "host")
+    g = build(tiny_model_dir, "dsuta+dynamic", "graph", runtime={"cuda_graph_buckets": buckets,
+                                                                 "cuda_graph_cache": 4})
+    after, seen = g._policy_after, []
+
+    def watched(*a):
+        with HostReads() as reads:
+            after(*a)
+        seen.append(reads.seen)
+    g._policy_after = watched
+    assert run(h, items) == run(g, items)
+    assert seen == [[]] * len(items)
+    (hr, hp, hv), (gr, gp, gv) = events(h), events(g)
+    assert len(gv) >= 8 and [r[:2] for r in hr] == [r[:2] for r in gr] and hp == gp
+    assert max(abs(a - b) for a, b in zip(hv, gv)) < 1e-5
+    assert h.counts == g.counts
+    with torch.no_grad():                                      # the detector sees the old way
+        with HostReads() as control:
+            float(g.loss_tensor(None, g.lobe.prepare(items[0][0])))
+    assert control.seen
+
+
 def recorded(m, exact=True):
     """The method's events as (kind, position, reason); not ``exact``: the reason up to its first
     colon (padded sums may print an entropy's last digit differently)."""

@@ -253,15 +253,23 @@ class DeviceStep:
         to_device_optimizer(opt)
 
     def transcript(self, logits: torch.Tensor) -> str:
-        """The prediction's text; the utterance's step counters are read in the same copy and its
+        """The prediction's text; the utterance's step counters, the method's filter rows and
+        the LII losses it computed ahead (``early_losses``) are read in the same copy, its
         skipped steps recorded with the method."""
         m = self.m
-        if not self.flags.pending:
+        early = [k for k, v in m.early_losses.items() if torch.is_tensor(v)]
+        if not self.flags.pending and not early:
             self.skipped_hooks = 0
             return m.lobe.decode(logits)[0]
         gate = self.filter
+        parts = ([] if gate is None else [gate.packed().reshape(-1)]) + (
+            [torch.stack([m.early_losses[k].reshape(()) for k in early]).to(torch.float64)]
+            if early else [])
         labels, counts, rows = self.flags.fetch(logits.argmax(-1),
-                                                None if gate is None else gate.packed())
+                                                torch.cat(parts) if parts else None)
+        if early:
+            m.early_losses.update(zip(early, rows[len(rows) - len(early):]))
+            rows = rows[:len(rows) - len(early)]
         reasons, self.skipped_hooks = skipped(counts)
         for why in reasons:
             m.record_skip(why, clear_grads=False)

@@ -82,6 +82,7 @@ class TTAMethod:
         self.counts = {"adapt_forward": 0, "adapt_backward": 0, "infer_forward": 0,
                        "aux_forward": 0, "skipped_steps": 0}
         self.events: List[Event] = []
+        self.early_losses: Dict[str, object] = {}    # this utterance's LII losses (loss_with)
         self.t = 0                                   # utterances processed
         self.info = UttInfo()                        # the utterance being processed
         self.adapt_params = list(adapt_params or ())
@@ -197,13 +198,33 @@ class TTAMethod:
         return self.step.transcript(self.forward(x, "infer_forward"))
 
     @torch.no_grad()
-    def loss_with(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> float:
-        """SUTA loss of ``x`` with the adapted parameters set to ``values`` (None = source)."""
+    def loss_tensor(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        """SUTA loss of ``x`` with the adapted parameters set to ``values`` (None = source), a
+        0-d tensor on the model's device (counted as an ``aux_forward``)."""
         values = self.source if values is None else values
         self.counts["aux_forward"] += 1
         logits = self.logits(x, values)
-        return float(losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
-                                      blank_id=self.blank_id).mean())
+        return losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
+                                blank_id=self.blank_id).mean()
+
+    def loss_with(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> float:
+        """:meth:`loss_tensor` as a float: the one computed ahead for this utterance's LII
+        (``early_losses``: ``phi_D`` / ``source``) where there is one, else computed now."""
+        key = "source" if values is None else "phi_D"
+        if key in self.early_losses and (values is None or values is getattr(
+                self.reset_policy, "phi_D", None)):
+            return float(self.early_losses.pop(key))
+        return float(self.loss_tensor(values, x))
+
+    def _losses_ahead(self, t: int, x: torch.Tensor) -> None:
+        """The reset policy's LII losses of utterance ``t`` (they depend on phi_D, the source and
+        ``x`` alone), queued before the adaptation: the device step reads them with the
+        transcript, in its one copy (no host sync of their own)."""
+        policy = self.reset_policy
+        self.early_losses = {}
+        if policy is not None and policy.needs_lii(t):
+            self.early_losses = {"phi_D": self.loss_tensor(policy.phi_D, x),
+                                 "source": self.loss_tensor(None, x)}
 
     # ------------------------------------------------------------- the skeleton
     @torch.enable_grad()
@@ -218,6 +239,7 @@ class TTAMethod:
                 hyp = self.forward_and_adapt(x, info)
             else:
                 self._policy_before(t, info)
+                self._losses_ahead(t, x)
                 hyp = self.forward_and_adapt(x, info)
                 self._policy_after(t, x, info)
         finally:

@@ -14,7 +14,7 @@ continual: the reset-policy hooks around it), ``events``, ``counts``, ``state_di
 (1: one at a time; with ``shared_prefix: false`` each from the input again, as the reference).
 The carried state (``free_state``) is saved with the checkpoint; ``reset()`` goes back to
 ``initial_state()``. For the dynamic reset policy, the carried state is ``meta_values()`` and
-``loss_with(values, x)`` the method's fitness with it.
+``loss_tensor(values, x)`` the method's fitness with it.
 
 Counts: ``adapt_forward`` = candidates evaluated (one per candidate, batched or not),
 ``aux_forward`` = policy passes, ``infer_forward`` = passes for a transcript alone.
@@ -138,14 +138,14 @@ class FreeMethod(TTAMethod):
         raise NotImplementedError(f"{self.name} carries no state a reset policy can test")
 
     @torch.no_grad()
-    def loss_with(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> float:
+    def loss_tensor(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
         """Fitness of ``x`` at the carried state ``values`` (None: zero, where the search starts)."""
         if values is None:
             values = [torch.zeros_like(self.meta_values()[0])]
         self.counts["aux_forward"] += 1
         z = values[0].reshape(1, -1).to(self.lobe.device)
         with self.runtime.autocast(self.lobe.device.type):
-            return float(self.evaluate(self.prefix(x), z)[0][0])
+            return torch.as_tensor(self.evaluate(self.prefix(x), z)[0][0])
 
     def state_dict(self) -> Dict:
         sd = super().state_dict()

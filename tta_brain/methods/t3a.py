@@ -80,10 +80,10 @@ class T3A(FreeMethod):
         return self.classify(hidden, self.meta_values()[0])
 
     @torch.no_grad()
-    def loss_with(self, values, x):
+    def loss_tensor(self, values, x):
         """SUTA loss of ``x`` under the prototypes ``values`` (None: the head's own rows)."""
         self.counts["aux_forward"] += 1
         hidden = self.pf.hidden(x)[3]
         logits = self.classify(hidden, self.W if values is None else values[0])
-        return float(losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
-                                      blank_id=self.blank_id).mean())
+        return losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
+                                blank_id=self.blank_id).mean()
