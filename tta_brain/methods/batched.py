@@ -180,7 +180,7 @@ class RunView:
         self.events: List[Event] = []
         self.t = 0
         self.hyp: Optional[str] = None          # set by the batch, returned by process
-        self.losses: Dict = {}                  # the LII losses the batch computed (loss_with)
+        self.early_losses: Dict = {}            # the LII losses the batch computed (loss_with)
         self.reset_policy = method.reset_policy
         if self.reset_policy is not None:
             self.reset_policy.bind(self)
@@ -208,7 +208,7 @@ class RunView:
         if values is not None and values is not getattr(self.reset_policy, "phi_D", None):
             raise RuntimeError(f"batched run {self.r}: loss_with only knows phi_D and the source")
         self.counts["aux_forward"] += 1
-        return self.losses.pop("source" if values is None else "phi_D")
+        return self.early_losses.pop("source" if values is None else "phi_D")
 
     def record_skip(self, why: str) -> None:
         self.counts["skipped_steps"] += 1
@@ -402,7 +402,7 @@ class BatchedSUTA:
         values = torch.stack([l for j, v in enumerate(want) for l in
                               (self._loss(logits[j], v), self._loss(logits[-1], v))]).tolist()
         for j, v in enumerate(want):
-            v.losses = {"phi_D": values[2 * j], "source": values[2 * j + 1]}
+            v.early_losses = {"phi_D": values[2 * j], "source": values[2 * j + 1]}
 
     # ------------------------------------------------------------- the skeleton, batched
     @torch.enable_grad()
