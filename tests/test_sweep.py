@@ -1,5 +1,5 @@
 """Batched sweeps (tta_brain.sweep, tta_brain.methods.batched, batched_dsuta): R runs of suta /
-csuta / dsuta in one process give the transcripts of the separate runs, each in an ordinary run
+csuta / dsuta / tent in one process give the transcripts of the separate runs, each in an ordinary run
 folder.
 
 Measured on the tiny model (lr up to 3e-2, up to 4 steps, 20 utterances): the adapted parameters
@@ -38,6 +38,7 @@ SUTA = [["--lr=1e-3", "--steps=3"], ["--lr=3e-3", "--steps=2"],
 CSUTA = [["--lr=1e-3"], ["--lr=1e-2", "--steps=2", "--reset=fixed", "--reset_every=5"],
          ["--lr=3e-3", "--reset=oracle"], ["--lr=1e-2", "--reset=fixed", "--reset_every=3",
                                            "--seed=3"]]
+TENT = [["--lr=1e-3"], ["--lr=1e-2", "--steps=2"], ["--lr=3e-3", "--temperature=2.0"]]
 # every DSUTA path: buffers of 1-4, N = 0 (the slow gradient's own pass), its own slow lr, fresh
 # fast moments, and every reset policy; the dynamic one detects once, at z = 2.6 (threshold 2; its
 # other 11 tests are at z <= 0.9), so the batched rounding (z moves by ~0.03) cannot move a decision
@@ -105,7 +106,8 @@ def assert_same_runs(batched, separate_outs):
 RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2]}
 
 
-@pytest.mark.parametrize("method,cfgs", [("suta", SUTA), ("csuta", CSUTA), ("dsuta", DSUTA)])
+@pytest.mark.parametrize("method,cfgs", [("suta", SUTA), ("csuta", CSUTA), ("dsuta", DSUTA),
+                                         ("tent", TENT)])
 def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     seps = separate(data, tmp_path, method, cfgs)
     outs = [tmp_path / f"bat{i}" for i in range(len(cfgs))]
@@ -128,8 +130,8 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
 
 def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     cases = [
-        ([args(data, tmp_path / "a", method="tent"), args(data, tmp_path / "b", method="tent")],
-         "method tent is not batched"),
+        ([args(data, tmp_path / "a", method="eata"), args(data, tmp_path / "b", method="eata")],
+         "method eata is not batched"),
         ([args(data, tmp_path / "a", method="dsuta"),
           args(data, tmp_path / "b", "--slow_grad=recompute", method="dsuta")],
          "slow_grad recompute is not batched"),

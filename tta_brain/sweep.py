@@ -6,8 +6,8 @@ process, as R adapted states over one shared model (``tta_brain.methods.batched`
 Each run writes its own ordinary run folder, as ``python -m tta_brain.decode`` with the same
 arguments would: the same fingerprint, hyperparams.yaml, log.txt, records, checkpoints and summary
 (each through its own ``TTABrain``, driven row by row in lock-step; the stream is read once).
-Supported: ``suta``, ``csuta`` and ``dsuta`` (any reset policy: none, fixed, oracle, dynamic) in
-fp32; the runs may differ in :data:`MAY_DIFFER` (lr, steps, em_coef, temperature, the reset policy
+Supported: ``suta``, ``csuta``, ``dsuta`` (any reset policy: none, fixed, oracle, dynamic) and
+``tent`` in fp32; the runs may differ in :data:`MAY_DIFFER` (lr, steps, em_coef, temperature, the reset policy
 and its settings, lr multipliers, seed; DSUTA's buffer size, slow lr and fast moments). Anything else (another method, another stream, source model, device or
 precision, any other key that differs) is refused with one line naming the run and the option
 (:class:`Refused`) before a folder is written; the grid then runs those runs separately.

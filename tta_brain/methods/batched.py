@@ -2,8 +2,9 @@
 forward/backward per step (``torch.func.vmap`` of ``functional_call`` over the stacked adapted
 parameters, the input shared; the frozen weights are the model's own, once).
 
-:class:`BatchedSUTA` batches ``suta`` and ``csuta``; ``tta_brain.methods.batched_dsuta`` adds the
-slow learner of ``dsuta``. The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
+:class:`BatchedSUTA` batches ``suta``, ``csuta`` and ``tent`` (methods whose step is their loss of
+the logits alone, then AdamW); ``tta_brain.methods.batched_dsuta`` adds the slow learner of
+``dsuta``. The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
 (every adapted tensor of a run, in the selection's order) and AdamW's moments ``M, V [R, N]`` with
 a step count per run. Per utterance: the runs' own resets (episodic: every utterance; continual:
 their policy: none, fixed, oracle, dynamic), then step n = 0 .. max(N_r) - 1 over the runs with
@@ -17,6 +18,8 @@ one batched forward too (every run's phi_D and the source). :class:`BatchedSUTA`
 """
 import logging
 import math
+from functools import partial
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -28,6 +31,7 @@ from tta_brain.methods.csuta import CSUTA
 from tta_brain.methods.events import Event
 from tta_brain.methods.resets import DynamicReset, FixedReset, NoReset, OracleReset
 from tta_brain.methods.suta import SUTA
+from tta_brain.methods.tent import Tent
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,14 @@ def row_lrs(opt, params, numels) -> torch.Tensor:
     lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
     return torch.cat([torch.full((n,), float(lr_of[id(p)]), dtype=torch.float32)
                       for p, n in zip(params, numels)])
+
+
+def settings_loss(m):
+    """Method ``m``'s step loss as a function of the logits, bound to its settings alone (its
+    class's ``loss`` reading ``em_coef``, ``temperature`` and ``blank_id``): the batch keeps no
+    reference to the method, its model or its tensors."""
+    return partial(type(m).loss, SimpleNamespace(em_coef=m.em_coef, temperature=m.temperature,
+                                                 blank_id=m.blank_id))
 
 
 class AdamRows:
@@ -236,14 +248,15 @@ class RunView:
 
 
 class BatchedSUTA:
-    """R runs of ``suta`` or ``csuta`` on ``lobe`` (the model of ``methods[0]``). ``methods``:
+    """R runs of ``suta``, ``csuta`` or ``tent`` on ``lobe`` (the model of ``methods[0]``; each
+    run's step loss is its own method's ``loss`` of its logits). ``methods``:
     the runs' built methods (each checked by :meth:`blocker`; one method, the same selection,
     betas and eps); only their settings and optimisers' learning rates are read, their own
     models are not used. Subclasses (``batched_dsuta``) override the hooks of :meth:`process`:
     ``adapt``, ``update_due``, ``meta_update``, ``reset``, ``meta_values`` and the state."""
 
     #: the method classes this batch runs
-    methods = (SUTA, CSUTA)
+    methods = (SUTA, CSUTA, Tent)
 
     @classmethod
     def blocker(cls, m) -> Optional[str]:
@@ -277,6 +290,7 @@ class BatchedSUTA:
         self.fast = AdamRows(self.source, torch.stack(
             [row_lrs(m.optimizer, m.params, self.numels) for m in methods]), first.optimizer)
         self.templates = [optimizer_template(m.optimizer, m.params) for m in methods]
+        self.step_losses = [settings_loss(m) for m in methods]
         self.blank_id = first.blank_id
         self.cpu_native = lobe.runtime.cpu_native_backward and lobe.device.type == "cpu"
         self.views = [RunView(self, r, m) for r, m in enumerate(methods)]
@@ -340,6 +354,7 @@ class BatchedSUTA:
                 config._attn_implementation = attn
 
     def _loss(self, logits: torch.Tensor, v: RunView) -> torch.Tensor:
+        """The SUTA loss of one run's logits (the reset policy's LII, whatever the method)."""
         return losses.suta_loss(logits, alpha=v.em_coef, temperature=v.temperature,
                                 blank_id=self.blank_id).mean()
 
@@ -350,7 +365,7 @@ class BatchedSUTA:
         views = [self.views[r] for r in runs]
         leaf = self.fast.rows(runs).detach().requires_grad_(True)
         logits = self.logits(leaf, x)
-        per_run = [self._loss(logits[j], v) for j, v in enumerate(views)]
+        per_run = [self.step_losses[r](logits[j]) for j, r in enumerate(runs)]
         values = torch.stack([l.detach() for l in per_run]).tolist()    # one host read
         ok = []
         for j, v in enumerate(views):
