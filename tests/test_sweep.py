@@ -263,3 +263,32 @@ def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
     for r in range(len(cfgs)):
         assert max_diff(again.meta_values(r), whole.meta_values(r)) < PARAM_TOL
         assert again.n_buffered[r] == whole.n_buffered[r]
+
+
+def test_grid_job_goes_on_separately_when_its_batch_fails(data, tmp_path, monkeypatch, capsys):
+    """A batch that fails mid-stream (here: its 30th step raises, as an out-of-memory error or a
+    kernel without a batching rule would) is not a failed job: its runs go on one after another,
+    each from its own last checkpoint, and end as the separate runs do."""
+    from tta_brain.methods.batched import BatchedSUTA
+    cfgs = CSUTA[:3]
+    seps = separate(data, tmp_path, "csuta", cfgs)
+    calls, step = [0], BatchedSUTA.step
+
+    def failing(self, *a, **kw):
+        calls[0] += 1
+        if calls[0] == 30:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
+        return step(self, *a, **kw)
+    monkeypatch.setattr(BatchedSUTA, "step", failing)
+    outs = [tmp_path / f"bat{i}" for i in range(len(cfgs))]
+    job = grid.SweepJob([args(data, o, *c) for o, c in zip(outs, cfgs)])
+    assert job() == [None] * len(cfgs)
+    out = capsys.readouterr().out
+    assert "grid: the batched sweep failed (RuntimeError: CUDA out of memory. Tried to allocate " \
+           "2.00 GiB); the 3 runs run one after another" in out
+    assert calls[0] == 30                          # the separate runs do not batch
+    for o in outs:
+        assert "Resuming" in (o / "log.txt").read_text()
+    for b, s in zip(outs, seps):
+        for name in RECORDS:
+            assert (b / name).read_text() == (s / name).read_text(), (b, name)

@@ -59,8 +59,9 @@ class DecodeJob(submitit.helpers.Checkpointable):
 
 class SweepJob(DecodeJob):
     """Several decodes of one stream as one batched sweep (``tta_brain.sweep``) in a job
-    process; when the sweep refuses them, they run one after another (logged). Returns one
-    ``None`` (done) or error line per run."""
+    process; when the sweep refuses them, or fails on its way (out of memory with R states, an
+    operation the batched pass cannot run), they run one after another (logged), each resuming
+    from its own last checkpoint. Returns one ``None`` (done) or error line per run."""
 
     def __init__(self, argvs: List[List[str]], threads: int = 0):
         super().__init__([], threads)
@@ -81,6 +82,11 @@ class SweepJob(DecodeJob):
                   flush=True)
         except SystemExit as e:
             raise RuntimeError(str(e)) from None
+        except Exception as e:          # noqa: BLE001 - e.g. out of memory with R states, a kernel
+            why = (str(e).strip().splitlines() or [""])[0][:300]      # without a batching rule
+            print(f"grid: the batched sweep failed ({type(e).__name__}: {why}); the "
+                  f"{len(self.argvs)} runs run one after another, each from its own last "
+                  f"checkpoint", flush=True)
         out = []
         for argv in self.argvs:
             try:
