@@ -116,10 +116,15 @@ def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, t
                      for o, lr in zip(outs, lrs)]
         errs = [p.communicate(timeout=timeout)[1] for p in procs]
         wall = time.perf_counter() - t0
+        os.makedirs(os.path.join(work, arm), exist_ok=True)
+        for i, e in enumerate(errs):               # whole, for a failure's diagnosis
+            with open(os.path.join(work, arm, f"stderr{i}.txt"), "w", encoding="utf-8") as f:
+                f.write(e)
         bad = [next((ln for ln in reversed(e.splitlines()) if "Error" in ln or "ERROR" in ln),
                     e.strip()[-300:]) for p, e in zip(procs, errs) if p.returncode]
         if bad or any(p.returncode for p in procs):
-            raise RuntimeError(f"{arm}: {bad[:1] or 'failed'}")
+            raise RuntimeError(f"{arm}: {bad[:1] or 'failed'} (whole stderr: "
+                               f"{os.path.join(work, arm, 'stderr*.txt')})")
         audio = sum(json.load(open(os.path.join(o, "summary.json")))["audio_s"] for o in outs)
         span = _span(outs)
         hyps = [open(os.path.join(o, "transcripts.csv")).read() for o in outs]
