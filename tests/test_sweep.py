@@ -68,7 +68,7 @@ def ckpt_params(out, key="params"):
 
 
 def max_diff(a, b):
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b))
 
 
 def separate(data, tmp, method, cfgs):
@@ -292,3 +292,48 @@ def test_grid_job_goes_on_separately_when_its_batch_fails(data, tmp_path, monkey
     for b, s in zip(outs, seps):
         for name in RECORDS:
             assert (b / name).read_text() == (s / name).read_text(), (b, name)
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA device"))])
+@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic"])
+def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
+    """The batch on ``device`` (on CUDA: the vmap'd forward/backward the GPU check's sweep times;
+    the separate runs take the device step there) against the separate runs, 12 utterances."""
+    import soundfile as sf
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import UttInfo, build_method
+    from tta_brain.methods.resets import make_reset_policy
+    from tta_brain.sweep import batch_for
+    wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
+            for p in sorted((data["root"] / "wav").glob("*.wav"))][:12]
+    base, _, reset = name.partition("+")
+    extra = dict(buffer_size=2, reset_policy=None) if base == "dsuta" else {}
+
+    def build(lr, steps):
+        kw = dict(extra)
+        if reset:
+            kw["reset_policy"] = make_reset_policy(reset, K=4, patience=1)
+        return build_method(base, model=HFCTCLobe(data["model"], device=device), lr=lr,
+                            steps=steps, **kw)
+    cfgs = [(1e-3, 3), (1e-2, 2), (3e-2, 1)]
+    seps = [build(*c) for c in cfgs]
+    want = [[m.process(w, UttInfo(position=i, segment=str(i // 7))) for i, w in enumerate(wavs)]
+            for m in seps]
+    ms = [build(*c) for c in cfgs]
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    got = [[] for _ in cfgs]
+    for i, w in enumerate(wavs):
+        batch.process(list(range(len(cfgs))), w, UttInfo(position=i, segment=str(i // 7)))
+        for r, v in enumerate(batch.views):
+            got[r].append(v.process(w))
+    assert got == want
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL
+        assert [(e.kind, e.position) for e in batch.views[r].events] == \
+            [(e.kind, e.position) for e in m.events]
+    if reset:
+        assert sum(e.kind == "lii" for e in seps[0].events) >= 6

@@ -78,6 +78,11 @@ then carry ``.whl`` along and, on the GPU machine, in the repository root (into 
 (The imports also need numpy, PyYAML, regex, safetensors, tqdm, requests, packaging, joblib,
 scipy, sentencepiece and torchaudio, usually present next to torch; the check names any missing
 module in one line and stops.) Without a CUDA device it refuses with one line (exit status 2).
+The CUDA-only tests (captured vs eager steps, no sync, the batched sweep on the GPU) run with
+pytest (add ``pytest pluggy iniconfig`` to the wheels where it is missing)::
+
+    PYTHONPATH=.site:. python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+        tests/test_sweep.py -k cuda
 """
 import argparse
 import importlib
