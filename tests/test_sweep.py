@@ -337,3 +337,41 @@ def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
             [(e.kind, e.position) for e in m.events]
     if reset:
         assert sum(e.kind == "lii" for e in seps[0].events) >= 6
+
+
+@pytest.mark.parametrize("cls,wd", [(torch.optim.AdamW, 0.0), (torch.optim.AdamW, 0.1),
+                                    (torch.optim.Adam, 0.1)])
+def test_adam_rows_step_as_torchs_adam(cls, wd):
+    """AdamRows: each row is one run's flat parameters with its own learning rates; updating a
+    subset of rows (the others keep parameters, moments and step counts) is torch's foreach
+    Adam(W) on that run's tensors, bit for bit."""
+    from tta_brain.methods.batched import AdamRows, optimizer_template, tensor_lrs
+    g = torch.Generator().manual_seed(0)
+    shapes, lrs = [(4, 3), (5,)], [(1e-2, 3e-3), (2e-2, 2e-2), (5e-3, 1e-3)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    runs = []
+    for lr_a, lr_b in lrs:
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        runs.append((ps, cls([{"params": [ps[0]], "lr": lr_a}, {"params": [ps[1]], "lr": lr_b}],
+                             weight_decay=wd, foreach=True)))
+    numels = [t.numel() for t in init]
+    rows = AdamRows(torch.cat([t.reshape(-1) for t in init]),
+                    torch.stack([tensor_lrs(o, ps) for ps, o in runs]), numels, runs[0][1])
+    plan = [[0, 1, 2], [0, 2], [2], [0, 1, 2], [1]]             # the rows that step, per step
+    for todo in plan:
+        grads = [[torch.randn(s, generator=g) for s in shapes] for _ in runs]
+        for r in todo:
+            ps, opt = runs[r]
+            for p, gr in zip(ps, grads[r]):
+                p.grad = gr.clone()
+            opt.step()
+        rows.update(todo, torch.stack([torch.cat([t.reshape(-1) for t in grads[r]])
+                                       for r in todo]))
+    for r, (ps, opt) in enumerate(runs):
+        assert torch.equal(rows.P[r], torch.cat([p.detach().reshape(-1) for p in ps])), r
+        split = lambda flat: list(flat.split(numels))
+        mine = rows.state(r, optimizer_template(opt, ps), lambda f: [
+            t.view(s) for t, s in zip(split(f), shapes)])
+        for i, st in opt.state_dict()["state"].items():
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(mine["state"][i][k], st[k]), (r, i, k)

@@ -57,11 +57,10 @@ def optimizer_template(opt, params):
     return opt.state_dict()["param_groups"], order
 
 
-def row_lrs(opt, params, numels) -> torch.Tensor:
-    """The learning rate of every element of ``params`` (flat, in their order) in ``opt``."""
+def tensor_lrs(opt, params) -> torch.Tensor:
+    """The learning rate of each tensor of ``params`` in ``opt`` (float64, as torch reads it)."""
     lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
-    return torch.cat([torch.full((n,), float(lr_of[id(p)]), dtype=torch.float32)
-                      for p, n in zip(params, numels)])
+    return torch.tensor([float(lr_of[id(p)]) for p in params], dtype=torch.float64)
 
 
 def settings_loss(m):
@@ -74,13 +73,19 @@ def settings_loss(m):
 
 class AdamRows:
     """R rows of flat parameters ``P [R, N]`` with Adam / AdamW moments ``M, V`` and a step count
-    per row, updated as torch's foreach Adam(W) updates a parameter list, each row with its own
-    learning rates ``lr [R, N]``; ``init [N]``: the value a reset restores. ``opt``: an optimiser
-    of the runs (betas, eps, weight decay, AdamW or Adam)."""
+    per row, each row with its own learning rate per tensor (``lr [R, T]``, float64; ``numels``:
+    the T tensors' sizes along a row), updated as torch's foreach Adam(W) updates each run's
+    tensor list: on CPU bit for bit (the scalars computed in double as torch computes them, the
+    element-wise operations in its order). ``init [N]``: the value a reset restores. ``opt``: an
+    optimiser of the runs (betas, eps, weight decay, AdamW or Adam)."""
 
-    def __init__(self, init: torch.Tensor, lr: torch.Tensor, opt):
-        self.init, self.lr = init, lr.to(init.device)
+    def __init__(self, init: torch.Tensor, lr: torch.Tensor, numels: Sequence[int], opt):
+        self.init = init
+        self.lr = lr.to(device=init.device, dtype=torch.float64)
         self.R = lr.shape[0]
+        # the tensor each element belongs to: per-tensor scalars spread along a row by a gather
+        self.owner = torch.repeat_interleave(torch.arange(len(numels)),
+                                             torch.tensor(list(numels))).to(init.device)
         self.P = init.repeat(self.R, 1)
         self.M, self.V = torch.zeros_like(self.P), torch.zeros_like(self.P)
         self.steps = [0] * self.R
@@ -98,6 +103,11 @@ class AdamRows:
         idx = self.index(runs)
         return self.P if idx is None else self.P[idx]
 
+    def _spread(self, per_tensor: torch.Tensor) -> torch.Tensor:
+        """``[R', T]`` float64 scalars -> ``[R', N]`` in the parameters' dtype (torch casts its
+        double scalars to the tensor's type)."""
+        return per_tensor.to(self.P.dtype).index_select(1, self.owner)
+
     @torch.no_grad()
     def update(self, runs: List[int], g: torch.Tensor) -> None:
         """One Adam(W) step of ``runs`` with their gradient rows ``g [len(runs), N]``."""
@@ -106,21 +116,22 @@ class AdamRows:
             self.steps[r] += 1
         s = [self.steps[r] for r in runs]
         dev = self.P.device
-        col = lambda vals: torch.tensor(vals, dtype=torch.float32, device=dev)[:, None]
+        col = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)[:, None]
         if idx is None:
             p, m, v, lr = self.P, self.M, self.V, self.lr
         else:
             p, m, v, lr = self.P[idx], self.M[idx], self.V[idx], self.lr[idx]
         if self.wd:
             if self.decoupled:
-                p.mul_(1 - lr * self.wd)
+                p.mul_(self._spread(1 - lr * self.wd))
             else:
                 g = g.add(p, alpha=self.wd)
         m.lerp_(g, 1 - self.beta1)
         v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-        inv_bc1 = col([-1.0 / (1 - self.beta1 ** k) for k in s])
-        denom = v.sqrt().div_(col([(1 - self.beta2 ** k) ** 0.5 for k in s])).add_(self.eps)
-        p.add_(m.div(denom).mul_(lr * inv_bc1))
+        step_size = self._spread(lr / col([1 - self.beta1 ** k for k in s], torch.float64) * -1)
+        denom = v.sqrt().div_(col([(1 - self.beta2 ** k) ** 0.5 for k in s], p.dtype))
+        denom.add_(self.eps)
+        p.add_(m.mul(step_size).div_(denom))       # addcdiv's order: (value * m) / denom
         if idx is not None:
             self.P[idx], self.M[idx], self.V[idx] = p, m, v
 
@@ -288,7 +299,7 @@ class BatchedSUTA:
         self.numels = [p.numel() for p in first.params]
         self.source = torch.cat([p.detach().reshape(-1) for p in first.source]).to(lobe.device)
         self.fast = AdamRows(self.source, torch.stack(
-            [row_lrs(m.optimizer, m.params, self.numels) for m in methods]), first.optimizer)
+            [tensor_lrs(m.optimizer, m.params) for m in methods]), self.numels, first.optimizer)
         self.templates = [optimizer_template(m.optimizer, m.params) for m in methods]
         self.step_losses = [settings_loss(m) for m in methods]
         self.blank_id = first.blank_id

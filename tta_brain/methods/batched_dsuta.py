@@ -14,7 +14,7 @@ from typing import Dict, List
 import torch
 
 from tta_brain.methods.batched import (BatchedSUTA, AdamRows, optimizer_blocker,
-                                       optimizer_template, row_lrs)
+                                       optimizer_template, tensor_lrs)
 from tta_brain.methods.dsuta import DSUTA
 
 __all__ = ["BatchedDSUTA"]
@@ -34,7 +34,7 @@ class BatchedDSUTA(BatchedSUTA):
         for i, m in enumerate(methods):
             self._same(i, m.slow_optimizer, methods[0].slow_optimizer, "slow optimizer")
         self.slow = AdamRows(self.source, torch.stack(
-            [row_lrs(m.slow_optimizer, m.meta, self.numels) for m in methods]),
+            [tensor_lrs(m.slow_optimizer, m.meta) for m in methods]), self.numels,
             methods[0].slow_optimizer)
         self.slow_templates = [optimizer_template(m.slow_optimizer, m.meta) for m in methods]
         self.buffer_size = [m.M for m in methods]
