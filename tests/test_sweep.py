@@ -11,7 +11,6 @@ LII values and a dynamic reset's z are compared within LII_TOL and Z_TOL, their 
 stages and the reset decisions exactly."""
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
