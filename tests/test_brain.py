@@ -142,6 +142,10 @@ def test_same_seed_same_transcripts_awmc_with_dropout(data, tmp_path):
     env = (tmp_path / "a" / "env.log").read_text()
     assert "Seed: 3" in log and f'"torch": "{torch.__version__}"' in log
     assert "Seed: 3" in env and f"torch: {torch.__version__}" in env
+    # SpeechBrain's environment description heads every env.log, asked once per process
+    assert env.startswith("SpeechBrain system description") and "speechbrain==" in env
+    assert (tmp_path / "b" / "env.log").read_text().split("tta-brain run")[0] == \
+        env.split("tta-brain run")[0]
 
 
 def test_non_finite_loss_skips_the_step_and_is_logged(data, tmp_path, monkeypatch):

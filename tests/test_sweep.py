@@ -342,8 +342,9 @@ def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
                                     (torch.optim.Adam, 0.1)])
 def test_adam_rows_step_as_torchs_adam(cls, wd):
     """AdamRows: each row is one run's flat parameters with its own learning rates; updating a
-    subset of rows (the others keep parameters, moments and step counts) is torch's foreach
-    Adam(W) on that run's tensors, bit for bit."""
+    subset of rows, or the rows of a device mask (the others keep parameters, moments and step
+    counts, whatever their gradient), is torch's foreach Adam(W) on that run's tensors, bit for
+    bit."""
     from tta_brain.methods.batched import AdamRows, optimizer_template, tensor_lrs
     g = torch.Generator().manual_seed(0)
     shapes, lrs = [(4, 3), (5,)], [(1e-2, 3e-3), (2e-2, 2e-2), (5e-3, 1e-3)]
@@ -356,16 +357,22 @@ def test_adam_rows_step_as_torchs_adam(cls, wd):
     numels = [t.numel() for t in init]
     rows = AdamRows(torch.cat([t.reshape(-1) for t in init]),
                     torch.stack([tensor_lrs(o, ps) for ps, o in runs]), numels, runs[0][1])
-    plan = [[0, 1, 2], [0, 2], [2], [0, 1, 2], [1]]             # the rows that step, per step
-    for todo in plan:
+    # the rows given, and the device mask of those that step (None: all of them)
+    plan = [([0, 1, 2], None), ([0, 2], None), ([2], None), ([0, 1, 2], [True, False, True]),
+            ([0, 1, 2], None), ([1, 2], [False, True]), ([1], None), ([0, 1], [False, False])]
+    for todo, mask in plan:
         grads = [[torch.randn(s, generator=g) for s in shapes] for _ in runs]
-        for r in todo:
-            ps, opt = runs[r]
-            for p, gr in zip(ps, grads[r]):
-                p.grad = gr.clone()
-            opt.step()
+        if mask is not None:                    # what a masked row gets must not matter
+            grads[todo[mask.index(False)]][0][0] = float("nan")
+        for j, r in enumerate(todo):
+            if mask is None or mask[j]:
+                ps, opt = runs[r]
+                for p, gr in zip(ps, grads[r]):
+                    p.grad = gr.clone()
+                opt.step()
         rows.update(todo, torch.stack([torch.cat([t.reshape(-1) for t in grads[r]])
-                                       for r in todo]))
+                                       for r in todo]),
+                    None if mask is None else torch.tensor(mask))
     for r, (ps, opt) in enumerate(runs):
         assert torch.equal(rows.P[r], torch.cat([p.detach().reshape(-1) for p in ps])), r
         split = lambda flat: list(flat.split(numels))
@@ -374,3 +381,168 @@ def test_adam_rows_step_as_torchs_adam(cls, wd):
         for i, st in opt.state_dict()["state"].items():
             for k in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(mine["state"][i][k], st[k]), (r, i, k)
+
+
+def _batch(data, base, cfgs, device="cpu", **extra):
+    """A batch of ``base`` runs on the tiny model, one per ``(lr, steps, reset)`` of ``cfgs``
+    (fixed: every 3; dynamic: K = 4, patience 1); with the 12 utterances of the stream."""
+    import soundfile as sf
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import build_method
+    from tta_brain.methods.resets import make_reset_policy
+    from tta_brain.sweep import batch_for
+    wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
+            for p in sorted((data["root"] / "wav").glob("*.wav"))][:12]
+
+    def build(lr, steps, reset):
+        lobe = HFCTCLobe(data["model"], device=device)
+        return build_method(base, model=lobe, lr=lr, steps=steps, **extra,
+                            reset_policy=make_reset_policy(reset, every=3, K=4, patience=1))
+    ms = [build(*c) for c in cfgs]
+    return batch_for(ms[0])(ms[0].lobe, ms), wavs, build
+
+
+class DeviceReads:
+    """What would wait for a CUDA device, seen on CPU tensors while ``on``: the operators that
+    read a value on the host (as ``test_gpu.HostReads``: scalar reads, ``nonzero``, boolean-mask
+    indexing), tensors made from host data (``lift_fresh``: an upload, on CUDA a blocking copy
+    that syncs) and the tensor methods that return host values (``tolist``, ``item``, ``cpu``,
+    ``numpy``, ``float()``, ...)."""
+
+    METHODS = ("tolist", "item", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+    def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        aten = torch.ops.aten
+        reads = {aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonzero.default,
+                 aten.lift_fresh.default}
+        self.on, self.seen, me = False, [], self
+
+        def bool_index(idx):
+            return any(t is not None and t.dtype == torch.bool for t in idx)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if me.on and (func in reads or func in (aten.index.Tensor, aten.index_put_.default)
+                              and bool_index(args[1])):
+                    me.seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        for name in self.METHODS:
+            orig = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _orig=orig, _name=name, **kw):
+                if me.on:
+                    me.seen.append(_name)
+                return _orig(t, *a, **kw)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def __enter__(self):
+        self.on = True
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        self.on = False
+
+
+@pytest.mark.parametrize("base", ["csuta", "dsuta"])
+def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
+    """A warm batch's utterance (resets, the LII forward, the steps with their finiteness and
+    skip masks, the AdamW and slow updates, the prediction, the policies' hooks) reads the device
+    once: the transcripts' copy (``read``), which also carries the step values and the LII."""
+    from tta_brain.methods import UttInfo
+    from tta_brain.methods.batched import BatchedSUTA
+    extra = dict(buffer_size=2) if base == "dsuta" else {}
+    cfgs = [(1e-3, 2, "dynamic"), (1e-2, 1, "fixed"), (3e-3, 3, "none")] + (
+        [(3e-3, 0, "dynamic")] if base == "dsuta" else [])
+    batch, wavs, _ = _batch(data, base, cfgs, **extra)
+    watch = DeviceReads(monkeypatch)
+    read, settle, calls = BatchedSUTA.read, BatchedSUTA.settle, []
+
+    def counted_read(packed):
+        calls.append(packed.numel())
+        watch.on = False                    # the read and the host work on what it returned
+        return read(packed)
+
+    def host_settle(self, runs, host):
+        settle(self, runs, host)
+        watch.on = True
+    monkeypatch.setattr(BatchedSUTA, "read", staticmethod(counted_read))
+    monkeypatch.setattr(BatchedSUTA, "settle", host_settle)
+    runs = list(range(len(cfgs)))
+    for i, w in enumerate(wavs):
+        info = UttInfo(position=i, segment=str(i // 7))
+        if i < 6:                                                # warm: every row set seen
+            batch.process(runs, w, info)
+            continue
+        with watch:
+            batch.process(runs, w, info)
+        assert watch.seen == [], (i, watch.seen)
+    assert len(calls) == len(wavs)
+    watched = [e.kind for v in batch.views for e in v.events if e.position >= 6]
+    assert watched.count("lii") >= 3 and "reset" in watched   # the LII was read with the rest
+    with watch:                                                 # the detector does see a read
+        batch.fast.P[0, 0].item()
+        batch.fast.P[batch.fast.P[:, 0] > 0]
+        torch.tensor([0, 1], device=batch.fast.P.device)
+    assert watch.seen == ["item", "aten._local_scalar_dense.default", "aten.index.Tensor",
+                          "aten.lift_fresh.default"]
+
+
+def test_batched_skips_a_non_finite_run_as_its_separate_run(data):
+    """A run whose loss turns non-finite (an absurd learning rate blows its parameters up) skips
+    its steps as its separate run does: the same skip records (reason and position) and counts,
+    its update left out on the device; the other runs of the batch are not touched."""
+    from tta_brain.methods import UttInfo
+    cfgs = [(1e-3, 2, "none"), (1e30, 2, "none"), (1e-2, 1, "none")]
+    batch, wavs, build = _batch(data, "suta", cfgs)
+    seps = [build(*c) for c in cfgs]
+    for i, w in enumerate(wavs[:5]):
+        info = UttInfo(position=i, segment="0")
+        batch.process([0, 1, 2], w, info)
+        for r, m in enumerate(seps):
+            assert batch.views[r].process(w) == m.process(w, info)
+    for r, m in enumerate(seps):
+        v = batch.views[r]
+        assert [(e.kind, e.position, e.reason) for e in v.events] == \
+            [(e.kind, e.position, e.reason) for e in m.events]
+        assert v.counts == m.counts
+    assert any(e.kind == "skip" for e in seps[1].events)
+    assert not any(e.kind == "skip" for r in (0, 2) for e in seps[r].events)
+    for r, m in enumerate(seps):                    # a skipped update leaves the run's AdamW
+        mine, theirs = (s["state"][0] for s in (batch.views[r].state_dict()["optimizer"],
+                                                m.optimizer.state_dict()))
+        assert mine["step"] == theirs["step"], r
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(mine[k], theirs[k], rtol=1e-3, atol=1e-6), (r, k)
+    assert max_diff(batch.values(0), seps[0].params) < PARAM_TOL
+    assert max_diff(batch.values(2), seps[2].params) < PARAM_TOL
+
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_batch_synchronises_once_an_utterance_on_cuda(data):
+    """On CUDA (torch's sync debug mode counts what waits for the device): a warm batch's
+    utterance synchronises at most twice, the waveform's upload at its start (the queue is empty
+    then) and the transcripts' read; DSUTA with the dynamic and fixed resets, the LII and N = 0
+    included."""
+    import warnings
+    from tta_brain.methods import UttInfo
+    cfgs = [(1e-3, 2, "dynamic"), (1e-2, 1, "fixed"), (3e-3, 0, "none")]
+    batch, wavs, _ = _batch(data, "dsuta", cfgs, device="cuda", buffer_size=2)
+    runs, per_utt = list(range(len(cfgs))), []
+    for i, w in enumerate(wavs):
+        info = UttInfo(position=i, segment=str(i // 7))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                batch.process(runs, w, info)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        per_utt.append(sum("synchroniz" in str(s.message) for s in seen))
+    watched = [e.kind for v in batch.views for e in v.events if e.position >= 6]
+    assert "lii" in watched and "reset" in watched
+    assert max(per_utt[6:]) <= 2, per_utt

@@ -36,7 +36,7 @@ from tta_brain.run.checkpoint import ResumeError
 from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hparams
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
-from tta_brain.run.envinfo import describe_device, versions
+from tta_brain.run.envinfo import describe_device, installed_packages, versions
 from tta_brain.run.folder import clear_run
 from tta_brain.run.records import CSV_FILES, RecordError
 from tta_brain.run.summary import read_summary
@@ -53,8 +53,8 @@ def _fail(message):
 
 
 def _log_run(out, argv, seed, device, deterministic):
-    """Seed, device, versions and command in log.txt and env.log (SpeechBrain wrote the pip
-    freeze)."""
+    """Seed, device, versions and command in log.txt and env.log (after SpeechBrain's
+    environment description: ``installed_packages``)."""
     vers = versions()
     logger.info("Command: python -m tta_brain.decode %s", " ".join(argv))
     logger.info("Seed: %s", seed)
@@ -208,7 +208,9 @@ def open_folder(p: Plan, argv, status: str, hparams) -> "sb.utils.checkpoints.Ch
         sb.utils.seed_everything(seed)
         logger.warning("%s has no 'seed'; seeded with 0", p.hp.path)
     out = p.out
-    sb.create_experiment_directory(experiment_directory=out)
+    sb.create_experiment_directory(experiment_directory=out, save_env_desc=False)
+    with open(os.path.join(out, "env.log"), "w", encoding="utf-8") as f:
+        f.write(installed_packages())          # what SpeechBrain writes there, asked once
     with open(os.path.join(out, "hyperparams.yaml"), "w", encoding="utf-8") as f:
         f.write(p.hp.record)
     _log_run(out, argv, seed, describe_device(p.resolved.get("device", "cpu")), p.determinism)

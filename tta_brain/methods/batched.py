@@ -11,8 +11,10 @@ their policy: none, fixed, oracle, dynamic), then step n = 0 .. max(N_r) - 1 ove
 ``n < N_r`` (a run with fewer steps leaves its parameters and moments alone), the per-run losses
 summed for one backward (the runs do not mix: each row's gradient is its own loss's), each run's
 AdamW update with its own learning rates, and one batched prediction. A non-finite loss or
-gradient skips that run's update only, as the host step does. The dynamic reset's LII losses are
-one batched forward too (every run's phi_D and the source). :class:`BatchedSUTA` is driven by
+gradient skips that run's update only, as the host step does, masked on the device. The dynamic
+reset's LII losses are one batched forward too (every run's phi_D and the source), before the
+adaptation. Nothing of an utterance reads the device but the prediction's one copy (``read``),
+which also brings the steps' losses and masks (the skip records and counts) and the LII values. :class:`BatchedSUTA` is driven by
 ``tta_brain.sweep``; :class:`RunView` is one run's method as the Brain and its checkpoint see it
 (``process``, ``events``, ``counts``, ``state_dict`` in the ordinary method's format).
 """
@@ -71,96 +73,159 @@ def settings_loss(m):
                                                  blank_id=m.blank_id))
 
 
+def upload(values, dtype, device) -> torch.Tensor:
+    """A tensor of host ``values`` on ``device``; to CUDA from pinned memory without waiting (a
+    blocking copy would synchronise the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class RowIndex:
+    """The device index tensor of each set of rows, made once (a tensor made from a host list
+    is an upload, and on CUDA a blocking copy waits for the device); all rows and each row alone
+    (a reset) are made at the start."""
+
+    def __init__(self, device, R: int):
+        self.device, self.cache = device, {}
+        for runs in [list(range(R))] + [[r] for r in range(R)]:    # all, and each run's reset
+            self(runs)
+
+    def __call__(self, runs: Sequence[int]) -> torch.Tensor:
+        key = tuple(runs)
+        idx = self.cache.get(key)
+        if idx is None:
+            idx = self.cache[key] = upload(key, torch.int64, self.device)
+        return idx
+
+
 class AdamRows:
     """R rows of flat parameters ``P [R, N]`` with Adam / AdamW moments ``M, V`` and a step count
     per row, each row with its own learning rate per tensor (``lr [R, T]``, float64; ``numels``:
     the T tensors' sizes along a row), updated as torch's foreach Adam(W) updates each run's
     tensor list: on CPU bit for bit (the scalars computed in double as torch computes them, the
     element-wise operations in its order). ``init [N]``: the value a reset restores. ``opt``: an
-    optimiser of the runs (betas, eps, weight decay, AdamW or Adam)."""
+    optimiser of the runs (betas, eps, weight decay, AdamW or Adam).
+
+    Nothing here reads the device: the step counts ``k`` live on the device (an update whose
+    ``mask`` row is false leaves that row, its moments and its count alone), the bias corrections
+    are a table indexed by them (computed on the host as torch computes them, grown ahead of the
+    most steps a row can have taken), and the index tensors of the row sets are made once."""
 
     def __init__(self, init: torch.Tensor, lr: torch.Tensor, numels: Sequence[int], opt):
         self.init = init
-        self.lr = lr.to(device=init.device, dtype=torch.float64)
+        dev = init.device
+        self.lr = lr.to(device=dev, dtype=torch.float64)
         self.R = lr.shape[0]
         # the tensor each element belongs to: per-tensor scalars spread along a row by a gather
         self.owner = torch.repeat_interleave(torch.arange(len(numels)),
-                                             torch.tensor(list(numels))).to(init.device)
+                                             torch.tensor(list(numels))).to(dev)
         self.P = init.repeat(self.R, 1)
         self.M, self.V = torch.zeros_like(self.P), torch.zeros_like(self.P)
-        self.steps = [0] * self.R
+        self.k = torch.zeros(self.R, dtype=torch.int64, device=dev)     # steps taken, per row
+        self.bound = [0] * self.R       # host: steps a row may have taken (>= k) since its reset
         self.beta1, self.beta2 = opt.defaults["betas"]
         self.eps = opt.defaults["eps"]
         self.wd = opt.defaults.get("weight_decay", 0.0) or 0.0
         self.decoupled = isinstance(opt, torch.optim.AdamW) or bool(
             opt.defaults.get("decoupled_weight_decay"))
+        self.rows_index = RowIndex(dev, self.R)
+        self.bc1 = self.bc2_sqrt = torch.zeros(0, dtype=torch.float64)
+
+    @property
+    def steps(self) -> List[int]:
+        """The rows' step counts (a host read: checkpoints and tests)."""
+        return self.k.tolist()
 
     def index(self, runs: List[int]) -> Optional[torch.Tensor]:
         """None for all rows in order (no copy), else the rows' index tensor."""
-        return None if runs == list(range(self.R)) else torch.tensor(runs, device=self.P.device)
+        return None if runs == list(range(self.R)) else self.rows_index(runs)
 
     def rows(self, runs: List[int]) -> torch.Tensor:
         idx = self.index(runs)
-        return self.P if idx is None else self.P[idx]
+        return self.P if idx is None else self.P.index_select(0, idx)
 
     def _spread(self, per_tensor: torch.Tensor) -> torch.Tensor:
         """``[R', T]`` float64 scalars -> ``[R', N]`` in the parameters' dtype (torch casts its
         double scalars to the tensor's type)."""
         return per_tensor.to(self.P.dtype).index_select(1, self.owner)
 
+    def _corrections(self, most: int) -> None:
+        """The bias-correction tables up to step ``most`` at least (torch's double scalars:
+        ``1 - beta1 ** k`` and ``(1 - beta2 ** k) ** 0.5``); grown by doubling, so rarely."""
+        if most < len(self.bc1):
+            return
+        ks = range(max(1024, 2 * most + 1))
+        dev = self.P.device
+        self.bc1 = upload([1 - self.beta1 ** k for k in ks], torch.float64, dev)
+        self.bc2_sqrt = upload([(1 - self.beta2 ** k) ** 0.5 for k in ks], torch.float64, dev)
+
     @torch.no_grad()
-    def update(self, runs: List[int], g: torch.Tensor) -> None:
-        """One Adam(W) step of ``runs`` with their gradient rows ``g [len(runs), N]``."""
+    def update(self, runs: List[int], g: torch.Tensor,
+               mask: Optional[torch.Tensor] = None) -> None:
+        """One Adam(W) step of ``runs`` with their gradient rows ``g [len(runs), N]``; with
+        ``mask`` (bool ``[len(runs)]``, on the device) only the rows where it is true step."""
         idx = self.index(runs)
         for r in runs:
-            self.steps[r] += 1
-        s = [self.steps[r] for r in runs]
-        dev = self.P.device
-        col = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=dev)[:, None]
+            self.bound[r] += 1
+        self._corrections(max(self.bound[r] for r in runs))
         if idx is None:
-            p, m, v, lr = self.P, self.M, self.V, self.lr
+            p, m, v, lr, k = self.P, self.M, self.V, self.lr, self.k
         else:
-            p, m, v, lr = self.P[idx], self.M[idx], self.V[idx], self.lr[idx]
+            p, m, v, lr, k = (t.index_select(0, idx) for t in (self.P, self.M, self.V, self.lr,
+                                                                self.k))
+        k = k + 1 if mask is None else k + mask.to(k.dtype)
+        new_p = p
         if self.wd:
             if self.decoupled:
-                p.mul_(self._spread(1 - lr * self.wd))
+                new_p = p.mul(self._spread(1 - lr * self.wd))
             else:
                 g = g.add(p, alpha=self.wd)
-        m.lerp_(g, 1 - self.beta1)
-        v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-        step_size = self._spread(lr / col([1 - self.beta1 ** k for k in s], torch.float64) * -1)
-        denom = v.sqrt().div_(col([(1 - self.beta2 ** k) ** 0.5 for k in s], p.dtype))
+        new_m = m.lerp(g, 1 - self.beta1)
+        new_v = v.mul(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        step_size = self._spread(lr / self.bc1[k][:, None] * -1)
+        denom = new_v.sqrt().div_(self.bc2_sqrt[k].to(p.dtype)[:, None])
         denom.add_(self.eps)
-        p.add_(m.mul(step_size).div_(denom))       # addcdiv's order: (value * m) / denom
-        if idx is not None:
-            self.P[idx], self.M[idx], self.V[idx] = p, m, v
+        new_p = new_p.add(new_m.mul(step_size).div_(denom))   # addcdiv's order: (value * m) / denom
+        if mask is not None:
+            keep = mask[:, None]
+            new_p, new_m, new_v = (torch.where(keep, a, b) for a, b in
+                                   ((new_p, p), (new_m, m), (new_v, v)))
+        if idx is None:
+            for t, new in ((self.P, new_p), (self.M, new_m), (self.V, new_v), (self.k, k)):
+                t.copy_(new)
+        else:
+            for t, new in ((self.P, new_p), (self.M, new_m), (self.V, new_v), (self.k, k)):
+                t.index_copy_(0, idx, new)
 
     @torch.no_grad()
     def reset(self, runs: List[int]) -> None:
         """Rows back to ``init``, their moments and step counts to zero."""
-        idx = torch.tensor(runs, device=self.P.device)
-        self.P[idx] = self.init
+        idx = self.rows_index(runs)
+        self.P.index_copy_(0, idx, self.init.expand(len(runs), -1))
         self.zero_moments(runs)
 
     @torch.no_grad()
     def zero_moments(self, runs: List[int]) -> None:
-        idx = torch.tensor(runs, device=self.P.device)
-        self.M[idx] = 0.0
-        self.V[idx] = 0.0
+        idx = self.rows_index(runs)
+        for t in (self.M, self.V, self.k):
+            t.index_fill_(0, idx, 0)
         for r in runs:
-            self.steps[r] = 0
+            self.bound[r] = 0
 
     @torch.no_grad()
     def take(self, other: "AdamRows", runs: List[int], moments: List[int]) -> None:
         """Rows ``runs`` from ``other``'s (DSUTA's fast learner from the slow one); the moments
         and step counts of the rows in ``moments`` from ``other``'s, the others' zeroed."""
-        idx = torch.tensor(runs, device=self.P.device)
-        self.P[idx] = other.P[idx]
+        idx = self.rows_index(runs)
+        self.P.index_copy_(0, idx, other.P.index_select(0, idx))
         if moments:
-            mi = torch.tensor(moments, device=self.P.device)
-            self.M[mi], self.V[mi] = other.M[mi], other.V[mi]
+            mi = self.rows_index(moments)
+            for mine, theirs in ((self.M, other.M), (self.V, other.V), (self.k, other.k)):
+                mine.index_copy_(0, mi, theirs.index_select(0, mi))
             for r in moments:
-                self.steps[r] = other.steps[r]
+                self.bound[r] = other.bound[r]
         rest = [r for r in runs if r not in moments]
         if rest:
             self.zero_moments(rest)
@@ -170,7 +235,7 @@ class AdamRows:
         :func:`optimizer_template`; ``split``: flat row -> the run's tensors)."""
         groups, order = template
         m, v = split(self.M[r]), split(self.V[r])
-        step = torch.tensor(float(self.steps[r]), dtype=torch.float32)
+        step = torch.tensor(float(self.k[r]), dtype=torch.float32)
         state = {i: {"step": step.clone(), "exp_avg": m[k].clone(), "exp_avg_sq": v[k].clone()}
                  for i, k in enumerate(order)}
         return {"state": state, "param_groups": [dict(g) for g in groups]}
@@ -180,14 +245,16 @@ class AdamRows:
         """Row ``r`` from its run's tensors ``params`` and optimiser ``state_dict`` ``opt``."""
         self.P[r] = torch.cat([p.reshape(-1).to(self.P) for p in params])
         self.M[r].zero_(), self.V[r].zero_()
-        self.steps[r] = 0
+        step = 0
         _, order = template
         for i, s in ((opt or {}).get("state") or {}).items():
             k = order[int(i)]
             off = sum(numels[:k])
             self.M[r, off:off + numels[k]] = s["exp_avg"].reshape(-1).to(self.M)
             self.V[r, off:off + numels[k]] = s["exp_avg_sq"].reshape(-1).to(self.V)
-            self.steps[r] = int(s["step"])
+            step = int(s["step"])
+        self.k[r] = step
+        self.bound[r] = step
 
 
 class RunView:
@@ -227,7 +294,7 @@ class RunView:
 
     def loss_with(self, values, x) -> float:
         """The SUTA loss of this utterance under ``values`` (the policy's phi_D) or the source
-        (None), as the batch computed it (``BatchedSUTA.lii_losses``)."""
+        (None), as the batch computed it (``BatchedSUTA.lii_ahead``)."""
         if values is not None and values is not getattr(self.reset_policy, "phi_D", None):
             raise RuntimeError(f"batched run {self.r}: loss_with only knows phi_D and the source")
         self.counts["aux_forward"] += 1
@@ -305,6 +372,8 @@ class BatchedSUTA:
         self.blank_id = first.blank_id
         self.cpu_native = lobe.runtime.cpu_native_backward and lobe.device.type == "cpu"
         self.views = [RunView(self, r, m) for r, m in enumerate(methods)]
+        self.rows_index = RowIndex(lobe.device, self.R)
+        self.notes, self.early, self.frames = [], None, 0   # this utterance's, for its read
 
     @staticmethod
     def _same(i, opt, first, what):
@@ -370,70 +439,99 @@ class BatchedSUTA:
                                 blank_id=self.blank_id).mean()
 
     def step(self, runs: List[int], x: torch.Tensor, update: bool = True):
-        """One adaptation step of ``runs`` on ``x``: the runs whose loss and gradient were finite
-        and their gradient rows (None if none). ``update=False``: the gradients only (DSUTA's
-        slow gradient with no fast steps), non-finite ones dropped without a skip record."""
-        views = [self.views[r] for r in runs]
+        """One adaptation step of ``runs`` on ``x``: the device mask of the runs whose loss and
+        gradient were finite and the gradient rows ``[len(runs), N]`` (a row with a non-finite
+        loss gets no gradient from it and is masked; the rows do not mix). ``update=False``: the
+        gradients only (DSUTA's slow gradient with no fast steps), the non-finite ones dropped
+        without a skip record. Nothing is read on the host: the losses and masks are noted for
+        the utterance's one read (:meth:`settle` counts the backward passes and records the
+        skipped steps), and a masked run's update is skipped on the device."""
         leaf = self.fast.rows(runs).detach().requires_grad_(True)
         logits = self.logits(leaf, x)
-        per_run = [self.step_losses[r](logits[j]) for j, r in enumerate(runs)]
-        values = torch.stack([l.detach() for l in per_run]).tolist()    # one host read
-        ok = []
-        for j, v in enumerate(views):
-            v.counts["adapt_forward"] += 1
-            if math.isfinite(values[j]):
-                ok.append(j)
-            elif update:
-                v.record_skip(f"non-finite loss {values[j]}")
-        if not ok:
-            return [], None
-        total = sum(per_run[j] for j in ok)
+        loss = torch.stack([self.step_losses[r](logits[j]) for j, r in enumerate(runs)])
+        ok = loss.detach().isfinite()
+        total = torch.where(ok, loss, torch.zeros_like(loss)).sum()
         if self.cpu_native:
             with native_cpu_kernels():
                 (grad,) = torch.autograd.grad(total, leaf)
         else:
             (grad,) = torch.autograd.grad(total, leaf)
-        finite = grad.isfinite().all(dim=1).tolist()
-        apply = []
-        for j in ok:
-            views[j].counts["adapt_backward"] += 1
-            if finite[j]:
-                apply.append(j)
-            elif update:
-                views[j].record_skip("non-finite gradient")
-        if not apply:
-            return [], None
-        g = grad if len(apply) == len(runs) else grad[torch.tensor(apply, device=grad.device)]
-        applied = [runs[j] for j in apply]
+        finite = ok & grad.isfinite().all(dim=1)
+        for r in runs:
+            self.views[r].counts["adapt_forward"] += 1
+        self.notes.append((runs, update, torch.stack([loss.detach().to(torch.float64),
+                                                      ok.to(torch.float64),
+                                                      finite.to(torch.float64)])))
         if update:
-            self.fast.update(applied, g)
-        return applied, g
+            self.fast.update(runs, grad, finite)
+        return finite, grad
 
     @torch.no_grad()
-    def transcripts(self, runs: List[int], x: torch.Tensor) -> List[str]:
+    def predict(self, runs: List[int], x: torch.Tensor) -> torch.Tensor:
+        """The runs' frame labels, with the utterance's noted step values and LII losses, as one
+        flat float64 device tensor (:meth:`settle` reads it)."""
         logits = self.logits(self.fast.rows(runs), x)
         for r in runs:
             self.views[r].counts["infer_forward"] += 1
-        return self.lobe.decode_labels(logits[:, 0].argmax(-1).cpu())
+        self.frames = logits.shape[2]
+        parts = [logits[:, 0].argmax(-1).reshape(-1).to(torch.float64)]
+        parts += [values.reshape(-1) for _, _, values in self.notes]
+        if self.early is not None:
+            parts.append(self.early[1])
+        return torch.cat(parts)
+
+    @staticmethod
+    def read(packed: torch.Tensor) -> torch.Tensor:
+        """The utterance's one read of the device (on CUDA its one synchronisation)."""
+        return packed.cpu()
+
+    def settle(self, runs: List[int], host: torch.Tensor) -> None:
+        """From the utterance's read (:meth:`predict`): each run's transcript, its backward
+        counts and skipped steps (as the host step records them), its LII losses."""
+        n = len(runs) * self.frames
+        labels = host[:n].to(torch.int64).view(len(runs), self.frames)
+        for r, hyp in zip(runs, self.lobe.decode_labels(labels)):
+            self.views[r].hyp = hyp
+        at = n
+        for step_runs, update, values in self.notes:
+            w = len(step_runs)
+            loss, ok, finite = host[at:at + 3 * w].view(3, w).tolist()
+            at += 3 * w
+            for j, r in enumerate(step_runs):
+                v = self.views[r]
+                if ok[j]:
+                    v.counts["adapt_backward"] += 1
+                    if not finite[j] and update:
+                        v.record_skip("non-finite gradient")
+                elif update:
+                    v.record_skip(f"non-finite loss {loss[j]}")
+        self.notes = []
+        if self.early is not None:
+            values = host[at:].tolist()
+            for j, v in enumerate(self.early[0]):
+                v.early_losses = {"phi_D": values[2 * j], "source": values[2 * j + 1]}
+            self.early = None
 
     @torch.no_grad()
-    def lii_losses(self, views: List[RunView], x: torch.Tensor) -> None:
-        """For the runs whose reset policy computes an LII on this utterance: the SUTA losses
-        under their phi_D and under the source, one batched forward (read by ``loss_with``)."""
-        want = [v for v in views if v.reset_policy.needs_lii(v.t + 1)]
+    def lii_ahead(self, views: List[RunView], x: torch.Tensor) -> None:
+        """For the continual runs whose reset policy computes an LII after this utterance: the
+        SUTA losses under their phi_D and under the source, one batched forward before the
+        adaptation (phi_D, the source and x are all they depend on), read with the transcripts
+        (``loss_with`` answers from them)."""
+        want = [v for v in views if not v.episodic and v.reset_policy is not None
+                and v.reset_policy.needs_lii(v.t + 1)]
         if not want:
             return
         rows = torch.stack([self.flat(v.reset_policy.phi_D) for v in want] + [self.source])
         logits = self.logits(rows, x)
-        values = torch.stack([l for j, v in enumerate(want) for l in
-                              (self._loss(logits[j], v), self._loss(logits[-1], v))]).tolist()
-        for j, v in enumerate(want):
-            v.early_losses = {"phi_D": values[2 * j], "source": values[2 * j + 1]}
+        self.early = (want, torch.stack([l for j, v in enumerate(want) for l in (
+            self._loss(logits[j], v), self._loss(logits[-1], v))]).to(torch.float64))
 
     # ------------------------------------------------------------- the skeleton, batched
     @torch.enable_grad()
     def process(self, runs: List[int], wav: torch.Tensor, info) -> None:
-        """One utterance for ``runs`` (each run's ``hyp`` is set): ``TTAMethod.process`` of each."""
+        """One utterance for ``runs`` (each run's ``hyp`` is set): ``TTAMethod.process`` of each,
+        with one read of the device (:meth:`read`), after the prediction."""
         x = self.lobe.prepare(wav)
         views = [self.views[r] for r in runs]
         episodic = [v.r for v in views if v.episodic]
@@ -444,9 +542,10 @@ class BatchedSUTA:
                 why = v.reset_policy.before_utterance(info)
                 if why:
                     v.reset_meta(v.t, info.position, why)
+        self.notes, self.early = [], None
+        self.lii_ahead(views, x)
         self.adapt(runs, x)
-        for v, hyp in zip(views, self.transcripts(runs, x)):
-            v.hyp = hyp
+        self.settle(runs, self.read(self.predict(runs, x)))
         self.after(views, x, info)
         for v in views:
             v.t += 1
@@ -458,9 +557,9 @@ class BatchedSUTA:
 
     def after(self, views: List[RunView], x: torch.Tensor, info) -> None:
         """The continual runs' policies after the prediction (``TTAMethod._policy_after``): the
-        LII, then at an update a reset or the meta-update, then the end of the step."""
+        LII (computed ahead), then at an update a reset or the meta-update, then the end of the
+        step."""
         views = [v for v in views if not v.episodic]
-        self.lii_losses([v for v in views if v.reset_policy is not None], x)
         due = []
         for v in views:
             policy = v.reset_policy

@@ -40,30 +40,31 @@ class BatchedDSUTA(BatchedSUTA):
         self.buffer_size = [m.M for m in methods]
         self.inherit = [m.fast_moments == "slow" for m in methods]
         self.G = torch.zeros_like(self.slow.P)
-        self.n_buffered = [0] * self.R
-        self.n_grads = [0] * self.R
+        self.n_buffered = [0] * self.R          # utterances in the buffer (host)
+        # finite gradients in the sum: on the device, as the masks that decide them
+        self.n_grads = torch.zeros(self.R, dtype=torch.int64, device=self.G.device)
 
     # ------------------------------------------------------------- the fast and slow learners
     def adapt(self, runs: List[int], x: torch.Tensor) -> None:
         self.fast.take(self.slow, runs, [r for r in runs if self.inherit[r]])
         for n in range(max(self.views[r].steps for r in runs)):
-            applied, g = self.step([r for r in runs if n < self.views[r].steps], x)
+            stepping = [r for r in runs if n < self.views[r].steps]
+            finite, g = self.step(stepping, x)
             if n == 0:
-                self._accumulate(applied, g)
+                self._accumulate(stepping, finite, g)
         no_steps = [r for r in runs if self.views[r].steps == 0]
         if no_steps:
-            self._accumulate(*self.step(no_steps, x, update=False))
+            self._accumulate(no_steps, *self.step(no_steps, x, update=False))
         for r in runs:
             self.n_buffered[r] += 1
 
     @torch.no_grad()
-    def _accumulate(self, runs: List[int], g) -> None:
-        """The first step's (finite) gradients into the runs' buffer sums."""
-        if runs:
-            idx = torch.tensor(runs, device=self.G.device)
-            self.G[idx] += g
-            for r in runs:
-                self.n_grads[r] += 1
+    def _accumulate(self, runs: List[int], finite: torch.Tensor, g: torch.Tensor) -> None:
+        """The first step's gradients of ``runs`` into their buffer sums, where ``finite``."""
+        idx = self.rows_index(runs)
+        rows = self.G.index_select(0, idx)
+        self.G.index_copy_(0, idx, torch.where(finite[:, None], rows + g, rows))
+        self.n_grads.index_add_(0, idx, finite.to(self.n_grads.dtype))
 
     def update_due(self, r: int) -> bool:
         return self.n_buffered[r] >= self.buffer_size[r]
@@ -71,17 +72,18 @@ class BatchedDSUTA(BatchedSUTA):
     @torch.no_grad()
     def meta_update(self, runs: List[int]) -> None:
         """The slow step of the runs with a finite gradient in their buffer; buffers cleared."""
-        step = [r for r in runs if self.n_grads[r] > 0]
-        if step:
-            idx = torch.tensor(step, device=self.G.device)
-            n = torch.tensor([float(self.n_grads[r]) for r in step], device=self.G.device)
-            self.slow.update(step, self.G[idx] / n[:, None])
+        idx = self.rows_index(runs)
+        n = self.n_grads.index_select(0, idx)
+        mean = self.G.index_select(0, idx) / n.clamp(min=1).to(self.G.dtype)[:, None]
+        self.slow.update(runs, mean, n > 0)
         self._clear(runs)
 
     def _clear(self, runs: List[int]) -> None:
-        self.G[torch.tensor(runs, device=self.G.device)] = 0.0
+        idx = self.rows_index(runs)
+        self.G.index_fill_(0, idx, 0.0)
+        self.n_grads.index_fill_(0, idx, 0)
         for r in runs:
-            self.n_buffered[r] = self.n_grads[r] = 0
+            self.n_buffered[r] = 0
 
     def reset(self, runs: List[int]) -> None:
         """Fast and slow rows back to the source; the buffers discarded."""
@@ -98,7 +100,7 @@ class BatchedDSUTA(BatchedSUTA):
             "meta": self.meta_values(r),
             "slow_optimizer": self.slow.state(r, self.slow_templates[r], self.split),
             "grad_sum": [t.clone() for t in self.split(self.G[r])],
-            "n_buffered": self.n_buffered[r], "n_grads": self.n_grads[r], "buffer_x": []}
+            "n_buffered": self.n_buffered[r], "n_grads": int(self.n_grads[r]), "buffer_x": []}
 
     @torch.no_grad()
     def load_state_dict(self, r: int, sd: Dict) -> None:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-__all__ = ["versions", "environment", "git_hash", "describe_device"]
+__all__ = ["versions", "environment", "git_hash", "describe_device", "installed_packages"]
 
 PACKAGES = ("torch", "torchaudio", "speechbrain", "transformers", "numpy", "soundfile")
 
@@ -21,6 +21,21 @@ def _version(name: str) -> Optional[str]:
         return version(name)
     except Exception:  # PackageNotFoundError and broken metadata alike
         return None
+
+
+_INSTALLED: Optional[str] = None
+
+
+def installed_packages() -> str:
+    """SpeechBrain's description of the environment (Python, ``pip freeze``, git, CUDA): the head
+    of every run's env.log. Asked once per process (the freeze takes about 0.5 s; a batched sweep
+    or a grid worker opens many run folders, and the installed packages do not change under
+    it)."""
+    global _INSTALLED
+    if _INSTALLED is None:
+        from speechbrain.utils.logger import get_environment_description
+        _INSTALLED = get_environment_description()
+    return _INSTALLED
 
 
 def versions() -> Dict[str, str]:
