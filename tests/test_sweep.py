@@ -48,17 +48,30 @@ DSUTA = [["--lr=1e-3", "--steps=2", "--buffer_size=3"],
          ["--lr=3e-3", "--steps=3", "--buffer_size=4", "--fast_moments=zero", "--reset=fixed",
           "--reset_every=6"]]
 
+# EATA's filter on the tiny model, whose posteriors are nearly uniform (source entropies of this
+# stream 3.4596-3.4610 nats, cosines of consecutive mean posteriors 0.9954-0.9999): E0 = 0.99843
+# ln 32 = 3.4603 and d_margin 0.9995-0.9996 give kept, unreliable and redundant steps (d_margin 1.0
+# would be decided by rounding: |cos| of such alike vectors rounds to 1.0 or not); with and
+# without the Fisher term (one statistics file for the batch), a fixed reset, its own EMA
+EATA = [["--lr=3e-3", "--e_margin_factor=0.99843", "--d_margin=0.9996", "--fisher_alpha=10"],
+        ["--lr=1e-2", "--steps=2", "--e_margin_factor=1.0", "--d_margin=1.01", "--fisher_alpha=0"],
+        ["--lr=1e-3", "--steps=3", "--e_margin_factor=0.99843", "--d_margin=0.9995",
+         "--probs_ema=0.5", "--fisher_alpha=100", "--reset=fixed", "--reset_every=5"]]
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, tiny_model_dir):
+    from test_field_methods import fisher_file
     root = write_stream(tmp_path_factory.mktemp("sweep_stream"))
-    return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir}
+    return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir,
+            "fisher": fisher_file(root / "fisher.pt", tiny_model_dir, value=0.5)}
 
 
 def args(data, out, *extra, method="csuta"):
+    own = [f"--source_stats={data['fisher']}"] if method == "eata" else []
     return [method, f"--source={data['model']}", f"--stream_csv={data['csv']}",
             f"--output_folder={out}", f"--data_root={data['root']}", "--noprogressbar",
-            "--ckpt_every=4", *extra]
+            "--ckpt_every=4", *own, *extra]
 
 
 def ckpt_params(out, key="params"):
@@ -106,7 +119,7 @@ RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2]}
 
 
 @pytest.mark.parametrize("method,cfgs", [("suta", SUTA), ("csuta", CSUTA), ("dsuta", DSUTA),
-                                         ("tent", TENT)])
+                                         ("tent", TENT), ("eata", EATA)])
 def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     seps = separate(data, tmp_path, method, cfgs)
     outs = [tmp_path / f"bat{i}" for i in range(len(cfgs))]
@@ -118,6 +131,13 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     if method == "dsuta":                            # the dynamic reset tested, and fired
         assert len(read_lii(outs[1])) > 10
         assert "dynamic (z=" in (outs[1] / "resets.csv").read_text()
+    if method == "eata":                             # the filter kept and dropped, both ways
+        counts = [load_run(o).summary.counts for o in outs]
+        for r in (0, 2):
+            c = counts[r]
+            assert c["filtered_unreliable"] > 0 and c["filtered_redundant"] > 0, c
+            assert c["adapt_backward"] > 0, c
+        assert counts[1]["filtered_unreliable"] == counts[1]["filtered_redundant"] == 0
     # a second invocation skips every run and writes nothing
     stamps = {o: (o / "transcripts.csv").stat().st_mtime_ns for o in outs}
     capsys.readouterr()
@@ -129,8 +149,11 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
 
 def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     cases = [
-        ([args(data, tmp_path / "a", method="eata"), args(data, tmp_path / "b", method="eata")],
-         "method eata is not batched"),
+        ([args(data, tmp_path / "a", method="sar"), args(data, tmp_path / "b", method="sar")],
+         "method sar is not batched"),
+        ([args(data, tmp_path / "a", "--eata_optimizer=sgd", method="eata"),
+          args(data, tmp_path / "b", "--eata_optimizer=sgd", method="eata")],
+         "run 1: optimizer SGD (batched: AdamW, Adam)"),
         ([args(data, tmp_path / "a", method="dsuta"),
           args(data, tmp_path / "b", "--slow_grad=recompute", method="dsuta")],
          "slow_grad recompute is not batched"),
@@ -262,6 +285,61 @@ def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
     for r in range(len(cfgs)):
         assert max_diff(again.meta_values(r), whole.meta_values(r)) < PARAM_TOL
         assert again.n_buffered[r] == whole.n_buffered[r]
+
+
+def test_eata_batch_state_is_the_methods_checkpoint(data, make):
+    """A batched EATA run's state (its filter's EMA started, or not yet) resumes a separate EATA,
+    and a separate EATA's state resumes a batched run: the same transcripts, filter records and
+    counts as the run that was never stopped."""
+    import soundfile as sf
+    from tta_brain.methods import UttInfo
+    from tta_brain.methods.batched_eata import BatchedEATA
+    wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
+            for p in sorted((data["root"] / "wav").glob("*.wav"))][:14]
+    info = lambda i: UttInfo(position=i, segment="0")
+    cfgs = [dict(EATA_FILTER, lr=3e-3, steps=2),      # its EMA starts at the first utterance
+            dict(EATA_FILTER, lr=1e-2, e_margin_factor=0.5)]  # everything unreliable: never
+    build = lambda c: make("eata", source_stats=data["fisher"], **c)
+    cut = 6
+
+    def go(b, lo, hi):
+        for i in range(lo, hi):
+            b.process(list(range(len(b.views))), wavs[i], info(i))
+            for v in b.views:
+                v.process(wavs[i])
+
+    def seen(x, lo):
+        return [(e.kind, e.position, e.reason) for e in x.events if e.position >= lo]
+
+    whole_ms = [build(c) for c in cfgs]
+    whole = BatchedEATA(whole_ms[0].lobe, whole_ms)
+    go(whole, 0, len(wavs))
+    first_ms = [build(c) for c in cfgs]
+    first = BatchedEATA(first_ms[0].lobe, first_ms)
+    go(first, 0, cut)
+    states = [v.state_dict() for v in first.views]
+    assert states[0]["model_probs"] is not None and states[1]["model_probs"] is None
+    for r, c in enumerate(cfgs):                  # batch -> the method
+        m = build(c)
+        m.load_state_dict(states[r])
+        for i, w in enumerate(wavs[cut:], cut):
+            m.process(w, info(i))
+        assert seen(m, cut) == seen(whole.views[r], cut)
+        assert m.counts == whole.views[r].counts
+        assert max_diff(m.params, whole.values(r)) < PARAM_TOL
+    seps = [build(c) for c in cfgs]               # the method -> a batch
+    for m in seps:
+        for i, w in enumerate(wavs[:cut]):
+            m.process(w, info(i))
+    again = BatchedEATA(seps[0].lobe, [build(c) for c in cfgs])
+    for v, m in zip(again.views, seps):
+        v.load_state_dict(m.state_dict())
+    go(again, cut, len(wavs))
+    assert [seen(v, cut) for v in again.views] == [seen(v, cut) for v in whole.views]
+    assert [v.counts for v in again.views] == [v.counts for v in whole.views]
+    assert any(e.kind == "filter" for e in whole.views[0].events if e.position >= cut)
+    for r in range(len(cfgs)):
+        assert max_diff(again.values(r), whole.values(r)) < PARAM_TOL
 
 
 def test_grid_job_goes_on_separately_when_its_batch_fails(data, tmp_path, monkeypatch, capsys):
@@ -447,14 +525,19 @@ class DeviceReads:
         self.on = False
 
 
-@pytest.mark.parametrize("base", ["csuta", "dsuta"])
+EATA_FILTER = dict(e_margin_factor=0.99843, d_margin=0.9996, fisher_alpha=10.0)
+
+
+@pytest.mark.parametrize("base", ["csuta", "dsuta", "eata"])
 def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
     """A warm batch's utterance (resets, the LII forward, the steps with their finiteness and
-    skip masks, the AdamW and slow updates, the prediction, the policies' hooks) reads the device
-    once: the transcripts' copy (``read``), which also carries the step values and the LII."""
+    skip masks, EATA's filter, the AdamW and slow updates, the prediction, the policies' hooks)
+    reads the device once: the transcripts' copy (``read``), which also carries the step values,
+    the filter's verdicts and the LII."""
     from tta_brain.methods import UttInfo
     from tta_brain.methods.batched import BatchedSUTA
-    extra = dict(buffer_size=2) if base == "dsuta" else {}
+    extra = {"dsuta": dict(buffer_size=2),
+             "eata": dict(EATA_FILTER, source_stats=data["fisher"])}.get(base, {})
     cfgs = [(1e-3, 2, "dynamic"), (1e-2, 1, "fixed"), (3e-3, 3, "none")] + (
         [(3e-3, 0, "dynamic")] if base == "dsuta" else [])
     batch, wavs, _ = _batch(data, base, cfgs, **extra)
@@ -483,6 +566,8 @@ def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
     assert len(calls) == len(wavs)
     watched = [e.kind for v in batch.views for e in v.events if e.position >= 6]
     assert watched.count("lii") >= 3 and "reset" in watched   # the LII was read with the rest
+    if base == "eata":                                        # and the filter's verdicts
+        assert "filter" in watched
     with watch:                                                 # the detector does see a read
         batch.fast.P[0, 0].item()
         batch.fast.P[batch.fast.P[:, 0] > 0]

@@ -14,9 +14,11 @@ AdamW update with its own learning rates, and one batched prediction. A non-fini
 gradient skips that run's update only, as the host step does, masked on the device. The dynamic
 reset's LII losses are one batched forward too (every run's phi_D and the source), before the
 adaptation. Nothing of an utterance reads the device but the prediction's one copy (``read``),
-which also brings the steps' losses and masks (the skip records and counts) and the LII values. :class:`BatchedSUTA` is driven by
-``tta_brain.sweep``; :class:`RunView` is one run's method as the Brain and its checkpoint see it
-(``process``, ``events``, ``counts``, ``state_dict`` in the ordinary method's format).
+which also brings the steps' losses and masks (the skip records and counts) and the LII values.
+:class:`BatchedSUTA` is driven by ``tta_brain.sweep``; :class:`RunView` is one run's method as the
+Brain and its checkpoint see it (``process``, ``events``, ``counts``, ``state_dict`` in the
+ordinary method's format). A method with a filter of its own steps (``batched_eata``) gives its
+drop mask with its losses (:meth:`BatchedSUTA.losses`).
 """
 import logging
 import math
@@ -30,7 +32,7 @@ from torch.func import functional_call, vmap
 from tta_brain.lobes.runtime import native_cpu_kernels
 from tta_brain.methods import losses
 from tta_brain.methods.csuta import CSUTA
-from tta_brain.methods.events import Event
+from tta_brain.methods.events import Event, UttInfo
 from tta_brain.methods.resets import DynamicReset, FixedReset, NoReset, OracleReset
 from tta_brain.methods.suta import SUTA
 from tta_brain.methods.tent import Tent
@@ -271,6 +273,7 @@ class RunView:
         self.t = 0
         self.hyp: Optional[str] = None          # set by the batch, returned by process
         self.early_losses: Dict = {}            # the LII losses the batch computed (loss_with)
+        self.info = UttInfo()                   # the utterance being processed
         self.reset_policy = method.reset_policy
         if self.reset_policy is not None:
             self.reset_policy.bind(self)
@@ -448,23 +451,36 @@ class BatchedSUTA:
         skipped steps), and a masked run's update is skipped on the device."""
         leaf = self.fast.rows(runs).detach().requires_grad_(True)
         logits = self.logits(leaf, x)
-        loss = torch.stack([self.step_losses[r](logits[j]) for j, r in enumerate(runs)])
+        loss, drop, why = self.losses(runs, logits, leaf)
         ok = loss.detach().isfinite()
-        total = torch.where(ok, loss, torch.zeros_like(loss)).sum()
+        use = ok if drop is None else ok & ~drop
+        total = torch.where(use, loss, torch.zeros_like(loss)).sum()
         if self.cpu_native:
             with native_cpu_kernels():
                 (grad,) = torch.autograd.grad(total, leaf)
         else:
             (grad,) = torch.autograd.grad(total, leaf)
-        finite = ok & grad.isfinite().all(dim=1)
+        finite = use & grad.isfinite().all(dim=1)
         for r in runs:
             self.views[r].counts["adapt_forward"] += 1
-        self.notes.append((runs, update, torch.stack([loss.detach().to(torch.float64),
-                                                      ok.to(torch.float64),
-                                                      finite.to(torch.float64)])))
+        rows = [loss.detach(), ok, finite] + ([] if drop is None else [drop, *why.unbind(1)])
+        self.notes.append((runs, update, torch.stack([t.to(torch.float64) for t in rows])))
         if update:
             self.fast.update(runs, grad, finite)
         return finite, grad
+
+    def losses(self, runs: List[int], logits: torch.Tensor, leaf: torch.Tensor):
+        """The runs' step losses ``[R']`` from their logits ``[R', 1, F, V]`` (``leaf``: their
+        adapted rows), and the method's filter of its steps: a bool ``[R']`` device mask of the
+        dropped ones and the values ``[R', w]`` that say why (:meth:`filtered` reads them), or
+        None, None. Default: each run's own ``loss``, no filter."""
+        loss = torch.stack([self.step_losses[r](logits[j]) for j, r in enumerate(runs)])
+        return loss, None, None
+
+    def filtered(self, view: RunView, values: List[float]) -> None:
+        """Run ``view``'s step that the method's filter dropped (``values``: as :meth:`losses`
+        gave them), recorded as its method records one."""
+        raise NotImplementedError(f"{type(self).__name__} has a filter but no filtered()")
 
     @torch.no_grad()
     def predict(self, runs: List[int], x: torch.Tensor) -> torch.Tensor:
@@ -494,12 +510,15 @@ class BatchedSUTA:
             self.views[r].hyp = hyp
         at = n
         for step_runs, update, values in self.notes:
-            w = len(step_runs)
-            loss, ok, finite = host[at:at + 3 * w].view(3, w).tolist()
-            at += 3 * w
+            k, w = values.shape
+            block = host[at:at + k * w].view(k, w).tolist()
+            at += k * w
+            loss, ok, finite = block[:3]
             for j, r in enumerate(step_runs):
                 v = self.views[r]
-                if ok[j]:
+                if k > 3 and block[3][j]:                   # the method's filter dropped it
+                    self.filtered(v, [row[j] for row in block[4:]])
+                elif ok[j]:
                     v.counts["adapt_backward"] += 1
                     if not finite[j] and update:
                         v.record_skip("non-finite gradient")
@@ -534,6 +553,8 @@ class BatchedSUTA:
         with one read of the device (:meth:`read`), after the prediction."""
         x = self.lobe.prepare(wav)
         views = [self.views[r] for r in runs]
+        for v in views:
+            v.info = info
         episodic = [v.r for v in views if v.episodic]
         if episodic:
             self.reset(episodic)
