@@ -58,6 +58,13 @@ EATA = [["--lr=3e-3", "--e_margin_factor=0.99843", "--d_margin=0.9996", "--fishe
         ["--lr=1e-3", "--steps=3", "--e_margin_factor=0.99843", "--d_margin=0.9995",
          "--probs_ema=0.5", "--fisher_alpha=100", "--reset=fixed", "--reset_every=5"]]
 
+# SAR: E0 as EATA's above filters both passes sometimes; a recovery constant inside the kept
+# losses' range (3.4596-3.4603) makes recoveries, 0.3 none; its own rho, EMA, a fixed reset
+SAR = [["--lr=3e-3", "--e_margin_factor=0.99843", "--reset_constant=3.4600"],
+       ["--lr=1e-2", "--steps=2", "--rho=0.5", "--e_margin_factor=1.0", "--reset_constant=0.3"],
+       ["--lr=1e-3", "--steps=2", "--e_margin_factor=0.99843", "--loss_ema=0.5",
+        "--reset_constant=3.4599", "--reset=fixed", "--reset_every=5"]]
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, tiny_model_dir):
@@ -119,7 +126,7 @@ RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2]}
 
 
 @pytest.mark.parametrize("method,cfgs", [("suta", SUTA), ("csuta", CSUTA), ("dsuta", DSUTA),
-                                         ("tent", TENT), ("eata", EATA)])
+                                         ("tent", TENT), ("eata", EATA), ("sar", SAR)])
 def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     seps = separate(data, tmp_path, method, cfgs)
     outs = [tmp_path / f"bat{i}" for i in range(len(cfgs))]
@@ -138,6 +145,11 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
             assert c["filtered_unreliable"] > 0 and c["filtered_redundant"] > 0, c
             assert c["adapt_backward"] > 0, c
         assert counts[1]["filtered_unreliable"] == counts[1]["filtered_redundant"] == 0
+    if method == "sar":                              # both passes filtered, recoveries
+        counts = [load_run(o).summary.counts for o in outs]
+        assert counts[0]["filtered_first"] > 0 and counts[0]["recoveries"] > 0
+        assert counts[2]["filtered_second"] > 0 and counts[2]["recoveries"] > 0
+        assert counts[1]["filtered_first"] == counts[1]["recoveries"] == 0
     # a second invocation skips every run and writes nothing
     stamps = {o: (o / "transcripts.csv").stat().st_mtime_ns for o in outs}
     capsys.readouterr()
@@ -149,8 +161,8 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
 
 def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     cases = [
-        ([args(data, tmp_path / "a", method="sar"), args(data, tmp_path / "b", method="sar")],
-         "method sar is not batched"),
+        ([args(data, tmp_path / "a", method="cotta"), args(data, tmp_path / "b", method="cotta")],
+         "method cotta is not batched"),
         ([args(data, tmp_path / "a", "--eata_optimizer=sgd", method="eata"),
           args(data, tmp_path / "b", "--eata_optimizer=sgd", method="eata")],
          "run 1: optimizer SGD (batched: AdamW, Adam)"),
@@ -236,6 +248,30 @@ def test_grid_groups_runs_into_batches(data, tmp_path):
     assert all(len(u) == 1 for u in grid.batches(runs, 3))
 
 
+def resumed_methods(build, cfgs, states, wavs, info, cut):
+    """Batch -> the method: each run's method built from ``cfgs``, loaded with the batch's state
+    ``states[r]`` and run over ``wavs[cut:]``; (method, its transcripts) per run."""
+    out = []
+    for c, state in zip(cfgs, states):
+        m = build(c)
+        m.load_state_dict(state)
+        out.append((m, [m.process(w, info(i)) for i, w in enumerate(wavs[cut:], cut)]))
+    return out
+
+
+def resumed_batch(build, batch_of, cfgs, wavs, info, cut):
+    """The method -> a batch: separate runs over ``wavs[:cut]``, their states loaded into a new
+    batch's runs."""
+    seps = [build(c) for c in cfgs]
+    for m in seps:
+        for i, w in enumerate(wavs[:cut]):
+            m.process(w, info(i))
+    again = batch_of([build(c) for c in cfgs])
+    for v, m in zip(again.views, seps):
+        v.load_state_dict(m.state_dict())
+    return again
+
+
 def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
     """A batched DSUTA run's state (mid-buffer, mid-construction of its dynamic reset) resumes a
     separate DSUTA, and a separate DSUTA's state resumes a batched run: both go on as the run
@@ -268,18 +304,10 @@ def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
     assert go(first, 0, cut) == [h[:cut] for h in full]
     states = [v.state_dict() for v in first.views]
     assert states[0]["n_buffered"] == 2 and states[0]["reset_policy"]["have_phi_D"]
-    for r, c in enumerate(cfgs):                  # batch -> the method
-        m = build(c)
-        m.load_state_dict(states[r])
-        assert [m.process(w, info(i)) for i, w in enumerate(wavs[cut:], cut)] == full[r][cut:]
+    for r, (m, hyps) in enumerate(resumed_methods(build, cfgs, states, wavs, info, cut)):
+        assert hyps == full[r][cut:]
         assert max_diff(m.meta, whole.meta_values(r)) < PARAM_TOL
-    seps = [build(c) for c in cfgs]               # the method -> a batch
-    for m in seps:
-        for i, w in enumerate(wavs[:cut]):
-            m.process(w, info(i))
-    again = batch_of([build(c) for c in cfgs])
-    for v, m in zip(again.views, seps):
-        v.load_state_dict(m.state_dict())
+    again = resumed_batch(build, batch_of, cfgs, wavs, info, cut)
     assert go(again, cut, len(wavs)) == [h[cut:] for h in full]
     assert [v.counts for v in again.views] == [v.counts for v in whole.views]
     for r in range(len(cfgs)):
@@ -287,19 +315,29 @@ def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
         assert again.n_buffered[r] == whole.n_buffered[r]
 
 
-def test_eata_batch_state_is_the_methods_checkpoint(data, make):
-    """A batched EATA run's state (its filter's EMA started, or not yet) resumes a separate EATA,
-    and a separate EATA's state resumes a batched run: the same transcripts, filter records and
-    counts as the run that was never stopped."""
+@pytest.mark.parametrize("base", ["eata", "sar"])
+def test_filter_batch_state_is_the_methods_checkpoint(data, make, base):
+    """A batched EATA or SAR run's state (EATA: its filter's EMA started, or not yet; SAR: its
+    loss EMA, or none yet) resumes a separate run of the method, and the method's state resumes a
+    batched run: the same transcripts, filter records, recoveries and counts as the run that was
+    never stopped."""
     import soundfile as sf
     from tta_brain.methods import UttInfo
-    from tta_brain.methods.batched_eata import BatchedEATA
+    from tta_brain.sweep import batch_for
     wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
             for p in sorted((data["root"] / "wav").glob("*.wav"))][:14]
     info = lambda i: UttInfo(position=i, segment="0")
-    cfgs = [dict(EATA_FILTER, lr=3e-3, steps=2),      # its EMA starts at the first utterance
-            dict(EATA_FILTER, lr=1e-2, e_margin_factor=0.5)]  # everything unreliable: never
-    build = lambda c: make("eata", source_stats=data["fisher"], **c)
+    if base == "eata":
+        cfgs = [dict(EATA_FILTER, lr=3e-3, steps=2),      # its EMA starts at the first utterance
+                dict(EATA_FILTER, lr=1e-2, e_margin_factor=0.5)]  # everything unreliable: never
+        build = lambda c: make("eata", source_stats=data["fisher"], **c)
+        key = "model_probs"
+    else:
+        cfgs = [dict(lr=3e-3, e_margin_factor=0.99843, reset_constant=3.4600),
+                dict(lr=1e-2, e_margin_factor=0.5)]       # every first pass filtered: no EMA
+        build = lambda c: make("sar", **c)
+        key = "ema"
+    batch_of = lambda ms: batch_for(ms[0])(ms[0].lobe, ms)
     cut = 6
 
     def go(b, lo, hi):
@@ -311,33 +349,22 @@ def test_eata_batch_state_is_the_methods_checkpoint(data, make):
     def seen(x, lo):
         return [(e.kind, e.position, e.reason) for e in x.events if e.position >= lo]
 
-    whole_ms = [build(c) for c in cfgs]
-    whole = BatchedEATA(whole_ms[0].lobe, whole_ms)
+    whole = batch_of([build(c) for c in cfgs])
     go(whole, 0, len(wavs))
-    first_ms = [build(c) for c in cfgs]
-    first = BatchedEATA(first_ms[0].lobe, first_ms)
+    first = batch_of([build(c) for c in cfgs])
     go(first, 0, cut)
     states = [v.state_dict() for v in first.views]
-    assert states[0]["model_probs"] is not None and states[1]["model_probs"] is None
-    for r, c in enumerate(cfgs):                  # batch -> the method
-        m = build(c)
-        m.load_state_dict(states[r])
-        for i, w in enumerate(wavs[cut:], cut):
-            m.process(w, info(i))
+    assert states[0][key] is not None and states[1][key] is None
+    for r, (m, _) in enumerate(resumed_methods(build, cfgs, states, wavs, info, cut)):
         assert seen(m, cut) == seen(whole.views[r], cut)
         assert m.counts == whole.views[r].counts
         assert max_diff(m.params, whole.values(r)) < PARAM_TOL
-    seps = [build(c) for c in cfgs]               # the method -> a batch
-    for m in seps:
-        for i, w in enumerate(wavs[:cut]):
-            m.process(w, info(i))
-    again = BatchedEATA(seps[0].lobe, [build(c) for c in cfgs])
-    for v, m in zip(again.views, seps):
-        v.load_state_dict(m.state_dict())
+    again = resumed_batch(build, batch_of, cfgs, wavs, info, cut)
     go(again, cut, len(wavs))
     assert [seen(v, cut) for v in again.views] == [seen(v, cut) for v in whole.views]
     assert [v.counts for v in again.views] == [v.counts for v in whole.views]
-    assert any(e.kind == "filter" for e in whole.views[0].events if e.position >= cut)
+    kinds = [e.kind for e in whole.views[0].events if e.position >= cut]
+    assert "filter" in kinds and (base == "eata" or "reset" in kinds)
     for r in range(len(cfgs)):
         assert max_diff(again.values(r), whole.values(r)) < PARAM_TOL
 
@@ -528,16 +555,18 @@ class DeviceReads:
 EATA_FILTER = dict(e_margin_factor=0.99843, d_margin=0.9996, fisher_alpha=10.0)
 
 
-@pytest.mark.parametrize("base", ["csuta", "dsuta", "eata"])
+@pytest.mark.parametrize("base", ["csuta", "dsuta", "eata", "sar"])
 def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
     """A warm batch's utterance (resets, the LII forward, the steps with their finiteness and
-    skip masks, EATA's filter, the AdamW and slow updates, the prediction, the policies' hooks)
+    skip masks, EATA's filter, SAR's two passes, the AdamW and slow updates, the prediction, SAR's
+    recovery, the policies' hooks)
     reads the device once: the transcripts' copy (``read``), which also carries the step values,
     the filter's verdicts and the LII."""
     from tta_brain.methods import UttInfo
     from tta_brain.methods.batched import BatchedSUTA
     extra = {"dsuta": dict(buffer_size=2),
-             "eata": dict(EATA_FILTER, source_stats=data["fisher"])}.get(base, {})
+             "eata": dict(EATA_FILTER, source_stats=data["fisher"]),
+             "sar": dict(e_margin_factor=0.99843, reset_constant=3.4600)}.get(base, {})
     cfgs = [(1e-3, 2, "dynamic"), (1e-2, 1, "fixed"), (3e-3, 3, "none")] + (
         [(3e-3, 0, "dynamic")] if base == "dsuta" else [])
     batch, wavs, _ = _batch(data, base, cfgs, **extra)
@@ -566,7 +595,7 @@ def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
     assert len(calls) == len(wavs)
     watched = [e.kind for v in batch.views for e in v.events if e.position >= 6]
     assert watched.count("lii") >= 3 and "reset" in watched   # the LII was read with the rest
-    if base == "eata":                                        # and the filter's verdicts
+    if base in ("eata", "sar"):                               # and the filter's verdicts
         assert "filter" in watched
     with watch:                                                 # the detector does see a read
         batch.fast.P[0, 0].item()
@@ -576,17 +605,13 @@ def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
                           "aten.lift_fresh.default"]
 
 
-def test_batched_skips_a_non_finite_run_as_its_separate_run(data):
-    """A run whose loss turns non-finite (an absurd learning rate blows its parameters up) skips
-    its steps as its separate run does: the same skip records (reason and position) and counts,
-    its update left out on the device; the other runs of the batch are not touched."""
+def lockstep(batch, seps, wavs):
+    """The batch and the separate runs ``seps`` over ``wavs`` side by side: the same transcripts,
+    then the same events (kind, position, reason) and counts per run."""
     from tta_brain.methods import UttInfo
-    cfgs = [(1e-3, 2, "none"), (1e30, 2, "none"), (1e-2, 1, "none")]
-    batch, wavs, build = _batch(data, "suta", cfgs)
-    seps = [build(*c) for c in cfgs]
-    for i, w in enumerate(wavs[:5]):
+    for i, w in enumerate(wavs):
         info = UttInfo(position=i, segment="0")
-        batch.process([0, 1, 2], w, info)
+        batch.process(list(range(len(seps))), w, info)
         for r, m in enumerate(seps):
             assert batch.views[r].process(w) == m.process(w, info)
     for r, m in enumerate(seps):
@@ -594,6 +619,18 @@ def test_batched_skips_a_non_finite_run_as_its_separate_run(data):
         assert [(e.kind, e.position, e.reason) for e in v.events] == \
             [(e.kind, e.position, e.reason) for e in m.events]
         assert v.counts == m.counts
+
+
+@pytest.mark.parametrize("base", ["suta", "sar"])
+def test_batched_skips_a_non_finite_run_as_its_separate_run(data, base):
+    """A run whose loss turns non-finite (an absurd learning rate blows its parameters up) skips
+    its steps as its separate run does: the same skip records (reason and position) and counts,
+    its update left out on the device (SAR: its ascent too); the other runs are not touched."""
+    cfgs = [(1e-3, 2, "none"), (1e30, 2, "none"), (1e-2, 1, "none")]
+    extra = dict(e_margin_factor=1.01) if base == "sar" else {}    # no filter: E0 > ln V
+    batch, wavs, build = _batch(data, base, cfgs, **extra)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:5])
     assert any(e.kind == "skip" for e in seps[1].events)
     assert not any(e.kind == "skip" for r in (0, 2) for e in seps[r].events)
     for r, m in enumerate(seps):                    # a skipped update leaves the run's AdamW
@@ -605,6 +642,43 @@ def test_batched_skips_a_non_finite_run_as_its_separate_run(data):
     assert max_diff(batch.values(0), seps[0].params) < PARAM_TOL
     assert max_diff(batch.values(2), seps[2].params) < PARAM_TOL
 
+
+def test_batched_sar_skips_non_finite_gradients_as_sar(data, monkeypatch):
+    """SAR's run 2 gets a finite loss with a NaN gradient in pass 1 (utterance 1) and in pass 2
+    (utterance 3): as its separate run, the step is skipped there (no ascent after pass 1, no
+    update after pass 2, the skip records, the pass counts), and run 1 is not touched."""
+    from tta_brain.methods.batched_sar import BatchedSAR
+    from tta_brain.methods.sar import SAR
+    poison_at = {1: 1, 3: 2}                        # utterance -> the pass whose gradient is NaN
+    nan_grad = lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0   # value 0, gradient NaN
+    cfgs = [(1e-2, 2, "none"), (1e-2, 2, "none")]
+    batch, wavs, build = _batch(data, "sar", cfgs, e_margin_factor=1.01)
+    seps = [build(*c) for c in cfgs]
+    calls = {}
+    entropy, batched_entropy = SAR._entropy, BatchedSAR._entropy
+
+    def poisoned(t, which_pass, loss, logits):
+        return loss + nan_grad(logits) if poison_at.get(t) == which_pass else loss
+
+    def sep_entropy(self, logits, path=None, lengths=None):
+        loss = entropy(self, logits, path, lengths)
+        if path is None or self is not seps[1]:
+            return loss
+        return poisoned(self.t, 1 if self.ascent.eps is None else 2, loss, logits)
+
+    def bat_entropy(self, runs, logits, paths):          # both passes of every step, in order
+        loss = batched_entropy(self, runs, logits, paths)
+        j, t = runs.index(1), self.views[1].t
+        n = calls[t] = calls.get(t, 0) + 1
+        one = poisoned(t, 2 - n % 2, loss[j], logits[j])
+        return torch.cat([loss[:j], one[None], loss[j + 1:]])
+    monkeypatch.setattr(SAR, "_entropy", sep_entropy)
+    monkeypatch.setattr(BatchedSAR, "_entropy", bat_entropy)
+    lockstep(batch, seps, wavs[:5])
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL
+    assert [(e.kind, e.position) for e in seps[1].events] == [("skip", 1)] * 2 + [("skip", 3)] * 2
+    assert seps[1].counts["adapt_forward"] == 5 * 2 * 2 - 2      # no pass 2 after a NaN pass 1
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -21,7 +21,6 @@ ordinary method's format). A method with a filter of its own steps (``batched_ea
 drop mask with its losses (:meth:`BatchedSUTA.losses`).
 """
 import logging
-import math
 from functools import partial
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
@@ -454,20 +453,42 @@ class BatchedSUTA:
         loss, drop, why = self.losses(runs, logits, leaf)
         ok = loss.detach().isfinite()
         use = ok if drop is None else ok & ~drop
-        total = torch.where(use, loss, torch.zeros_like(loss)).sum()
-        if self.cpu_native:
-            with native_cpu_kernels():
-                (grad,) = torch.autograd.grad(total, leaf)
-        else:
-            (grad,) = torch.autograd.grad(total, leaf)
+        grad = self.backward(torch.where(use, loss, torch.zeros_like(loss)).sum(), leaf)
         finite = use & grad.isfinite().all(dim=1)
         for r in runs:
             self.views[r].counts["adapt_forward"] += 1
         rows = [loss.detach(), ok, finite] + ([] if drop is None else [drop, *why.unbind(1)])
-        self.notes.append((runs, update, torch.stack([t.to(torch.float64) for t in rows])))
+        self.note(partial(self._settle_step, runs, update), rows)
         if update:
             self.fast.update(runs, grad, finite)
         return finite, grad
+
+    def backward(self, total: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+        """The gradient rows of ``total`` (the runs' summed losses) w.r.t. ``leaf``."""
+        if self.cpu_native:
+            with native_cpu_kernels():
+                return torch.autograd.grad(total, leaf)[0]
+        return torch.autograd.grad(total, leaf)[0]
+
+    def note(self, handler, rows: List[torch.Tensor]) -> None:
+        """Device values ``rows`` (equal-length 1-D tensors) for this utterance's one read;
+        ``handler(values)`` gets them back on the host (a list of lists) in :meth:`settle`."""
+        self.notes.append((handler, torch.stack([t.to(torch.float64) for t in rows])))
+
+    def _settle_step(self, runs: List[int], update: bool, block: List[List[float]]) -> None:
+        """A :meth:`step`'s values on the host: the backward counts and the skipped steps, as
+        the host step records them, or the method's filter's records."""
+        loss, ok, finite = block[:3]
+        for j, r in enumerate(runs):
+            v = self.views[r]
+            if len(block) > 3 and block[3][j]:              # the method's filter dropped it
+                self.filtered(v, [row[j] for row in block[4:]])
+            elif ok[j]:
+                v.counts["adapt_backward"] += 1
+                if not finite[j] and update:
+                    v.record_skip("non-finite gradient")
+            elif update:
+                v.record_skip(f"non-finite loss {loss[j]}")
 
     def losses(self, runs: List[int], logits: torch.Tensor, leaf: torch.Tensor):
         """The runs' step losses ``[R']`` from their logits ``[R', 1, F, V]`` (``leaf``: their
@@ -491,7 +512,7 @@ class BatchedSUTA:
             self.views[r].counts["infer_forward"] += 1
         self.frames = logits.shape[2]
         parts = [logits[:, 0].argmax(-1).reshape(-1).to(torch.float64)]
-        parts += [values.reshape(-1) for _, _, values in self.notes]
+        parts += [values.reshape(-1) for _, values in self.notes]
         if self.early is not None:
             parts.append(self.early[1])
         return torch.cat(parts)
@@ -509,21 +530,10 @@ class BatchedSUTA:
         for r, hyp in zip(runs, self.lobe.decode_labels(labels)):
             self.views[r].hyp = hyp
         at = n
-        for step_runs, update, values in self.notes:
+        for handler, values in self.notes:
             k, w = values.shape
-            block = host[at:at + k * w].view(k, w).tolist()
+            handler(host[at:at + k * w].view(k, w).tolist())
             at += k * w
-            loss, ok, finite = block[:3]
-            for j, r in enumerate(step_runs):
-                v = self.views[r]
-                if k > 3 and block[3][j]:                   # the method's filter dropped it
-                    self.filtered(v, [row[j] for row in block[4:]])
-                elif ok[j]:
-                    v.counts["adapt_backward"] += 1
-                    if not finite[j] and update:
-                        v.record_skip("non-finite gradient")
-                elif update:
-                    v.record_skip(f"non-finite loss {loss[j]}")
         self.notes = []
         if self.early is not None:
             values = host[at:].tolist()

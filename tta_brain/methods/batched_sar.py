@@ -1,0 +1,156 @@
+"""R runs of ``sar`` as one batch (:class:`BatchedSUTA` with SAR's sharpness-aware step).
+
+Per step, as ``SAR.device_body`` for each run: pass 1's entropy over its own non-blank frames,
+filtered with its E0; its gradient moves the run's row to ``theta + rho g / ||g||`` (no ascent
+after a stopped pass 1); pass 2 at those rows over pass 1's frames, filtered again; the rows back
+at ``theta`` (the ascent added and subtracted, as SAR does) and the runs whose passes were both
+kept take their AdamW step with pass 2's gradient; each run's loss EMA (float64, on the device)
+follows its updates. The verdicts (filter and skip records, pass counts) and the EMAs are read
+with the transcripts; a run whose EMA fell below its ``reset_constant`` recovers (model and
+optimiser to the source, a ``reset`` with reason ``recovery``) before its reset policy's hooks.
+"""
+import logging
+from functools import partial
+from typing import Dict, List
+
+import torch
+
+from tta_brain.methods import losses
+from tta_brain.methods.batched import BatchedSUTA, upload
+from tta_brain.methods.events import Event
+from tta_brain.methods.sar import SAR
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchedSAR"]
+
+
+class BatchedSAR(BatchedSUTA):
+    methods = (SAR,)
+
+    def __init__(self, lobe, methods):
+        super().__init__(lobe, methods)
+        dev = self.P.device
+        self.e_margin = upload([m.e_margin for m in methods], torch.float64, dev)
+        self.rho = upload([m.rho for m in methods], self.P.dtype, dev)
+        self.loss_ema = upload([m.loss_ema for m in methods], torch.float64, dev)
+        self.temperature = [m.temperature for m in methods]
+        self.reset_constant = [m.reset_constant for m in methods]
+        self.ema = torch.zeros(self.R, dtype=torch.float64, device=dev)
+        self.ema_on = torch.zeros(self.R, dtype=torch.bool, device=dev)
+        self.ema_host: List = [None] * self.R         # as each run's method holds it
+        self.margin_text = [m.e_margin for m in methods]
+
+    def _entropy(self, runs, logits, paths):
+        return torch.stack([losses.entropy_loss(logits[j], temperature=self.temperature[r],
+                                                blank_id=self.blank_id, path=paths[j]).mean()
+                            for j, r in enumerate(runs)])
+
+    def step(self, runs: List[int], x: torch.Tensor, update: bool = True):
+        """One SAM step of ``runs``: the device mask of the runs that updated and pass 2's
+        gradient rows."""
+        idx = self.fast.index(runs)
+        pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
+        e_margin, rho = pick(self.e_margin), pick(self.rho)
+        rows = self.fast.rows(runs)
+        leaf = rows.detach().requires_grad_(True)
+        logits = self.logits(leaf, x)
+        paths = logits.detach().argmax(-1)                 # pass 1's frames serve pass 2 too
+        h1 = self._entropy(runs, logits, paths)
+        v1 = h1.detach()
+        out1 = v1.double() >= e_margin                     # filtered (nan is not: a skip)
+        ran1 = ~out1 & v1.isfinite()                       # pass 1's backward ran
+        g1 = self.backward(torch.where(ran1, h1, torch.zeros_like(h1)).sum(), leaf)
+        ok1 = ran1 & g1.isfinite().all(dim=1)
+        with torch.no_grad():                              # SAM's ascent, per row
+            norm = torch.stack([t.norm(dim=1) for t in g1.split(self.numels, dim=1)], 1)
+            eps = g1 * (rho / (norm.norm(dim=1) + 1e-12))[:, None]
+            eps = torch.where(ok1[:, None], eps, torch.zeros_like(eps))
+            shifted = rows + eps
+        leaf2 = shifted.detach().requires_grad_(True)
+        h2 = self._entropy(runs, self.logits(leaf2, x), paths)
+        v2 = h2.detach()
+        out2 = ok1 & (v2.double() >= e_margin)
+        ran2 = ok1 & ~out2 & v2.isfinite()
+        g2 = self.backward(torch.where(ran2, h2, torch.zeros_like(h2)).sum(), leaf2)
+        done = ran2 & g2.isfinite().all(dim=1)
+        with torch.no_grad():
+            back = shifted - eps                           # theta + eps - eps, as SAR's undo
+            if idx is None:
+                self.fast.P.copy_(back)
+            else:
+                self.fast.P.index_copy_(0, idx, back)
+            self.fast.update(runs, g2, done)
+            a, ema, on = pick(self.loss_ema), pick(self.ema), pick(self.ema_on)
+            value2 = v2.double()
+            new = torch.where(on, a * ema + (1 - a) * value2, value2)
+            ema, on = torch.where(done, new, ema), on | done
+            for t, n in ((self.ema, ema), (self.ema_on, on)):
+                if idx is None:
+                    t.copy_(n)
+                else:
+                    t.index_copy_(0, idx, n)
+        for r in runs:
+            self.views[r].counts["adapt_forward"] += 1
+        code = lambda cond, yes, no: torch.where(cond, torch.full_like(v1, yes), no)
+        # the first reason on the host step's path: filter, loss, gradient; pass 1, then 2
+        second = code(out2, SAR.FILTERED_SECOND,
+                      code(ran2 & ~done, SAR.GRAD_2, torch.zeros_like(v1)))
+        second = code(ok1 & ~out2 & ~v2.isfinite(), SAR.LOSS_2, second)
+        first = code(v1.isfinite(), SAR.GRAD_1, torch.full_like(v1, SAR.LOSS_1))
+        verdict = code(out1, SAR.FILTERED_FIRST, torch.where(ok1, second, first))
+        self.note(partial(self._settle_sam, runs),
+                  [verdict, torch.where(ok1, v2, v1), ran1, ok1, ran2, ema, on])
+        return done, g2
+
+    def _settle_sam(self, runs: List[int], block) -> None:
+        """A SAM step's verdicts on the host: the passes' counts, the filter and skip records
+        as SAR's host step makes them, the EMA."""
+        verdict, value, ran1, ok1, ran2, ema, on = block
+        for j, r in enumerate(runs):
+            v = self.views[r]
+            v.counts["adapt_forward"] += int(ok1[j])                   # pass 2's forward
+            v.counts["adapt_backward"] += int(ran1[j]) + int(ran2[j])
+            if verdict[j] in (SAR.FILTERED_FIRST, SAR.FILTERED_SECOND):
+                which = "first" if verdict[j] == SAR.FILTERED_FIRST else "second"
+                v.counts[f"filtered_{which}"] += 1
+                v.events.append(Event("filter", v.info.position, f"unreliable ({which} pass): "
+                                      f"entropy {value[j]:.3f} >= E0 {self.margin_text[r]:.3f}"))
+            elif verdict[j] in (SAR.LOSS_1, SAR.LOSS_2):
+                v.record_skip(f"non-finite loss {value[j]}")
+            elif verdict[j] in (SAR.GRAD_1, SAR.GRAD_2):
+                v.record_skip("non-finite gradient")
+            self.ema_host[r] = ema[j] if on[j] else None
+
+    def after(self, views, x, info) -> None:
+        """SAR's model recovery (after the prediction, before the reset policy's hooks)."""
+        for v in views:
+            ema = self.ema_host[v.r]
+            if ema is not None and ema < self.reset_constant[v.r]:
+                v.counts["recoveries"] += 1
+                logger.info("sar: loss EMA %.4f < %g after %s: model recovery", ema,
+                            self.reset_constant[v.r], info.id)
+                v.reset_meta(v.t + 1, info.position + 1, "recovery")
+        super().after(views, x, info)
+
+    @torch.no_grad()
+    def reset(self, runs: List[int]) -> None:
+        """Runs back to the source; their loss EMAs cleared."""
+        super().reset(runs)
+        idx = self.rows_index(runs)
+        self.ema.index_fill_(0, idx, 0.0)
+        self.ema_on.index_fill_(0, idx, False)
+        for r in runs:
+            self.ema_host[r] = None
+
+    # ------------------------------------------------------------- SAR's checkpoint format
+    def state_dict(self, r: int) -> Dict:
+        return super().state_dict(r) | {"ema": self.ema_host[r]}
+
+    @torch.no_grad()
+    def load_state_dict(self, r: int, sd: Dict) -> None:
+        super().load_state_dict(r, sd)
+        ema = sd.get("ema")
+        self.ema_host[r] = ema
+        self.ema[r] = 0.0 if ema is None else float(ema)
+        self.ema_on[r] = ema is not None
