@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Batched sweep vs separate runs (``tta_brain.sweep``, issue #22 item 6).
 
-CPU (default): R runs of ``--method`` (suta, csuta, dsuta, tent, or eata / sar with every step
-kept; lr 1e-4 x 1, 2, 3, ...; ``--reset`` for the continual ones, the dynamic reset with
-``K = max(4, n_utts // 3)``) of the tests' tiny model over
+CPU (default): R runs of ``--method`` (suta, csuta, dsuta, tent, eata / sar with every step
+kept, or cotta with its defaults; lr 1e-4 x 1, 2, 3, ...; ``--reset`` for the continual ones,
+the dynamic reset with ``K = max(4, n_utts // 3)``) of the tests' tiny model over
 the same generated utterances, batched (one batch of ``tta_brain.sweep``) vs one after another in
 this process; s per audio second of all R runs together for both, the ratio, and whether the
 transcripts agree::
@@ -54,7 +54,8 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
     # mean posteriors are so alike that |cos| rounds to 1.0, the default d_margin), no Fisher
     # term (no statistics file)
     own = {"eata": dict(e_margin_factor=1.0, d_margin=1.01, fisher_alpha=0.0),
-           "sar": dict(e_margin_factor=1.01)}.get(method, {})     # SAR: no pass filtered
+           "sar": dict(e_margin_factor=1.01),                      # SAR: no pass filtered
+           "cotta": dict(seed=0)}.get(method, {})                  # CoTTA: its defaults
     build = lambda lr: build_method(method, model=HFCTCLobe(model), lr=lr, steps=steps,
                                     reset_policy=policy(), **own)
     sep_hyps, t0 = [], time.perf_counter()
@@ -151,7 +152,7 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--method", default="suta",
-                   choices=("suta", "csuta", "dsuta", "tent", "eata", "sar"))
+                   choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta"))
     p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"))
     p.add_argument("--json", default="")
     a = p.parse_args(argv)

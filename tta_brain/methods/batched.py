@@ -75,9 +75,13 @@ def settings_loss(m):
 
 
 def upload(values, dtype, device) -> torch.Tensor:
-    """A tensor of host ``values`` on ``device``; to CUDA from pinned memory without waiting (a
-    blocking copy would synchronise the stream)."""
-    t = torch.tensor(values, dtype=dtype)
+    """A tensor of host ``values`` on ``device`` (:func:`to_device`)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``; to CUDA from pinned memory without waiting (a blocking
+    copy would synchronise the stream)."""
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -423,14 +427,19 @@ class BatchedSUTA:
         runs as matmul + softmax (transformers' eager attention) inside the vmap: the fused SDPA
         kernels have no vmap batching rule on CPU (a per-row loop) and failed in the backward on
         CUDA; the same maths, other rounding."""
-        def one(row):
-            return functional_call(self.lobe, dict(zip(self.names, self.split(row))), (x,))
+        return self.logits_each(flat, x, None)
+
+    def logits_each(self, flat: torch.Tensor, x: torch.Tensor, x_dim: Optional[int] = 0):
+        """As :meth:`logits`; ``x_dim`` 0: ``x`` ``[R', 1, T]`` holds one input per row (CoTTA's
+        augmented views), None: ``x`` is shared."""
+        def one(row, inputs):
+            return functional_call(self.lobe, dict(zip(self.names, self.split(row))), (inputs,))
         config = self.lobe.model.config
         attn = getattr(config, "_attn_implementation", None)
         try:
             if attn is not None:
                 config._attn_implementation = "eager"
-            return vmap(one, randomness="same")(flat)
+            return vmap(one, in_dims=(0, x_dim), randomness="same")(flat, x)
         finally:
             if attn is not None:
                 config._attn_implementation = attn
@@ -507,7 +516,7 @@ class BatchedSUTA:
     def predict(self, runs: List[int], x: torch.Tensor) -> torch.Tensor:
         """The runs' frame labels, with the utterance's noted step values and LII losses, as one
         flat float64 device tensor (:meth:`settle` reads it)."""
-        logits = self.logits(self.fast.rows(runs), x)
+        logits = self.prediction(runs, x)
         for r in runs:
             self.views[r].counts["infer_forward"] += 1
         self.frames = logits.shape[2]
@@ -516,6 +525,10 @@ class BatchedSUTA:
         if self.early is not None:
             parts.append(self.early[1])
         return torch.cat(parts)
+
+    def prediction(self, runs: List[int], x: torch.Tensor) -> torch.Tensor:
+        """The logits ``[R', 1, F, V]`` the runs' transcripts decode (their adapted rows')."""
+        return self.logits(self.fast.rows(runs), x)
 
     @staticmethod
     def read(packed: torch.Tensor) -> torch.Tensor:
