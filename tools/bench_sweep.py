@@ -2,8 +2,9 @@
 """Batched sweep vs separate runs (``tta_brain.sweep``, issue #22 item 6).
 
 CPU (default): R runs of ``--method`` (suta, csuta, dsuta, tent, eata / sar with every step
-kept, or cotta with its defaults; lr 1e-4 x 1, 2, 3, ...; ``--reset`` for the continual ones,
-the dynamic reset with ``K = max(4, n_utts // 3)``) of the tests' tiny model over
+kept, cotta with its defaults, or cea with ``--steps`` in each stage; lr 1e-4 x 1, 2, 3, ...;
+``--reset`` for the continual ones, the dynamic reset with ``K = max(4, n_utts // 3)``) of the
+tests' tiny model over
 the same generated utterances, batched (one batch of ``tta_brain.sweep``) vs one after another in
 this process; s per audio second of all R runs together for both, the ratio, and whether the
 transcripts agree::
@@ -48,14 +49,15 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
     wavs = speech_like_wavs(n_utts, 0.9 * seconds, 1.1 * seconds, seed=3)
     audio = sum(w.numel() for w in wavs) / 16000
     lrs = [1e-4 * (r + 1) for r in range(runs)]
-    policy = lambda: (None if method in ("suta", "tent") else
+    policy = lambda: (None if method in ("suta", "tent", "cea") else
                       make_reset_policy(reset, every=max(2, n_utts // 3), K=max(4, n_utts // 3)))
     # EATA: every step kept (a random model's entropy is near ln V, above the default E0; its
     # mean posteriors are so alike that |cos| rounds to 1.0, the default d_margin), no Fisher
     # term (no statistics file)
     own = {"eata": dict(e_margin_factor=1.0, d_margin=1.01, fisher_alpha=0.0),
            "sar": dict(e_margin_factor=1.01),                      # SAR: no pass filtered
-           "cotta": dict(seed=0)}.get(method, {})                  # CoTTA: its defaults
+           "cotta": dict(seed=0),                                  # CoTTA: its defaults
+           "cea": dict(steps2=steps)}.get(method, {})              # CEA: --steps per stage
     build = lambda lr: build_method(method, model=HFCTCLobe(model), lr=lr, steps=steps,
                                     reset_policy=policy(), **own)
     sep_hyps, t0 = [], time.perf_counter()
@@ -74,7 +76,7 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
     res = dict(method=method, reset=reset, runs=runs, n_utts=n_utts, steps=steps, audio_s=audio,
                separate_s_per_audio_s=t_sep / audio, batched_s_per_audio_s=t_bat / audio,
                speedup=t_sep / t_bat, same_transcripts=sep_hyps == bat_hyps)
-    label = method + ("" if method in ("suta", "tent") else f"+{reset}")
+    label = method + ("" if method in ("suta", "tent", "cea") else f"+{reset}")
     print(f"{runs} {label} runs x {n_utts} utterances ({audio:.1f} audio s each), {steps} steps, "
           f"{threads} thread(s): separate {t_sep / audio:.3f} s per audio s (all runs), batched "
           f"{t_bat / audio:.3f}: {t_sep / t_bat:.2f}x; same transcripts: {res['same_transcripts']}")
@@ -152,7 +154,7 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--method", default="suta",
-                   choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta"))
+                   choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta", "cea"))
     p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"))
     p.add_argument("--json", default="")
     a = p.parse_args(argv)

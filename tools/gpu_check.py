@@ -50,7 +50,7 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
 ``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
 8 SUTA runs (10 steps, lr 1e-5 .. 8e-5; ``--sweep_method dsuta+dynamic``: DSUTA with the dynamic
 reset, buffer 2, K a third of the stream, at least 4; ``eata``: EATA with every step kept, no Fisher
-term; ``sar``: SAR with no pass filtered; ``cotta``: CoTTA with its defaults) on the random
+term; ``sar``: SAR with no pass filtered; ``cotta``, ``cea``: with their defaults) on the random
 base-sized model, as one batched sweep
 process (``python -m tta_brain.sweep``) vs 8 ``python -m tta_brain.decode`` processes started
 together on the GPU (``tools/bench_sweep.py``): throughput of both over the decode loops and over
@@ -151,7 +151,7 @@ def parse_args(argv=None):
                         "config/ and vocab.json) for the section official; not shipped")
     p.add_argument("--sweep_utts", type=int, default=12, help="utterances of the sweep stream")
     p.add_argument("--sweep_method", default="suta",
-                   choices=("suta", "dsuta+dynamic", "eata", "sar", "cotta"),
+                   choices=("suta", "dsuta+dynamic", "eata", "sar", "cotta", "cea"),
                    help="the runs of the sweep section")
     p.add_argument("--cpu_smoke", action="store_true",
                    help="every section on CPU with a tiny model and a few utterances (no figures)")
@@ -790,6 +790,8 @@ def section_sweep(args, rep, work):
         method, opts = "sar", ("--e_margin_factor=1.01",)
     elif args.sweep_method == "cotta":          # its defaults (32 augmented teacher views)
         method, opts = "cotta", ()
+    elif args.sweep_method == "cea":            # its defaults (10 + 10 steps)
+        method, opts = "cea", ()
     res = bench_sweep.gpu_bench(model, stream, data, os.path.join(work, "sweep"), args.device,
                                 runs=runs, steps=steps, method=method, opts=opts)
     res["method"] = args.sweep_method

@@ -321,9 +321,9 @@ def parse_args(argv=None):
     p.add_argument("--per_gpu", type=int, default=2, help="local: runs per GPU")
     p.add_argument("--batch_runs", type=int, default=1, help="runs of one stream, method and "
                    "source that differ only in settings (suta, csuta, dsuta, tent, eata, sar, "
-                   "cotta: lr, steps, em_coef, temperature, reset, seed, ...) as batched sweeps of "
-                   "at most N runs, each one job (tta_brain.sweep); others run separately "
-                   "(default 1: every run its job)")
+                   "cotta, cea: lr, steps, em_coef, temperature, reset, seed, ...) as batched "
+                   "sweeps of at most N runs, each one job (tta_brain.sweep); others run "
+                   "separately (default 1: every run its job)")
     p.add_argument("--slurm_conf", default="", help="yaml of submitit Slurm parameters "
                    "(slurm_partition, timeout_min, mem_gb, cpus_per_task, gpus_per_node, ...)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between progress checks")

@@ -6,11 +6,12 @@ process, as R adapted states over one shared model (``tta_brain.methods.batched`
 Each run writes its own ordinary run folder, as ``python -m tta_brain.decode`` with the same
 arguments would: the same fingerprint, hyperparams.yaml, log.txt, records, checkpoints and summary
 (each through its own ``TTABrain``, driven row by row in lock-step; the stream is read once).
-Supported: ``suta``, ``csuta``, ``dsuta``, ``tent``, ``eata``, ``sar`` and ``cotta`` (any reset
-policy: none, fixed, oracle, dynamic) in fp32; the runs may differ in :data:`MAY_DIFFER` (lr, steps,
-em_coef, temperature, the reset policy and its settings, lr multipliers, seed: CoTTA's draws;
-DSUTA's buffer size, slow lr and fast moments; EATA's margins, EMA and Fisher weight; SAR's rho, E0,
-loss EMA and recovery constant; CoTTA's EMA, anchor threshold, augmentation and restore). Anything else (another method, another
+Supported: ``suta``, ``csuta``, ``dsuta``, ``tent``, ``eata``, ``sar``, ``cotta`` and ``cea`` (any
+reset policy: none, fixed, oracle, dynamic) in fp32; the runs may differ in :data:`MAY_DIFFER` (lr,
+steps, em_coef, temperature, the reset policy and its settings, lr multipliers, seed: CoTTA's
+draws; DSUTA's buffer size, slow lr and fast moments; EATA's margins, EMA and Fisher weight; SAR's
+rho, E0, loss EMA and recovery constant; CoTTA's EMA, anchor threshold, augmentation and restore;
+CEA's second stage). Anything else (another method, another
 stream, source model, device or precision, any other key that differs) is refused with one line
 naming the run and the option (:class:`Refused`) before a folder is written; the grid then runs
 those runs separately.
@@ -30,6 +31,7 @@ from typing import List, Optional
 from tta_brain import decode
 from tta_brain.data.manifest import ManifestError
 from tta_brain.methods.batched import POLICIES, BatchedSUTA
+from tta_brain.methods.batched_cea import BatchedCEA
 from tta_brain.methods.batched_cotta import BatchedCoTTA
 from tta_brain.methods.batched_dsuta import BatchedDSUTA
 from tta_brain.methods.batched_eata import BatchedEATA
@@ -45,14 +47,15 @@ __all__ = ["Refused", "refusal", "run", "batch_for", "MAY_DIFFER", "METHODS"]
 
 #: The batches, the batched methods (packaged yaml names) and the keys in which the runs of a
 #: batch may differ.
-BATCHES = (BatchedSUTA, BatchedDSUTA, BatchedEATA, BatchedSAR, BatchedCoTTA)
+BATCHES = (BatchedSUTA, BatchedDSUTA, BatchedEATA, BatchedSAR, BatchedCoTTA, BatchedCEA)
 METHODS = tuple(c.name for b in BATCHES for c in b.methods)
 MAY_DIFFER = ("lr", "steps", "em_coef", "temperature", "reset", "reset_every", "seed",
               "layernorm_lr_mult", "cnn_lr_mult", "reset_K", "reset_patience", "reset_threshold",
               "reset_lii_count", "buffer_size", "slow_lr", "fast_moments", "e_margin_factor",
               "d_margin", "probs_ema", "fisher_alpha", "rho", "loss_ema", "reset_constant",
               "ema_decay", "ap_threshold", "n_augment", "noise_min", "noise_max", "noise_p",
-              "restore_prob", "restore_mask") + identity.LOCATION_KEYS + identity.LABEL_KEYS
+              "restore_prob", "restore_mask", "steps2", "lr2", "tc_coef"
+              ) + identity.LOCATION_KEYS + identity.LABEL_KEYS
 
 
 class Refused(ValueError):

@@ -3,8 +3,10 @@ forward/backward per step (``torch.func.vmap`` of ``functional_call`` over the s
 parameters, the input shared; the frozen weights are the model's own, once).
 
 :class:`BatchedSUTA` batches ``suta``, ``csuta`` and ``tent`` (methods whose step is their loss of
-the logits alone, then AdamW); ``tta_brain.methods.batched_dsuta`` adds the slow learner of
-``dsuta``. The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
+the logits alone, then AdamW); its subclasses override what their method adds:
+``batched_dsuta`` (the slow learner of ``dsuta``), ``batched_eata`` (the sample filter and the
+Fisher term), ``batched_sar`` (the two-pass SAM step, recovery), ``batched_cotta`` (teachers, each
+run's own generators) and ``batched_cea`` (the second stage). The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
 (every adapted tensor of a run, in the selection's order) and AdamW's moments ``M, V [R, N]`` with
 a step count per run. Per utterance: the runs' own resets (episodic: every utterance; continual:
 their policy: none, fixed, oracle, dynamic), then step n = 0 .. max(N_r) - 1 over the runs with
@@ -21,6 +23,7 @@ ordinary method's format). A method with a filter of its own steps (``batched_ea
 drop mask with its losses (:meth:`BatchedSUTA.losses`).
 """
 import logging
+from contextlib import contextmanager
 from functools import partial
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
@@ -72,6 +75,22 @@ def settings_loss(m):
     reference to the method, its model or its tensors."""
     return partial(type(m).loss, SimpleNamespace(em_coef=m.em_coef, temperature=m.temperature,
                                                  blank_id=m.blank_id))
+
+
+@contextmanager
+def eager_attention(lobe):
+    """The lobe's model with transformers' eager attention (matmul + softmax) meanwhile: the
+    fused SDPA kernels have no vmap batching rule on CPU (a per-row loop) and failed in the
+    backward on CUDA."""
+    config = lobe.model.config
+    attn = getattr(config, "_attn_implementation", None)
+    try:
+        if attn is not None:
+            config._attn_implementation = "eager"
+        yield
+    finally:
+        if attn is not None:
+            config._attn_implementation = attn
 
 
 def upload(values, dtype, device) -> torch.Tensor:
@@ -434,15 +453,8 @@ class BatchedSUTA:
         augmented views), None: ``x`` is shared."""
         def one(row, inputs):
             return functional_call(self.lobe, dict(zip(self.names, self.split(row))), (inputs,))
-        config = self.lobe.model.config
-        attn = getattr(config, "_attn_implementation", None)
-        try:
-            if attn is not None:
-                config._attn_implementation = "eager"
+        with eager_attention(self.lobe):
             return vmap(one, in_dims=(0, x_dim), randomness="same")(flat, x)
-        finally:
-            if attn is not None:
-                config._attn_implementation = attn
 
     def _loss(self, logits: torch.Tensor, v: RunView) -> torch.Tensor:
         """The SUTA loss of one run's logits (the reset policy's LII, whatever the method)."""
@@ -469,8 +481,12 @@ class BatchedSUTA:
         rows = [loss.detach(), ok, finite] + ([] if drop is None else [drop, *why.unbind(1)])
         self.note(partial(self._settle_step, runs, update), rows)
         if update:
-            self.fast.update(runs, grad, finite)
+            self.apply(runs, grad, finite)
         return finite, grad
+
+    def apply(self, runs: List[int], grad: torch.Tensor, finite: torch.Tensor) -> None:
+        """The optimiser step of ``runs`` with their gradient rows, where ``finite``."""
+        self.fast.update(runs, grad, finite)
 
     def backward(self, total: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
         """The gradient rows of ``total`` (the runs' summed losses) w.r.t. ``leaf``."""
