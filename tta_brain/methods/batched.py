@@ -325,7 +325,8 @@ class RunView:
         self.counts["aux_forward"] += 1
         return self.early_losses.pop("source" if values is None else "phi_D")
 
-    def record_skip(self, why: str) -> None:
+    def record_skip(self, why: str, clear_grads: bool = False) -> None:
+        """As ``TTAMethod.record_skip`` (a batch holds no gradients to clear)."""
         self.counts["skipped_steps"] += 1
         logger.warning("%s: utterance %d: %s, adaptation step skipped", self.name, self.t, why)
         self.events.append(Event("skip", self.t, why))

@@ -8,12 +8,12 @@ subset of them, with their own AdamW rows (``self.second``, the runs' ``lr2``). 
 batched pass as its logits) with the second, which moves only stage 2's part of the row; then the
 prediction.
 """
+from types import SimpleNamespace
 from typing import List
 
 import torch
 from torch.func import functional_call, vmap
 
-from tta_brain.methods import losses
 from tta_brain.methods.batched import (AdamRows, BatchedSUTA, eager_attention, optimizer_blocker,
                                        tensor_lrs)
 from tta_brain.methods.cea import CEA
@@ -74,20 +74,11 @@ class BatchedCEA(BatchedSUTA):
         return logits
 
     def losses(self, runs, logits, leaf):
-        out = []
-        for j, r in enumerate(runs):
-            lg, t = logits[j], self.temperature[r]
-            if not self.stage2:
-                em = losses.confidence_weighted_entropy_loss(lg, temperature=t,
-                                                             blank_id=self.blank_id)
-            else:
-                em = losses.entropy_loss(lg, temperature=t, non_blank=False)
-            loss = self.em_coef[r] * em + (1 - self.em_coef[r]) * losses.mcc_loss(lg, temperature=t)
-            if self.stage2 and self.tc_coef[r]:
-                mask = losses.non_blank_mask(lg, blank_id=self.blank_id)
-                loss = loss + self.tc_coef[r] * losses.temporal_coherence_loss(self.feats[j], mask)
-            out.append(loss.mean())
-        return torch.stack(out), None, None
+        """``CEA.loss`` of each run (its stage's terms; stage 2: its own CNN features)."""
+        return torch.stack([CEA.loss(SimpleNamespace(
+            _stage2=self.stage2, _feats=self.feats[j] if self.stage2 else None,
+            em_coef=self.em_coef[r], temperature=self.temperature[r], tc_coef=self.tc_coef[r],
+            blank_id=self.blank_id), logits[j]) for j, r in enumerate(runs)]), None, None
 
     # ------------------------------------------------------------- the two stages
     def adapt(self, runs: List[int], x: torch.Tensor) -> None:

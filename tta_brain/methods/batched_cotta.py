@@ -19,7 +19,7 @@ import torch
 
 from tta_brain.methods import losses
 from tta_brain.methods.batched import BatchedSUTA, to_device, upload
-from tta_brain.methods.cotta import CoTTA
+from tta_brain.methods.cotta import CoTTA, augmented_view
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class BatchedCoTTA(BatchedSUTA):
         for k in range(max([self.n_augment[r] for r in noisy], default=0)):
             now = [r for r in noisy if k < self.n_augment[r]]
             # the runs' k-th views, drawn on the host, one upload, normalised per row as prepare
-            raw = to_device(torch.stack([self._view(r, wav) for r in now]), self.P.device)
+            raw = to_device(torch.stack([augmented_view(wav, self.aug_gen[r], self.noise[r])
+                                         for r in now]), self.P.device)
             xs = self.lobe.normalize(raw)[:, None]
             out = self.logits_each(self.teacher.index_select(0, self.rows_index(now)), xs)
             for j, r in enumerate(now):
@@ -92,14 +93,6 @@ class BatchedCoTTA(BatchedSUTA):
             self.targets[r] = torch.stack(views[r]).mean(0)
             self.views[r].counts["augmented"] += 1
             self.views[r].counts["aux_forward"] += self.n_augment[r] - 1
-
-    def _view(self, r: int, wav: torch.Tensor) -> torch.Tensor:
-        """Run ``r``'s next augmented view (its generator's draws, in CoTTA's order)."""
-        (lo, hi, p), gen = self.noise[r], self.aug_gen[r]
-        amp = lo + (hi - lo) * float(torch.rand((), generator=gen))
-        noise = amp * torch.randn(wav.shape, generator=gen)
-        keep = float(torch.rand((), generator=gen)) >= p
-        return wav if keep else wav + noise
 
     # ------------------------------------------------------------- the student
     def adapt(self, runs: List[int], x: torch.Tensor) -> None:
@@ -141,8 +134,7 @@ class BatchedCoTTA(BatchedSUTA):
 
     def prediction(self, runs: List[int], x: torch.Tensor) -> torch.Tensor:
         """The teacher's outputs from before the update (CoTTA's transcript)."""
-        out = torch.stack([self.targets.pop(r) for r in runs])
-        return out
+        return torch.stack([self.targets.pop(r) for r in runs])
 
     # ------------------------------------------------------------- state
     @torch.no_grad()

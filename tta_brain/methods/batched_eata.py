@@ -8,16 +8,22 @@ logits, its verdict (unreliable, redundant or kept) and its EMA update, decided 
 dropped run's update is masked there and its filter record (``EATA.filtered``) is written when the
 transcripts are read; a kept run's loss adds ``fisher_alpha * sum F (theta - theta0)^2`` of its row.
 """
+from types import SimpleNamespace
 from typing import Dict, List
 
 import torch
-import torch.nn.functional as F
 
-from tta_brain.methods import losses
 from tta_brain.methods.batched import BatchedSUTA, RunView
-from tta_brain.methods.eata import EATA, REDUNDANT, UNRELIABLE
+from tta_brain.methods.eata import EATA
 
 __all__ = ["BatchedEATA"]
+
+
+class _Noted:
+    """What ``EATA.loss`` notes with its step filter (the drop flag and the values)."""
+
+    def note(self, drop: torch.Tensor, values: torch.Tensor) -> None:
+        self.drop, self.values = drop, values
 
 
 class BatchedEATA(BatchedSUTA):
@@ -42,29 +48,22 @@ class BatchedEATA(BatchedSUTA):
             v.e_margin, v.d_margin = m.e_margin, m.d_margin
 
     def losses(self, runs: List[int], logits: torch.Tensor, leaf: torch.Tensor):
-        """``EATA.loss`` of each run on its row: the losses, the dropped runs, and the filter's
-        values ``[verdict, entropy, |cos|]``."""
+        """``EATA.loss`` of each run on its row (its own filter state: views of the batch's rows,
+        updated in place), plus its Fisher term of its row: the losses, the dropped runs, and
+        the filter's values ``[verdict, entropy, |cos|]``."""
         penalty = None
         if self.fisher is not None and any(self.fisher_alpha[r] for r in runs):
             terms = (self.fisher * (leaf - self.source) ** 2).split(self.numels, dim=1)
             penalty = torch.stack([t.sum(dim=1) for t in terms], dim=1).sum(dim=1)
         loss, drop, why = [], [], []
         for j, r in enumerate(runs):
-            h = losses.entropy_loss(logits[j], temperature=self.temperature[r],
-                                    blank_id=self.blank_id).mean()
-            value = h.detach()
-            probs = losses.mean_probability(logits[j].detach())[0]
-            m, started = self.probs[r], self.started[r]
-            cos = F.cosine_similarity(m, probs, dim=0).abs()
-            unreliable = torch.logical_not(value.double() < self.e_margin[r])
-            redundant = ~unreliable & started & (cos.double() >= self.d_margin[r])
-            keep = ~(unreliable | redundant)
-            ema = torch.where(started, torch.lerp(probs, m, self.probs_ema[r]), probs)
-            m.copy_(torch.where(keep, ema, m))
-            started.logical_or_(keep)
-            drop.append(~keep)
-            why.append(torch.stack([unreliable.float() * UNRELIABLE + redundant.float() * REDUNDANT,
-                                    value.float(), cos.float()]))
+            verdict = _Noted()
+            h = EATA.loss(SimpleNamespace(
+                temperature=self.temperature[r], blank_id=self.blank_id, e_margin=self.e_margin[r],
+                d_margin=self.d_margin[r], probs_ema=self.probs_ema[r], _probs=self.probs[r],
+                _started=self.started[r], step_filter=verdict, fisher=None), logits[j])
+            drop.append(verdict.drop)
+            why.append(verdict.values)
             loss.append(h if not self.fisher_alpha[r] else h + self.fisher_alpha[r] * penalty[j])
         return torch.stack(loss), torch.stack(drop), torch.stack(why)
 

@@ -10,6 +10,7 @@ with the transcripts; a run whose EMA fell below its ``reset_constant`` recovers
 optimiser to the source, a ``reset`` with reason ``recovery``) before its reset policy's hooks.
 """
 import logging
+import math
 from functools import partial
 from typing import Dict, List
 
@@ -17,7 +18,6 @@ import torch
 
 from tta_brain.methods import losses
 from tta_brain.methods.batched import BatchedSUTA, upload
-from tta_brain.methods.events import Event
 from tta_brain.methods.sar import SAR
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ class BatchedSAR(BatchedSUTA):
         self.reset_constant = [m.reset_constant for m in methods]
         self.ema = torch.zeros(self.R, dtype=torch.float64, device=dev)
         self.ema_on = torch.zeros(self.R, dtype=torch.bool, device=dev)
-        self.ema_host: List = [None] * self.R         # as each run's method holds it
-        self.margin_text = [m.e_margin for m in methods]
+        for v, m in zip(self.views, methods):     # what SAR.step_notes reads and writes
+            v.e_margin, v.ema = m.e_margin, None
 
     def _entropy(self, runs, logits, paths):
         return torch.stack([losses.entropy_loss(logits[j], temperature=self.temperature[r],
@@ -92,40 +92,25 @@ class BatchedSAR(BatchedSUTA):
                     t.index_copy_(0, idx, n)
         for r in runs:
             self.views[r].counts["adapt_forward"] += 1
-        code = lambda cond, yes, no: torch.where(cond, torch.full_like(v1, yes), no)
-        # the first reason on the host step's path: filter, loss, gradient; pass 1, then 2
-        second = code(out2, SAR.FILTERED_SECOND,
-                      code(ran2 & ~done, SAR.GRAD_2, torch.zeros_like(v1)))
-        second = code(ok1 & ~out2 & ~v2.isfinite(), SAR.LOSS_2, second)
-        first = code(v1.isfinite(), SAR.GRAD_1, torch.full_like(v1, SAR.LOSS_1))
-        verdict = code(out1, SAR.FILTERED_FIRST, torch.where(ok1, second, first))
+        verdict = SAR.verdicts(v1, out1, ~ok1, v2, out2, ok1 & ~out2 & ~done)
         self.note(partial(self._settle_sam, runs),
                   [verdict, torch.where(ok1, v2, v1), ran1, ok1, ran2, ema, on])
         return done, g2
 
     def _settle_sam(self, runs: List[int], block) -> None:
-        """A SAM step's verdicts on the host: the passes' counts, the filter and skip records
-        as SAR's host step makes them, the EMA."""
+        """A SAM step's verdicts on the host: the passes' counts; the filter and skip records and
+        the EMA as SAR's own (``SAR.step_notes``, on the run's view)."""
         verdict, value, ran1, ok1, ran2, ema, on = block
         for j, r in enumerate(runs):
             v = self.views[r]
             v.counts["adapt_forward"] += int(ok1[j])                   # pass 2's forward
             v.counts["adapt_backward"] += int(ran1[j]) + int(ran2[j])
-            if verdict[j] in (SAR.FILTERED_FIRST, SAR.FILTERED_SECOND):
-                which = "first" if verdict[j] == SAR.FILTERED_FIRST else "second"
-                v.counts[f"filtered_{which}"] += 1
-                v.events.append(Event("filter", v.info.position, f"unreliable ({which} pass): "
-                                      f"entropy {value[j]:.3f} >= E0 {self.margin_text[r]:.3f}"))
-            elif verdict[j] in (SAR.LOSS_1, SAR.LOSS_2):
-                v.record_skip(f"non-finite loss {value[j]}")
-            elif verdict[j] in (SAR.GRAD_1, SAR.GRAD_2):
-                v.record_skip("non-finite gradient")
-            self.ema_host[r] = ema[j] if on[j] else None
+            SAR.step_notes(v, [[0.0, verdict[j], value[j], ema[j] if on[j] else math.nan]])
 
     def after(self, views, x, info) -> None:
         """SAR's model recovery (after the prediction, before the reset policy's hooks)."""
         for v in views:
-            ema = self.ema_host[v.r]
+            ema = v.ema
             if ema is not None and ema < self.reset_constant[v.r]:
                 v.counts["recoveries"] += 1
                 logger.info("sar: loss EMA %.4f < %g after %s: model recovery", ema,
@@ -141,16 +126,16 @@ class BatchedSAR(BatchedSUTA):
         self.ema.index_fill_(0, idx, 0.0)
         self.ema_on.index_fill_(0, idx, False)
         for r in runs:
-            self.ema_host[r] = None
+            self.views[r].ema = None
 
     # ------------------------------------------------------------- SAR's checkpoint format
     def state_dict(self, r: int) -> Dict:
-        return super().state_dict(r) | {"ema": self.ema_host[r]}
+        return super().state_dict(r) | {"ema": self.views[r].ema}
 
     @torch.no_grad()
     def load_state_dict(self, r: int, sd: Dict) -> None:
         super().load_state_dict(r, sd)
         ema = sd.get("ema")
-        self.ema_host[r] = ema
+        self.views[r].ema = ema
         self.ema[r] = 0.0 if ema is None else float(ema)
         self.ema_on[r] = ema is not None

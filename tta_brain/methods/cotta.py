@@ -24,6 +24,17 @@ from tta_brain.methods.state import restore, snapshot
 
 
 
+def augmented_view(wav: torch.Tensor, gen: torch.Generator, noise) -> torch.Tensor:
+    """One augmented view of the raw waveform ``wav``: Gaussian noise of an amplitude uniform in
+    ``[lo, hi]``, added with probability ``p`` (``noise = (lo, hi, p)``), every draw from ``gen``
+    (amplitude, noise, whether to keep the clean wave) in this order."""
+    lo, hi, p = noise
+    amp = lo + (hi - lo) * float(torch.rand((), generator=gen))
+    noisy = (amp * torch.randn(wav.shape, generator=gen)).to(wav.device)
+    keep = float(torch.rand((), generator=gen)) >= p
+    return wav if keep else wav + noisy
+
+
 @register("cotta")
 class CoTTA(TTAMethod):
     episodic = False
@@ -59,13 +70,9 @@ class CoTTA(TTAMethod):
         self.counts["augmented"] += 1
         self.counts["aux_forward"] += self.n_augment - 1
         wav = self._wav.reshape(-1).float()
-        lo, hi, p = self.noise
         views = []
         for _ in range(self.n_augment):
-            amp = lo + (hi - lo) * float(torch.rand((), generator=self.aug_gen))
-            noise = (amp * torch.randn(wav.shape, generator=self.aug_gen)).to(wav.device)
-            keep = float(torch.rand((), generator=self.aug_gen)) >= p
-            xa = self.lobe.prepare(wav if keep else wav + noise)
+            xa = self.lobe.prepare(augmented_view(wav, self.aug_gen, self.noise))
             views.append(self.lobe.logits(xa, dict(zip(self._lobe_names, self.teacher))))
         return torch.stack(views).mean(0)
 

@@ -159,15 +159,7 @@ class SAR(TTAMethod):
                           value2)
         self._ema_t.copy_(torch.where(update, ema, self._ema_t))
         self._ema_on.logical_or_(update)
-
-        def code(cond, yes: int, no):
-            return torch.where(cond, torch.full_like(v1, yes), no)
-        # the first reason on the host's path: filter, then loss, then gradients; pass 1, then 2
-        second = code(out2, self.FILTERED_SECOND,
-                      code(bad2, self.GRAD_2, torch.zeros_like(v1)))
-        second = code(bad2 & ~torch.isfinite(v2), self.LOSS_2, second)
-        first = code(torch.isfinite(v1), self.GRAD_1, torch.full_like(v1, self.LOSS_1))
-        verdict = code(out1, self.FILTERED_FIRST, torch.where(bad1, first, second))
+        verdict = self.verdicts(v1, out1, bad1, v2, out2, bad2)
         value = torch.where(ok1, v2, v1)
         shown = torch.where(self._ema_on, self._ema_t, torch.full_like(self._ema_t, math.nan))
         self.step_filter.note(~update, torch.stack([verdict.double(), value.double(), shown]))
@@ -176,19 +168,32 @@ class SAR(TTAMethod):
         guarded_update(optimizer, f.found)
         return h2
 
+    @classmethod
+    def verdicts(cls, v1, out1, bad1, v2, out2, bad2) -> torch.Tensor:
+        """The row code of SAM steps from their passes' values and flags (device tensors of one
+        shape; ``out``: filtered, ``bad``: a non-finite loss or gradient of a pass that ran): the
+        first reason on the host step's path, filter, then loss, then gradients; pass 1, then 2."""
+        def code(cond, yes: int, no):
+            return torch.where(cond, torch.full_like(v1, yes), no)
+        second = code(out2, cls.FILTERED_SECOND, code(bad2, cls.GRAD_2, torch.zeros_like(v1)))
+        second = code(bad2 & ~torch.isfinite(v2), cls.LOSS_2, second)
+        first = code(torch.isfinite(v1), cls.GRAD_1, torch.full_like(v1, cls.LOSS_1))
+        return code(out1, cls.FILTERED_FIRST, torch.where(bad1, first, second))
+
     def step_notes(self, rows):
         """The device steps' verdicts (once per utterance): filter events and skip records as
-        the host step makes them; the loss EMA after the last step."""
+        the host step makes them; the loss EMA after the last step. (Also a batched run's, on its
+        view: it reads only ``info``, ``counts``, ``events``, ``e_margin`` and ``record_skip``.)"""
         info = self.info
         for _, verdict, value, ema in rows:
-            if verdict in (self.FILTERED_FIRST, self.FILTERED_SECOND):
-                which = "first" if verdict == self.FILTERED_FIRST else "second"
+            if verdict in (SAR.FILTERED_FIRST, SAR.FILTERED_SECOND):
+                which = "first" if verdict == SAR.FILTERED_FIRST else "second"
                 self.counts[f"filtered_{which}"] += 1
                 self.events.append(Event("filter", info.position, f"unreliable ({which} pass): "
                                          f"entropy {value:.3f} >= E0 {self.e_margin:.3f}"))
-            elif verdict in (self.LOSS_1, self.LOSS_2):
+            elif verdict in (SAR.LOSS_1, SAR.LOSS_2):
                 self.record_skip(f"non-finite loss {value}", clear_grads=False)
-            elif verdict in (self.GRAD_1, self.GRAD_2):
+            elif verdict in (SAR.GRAD_1, SAR.GRAD_2):
                 self.record_skip("non-finite gradient", clear_grads=False)
         if rows:
             self.ema = None if math.isnan(rows[-1][3]) else rows[-1][3]
