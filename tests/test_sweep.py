@@ -529,11 +529,13 @@ def test_adam_rows_step_as_torchs_adam(cls, wd):
                 assert torch.equal(mine["state"][i][k], st[k]), (r, i, k)
 
 
-def _batch(data, base, cfgs, device="cpu", **extra):
+def _batch(data, base, cfgs, device="cpu", runtime=None, **extra):
     """A batch of ``base`` runs on the tiny model, one per ``(lr, steps, reset)`` of ``cfgs``
-    (fixed: every 3; dynamic: K = 4, patience 1); with the 12 utterances of the stream."""
+    (fixed: every 3; dynamic: K = 4, patience 1); with the 12 utterances of the stream.
+    ``runtime``: the lobe's run options (``Runtime`` keywords)."""
     import soundfile as sf
     from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.runtime import Runtime
     from tta_brain.methods import build_method
     from tta_brain.methods.resets import make_reset_policy
     from tta_brain.sweep import batch_for
@@ -541,7 +543,7 @@ def _batch(data, base, cfgs, device="cpu", **extra):
             for p in sorted((data["root"] / "wav").glob("*.wav"))][:12]
 
     def build(lr, steps, reset):
-        lobe = HFCTCLobe(data["model"], device=device)
+        lobe = HFCTCLobe(data["model"], device=device, runtime=Runtime(**(runtime or {})))
         return build_method(base, model=lobe, lr=lr, steps=steps, **extra,
                             reset_policy=make_reset_policy(reset, every=3, K=4, patience=1))
     ms = [build(*c) for c in cfgs]
@@ -761,3 +763,141 @@ def test_batch_synchronises_once_an_utterance_on_cuda(data, base, most):
     watched = [e.kind for v in batch.views for e in v.events if e.position >= 6]
     assert "lii" in watched and "reset" in watched
     assert max(per_utt[6:]) <= most, per_utt
+
+
+class ReplayChecks:
+    """A stand-in for the CUDA graph backend of a batch's steps: "capture" keeps the step without
+    running it (as CUDA capture), "replay" runs it again, checking what a real replay could not
+    do: touch the host's state (the runs' counts, the optimisers' step bounds, the utterance's
+    notes), read the device (``DeviceReads``) or follow a host value that differs from the
+    capture's (a real replay runs the kernels the capture's values chose: the batch's scalar
+    attributes must be what they were then, e.g. CEA's stage)."""
+
+    def __init__(self, batch, reads, fail=False):
+        self.batch, self.reads, self.fail = batch, reads, fail
+        self.captures = self.replays = 0
+
+    def side(self):
+        from contextlib import nullcontext
+        return nullcontext()
+
+    def capture(self, body, pool=None):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captures += 1
+        backend = self
+        scalars = lambda b: {k: v for k, v in vars(b).items()
+                             if isinstance(v, (bool, int, float, str)) and k != "frames"}
+        baked = scalars(self.batch)
+
+        class Graph:
+            def replay(self):
+                b = backend.batch
+                assert scalars(b) == baked, "replayed under other host values than captured"
+                host = ([dict(v.counts) for v in b.views], list(b.fast.bound), len(b.notes))
+                with backend.reads:
+                    body()
+                assert backend.reads.seen == [], backend.reads.seen
+                assert host == ([dict(v.counts) for v in b.views], list(b.fast.bound),
+                                len(b.notes)), "a replay touched the host's state"
+                backend.replays += 1
+
+            def pool(self):
+                return pool if pool is not None else object()
+
+            def release(self):
+                pass
+        return Graph()
+
+
+@pytest.mark.parametrize("base", ["suta", "tent", "dsuta", "eata", "cea"])
+def test_batch_replays_its_captured_steps_as_its_eager_steps(data, base, monkeypatch):
+    """A batch whose steps are captured (a stand-in backend on CPU) gives what its eager steps
+    give, bit for bit: transcripts, events, counts, parameters, AdamW moments and step counts
+    (resets, DSUTA's buffers and slow steps, EATA's filter in between). A run set's step is
+    captured after the warm-up (3 eager steps in all, 1 per utterance) where 2 or more of its
+    steps are left; on lengths met again every step of the set replays from the utterance's
+    first (DSUTA: from its second: the first's gradient goes into the buffer, eagerly); replays
+    read nothing on the host and leave its state alone; a moved state tensor (a grown
+    bias-correction table) drops the graphs; a failed capture leaves the steps eager."""
+    from tta_brain.gpu.batch_graphs import BatchGraphs
+    from tta_brain.methods import UttInfo
+    extra = {"dsuta": dict(buffer_size=2), "cea": dict(steps2=3),
+             "eata": dict(EATA_FILTER, source_stats=data["fisher"])}.get(base, {})
+    episodic = base in ("suta", "tent", "cea")
+    cfgs = [(1e-3, 4, "none" if episodic else "dynamic"), (1e-2, 3, "none" if episodic
+                                                           else "fixed"), (3e-3, 4, "none")]
+    eager, wavs, _ = _batch(data, base, cfgs, **extra)
+    graphed, _, _ = _batch(data, base, cfgs, **extra)
+    reads = DeviceReads(monkeypatch)
+    backend = ReplayChecks(graphed, reads)
+    graphed.graphs = BatchGraphs(graphed, backend, capacity=8, warmup=1)
+    stream = wavs[:4] + wavs[:4]                        # 4 lengths, each met twice
+    runs = list(range(len(cfgs)))
+
+    def both(i, w):
+        info = UttInfo(position=i, segment=str(i // 3))
+        for b in (eager, graphed):
+            b.process(runs, w, info)
+        assert [v.process(w) for v in graphed.views] == [v.process(w) for v in eager.views], i
+
+    for i, w in enumerate(stream[:4]):
+        both(i, w)
+    assert backend.captures >= 1 and backend.replays >= 1
+    first = 1 if base == "dsuta" else 0
+    replays = backend.replays
+    for i, w in enumerate(stream[4:], start=4):
+        both(i, w)
+    # the steps of all runs together are 0-2 (the second run has 3; the 4th step of two runs
+    # alone is eager): lengths 2-4, captured in the first pass, replay them from the first
+    # (DSUTA: the second); length 1, met in the warm-up, is captured at its 2nd step now; CEA's
+    # second stage (3 steps, captured in the first pass at every length) replays all of them
+    assert backend.replays - replays == 3 * (3 - first) + 2 + (4 * 3 if base == "cea" else 0)
+    for a, b in zip(eager.views, graphed.views):
+        assert [(e.kind, e.position, e.reason) for e in a.events] == \
+            [(e.kind, e.position, e.reason) for e in b.events]
+        assert a.counts == b.counts
+    for name in ("P", "M", "V", "k"):
+        assert torch.equal(getattr(eager.fast, name), getattr(graphed.fast, name)), name
+    kinds = {e.kind for v in graphed.views for e in v.events}
+    assert episodic or "reset" in kinds
+    if base == "eata":
+        assert "filter" in kinds
+    # a grown table moves a state tensor: the graphs are dropped and captured again
+    clears, captures = graphed.graphs.cache.stats["clears"], backend.captures
+    for b in (eager, graphed):
+        b.fast._corrections(len(b.fast.bc1))
+    both(8, stream[0])
+    assert graphed.graphs.cache.stats["clears"] == clears + 1
+    both(9, stream[0])
+    assert backend.captures > captures
+    # a capture that fails: eager steps from then on, the same results
+    backend.fail = True
+    graphed.graphs.cache.clear()
+    both(10, stream[1])
+    assert graphed.graphs is None
+    both(11, stream[2])
+    assert torch.equal(eager.fast.P, graphed.fast.P)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("base", ["suta", "dsuta", "cea"])
+def test_captured_batch_on_cuda_gives_the_eager_batchs_results(data, base):
+    """On CUDA a batch captures its steps by default (``cuda_graphs: auto``) and its replays give
+    the eager batch's transcripts (``cuda_graphs: off``) and parameters to rounding."""
+    from tta_brain.methods import UttInfo
+    extra = {"dsuta": dict(buffer_size=2), "cea": dict(steps2=3)}.get(base, {})
+    reset = "fixed" if base == "dsuta" else "none"
+    cfgs = [(1e-3, 4, reset), (1e-2, 3, "none"), (3e-3, 4, "none")]
+    eager, wavs, _ = _batch(data, base, cfgs, device="cuda", runtime=dict(cuda_graphs="off"),
+                            **extra)
+    graphed, _, _ = _batch(data, base, cfgs, device="cuda", **extra)
+    assert eager.graphs is None and graphed.graphs is not None
+    runs = list(range(len(cfgs)))
+    for i, w in enumerate(wavs[:4] + wavs[:4]):
+        info = UttInfo(position=i, segment=str(i // 3))
+        for b in (eager, graphed):
+            b.process(runs, w, info)
+        assert [v.process(w) for v in graphed.views] == [v.process(w) for v in eager.views], i
+    assert graphed.graphs.stats["replays"] > 0, graphed.graphs.describe()
+    assert (graphed.fast.P - eager.fast.P).abs().max().item() < 1e-5

@@ -100,7 +100,9 @@ def _span(folders):
 def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, timeout=400,
               method="suta", opts=()):
     """Batched sweep vs ``runs`` concurrent decode processes on one device; a dict of figures.
-    ``method``: the method token, ``opts``: decode options of every run (e.g. its reset)."""
+    ``method``: the method token, ``opts``: decode options of every run (e.g. its reset). Arms:
+    ``separate``, ``batched`` (the sweep's default: its steps captured as CUDA graphs where the
+    batch allows) and ``batched_eager`` (the sweep with ``--cuda_graphs=off``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     lrs = [f"{1e-5 * (r + 1):.0e}" for r in range(runs)]
 
@@ -109,13 +111,14 @@ def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, t
                 f"--data_root={data_root}", f"--device={device}", "--noprogressbar",
                 "--overwrite", f"--steps={steps}", f"--lr={lr}"]
     res = {}
-    for arm in ("separate", "batched"):
+    for arm in ("separate", "batched", "batched_eager"):
         outs = [os.path.join(work, arm, f"run{r}") for r in range(runs)]
         t0 = time.perf_counter()
-        if arm == "batched":
+        if arm != "separate":
             cmd = [sys.executable, "-m", "tta_brain.sweep"]
             for r, o in enumerate(outs):
-                cmd += (["--"] if r else []) + argv(o, lrs[r])
+                cmd += (["--"] if r else []) + argv(o, lrs[r]) + (
+                    ["--cuda_graphs=off"] if arm == "batched_eager" else [])
             procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True)]
         else:
@@ -139,11 +142,24 @@ def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, t
         hyps = [open(os.path.join(o, "transcripts.csv")).read() for o in outs]
         res[arm] = dict(wall_s=wall, loop_s=span, audio_s=audio, hyps=hyps,
                         audio_per_s_loop=audio / span, audio_per_s_wall=audio / wall)
+        res[arm]["graphs"] = _graph_line(outs[0])
     res["ratio_loop"] = res["batched"]["audio_per_s_loop"] / res["separate"]["audio_per_s_loop"]
     res["ratio_wall"] = res["batched"]["audio_per_s_wall"] / res["separate"]["audio_per_s_wall"]
-    res["same_runs"] = sum(a == b for a, b in zip(res["batched"].pop("hyps"),
-                                                  res["separate"].pop("hyps")))
+    res["captured_over_eager"] = (res["batched"]["audio_per_s_loop"]
+                                  / res["batched_eager"]["audio_per_s_loop"])
+    hyps = {arm: res[arm].pop("hyps") for arm in ("separate", "batched", "batched_eager")}
+    res["same_runs"] = sum(a == b for a, b in zip(hyps["batched"], hyps["separate"]))
+    res["same_runs_captured_eager"] = sum(a == b for a, b in zip(hyps["batched"],
+                                                                 hyps["batched_eager"]))
     return res
+
+
+def _graph_line(folder) -> str:
+    """What the sweep's log says of its captured steps ('' for none)."""
+    for line in open(os.path.join(folder, "log.txt"), encoding="utf-8"):
+        if "Batched steps as CUDA graphs:" in line:
+            return line.split("Batched steps as CUDA graphs:", 1)[1].strip()
+    return ""
 
 
 def main(argv=None):

@@ -54,7 +54,9 @@ term; ``sar``: SAR with no pass filtered; ``cotta``, ``cea``: with their default
 base-sized model, as one batched sweep
 process (``python -m tta_brain.sweep``) vs 8 ``python -m tta_brain.decode`` processes started
 together on the GPU (``tools/bench_sweep.py``): throughput of both over the decode loops and over
-the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree.
+the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree; the
+batched sweep once more with ``--cuda_graphs=off`` (its steps eager: what capturing the batched
+step gains, and whether the transcripts agree), with the sweep's graph counts.
 
 By default a GPU run checks, in this order, transcripts, official, lengths, sweep, memory and
 deterministic (``--sections`` picks others, in the order given). Each section is skipped
@@ -103,11 +105,12 @@ SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench"
             "official", "field", "sweep")
 #: rough seconds of each section on one GPU (unmeasured guesses), for the budget
 COST = {"transcripts": 27, "step": 30, "lengths": 70, "deterministic": 25, "memory": 155,
-        "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 60}
+        "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 63}
 #: What a GPU run checks by default, most wanted first: the H100 run of 2026-11-26 measured
 #: every section but the length buckets, which transcripts, official, lengths and memory now add
 #: (their COST: that run's seconds plus a guess for the buckets, and for the transcripts of eata,
-#: sar and cea); they add up to 477 s of the 480 s budget (8 minutes). ``field``
+#: sar and cea; the sweep: 12 utterances and two arms took 60 s, a guess for 8 utterances and a
+#: third arm, the batch's steps eager); they add up to 480 s, the budget (8 minutes). ``field``
 #: (measured then), ``step``, ``bench`` and ``decode`` on request (``--sections``; ``official``
 #: times decode against the method loop on the same utterances)
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
@@ -149,7 +152,7 @@ def parse_args(argv=None):
     p.add_argument("--official_dir", default=os.path.join(ROOT, ".official", "Dynamic-SUTA"),
                    help="a checkout of the official code (hhhaaahhhaa/Dynamic-SUTA: its src/, "
                         "config/ and vocab.json) for the section official; not shipped")
-    p.add_argument("--sweep_utts", type=int, default=12, help="utterances of the sweep stream")
+    p.add_argument("--sweep_utts", type=int, default=8, help="utterances of the sweep stream")
     p.add_argument("--sweep_method", default="suta",
                    choices=("suta", "dsuta+dynamic", "eata", "sar", "cotta", "cea"),
                    help="the runs of the sweep section")
@@ -795,14 +798,17 @@ def section_sweep(args, rep, work):
     res = bench_sweep.gpu_bench(model, stream, data, os.path.join(work, "sweep"), args.device,
                                 runs=runs, steps=steps, method=method, opts=opts)
     res["method"] = args.sweep_method
-    for arm in ("separate", "batched"):
+    for arm in ("separate", "batched", "batched_eager"):
         r = res[arm]
-        rep.say(f"{runs} {args.sweep_method} runs {arm:<9}: {r['audio_s']:.1f} audio s in {r['loop_s']:.1f} s of "
-                f"decode loops ({r['audio_per_s_loop']:.1f} audio s/s), {r['wall_s']:.1f} s wall "
-                f"({r['audio_per_s_wall']:.1f} audio s/s)")
+        rep.say(f"{runs} {args.sweep_method} runs {arm:<13}: {r['audio_s']:.1f} audio s in "
+                f"{r['loop_s']:.1f} s of decode loops ({r['audio_per_s_loop']:.1f} audio s/s), "
+                f"{r['wall_s']:.1f} s wall ({r['audio_per_s_wall']:.1f} audio s/s)"
+                + (f"; graphs: {r['graphs']}" if r.get("graphs") else ""))
     rep.say(f"batched / separate throughput: {res['ratio_loop']:.2f}x (decode loops), "
             f"{res['ratio_wall']:.2f}x (wall); {res['same_runs']}/{runs} runs with the same "
             f"transcripts (the batched step rounds differently; eager vs captured steps)")
+    rep.say(f"batched, captured / eager steps: {res['captured_over_eager']:.2f}x (decode loops); "
+            f"{res['same_runs_captured_eager']}/{runs} runs with the same transcripts")
     rep.data["sweep"] = res
 
 

@@ -246,6 +246,8 @@ def _walk(brains, p, logs):
         for i, b in enumerate(brains):
             with logs.run(i):
                 b.end_stream()
+        if batch.graphs is not None:
+            logger.info("Batched steps as CUDA graphs: %s", batch.graphs.describe())
     finally:
         utts.close()
         for b in brains:

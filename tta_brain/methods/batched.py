@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch.func import functional_call, vmap
 
+from tta_brain.gpu.batch_graphs import batch_graphs
 from tta_brain.lobes.runtime import native_cpu_kernels
 from tta_brain.methods import losses
 from tta_brain.methods.csuta import CSUTA
@@ -157,6 +158,10 @@ class AdamRows:
         self.rows_index = RowIndex(dev, self.R)
         self.bc1 = self.bc2_sqrt = torch.zeros(0, dtype=torch.float64)
 
+    def tensors(self) -> List[torch.Tensor]:
+        """The device tensors an update reads or writes."""
+        return [self.P, self.M, self.V, self.k, self.lr, self.owner, self.bc1, self.bc2_sqrt]
+
     @property
     def steps(self) -> List[int]:
         """The rows' step counts (a host read: checkpoints and tests)."""
@@ -190,10 +195,20 @@ class AdamRows:
                mask: Optional[torch.Tensor] = None) -> None:
         """One Adam(W) step of ``runs`` with their gradient rows ``g [len(runs), N]``; with
         ``mask`` (bool ``[len(runs)]``, on the device) only the rows where it is true step."""
-        idx = self.index(runs)
+        self.advance(runs)
+        self.move(runs, g, mask)
+
+    def advance(self, runs: List[int]) -> None:
+        """The host's part of a step of ``runs`` (before :meth:`move`): their step bounds, and
+        the bias-correction tables grown ahead of them."""
         for r in runs:
             self.bound[r] += 1
         self._corrections(max(self.bound[r] for r in runs))
+
+    @torch.no_grad()
+    def move(self, runs: List[int], g: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
+        """The device's part of :meth:`update` (device work only: a captured step runs it)."""
+        idx = self.index(runs)
         if idx is None:
             p, m, v, lr, k = self.P, self.M, self.V, self.lr, self.k
         else:
@@ -361,6 +376,9 @@ class BatchedSUTA:
 
     #: the method classes this batch runs
     methods = (SUTA, CSUTA, Tent)
+    #: its step is :meth:`step_body` (device work, state in place), so it may be captured as a
+    #: CUDA graph (``tta_brain.gpu.batch_graphs``); else ``not_captured`` says why not
+    capturable = True
 
     @classmethod
     def blocker(cls, m) -> Optional[str]:
@@ -400,6 +418,7 @@ class BatchedSUTA:
         self.views = [RunView(self, r, m) for r, m in enumerate(methods)]
         self.rows_index = RowIndex(lobe.device, self.R)
         self.notes, self.early, self.frames = [], None, 0   # this utterance's, for its read
+        self.graphs = batch_graphs(self, first.runtime)     # CUDA: the captured steps, or None
 
     @staticmethod
     def _same(i, opt, first, what):
@@ -462,14 +481,38 @@ class BatchedSUTA:
         return losses.suta_loss(logits, alpha=v.em_coef, temperature=v.temperature,
                                 blank_id=self.blank_id).mean()
 
-    def step(self, runs: List[int], x: torch.Tensor, update: bool = True):
+    def step(self, runs: List[int], x: torch.Tensor, update: bool = True, grads: bool = True,
+             left: int = 1):
         """One adaptation step of ``runs`` on ``x``: the device mask of the runs whose loss and
-        gradient were finite and the gradient rows ``[len(runs), N]`` (a row with a non-finite
+        gradient were finite and the gradient rows ``[len(runs)', N]`` (a row with a non-finite
         loss gets no gradient from it and is masked; the rows do not mix). ``update=False``: the
         gradients only (DSUTA's slow gradient with no fast steps), the non-finite ones dropped
         without a skip record. Nothing is read on the host: the losses and masks are noted for
         the utterance's one read (:meth:`settle` counts the backward passes and records the
-        skipped steps), and a masked run's update is skipped on the device."""
+        skipped steps), and a masked run's update is skipped on the device.
+
+        ``grads=False``: the caller needs neither (None, None), so the step may be replayed from
+        a captured CUDA graph (:attr:`graphs`; ``left``: the steps of these runs left in this
+        utterance, this one included, decide whether a capture is worth it)."""
+        for r in runs:
+            self.views[r].counts["adapt_forward"] += 1
+        if update:
+            self.advance(runs)
+        graphs = self.graphs
+        if graphs is not None and update and not grads:
+            finite = grad = None
+            values = graphs.step(runs, x, left)
+        elif graphs is not None:
+            finite, grad, values = graphs.eager(runs, x, update)
+        else:
+            finite, grad, values = self.step_body(runs, x, update)
+        self.notes.append((partial(self._settle_step, runs, update), values))
+        return finite, grad
+
+    def step_body(self, runs: List[int], x: torch.Tensor, update: bool = True):
+        """The device work of :meth:`step` (no host read, no host state: a captured step is
+        this, replayed): the finite mask, the gradient rows and the values :meth:`settle`
+        reads (``[w, len(runs)]`` float64)."""
         leaf = self.fast.rows(runs).detach().requires_grad_(True)
         logits = self.logits(leaf, x)
         loss, drop, why = self.losses(runs, logits, leaf)
@@ -477,17 +520,29 @@ class BatchedSUTA:
         use = ok if drop is None else ok & ~drop
         grad = self.backward(torch.where(use, loss, torch.zeros_like(loss)).sum(), leaf)
         finite = use & grad.isfinite().all(dim=1)
-        for r in runs:
-            self.views[r].counts["adapt_forward"] += 1
         rows = [loss.detach(), ok, finite] + ([] if drop is None else [drop, *why.unbind(1)])
-        self.note(partial(self._settle_step, runs, update), rows)
         if update:
             self.apply(runs, grad, finite)
-        return finite, grad
+        return finite, grad, self.pack(rows)
+
+    def advance(self, runs: List[int]) -> None:
+        """The host's part of the optimiser step of ``runs`` (before :meth:`apply`)."""
+        self.fast.advance(runs)
 
     def apply(self, runs: List[int], grad: torch.Tensor, finite: torch.Tensor) -> None:
-        """The optimiser step of ``runs`` with their gradient rows, where ``finite``."""
-        self.fast.update(runs, grad, finite)
+        """The optimiser step of ``runs`` with their gradient rows, where ``finite`` (device
+        work only: :meth:`advance` did the host's part)."""
+        self.fast.move(runs, grad, finite)
+
+    def graph_key(self) -> tuple:
+        """What besides the run set and the input's shape makes another captured step (CEA:
+        its stage)."""
+        return ()
+
+    def device_tensors(self) -> List[torch.Tensor]:
+        """Every tensor a step reads or writes besides its scratch (a captured step is valid
+        while these stay where they are)."""
+        return self.fast.tensors() + [self.source]
 
     def backward(self, total: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
         """The gradient rows of ``total`` (the runs' summed losses) w.r.t. ``leaf``."""
@@ -499,7 +554,11 @@ class BatchedSUTA:
     def note(self, handler, rows: List[torch.Tensor]) -> None:
         """Device values ``rows`` (equal-length 1-D tensors) for this utterance's one read;
         ``handler(values)`` gets them back on the host (a list of lists) in :meth:`settle`."""
-        self.notes.append((handler, torch.stack([t.to(torch.float64) for t in rows])))
+        self.notes.append((handler, self.pack(rows)))
+
+    @staticmethod
+    def pack(rows: List[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([t.to(torch.float64) for t in rows])
 
     def _settle_step(self, runs: List[int], update: bool, block: List[List[float]]) -> None:
         """A :meth:`step`'s values on the host: the backward counts and the skipped steps, as
@@ -614,7 +673,8 @@ class BatchedSUTA:
     def adapt(self, runs: List[int], x: torch.Tensor) -> None:
         """The runs' adaptation steps on ``x`` (before the prediction)."""
         for n in range(max(self.views[r].steps for r in runs)):
-            self.step([r for r in runs if n < self.views[r].steps], x)
+            now = [r for r in runs if n < self.views[r].steps]
+            self.step(now, x, grads=False, left=min(self.views[r].steps for r in now) - n)
 
     def after(self, views: List[RunView], x: torch.Tensor, info) -> None:
         """The continual runs' policies after the prediction (``TTAMethod._policy_after``): the

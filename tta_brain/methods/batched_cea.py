@@ -6,7 +6,7 @@ subset of them, with their own AdamW rows (``self.second``, the runs' ``lr2``). 
 (confidence-weighted entropy + MCC) with the first AdamW; stage 2's steps (entropy over all frames
 + MCC + ``tc_coef`` times the temporal coherence of the run's own CNN features, from the same
 batched pass as its logits) with the second, which moves only stage 2's part of the row; then the
-prediction.
+prediction. On CUDA each stage's steps are captured (one graph per stage, run set and length).
 """
 from types import SimpleNamespace
 from typing import List
@@ -89,15 +89,25 @@ class BatchedCEA(BatchedSUTA):
         self.stage2 = True
         try:
             for n in range(max(self.steps2[r] for r in runs)):
-                self.step([r for r in runs if n < self.steps2[r]], x)
+                now = [r for r in runs if n < self.steps2[r]]
+                self.step(now, x, grads=False, left=min(self.steps2[r] for r in now) - n)
         finally:
             self.stage2, self.feats = False, None
+
+    def graph_key(self):
+        return (self.stage2,)
+
+    def device_tensors(self):
+        return super().device_tensors() + self.second.tensors() + [self.cols]
+
+    def advance(self, runs) -> None:
+        (self.second if self.stage2 else self.fast).advance(runs)
 
     @torch.no_grad()
     def apply(self, runs, grad, finite) -> None:
         if not self.stage2:
             return super().apply(runs, grad, finite)
-        self.second.update(runs, grad.index_select(1, self.cols), finite)
+        self.second.move(runs, grad.index_select(1, self.cols), finite)
         idx = self.rows_index(runs)
         rows = self.fast.P.index_select(0, idx)
         rows.index_copy_(1, self.cols, self.second.P.index_select(0, idx))

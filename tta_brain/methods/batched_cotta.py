@@ -28,6 +28,8 @@ __all__ = ["BatchedCoTTA"]
 
 class BatchedCoTTA(BatchedSUTA):
     methods = (CoTTA,)
+    capturable = False
+    not_captured = "each utterance's teacher outputs are new tensors"
 
     def __init__(self, lobe, methods):
         super().__init__(lobe, methods)

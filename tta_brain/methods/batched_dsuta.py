@@ -49,7 +49,9 @@ class BatchedDSUTA(BatchedSUTA):
         self.fast.take(self.slow, runs, [r for r in runs if self.inherit[r]])
         for n in range(max(self.views[r].steps for r in runs)):
             stepping = [r for r in runs if n < self.views[r].steps]
-            finite, g = self.step(stepping, x)
+            # the first step's gradients go into the buffers; the later steps may be replayed
+            finite, g = self.step(stepping, x, grads=n == 0,
+                                  left=min(self.views[r].steps for r in stepping) - n)
             if n == 0:
                 self._accumulate(stepping, finite, g)
         no_steps = [r for r in runs if self.views[r].steps == 0]

@@ -67,6 +67,10 @@ class BatchedEATA(BatchedSUTA):
             loss.append(h if not self.fisher_alpha[r] else h + self.fisher_alpha[r] * penalty[j])
         return torch.stack(loss), torch.stack(drop), torch.stack(why)
 
+    def device_tensors(self) -> List[torch.Tensor]:
+        return super().device_tensors() + [self.probs, self.started] + (
+            [] if self.fisher is None else [self.fisher])
+
     def filtered(self, view: RunView, values: List[float]) -> None:
         EATA.filtered(view, values)
 

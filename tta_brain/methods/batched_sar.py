@@ -28,6 +28,9 @@ __all__ = ["BatchedSAR"]
 class BatchedSAR(BatchedSUTA):
     methods = (SAR,)
 
+    capturable = False
+    not_captured = "its SAM step is its own (one step per utterance by default)"
+
     def __init__(self, lobe, methods):
         super().__init__(lobe, methods)
         dev = self.P.device
@@ -46,9 +49,10 @@ class BatchedSAR(BatchedSUTA):
                                                 blank_id=self.blank_id, path=paths[j]).mean()
                             for j, r in enumerate(runs)])
 
-    def step(self, runs: List[int], x: torch.Tensor, update: bool = True):
+    def step(self, runs: List[int], x: torch.Tensor, update: bool = True, grads: bool = True,
+             left: int = 1):
         """One SAM step of ``runs``: the device mask of the runs that updated and pass 2's
-        gradient rows."""
+        gradient rows (never captured: ``grads`` and ``left`` change nothing)."""
         idx = self.fast.index(runs)
         pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
         e_margin, rho = pick(self.e_margin), pick(self.rho)

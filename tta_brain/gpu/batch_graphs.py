@@ -1,0 +1,144 @@
+"""CUDA graphs of a batched sweep's step (``tta_brain.methods.batched``): R runs' adaptation step,
+one ``vmap`` forward/backward and the rows' AdamW update, captured once per set of runs, input
+length and ``graph_key`` (CEA's stage) and replayed for the utterance's later steps, as :class:`tta_brain.gpu.device_step.
+DeviceStep` does for one run (the same warm-up rules, :class:`GraphCache`, capture backend and
+side stream; no length buckets).
+
+A batch's step is device work alone (``BatchedSUTA.step_body``: nothing read on the host, every
+state tensor updated in place); its host work (the counts, the optimiser's step bounds, the note
+that the utterance's read settles) runs around it, so a replay is the step. What the step leaves
+for the host (its ``[w, R']`` values) is copied out of the graph's output after each replay. A
+captured step is valid while the batch's state tensors stay where they are
+(``BatchedSUTA.device_tensors``): their addresses are checked before every replay (a grown
+bias-correction table drops the graphs). Only steps whose gradients the caller does not keep are
+captured (DSUTA's first fast step, whose gradient goes into its buffer, stays eager).
+
+Device-agnostic: the tests run it on CPU tensors with a fake backend that replays by running the
+step again.
+"""
+import logging
+from typing import List, Optional
+
+import torch
+
+from tta_brain.gpu.graphs import FIRST_WARMUP, CapturedStep, CudaGraphBackend, GraphCache
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchGraphs", "batch_graphs"]
+
+
+def batch_graphs(batch, runtime) -> Optional["BatchGraphs"]:
+    """The graphs of ``batch``'s steps from its runs' runtime options (``cuda_graphs``,
+    ``cuda_graph_cache``, ``cuda_graph_warmup``), or None (eager): off, not on CUDA, or a batch
+    whose step is not captured (``capturable``). The runs' blockers already refused fp16/bf16,
+    ``compile`` and train mode."""
+    name = type(batch).__name__
+    device = batch.P.device
+    if runtime.cuda_graphs == "off" or device.type != "cuda":
+        return None
+    if not getattr(batch, "capturable", False):
+        (logger.warning if runtime.cuda_graphs == "on" else logger.info)(
+            "%s: its steps are not captured (%s); they run eagerly on %s", name,
+            getattr(batch, "not_captured", "not capturable"), device)
+        return None
+    logger.info("%s: the batched steps are captured as CUDA graphs on %s (graph cache %d)", name,
+                device, runtime.cuda_graph_cache)
+    return BatchGraphs(batch, CudaGraphBackend(device), runtime.cuda_graph_cache,
+                       runtime.cuda_graph_warmup)
+
+
+class BatchGraphs:
+    """The captured steps of one batch. ``backend``: :class:`CudaGraphBackend` or a test double
+    (``side()``, ``capture(body, pool)``)."""
+
+    def __init__(self, batch, backend, capacity: int = 1, warmup: int = 1):
+        self.batch, self.backend = batch, backend
+        self.cache = GraphCache(capacity)
+        self.warmup = max(0, int(warmup))
+        self.widths = {}                 # run set -> rows of its step's values (from an eager step)
+        self._x, self._eager = None, 0   # the current utterance's input and its eager steps
+        self._live = {}                  # the graphs this utterance has replayed (key -> entry)
+        self.stats = {"eager": 0, "replays": 0, "failed": 0}
+
+    # ------------------------------------------------------------------ eager
+    def eager(self, runs: List[int], x: torch.Tensor, update: bool = True):
+        """The step run eagerly, on the capture's side stream (as the warm-up before a
+        capture); its outputs are marked as used by the current stream too."""
+        self._utterance(x)
+        self._eager += 1
+        self.stats["eager"] += 1
+        with self.backend.side():
+            finite, grad, values = self.batch.step_body(runs, x, update)
+        if x.is_cuda:
+            current = torch.cuda.current_stream(x.device)
+            for t in (finite, grad, values):
+                t.record_stream(current)
+        self.widths[(tuple(runs),) + self.batch.graph_key()] = values.shape[0]
+        return finite, grad, values
+
+    def _utterance(self, x: torch.Tensor) -> None:
+        if x is not self._x:
+            self._x, self._eager, self._live = x, 0, {}
+
+    # ------------------------------------------------------------------ captured
+    def step(self, runs: List[int], x: torch.Tensor, left: int) -> torch.Tensor:
+        """One step of ``runs`` on ``x`` (with its update), replayed from its graph (captured
+        first where due) or run eagerly; its values (a copy)."""
+        self._utterance(x)
+        kind = (tuple(runs),) + self.batch.graph_key()     # a step of this kind ran eagerly
+        key = kind + (tuple(x.shape), x.dtype)
+        entry = self._live.get(key) or self.cache.get(key)
+        if entry is not None and entry.signature != self.signature():
+            logger.info("%s: the batch's state tensors moved; its captured steps are dropped",
+                        type(self.batch).__name__)
+            self.cache.clear()
+            self._live, entry = {}, None
+        if entry is None:
+            if (self._eager < self.warmup or self.stats["eager"] < FIRST_WARMUP or left < 2
+                    or kind not in self.widths):
+                return self.eager(runs, x)[2]
+            entry = self._capture(key, runs, x, self.widths[kind])
+            if entry is None:
+                return self.eager(runs, x)[2]
+        self._live[key] = entry
+        entry.load(x)
+        entry.replay()
+        self.stats["replays"] += 1
+        return entry.out.clone()
+
+    def signature(self):
+        return tuple(t.data_ptr() for t in self.batch.device_tensors())
+
+    def _capture(self, key, runs: List[int], x: torch.Tensor,
+                 width: int) -> Optional[CapturedStep]:
+        batch = self.batch
+        # the run set's index tensors exist: a step of its kind ran eagerly before (``widths``)
+        entry = CapturedStep(key, torch.empty_like(x), False, None)
+        entry.load(x)
+        # the values live outside the capture (nothing a capture allocates outlives it)
+        entry.out = torch.empty(width, len(runs), dtype=torch.float64, device=x.device)
+
+        def body():
+            entry.out.copy_(batch.step_body(runs, entry.static, True)[2])
+
+        try:
+            entry.graph = self.backend.capture(body, self.cache.pool())
+        except Exception as e:                 # noqa: BLE001 - any capture error: eager from now on
+            self.stats["failed"] += 1
+            logger.warning("%s: capture failed (%s: %s); the batched steps run eagerly from now "
+                           "on", type(batch).__name__, type(e).__name__, e)
+            self.cache.clear()
+            batch.graphs = None
+            return None
+        entry.signature = self.signature()
+        self.cache.put(key, entry)
+        return entry
+
+    def release(self) -> None:
+        self.cache.clear()
+
+    def describe(self) -> str:
+        s = self.cache.stats
+        return (f"{s['captures']} captures, {self.stats['replays']} replays, "
+                f"{self.stats['eager']} eager steps, {s['hits']} cache hits")
