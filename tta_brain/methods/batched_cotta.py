@@ -78,7 +78,7 @@ class BatchedCoTTA(BatchedSUTA):
         for r in runs:
             self.views[r].counts["aux_forward"] += 1
         if plain:
-            out = self.logits(self.teacher.index_select(0, self.rows_index(plain)), x)
+            out = self.logits(self._rows(self.teacher, plain), x)
             self.targets.update((r, out[j]) for j, r in enumerate(plain))
         wav = self.wav.reshape(-1).float().cpu()
         views = {r: [] for r in noisy}
@@ -88,7 +88,7 @@ class BatchedCoTTA(BatchedSUTA):
             raw = to_device(torch.stack([augmented_view(wav, self.aug_gen[r], self.noise[r])
                                          for r in now]), self.P.device)
             xs = self.lobe.normalize(raw)[:, None]
-            out = self.logits_each(self.teacher.index_select(0, self.rows_index(now)), xs)
+            out = self.logits_each(self._rows(self.teacher, now), xs)
             for j, r in enumerate(now):
                 views[r].append(out[j])
         for r in noisy:
@@ -115,14 +115,23 @@ class BatchedCoTTA(BatchedSUTA):
     def _follow(self, runs: List[int], done: torch.Tensor) -> None:
         """After a step: the teacher's EMA where the run updated with a loss > 0, then each run's
         stochastic restore of its student."""
-        idx = self.rows_index(runs)
-        teacher, student = self.teacher.index_select(0, idx), self.fast.P.index_select(0, idx)
-        moved = torch.lerp(teacher, student, self.ema_weight.index_select(0, idx)[:, None])
+        teacher, student = self._rows(self.teacher, runs), self.fast.rows(runs)
+        moved = torch.lerp(teacher, student, self._rows(self.ema_weight, runs)[:, None])
         keep = (done & (self.last_loss > 0))[:, None]
-        self.teacher.index_copy_(0, idx, torch.where(keep, moved, teacher))
+        new = torch.where(keep, moved, teacher)
+        idx = self.fast.index(runs)
+        if idx is None:
+            self.teacher.copy_(new)
+        else:
+            self.teacher.index_copy_(0, idx, new)
         for r in runs:
             flat = self._restore_indices(r)
             self.fast.P[r].index_copy_(0, flat, self.source.index_select(0, flat))
+
+    def _rows(self, t: torch.Tensor, runs: List[int]) -> torch.Tensor:
+        """Rows ``runs`` of ``t`` (``t`` itself, not a copy, for all rows in order)."""
+        idx = self.fast.index(runs)
+        return t if idx is None else t.index_select(0, idx)
 
     def _restore_indices(self, r: int) -> torch.Tensor:
         """Run ``r``'s restore indices for this step along its row (``CoTTA.restore_indices``)."""
