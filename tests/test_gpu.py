@@ -18,13 +18,13 @@ import copy
 import json
 import logging
 import math
-from contextlib import nullcontext
 from functools import partial
 
 import pytest
 import torch
 
 from conftest import max_diff
+from fake_graphs import FakeBackend
 from tta_brain.gpu import DeviceStep, HostStep, graphs, guard, make_step, step_blocker
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo, build_method
@@ -37,40 +37,6 @@ GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic")
 
 
 # ------------------------------------------------------------------------------ helpers
-class FakeGraph:
-    def __init__(self, body, pool, backend):
-        self.body, self._pool, self.backend = body, pool, backend
-
-    def replay(self):
-        self.body()
-
-    def pool(self):
-        return self._pool
-
-    def release(self):
-        self.backend.released += 1
-        self.body = None
-
-
-class FakeBackend:
-    """Capture records the step (without running it, as CUDA capture); replay runs it."""
-
-    def __init__(self, fail=False):
-        self.captures = self.released = 0
-        self.pools = []
-        self.fail = fail
-
-    def side(self):
-        return nullcontext()
-
-    def capture(self, body, pool=None):
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        self.captures += 1
-        self.pools.append(pool)
-        return FakeGraph(body, pool if pool is not None else object(), self)
-
-
 def build(model_dir, name, mode="host", device="cpu", backend=None, runtime=None, **kw):
     """``mode``: host (the CPU path), device (the device step, on CPU tensors when ``device`` is
     cpu), graph (device step + cuda_graphs with ``backend``, on CPU a FakeBackend by default)."""

@@ -22,6 +22,7 @@ import torch
 
 from conftest import ROOT, kill_9_mid_run
 from fake_corpora import write_stream
+from fake_graphs import FakeBackend
 from tta_brain import decode, grid
 from tta_brain import sweep
 from tta_brain.run.folder import load_run
@@ -765,49 +766,33 @@ def test_batch_synchronises_once_an_utterance_on_cuda(data, base, most):
     assert max(per_utt[6:]) <= most, per_utt
 
 
-class ReplayChecks:
-    """A stand-in for the CUDA graph backend of a batch's steps: "capture" keeps the step without
-    running it (as CUDA capture), "replay" runs it again, checking what a real replay could not
-    do: touch the host's state (the runs' counts, the optimisers' step bounds, the utterance's
-    notes), read the device (``DeviceReads``) or follow a host value that differs from the
-    capture's (a real replay runs the kernels the capture's values chose: the batch's scalar
-    attributes must be what they were then, e.g. CEA's stage)."""
+class ReplayChecks(FakeBackend):
+    """The stand-in graph backend for a batch's steps, checking at each replay what a real
+    replay could not do: touch the host's state (the runs' counts, the optimisers' step bounds,
+    the utterance's notes), read the device (``DeviceReads``) or follow a host value that differs
+    from the capture's (a real replay runs the kernels the capture's values chose: the batch's
+    scalar attributes must be what they were then, e.g. CEA's stage)."""
 
-    def __init__(self, batch, reads, fail=False):
-        self.batch, self.reads, self.fail = batch, reads, fail
-        self.captures = self.replays = 0
-
-    def side(self):
-        from contextlib import nullcontext
-        return nullcontext()
+    def __init__(self, batch, reads):
+        super().__init__()
+        self.batch, self.reads, self.replays = batch, reads, 0
 
     def capture(self, body, pool=None):
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        self.captures += 1
-        backend = self
-        scalars = lambda b: {k: v for k, v in vars(b).items()
-                             if isinstance(v, (bool, int, float, str)) and k != "frames"}
-        baked = scalars(self.batch)
+        b, reads = self.batch, self.reads
+        scalars = lambda: {k: v for k, v in vars(b).items()
+                           if isinstance(v, (bool, int, float, str)) and k != "frames"}
+        host = lambda: ([dict(v.counts) for v in b.views], list(b.fast.bound), len(b.notes))
+        baked = scalars()
 
-        class Graph:
-            def replay(self):
-                b = backend.batch
-                assert scalars(b) == baked, "replayed under other host values than captured"
-                host = ([dict(v.counts) for v in b.views], list(b.fast.bound), len(b.notes))
-                with backend.reads:
-                    body()
-                assert backend.reads.seen == [], backend.reads.seen
-                assert host == ([dict(v.counts) for v in b.views], list(b.fast.bound),
-                                len(b.notes)), "a replay touched the host's state"
-                backend.replays += 1
-
-            def pool(self):
-                return pool if pool is not None else object()
-
-            def release(self):
-                pass
-        return Graph()
+        def checked():
+            assert scalars() == baked, "replayed under other host values than captured"
+            before = host()
+            with reads:
+                body()
+            assert reads.seen == [], reads.seen
+            assert host() == before, "a replay touched the host's state"
+            self.replays += 1
+        return super().capture(checked, pool)
 
 
 @pytest.mark.parametrize("base", ["suta", "tent", "dsuta", "eata", "cea"])

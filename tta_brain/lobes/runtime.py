@@ -44,13 +44,16 @@ class Runtime:
     cuda_graphs : "auto" | "on" | "off"
         CUDA only (see README, "GPU"; ``tta_brain.gpu.make_step`` chooses a method's step once).
         ``auto`` (default): the adaptation steps of methods whose loss runs on the device alone
-        (suta, csuta, dsuta, tent) are captured as CUDA graphs wherever that is exact (fp32, no
+        (suta, csuta, dsuta, tent, eata, sar, cea) are captured as CUDA graphs wherever that is exact (fp32, no
         ``compile``, no train mode) and replayed for the utterance's remaining steps, with the
         finiteness check on the device and torch's fused AdamW (no host sync inside a step;
         rounding differs from the host step's ``foreach`` AdamW); elsewhere the host step.
         ``on``: the same, and says why where it cannot capture; ``off``: never captured. The first
         ``cuda_graph_warmup`` steps of a new length run eagerly (and 3 in all before the first
-        capture); they are real steps, so an utterance still gets N. No effect on CPU.
+        capture); they are real steps, so an utterance still gets N. A batched sweep's step
+        (``tta_brain.sweep``: suta, csuta, tent, dsuta, eata, cea) is captured the same way, per
+        set of runs that step together (``tta_brain.gpu.batch_graphs``; no length buckets there).
+        No effect on CPU.
     cuda_device_steps : bool
         CUDA only: the device-side check and fused AdamW also where the steps are not captured
         (``cuda_graphs: off``, bf16/fp16, ``compile``).
