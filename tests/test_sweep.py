@@ -779,8 +779,10 @@ class ReplayChecks(FakeBackend):
 
     def capture(self, body, pool=None):
         b, reads = self.batch, self.reads
+        # (the utterance's frames, and its valid frames on buckets, are read after the steps)
         scalars = lambda: {k: v for k, v in vars(b).items()
-                           if isinstance(v, (bool, int, float, str)) and k != "frames"}
+                           if isinstance(v, (bool, int, float, str)) and k not in ("frames",
+                                                                                   "valid")}
         host = lambda: ([dict(v.counts) for v in b.views], list(b.fast.bound), len(b.notes))
         baked = scalars()
 
@@ -866,18 +868,21 @@ def test_batch_replays_its_captured_steps_as_its_eager_steps(data, base, monkeyp
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("base", ["suta", "dsuta", "cea"])
-def test_captured_batch_on_cuda_gives_the_eager_batchs_results(data, base):
-    """On CUDA a batch captures its steps by default (``cuda_graphs: auto``) and its replays give
-    the eager batch's transcripts (``cuda_graphs: off``) and parameters to rounding."""
+@pytest.mark.parametrize("base,buckets", [("suta", 0.0), ("dsuta", 0.0), ("cea", 0.0),
+                                          ("suta", 0.1), ("dsuta", 0.1)])
+def test_captured_batch_on_cuda_gives_the_eager_batchs_results(data, base, buckets):
+    """On CUDA a batch captures its steps by default (``cuda_graphs: auto``; with length
+    buckets too) and its replays give the eager batch's transcripts (``cuda_graphs: off``) and
+    parameters to rounding."""
     from tta_brain.methods import UttInfo
     extra = {"dsuta": dict(buffer_size=2), "cea": dict(steps2=3)}.get(base, {})
     reset = "fixed" if base == "dsuta" else "none"
     cfgs = [(1e-3, 4, reset), (1e-2, 3, "none"), (3e-3, 4, "none")]
     eager, wavs, _ = _batch(data, base, cfgs, device="cuda", runtime=dict(cuda_graphs="off"),
                             **extra)
-    graphed, _, _ = _batch(data, base, cfgs, device="cuda", **extra)
-    assert eager.graphs is None and graphed.graphs is not None
+    graphed, _, _ = _batch(data, base, cfgs, device="cuda", runtime=dict(
+        cuda_graph_buckets=buckets, cuda_graph_cache=16 if buckets else 1), **extra)
+    assert eager.graphs is None and graphed.graphs is not None and graphed.buckets == buckets
     runs = list(range(len(cfgs)))
     for i, w in enumerate(wavs[:4] + wavs[:4]):
         info = UttInfo(position=i, segment=str(i // 3))
@@ -886,3 +891,46 @@ def test_captured_batch_on_cuda_gives_the_eager_batchs_results(data, base):
         assert [v.process(w) for v in graphed.views] == [v.process(w) for v in eager.views], i
     assert graphed.graphs.stats["replays"] > 0, graphed.graphs.describe()
     assert (graphed.fast.P - eager.fast.P).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("base", ["suta", "dsuta", "eata"])
+def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch):
+    """With length buckets (``cuda_graph_buckets``; the stand-in backend on CPU) every pass of a
+    batch's utterance (the steps, the LII forward, the prediction) runs on the input padded to its
+    bucket with the padding masked, and gives the separate (unpadded) runs' transcripts, events
+    and counts, parameters to rounding; a graph captured for one length serves the other lengths
+    of its bucket (cache hits across utterances of distinct lengths, replays from their first
+    step); replays read nothing on the host. CEA, whose losses do not mask padding, gets none."""
+    from tta_brain.gpu.batch_graphs import BatchGraphs
+    from tta_brain.methods import UttInfo
+    extra = {"dsuta": dict(buffer_size=2),
+             "eata": dict(EATA_FILTER, source_stats=data["fisher"])}.get(base, {})
+    dynamic, fixed = ("none", "none") if base == "suta" else ("dynamic", "fixed")
+    cfgs = [(1e-3, 3, dynamic), (1e-2, 2, fixed), (3e-3, 3, "none")]
+    batch, wavs, build = _batch(data, base, cfgs, **extra)
+    seps = [build(*c) for c in cfgs]
+    backend = ReplayChecks(batch, DeviceReads(monkeypatch))
+    batch.graphs = BatchGraphs(batch, backend, capacity=16, warmup=1)
+    batch.buckets = 0.1
+    assert len({w.numel() for w in wavs}) == len(wavs)              # every length new
+    runs = list(range(len(cfgs)))
+    for i, w in enumerate(wavs):
+        info = UttInfo(position=i, segment=str(i // 4))
+        batch.process(runs, w, info)
+        assert [v.process(w) for v in batch.views] == [m.process(w, info) for m in seps], i
+    assert batch.valid is not None and batch.samples is not None   # the passes were padded
+    for v, m in zip(batch.views, seps):
+        assert [(e.kind, e.position) for e in v.events] == [(e.kind, e.position) for e in m.events]
+        assert v.counts == m.counts
+        assert max_diff(batch.values(v.r), m.params) < PARAM_TOL
+    kinds = {e.kind for m in seps for e in m.events}
+    assert base == "suta" or {"lii", "reset"} <= kinds
+    if base == "eata":
+        assert "filter" in kinds
+    hits = batch.graphs.cache.stats["hits"]
+    assert hits >= 3 and backend.replays > 0, batch.graphs.describe()
+    # CEA's losses take no lengths: no buckets for it
+    cea, _, _ = _batch(data, "cea", [(1e-3, 2, "none")], steps2=2)
+    cea.graphs = BatchGraphs(cea, ReplayChecks(cea, DeviceReads(monkeypatch)))
+    from tta_brain.lobes.runtime import Runtime
+    assert cea._buckets(Runtime(cuda_graph_buckets=0.1)) == 0.0

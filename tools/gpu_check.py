@@ -56,7 +56,8 @@ process (``python -m tta_brain.sweep``) vs 8 ``python -m tta_brain.decode`` proc
 together on the GPU (``tools/bench_sweep.py``): throughput of both over the decode loops and over
 the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree; the
 batched sweep once more with ``--cuda_graphs=off`` (its steps eager: what capturing the batched
-step gains, and whether the transcripts agree), with the sweep's graph counts.
+step gains, and whether the transcripts agree), with the sweep's graph counts;
+``--sweep_buckets``: every run of every arm on length buckets (``DECODE_BUCKET_OPTS``).
 
 By default a GPU run checks, in this order, transcripts, official, lengths, sweep, memory and
 deterministic (``--sections`` picks others, in the order given). Each section is skipped
@@ -156,6 +157,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep_method", default="suta",
                    choices=("suta", "dsuta+dynamic", "eata", "sar", "cotta", "cea"),
                    help="the runs of the sweep section")
+    p.add_argument("--sweep_buckets", action="store_true",
+                   help="the sweep section with length buckets (" + " ".join(DECODE_BUCKET_OPTS)
+                        + ") in every run of every arm")
     p.add_argument("--cpu_smoke", action="store_true",
                    help="every section on CPU with a tiny model and a few utterances (no figures)")
     args = p.parse_args(argv)
@@ -795,9 +799,11 @@ def section_sweep(args, rep, work):
         method, opts = "cotta", ()
     elif args.sweep_method == "cea":            # its defaults (10 + 10 steps)
         method, opts = "cea", ()
+    if args.sweep_buckets:
+        opts = tuple(opts) + tuple(DECODE_BUCKET_OPTS)
     res = bench_sweep.gpu_bench(model, stream, data, os.path.join(work, "sweep"), args.device,
                                 runs=runs, steps=steps, method=method, opts=opts)
-    res["method"] = args.sweep_method
+    res["method"] = args.sweep_method + (" on length buckets" if args.sweep_buckets else "")
     for arm in ("separate", "batched", "batched_eager"):
         r = res[arm]
         rep.say(f"{runs} {args.sweep_method} runs {arm:<13}: {r['audio_s']:.1f} audio s in "

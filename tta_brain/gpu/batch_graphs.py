@@ -1,8 +1,10 @@
 """CUDA graphs of a batched sweep's step (``tta_brain.methods.batched``): R runs' adaptation step,
 one ``vmap`` forward/backward and the rows' AdamW update, captured once per set of runs, input
-length and ``graph_key`` (CEA's stage) and replayed for the utterance's later steps, as :class:`tta_brain.gpu.device_step.
-DeviceStep` does for one run (the same warm-up rules, :class:`GraphCache`, capture backend and
-side stream; no length buckets).
+length and ``graph_key`` (CEA's stage) and replayed for the utterance's later steps, as
+:class:`tta_brain.gpu.device_step.DeviceStep` does for one run (the same warm-up rules,
+:class:`GraphCache`, capture backend and side stream). On length buckets (``BatchedSUTA.pad``:
+the input padded to its bucket, its valid samples in a static device tensor) one graph serves
+every length of its bucket.
 
 A batch's step is device work alone (``BatchedSUTA.step_body``: nothing read on the host, every
 state tensor updated in place); its host work (the counts, the optimiser's step bounds, the note
@@ -59,17 +61,19 @@ class BatchGraphs:
         self.widths = {}                 # run set -> rows of its step's values (from an eager step)
         self._x, self._eager = None, 0   # the current utterance's input and its eager steps
         self._live = {}                  # the graphs this utterance has replayed (key -> entry)
+        self._warmed = {}                # length buckets: eager steps run per graph key
         self.stats = {"eager": 0, "replays": 0, "failed": 0}
 
     # ------------------------------------------------------------------ eager
-    def eager(self, runs: List[int], x: torch.Tensor, update: bool = True):
+    def eager(self, runs: List[int], x: torch.Tensor, update: bool = True,
+              samples: Optional[torch.Tensor] = None):
         """The step run eagerly, on the capture's side stream (as the warm-up before a
         capture); its outputs are marked as used by the current stream too."""
         self._utterance(x)
         self._eager += 1
         self.stats["eager"] += 1
         with self.backend.side():
-            finite, grad, values = self.batch.step_body(runs, x, update)
+            finite, grad, values = self.batch.step_body(runs, x, update, samples)
         if x.is_cuda:
             current = torch.cuda.current_stream(x.device)
             for t in (finite, grad, values):
@@ -82,9 +86,13 @@ class BatchGraphs:
             self._x, self._eager, self._live = x, 0, {}
 
     # ------------------------------------------------------------------ captured
-    def step(self, runs: List[int], x: torch.Tensor, left: int) -> torch.Tensor:
+    def step(self, runs: List[int], x: torch.Tensor, left: int,
+             samples: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One step of ``runs`` on ``x`` (with its update), replayed from its graph (captured
-        first where due) or run eagerly; its values (a copy)."""
+        first where due) or run eagerly; its values (a copy). ``samples``: ``x`` is padded to
+        its length bucket (``BatchedSUTA.pad``): the graph serves every length of the bucket,
+        so it is captured after ``warmup`` eager steps of the bucket (not of each utterance)
+        and even for a last step."""
         self._utterance(x)
         kind = (tuple(runs),) + self.batch.graph_key()     # a step of this kind ran eagerly
         key = kind + (tuple(x.shape), x.dtype)
@@ -95,14 +103,18 @@ class BatchGraphs:
             self.cache.clear()
             self._live, entry = {}, None
         if entry is None:
-            if (self._eager < self.warmup or self.stats["eager"] < FIRST_WARMUP or left < 2
+            bucketed = samples is not None
+            cold = (self._warmed.get(key, 0) if bucketed else self._eager) < self.warmup
+            if (cold or self.stats["eager"] < FIRST_WARMUP or left < (1 if bucketed else 2)
                     or kind not in self.widths):
-                return self.eager(runs, x)[2]
-            entry = self._capture(key, runs, x, self.widths[kind])
+                if bucketed:
+                    self._warmed[key] = self._warmed.get(key, 0) + 1
+                return self.eager(runs, x, True, samples)[2]
+            entry = self._capture(key, runs, x, self.widths[kind], samples)
             if entry is None:
-                return self.eager(runs, x)[2]
+                return self.eager(runs, x, True, samples)[2]
         self._live[key] = entry
-        entry.load(x)
+        entry.load(x, samples)
         entry.replay()
         self.stats["replays"] += 1
         return entry.out.clone()
@@ -110,17 +122,18 @@ class BatchGraphs:
     def signature(self):
         return tuple(t.data_ptr() for t in self.batch.device_tensors())
 
-    def _capture(self, key, runs: List[int], x: torch.Tensor,
-                 width: int) -> Optional[CapturedStep]:
+    def _capture(self, key, runs: List[int], x: torch.Tensor, width: int,
+                 samples: Optional[torch.Tensor] = None) -> Optional[CapturedStep]:
         batch = self.batch
         # the run set's index tensors exist: a step of its kind ran eagerly before (``widths``)
-        entry = CapturedStep(key, torch.empty_like(x), False, None)
-        entry.load(x)
+        entry = CapturedStep(key, torch.empty_like(x), False, None,
+                             None if samples is None else torch.empty_like(samples))
+        entry.load(x, samples)
         # the values live outside the capture (nothing a capture allocates outlives it)
         entry.out = torch.empty(width, len(runs), dtype=torch.float64, device=x.device)
 
         def body():
-            entry.out.copy_(batch.step_body(runs, entry.static, True)[2])
+            entry.out.copy_(batch.step_body(runs, entry.static, True, entry.samples)[2])
 
         try:
             entry.graph = self.backend.capture(body, self.cache.pool())

@@ -52,7 +52,7 @@ class Runtime:
         ``cuda_graph_warmup`` steps of a new length run eagerly (and 3 in all before the first
         capture); they are real steps, so an utterance still gets N. A batched sweep's step
         (``tta_brain.sweep``: suta, csuta, tent, dsuta, eata, cea) is captured the same way, per
-        set of runs that step together (``tta_brain.gpu.batch_graphs``; no length buckets there).
+        set of runs that step together (``tta_brain.gpu.batch_graphs``; on length buckets too).
         No effect on CPU.
     cuda_device_steps : bool
         CUDA only: the device-side check and fused AdamW also where the steps are not captured

@@ -20,7 +20,9 @@ which also brings the steps' losses and masks (the skip records and counts) and 
 :class:`BatchedSUTA` is driven by ``tta_brain.sweep``; :class:`RunView` is one run's method as the
 Brain and its checkpoint see it (``process``, ``events``, ``counts``, ``state_dict`` in the
 ordinary method's format). A method with a filter of its own steps (``batched_eata``) gives its
-drop mask with its losses (:meth:`BatchedSUTA.losses`).
+drop mask with its losses (:meth:`BatchedSUTA.losses`). On CUDA a step is device work alone
+(:meth:`BatchedSUTA.step_body`), captured and replayed as a CUDA graph
+(``tta_brain.gpu.batch_graphs``), on length buckets where asked (:meth:`BatchedSUTA.pad`).
 """
 import logging
 from contextlib import contextmanager
@@ -29,9 +31,11 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from tta_brain.gpu.batch_graphs import batch_graphs
+from tta_brain.gpu.graphs import bucket_length
 from tta_brain.lobes.runtime import native_cpu_kernels
 from tta_brain.methods import losses
 from tta_brain.methods.csuta import CSUTA
@@ -379,6 +383,9 @@ class BatchedSUTA:
     #: its step is :meth:`step_body` (device work, state in place), so it may be captured as a
     #: CUDA graph (``tta_brain.gpu.batch_graphs``); else ``not_captured`` says why not
     capturable = True
+    #: its losses mask the padded frames of a padded pass (they take ``lengths``), so its
+    #: captured steps may run on length buckets
+    masks_padding = True
 
     @classmethod
     def blocker(cls, m) -> Optional[str]:
@@ -419,6 +426,24 @@ class BatchedSUTA:
         self.rows_index = RowIndex(lobe.device, self.R)
         self.notes, self.early, self.frames = [], None, 0   # this utterance's, for its read
         self.graphs = batch_graphs(self, first.runtime)     # CUDA: the captured steps, or None
+        self.buckets = self._buckets(first.runtime)         # length buckets (0: off)
+        self.samples = self.valid = None                    # this utterance's, on buckets
+
+    def _buckets(self, rt) -> float:
+        """The length-bucket ratio of the captured steps (``cuda_graph_buckets``; 0: off), where
+        the padded pass is exact for the model and the losses mask its padding."""
+        ratio = float(getattr(rt, "cuda_graph_buckets", 0.0) or 0.0)
+        if not ratio or self.graphs is None:
+            return 0.0
+        why = ("its losses do not mask padded frames" if not self.masks_padding
+               else self.lobe.padding_blocker())
+        if why:
+            logger.warning("%s: no length buckets (%s); every new length is captured",
+                           type(self).__name__, why)
+            return 0.0
+        logger.info("%s: the captured steps run on length buckets (ratio %g)",
+                    type(self).__name__, ratio)
+        return ratio
 
     @staticmethod
     def _same(i, opt, first, what):
@@ -461,24 +486,36 @@ class BatchedSUTA:
         self.fast.reset(runs)
 
     # ------------------------------------------------------------- passes
-    def logits(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, flat: torch.Tensor, x: torch.Tensor,
+               samples: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[R', 1, F, V]`` logits of ``x`` under each row of ``flat`` ``[R', N]``. Attention
         runs as matmul + softmax (transformers' eager attention) inside the vmap: the fused SDPA
         kernels have no vmap batching rule on CPU (a per-row loop) and failed in the backward on
-        CUDA; the same maths, other rounding."""
-        return self.logits_each(flat, x, None)
+        CUDA; the same maths, other rounding. ``samples``: ``x`` is zero-padded to its length
+        bucket with these valid samples (``[1]``, on the device): the padded pass
+        (``lobe.padded_logits``), F the bucket's frames."""
+        return self.logits_each(flat, x, None, samples)
 
-    def logits_each(self, flat: torch.Tensor, x: torch.Tensor, x_dim: Optional[int] = 0):
+    def logits_each(self, flat: torch.Tensor, x: torch.Tensor, x_dim: Optional[int] = 0,
+                    samples: Optional[torch.Tensor] = None):
         """As :meth:`logits`; ``x_dim`` 0: ``x`` ``[R', 1, T]`` holds one input per row (CoTTA's
         augmented views), None: ``x`` is shared."""
+        kwargs = {} if samples is None else {"samples": samples}
+
         def one(row, inputs):
-            return functional_call(self.lobe, dict(zip(self.names, self.split(row))), (inputs,))
+            return functional_call(self.lobe, dict(zip(self.names, self.split(row))), (inputs,),
+                                   kwargs)
         with eager_attention(self.lobe):
             return vmap(one, in_dims=(0, x_dim), randomness="same")(flat, x)
 
-    def _loss(self, logits: torch.Tensor, v: RunView) -> torch.Tensor:
+    def frames_of(self, samples: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The valid logit frames of a padded pass (None: not padded), on the device."""
+        return None if samples is None else self.lobe.output_lengths(samples)
+
+    def _loss(self, logits: torch.Tensor, v: RunView,
+              lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The SUTA loss of one run's logits (the reset policy's LII, whatever the method)."""
-        return losses.suta_loss(logits, alpha=v.em_coef, temperature=v.temperature,
+        return losses.suta_loss(logits, lengths, alpha=v.em_coef, temperature=v.temperature,
                                 blank_id=self.blank_id).mean()
 
     def step(self, runs: List[int], x: torch.Tensor, update: bool = True, grads: bool = True,
@@ -501,21 +538,22 @@ class BatchedSUTA:
         graphs = self.graphs
         if graphs is not None and update and not grads:
             finite = grad = None
-            values = graphs.step(runs, x, left)
+            values = graphs.step(runs, x, left, self.samples)
         elif graphs is not None:
-            finite, grad, values = graphs.eager(runs, x, update)
+            finite, grad, values = graphs.eager(runs, x, update, self.samples)
         else:
-            finite, grad, values = self.step_body(runs, x, update)
+            finite, grad, values = self.step_body(runs, x, update, self.samples)
         self.notes.append((partial(self._settle_step, runs, update), values))
         return finite, grad
 
-    def step_body(self, runs: List[int], x: torch.Tensor, update: bool = True):
+    def step_body(self, runs: List[int], x: torch.Tensor, update: bool = True,
+                  samples: Optional[torch.Tensor] = None):
         """The device work of :meth:`step` (no host read, no host state: a captured step is
         this, replayed): the finite mask, the gradient rows and the values :meth:`settle`
-        reads (``[w, len(runs)]`` float64)."""
+        reads (``[w, len(runs)]`` float64). ``samples``: as :meth:`logits`."""
         leaf = self.fast.rows(runs).detach().requires_grad_(True)
-        logits = self.logits(leaf, x)
-        loss, drop, why = self.losses(runs, logits, leaf)
+        logits = self.logits(leaf, x, samples)
+        loss, drop, why = self.losses(runs, logits, leaf, self.frames_of(samples))
         ok = loss.detach().isfinite()
         use = ok if drop is None else ok & ~drop
         grad = self.backward(torch.where(use, loss, torch.zeros_like(loss)).sum(), leaf)
@@ -575,12 +613,15 @@ class BatchedSUTA:
             elif update:
                 v.record_skip(f"non-finite loss {loss[j]}")
 
-    def losses(self, runs: List[int], logits: torch.Tensor, leaf: torch.Tensor):
+    def losses(self, runs: List[int], logits: torch.Tensor, leaf: torch.Tensor,
+               lengths: Optional[torch.Tensor] = None):
         """The runs' step losses ``[R']`` from their logits ``[R', 1, F, V]`` (``leaf``: their
-        adapted rows), and the method's filter of its steps: a bool ``[R']`` device mask of the
-        dropped ones and the values ``[R', w]`` that say why (:meth:`filtered` reads them), or
-        None, None. Default: each run's own ``loss``, no filter."""
-        loss = torch.stack([self.step_losses[r](logits[j]) for j, r in enumerate(runs)])
+        adapted rows; ``lengths``: the valid frames of a padded pass, or None), and the method's
+        filter of its steps: a bool ``[R']`` device mask of the dropped ones and the values
+        ``[R', w]`` that say why (:meth:`filtered` reads them), or None, None. Default: each
+        run's own ``loss``, no filter."""
+        loss = torch.stack([self.step_losses[r](logits[j], lengths)
+                            for j, r in enumerate(runs)])
         return loss, None, None
 
     def filtered(self, view: RunView, values: List[float]) -> None:
@@ -593,6 +634,8 @@ class BatchedSUTA:
         """The runs' frame labels, with the utterance's noted step values and LII losses, as one
         flat float64 device tensor (:meth:`settle` reads it)."""
         logits = self.prediction(runs, x)
+        if self.samples is not None:                     # a padded pass: its valid frames
+            logits = logits[:, :, :self.valid]
         for r in runs:
             self.views[r].counts["infer_forward"] += 1
         self.frames = logits.shape[2]
@@ -604,7 +647,7 @@ class BatchedSUTA:
 
     def prediction(self, runs: List[int], x: torch.Tensor) -> torch.Tensor:
         """The logits ``[R', 1, F, V]`` the runs' transcripts decode (their adapted rows')."""
-        return self.logits(self.fast.rows(runs), x)
+        return self.logits(self.fast.rows(runs), x, self.samples)
 
     @staticmethod
     def read(packed: torch.Tensor) -> torch.Tensor:
@@ -641,16 +684,17 @@ class BatchedSUTA:
         if not want:
             return
         rows = torch.stack([self.flat(v.reset_policy.phi_D) for v in want] + [self.source])
-        logits = self.logits(rows, x)
+        logits = self.logits(rows, x, self.samples)
+        n = self.frames_of(self.samples)
         self.early = (want, torch.stack([l for j, v in enumerate(want) for l in (
-            self._loss(logits[j], v), self._loss(logits[-1], v))]).to(torch.float64))
+            self._loss(logits[j], v, n), self._loss(logits[-1], v, n))]).to(torch.float64))
 
     # ------------------------------------------------------------- the skeleton, batched
     @torch.enable_grad()
     def process(self, runs: List[int], wav: torch.Tensor, info) -> None:
         """One utterance for ``runs`` (each run's ``hyp`` is set): ``TTAMethod.process`` of each,
         with one read of the device (:meth:`read`), after the prediction."""
-        x = self.lobe.prepare(wav)
+        x = self.pad(self.lobe.prepare(wav))
         views = [self.views[r] for r in runs]
         for v in views:
             v.info = info
@@ -669,6 +713,19 @@ class BatchedSUTA:
         self.after(views, x, info)
         for v in views:
             v.t += 1
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """The utterance's input for every pass: on length buckets (:attr:`buckets` > 0) ``x``
+        zero-padded to its bucket, its valid samples in :attr:`samples` (on the device) and its
+        valid frames in :attr:`valid` (on the host); else ``x`` itself."""
+        self.samples = self.valid = None
+        if not self.buckets:
+            return x
+        lobe, n = self.lobe, x.shape[-1]
+        n_pad = bucket_length(n, self.buckets, lobe.frame_stride, lobe.sample_rate)
+        self.samples = torch.full((x.shape[0],), n, dtype=torch.long, device=x.device)
+        self.valid = int(lobe.output_lengths(torch.tensor(n)))
+        return F.pad(x, (0, n_pad - n))
 
     def adapt(self, runs: List[int], x: torch.Tensor) -> None:
         """The runs' adaptation steps on ``x`` (before the prediction)."""

@@ -23,6 +23,7 @@ __all__ = ["BatchedCEA"]
 
 class BatchedCEA(BatchedSUTA):
     methods = (CEA,)
+    masks_padding = False
 
     @classmethod
     def blocker(cls, m):
@@ -58,10 +59,11 @@ class BatchedCEA(BatchedSUTA):
         return [k for k, p in enumerate(m.params) if id(p) in second]
 
     # ------------------------------------------------------------- passes
-    def logits(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Stage 2: each row's CNN features too (``self.feats``), from the same pass."""
+    def logits(self, flat: torch.Tensor, x: torch.Tensor, samples=None) -> torch.Tensor:
+        """Stage 2: each row's CNN features too (``self.feats``), from the same pass (never
+        padded: CEA's losses do not mask padding, so it has no length buckets)."""
         if not self.stage2:
-            return super().logits(flat, x)
+            return super().logits(flat, x, samples)
 
         def one(row):
             params = dict(zip(self.names, self.split(row)))
@@ -73,7 +75,7 @@ class BatchedCEA(BatchedSUTA):
             logits, self.feats = vmap(one, randomness="same")(flat)
         return logits
 
-    def losses(self, runs, logits, leaf):
+    def losses(self, runs, logits, leaf, lengths=None):
         """``CEA.loss`` of each run (its stage's terms; stage 2: its own CNN features)."""
         return torch.stack([CEA.loss(SimpleNamespace(
             _stage2=self.stage2, _feats=self.feats[j] if self.stage2 else None,

@@ -54,13 +54,13 @@ class BatchedCoTTA(BatchedSUTA):
             logger.info("batched cotta: the weight-normed convolution runs row by row (torch has "
                         "no vmap batching rule for _weight_norm)")
 
-    def logits_each(self, flat, x, x_dim=0):
+    def logits_each(self, flat, x, x_dim=0, samples=None):
         """As the batch's; the positional convolution's weight norm (adapted here, as every
         weight) runs row by row, as torch has no batching rule for it: its warning is said once,
         in the log, not on every pass."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*batching rule for aten::_weight_norm")
-            return super().logits_each(flat, x, x_dim)
+            return super().logits_each(flat, x, x_dim, samples)
 
     @torch.enable_grad()
     def process(self, runs: List[int], wav: torch.Tensor, info) -> None:
@@ -104,7 +104,7 @@ class BatchedCoTTA(BatchedSUTA):
             done, _ = self.step(now, x)
             self._follow(now, done)
 
-    def losses(self, runs, logits, leaf):
+    def losses(self, runs, logits, leaf, lengths=None):
         loss = torch.stack([losses.symmetric_cross_entropy_loss(
             logits[j], self.targets[r], blank_id=self.blank_id).mean()
             for j, r in enumerate(runs)])

@@ -47,7 +47,7 @@ class BatchedEATA(BatchedSUTA):
         for v, m in zip(self.views, methods):     # what EATA.filtered reads of its method
             v.e_margin, v.d_margin = m.e_margin, m.d_margin
 
-    def losses(self, runs: List[int], logits: torch.Tensor, leaf: torch.Tensor):
+    def losses(self, runs: List[int], logits: torch.Tensor, leaf: torch.Tensor, lengths=None):
         """``EATA.loss`` of each run on its row (its own filter state: views of the batch's rows,
         updated in place), plus its Fisher term of its row: the losses, the dropped runs, and
         the filter's values ``[verdict, entropy, |cos|]``."""
@@ -61,7 +61,7 @@ class BatchedEATA(BatchedSUTA):
             h = EATA.loss(SimpleNamespace(
                 temperature=self.temperature[r], blank_id=self.blank_id, e_margin=self.e_margin[r],
                 d_margin=self.d_margin[r], probs_ema=self.probs_ema[r], _probs=self.probs[r],
-                _started=self.started[r], step_filter=verdict, fisher=None), logits[j])
+                _started=self.started[r], step_filter=verdict, fisher=None), logits[j], lengths)
             drop.append(verdict.drop)
             why.append(verdict.values)
             loss.append(h if not self.fisher_alpha[r] else h + self.fisher_alpha[r] * penalty[j])
