@@ -900,7 +900,8 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
     bucket with the padding masked, and gives the separate (unpadded) runs' transcripts, events
     and counts, parameters to rounding; a graph captured for one length serves the other lengths
     of its bucket (cache hits across utterances of distinct lengths, replays from their first
-    step); replays read nothing on the host. CEA, whose losses do not mask padding, gets none."""
+    step; the prediction's forward replayed too); replays read nothing on the host. CEA, whose
+    losses do not mask padding, gets none."""
     from tta_brain.gpu.batch_graphs import BatchGraphs
     from tta_brain.methods import UttInfo
     extra = {"dsuta": dict(buffer_size=2),
@@ -929,6 +930,7 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
         assert "filter" in kinds
     hits = batch.graphs.cache.stats["hits"]
     assert hits >= 3 and backend.replays > 0, batch.graphs.describe()
+    assert batch.graphs.stats["forward_replays"] >= 3, batch.graphs.describe()  # the prediction
     # CEA's losses take no lengths: no buckets for it
     cea, _, _ = _batch(data, "cea", [(1e-3, 2, "none")], steps2=2)
     cea.graphs = BatchGraphs(cea, ReplayChecks(cea, DeviceReads(monkeypatch)))

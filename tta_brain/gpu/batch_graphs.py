@@ -62,7 +62,10 @@ class BatchGraphs:
         self._x, self._eager = None, 0   # the current utterance's input and its eager steps
         self._live = {}                  # the graphs this utterance has replayed (key -> entry)
         self._warmed = {}                # length buckets: eager steps run per graph key
-        self.stats = {"eager": 0, "replays": 0, "failed": 0}
+        # length buckets: the prediction's no-grad forward too, per run set and bucket
+        self.forwards = GraphCache(capacity)
+        self.shapes = {}                 # forward key -> its output's shape (from an eager one)
+        self.stats = {"eager": 0, "replays": 0, "failed": 0, "forward_replays": 0}
 
     # ------------------------------------------------------------------ eager
     def eager(self, runs: List[int], x: torch.Tensor, update: bool = True,
@@ -100,7 +103,7 @@ class BatchGraphs:
         if entry is not None and entry.signature != self.signature():
             logger.info("%s: the batch's state tensors moved; its captured steps are dropped",
                         type(self.batch).__name__)
-            self.cache.clear()
+            self.release()
             self._live, entry = {}, None
         if entry is None:
             bucketed = samples is not None
@@ -141,17 +144,70 @@ class BatchGraphs:
             self.stats["failed"] += 1
             logger.warning("%s: capture failed (%s: %s); the batched steps run eagerly from now "
                            "on", type(batch).__name__, type(e).__name__, e)
-            self.cache.clear()
+            self.release()
             batch.graphs = None
             return None
         entry.signature = self.signature()
         self.cache.put(key, entry)
         return entry
 
+    # ------------------------------------------------------------------ the prediction
+    def predict(self, runs: List[int], x: torch.Tensor,
+                samples: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The runs' no-grad logits of ``x`` (the prediction: their rows as they are now). On
+        length buckets replayed from a graph per run set and bucket once it is warm (the output
+        is the graph's: valid until its next replay); else, and while warming, eagerly."""
+        batch = self.batch
+
+        def forward(inputs, valid):
+            with torch.no_grad():
+                return batch.logits(batch.fast.rows(runs), inputs, valid)
+        if samples is None:
+            return forward(x, None)
+        key = ("forward", tuple(runs)) + batch.graph_key() + (tuple(x.shape), x.dtype)
+        entry = self.forwards.get(key)
+        if entry is not None and entry.signature != self.signature():
+            self.forwards.clear()
+            entry = None
+        if entry is None:
+            if self._warmed.get(key, 0) < self.warmup or key not in self.shapes:
+                self._warmed[key] = self._warmed.get(key, 0) + 1
+                with self.backend.side():
+                    out = forward(x, samples)
+                if x.is_cuda:
+                    out.record_stream(torch.cuda.current_stream(x.device))
+                self.shapes[key] = out.shape
+                return out
+            entry = CapturedStep(key, torch.empty_like(x), False, None, torch.empty_like(samples))
+            entry.load(x, samples)
+            # the output lives outside the capture (nothing a capture allocates outlives it)
+            entry.out = torch.empty(self.shapes[key], dtype=torch.float32, device=x.device)
+
+            def body():
+                entry.out.copy_(forward(entry.static, entry.samples))
+            try:
+                entry.graph = self.backend.capture(body, self.forwards.pool())
+            except Exception as e:             # noqa: BLE001 - any capture error: eager from now on
+                self.stats["failed"] += 1
+                logger.warning("%s: capture of the prediction failed (%s: %s); the batch runs "
+                               "eagerly from now on", type(batch).__name__, type(e).__name__, e)
+                self.release()
+                batch.graphs = None
+                return forward(x, samples)
+            entry.signature = self.signature()
+            self.forwards.put(key, entry)
+        entry.load(x, samples)
+        entry.replay()
+        self.stats["forward_replays"] += 1
+        return entry.out
+
     def release(self) -> None:
         self.cache.clear()
+        self.forwards.clear()
 
     def describe(self) -> str:
         s = self.cache.stats
         return (f"{s['captures']} captures, {self.stats['replays']} replays, "
-                f"{self.stats['eager']} eager steps, {s['hits']} cache hits")
+                f"{self.stats['eager']} eager steps, {s['hits']} cache hits, "
+                f"{self.forwards.stats['captures']} forward captures, "
+                f"{self.stats['forward_replays']} forward replays")

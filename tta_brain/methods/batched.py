@@ -646,7 +646,10 @@ class BatchedSUTA:
         return torch.cat(parts)
 
     def prediction(self, runs: List[int], x: torch.Tensor) -> torch.Tensor:
-        """The logits ``[R', 1, F, V]`` the runs' transcripts decode (their adapted rows')."""
+        """The logits ``[R', 1, F, V]`` the runs' transcripts decode (their adapted rows'; on
+        length buckets replayed from a captured forward once warm)."""
+        if self.graphs is not None:
+            return self.graphs.predict(runs, x, self.samples)
         return self.logits(self.fast.rows(runs), x, self.samples)
 
     @staticmethod
