@@ -33,6 +33,14 @@ def setup(tmp_path_factory, tiny_model_dir):
     statistics command."""
     root = write_stream(tmp_path_factory.mktemp("stream"))
     clean = tmp_path_factory.mktemp("clean")
+    stats = hidden_token_stats(clean, tiny_model_dir)
+    return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir, "stats": stats,
+            "clean": [str(clean / f"c{i}.wav") for i in range(6)]}
+
+
+def hidden_token_stats(clean, model_dir):
+    """The ``hidden`` and ``tokens`` statistics of six clean utterances written to folder
+    ``clean`` (c0.wav .. c5.wav), made with the statistics command; the file's path."""
     rows = []
     for i in range(6):
         sig = fake_speech(0.6 + 0.1 * i, seed=500 + i)
@@ -44,10 +52,9 @@ def setup(tmp_path_factory, tiny_model_dir):
         w.writeheader()
         w.writerows(rows)
     stats = clean / "stats.pt"
-    assert stats_cli.main(["--source", tiny_model_dir, "--manifest", str(clean / "clean.csv"),
+    assert stats_cli.main(["--source", model_dir, "--manifest", str(clean / "clean.csv"),
                            "--kinds", "hidden,tokens", "--out", str(stats)]) == 0
-    return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir, "stats": stats,
-            "clean": [str(clean / f"c{i}.wav") for i in range(6)]}
+    return stats
 
 
 def build(setup, name, **kw):

@@ -1,5 +1,6 @@
-"""Batched sweeps (tta_brain.sweep, tta_brain.methods.batched, batched_dsuta): R runs of suta /
-csuta / dsuta / tent in one process give the transcripts of the separate runs, each in an ordinary run
+"""Batched sweeps (tta_brain.sweep, tta_brain.methods.batched and its batched_* subclasses,
+batched_free): R runs of one method (suta, csuta, dsuta, tent, eata, sar, cotta, cea; lame, t3a,
+foa, ebats) in one process give the transcripts of the separate runs, each in an ordinary run
 folder.
 
 Measured on the tiny model (lr up to 3e-2, up to 4 steps, 20 utterances): the adapted parameters
@@ -9,6 +10,7 @@ below is 1e-3. The dynamic reset's LII is a difference of two nearly equal losse
 last bits show in its 3rd or 4th digit (measured: at most 2.4e-7, on values of 1e-4 to 6e-4);
 LII values and a dynamic reset's z are compared within LII_TOL and Z_TOL, their positions,
 stages and the reset decisions exactly."""
+import math
 import os
 import re
 import subprocess
@@ -17,6 +19,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +33,7 @@ from tta_brain.run.records import read_lii, read_resets
 
 RECORDS = ("transcripts.csv", "resets.csv", "rejects.csv", "lii.csv", "wer.txt")
 PARAM_TOL = 1e-3
+FREE_TOL = 1e-5             # a candidate's forward in a bigger batch: last bits (measured below)
 LII_TOL = 3e-6
 Z_TOL = 0.1                 # measured: z = 2.59 in both here, 2.62 at other thread counts
 Z = re.compile(r"z=(-?[0-9.]+)")
@@ -83,19 +87,38 @@ CEA = [["--lr=1e-3", "--steps=2", "--steps2=2", "--lr2=1e-2"],
        ["--lr=3e-3", "--steps=1", "--steps2=3", "--lr2=3e-3", "--tc_coef=1.0"],
        ["--lr=1e-2", "--steps=3", "--steps2=0", "--em_coef=0.7", "--temperature=1.0"]]
 
+# The backprop-free methods: CMA-ES runs that differ in their seed, population, sigma, early stop,
+# fitness weights and reset policy (the dynamic one forced to fire: threshold -100); FOA's
+# candidates a few per run and forward (population_batch 3); LAME's graph; T3A's filter
+EBATS = [["--popsize=8", "--generations=4", "--cma_seed=1"],
+         ["--popsize=8", "--generations=4", "--cma_seed=2", "--stats_coef=1.0"],
+         ["--popsize=6", "--generations=3", "--sigma=0.05", "--patience=1", "--tokenwise=false",
+          "--reset=fixed", "--reset_every=6"],
+         ["--popsize=8", "--generations=2", "--reset=dynamic", "--reset_K=4",
+          "--reset_patience=1", "--reset_threshold=-100"]]
+FOA = [["--popsize=8", "--cma_seed=1", "--population_batch=3"],
+       ["--popsize=8", "--cma_seed=2", "--shift_coef=0.5", "--population_batch=3"],
+       ["--popsize=6", "--sigma=0.3", "--fitness_coef=1.0", "--population_batch=3",
+        "--reset=fixed", "--reset_every=5"]]
+LAME = [["--knn=3"], ["--knn=5", "--bound_lambda=0.5", "--max_steps=5"]]
+T3A = [["--filter_K=2"], ["--filter_K=10", "--reset=fixed", "--reset_every=4"], ["--filter_K=-1"]]
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, tiny_model_dir):
     from conftest import save_ctc_model
     from test_field_methods import fisher_file
     root = write_stream(tmp_path_factory.mktemp("sweep_stream"))
+    from test_free_methods import hidden_token_stats
     return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir,
             "fisher": fisher_file(root / "fisher.pt", tiny_model_dir, value=0.5),
+            "stats": hidden_token_stats(tmp_path_factory.mktemp("clean"), tiny_model_dir),
             "layer_cnn": save_ctc_model(str(tmp_path_factory.mktemp("tiny_ln")), norm="layer")}
 
 
 def args(data, out, *extra, method="csuta"):
-    own = [f"--source_stats={data['fisher']}"] if method == "eata" else []
+    own = ([f"--source_stats={data['fisher']}"] if method == "eata" else
+           [f"--source_stats={data['stats']}"] if method in ("foa", "ebats") else [])
     model = data["layer_cnn"] if method == "cea" else data["model"]
     return [method, f"--source={model}", f"--stream_csv={data['csv']}",
             f"--output_folder={out}", f"--data_root={data['root']}", "--noprogressbar",
@@ -138,17 +161,35 @@ def assert_same_runs(batched, separate_outs):
             (s / "hyperparams.yaml").read_text().replace(str(s), "")
         for key in ("params", "meta", "grad_sum"):
             pb, ps = ckpt_params(b, key), ckpt_params(s, key)
-            assert (pb is None) == (ps is None)
-            if pb is not None:
+            assert (pb is None) == (ps is None) and len(pb or ()) == len(ps or ())
+            if pb:
                 assert max_diff(pb, ps) < PARAM_TOL, (b, key)
+        fb, fs = ckpt_params(b, "free"), ckpt_params(s, "free")    # backprop-free methods' state
+        assert (fb is None) == (fs is None)
+        if fb is not None:
+            assert free_center(fb) is not None and np.allclose(
+                free_center(fb), free_center(fs), rtol=0, atol=FREE_TOL), b
 
 
-RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2]}
+def free_center(state):
+    """What a backprop-free method carries, as one array: E-BATS's T-EMA mean, FOA's search mean
+    and best prompt, T3A's supports; LAME carries nothing (an empty array)."""
+    if "ema" in state:
+        return np.concatenate([state["ema"]["mean"], [state["ema"]["sigma"]]])
+    if "es" in state:
+        return np.concatenate([state["es"].mean, state["best"]])
+    if "supports" in state:
+        return state["supports"].numpy()
+    return np.zeros(0)
+
+
+RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2], "foa": [0, 0, 4], "t3a": [0, 5, 0]}
 
 
 @pytest.mark.parametrize("method,cfgs", [("suta", SUTA), ("csuta", CSUTA), ("dsuta", DSUTA),
                                          ("tent", TENT), ("eata", EATA), ("sar", SAR),
-                                         ("cotta", COTTA), ("cea", CEA)])
+                                         ("cotta", COTTA), ("cea", CEA), ("ebats", EBATS),
+                                         ("foa", FOA), ("lame", LAME), ("t3a", T3A)])
 def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     seps = separate(data, tmp_path, method, cfgs)
     outs = [tmp_path / f"bat{i}" for i in range(len(cfgs))]
@@ -167,6 +208,25 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
             assert c["filtered_unreliable"] > 0 and c["filtered_redundant"] > 0, c
             assert c["adapt_backward"] > 0, c
         assert counts[1]["filtered_unreliable"] == counts[1]["filtered_redundant"] == 0
+    if method in ("ebats", "foa"):                   # the seed decides the search
+        centers = [free_center(ckpt_params(o, "free")) for o in outs[:2]]
+        assert not np.allclose(centers[0], centers[1], atol=100 * FREE_TOL)
+        assert [load_run(o).summary.counts["adapt_forward"] for o in outs[:2]] == \
+            [load_run(o).summary.counts["adapt_forward"] for o in seps[:2]]
+    if method == "ebats":                            # the dynamic reset tested, and fired
+        assert len(read_lii(outs[3])) > 3 and load_run(outs[3]).summary.resets
+    if method in ("ebats", "foa"):                   # the runs' candidates rode together
+        work = re.search(r"Batched backprop-free runs: (\d+) candidates in (\d+) forwards",
+                         (outs[0] / "log.txt").read_text())
+        evaluated = [load_run(o).summary.counts["adapt_forward"] for o in seps]
+        assert work and int(work[1]) == sum(evaluated), work[0]
+        sizes = [int(next(a for a in c if a.startswith("--popsize="))[10:]) + (method == "foa")
+                 for c in cfgs]                      # FOA: + the previous best
+        if method == "foa":                          # 3 candidates per run and forward
+            assert int(work[2]) == 20 * math.ceil(sum(sizes) / (3 * len(cfgs))), work[0]
+        else:                                        # a generation's forward serves every run
+            alone = sum(n // p for n, p in zip(evaluated, sizes))
+            assert int(work[2]) < alone / 2, (work[0], alone)
     if method == "cotta":                            # the seed decides the draws
         counts = [load_run(o).summary.counts for o in outs]
         assert counts[0]["augmented"] == counts[1]["augmented"] == 20
@@ -201,6 +261,12 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
          "method awmc is not batched"),
         ([args(data, tmp_path / "a"), args(data, tmp_path / "b", "--max_duration=1")],
          "option max_duration differs"),
+        ([args(data, tmp_path / "a", "--shared_prefix=false", method="ebats"),
+          args(data, tmp_path / "b", "--shared_prefix=false", method="ebats")],
+         "run 1: shared_prefix false"),
+        ([args(data, tmp_path / "a", method="foa"),
+          args(data, tmp_path / "b", "--n_prompts=2", method="foa")],
+         "option n_prompts differs"),
         ([args(data, tmp_path / "a"), args(data, tmp_path / "b", method="suta")], "yaml"),
     ]
     for argvs, expected in cases:
@@ -214,13 +280,13 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     assert res.stderr.strip().splitlines()[-1].startswith("ERROR: not batched: run 1")
 
 
-def test_killed_sweep_resumes(data, tmp_path):
+@pytest.mark.parametrize("method,cfgs", [("csuta", CSUTA[:3]), ("ebats", EBATS[:3])])
+def test_killed_sweep_resumes(data, tmp_path, method, cfgs):
     """kill -9 at the first checkpoint; the rerun (two runs by the sweep, one by a separate
     decode: the checkpoint is the method's own) gives the separate runs' records."""
-    cfgs = CSUTA[:3]
-    seps = separate(data, tmp_path, "csuta", cfgs)
+    seps = separate(data, tmp_path, method, cfgs)
     outs = [tmp_path / f"bat{i}" for i in range(3)]
-    argvs = [args(data, o, *c, "--ckpt_every=2") for o, c in zip(outs, cfgs)]
+    argvs = [args(data, o, *c, "--ckpt_every=2", method=method) for o, c in zip(outs, cfgs)]
     cmd = [sys.executable, "-m", "tta_brain.sweep", *argvs[0], "--", *argvs[1], "--",
            *argvs[2]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
@@ -936,3 +1002,26 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
     cea.graphs = BatchGraphs(cea, ReplayChecks(cea, DeviceReads(monkeypatch)))
     from tta_brain.lobes.runtime import Runtime
     assert cea._buckets(Runtime(cuda_graph_buckets=0.1)) == 0.0
+
+
+def test_a_batch_names_the_runs_it_cannot_take(data):
+    """Each batch's blocker names the method, reset or setting it refuses (before any state)."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.runtime import Runtime
+    from tta_brain.methods import build_method
+    from tta_brain.methods.batched_free import BatchedFree
+    from tta_brain.methods.resets import make_reset_policy
+    lobe = HFCTCLobe(data["model"])
+    ebats = build_method("ebats", model=lobe, source_stats=str(data["stats"]))
+    suta = build_method("suta", model=lobe)
+    assert sweep.batch_for(ebats) is BatchedFree and BatchedFree.blocker(ebats) is None
+    assert sweep.batch_for(suta).blocker(suta) is None
+    assert sweep.batch_for(suta).blocker(ebats).startswith("method ebats (this batch: suta")
+    assert BatchedFree.blocker(suta).startswith("method suta (this batch: lame, t3a, foa, ebats")
+    assert BatchedFree.blocker(build_method("t3a", model=lobe, shared_prefix=False)) \
+        .startswith("shared_prefix false")
+    compiled = HFCTCLobe(data["model"], runtime=Runtime(compile=True))
+    assert BatchedFree.blocker(build_method("lame", model=compiled)) == "compile"
+    awmc = build_method("awmc", model=lobe, reset_policy=make_reset_policy("fixed", every=3))
+    with pytest.raises(ValueError, match="run 2: method awmc"):
+        BatchedFree(lobe, [ebats, awmc])

@@ -3,8 +3,9 @@
 
 CPU (default): R runs of ``--method`` (suta, csuta, dsuta, tent, eata / sar with every step
 kept, cotta with its defaults, or cea with ``--steps`` in each stage; lr 1e-4 x 1, 2, 3, ...;
-``--reset`` for the continual ones, the dynamic reset with ``K = max(4, n_utts // 3)``) of the
-tests' tiny model over
+the backprop-free lame, t3a, foa and ebats at their defaults, each run its own CMA-ES seed, LAME
+its own k, T3A its own filter; ``--reset`` for the continual ones, the dynamic reset with
+``K = max(4, n_utts // 3)``) of the tests' tiny model over
 the same generated utterances, batched (one batch of ``tta_brain.sweep``) vs one after another in
 this process; s per audio second of all R runs together for both, the ratio, and whether the
 transcripts agree::
@@ -13,7 +14,8 @@ transcripts agree::
         [--method dsuta --reset dynamic]
 
 ``gpu_bench`` (what ``tools/gpu_check.py``'s ``sweep`` section runs): a generated stream decoded by
-R runs (SUTA, or the check's ``--sweep_method``; different lr) as one ``python -m tta_brain.sweep``
+R runs (SUTA, or the check's ``--sweep_method``; different lr, or :func:`run_setting`'s for a
+backprop-free method) as one ``python -m tta_brain.sweep``
 process vs R
 ``python -m tta_brain.decode`` processes started together on the same device; throughput = R x the
 stream's audio seconds over the span of the decode loops (first "Decoding" to last summary line of
@@ -34,6 +36,20 @@ for _p in (ROOT, TOOLS):
         sys.path.insert(0, _p)
 
 
+#: the backprop-free methods: no lr or steps; a sweep's runs differ in :func:`run_setting`
+FREE = ("lame", "t3a", "foa", "ebats")
+#: methods without a reset policy in these benchmarks (episodic, or none by default)
+NO_POLICY = ("suta", "tent", "cea", "lame")
+
+
+def run_setting(method, r, lr=1e-4):
+    """Run ``r``'s own setting ``(key, value)`` in a benchmark sweep of ``method``: lr ``lr``
+    x (r + 1) for the gradient methods; for the backprop-free ones what a user sweeps (CMA-ES:
+    the seed; LAME: its k; T3A: its filter)."""
+    return {"ebats": ("cma_seed", r), "foa": ("cma_seed", r), "lame": ("knn", 3 + r),
+            "t3a": ("filter_K", 2 + 2 * r)}.get(method, ("lr", lr * (r + 1)))
+
+
 def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta", reset="none"):
     import torch
     torch.set_num_threads(threads)
@@ -48,8 +64,8 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
             TINY, feat_extract_norm="group", do_stable_layer_norm=False))
     wavs = speech_like_wavs(n_utts, 0.9 * seconds, 1.1 * seconds, seed=3)
     audio = sum(w.numel() for w in wavs) / 16000
-    lrs = [1e-4 * (r + 1) for r in range(runs)]
-    policy = lambda: (None if method in ("suta", "tent", "cea") else
+    settings = [dict([run_setting(method, r)]) for r in range(runs)]
+    policy = lambda: (None if method in NO_POLICY else
                       make_reset_policy(reset, every=max(2, n_utts // 3), K=max(4, n_utts // 3)))
     # EATA: every step kept (a random model's entropy is near ln V, above the default E0; its
     # mean posteriors are so alike that |cos| rounds to 1.0, the default d_margin), no Fisher
@@ -58,16 +74,23 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
            "sar": dict(e_margin_factor=1.01),                      # SAR: no pass filtered
            "cotta": dict(seed=0),                                  # CoTTA: its defaults
            "cea": dict(steps2=steps)}.get(method, {})              # CEA: --steps per stage
-    build = lambda lr: build_method(method, model=HFCTCLobe(model), lr=lr, steps=steps,
-                                    reset_policy=policy(), **own)
+    if method in FREE:                                             # no lr or steps
+        from types import SimpleNamespace
+        from bench_speed import field_stats
+        own = field_stats(method, HFCTCLobe(model), SimpleNamespace(seconds=seconds, seed=0))
+    else:
+        own["steps"] = steps
+    build = lambda setting: build_method(method, model=HFCTCLobe(model), **setting, **own,
+                                         reset_policy=policy())
+    build(settings[0]).process(wavs[0], UttInfo())       # warm-up (first passes), untimed
+    seps = [build(setting) for setting in settings]      # built (model loads) untimed, as the batch
     sep_hyps, t0 = [], time.perf_counter()
-    for lr in lrs:
-        m = build(lr)
+    for m in seps:
         sep_hyps.append([m.process(w, UttInfo(position=i)) for i, w in enumerate(wavs)])
     t_sep = time.perf_counter() - t0
-    ms = [build(lr) for lr in lrs]
+    ms = [build(setting) for setting in settings]
     batch = batch_for(ms[0])(ms[0].lobe, ms)
-    bat_hyps, t0 = [[] for _ in lrs], time.perf_counter()
+    bat_hyps, t0 = [[] for _ in settings], time.perf_counter()
     for i, w in enumerate(wavs):
         batch.process(list(range(runs)), w, UttInfo(position=i))
         for r, v in enumerate(batch.views):
@@ -76,8 +99,9 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
     res = dict(method=method, reset=reset, runs=runs, n_utts=n_utts, steps=steps, audio_s=audio,
                separate_s_per_audio_s=t_sep / audio, batched_s_per_audio_s=t_bat / audio,
                speedup=t_sep / t_bat, same_transcripts=sep_hyps == bat_hyps)
-    label = method + ("" if method in ("suta", "tent", "cea") else f"+{reset}")
-    print(f"{runs} {label} runs x {n_utts} utterances ({audio:.1f} audio s each), {steps} steps, "
+    label = method + ("" if method in NO_POLICY else f"+{reset}")
+    what = "default search" if method in FREE else f"{steps} steps"
+    print(f"{runs} {label} runs x {n_utts} utterances ({audio:.1f} audio s each), {what}, "
           f"{threads} thread(s): separate {t_sep / audio:.3f} s per audio s (all runs), batched "
           f"{t_bat / audio:.3f}: {t_sep / t_bat:.2f}x; same transcripts: {res['same_transcripts']}")
     return res
@@ -104,12 +128,13 @@ def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, t
     ``separate``, ``batched`` (the sweep's default: its steps captured as CUDA graphs where the
     batch allows) and ``batched_eager`` (the sweep with ``--cuda_graphs=off``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    lrs = [f"{1e-5 * (r + 1):.0e}" for r in range(runs)]
+    lrs = [[f"--steps={steps}", f"--lr={1e-5 * (r + 1):.0e}"] if method not in FREE else
+           ["--{}={}".format(*run_setting(method, r))] for r in range(runs)]
 
-    def argv(out, lr):
+    def argv(out, own):
         return [method, *opts, f"--source={model}", f"--stream_csv={stream}", f"--output_folder={out}",
                 f"--data_root={data_root}", f"--device={device}", "--noprogressbar",
-                "--overwrite", f"--steps={steps}", f"--lr={lr}"]
+                "--overwrite", *own]
     res = {}
     for arm in ("separate", "batched", "batched_eager"):
         outs = [os.path.join(work, arm, f"run{r}") for r in range(runs)]
@@ -170,7 +195,7 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--method", default="suta",
-                   choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta", "cea"))
+                   choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta", "cea") + FREE)
     p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"))
     p.add_argument("--json", default="")
     a = p.parse_args(argv)

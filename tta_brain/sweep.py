@@ -11,7 +11,11 @@ reset policy: none, fixed, oracle, dynamic) in fp32; the runs may differ in :dat
 steps, em_coef, temperature, the reset policy and its settings, lr multipliers, seed: CoTTA's
 draws; DSUTA's buffer size, slow lr and fast moments; EATA's margins, EMA and Fisher weight; SAR's
 rho, E0, loss EMA and recovery constant; CoTTA's EMA, anchor threshold, augmentation and restore;
-CEA's second stage). Anything else (another method, another
+CEA's second stage). The backprop-free ``lame``, ``t3a``, ``foa`` and ``ebats`` run as one batch
+too (``tta_brain.methods.batched_free``: one prefix, the runs' CMA-ES candidates in one forward);
+their runs may differ in their search and fitness settings (the CMA-ES seed, population, sigma,
+generations and early stop, the loss weights, T-EMA and covariance ratio; FOA's shift; LAME's
+graph; T3A's filter). Anything else (another method, another
 stream, source model, device or precision, any other key that differs) is refused with one line
 naming the run and the option (:class:`Refused`) before a folder is written; the grid then runs
 those runs separately.
@@ -35,6 +39,7 @@ from tta_brain.methods.batched_cea import BatchedCEA
 from tta_brain.methods.batched_cotta import BatchedCoTTA
 from tta_brain.methods.batched_dsuta import BatchedDSUTA
 from tta_brain.methods.batched_eata import BatchedEATA
+from tta_brain.methods.batched_free import BatchedFree
 from tta_brain.methods.batched_sar import BatchedSAR
 from tta_brain.run import identity
 from tta_brain.run.brain import PREFETCH, TTABrain
@@ -47,14 +52,20 @@ __all__ = ["Refused", "refusal", "run", "batch_for", "MAY_DIFFER", "METHODS"]
 
 #: The batches, the batched methods (packaged yaml names) and the keys in which the runs of a
 #: batch may differ.
-BATCHES = (BatchedSUTA, BatchedDSUTA, BatchedEATA, BatchedSAR, BatchedCoTTA, BatchedCEA)
+BATCHES = (BatchedSUTA, BatchedDSUTA, BatchedEATA, BatchedSAR, BatchedCoTTA, BatchedCEA,
+           BatchedFree)
 METHODS = tuple(c.name for b in BATCHES for c in b.methods)
 MAY_DIFFER = ("lr", "steps", "em_coef", "temperature", "reset", "reset_every", "seed",
               "layernorm_lr_mult", "cnn_lr_mult", "reset_K", "reset_patience", "reset_threshold",
               "reset_lii_count", "buffer_size", "slow_lr", "fast_moments", "e_margin_factor",
               "d_margin", "probs_ema", "fisher_alpha", "rho", "loss_ema", "reset_constant",
               "ema_decay", "ap_threshold", "n_augment", "noise_min", "noise_max", "noise_p",
-              "restore_prob", "restore_mask", "steps2", "lr2", "tc_coef"
+              "restore_prob", "restore_mask", "steps2", "lr2", "tc_coef",
+              # the backprop-free methods' search and fitness (not n_prompts: the candidates' size)
+              "cma_seed", "popsize", "sigma", "generations", "early_stop_threshold", "patience",
+              "entropy_coef", "stats_coef", "tokenwise", "loss_max", "cov_ratio", "fitness_coef",
+              "disc_div", "shift_coef", "hist_decay", "knn", "bound_lambda", "max_steps", "tol",
+              "blank_threshold", "filter_K"
               ) + identity.LOCATION_KEYS + identity.LABEL_KEYS
 
 
@@ -248,6 +259,8 @@ def _walk(brains, p, logs):
                 b.end_stream()
         if batch.graphs is not None:
             logger.info("Batched steps as CUDA graphs: %s", batch.graphs.describe())
+        if hasattr(batch, "work"):
+            logger.info("Batched backprop-free runs: %s", batch.work())
     finally:
         utts.close()
         for b in brains:

@@ -230,22 +230,37 @@ class TTAMethod:
     @torch.enable_grad()
     def process(self, wav: torch.Tensor, info: Optional[UttInfo] = None) -> str:
         """Adapt on one utterance (1-D waveform at 16 kHz) and return its transcript."""
+        x = self.begin(wav, info)
+        try:
+            hyp = self.forward_and_adapt(x, self.info)
+            self.end(x)
+        finally:
+            self.features.clear()               # the feature cache lives for one utterance
+        self.t += 1
+        return hyp
+
+    def begin(self, wav: torch.Tensor, info: Optional[UttInfo] = None) -> torch.Tensor:
+        """The utterance's input, after what comes before its adaptation: episodic, the reset;
+        continual, the reset policy's check and its LII losses (``process``; a batched sweep
+        of backprop-free runs calls it for each run)."""
         info = self.info = info or UttInfo(position=self.t)
         x = self.lobe.prepare(wav)
-        t = self.t + 1
         try:
             if self.episodic:
                 self.reset()
-                hyp = self.forward_and_adapt(x, info)
             else:
-                self._policy_before(t, info)
-                self._losses_ahead(t, x)
-                hyp = self.forward_and_adapt(x, info)
-                self._policy_after(t, x, info)
-        finally:
-            self.features.clear()               # the feature cache lives for one utterance
-        self.t = t
-        return hyp
+                self._policy_before(self.t + 1, info)
+                self._losses_ahead(self.t + 1, x)
+        except BaseException:
+            self.features.clear()
+            raise
+        return x
+
+    def end(self, x: torch.Tensor) -> None:
+        """What comes after the utterance's adaptation and transcript (continual: the reset
+        policy's LII test, the meta-update or a reset); ``t`` is still the utterance's index."""
+        if not self.episodic:
+            self._policy_after(self.t + 1, x, self.info)
 
     def before_step(self, n: int) -> None:
         """Hook before adaptation step ``n`` (0-based) of an utterance (SGEM: its lr schedule)."""

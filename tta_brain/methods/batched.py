@@ -111,6 +111,29 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
+def run_blocker(classes, m) -> Optional[str]:
+    """Why built method ``m`` cannot be a run of a batch of method ``classes``, as far as every
+    batch goes (another method or reset policy, fp16/bf16, compile; None: it can)."""
+    return (f"method {m.name} (this batch: {', '.join(c.name for c in classes)})"
+            if type(m) not in classes else
+            f"reset {m.reset_policy.name} (batched: none, fixed, oracle, dynamic)"
+            if m.reset_policy is not None and type(m.reset_policy) not in POLICIES else
+            f"precision {m.runtime.precision} (batched: fp32)" if m.runtime.dtype is not None
+            else "compile" if m.runtime.compile else None)
+
+
+def check_runs(batch, methods):
+    """``(i, method)`` of ``methods``, each checked by ``batch.blocker`` and of run 1's method
+    (a ``ValueError`` naming the run otherwise)."""
+    for i, m in enumerate(methods):
+        why = batch.blocker(m)
+        if why:
+            raise ValueError(f"run {i + 1}: {why}")
+        if type(m) is not type(methods[0]):
+            raise ValueError(f"run {i + 1}: method {m.name}, run 1's is {methods[0].name}")
+        yield i, m
+
+
 class RowIndex:
     """The device index tensor of each set of rows, made once (a tensor made from a host list
     is an upload, and on CUDA a blocking copy waits for the device); all rows and each row alone
@@ -390,24 +413,13 @@ class BatchedSUTA:
     @classmethod
     def blocker(cls, m) -> Optional[str]:
         """Why a built method cannot be one run of this batch (None: it can)."""
-        names = ", ".join(c.name for c in cls.methods)
-        return (f"method {m.name} (this batch: {names})" if type(m) not in cls.methods
-                else f"reset {m.reset_policy.name} (batched: none, fixed, oracle, dynamic)"
-                if m.reset_policy is not None and type(m.reset_policy) not in POLICIES else
-                f"precision {m.runtime.precision} (batched: fp32)" if m.runtime.dtype is not None
-                else "compile" if m.runtime.compile else
-                "train_mode" if m.train_mode else
-                "nothing adapts" if not m.params else
-                optimizer_blocker(m.optimizer))
+        return run_blocker(cls.methods, m) or ("train_mode" if m.train_mode else
+                                               "nothing adapts" if not m.params else
+                                               optimizer_blocker(m.optimizer))
 
     def __init__(self, lobe, methods: Sequence):
         first = methods[0]
-        for i, m in enumerate(methods):
-            why = self.blocker(m)
-            if why:
-                raise ValueError(f"run {i + 1}: {why}")
-            if type(m) is not type(first):
-                raise ValueError(f"run {i + 1}: method {m.name}, run 1's is {first.name}")
+        for i, m in check_runs(self, methods):
             if m.param_names != first.param_names:
                 raise ValueError(f"run {i + 1}: adapts other parameters than run 1")
             self._same(i, m.optimizer, first.optimizer, "optimizer")

@@ -76,9 +76,13 @@ class EBATS(FreeMethod):
     def prefix(self, x):
         return self.pf.last_conv(x)                            # [1, C, F], once per utterance
 
-    def evaluate(self, conv_out, z):
+    def candidates_forward(self, conv_out, z):
         feats = self.pf.finish_cnn(conv_out + z[:, :, None])  # [P, C, F]
         logits, states, _ = self.pf.from_features(feats)
+        return logits, feats, states
+
+    def score(self, out):
+        logits, feats, states = out
         return self.fitness(logits, feats, states), logits
 
     def fitness(self, logits, feats, states):
@@ -95,13 +99,13 @@ class EBATS(FreeMethod):
         return loss
 
     # ------------------------------------------------------------- one utterance
-    def adapt(self, x, conv_out):
+    def search(self, x, conv_out):
         if self.t > 0:
             tema_restart(self.es, self.ema, self.cov_ratio)
         stop, logits = EarlyStop(self.threshold, self.patience, self.best), None
         for _ in range(self.generations):
             cands = self.es.ask()
-            fit, parts = self.evaluate_population(x, conv_out, cands)
+            fit, parts = yield cands
             best = int(fit.argmin())
             logits = self.pick(parts, best)
             self.es.tell(cands, fit.double().cpu().tolist())

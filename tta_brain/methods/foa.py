@@ -62,8 +62,11 @@ class FOA(FreeMethod):
     def prefix(self, x):
         return self.pf.encoder_input(self.lobe.features(x))      # [1, F, H], once per utterance
 
-    def evaluate(self, h0, z):
-        logits, states, last = self.pf.prompted(h0, z.view(len(z), self.n_prompts, self.H))
+    def candidates_forward(self, h0, z):
+        return self.pf.prompted(h0, z.view(len(z), self.n_prompts, self.H))
+
+    def score(self, out):
+        logits, states, last = out
         means = layer_means(states)
         src = self.stats["hidden"]["layers_mean"]
         disc = self.coef * mean_alignment(means, src) / self.disc_div
@@ -74,10 +77,10 @@ class FOA(FreeMethod):
         return disc + ent, logits
 
     # ------------------------------------------------------------- one utterance
-    def adapt(self, x, h0):
+    def search(self, x, h0):
         cands = self.es.ask() + [self.best_prompt]
         self._last_means = []
-        fit, parts = self.evaluate_population(x, h0, cands)
+        fit, parts = yield cands
         best = int(fit.argmin())
         self.best_prompt = np.array(cands[best])
         self.es.tell(cands, fit.double().cpu().tolist())

@@ -6,12 +6,20 @@ contract is the gradient skeleton's: ``process(wav, info) -> text`` (episodic: `
 continual: the reset-policy hooks around it), ``events``, ``counts``, ``state_dict`` /
 ``load_state_dict``. What differs, per utterance x::
 
-    ctx = prefix(x)                      the network before the insertion point, once
-    fitness, logits = evaluate(ctx, Z)   candidates Z [P, D] -> fitness [P], logits [P, F, V]
-    hyp = adapt(x, ctx)                  the method (CMA-ES generations, a classifier update, ...)
+    ctx = prefix(x)                      the frozen network before the insertion point, once
+    out = candidates_forward(ctx, Z)     candidates Z [P, D] through the rest of the network
+    fitness, logits = score(out)         -> fitness [P], logits [P, F, V] (the run's settings)
+    hyp = adapt(x, ctx)                  the method: drives ``search(x, ctx)``, a generator that
+                                         yields candidate batches (CMA-ES generations) and is
+                                         sent their (fitness, logits parts); it returns the
+                                         transcript's logits [1, F, V]
 
-``evaluate`` runs the whole population as one batch, or ``population_batch`` candidates at a time
-(1: one at a time; with ``shared_prefix: false`` each from the input again, as the reference).
+``evaluate`` (= ``score(candidates_forward(...))``) runs the whole population as one batch, or
+``population_batch`` candidates at a time (1: one at a time; with ``shared_prefix: false`` each
+from the input again, as the reference). Because a method's search only yields candidates and
+its prefix and candidates' forward read no setting of the run, a batched sweep
+(``tta_brain.methods.batched_free``) drives R runs' searches in lock-step: one prefix, one
+forward of all their candidates, each run's own ``score``.
 The carried state (``free_state``) is saved with the checkpoint; ``reset()`` goes back to
 ``initial_state()``. For the dynamic reset policy, the carried state is ``meta_values()`` and
 ``loss_tensor(values, x)`` the method's fitness with it.
@@ -28,7 +36,7 @@ import torch
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods.base import TTAMethod
 
-__all__ = ["FreeMethod", "make_es", "EarlyStop"]
+__all__ = ["FreeMethod", "make_es", "EarlyStop", "drive"]
 
 
 def make_es(x0, sigma0: float, popsize: int, seed: int):
@@ -38,6 +46,17 @@ def make_es(x0, sigma0: float, popsize: int, seed: int):
     opts = {"seed": np.nan, "randn": np.random.RandomState(int(seed)).randn, "popsize": int(popsize),
             "maxiter": float("inf"), "verbose": -9, "CMA_diagonal": False}
     return cma.CMAEvolutionStrategy(np.asarray(x0, dtype=float), float(sigma0), opts)
+
+
+def drive(search, evaluate):
+    """Run generator ``search`` (:meth:`FreeMethod.search`) to its end, each candidate batch it
+    yields answered by ``evaluate(candidates)``; its return value."""
+    try:
+        candidates = next(search)
+        while True:
+            candidates = search.send(evaluate(candidates))
+    except StopIteration as done:
+        return done.value
 
 
 class EarlyStop:
@@ -70,8 +89,15 @@ class FreeMethod(TTAMethod):
         self.pf = PartialForward(model)
         self.load_free_state(self.initial_state())
 
+    def share_model(self, lobe) -> None:
+        """Run on ``lobe`` (the same source model, e.g. a batched sweep's one copy) instead of
+        the model it was built with."""
+        self.lobe, self.net, self.runtime = lobe, lobe.model, lobe.runtime
+        self.pf = PartialForward(lobe)
+        self.features = self.runtime.feature_cache(lobe, lobe.feature_cache_blocker([], False))
+
     def describe(self) -> str:
-        population = "" if type(self).evaluate is FreeMethod.evaluate else (
+        population = "" if type(self).candidates_forward is FreeMethod.candidates_forward else (
             f"; candidates per forward: {self.population_batch or 'the whole population'}"
             f"{'' if self.shared_prefix else ', each from the input'}")
         return (f"{self.name}: {'episodic' if self.episodic else 'continual'}, backprop-free "
@@ -82,13 +108,32 @@ class FreeMethod(TTAMethod):
         """The network before the insertion point, once per utterance."""
         return x
 
-    def evaluate(self, ctx, candidates: torch.Tensor):
-        """Candidates ``[P, D]`` of one utterance -> (fitness ``[P]``, logits ``[P, F, V]``)."""
+    def candidates_forward(self, ctx, candidates: torch.Tensor):
+        """Candidates ``[P, D]`` of one utterance through the network after the prefix: a tuple
+        of tensors whose first dimension is P (reads no setting of the run)."""
         raise NotImplementedError
 
-    def adapt(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        """Adapt on the utterance; the logits ``[1, F, V]`` of its transcript."""
+    def score(self, out) -> tuple:
+        """``candidates_forward``'s output -> (fitness ``[P]``, logits ``[P, F, V]``), with the
+        run's settings and state."""
         raise NotImplementedError
+
+    def evaluate(self, ctx, candidates: torch.Tensor):
+        """Candidates ``[P, D]`` of one utterance -> (fitness ``[P]``, logits ``[P, F, V]``)."""
+        return self.score(self.candidates_forward(ctx, candidates))
+
+    def search(self, x: torch.Tensor, ctx):
+        """The method's adaptation on the utterance, as a generator: it yields candidate
+        batches (arrays ``[P, D]``), is sent each one's ``(fitness [P], logits parts)`` (as
+        :meth:`evaluate_population` returns them) and returns the transcript's logits
+        ``[1, F, V]`` (a method without candidates returns at once)."""
+        raise NotImplementedError
+        yield                                                    # pragma: no cover
+
+    def adapt(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """Adapt on the utterance (:meth:`search`, its candidates evaluated here); the logits
+        ``[1, F, V]`` of its transcript."""
+        return drive(self.search(x, ctx), lambda cands: self.evaluate_population(x, ctx, cands))
 
     def initial_state(self) -> Dict:
         """A fresh copy of the state a method starts from (and resets to)."""

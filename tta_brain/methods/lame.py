@@ -75,8 +75,11 @@ class LAME(FreeMethod):
                          tol=float(tol), blank_threshold=float(blank_threshold))
         super().__init__(model, **kwargs)
 
+    def prefix(self, x):
+        return self.pf.hidden(x)                # the frozen network, once per utterance
+
     def adapt(self, x, ctx):
         self.counts["infer_forward"] += 1
-        logits, _, _, last = self.pf.hidden(x)
+        logits, _, _, last = ctx
         Y = lame_posteriors(logits[0], last[0], self.blank_id, **self.opts)
         return Y.clamp(min=1e-8).log()[None]

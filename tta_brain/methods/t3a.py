@@ -66,9 +66,12 @@ class T3A(FreeMethod):
     def classify(self, hidden, protos):
         return hidden @ protos.T + self.bias
 
+    def prefix(self, x):
+        return self.pf.hidden(x)                # the frozen network, once per utterance
+
     def adapt(self, x, ctx):
         self.counts["infer_forward"] += 1
-        logits, _, _, hidden = self.pf.hidden(x)
+        logits, _, _, hidden = ctx
         path = logits[0].argmax(-1)
         if (path != self.blank_id).any():
             self.supports = torch.cat([self.supports, hidden[0]])
