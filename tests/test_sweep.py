@@ -87,6 +87,13 @@ CEA = [["--lr=1e-3", "--steps=2", "--steps2=2", "--lr2=1e-2"],
        ["--lr=3e-3", "--steps=1", "--steps2=3", "--lr2=3e-3", "--tc_coef=1.0"],
        ["--lr=1e-2", "--steps=3", "--steps2=0", "--em_coef=0.7", "--temperature=1.0"]]
 
+# The pseudo-label methods (episodic): SGEM with its beam search, the greedy path and another
+# beam, its own lr schedule and loss weights; SDPL with its own lr and steps
+SGEM = [["--lr=1e-3", "--steps=3"],
+        ["--lr=3e-3", "--steps=2", "--lr_min=1e-4", "--beam_width=1"],
+        ["--lr=1e-2", "--steps=3", "--renyi_alpha=2.0", "--ns_coef=0.5", "--beam_width=3"]]
+SDPL = [["--lr=1e-3", "--steps=2"], ["--lr=1e-2", "--steps=3"], ["--lr=3e-3", "--steps=1"]]
+
 # The backprop-free methods: CMA-ES runs that differ in their seed, population, sigma, early stop,
 # fitness weights and reset policy (the dynamic one forced to fire: threshold -100); FOA's
 # candidates a few per run and forward (population_batch 3); LAME's graph; T3A's filter
@@ -188,7 +195,8 @@ RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2], "foa": [0, 0, 4], "t3a":
 
 @pytest.mark.parametrize("method,cfgs", [("suta", SUTA), ("csuta", CSUTA), ("dsuta", DSUTA),
                                          ("tent", TENT), ("eata", EATA), ("sar", SAR),
-                                         ("cotta", COTTA), ("cea", CEA), ("ebats", EBATS),
+                                         ("cotta", COTTA), ("cea", CEA), ("sgem", SGEM),
+                                         ("sdpl", SDPL), ("ebats", EBATS),
                                          ("foa", FOA), ("lame", LAME), ("t3a", T3A)])
 def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     seps = separate(data, tmp_path, method, cfgs)
@@ -249,8 +257,8 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
 
 def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     cases = [
-        ([args(data, tmp_path / "a", method="sgem"), args(data, tmp_path / "b", method="sgem")],
-         "method sgem is not batched"),
+        ([args(data, tmp_path / "a", "--train_mode=true", method="sdpl"),
+          args(data, tmp_path / "b", "--train_mode=true", method="sdpl")], "run 1: train_mode"),
         ([args(data, tmp_path / "a", "--eata_optimizer=sgd", method="eata"),
           args(data, tmp_path / "b", "--eata_optimizer=sgd", method="eata")],
          "run 1: optimizer SGD (batched: AdamW, Adam)"),

@@ -2,7 +2,7 @@
 """Batched sweep vs separate runs (``tta_brain.sweep``, issue #22 item 6).
 
 CPU (default): R runs of ``--method`` (suta, csuta, dsuta, tent, eata / sar with every step
-kept, cotta with its defaults, or cea with ``--steps`` in each stage; lr 1e-4 x 1, 2, 3, ...;
+kept, cotta with its defaults, cea with ``--steps`` in each stage, sgem, sdpl; lr 1e-4 x 1, 2, 3, ...;
 the backprop-free lame, t3a, foa and ebats at their defaults, each run its own CMA-ES seed, LAME
 its own k, T3A its own filter; ``--reset`` for the continual ones, the dynamic reset with
 ``K = max(4, n_utts // 3)``) of the tests' tiny model over
@@ -39,7 +39,7 @@ for _p in (ROOT, TOOLS):
 #: the backprop-free methods: no lr or steps; a sweep's runs differ in :func:`run_setting`
 FREE = ("lame", "t3a", "foa", "ebats")
 #: methods without a reset policy in these benchmarks (episodic, or none by default)
-NO_POLICY = ("suta", "tent", "cea", "lame")
+NO_POLICY = ("suta", "tent", "cea", "sgem", "sdpl", "lame")
 
 
 def run_setting(method, r, lr=1e-4):
@@ -195,7 +195,8 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--method", default="suta",
-                   choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta", "cea") + FREE)
+                   choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta", "cea",
+                            "sgem", "sdpl") + FREE)
     p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"))
     p.add_argument("--json", default="")
     a = p.parse_args(argv)

@@ -50,7 +50,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
 ``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
 8 SUTA runs (10 steps, lr 1e-5 .. 8e-5; ``--sweep_method dsuta+dynamic``: DSUTA with the dynamic
 reset, buffer 2, K a third of the stream, at least 4; ``eata``: EATA with every step kept, no Fisher
-term; ``sar``: SAR with no pass filtered; ``cotta``, ``cea``: with their defaults; ``ebats``,
+term; ``sar``: SAR with no pass filtered; ``cotta``, ``cea``, ``sgem``, ``sdpl``: with their
+defaults; ``ebats``,
 ``foa``, ``lame``, ``t3a``: at their defaults, each run its own CMA-ES seed, k or filter, statistics
 from 4 other generated utterances; the ``batched_eager`` arm is then the same batch: nothing of
 theirs is captured) on the random base-sized model, as one batched sweep
@@ -157,8 +158,8 @@ def parse_args(argv=None):
                         "config/ and vocab.json) for the section official; not shipped")
     p.add_argument("--sweep_utts", type=int, default=8, help="utterances of the sweep stream")
     p.add_argument("--sweep_method", default="suta",
-                   choices=("suta", "dsuta+dynamic", "eata", "sar", "cotta", "cea", "ebats",
-                            "foa", "lame", "t3a"),
+                   choices=("suta", "dsuta+dynamic", "eata", "sar", "cotta", "cea", "sgem",
+                            "sdpl", "ebats", "foa", "lame", "t3a"),
                    help="the runs of the sweep section")
     p.add_argument("--sweep_buckets", action="store_true",
                    help="the sweep section with length buckets (" + " ".join(DECODE_BUCKET_OPTS)
@@ -800,8 +801,8 @@ def section_sweep(args, rep, work):
         method, opts = "sar", ("--e_margin_factor=1.01",)
     elif args.sweep_method == "cotta":          # its defaults (32 augmented teacher views)
         method, opts = "cotta", ()
-    elif args.sweep_method == "cea":            # its defaults (10 + 10 steps)
-        method, opts = "cea", ()
+    elif args.sweep_method in ("cea", "sgem", "sdpl"):   # their defaults (CEA: 10 + 10 steps)
+        method, opts = args.sweep_method, ()
     elif args.sweep_method in bench_sweep.FREE:  # each run its own seed, k or filter
         from types import SimpleNamespace
         from bench_speed import field_stats

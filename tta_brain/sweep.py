@@ -6,12 +6,14 @@ process, as R adapted states over one shared model (``tta_brain.methods.batched`
 Each run writes its own ordinary run folder, as ``python -m tta_brain.decode`` with the same
 arguments would: the same fingerprint, hyperparams.yaml, log.txt, records, checkpoints and summary
 (each through its own ``TTABrain``, driven row by row in lock-step; the stream is read once).
-Supported: ``suta``, ``csuta``, ``dsuta``, ``tent``, ``eata``, ``sar``, ``cotta`` and ``cea`` (any
+Supported: ``suta``, ``csuta``, ``dsuta``, ``tent``, ``eata``, ``sar``, ``cotta``, ``cea``,
+``sdpl`` and ``sgem`` (any
 reset policy: none, fixed, oracle, dynamic) in fp32; the runs may differ in :data:`MAY_DIFFER` (lr,
 steps, em_coef, temperature, the reset policy and its settings, lr multipliers, seed: CoTTA's
 draws; DSUTA's buffer size, slow lr and fast moments; EATA's margins, EMA and Fisher weight; SAR's
 rho, E0, loss EMA and recovery constant; CoTTA's EMA, anchor threshold, augmentation and restore;
-CEA's second stage). The backprop-free ``lame``, ``t3a``, ``foa`` and ``ebats`` run as one batch
+CEA's second stage; SGEM's lr_min, Renyi alpha, negative sampling, beam width and LM
+weights). The backprop-free ``lame``, ``t3a``, ``foa`` and ``ebats`` run as one batch
 too (``tta_brain.methods.batched_free``: one prefix, the runs' CMA-ES candidates in one forward);
 their runs may differ in their search and fitness settings (the CMA-ES seed, population, sigma,
 generations and early stop, the loss weights, T-EMA and covariance ratio; FOA's shift; LAME's
@@ -40,6 +42,7 @@ from tta_brain.methods.batched_cotta import BatchedCoTTA
 from tta_brain.methods.batched_dsuta import BatchedDSUTA
 from tta_brain.methods.batched_eata import BatchedEATA
 from tta_brain.methods.batched_free import BatchedFree
+from tta_brain.methods.batched_pseudo import BatchedSDPL, BatchedSGEM
 from tta_brain.methods.batched_sar import BatchedSAR
 from tta_brain.run import identity
 from tta_brain.run.brain import PREFETCH, TTABrain
@@ -53,7 +56,7 @@ __all__ = ["Refused", "refusal", "run", "batch_for", "MAY_DIFFER", "METHODS"]
 #: The batches, the batched methods (packaged yaml names) and the keys in which the runs of a
 #: batch may differ.
 BATCHES = (BatchedSUTA, BatchedDSUTA, BatchedEATA, BatchedSAR, BatchedCoTTA, BatchedCEA,
-           BatchedFree)
+           BatchedSDPL, BatchedSGEM, BatchedFree)
 METHODS = tuple(c.name for b in BATCHES for c in b.methods)
 MAY_DIFFER = ("lr", "steps", "em_coef", "temperature", "reset", "reset_every", "seed",
               "layernorm_lr_mult", "cnn_lr_mult", "reset_K", "reset_patience", "reset_threshold",
@@ -61,6 +64,8 @@ MAY_DIFFER = ("lr", "steps", "em_coef", "temperature", "reset", "reset_every", "
               "d_margin", "probs_ema", "fisher_alpha", "rho", "loss_ema", "reset_constant",
               "ema_decay", "ap_threshold", "n_augment", "noise_min", "noise_max", "noise_p",
               "restore_prob", "restore_mask", "steps2", "lr2", "tc_coef",
+              "lr_min", "renyi_alpha", "ns_coef", "ns_threshold", "beam_width", "lm_weight",
+              "word_bonus",
               # the backprop-free methods' search and fitness (not n_prompts: the candidates' size)
               "cma_seed", "popsize", "sigma", "generations", "early_stop_threshold", "patience",
               "entropy_coef", "stats_coef", "tokenwise", "loss_max", "cov_ratio", "fitness_coef",

@@ -6,7 +6,9 @@ parameters, the input shared; the frozen weights are the model's own, once).
 the logits alone, then AdamW); its subclasses override what their method adds:
 ``batched_dsuta`` (the slow learner of ``dsuta``), ``batched_eata`` (the sample filter and the
 Fisher term), ``batched_sar`` (the two-pass SAM step, recovery), ``batched_cotta`` (teachers, each
-run's own generators) and ``batched_cea`` (the second stage). The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
+run's own generators), ``batched_cea`` (the second stage) and ``batched_pseudo`` (``sdpl`` and
+``sgem``: host pseudo labels, SGEM's lr schedule). (``batched_free`` batches the backprop-free
+methods, on another skeleton.) The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
 (every adapted tensor of a run, in the selection's order) and AdamW's moments ``M, V [R, N]`` with
 a step count per run. Per utterance: the runs' own resets (episodic: every utterance; continual:
 their policy: none, fixed, oracle, dynamic), then step n = 0 .. max(N_r) - 1 over the runs with
@@ -746,7 +748,12 @@ class BatchedSUTA:
         """The runs' adaptation steps on ``x`` (before the prediction)."""
         for n in range(max(self.views[r].steps for r in runs)):
             now = [r for r in runs if n < self.views[r].steps]
+            self.before_step(now, n)
             self.step(now, x, grads=False, left=min(self.views[r].steps for r in now) - n)
+
+    def before_step(self, runs: List[int], n: int) -> None:
+        """Before step ``n`` (0-based) of ``runs`` (``TTAMethod.before_step``; SGEM: its lr
+        schedule)."""
 
     def after(self, views: List[RunView], x: torch.Tensor, info) -> None:
         """The continual runs' policies after the prediction (``TTAMethod._policy_after``): the

@@ -15,18 +15,32 @@ from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 
 
+__all__ = ["SDPL", "greedy_labels", "greedy_label_loss"]
+
+
+def greedy_labels(logits: torch.Tensor, blank_id: int):
+    """The greedy pseudo label of each item of ``logits [B, T, V]`` (collapsed on the host)."""
+    return [torch.tensor(collapse(p, blank_id)) for p in logits.detach().argmax(-1)]
+
+
+def greedy_label_loss(logits: torch.Tensor, blank_id: int, labels=None) -> torch.Tensor:
+    """SDPL's step loss: CTC of ``logits`` on ``labels`` (default: their own greedy labels)."""
+    labels = greedy_labels(logits, blank_id) if labels is None else labels
+    return losses.ctc_pseudo_label_loss(logits, labels, blank_id=blank_id).mean()
+
+
 @register("sdpl")
 class SDPL(TTAMethod):
     episodic = True
 
     def _labels(self, logits):
-        return [torch.tensor(collapse(p, self.blank_id)) for p in logits.detach().argmax(-1)]
+        return greedy_labels(logits, self.blank_id)
 
     def loss(self, logits):
-        return self._ctc(logits, self._labels(logits))
+        return greedy_label_loss(logits, self.blank_id)
 
     def _ctc(self, logits, labels):
-        return losses.ctc_pseudo_label_loss(logits, labels, blank_id=self.blank_id).mean()
+        return greedy_label_loss(logits, self.blank_id, labels)
 
     @torch.no_grad()
     def _eval_labels(self, x):

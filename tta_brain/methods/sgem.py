@@ -20,6 +20,40 @@ from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 
 
+__all__ = ["SGEM", "best_path", "sgem_loss", "annealed_lr"]
+
+
+def best_path(logits: torch.Tensor, beam_width: int, blank_id: int, lm_search=None) -> torch.Tensor:
+    """Frame path ``[1, T]`` of the best beam of ``logits [1, T, V]`` (the greedy path when
+    ``beam_width <= 1``; ``lm_search``: an ``LMBeamSearch``), on the logits' device."""
+    if beam_width <= 1:
+        return logits.argmax(-1)
+    log_probs = logits[0].detach().float().log_softmax(-1).cpu()   # one host copy per step
+    if lm_search is not None:
+        best = lm_search(log_probs, beam_width)[0][0]
+    else:
+        best = prefix_beam_search(log_probs, beam_width, blank_id)[0][0]
+    return viterbi_align(log_probs, best, blank_id)[None].to(logits.device)
+
+
+def sgem_loss(logits: torch.Tensor, path: torch.Tensor, renyi_alpha: float, temperature: float,
+              blank_id: int, ns_threshold: float, ns_coef: float) -> torch.Tensor:
+    """SGEM's step loss: the Renyi entropy on the non-blank frames of ``path`` plus ``ns_coef``
+    x negative sampling."""
+    em = losses.renyi_entropy_loss(logits, alpha=renyi_alpha, temperature=temperature,
+                                   blank_id=blank_id, path=path)
+    ns = losses.negative_sampling_loss(logits, temperature=temperature, threshold=ns_threshold)
+    return (em + ns_coef * ns).mean()
+
+
+def annealed_lr(base: float, lr: float, lr_min: float, step: int, steps: int) -> float:
+    """The lr of a group with lr ``base`` at step ``step`` of ``steps``: cosine from ``base`` to
+    ``base * lr_min / lr`` (its multiplier kept)."""
+    frac = (1 + math.cos(math.pi * step / max(steps, 1))) / 2
+    lo = base * lr_min / lr
+    return lo + (base - lo) * frac
+
+
 @register("sgem")
 class SGEM(TTAMethod):
     episodic = True
@@ -45,26 +79,13 @@ class SGEM(TTAMethod):
 
     def pseudo_path(self, logits: torch.Tensor) -> torch.Tensor:
         """Frame path ``[1, T]`` of the best beam (the greedy path when ``beam_width <= 1``)."""
-        if self.beam_width <= 1:
-            return logits.argmax(-1)
-        log_probs = logits[0].detach().float().log_softmax(-1).cpu()   # one host copy per step
-        if self.lm_search is not None:
-            best = self.lm_search(log_probs, self.beam_width)[0][0]
-        else:
-            best = prefix_beam_search(log_probs, self.beam_width, self.blank_id)[0][0]
-        return viterbi_align(log_probs, best, self.blank_id)[None].to(logits.device)
+        return best_path(logits, self.beam_width, self.blank_id, self.lm_search)
 
     def loss(self, logits):
-        path = self.pseudo_path(logits)
-        em = losses.renyi_entropy_loss(logits, alpha=self.renyi_alpha, temperature=self.temperature,
-                                       blank_id=self.blank_id, path=path)
-        ns = losses.negative_sampling_loss(logits, temperature=self.temperature,
-                                           threshold=self.ns_threshold)
-        return (em + self.ns_coef * ns).mean()
+        return sgem_loss(logits, self.pseudo_path(logits), self.renyi_alpha, self.temperature,
+                         self.blank_id, self.ns_threshold, self.ns_coef)
 
     def before_step(self, step: int):
         """Cosine annealing from lr to lr_min over the N steps (per group multipliers kept)."""
-        frac = (1 + math.cos(math.pi * step / max(self.steps, 1))) / 2
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-            lo = base * self.lr_min / self.lr
-            g["lr"] = lo + (base - lo) * frac
+            g["lr"] = annealed_lr(base, self.lr, self.lr_min, step, self.steps)
