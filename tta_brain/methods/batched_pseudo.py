@@ -30,34 +30,49 @@ def _sgem_loss(opts, logits, lengths=None):
                      blank_id=blank_id, **rest)
 
 
-class BatchedSDPL(BatchedSUTA):
+class HostLabelBatch(BatchedSUTA):
+    """A batch whose step loss (``step_loss(method)``: a function of one run's logits) makes a
+    pseudo label on the host: never captured, no length buckets."""
+
+    capturable = False
+    masks_padding = False
+
+    def __init__(self, lobe, methods):
+        super().__init__(lobe, methods)
+        self.step_losses = [self.step_loss(m) for m in methods]
+
+    @staticmethod
+    def step_loss(m):
+        raise NotImplementedError
+
+
+class BatchedSDPL(HostLabelBatch):
     """R runs of ``sdpl`` (eval mode: ``train_mode`` is refused by the blocker)."""
 
     methods = (SDPL,)
-    capturable = False
     not_captured = "its pseudo labels are made on the host every step"
-    masks_padding = False
 
-    def __init__(self, lobe, methods):
-        super().__init__(lobe, methods)
-        self.step_losses = [partial(_sdpl_loss, m.blank_id) for m in methods]
+    @staticmethod
+    def step_loss(m):
+        return partial(_sdpl_loss, m.blank_id)
 
 
-class BatchedSGEM(BatchedSUTA):
+class BatchedSGEM(HostLabelBatch):
     """R runs of ``sgem``; each its own beam width, LM search, loss weights and lr schedule."""
 
     methods = (SGEM,)
-    capturable = False
     not_captured = "its pseudo paths are beam searches on the host every step"
-    masks_padding = False
 
     def __init__(self, lobe, methods):
         super().__init__(lobe, methods)
-        self.step_losses = [partial(_sgem_loss, (m.beam_width, m.blank_id, m.lm_search, dict(
-            renyi_alpha=m.renyi_alpha, temperature=m.temperature, ns_threshold=m.ns_threshold,
-            ns_coef=m.ns_coef))) for m in methods]
         self.schedules = [(tensor_lrs(m.optimizer, m.params).tolist(), m.lr, m.lr_min)
                           for m in methods]
+
+    @staticmethod
+    def step_loss(m):
+        return partial(_sgem_loss, (m.beam_width, m.blank_id, m.lm_search, dict(
+            renyi_alpha=m.renyi_alpha, temperature=m.temperature, ns_threshold=m.ns_threshold,
+            ns_coef=m.ns_coef)))
 
     def before_step(self, runs: List[int], n: int) -> None:
         """Each run's lr of step ``n`` (``SGEM.before_step``: cosine over its own steps)."""
