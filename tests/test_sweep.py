@@ -186,7 +186,7 @@ def free_center(state):
     if "es" in state:
         return np.concatenate([state["es"].mean, state["best"]])
     if "supports" in state:
-        return state["supports"].numpy()
+        return state["supports"].cpu().numpy()
     return np.zeros(0)
 
 
@@ -517,7 +517,7 @@ CUDA = torch.cuda.is_available()
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not CUDA, reason="needs a CUDA device"))])
-@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic", "sar", "cotta"])
+@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic", "sar", "cotta", "sgem", "sdpl"])
 def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
     """The batch on ``device`` (on CUDA: the vmap'd forward/backward the GPU check's sweep times;
     the separate runs take the device step there) against the separate runs, 12 utterances."""
@@ -557,6 +557,56 @@ def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
             [(e.kind, e.position) for e in m.events]
     if reset:
         assert sum(e.kind == "lii" for e in seps[0].events) >= 6
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA device"))])
+@pytest.mark.parametrize("name", ["lame", "t3a+fixed", "foa+fixed", "ebats+fixed"])
+def test_free_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
+    """The backprop-free batch on ``device`` against the separate runs, 10 utterances (each
+    run its own CMA-ES seed, k or filter). On CUDA E-BATS is left out: a candidate's logits
+    depend on the batch it rides in there (its population batch too), and CMA-ES follows."""
+    import soundfile as sf
+    from bench_sweep import run_setting
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import UttInfo, build_method
+    from tta_brain.methods.resets import make_reset_policy
+    from tta_brain.sweep import batch_for
+    base, _, reset = name.partition("+")
+    if device == "cuda" and base == "ebats":
+        pytest.skip("E-BATS on CUDA: batched candidates round differently (see the docstring)")
+    wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
+            for p in sorted((data["root"] / "wav").glob("*.wav"))][:10]
+    own = {"foa": dict(popsize=6), "ebats": dict(popsize=6, generations=3)}.get(base, {})
+    if base in ("foa", "ebats"):
+        own["source_stats"] = str(data["stats"])
+
+    def build(r):
+        kw = dict(own, **dict([run_setting(base, r)]))
+        if reset:
+            kw["reset_policy"] = make_reset_policy(reset, every=4)
+        return build_method(base, model=HFCTCLobe(data["model"], device=device), **kw)
+    seps = [build(r) for r in range(3)]
+    want = [[m.process(w, UttInfo(position=i)) for i, w in enumerate(wavs)] for m in seps]
+    ms = [build(r) for r in range(3)]
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    got = [[] for _ in seps]
+    for i, w in enumerate(wavs):
+        batch.process([0, 1, 2], w, UttInfo(position=i))
+        for r, v in enumerate(batch.views):
+            got[r].append(v.process(w))
+    assert got == want
+    for r, m in enumerate(seps):
+        assert batch.views[r].counts == m.counts
+        assert [(e.kind, e.position) for e in batch.views[r].events] == \
+            [(e.kind, e.position) for e in m.events]
+        state, alone = free_center(batch.runs[r].free_state()), free_center(m.free_state())
+        assert np.allclose(state, alone, rtol=0, atol=FREE_TOL)
+    if reset:
+        assert any(e.kind == "reset" for e in seps[0].events)
+    if base != "lame":                               # the runs' own settings mattered
+        states = [free_center(m.free_state()) for m in seps]
+        assert states[0].shape != states[1].shape or not np.allclose(states[0], states[1])
 
 
 @pytest.mark.parametrize("cls,wd", [(torch.optim.AdamW, 0.0), (torch.optim.AdamW, 0.1),
