@@ -137,19 +137,23 @@ class BatchGraphs:
 
         def body():
             entry.out.copy_(batch.step_body(runs, entry.static, True, entry.samples)[2])
+        return entry if self._record(entry, body, self.cache, "its step") else None
 
+    def _record(self, entry: CapturedStep, body, cache, what: str) -> bool:
+        """Capture ``body`` as ``entry``'s graph and keep it in ``cache``; on any capture error
+        the batch runs eagerly from now on (logged; False)."""
         try:
-            entry.graph = self.backend.capture(body, self.cache.pool())
+            entry.graph = self.backend.capture(body, cache.pool())
         except Exception as e:                 # noqa: BLE001 - any capture error: eager from now on
             self.stats["failed"] += 1
-            logger.warning("%s: capture failed (%s: %s); the batched steps run eagerly from now "
-                           "on", type(batch).__name__, type(e).__name__, e)
+            logger.warning("%s: capture of %s failed (%s: %s); the batch runs eagerly from now "
+                           "on", type(self.batch).__name__, what, type(e).__name__, e)
             self.release()
-            batch.graphs = None
-            return None
+            self.batch.graphs = None
+            return False
         entry.signature = self.signature()
-        self.cache.put(key, entry)
-        return entry
+        cache.put(entry.key, entry)
+        return True
 
     # ------------------------------------------------------------------ the prediction
     def predict(self, runs: List[int], x: torch.Tensor,
@@ -185,17 +189,8 @@ class BatchGraphs:
 
             def body():
                 entry.out.copy_(forward(entry.static, entry.samples))
-            try:
-                entry.graph = self.backend.capture(body, self.forwards.pool())
-            except Exception as e:             # noqa: BLE001 - any capture error: eager from now on
-                self.stats["failed"] += 1
-                logger.warning("%s: capture of the prediction failed (%s: %s); the batch runs "
-                               "eagerly from now on", type(batch).__name__, type(e).__name__, e)
-                self.release()
-                batch.graphs = None
+            if not self._record(entry, body, self.forwards, "the prediction"):
                 return forward(x, samples)
-            entry.signature = self.signature()
-            self.forwards.put(key, entry)
         entry.load(x, samples)
         entry.replay()
         self.stats["forward_replays"] += 1
