@@ -93,6 +93,13 @@ SGEM = [["--lr=1e-3", "--steps=3"],
         ["--lr=3e-3", "--steps=2", "--lr_min=1e-4", "--beam_width=1"],
         ["--lr=1e-2", "--steps=3", "--renyi_alpha=2.0", "--ns_coef=0.5", "--beam_width=3"]]
 SDPL = [["--lr=1e-3", "--steps=2"], ["--lr=1e-2", "--steps=3"], ["--lr=3e-3", "--steps=1"]]
+# AWMC (continual) in its default train mode, on a model whose train mode draws nothing (no
+# dropout: a batch cannot draw each run's dropout as its separate run does, and refuses it): its
+# own lr, steps and leader EMA, a fixed and a dynamic reset
+AWMC = [["--lr=1e-3", "--steps=2"], ["--lr=1e-2", "--steps=3", "--ema_decay=0.9"],
+        ["--lr=3e-3", "--steps=1", "--ema_decay=0.5", "--reset=fixed", "--reset_every=5"],
+        ["--lr=3e-2", "--steps=2", "--ema_decay=0.5", "--reset=dynamic", "--reset_K=8",
+         "--reset_patience=1", "--reset_threshold=-100"]]
 
 # The backprop-free methods: CMA-ES runs that differ in their seed, population, sigma, early stop,
 # fitness weights and reset policy (the dynamic one forced to fire: threshold -100); FOA's
@@ -120,13 +127,20 @@ def data(tmp_path_factory, tiny_model_dir):
     return {"root": root, "csv": root / "stream.csv", "model": tiny_model_dir,
             "fisher": fisher_file(root / "fisher.pt", tiny_model_dir, value=0.5),
             "stats": hidden_token_stats(tmp_path_factory.mktemp("clean"), tiny_model_dir),
-            "layer_cnn": save_ctc_model(str(tmp_path_factory.mktemp("tiny_ln")), norm="layer")}
+            "layer_cnn": save_ctc_model(str(tmp_path_factory.mktemp("tiny_ln")), norm="layer"),
+            "no_draws": save_ctc_model(str(tmp_path_factory.mktemp("tiny_quiet")), **NO_DROPOUT)}
+
+
+#: a tiny model whose train mode draws nothing (the others: HF's default dropouts of 0.1)
+NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                  final_dropout=0.0, feat_proj_dropout=0.0)
 
 
 def args(data, out, *extra, method="csuta"):
     own = ([f"--source_stats={data['fisher']}"] if method == "eata" else
            [f"--source_stats={data['stats']}"] if method in ("foa", "ebats") else [])
-    model = data["layer_cnn"] if method == "cea" else data["model"]
+    model = (data["layer_cnn"] if method == "cea" else data["no_draws"] if method == "awmc"
+             else data["model"])
     return [method, f"--source={model}", f"--stream_csv={data['csv']}",
             f"--output_folder={out}", f"--data_root={data['root']}", "--noprogressbar",
             "--ckpt_every=4", *own, *extra]
@@ -166,7 +180,7 @@ def assert_same_runs(batched, separate_outs):
         assert rb.summary.fingerprint["hparams"] == rs.summary.fingerprint["hparams"]
         assert (b / "hyperparams.yaml").read_text().replace(str(b), "") == \
             (s / "hyperparams.yaml").read_text().replace(str(s), "")
-        for key in ("params", "meta", "grad_sum"):
+        for key in ("params", "meta", "grad_sum", "leader"):
             pb, ps = ckpt_params(b, key), ckpt_params(s, key)
             assert (pb is None) == (ps is None) and len(pb or ()) == len(ps or ())
             if pb:
@@ -190,13 +204,14 @@ def free_center(state):
     return np.zeros(0)
 
 
-RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2], "foa": [0, 0, 4], "t3a": [0, 5, 0]}
+RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2], "foa": [0, 0, 4], "t3a": [0, 5, 0],
+          "awmc": [0, 0, 4, 2]}
 
 
 @pytest.mark.parametrize("method,cfgs", [("suta", SUTA), ("csuta", CSUTA), ("dsuta", DSUTA),
                                          ("tent", TENT), ("eata", EATA), ("sar", SAR),
                                          ("cotta", COTTA), ("cea", CEA), ("sgem", SGEM),
-                                         ("sdpl", SDPL), ("ebats", EBATS),
+                                         ("sdpl", SDPL), ("awmc", AWMC), ("ebats", EBATS),
                                          ("foa", FOA), ("lame", LAME), ("t3a", T3A)])
 def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     seps = separate(data, tmp_path, method, cfgs)
@@ -206,6 +221,8 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     assert_same_runs(outs, seps)
     if method in RESETS:                             # the resets happened, per run
         assert [len(load_run(o).summary.resets) for o in outs] == RESETS[method]
+    if method == "awmc":                             # the dynamic reset tested
+        assert len(read_lii(outs[3])) == 10
     if method == "dsuta":                            # the dynamic reset tested, and fired
         assert len(read_lii(outs[1])) > 10
         assert "dynamic (z=" in (outs[1] / "resets.csv").read_text()
@@ -258,15 +275,16 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
 def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     cases = [
         ([args(data, tmp_path / "a", "--train_mode=true", method="sdpl"),
-          args(data, tmp_path / "b", "--train_mode=true", method="sdpl")], "run 1: train_mode"),
+          args(data, tmp_path / "b", "--train_mode=true", method="sdpl")],
+         "run 1: train_mode (this model draws in train mode: activation_dropout=0.1, "),
         ([args(data, tmp_path / "a", "--eata_optimizer=sgd", method="eata"),
           args(data, tmp_path / "b", "--eata_optimizer=sgd", method="eata")],
          "run 1: optimizer SGD (batched: AdamW, Adam)"),
         ([args(data, tmp_path / "a", method="dsuta"),
           args(data, tmp_path / "b", "--slow_grad=recompute", method="dsuta")],
          "slow_grad recompute is not batched"),
-        ([args(data, tmp_path / "a", method="awmc"), args(data, tmp_path / "b", method="awmc")],
-         "method awmc is not batched"),
+        ([args(data, tmp_path / "a", method="source"),
+          args(data, tmp_path / "b", method="source")], "method source is not batched"),
         ([args(data, tmp_path / "a"), args(data, tmp_path / "b", "--max_duration=1")],
          "option max_duration differs"),
         ([args(data, tmp_path / "a", "--shared_prefix=false", method="ebats"),
@@ -421,10 +439,11 @@ def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
         assert again.n_buffered[r] == whole.n_buffered[r]
 
 
-@pytest.mark.parametrize("base", ["eata", "sar", "cotta"])
+@pytest.mark.parametrize("base", ["eata", "sar", "cotta", "awmc"])
 def test_field_batch_state_is_the_methods_checkpoint(data, make, base):
-    """A batched EATA, SAR or CoTTA run's state (EATA: its filter's EMA started, or not yet; SAR:
-    its loss EMA, or none yet; CoTTA: its teacher and its generators mid-stream) resumes a separate
+    """A batched EATA, SAR, CoTTA or AWMC run's state (EATA: its filter's EMA started, or not yet;
+    SAR: its loss EMA, or none yet; CoTTA: its teacher and its generators mid-stream; AWMC: its
+    leader, on a model whose train mode draws nothing) resumes a separate
     run of the method, and the method's state resumes a batched run: the same transcripts, filter
     records, recoveries and counts as the run that was never stopped."""
     import soundfile as sf
@@ -443,12 +462,16 @@ def test_field_batch_state_is_the_methods_checkpoint(data, make, base):
                 dict(lr=1e-2, e_margin_factor=0.5)]       # every first pass filtered: no EMA
         build = lambda c: make("sar", **c)
         key = "ema"
-    else:                                                  # augmented teachers, own seeds
+    elif base == "cotta":                                  # augmented teachers, own seeds
         cfgs = [dict(lr=1e-3, n_augment=2, ap_threshold=0.9, seed=1),
                 dict(lr=3e-3, n_augment=2, ap_threshold=0.9, seed=2, restore_mask="fixed",
                      restore_prob=0.05, ema_decay=0.5)]          # its teacher moves
         build = lambda c: make("cotta", **c)
         key = "aug_gen"
+    elif base == "awmc":                                   # leaders of their own EMAs
+        cfgs = [dict(lr=3e-3, steps=2), dict(lr=1e-2, steps=1, ema_decay=0.5)]
+        build = lambda c: make("awmc", model_dir=data["no_draws"], **c)
+        key = "leader"
     batch_of = lambda ms: batch_for(ms[0])(ms[0].lobe, ms)
     cut = 6
 
@@ -462,7 +485,8 @@ def test_field_batch_state_is_the_methods_checkpoint(data, make, base):
     first = batch_of([build(c) for c in cfgs])
     go(first, 0, cut)
     states = [v.state_dict() for v in first.views]
-    assert states[0][key] is not None and (base == "cotta") == (states[1][key] is not None)
+    assert states[0][key] is not None and \
+        (base in ("cotta", "awmc")) == (states[1][key] is not None)
     for r, (m, hyps) in enumerate(resumed_methods(build, cfgs, states, wavs, info, cut)):
         assert hyps == full[r][cut:]
         assert seen(m, cut) == seen(whole.views[r], cut)
@@ -470,17 +494,22 @@ def test_field_batch_state_is_the_methods_checkpoint(data, make, base):
         assert max_diff(m.params, whole.values(r)) < PARAM_TOL
         if base == "cotta":
             assert max_diff(m.teacher, whole.split(whole.teacher[r])) < PARAM_TOL
+        if base == "awmc":
+            assert max_diff(m.leader, whole.split(whole.leader[r])) < PARAM_TOL
     again = resumed_batch(build, batch_of, cfgs, wavs, info, cut)
     assert go(again, cut, len(wavs)) == [h[cut:] for h in full]
     assert [seen(v, cut) for v in again.views] == [seen(v, cut) for v in whole.views]
     assert [v.counts for v in again.views] == [v.counts for v in whole.views]
     kinds = [e.kind for e in whole.views[0].events if e.position >= cut]
-    assert base == "cotta" or "filter" in kinds and (base == "eata" or "reset" in kinds)
+    assert base in ("cotta", "awmc") or "filter" in kinds and (base == "eata" or "reset" in kinds)
     for r in range(len(cfgs)):
         assert max_diff(again.values(r), whole.values(r)) < PARAM_TOL
     if base == "cotta":
         assert max_diff([again.teacher], [whole.teacher]) < PARAM_TOL
         assert max_diff([whole.teacher[1]], [whole.source]) > 10 * PARAM_TOL
+    if base == "awmc":                                     # the leaders followed their chasers
+        assert max_diff([again.leader], [whole.leader]) < PARAM_TOL
+        assert max_diff([whole.leader[1]], [whole.source]) > 10 * PARAM_TOL
 
 
 def test_grid_job_goes_on_separately_when_its_batch_fails(data, tmp_path, monkeypatch, capsys):
@@ -1083,3 +1112,36 @@ def test_a_batch_names_the_runs_it_cannot_take(data):
     awmc = build_method("awmc", model=lobe, reset_policy=make_reset_policy("fixed", every=3))
     with pytest.raises(ValueError, match="run 2: method awmc"):
         BatchedFree(lobe, [ebats, awmc])
+
+
+@pytest.mark.parametrize("arch,cfg,draws", [
+    ("wav2vec2", {}, ["activation_dropout=0.1", "attention_dropout=0.1", "final_dropout=0.1",
+                      "hidden_dropout=0.1"]),
+    ("wav2vec2", dict(NO_DROPOUT, layerdrop=0.2, mask_time_prob=0.3),
+     ["layerdrop=0.2", "mask_time_prob=0.3"]),
+    ("hubert", dict(NO_DROPOUT, conv_pos_batch_norm=True),
+     ["hubert.encoder.pos_conv_embed.batch_norm (batch norm)"]),
+    ("wav2vec2", NO_DROPOUT, [])])
+def test_train_mode_is_batched_only_where_it_draws_nothing(tmp_path, arch, cfg, draws):
+    """``lobe.train_draws`` names what makes a model's train mode compute other than its eval
+    mode; where it names nothing, a train-mode pass is the eval-mode pass (so a batch of
+    train-mode runs is exact), else the train-mode passes differ and the batch refuses them."""
+    from fake_corpora import fake_speech
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
+    from tta_brain.methods import build_method
+    lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 1, arch=arch, **dict(TINY, **cfg)))
+    assert lobe.train_draws() == draws
+    x = lobe.prepare(torch.from_numpy(fake_speech(1.3, seed=2)).float())
+    with torch.no_grad():
+        ref = lobe.logits(x)
+        lobe.train()
+        train = [lobe.logits(x) for _ in range(2)]
+        lobe.eval()
+    assert all(torch.equal(t, ref) for t in train) == (not draws)
+    awmc = build_method("awmc", model=lobe)
+    assert awmc.train_mode
+    why = sweep.batch_for(awmc).blocker(awmc)
+    assert (why is None) == (not draws)
+    if draws:
+        assert why.startswith(f"train_mode (this model draws in train mode: {draws[0]}")

@@ -2,7 +2,8 @@
 """Batched sweep vs separate runs (``tta_brain.sweep``, issue #22 item 6).
 
 CPU (default): R runs of ``--method`` (suta, csuta, dsuta, tent, eata / sar with every step
-kept, cotta with its defaults, cea with ``--steps`` in each stage, sgem, sdpl; lr 1e-4 x 1, 2, 3, ...;
+kept, cotta with its defaults, cea with ``--steps`` in each stage, sgem, sdpl, awmc in eval mode (the
+tiny model's dropout is not batched); lr 1e-4 x 1, 2, 3, ...;
 the backprop-free lame, t3a, foa and ebats at their defaults, each run its own CMA-ES seed, LAME
 its own k, T3A its own filter; ``--reset`` for the continual ones, the dynamic reset with
 ``K = max(4, n_utts // 3)``) of the tests' tiny model over
@@ -73,7 +74,8 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
     own = {"eata": dict(e_margin_factor=1.0, d_margin=1.01, fisher_alpha=0.0),
            "sar": dict(e_margin_factor=1.01),                      # SAR: no pass filtered
            "cotta": dict(seed=0),                                  # CoTTA: its defaults
-           "cea": dict(steps2=steps)}.get(method, {})              # CEA: --steps per stage
+           "cea": dict(steps2=steps),                              # CEA: --steps per stage
+           "awmc": dict(train_mode=False)}.get(method, {})         # AWMC: no dropout draws
     if method in FREE:                                             # no lr or steps
         from types import SimpleNamespace
         from bench_speed import field_stats
@@ -196,7 +198,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--method", default="suta",
                    choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta", "cea",
-                            "sgem", "sdpl") + FREE)
+                            "sgem", "sdpl", "awmc") + FREE)
     p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"))
     p.add_argument("--json", default="")
     a = p.parse_args(argv)

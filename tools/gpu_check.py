@@ -51,7 +51,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
 8 SUTA runs (10 steps, lr 1e-5 .. 8e-5; ``--sweep_method dsuta+dynamic``: DSUTA with the dynamic
 reset, buffer 2, K a third of the stream, at least 4; ``eata``: EATA with every step kept, no Fisher
 term; ``sar``: SAR with no pass filtered; ``cotta``, ``cea``, ``sgem``, ``sdpl``: with their
-defaults; ``ebats``,
+defaults; ``awmc``: its defaults in eval mode (``--train_mode=false``: the random model's dropout
+is refused by a batch); ``ebats``,
 ``foa``, ``lame``, ``t3a``: at their defaults, each run its own CMA-ES seed, k or filter, statistics
 from 4 other generated utterances; the ``batched_eager`` arm is then the same batch: nothing of
 theirs is captured) on the random base-sized model, as one batched sweep
@@ -159,7 +160,7 @@ def parse_args(argv=None):
     p.add_argument("--sweep_utts", type=int, default=8, help="utterances of the sweep stream")
     p.add_argument("--sweep_method", default="suta",
                    choices=("suta", "dsuta+dynamic", "eata", "sar", "cotta", "cea", "sgem",
-                            "sdpl", "ebats", "foa", "lame", "t3a"),
+                            "sdpl", "awmc", "ebats", "foa", "lame", "t3a"),
                    help="the runs of the sweep section")
     p.add_argument("--sweep_buckets", action="store_true",
                    help="the sweep section with length buckets (" + " ".join(DECODE_BUCKET_OPTS)
@@ -803,6 +804,8 @@ def section_sweep(args, rep, work):
         method, opts = "cotta", ()
     elif args.sweep_method in ("cea", "sgem", "sdpl"):   # their defaults (CEA: 10 + 10 steps)
         method, opts = args.sweep_method, ()
+    elif args.sweep_method == "awmc":           # eval mode: the model's dropout is not batched
+        method, opts = "awmc", ("--train_mode=false",)
     elif args.sweep_method in bench_sweep.FREE:  # each run its own seed, k or filter
         from types import SimpleNamespace
         from bench_speed import field_stats

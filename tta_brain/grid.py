@@ -321,7 +321,7 @@ def parse_args(argv=None):
     p.add_argument("--per_gpu", type=int, default=2, help="local: runs per GPU")
     p.add_argument("--batch_runs", type=int, default=1, help="runs of one stream, method and "
                    "source that differ only in settings (suta, csuta, dsuta, tent, eata, sar, "
-                   "cotta, cea, sdpl, sgem: lr, steps, em_coef, temperature, reset, seed, "
+                   "cotta, cea, sdpl, sgem, awmc: lr, steps, em_coef, temperature, reset, seed, "
                    "...; lame, t3a, "
                    "foa, ebats: cma_seed, popsize, sigma, ...) as batched "
                    "sweeps of at most N runs, each one job (tta_brain.sweep); others run "

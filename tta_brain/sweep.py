@@ -7,13 +7,14 @@ Each run writes its own ordinary run folder, as ``python -m tta_brain.decode`` w
 arguments would: the same fingerprint, hyperparams.yaml, log.txt, records, checkpoints and summary
 (each through its own ``TTABrain``, driven row by row in lock-step; the stream is read once).
 Supported: ``suta``, ``csuta``, ``dsuta``, ``tent``, ``eata``, ``sar``, ``cotta``, ``cea``,
-``sdpl`` and ``sgem`` (any
+``sdpl``, ``sgem`` and ``awmc`` (any
 reset policy: none, fixed, oracle, dynamic) in fp32; the runs may differ in :data:`MAY_DIFFER` (lr,
 steps, em_coef, temperature, the reset policy and its settings, lr multipliers, seed: CoTTA's
 draws; DSUTA's buffer size, slow lr and fast moments; EATA's margins, EMA and Fisher weight; SAR's
 rho, E0, loss EMA and recovery constant; CoTTA's EMA, anchor threshold, augmentation and restore;
 CEA's second stage; SGEM's lr_min, Renyi alpha, negative sampling, beam width and LM
-weights). The backprop-free ``lame``, ``t3a``, ``foa`` and ``ebats`` run as one batch
+weights; AWMC's leader EMA). A method's ``train_mode`` is batched only on a model whose train mode
+draws nothing (no dropout, LayerDrop, SpecAugment or batch norm: ``HFCTCLobe.train_draws``). The backprop-free ``lame``, ``t3a``, ``foa`` and ``ebats`` run as one batch
 too (``tta_brain.methods.batched_free``: one prefix, the runs' CMA-ES candidates in one forward);
 their runs may differ in their search and fitness settings (the CMA-ES seed, population, sigma,
 generations and early stop, the loss weights, T-EMA and covariance ratio; FOA's shift; LAME's
@@ -42,7 +43,7 @@ from tta_brain.methods.batched_cotta import BatchedCoTTA
 from tta_brain.methods.batched_dsuta import BatchedDSUTA
 from tta_brain.methods.batched_eata import BatchedEATA
 from tta_brain.methods.batched_free import BatchedFree
-from tta_brain.methods.batched_pseudo import BatchedSDPL, BatchedSGEM
+from tta_brain.methods.batched_pseudo import BatchedAWMC, BatchedSDPL, BatchedSGEM
 from tta_brain.methods.batched_sar import BatchedSAR
 from tta_brain.run import identity
 from tta_brain.run.brain import PREFETCH, TTABrain
@@ -56,7 +57,7 @@ __all__ = ["Refused", "refusal", "run", "batch_for", "MAY_DIFFER", "METHODS"]
 #: The batches, the batched methods (packaged yaml names) and the keys in which the runs of a
 #: batch may differ.
 BATCHES = (BatchedSUTA, BatchedDSUTA, BatchedEATA, BatchedSAR, BatchedCoTTA, BatchedCEA,
-           BatchedSDPL, BatchedSGEM, BatchedFree)
+           BatchedSDPL, BatchedSGEM, BatchedAWMC, BatchedFree)
 METHODS = tuple(c.name for b in BATCHES for c in b.methods)
 MAY_DIFFER = ("lr", "steps", "em_coef", "temperature", "reset", "reset_every", "seed",
               "layernorm_lr_mult", "cnn_lr_mult", "reset_K", "reset_patience", "reset_threshold",

@@ -34,7 +34,7 @@ def batch_graphs(batch, runtime) -> Optional["BatchGraphs"]:
     """The graphs of ``batch``'s steps from its runs' runtime options (``cuda_graphs``,
     ``cuda_graph_cache``, ``cuda_graph_warmup``), or None (eager): off, not on CUDA, or a batch
     whose step is not captured (``capturable``). The runs' blockers already refused fp16/bf16,
-    ``compile`` and train mode."""
+    ``compile`` and a train mode that draws."""
     name = type(batch).__name__
     device = batch.P.device
     if runtime.cuda_graphs == "off" or device.type != "cuda":

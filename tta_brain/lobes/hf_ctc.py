@@ -208,6 +208,26 @@ class HFCTCLobe(nn.Module):
             return "feature-encoder parameters are adapted"
         return None
 
+    def train_draws(self) -> List[str]:
+        """What makes this model's train mode compute other than its eval mode: its dropout,
+        LayerDrop and SpecAugment settings above zero (``name=value``), any dropout module with
+        p > 0 these do not name, and batch norms (they normalise by the batch in train mode).
+        Empty: a train-mode pass is the eval-mode pass (LayerDrop 0 still draws a number per
+        layer from torch's generator, and decides nothing with it)."""
+        cfg = self.model.config.to_dict()
+        draws = [f"{k}={v}" for k, v in sorted(cfg.items())
+                 if ("dropout" in k or k == "layerdrop") and type(v) in (int, float) and v > 0]
+        if cfg.get("apply_spec_augment", True):
+            draws += [f"{k}={cfg[k]}" for k in ("mask_time_prob", "mask_feature_prob")
+                      if (cfg.get(k) or 0) > 0]
+        modules = list(self.model.named_modules())
+        if not draws:
+            draws += [f"{n} (p={m.p})" for n, m in modules
+                      if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0][:1]
+        draws += [f"{n} (batch norm)" for n, m in modules
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm)][:1]
+        return draws
+
     # The wav2vec 2.0 family (Wav2Vec2, HuBERT, data2vec-audio, WavLM, UniSpeech) runs
     # feature_extractor -> transpose -> feature_projection -> _mask_hidden_states -> encoder
     # (-> adapter) in the base model, then dropout -> lm_head in the CTC head.

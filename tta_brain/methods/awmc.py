@@ -17,6 +17,16 @@ from tta_brain.methods.registry import register
 from tta_brain.methods.state import restore, snapshot
 
 
+def pseudo_label_loss(logits, anchor, leader, blank_id: int = 0) -> torch.Tensor:
+    """AWMC's step loss: the mean of CTC(``anchor`` labels) and CTC(``leader`` labels) of
+    ``logits``; one CTC when the two label sequences are the same (same value and gradient:
+    0.5 * (a + a) == a exactly). Reads the labels on the host (the comparison)."""
+    a = losses.ctc_pseudo_label_loss(logits, anchor, blank_id=blank_id)
+    if len(anchor) == len(leader) and all(torch.equal(p, q) for p, q in zip(anchor, leader)):
+        return a.mean()
+    return (0.5 * (a + losses.ctc_pseudo_label_loss(logits, leader, blank_id=blank_id))).mean()
+
+
 @register("awmc")
 class AWMC(TTAMethod):
     episodic = False
@@ -33,19 +43,12 @@ class AWMC(TTAMethod):
         self.counts["aux_forward"] += 1
         return greedy_labels(self.logits(x, values), self.blank_id)     # on the logits' device
 
-    def _pseudo_label_loss(self, logits, anchor, leader):
-        """Mean of CTC(anchor labels) and CTC(leader labels); one CTC when the two label
-        sequences are the same (same value and gradient: 0.5 * (a + a) == a exactly)."""
-        a = losses.ctc_pseudo_label_loss(logits, anchor, blank_id=self.blank_id)
-        if len(anchor) == len(leader) and all(torch.equal(p, q) for p, q in zip(anchor, leader)):
-            return a.mean()
-        return (0.5 * (a + losses.ctc_pseudo_label_loss(logits, leader, blank_id=self.blank_id))).mean()
-
     def forward_and_adapt(self, x, info):
         anchor = self._labels(self.source, x)
         for _ in range(self.steps):
             leader = self._labels(self.leader, x)
-            self.adapt_step(x, loss_fn=lambda lg: self._pseudo_label_loss(lg, anchor, leader))
+            self.adapt_step(x, loss_fn=lambda lg: pseudo_label_loss(lg, anchor, leader,
+                                                                    self.blank_id))
             with torch.no_grad():
                 torch._foreach_lerp_(self.leader, [p.detach() for p in self.params], 1 - self.ema_decay)
         return self.predict(x)

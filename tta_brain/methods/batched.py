@@ -6,8 +6,8 @@ parameters, the input shared; the frozen weights are the model's own, once).
 the logits alone, then AdamW); its subclasses override what their method adds:
 ``batched_dsuta`` (the slow learner of ``dsuta``), ``batched_eata`` (the sample filter and the
 Fisher term), ``batched_sar`` (the two-pass SAM step, recovery), ``batched_cotta`` (teachers, each
-run's own generators), ``batched_cea`` (the second stage) and ``batched_pseudo`` (``sdpl`` and
-``sgem``: host pseudo labels, SGEM's lr schedule). (``batched_free`` batches the backprop-free
+run's own generators), ``batched_cea`` (the second stage) and ``batched_pseudo`` (``sdpl``,
+``sgem`` and ``awmc``: host pseudo labels, SGEM's lr schedule, AWMC's leaders). (``batched_free`` batches the backprop-free
 methods, on another skeleton.) The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
 (every adapted tensor of a run, in the selection's order) and AdamW's moments ``M, V [R, N]`` with
 a step count per run. Per utterance: the runs' own resets (episodic: every utterance; continual:
@@ -122,6 +122,18 @@ def run_blocker(classes, m) -> Optional[str]:
             if m.reset_policy is not None and type(m.reset_policy) not in POLICIES else
             f"precision {m.runtime.precision} (batched: fp32)" if m.runtime.dtype is not None
             else "compile" if m.runtime.compile else None)
+
+
+def train_mode_blocker(m) -> Optional[str]:
+    """Why method ``m``'s ``train_mode`` cannot be batched (None: it is off, or the model's train
+    mode draws nothing, so the batch's eval-mode passes are its passes): a batch cannot draw each
+    run's dropout as its separate run draws it."""
+    if not m.train_mode:
+        return None
+    draws = m.lobe.train_draws() if hasattr(m.lobe, "train_draws") else ["unknown"]
+    return (f"train_mode (this model draws in train mode: {', '.join(draws)}; a batch cannot "
+            f"draw each run's as its separate run does: set train_mode false or run them "
+            f"separately)" if draws else None)
 
 
 def check_runs(batch, methods):
@@ -415,9 +427,8 @@ class BatchedSUTA:
     @classmethod
     def blocker(cls, m) -> Optional[str]:
         """Why a built method cannot be one run of this batch (None: it can)."""
-        return run_blocker(cls.methods, m) or ("train_mode" if m.train_mode else
-                                               "nothing adapts" if not m.params else
-                                               optimizer_blocker(m.optimizer))
+        return run_blocker(cls.methods, m) or train_mode_blocker(m) or (
+            "nothing adapts" if not m.params else optimizer_blocker(m.optimizer))
 
     def __init__(self, lobe, methods: Sequence):
         first = methods[0]
@@ -469,6 +480,20 @@ class BatchedSUTA:
     def P(self) -> torch.Tensor:
         """The runs' adapted parameters ``[R, N]``."""
         return self.fast.P
+
+    def _rows(self, t: torch.Tensor, runs: List[int]) -> torch.Tensor:
+        """Rows ``runs`` of ``[R, ...]`` state ``t`` (``t`` itself, not a copy, for all rows in
+        order)."""
+        idx = self.fast.index(runs)
+        return t if idx is None else t.index_select(0, idx)
+
+    def _put_rows(self, t: torch.Tensor, runs: List[int], new: torch.Tensor) -> None:
+        """Rows ``runs`` of ``t`` set to ``new`` (in place)."""
+        idx = self.fast.index(runs)
+        if idx is None:
+            t.copy_(new)
+        else:
+            t.index_copy_(0, idx, new)
 
     # ------------------------------------------------------------- per-run state
     def split(self, flat: torch.Tensor) -> List[torch.Tensor]:

@@ -118,20 +118,10 @@ class BatchedCoTTA(BatchedSUTA):
         teacher, student = self._rows(self.teacher, runs), self.fast.rows(runs)
         moved = torch.lerp(teacher, student, self._rows(self.ema_weight, runs)[:, None])
         keep = (done & (self.last_loss > 0))[:, None]
-        new = torch.where(keep, moved, teacher)
-        idx = self.fast.index(runs)
-        if idx is None:
-            self.teacher.copy_(new)
-        else:
-            self.teacher.index_copy_(0, idx, new)
+        self._put_rows(self.teacher, runs, torch.where(keep, moved, teacher))
         for r in runs:
             flat = self._restore_indices(r)
             self.fast.P[r].index_copy_(0, flat, self.source.index_select(0, flat))
-
-    def _rows(self, t: torch.Tensor, runs: List[int]) -> torch.Tensor:
-        """Rows ``runs`` of ``t`` (``t`` itself, not a copy, for all rows in order)."""
-        idx = self.fast.index(runs)
-        return t if idx is None else t.index_select(0, idx)
 
     def _restore_indices(self, r: int) -> torch.Tensor:
         """Run ``r``'s restore indices for this step along its row (``CoTTA.restore_indices``)."""
