@@ -37,6 +37,9 @@ FREE_TOL = 1e-5             # a candidate's forward in a bigger batch: last bits
 LII_TOL = 3e-6
 Z_TOL = 0.1                 # measured: z = 2.59 in both here, 2.62 at other thread counts
 Z = re.compile(r"z=(-?[0-9.]+)")
+#: a run's own log records: its reset policy's, its skipped steps, its filter's, its recoveries
+OWN = re.compile(r" - (?:INFO|WARNING) - (dynamic reset: .*|eata: .*, no step|sar: loss EMA .*|"
+                 r".*adaptation step skipped)$")
 
 SUTA = [["--lr=1e-3", "--steps=3"], ["--lr=3e-3", "--steps=2"],
         ["--lr=1e-2", "--steps=4", "--em_coef=0.5", "--temperature=1.0"]]
@@ -175,6 +178,7 @@ def assert_same_runs(batched, separate_outs):
         lb, ls = read_lii(b), read_lii(s)
         assert [(x.position, x.stage) for x in lb] == [(x.position, x.stage) for x in ls], b
         assert all(abs(x.lii - y.lii) <= LII_TOL for x, y in zip(lb, ls)), b
+        assert own_records(b) == own_records(s), b   # each run's records in its own log
         rb, rs = load_run(b), load_run(s)            # ordinary run folders the report reads
         assert rb.summary.counts == rs.summary.counts
         assert rb.summary.fingerprint["hparams"] == rs.summary.fingerprint["hparams"]
@@ -190,6 +194,13 @@ def assert_same_runs(batched, separate_outs):
         if fb is not None:
             assert free_center(fb) is not None and np.allclose(
                 free_center(fb), free_center(fs), rtol=0, atol=FREE_TOL), b
+
+
+def own_records(folder):
+    """Run ``folder``'s own log records in order (numbers masked: a batched LII rounds
+    otherwise); in a sweep they are in that run's log.txt alone."""
+    lines = (folder / "log.txt").read_text().splitlines()
+    return [re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "#", m[1]) for m in map(OWN.search, lines) if m]
 
 
 def free_center(state):
@@ -225,6 +236,7 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
         assert len(read_lii(outs[3])) == 10
     if method == "dsuta":                            # the dynamic reset tested, and fired
         assert len(read_lii(outs[1])) > 10
+        assert [bool(own_records(o)) for o in outs] == [False, True, False, False]
         assert "dynamic (z=" in (outs[1] / "resets.csv").read_text()
     if method == "eata":                             # the filter kept and dropped, both ways
         counts = [load_run(o).summary.counts for o in outs]

@@ -5,7 +5,8 @@ process, as R adapted states over one shared model (``tta_brain.methods.batched`
 
 Each run writes its own ordinary run folder, as ``python -m tta_brain.decode`` with the same
 arguments would: the same fingerprint, hyperparams.yaml, log.txt, records, checkpoints and summary
-(each through its own ``TTABrain``, driven row by row in lock-step; the stream is read once).
+(each through its own ``TTABrain``, driven row by row in lock-step; the stream is read once; a
+run's own log records, such as its reset policy's, go to its log.txt alone).
 Supported: ``suta``, ``csuta``, ``dsuta``, ``tent``, ``eata``, ``sar``, ``cotta``, ``cea``,
 ``sdpl``, ``sgem`` and ``awmc`` (any
 reset policy: none, fixed, oracle, dynamic) in fp32; the runs may differ in :data:`MAY_DIFFER` (lr,
@@ -247,6 +248,7 @@ def _walk(brains, p, logs):
         with logs.run(i):
             cursors.append(b.start_stream(p.stream_csv, rows=p.rows, progressbar=False))
     batch = brains[0].method.batch
+    batch.serving = logs.run            # a run's own records (its resets, skips) to its log alone
     utts = brains[0].stream_loader.prefetch(min(cursors), PREFETCH)
     try:
         for utt in utts:

@@ -27,7 +27,7 @@ drop mask with its losses (:meth:`BatchedSUTA.losses`). On CUDA a step is device
 (``tta_brain.gpu.batch_graphs``), on length buckets where asked (:meth:`BatchedSUTA.pad`).
 """
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
@@ -384,7 +384,8 @@ class RunView:
     def record_skip(self, why: str, clear_grads: bool = False) -> None:
         """As ``TTAMethod.record_skip`` (a batch holds no gradients to clear)."""
         self.counts["skipped_steps"] += 1
-        logger.warning("%s: utterance %d: %s, adaptation step skipped", self.name, self.t, why)
+        with self.batch.serving(self.r):
+            logger.warning("%s: utterance %d: %s, adaptation step skipped", self.name, self.t, why)
         self.events.append(Event("skip", self.t, why))
 
     def reset_meta(self, after: int, position: int, reason: str) -> None:
@@ -453,6 +454,9 @@ class BatchedSUTA:
         self.graphs = batch_graphs(self, first.runtime)     # CUDA: the captured steps, or None
         self.buckets = self._buckets(first.runtime)         # length buckets (0: off)
         self.samples = self.valid = None                    # this utterance's, on buckets
+        #: ``serving(r)``: the context in which run r's own records are logged (the sweep's:
+        #: they go to its log.txt alone); the batch's own records are logged outside any
+        self.serving = nullcontext
 
     def _buckets(self, rt) -> float:
         """The length-bucket ratio of the captured steps (``cuda_graph_buckets``; 0: off), where
@@ -644,7 +648,8 @@ class BatchedSUTA:
         for j, r in enumerate(runs):
             v = self.views[r]
             if len(block) > 3 and block[3][j]:              # the method's filter dropped it
-                self.filtered(v, [row[j] for row in block[4:]])
+                with self.serving(r):
+                    self.filtered(v, [row[j] for row in block[4:]])
             elif ok[j]:
                 v.counts["adapt_backward"] += 1
                 if not finite[j] and update:
@@ -745,9 +750,10 @@ class BatchedSUTA:
             self.reset(episodic)
         for v in views:
             if not v.episodic and v.reset_policy is not None:
-                why = v.reset_policy.before_utterance(info)
-                if why:
-                    v.reset_meta(v.t, info.position, why)
+                with self.serving(v.r):
+                    why = v.reset_policy.before_utterance(info)
+                    if why:
+                        v.reset_meta(v.t, info.position, why)
         self.notes, self.early = [], None
         self.lii_ahead(views, x)
         self.adapt(runs, x)
@@ -788,19 +794,21 @@ class BatchedSUTA:
         due = []
         for v in views:
             policy = v.reset_policy
-            if policy is not None:
-                policy.after_utterance(v.t + 1, x, info)
-            if self.update_due(v.r):
-                why = policy.at_update(v.t + 1) if policy is not None else None
-                if why:
-                    v.reset_meta(v.t + 1, info.position + 1, why)
-                else:
-                    due.append(v.r)
+            with self.serving(v.r):
+                if policy is not None:
+                    policy.after_utterance(v.t + 1, x, info)
+                if self.update_due(v.r):
+                    why = policy.at_update(v.t + 1) if policy is not None else None
+                    if why:
+                        v.reset_meta(v.t + 1, info.position + 1, why)
+                    else:
+                        due.append(v.r)
         if due:
             self.meta_update(due)
         for v in views:
             if v.reset_policy is not None:
-                v.reset_policy.end_step(v.t + 1)
+                with self.serving(v.r):
+                    v.reset_policy.end_step(v.t + 1)
 
     def update_due(self, r: int) -> bool:
         """Is run ``r``'s meta-update due after this utterance (``TTAMethod.update_due``)?"""

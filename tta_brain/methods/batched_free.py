@@ -20,6 +20,7 @@ as a CUDA graph (no step: the work between generations is the host's CMA-ES). Th
 the separate runs' (a candidate's forward differs from its separate run's only in the batch it
 rides in, by last bits; the CMA-ES ranks and early stops came out the same in the tests).
 """
+from contextlib import nullcontext
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -120,6 +121,7 @@ class BatchedFree:
         self.population_batch = first.population_batch
         self.views = [FreeView(self, r, m) for r, m in enumerate(methods)]
         self.stats = {"forwards": 0, "candidates": 0}
+        self.serving = nullcontext          # as BatchedSUTA's: run r's records, its log alone
 
     def work(self) -> str:
         """What the batch's candidate forwards came to (the sweep logs it at the end)."""
@@ -133,20 +135,25 @@ class BatchedFree:
         of each, their adaptations batched."""
         ms = [self.runs[r] for r in runs]
         try:
-            x = [m.begin(wav, info) for m in ms][0]     # the same input for every run
+            x = [self._as(r, m.begin, wav, info) for r, m in zip(runs, ms)][0]   # the same input
             with ms[0].runtime.autocast(self.lobe.device.type):
                 ctx = ms[0].prefix(x)
                 logits = (self.search(ms, x, ctx) if self.population
                           else [m.adapt(x, ctx) for m in ms])
                 hyps = [self.lobe.decode(lg)[0] for lg in logits]
-            for m in ms:
-                m.end(x)
+            for r, m in zip(runs, ms):
+                self._as(r, m.end, x)
         finally:
             for m in ms:
                 m.features.clear()
         for r, m, hyp in zip(runs, ms, hyps):
             m.t += 1
             self.views[r].hyp = hyp
+
+    def _as(self, r: int, fn, *args):
+        """``fn(*args)`` of run ``r``, its records logged as run r's (:attr:`serving`)."""
+        with self.serving(r):
+            return fn(*args)
 
     def search(self, ms: List[FreeMethod], x: torch.Tensor, ctx) -> List[torch.Tensor]:
         """The runs' searches in lock-step; each run's transcript logits ``[1, F, V]``."""

@@ -109,7 +109,8 @@ class BatchedSAR(BatchedSUTA):
             v = self.views[r]
             v.counts["adapt_forward"] += int(ok1[j])                   # pass 2's forward
             v.counts["adapt_backward"] += int(ran1[j]) + int(ran2[j])
-            SAR.step_notes(v, [[0.0, verdict[j], value[j], ema[j] if on[j] else math.nan]])
+            with self.serving(r):
+                SAR.step_notes(v, [[0.0, verdict[j], value[j], ema[j] if on[j] else math.nan]])
 
     def after(self, views, x, info) -> None:
         """SAR's model recovery (after the prediction, before the reset policy's hooks)."""
@@ -117,9 +118,10 @@ class BatchedSAR(BatchedSUTA):
             ema = v.ema
             if ema is not None and ema < self.reset_constant[v.r]:
                 v.counts["recoveries"] += 1
-                logger.info("sar: loss EMA %.4f < %g after %s: model recovery", ema,
-                            self.reset_constant[v.r], info.id)
-                v.reset_meta(v.t + 1, info.position + 1, "recovery")
+                with self.serving(v.r):
+                    logger.info("sar: loss EMA %.4f < %g after %s: model recovery", ema,
+                                self.reset_constant[v.r], info.id)
+                    v.reset_meta(v.t + 1, info.position + 1, "recovery")
         super().after(views, x, info)
 
     @torch.no_grad()
