@@ -216,7 +216,8 @@ class HFCTCLobe(nn.Module):
         layer from torch's generator, and decides nothing with it)."""
         cfg = self.model.config.to_dict()
         draws = [f"{k}={v}" for k, v in sorted(cfg.items())
-                 if ("dropout" in k or k == "layerdrop") and type(v) in (int, float) and v > 0]
+                 if ("dropout" in k or k.endswith("layerdrop")) and type(v) in (int, float)
+                 and v > 0]
         if cfg.get("apply_spec_augment", True):
             draws += [f"{k}={cfg[k]}" for k in ("mask_time_prob", "mask_feature_prob")
                       if (cfg.get(k) or 0) > 0]
