@@ -1065,7 +1065,8 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
     bucket with the padding masked, and gives the separate (unpadded) runs' transcripts, events
     and counts, parameters to rounding; a graph captured for one length serves the other lengths
     of its bucket (cache hits across utterances of distinct lengths, replays from their first
-    step; the prediction's forward replayed too); replays read nothing on the host. CEA, whose
+    step; the prediction's and the LII's forwards replayed too); replays read nothing on the
+    host. CEA, whose
     losses do not mask padding, gets none."""
     from tta_brain.gpu.batch_graphs import BatchGraphs
     from tta_brain.methods import UttInfo
@@ -1087,6 +1088,8 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
     assert batch.valid is not None and batch.samples is not None   # the passes were padded
     for v, m in zip(batch.views, seps):
         assert [(e.kind, e.position) for e in v.events] == [(e.kind, e.position) for e in m.events]
+        assert all(abs(a.value - b.value) <= LII_TOL for a, b in zip(v.events, m.events)
+                   if a.kind == "lii")                        # the LII forward's rows, its own
         assert v.counts == m.counts
         assert max_diff(batch.values(v.r), m.params) < PARAM_TOL
     kinds = {e.kind for m in seps for e in m.events}
@@ -1096,6 +1099,8 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
     hits = batch.graphs.cache.stats["hits"]
     assert hits >= 3 and backend.replays > 0, batch.graphs.describe()
     assert batch.graphs.stats["forward_replays"] >= 3, batch.graphs.describe()  # the prediction
+    if dynamic == "dynamic":                                                    # the LII forward
+        assert batch.graphs.stats["lii_replays"] >= 3, batch.graphs.describe()
     # CEA's losses take no lengths: no buckets for it
     cea, _, _ = _batch(data, "cea", [(1e-3, 2, "none")], steps2=2)
     cea.graphs = BatchGraphs(cea, ReplayChecks(cea, DeviceReads(monkeypatch)))

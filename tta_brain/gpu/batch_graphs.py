@@ -62,10 +62,12 @@ class BatchGraphs:
         self._x, self._eager = None, 0   # the current utterance's input and its eager steps
         self._live = {}                  # the graphs this utterance has replayed (key -> entry)
         self._warmed = {}                # length buckets: eager steps run per graph key
-        # length buckets: the prediction's no-grad forward too, per run set and bucket
+        # length buckets: the no-grad forwards too (the prediction per run set, the LII per row
+        # count), per bucket
         self.forwards = GraphCache(capacity)
         self.shapes = {}                 # forward key -> its output's shape (from an eager one)
-        self.stats = {"eager": 0, "replays": 0, "failed": 0, "forward_replays": 0}
+        self.stats = {"eager": 0, "replays": 0, "failed": 0, "forward_replays": 0,
+                      "lii_replays": 0}
 
     # ------------------------------------------------------------------ eager
     def eager(self, runs: List[int], x: torch.Tensor, update: bool = True,
@@ -161,14 +163,22 @@ class BatchGraphs:
         """The runs' no-grad logits of ``x`` (the prediction: their rows as they are now). On
         length buckets replayed from a graph per run set and bucket once it is warm (the output
         is the graph's: valid until its next replay); else, and while warming, eagerly."""
+        return self.forward(("forward", tuple(runs)), lambda: self.batch.fast.rows(runs), x,
+                            samples, "the prediction", "forward_replays")
+
+    def forward(self, kind: tuple, rows, x: torch.Tensor, samples: Optional[torch.Tensor] = None,
+                what: str = "a forward", stat: str = "forward_replays") -> torch.Tensor:
+        """The no-grad logits of ``x`` under the rows ``rows()`` returns (rows of a tensor that
+        stays where it is: a replay reads them there), as :meth:`predict`; ``kind``: what
+        besides the bucket makes another graph (the rows' shape with it)."""
         batch = self.batch
 
         def forward(inputs, valid):
             with torch.no_grad():
-                return batch.logits(batch.fast.rows(runs), inputs, valid)
+                return batch.logits(rows(), inputs, valid)
         if samples is None:
             return forward(x, None)
-        key = ("forward", tuple(runs)) + batch.graph_key() + (tuple(x.shape), x.dtype)
+        key = kind + batch.graph_key() + (tuple(x.shape), x.dtype)
         entry = self.forwards.get(key)
         if entry is not None and entry.signature != self.signature():
             self.forwards.clear()
@@ -189,11 +199,11 @@ class BatchGraphs:
 
             def body():
                 entry.out.copy_(forward(entry.static, entry.samples))
-            if not self._record(entry, body, self.forwards, "the prediction"):
+            if not self._record(entry, body, self.forwards, what):
                 return forward(x, samples)
         entry.load(x, samples)
         entry.replay()
-        self.stats["forward_replays"] += 1
+        self.stats[stat] += 1
         return entry.out
 
     def release(self) -> None:
@@ -205,4 +215,5 @@ class BatchGraphs:
         return (f"{s['captures']} captures, {self.stats['replays']} replays, "
                 f"{self.stats['eager']} eager steps, {s['hits']} cache hits, "
                 f"{self.forwards.stats['captures']} forward captures, "
-                f"{self.stats['forward_replays']} forward replays")
+                f"{self.stats['forward_replays']} prediction and {self.stats['lii_replays']} "
+                f"LII forward replays")

@@ -454,6 +454,7 @@ class BatchedSUTA:
         self.graphs = batch_graphs(self, first.runtime)     # CUDA: the captured steps, or None
         self.buckets = self._buckets(first.runtime)         # length buckets (0: off)
         self.samples = self.valid = None                    # this utterance's, on buckets
+        self.lii_rows = None                                # the LII graphs' rows (buckets)
         #: ``serving(r)``: the context in which run r's own records are logged (the sweep's:
         #: they go to its log.txt alone); the batch's own records are logged outside any
         self.serving = nullcontext
@@ -731,10 +732,24 @@ class BatchedSUTA:
         if not want:
             return
         rows = torch.stack([self.flat(v.reset_policy.phi_D) for v in want] + [self.source])
-        logits = self.logits(rows, x, self.samples)
+        logits = self.lii_forward(rows, x)
         n = self.frames_of(self.samples)
         self.early = (want, torch.stack([l for j, v in enumerate(want) for l in (
             self._loss(logits[j], v, n), self._loss(logits[-1], v, n))]).to(torch.float64))
+
+    def lii_forward(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The LII's no-grad logits of ``x`` under ``rows`` ``[k, N]``; on length buckets
+        replayed from a graph per row count and bucket once warm (``rows`` copied into a
+        staging tensor of R + 1 rows made once, where the graph reads them)."""
+        if self.graphs is None or self.samples is None:
+            return self.logits(rows, x, self.samples)
+        k = rows.shape[0]
+        if self.lii_rows is None:
+            self.lii_rows = torch.empty(self.R + 1, rows.shape[1], dtype=rows.dtype,
+                                        device=rows.device)
+        self.lii_rows[:k].copy_(rows)
+        return self.graphs.forward(("lii", k), lambda: self.lii_rows[:k], x, self.samples,
+                                   "the LII forward", "lii_replays")
 
     # ------------------------------------------------------------- the skeleton, batched
     @torch.enable_grad()
