@@ -558,7 +558,8 @@ CUDA = torch.cuda.is_available()
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not CUDA, reason="needs a CUDA device"))])
-@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic", "sar", "cotta", "sgem", "sdpl"])
+@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic", "sar", "cotta", "sgem", "sdpl",
+                                  "awmc+dynamic"])
 def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
     """The batch on ``device`` (on CUDA: the vmap'd forward/backward the GPU check's sweep times;
     the separate runs take the device step there) against the separate runs, 12 utterances."""
@@ -572,7 +573,8 @@ def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
     base, _, reset = name.partition("+")
     extra = {"dsuta": dict(buffer_size=2, reset_policy=None),
              "sar": dict(e_margin_factor=0.99843),            # both passes filtered at times
-             "cotta": dict(n_augment=2, ap_threshold=0.9)}.get(base, {})
+             "cotta": dict(n_augment=2, ap_threshold=0.9),
+             "awmc": dict(train_mode=False, ema_decay=0.9)}.get(base, {})
 
     def build(lr, steps):
         kw = dict(extra)
