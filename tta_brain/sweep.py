@@ -15,8 +15,9 @@ draws; DSUTA's buffer size, slow lr and fast moments; EATA's margins, EMA and Fi
 rho, E0, loss EMA and recovery constant; CoTTA's EMA, anchor threshold, augmentation and restore;
 CEA's second stage; SGEM's lr_min, Renyi alpha, negative sampling, beam width and LM
 weights; AWMC's leader EMA). A method's ``train_mode`` is batched only on a model whose train mode
-draws nothing (no dropout, LayerDrop, SpecAugment or batch norm: ``HFCTCLobe.train_draws``). The backprop-free ``lame``, ``t3a``, ``foa`` and ``ebats`` run as one batch
-too (``tta_brain.methods.batched_free``: one prefix, the runs' CMA-ES candidates in one forward);
+draws nothing (no dropout, LayerDrop, SpecAugment or batch norm: ``HFCTCLobe.train_draws``).
+The backprop-free ``lame``, ``t3a``, ``foa`` and ``ebats`` run as one batch too
+(``tta_brain.methods.batched_free``: one prefix, the runs' CMA-ES candidates in one forward);
 their runs may differ in their search and fitness settings (the CMA-ES seed, population, sigma,
 generations and early stop, the loss weights, T-EMA and covariance ratio; FOA's shift; LAME's
 graph; T3A's filter). Anything else (another method, another

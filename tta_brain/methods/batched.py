@@ -7,8 +7,9 @@ the logits alone, then AdamW); its subclasses override what their method adds:
 ``batched_dsuta`` (the slow learner of ``dsuta``), ``batched_eata`` (the sample filter and the
 Fisher term), ``batched_sar`` (the two-pass SAM step, recovery), ``batched_cotta`` (teachers, each
 run's own generators), ``batched_cea`` (the second stage) and ``batched_pseudo`` (``sdpl``,
-``sgem`` and ``awmc``: host pseudo labels, SGEM's lr schedule, AWMC's leaders). (``batched_free`` batches the backprop-free
-methods, on another skeleton.) The R states are flat rows (:class:`AdamRows`): parameters ``P [R, N]``
+``sgem`` and ``awmc``: host pseudo labels, SGEM's lr schedule, AWMC's leaders).
+(``batched_free`` batches the backprop-free methods, on another skeleton.) The R states are flat
+rows (:class:`AdamRows`): parameters ``P [R, N]``
 (every adapted tensor of a run, in the selection's order) and AdamW's moments ``M, V [R, N]`` with
 a step count per run. Per utterance: the runs' own resets (episodic: every utterance; continual:
 their policy: none, fixed, oracle, dynamic), then step n = 0 .. max(N_r) - 1 over the runs with
