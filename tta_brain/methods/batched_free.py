@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from tta_brain.methods.batched import check_runs, run_blocker
+from tta_brain.methods.batched import RunView, check_runs, run_blocker
 from tta_brain.methods.ebats import EBATS
 from tta_brain.methods.foa import FOA
 from tta_brain.methods.free import FreeMethod
@@ -78,12 +78,7 @@ class FreeView:
     def warnings(self, n_utts: int) -> List[str]:
         return self.method.warnings(n_utts)
 
-    def process(self, wav, info=None) -> str:
-        """The transcript the batch computed for this run's current utterance."""
-        hyp, self.hyp = self.hyp, None
-        if hyp is None:
-            raise RuntimeError(f"batched run {self.r}: no transcript computed for this utterance")
-        return hyp
+    process = RunView.process          # the transcript the batch computed for this utterance
 
     def state_dict(self):
         return self.method.state_dict()
