@@ -764,6 +764,7 @@ class DeviceReads:
 
 
 EATA_FILTER = dict(e_margin_factor=0.99843, d_margin=0.9996, fisher_alpha=10.0)
+SAR_FILTER = dict(e_margin_factor=0.99843, reset_constant=3.4600)   # as SAR's first run above
 
 
 @pytest.mark.parametrize("base", ["csuta", "dsuta", "eata", "sar", "cea"])
@@ -777,7 +778,7 @@ def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
     from tta_brain.methods.batched import BatchedSUTA
     extra = {"dsuta": dict(buffer_size=2),
              "eata": dict(EATA_FILTER, source_stats=data["fisher"]),
-             "sar": dict(e_margin_factor=0.99843, reset_constant=3.4600)}.get(base, {})
+             "sar": SAR_FILTER}.get(base, {})
     cfgs = [(1e-3, 2, "dynamic"), (1e-2, 1, "fixed"), (3e-3, 3, "none")] + (
         [(3e-3, 0, "dynamic")] if base == "dsuta" else [])
     if base == "cea":                                         # episodic: no reset policy
@@ -889,8 +890,8 @@ def test_batched_sar_skips_non_finite_gradients_as_sar(data, monkeypatch):
             return loss
         return poisoned(self.t, 1 if self.ascent.eps is None else 2, loss, logits)
 
-    def bat_entropy(self, runs, logits, paths):          # both passes of every step, in order
-        loss = batched_entropy(self, runs, logits, paths)
+    def bat_entropy(self, runs, logits, paths, lengths=None):   # both passes of every step
+        loss = batched_entropy(self, runs, logits, paths, lengths)
         j, t = runs.index(1), self.views[1].t
         n = calls[t] = calls.get(t, 0) + 1
         one = poisoned(t, 2 - n % 2, loss[j], logits[j])
@@ -964,11 +965,12 @@ class ReplayChecks(FakeBackend):
         return super().capture(checked, pool)
 
 
-@pytest.mark.parametrize("base", ["suta", "tent", "dsuta", "eata", "cea"])
+@pytest.mark.parametrize("base", ["suta", "tent", "dsuta", "eata", "sar", "cea"])
 def test_batch_replays_its_captured_steps_as_its_eager_steps(data, base, monkeypatch):
     """A batch whose steps are captured (a stand-in backend on CPU) gives what its eager steps
     give, bit for bit: transcripts, events, counts, parameters, AdamW moments and step counts
-    (resets, DSUTA's buffers and slow steps, EATA's filter in between). A run set's step is
+    (resets, DSUTA's buffers and slow steps, EATA's filter, SAR's filtered passes and
+    recoveries in between). A run set's step is
     captured after the warm-up (3 eager steps in all, 1 per utterance) where 2 or more of its
     steps are left; on lengths met again every step of the set replays from the utterance's
     first (DSUTA: from its second: the first's gradient goes into the buffer, eagerly); replays
@@ -977,7 +979,8 @@ def test_batch_replays_its_captured_steps_as_its_eager_steps(data, base, monkeyp
     from tta_brain.gpu.batch_graphs import BatchGraphs
     from tta_brain.methods import UttInfo
     extra = {"dsuta": dict(buffer_size=2), "cea": dict(steps2=3),
-             "eata": dict(EATA_FILTER, source_stats=data["fisher"])}.get(base, {})
+             "eata": dict(EATA_FILTER, source_stats=data["fisher"]),
+             "sar": dict(SAR_FILTER, rho=0.1)}.get(base, {})   # rho: some second passes filtered
     episodic = base in ("suta", "tent", "cea")
     cfgs = [(1e-3, 4, "none" if episodic else "dynamic"), (1e-2, 3, "none" if episodic
                                                            else "fixed"), (3e-3, 4, "none")]
@@ -1015,8 +1018,11 @@ def test_batch_replays_its_captured_steps_as_its_eager_steps(data, base, monkeyp
         assert torch.equal(getattr(eager.fast, name), getattr(graphed.fast, name)), name
     kinds = {e.kind for v in graphed.views for e in v.events}
     assert episodic or "reset" in kinds
-    if base == "eata":
+    if base in ("eata", "sar"):
         assert "filter" in kinds
+    if base == "sar":
+        for what in ("filtered_first", "filtered_second", "recoveries"):
+            assert sum(v.counts[what] for v in graphed.views) > 0, what
     # a grown table moves a state tensor: the graphs are dropped and captured again
     clears, captures = graphed.graphs.cache.stats["clears"], backend.captures
     for b in (eager, graphed):
@@ -1036,14 +1042,15 @@ def test_batch_replays_its_captured_steps_as_its_eager_steps(data, base, monkeyp
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("base,buckets", [("suta", 0.0), ("dsuta", 0.0), ("cea", 0.0),
-                                          ("suta", 0.1), ("dsuta", 0.1)])
+                                          ("suta", 0.1), ("dsuta", 0.1), ("sar", 0.1)])
 def test_captured_batch_on_cuda_gives_the_eager_batchs_results(data, base, buckets):
     """On CUDA a batch captures its steps by default (``cuda_graphs: auto``; with length
     buckets too) and its replays give the eager batch's transcripts (``cuda_graphs: off``) and
     parameters to rounding."""
     from tta_brain.methods import UttInfo
-    extra = {"dsuta": dict(buffer_size=2), "cea": dict(steps2=3)}.get(base, {})
-    reset = "fixed" if base == "dsuta" else "none"
+    extra = {"dsuta": dict(buffer_size=2), "cea": dict(steps2=3),
+             "sar": dict(SAR_FILTER, rho=0.1)}.get(base, {})
+    reset = "fixed" if base in ("dsuta", "sar") else "none"
     cfgs = [(1e-3, 4, reset), (1e-2, 3, "none"), (3e-3, 4, "none")]
     eager, wavs, _ = _batch(data, base, cfgs, device="cuda", runtime=dict(cuda_graphs="off"),
                             **extra)
@@ -1060,7 +1067,7 @@ def test_captured_batch_on_cuda_gives_the_eager_batchs_results(data, base, bucke
     assert (graphed.fast.P - eager.fast.P).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("base", ["suta", "dsuta", "eata"])
+@pytest.mark.parametrize("base", ["suta", "dsuta", "eata", "sar"])
 def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch):
     """With length buckets (``cuda_graph_buckets``; the stand-in backend on CPU) every pass of a
     batch's utterance (the steps, the LII forward, the prediction) runs on the input padded to its
@@ -1073,7 +1080,8 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
     from tta_brain.gpu.batch_graphs import BatchGraphs
     from tta_brain.methods import UttInfo
     extra = {"dsuta": dict(buffer_size=2),
-             "eata": dict(EATA_FILTER, source_stats=data["fisher"])}.get(base, {})
+             "eata": dict(EATA_FILTER, source_stats=data["fisher"]),
+             "sar": dict(SAR_FILTER, rho=0.1)}.get(base, {})
     dynamic, fixed = ("none", "none") if base == "suta" else ("dynamic", "fixed")
     cfgs = [(1e-3, 3, dynamic), (1e-2, 2, fixed), (3e-3, 3, "none")]
     batch, wavs, build = _batch(data, base, cfgs, **extra)
@@ -1096,8 +1104,10 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
         assert max_diff(batch.values(v.r), m.params) < PARAM_TOL
     kinds = {e.kind for m in seps for e in m.events}
     assert base == "suta" or {"lii", "reset"} <= kinds
-    if base == "eata":
+    if base in ("eata", "sar"):
         assert "filter" in kinds
+    if base == "sar":        # a recovery resets the dynamic run between its LII forward and test
+        assert seps[0].counts["recoveries"] > 0
     hits = batch.graphs.cache.stats["hits"]
     assert hits >= 3 and backend.replays > 0, batch.graphs.describe()
     assert batch.graphs.stats["forward_replays"] >= 3, batch.graphs.describe()  # the prediction

@@ -379,7 +379,6 @@ class RunView:
         (None), as the batch computed it (``BatchedSUTA.lii_ahead``)."""
         if values is not None and values is not getattr(self.reset_policy, "phi_D", None):
             raise RuntimeError(f"batched run {self.r}: loss_with only knows phi_D and the source")
-        self.counts["aux_forward"] += 1
         return self.early_losses.pop("source" if values is None else "phi_D")
 
     def record_skip(self, why: str, clear_grads: bool = False) -> None:
@@ -588,7 +587,7 @@ class BatchedSUTA:
             finite, grad, values = graphs.eager(runs, x, update, self.samples)
         else:
             finite, grad, values = self.step_body(runs, x, update, self.samples)
-        self.notes.append((partial(self._settle_step, runs, update), values))
+        self.notes.append((self.settler(runs, update), values))
         return finite, grad
 
     def step_body(self, runs: List[int], x: torch.Tensor, update: bool = True,
@@ -607,6 +606,11 @@ class BatchedSUTA:
         if update:
             self.apply(runs, grad, finite)
         return finite, grad, self.pack(rows)
+
+    def settler(self, runs: List[int], update: bool):
+        """What settles a :meth:`step`'s values on the host (``handler(values)``, as
+        :meth:`note`'s): the backward counts and skip or filter records (SAR: its SAM verdicts)."""
+        return partial(self._settle_step, runs, update)
 
     def advance(self, runs: List[int]) -> None:
         """The host's part of the optimiser step of ``runs`` (before :meth:`apply`)."""
@@ -727,11 +731,14 @@ class BatchedSUTA:
         """For the continual runs whose reset policy computes an LII after this utterance: the
         SUTA losses under their phi_D and under the source, one batched forward before the
         adaptation (phi_D, the source and x are all they depend on), read with the transcripts
-        (``loss_with`` answers from them)."""
+        (``loss_with`` answers from them). Counted here, as a separate run counts its losses
+        ahead: two forwards each, also where a recovery (SAR) then resets the run before its LII."""
         want = [v for v in views if not v.episodic and v.reset_policy is not None
                 and v.reset_policy.needs_lii(v.t + 1)]
         if not want:
             return
+        for v in want:
+            v.counts["aux_forward"] += 2
         rows = torch.stack([self.flat(v.reset_policy.phi_D) for v in want] + [self.source])
         logits = self.lii_forward(rows, x)
         n = self.frames_of(self.samples)

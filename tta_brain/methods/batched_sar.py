@@ -8,11 +8,14 @@ kept take their AdamW step with pass 2's gradient; each run's loss EMA (float64,
 follows its updates. The verdicts (filter and skip records, pass counts) and the EMAs are read
 with the transcripts; a run whose EMA fell below its ``reset_constant`` recovers (model and
 optimiser to the source, a ``reset`` with reason ``recovery``) before its reset policy's hooks.
+The step is device work only (``step_body``), so on CUDA it is captured as the other batches'
+are (``tta_brain.gpu.batch_graphs``), on length buckets too (its entropies over the valid frames,
+as ``SAR.device_body``'s): with SAR's one step per utterance only buckets replay it.
 """
 import logging
 import math
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -28,8 +31,6 @@ __all__ = ["BatchedSAR"]
 class BatchedSAR(BatchedSUTA):
     methods = (SAR,)
 
-    capturable = False
-    not_captured = "its SAM step is its own (one step per utterance by default)"
 
     def __init__(self, lobe, methods):
         super().__init__(lobe, methods)
@@ -44,23 +45,30 @@ class BatchedSAR(BatchedSUTA):
         for v, m in zip(self.views, methods):     # what SAR.step_notes reads and writes
             v.e_margin, v.ema = m.e_margin, None
 
-    def _entropy(self, runs, logits, paths):
-        return torch.stack([losses.entropy_loss(logits[j], temperature=self.temperature[r],
+    def _entropy(self, runs, logits, paths, lengths=None):
+        return torch.stack([losses.entropy_loss(logits[j], lengths, temperature=self.temperature[r],
                                                 blank_id=self.blank_id, path=paths[j]).mean()
                             for j, r in enumerate(runs)])
 
-    def step(self, runs: List[int], x: torch.Tensor, update: bool = True, grads: bool = True,
-             left: int = 1):
-        """One SAM step of ``runs``: the device mask of the runs that updated and pass 2's
-        gradient rows (never captured: ``grads`` and ``left`` change nothing)."""
-        idx = self.fast.index(runs)
-        pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
-        e_margin, rho = pick(self.e_margin), pick(self.rho)
+    def device_tensors(self) -> List[torch.Tensor]:
+        return super().device_tensors() + [self.e_margin, self.rho, self.loss_ema, self.ema,
+                                           self.ema_on]
+
+    def settler(self, runs: List[int], update: bool):
+        return partial(self._settle_sam, runs)
+
+    def step_body(self, runs: List[int], x: torch.Tensor, update: bool = True,
+                  samples: Optional[torch.Tensor] = None):
+        """One SAM step of ``runs`` (device work only, state in place: captured as the base
+        step is, on length buckets too, its entropies over the valid frames): the mask of the
+        runs that updated, pass 2's gradient rows and the verdicts :meth:`_settle_sam` reads."""
+        e_margin, rho = self._rows(self.e_margin, runs), self._rows(self.rho, runs)
+        lengths = self.frames_of(samples)
         rows = self.fast.rows(runs)
         leaf = rows.detach().requires_grad_(True)
-        logits = self.logits(leaf, x)
+        logits = self.logits(leaf, x, samples)
         paths = logits.detach().argmax(-1)                 # pass 1's frames serve pass 2 too
-        h1 = self._entropy(runs, logits, paths)
+        h1 = self._entropy(runs, logits, paths, lengths)
         v1 = h1.detach()
         out1 = v1.double() >= e_margin                     # filtered (nan is not: a skip)
         ran1 = ~out1 & v1.isfinite()                       # pass 1's backward ran
@@ -72,37 +80,27 @@ class BatchedSAR(BatchedSUTA):
             eps = torch.where(ok1[:, None], eps, torch.zeros_like(eps))
             shifted = rows + eps
         leaf2 = shifted.detach().requires_grad_(True)
-        h2 = self._entropy(runs, self.logits(leaf2, x), paths)
+        h2 = self._entropy(runs, self.logits(leaf2, x, samples), paths, lengths)
         v2 = h2.detach()
         out2 = ok1 & (v2.double() >= e_margin)
         ran2 = ok1 & ~out2 & v2.isfinite()
         g2 = self.backward(torch.where(ran2, h2, torch.zeros_like(h2)).sum(), leaf2)
         done = ran2 & g2.isfinite().all(dim=1)
         with torch.no_grad():
-            back = shifted - eps                           # theta + eps - eps, as SAR's undo
-            if idx is None:
-                self.fast.P.copy_(back)
-            else:
-                self.fast.P.index_copy_(0, idx, back)
-            self.fast.update(runs, g2, done)
-            a, ema, on = pick(self.loss_ema), pick(self.ema), pick(self.ema_on)
+            self._put_rows(self.fast.P, runs, shifted - eps)   # theta + eps - eps, as SAR's undo
+            if update:
+                self.apply(runs, g2, done)
+            a, ema, on = (self._rows(t, runs) for t in (self.loss_ema, self.ema, self.ema_on))
             value2 = v2.double()
             new = torch.where(on, a * ema + (1 - a) * value2, value2)
             ema, on = torch.where(done, new, ema), on | done
-            for t, n in ((self.ema, ema), (self.ema_on, on)):
-                if idx is None:
-                    t.copy_(n)
-                else:
-                    t.index_copy_(0, idx, n)
-        for r in runs:
-            self.views[r].counts["adapt_forward"] += 1
+            self._put_rows(self.ema, runs, ema)
+            self._put_rows(self.ema_on, runs, on)
         verdict = SAR.verdicts(v1, out1, ~ok1, v2, out2, ok1 & ~out2 & ~done)
-        self.note(partial(self._settle_sam, runs),
-                  [verdict, torch.where(ok1, v2, v1), ran1, ok1, ran2, ema, on])
-        return done, g2
+        return done, g2, self.pack([verdict, torch.where(ok1, v2, v1), ran1, ok1, ran2, ema, on])
 
     def _settle_sam(self, runs: List[int], block) -> None:
-        """A SAM step's verdicts on the host: the passes' counts; the filter and skip records and
+        """A SAM step's values (:meth:`step_body`) on the host: the passes' counts; the filter and skip records and
         the EMA as SAR's own (``SAR.step_notes``, on the run's view)."""
         verdict, value, ran1, ok1, ran2, ema, on = block
         for j, r in enumerate(runs):
