@@ -616,6 +616,31 @@ def test_methods_with_host_work_keep_the_host_path(tiny_model_dir, utterances, c
     assert step_blocker(build(tiny_model_dir, "source", "graph")) == "nothing adapts"
 
 
+def test_train_mode_is_captured_only_where_it_draws_nothing(tiny_model_dir, tmp_path, utterances,
+                                                            caplog):
+    """``train_mode`` on a model whose train mode draws nothing (no dropout, LayerDrop,
+    SpecAugment or batch norm): its steps are captured and replay the eval-mode device steps bit
+    for bit. On the tests' usual model (HF's dropouts of 0.1) they stay eager, and the log names
+    what the train mode draws."""
+    from conftest import save_ctc_model
+    quiet = save_ctc_model(str(tmp_path / "quiet"), hidden_dropout=0.0, attention_dropout=0.0,
+                           activation_dropout=0.0, final_dropout=0.0, feat_proj_dropout=0.0)
+    items = stream(utterances, 8, LENGTHS)
+    fake = FakeBackend()
+    g = build(quiet, "suta", "graph", backend=fake, train_mode=True)
+    e = build(quiet, "suta", "device")
+    assert g.step.graphs and not g.step.draws
+    assert run(g, items) == run(e, items)
+    assert g.step.stats["replays"] > 0 and fake.captures >= 1
+    assert max_diff(g.params, e.params) == 0.0 and g.counts == e.counts
+    with caplog.at_level(logging.WARNING):
+        d = build(tiny_model_dir, "suta", "graph", backend=FakeBackend(), train_mode=True)
+        run(d, items[:4])
+    assert d.step.draws and not d.step.graphs and d.step.stats["replays"] == 0
+    assert "no CUDA graphs (train_mode (this model draws in train mode: activation_dropout=0.1" \
+        in caplog.text
+
+
 @pytest.mark.parametrize("runtime,kind,graphs_on", [
     ({}, DeviceStep, True),                                          # auto: captured
     ({"precision": "bf16"}, HostStep, False),                        # auto, not exact: host

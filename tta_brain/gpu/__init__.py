@@ -28,11 +28,11 @@ from typing import Optional
 from tta_brain.gpu.device_step import DeviceStep
 from tta_brain.gpu.graphs import CudaGraphBackend
 from tta_brain.gpu.guard import device_optimizer_blocker
-from tta_brain.gpu.host_step import HostStep
+from tta_brain.gpu.host_step import HostStep, train_draws
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["make_step", "step_blocker", "bucket_blocker", "HostStep", "DeviceStep"]
+__all__ = ["make_step", "step_blocker", "bucket_blocker", "train_draws", "HostStep", "DeviceStep"]
 
 #: what a method overrides when its steps do host work (beam search, pseudo labels, lr schedule)
 _STEP_HOOKS = ("loss", "before_step", "forward_and_adapt")
@@ -66,11 +66,14 @@ def bucket_blocker(m) -> Optional[str]:
 
 
 def _no_graph(m, rt, device, backend) -> Optional[str]:
-    """Why the steps of ``m`` are not captured (None: they are)."""
+    """Why the steps of ``m`` are not captured (None: they are). A ``train_mode`` whose model
+    draws nothing (no dropout, LayerDrop, SpecAugment or batch norm) is captured: its passes are
+    the eval-mode passes."""
+    draws = train_draws(m)
     return ("cuda_graphs is off" if rt.cuda_graphs == "off" else
             f"precision {rt.precision} (fp32 only)" if rt.dtype is not None else
             "compile is on" if rt.compile else
-            "train_mode" if m.train_mode else
+            f"train_mode (this model draws in train mode: {', '.join(draws)})" if draws else
             "not on CUDA" if device.type != "cuda" and backend is None else None)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tta_brain.gpu.graphs import FIRST_WARMUP, CapturedStep, GraphCache, bucket_length
 from tta_brain.gpu.guard import (DeviceHook, StepFlags, device_optimizer_blocker, guarded_update,
                                  is_device_optimizer, skipped, to_device_optimizer)
-from tta_brain.gpu.host_step import HostStep, step_loss
+from tta_brain.gpu.host_step import HostStep, step_loss, train_draws
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ class DeviceStep:
     def __init__(self, method, backend=None, capacity: int = 1, warmup: int = 1,
                  extra_optimizers=(), buckets: float = 0.0):
         self.m = method
+        # a train mode that draws (dropout, ...) keeps the steps eager: a replay would repeat
+        # the capture's draws; one that draws nothing is the eval mode's passes, captured
+        self.draws = bool(train_draws(method))
         self.buckets = float(buckets)
         self._padded = None                   # (utterance, its padded input, its valid samples)
         self._warmed = {}                     # buckets: eager warm-up steps run per graph key
@@ -103,7 +106,7 @@ class DeviceStep:
         self.flags.pending = True
         # on length buckets a DeviceHook step is captured too (its graph serves the bucket)
         hook = after_backward if self.buckets and isinstance(after_backward, DeviceHook) else None
-        if loss_fn is not None or (after_backward is not None and hook is None) or m.train_mode:
+        if loss_fn is not None or (after_backward is not None and hook is None) or self.draws:
             return self._eager_step(x, optimizer, loss_fn, after_backward)
         feats = m.features.get(x)             # cached CNN features (None: off), outside the graph
         src, samples = self._source(x, feats)

@@ -11,7 +11,16 @@ from typing import List
 
 import torch
 
-__all__ = ["HostStep", "grads_finite", "step_loss"]
+__all__ = ["HostStep", "grads_finite", "step_loss", "train_draws"]
+
+
+def train_draws(m) -> List[str]:
+    """What method ``m``'s train mode draws that its eval mode does not (empty: ``train_mode``
+    is off, or a train-mode pass of its model is its eval-mode pass; ``lobe.train_draws``; a
+    model that cannot say is taken to draw)."""
+    if not m.train_mode:
+        return []
+    return m.lobe.train_draws() if hasattr(m.lobe, "train_draws") else ["unknown"]
 
 
 def grads_finite(grads: List[torch.Tensor]) -> bool:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
+from tta_brain.gpu import train_draws
 from tta_brain.gpu.batch_graphs import batch_graphs
 from tta_brain.gpu.graphs import bucket_length
 from tta_brain.lobes.runtime import native_cpu_kernels
@@ -129,9 +130,7 @@ def train_mode_blocker(m) -> Optional[str]:
     """Why method ``m``'s ``train_mode`` cannot be batched (None: it is off, or the model's train
     mode draws nothing, so the batch's eval-mode passes are its passes): a batch cannot draw each
     run's dropout as its separate run draws it."""
-    if not m.train_mode:
-        return None
-    draws = m.lobe.train_draws() if hasattr(m.lobe, "train_draws") else ["unknown"]
+    draws = train_draws(m)
     return (f"train_mode (this model draws in train mode: {', '.join(draws)}; a batch cannot "
             f"draw each run's as its separate run does: set train_mode false or run them "
             f"separately)" if draws else None)
