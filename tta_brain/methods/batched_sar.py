@@ -31,7 +31,6 @@ __all__ = ["BatchedSAR"]
 class BatchedSAR(BatchedSUTA):
     methods = (SAR,)
 
-
     def __init__(self, lobe, methods):
         super().__init__(lobe, methods)
         dev = self.P.device
@@ -100,8 +99,8 @@ class BatchedSAR(BatchedSUTA):
         return done, g2, self.pack([verdict, torch.where(ok1, v2, v1), ran1, ok1, ran2, ema, on])
 
     def _settle_sam(self, runs: List[int], block) -> None:
-        """A SAM step's values (:meth:`step_body`) on the host: the passes' counts; the filter and skip records and
-        the EMA as SAR's own (``SAR.step_notes``, on the run's view)."""
+        """A SAM step's values (:meth:`step_body`) on the host: the passes' counts; the filter
+        and skip records and the EMA as SAR's own (``SAR.step_notes``, on the run's view)."""
         verdict, value, ran1, ok1, ran2, ema, on = block
         for j, r in enumerate(runs):
             v = self.views[r]
