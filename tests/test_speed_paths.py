@@ -20,6 +20,7 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import max_diff
 from tta_brain.lobes.hf_ctc import HFCTCLobe
@@ -158,9 +159,43 @@ def test_feature_cache_auto_off_when_the_cnn_adapts(make):
     assert not make("suta", adapt_params=({"select": "feature_extractor"},)).features.enabled
     assert make("suta", adapt_params=({"select": "feature_projection"},)).features.enabled
     assert not make("source").features.enabled
-    assert not make("awmc").features.enabled                                 # train mode
+    assert not make("awmc", adapt_params=LN_ONLY + ({"select": "feature_extractor"},)
+                    ).features.enabled                              # its CNN adapts
     with pytest.raises(ValueError, match="feature-encoder parameters are adapted"):
         make("suta", cache_features="on")
+
+
+def test_feature_cache_in_train_mode_where_the_cnn_draws_nothing(make, utterances):
+    """AWMC adapts in train mode by default (the tiny model's dropouts of 0.1 and SpecAugment
+    draw). Its feature encoder draws nothing, so its CNN features are computed once per utterance
+    for the anchor, leader, chaser and prediction passes, and a run seeded alike equals the
+    uncached run bit for bit (the same draws in the same order). A dropout module in the feature
+    encoder keeps the cache off in train mode, and ``cache_features: on`` then says why."""
+    import numpy as np
+    kw = dict(steps=2, lr=1e-3)
+    cached, off = make("awmc", **kw), make("awmc", cache_features="off", **kw)
+    assert cached.train_mode and cached.lobe.train_draws()
+    assert cached.features.enabled and not off.features.enabled
+    calls = []
+    orig = cached.lobe.features
+    cached.lobe.features = lambda x: calls.append(x.shape) or orig(x)
+    stream = items(utterances, 5)
+    hyps = []
+    for m in (cached, off):
+        torch.manual_seed(0)
+        np.random.seed(0)                          # SpecAugment's masks are numpy's draws
+        hyps.append(run(m, stream))
+    assert hyps[0] == hyps[1]
+    assert max_diff(cached.params, off.params) == 0.0
+    assert max_diff(cached.leader, off.leader) == 0.0
+    assert cached.counts == off.counts
+    assert len(calls) == len(stream)               # once per utterance, not 2 + 2 x steps
+    assert max_diff(cached.params, cached.source) > 0     # it did adapt
+    m = make("awmc", **kw)
+    m.lobe.model.base_model.feature_extractor.conv_layers[0].add_module("drop", nn.Dropout(0.1))
+    assert m.lobe.feature_cache_blocker(m.params, True) == (
+        "train_mode (the feature encoder draws in train mode: conv_layers.0.drop (p=0.1))")
+    assert m.lobe.feature_cache_blocker(m.params, False) is None
 
 
 POS16 = dict(num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)

@@ -19,7 +19,7 @@ from tta_brain.lobes.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFCTCLobe", "W2V2_CHAR_VOCAB", "save_char_processor", "normalize_waveforms"]
+__all__ = ["HFCTCLobe", "module_draws", "W2V2_CHAR_VOCAB", "save_char_processor", "normalize_waveforms"]
 
 # The character vocabulary of facebook/wav2vec2-base-960h (blank = <pad> = 0, word delimiter "|").
 W2V2_CHAR_VOCAB = ("<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S",
@@ -70,6 +70,16 @@ def _looks_like_a_path(source: str) -> bool:
         return True
     parent = os.path.dirname(s)
     return bool(parent) and os.path.isdir(parent)
+
+
+def module_draws(module: nn.Module) -> List[str]:
+    """What ``module``'s train mode does that its eval mode does not, module by module: its
+    dropout modules with p > 0 (``name (p=...)``) and its batch norms (``name (batch norm)``:
+    they normalise by the batch in train mode)."""
+    return [f"{n} (p={m.p})" if isinstance(m, nn.modules.dropout._DropoutNd) else
+            f"{n} (batch norm)" for n, m in module.named_modules()
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+            or isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 class HFCTCLobe(nn.Module):
@@ -201,9 +211,11 @@ class HFCTCLobe(nn.Module):
             return "no adapted parameters (one pass per utterance)"
         if not self.supports_features:
             return "the model has no separable feature encoder"
-        if train_mode:
-            return "train_mode"
-        fe = {id(p) for p in self.model.base_model.feature_extractor.parameters()}
+        encoder = self.model.base_model.feature_extractor
+        if train_mode and (draws := module_draws(encoder)):
+            # (a feature encoder that draws nothing gives its eval-mode features in train mode)
+            return f"train_mode (the feature encoder draws in train mode: {', '.join(draws)})"
+        fe = {id(p) for p in encoder.parameters()}
         if any(id(p) in fe for p in params):
             return "feature-encoder parameters are adapted"
         return None
@@ -221,13 +233,10 @@ class HFCTCLobe(nn.Module):
         if cfg.get("apply_spec_augment", True):
             draws += [f"{k}={cfg[k]}" for k in ("mask_time_prob", "mask_feature_prob")
                       if (cfg.get(k) or 0) > 0]
-        modules = list(self.model.named_modules())
+        modules = module_draws(self.model)
         if not draws:
-            draws += [f"{n} (p={m.p})" for n, m in modules
-                      if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0][:1]
-        draws += [f"{n} (batch norm)" for n, m in modules
-                  if isinstance(m, nn.modules.batchnorm._BatchNorm)][:1]
-        return draws
+            draws += [d for d in modules if "(p=" in d][:1]
+        return draws + [d for d in modules if d.endswith("(batch norm)")][:1]
 
     # The wav2vec 2.0 family (Wav2Vec2, HuBERT, data2vec-audio, WavLM, UniSpeech) runs
     # feature_extractor -> transpose -> feature_projection -> _mask_hidden_states -> encoder

@@ -35,7 +35,9 @@ class Runtime:
         Run the CNN feature encoder once per utterance and every pass of that utterance
         (adaptation steps, prediction, LII losses) from its output. Exact (bit-identical logits)
         when no adapted parameter is in the feature encoder, so ``auto`` turns it on exactly then
-        (not in train mode); with the paper's ``layernorm + cnn`` selection it is off.
+        (in train mode too where the feature encoder draws nothing: no dropout module, no batch
+        norm, as in the wav2vec 2.0 family; AWMC's default); with the paper's ``layernorm + cnn``
+        selection it is off.
     cpu_native_backward : bool
         On CPU, run the backward with oneDNN off (PyTorch's own convolution kernels). oneDNN builds
         its convolution-backward kernels for every new input length, which on a real stream costs
