@@ -2,11 +2,11 @@
 """Batched sweep vs separate runs (``tta_brain.sweep``, issue #22 item 6).
 
 CPU (default): R runs of ``--method`` (suta, csuta, dsuta, tent, eata / sar with every step
-kept, cotta with its defaults, cea with ``--steps`` in each stage, sgem, sdpl, awmc in eval mode (the
-tiny model's dropout is not batched); lr 1e-4 x 1, 2, 3, ...;
-the backprop-free lame, t3a, foa and ebats at their defaults, each run its own CMA-ES seed, LAME
-its own k, T3A its own filter; ``--reset`` for the continual ones, the dynamic reset with
-``K = max(4, n_utts // 3)``) of the tests' tiny model over
+kept, cotta with its defaults, cea with ``--steps`` in each stage, sgem, sdpl, awmc in eval mode
+(the tiny model's dropout is not batched); lr 1e-4 x 1, 2, 3, ...; the backprop-free lame, t3a,
+foa and ebats at their defaults, each run its own CMA-ES seed, LAME its own k, T3A its own filter;
+``--reset`` for the continual ones, the dynamic reset with ``K = max(4, n_utts // 3)``) of the
+tests' tiny model over
 the same generated utterances, batched (one batch of ``tta_brain.sweep``) vs one after another in
 this process; s per audio second of all R runs together for both, the ratio, and whether the
 transcripts agree::

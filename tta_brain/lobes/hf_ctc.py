@@ -19,7 +19,8 @@ from tta_brain.lobes.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFCTCLobe", "module_draws", "W2V2_CHAR_VOCAB", "save_char_processor", "normalize_waveforms"]
+__all__ = ["HFCTCLobe", "module_draws", "W2V2_CHAR_VOCAB", "save_char_processor",
+           "normalize_waveforms"]
 
 # The character vocabulary of facebook/wav2vec2-base-960h (blank = <pad> = 0, word delimiter "|").
 W2V2_CHAR_VOCAB = ("<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S",
