@@ -284,6 +284,27 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     assert stamps == {o: (o / "transcripts.csv").stat().st_mtime_ns for o in outs}
 
 
+def test_sweep_logs_each_run_as_a_separate_run_logs_it(data, tmp_path):
+    """Each process's first run folder once got SpeechBrain's pip freeze in its log.txt and the
+    others did not; now every log.txt opens alike (a sweep's two runs and a separate decode, each a
+    fresh process) and names its env.log, which holds the freeze."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    outs = [tmp_path / "bat0", tmp_path / "bat1", tmp_path / "sep"]
+    argvs = [args(data, o, f"--lr={lr}") for o, lr in zip(outs, ("1e-3", "2e-3", "1e-3"))]
+    for cmd in (["tta_brain.sweep", *argvs[0], "--", *argvs[1]], ["tta_brain.decode", *argvs[2]]):
+        subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, env=env, check=True,
+                       capture_output=True, timeout=300)
+    heads = []
+    for o in outs:
+        log = (o / "log.txt").read_text()
+        assert "superpowers" not in log and "torch==" not in log, o
+        assert f"Environment (pip freeze, git, CUDA): {o / 'env.log'}" in log, o
+        assert re.search(r"^torch==\S+$", (o / "env.log").read_text(), re.M), o
+        lines = [line.split(" - ", 1)[1] for line in log.splitlines()[2:9]]  # (quirks: a set)
+        heads.append([re.sub(r"\S*/(bat0|bat1|sep)\b\S*|lr=\S+", "#", x) for x in lines])
+    assert heads[0] == heads[1] == heads[2], heads
+
+
 def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     cases = [
         ([args(data, tmp_path / "a", "--train_mode=true", method="sdpl"),

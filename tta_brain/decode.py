@@ -42,7 +42,7 @@ from tta_brain.run.records import CSV_FILES, RecordError
 from tta_brain.run.summary import read_summary
 from tta_brain.lobes.runtime import KERNEL_CACHE_VARIABLES, bound_kernel_caches, process_settings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tta_brain.decode")     # one name, imported or run with -m
 
 
 def _fail(message):
@@ -60,6 +60,7 @@ def _log_run(out, argv, seed, device, deterministic):
     logger.info("Seed: %s", seed)
     logger.info("Device: %s; deterministic kernels: %s", device, deterministic)
     logger.info("Versions: %s", json.dumps(vers))
+    logger.info("Environment (pip freeze, git, CUDA): %s", os.path.join(out, "env.log"))
     with open(os.path.join(out, "env.log"), "a", encoding="utf-8") as f:
         f.write("\n==============================\ntta-brain run\n")
         f.write(f"Command: python -m tta_brain.decode {' '.join(argv)}\n")

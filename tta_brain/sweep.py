@@ -52,7 +52,7 @@ from tta_brain.run.brain import PREFETCH, TTABrain
 from tta_brain.run.checkpoint import ResumeError
 from tta_brain.run.records import RecordError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tta_brain.sweep")      # one name, imported or run with -m
 
 __all__ = ["Refused", "refusal", "run", "batch_for", "MAY_DIFFER", "METHODS"]
 
