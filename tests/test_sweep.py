@@ -108,17 +108,21 @@ AWMC = [["--lr=1e-3", "--steps=2"], ["--lr=1e-2", "--steps=3", "--ema_decay=0.9"
 # fitness weights and reset policy (the dynamic one forced to fire: threshold -100); FOA's
 # candidates a few per run and forward (population_batch 3); LAME's graph; T3A's filter
 EBATS = [["--popsize=8", "--generations=4", "--cma_seed=1"],
-         ["--popsize=8", "--generations=4", "--cma_seed=2", "--stats_coef=1.0"],
+         ["--popsize=8", "--generations=4", "--cma_seed=2", "--stats_coef=1.0",
+          "--reset=dynamic", "--reset_K=4", "--reset_patience=1", "--reset_threshold=1"],
          ["--popsize=6", "--generations=3", "--sigma=0.05", "--patience=1", "--tokenwise=false",
           "--reset=fixed", "--reset_every=6"],
          ["--popsize=8", "--generations=2", "--reset=dynamic", "--reset_K=4",
           "--reset_patience=1", "--reset_threshold=-100"]]
 FOA = [["--popsize=8", "--cma_seed=1", "--population_batch=3"],
-       ["--popsize=8", "--cma_seed=2", "--shift_coef=0.5", "--population_batch=3"],
+       ["--popsize=8", "--cma_seed=2", "--shift_coef=0.5", "--population_batch=3",
+        "--reset=dynamic", "--reset_K=4", "--reset_patience=1", "--reset_threshold=-100"],
        ["--popsize=6", "--sigma=0.3", "--fitness_coef=1.0", "--population_batch=3",
         "--reset=fixed", "--reset_every=5"]]
 LAME = [["--knn=3"], ["--knn=5", "--bound_lambda=0.5", "--max_steps=5"]]
-T3A = [["--filter_K=2"], ["--filter_K=10", "--reset=fixed", "--reset_every=4"], ["--filter_K=-1"]]
+T3A = [["--filter_K=2"], ["--filter_K=10", "--reset=fixed", "--reset_every=4"],
+       ["--filter_K=-1", "--reset=dynamic", "--reset_K=4", "--reset_patience=1",
+        "--reset_threshold=-100"]]
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +219,7 @@ def free_center(state):
     return np.zeros(0)
 
 
-RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2], "foa": [0, 0, 4], "t3a": [0, 5, 0],
+RESETS = {"csuta": [0, 4, 2, 6], "dsuta": [0, 1, 2, 2], "foa": [0, 4, 4], "t3a": [0, 5, 4],
           "awmc": [0, 0, 4, 2]}
 
 
@@ -264,6 +268,18 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
         else:                                        # a generation's forward serves every run
             alone = sum(n // p for n, p in zip(evaluated, sizes))
             assert int(work[2]) < alone / 2, (work[0], alone)
+    if method in ("ebats", "foa", "t3a"):            # the runs' LII losses: one prefix, together
+        lii = re.search(r"dynamic-reset LII losses: (\d+) in (\d+) forwards",
+                        (outs[0] / "log.txt").read_text())
+        tested = [load_run(o).summary.counts["aux_forward"] for o in seps]
+        assert sum(tested) > 0 and lii and int(lii[1]) == sum(tested), (lii, tested)
+        losses, forwards = int(lii[1]), int(lii[2])
+        if method == "t3a":                          # from the utterance's one full pass
+            assert forwards == 0, lii[0]
+        elif sum(1 for n in tested if n) > 1:        # some forward carried several runs'
+            assert forwards < losses / 2, lii[0]
+        else:                                        # a run's two in one forward
+            assert forwards == losses / 2, lii[0]
     if method == "cotta":                            # the seed decides the draws
         counts = [load_run(o).summary.counts for o in outs]
         assert counts[0]["augmented"] == counts[1]["augmented"] == 20

@@ -239,10 +239,12 @@ class TTAMethod:
         self.t += 1
         return hyp
 
-    def begin(self, wav: torch.Tensor, info: Optional[UttInfo] = None) -> torch.Tensor:
+    def begin(self, wav: torch.Tensor, info: Optional[UttInfo] = None,
+              losses_ahead: bool = True) -> torch.Tensor:
         """The utterance's input, after what comes before its adaptation: episodic, the reset;
         continual, the reset policy's check and its LII losses (``process``; a batched sweep
-        of backprop-free runs calls it for each run)."""
+        of backprop-free runs calls it for each run, ``losses_ahead`` false: it computes the
+        runs' LII losses together)."""
         info = self.info = info or UttInfo(position=self.t)
         x = self.lobe.prepare(wav)
         try:
@@ -250,7 +252,8 @@ class TTAMethod:
                 self.reset()
             else:
                 self._policy_before(self.t + 1, info)
-                self._losses_ahead(self.t + 1, x)
+                if losses_ahead:
+                    self._losses_ahead(self.t + 1, x)
         except BaseException:
             self.features.clear()
             raise

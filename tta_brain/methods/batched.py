@@ -50,7 +50,7 @@ from tta_brain.methods.tent import Tent
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdamRows", "BatchedSUTA", "RunView", "POLICIES"]
+__all__ = ["AdamRows", "BatchedSUTA", "RunView", "POLICIES", "lii_testers"]
 
 POLICIES = (NoReset, FixedReset, OracleReset, DynamicReset)
 
@@ -134,6 +134,17 @@ def train_mode_blocker(m) -> Optional[str]:
     return (f"train_mode (this model draws in train mode: {', '.join(draws)}; a batch cannot "
             f"draw each run's as its separate run does: set train_mode false or run them "
             f"separately)" if draws else None)
+
+
+def lii_testers(runs: Sequence) -> list:
+    """The continual runs (views, or built methods) whose reset policy computes an LII after
+    this utterance; each counted its two policy passes, as a separate run counts its losses
+    computed ahead."""
+    want = [v for v in runs if not v.episodic and v.reset_policy is not None
+            and v.reset_policy.needs_lii(v.t + 1)]
+    for v in want:
+        v.counts["aux_forward"] += 2
+    return want
 
 
 def check_runs(batch, methods):
@@ -732,12 +743,9 @@ class BatchedSUTA:
         adaptation (phi_D, the source and x are all they depend on), read with the transcripts
         (``loss_with`` answers from them). Counted here, as a separate run counts its losses
         ahead: two forwards each, also where a recovery (SAR) then resets the run before its LII."""
-        want = [v for v in views if not v.episodic and v.reset_policy is not None
-                and v.reset_policy.needs_lii(v.t + 1)]
+        want = lii_testers(views)
         if not want:
             return
-        for v in want:
-            v.counts["aux_forward"] += 2
         rows = torch.stack([self.flat(v.reset_policy.phi_D) for v in want] + [self.source])
         logits = self.lii_forward(rows, x)
         n = self.frames_of(self.samples)

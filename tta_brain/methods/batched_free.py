@@ -7,7 +7,9 @@ A backprop-free method never changes the model and keeps what it learns on the h
 its T-EMA, the best prompt, T3A's supports), so a run here is its own built method, moved onto the
 batch's model (``FreeMethod.share_model``); :class:`FreeView` is the run as its Brain sees it. Per
 utterance, for the runs at it: each run's ``begin`` (episodic: its reset; continual: its policy's
-check and LII losses), the prefix once (``FreeMethod.prefix`` reads no setting of a run), then
+check), the prefix once (``FreeMethod.prefix`` reads no setting of a run), the LII losses of the
+runs whose dynamic reset tests after the utterance (from that prefix; CMA-ES methods: each run's
+phi_D and start as two candidates, all runs in one forward), then
 
 * CMA-ES methods (``foa``, ``ebats``): the runs' ``search`` generators in lock-step; at each
   generation the candidates of the runs still searching (E-BATS stops a run early on its own)
@@ -26,7 +28,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from tta_brain.methods.batched import RunView, check_runs, run_blocker
+from tta_brain.methods.batched import RunView, check_runs, lii_testers, run_blocker
 from tta_brain.methods.ebats import EBATS
 from tta_brain.methods.foa import FOA
 from tta_brain.methods.free import FreeMethod
@@ -115,14 +117,16 @@ class BatchedFree:
         self.population = type(first).candidates_forward is not FreeMethod.candidates_forward
         self.population_batch = first.population_batch
         self.views = [FreeView(self, r, m) for r, m in enumerate(methods)]
-        self.stats = {"forwards": 0, "candidates": 0}
+        self.stats = {"forwards": 0, "candidates": 0, "lii_losses": 0, "lii_forwards": 0}
         self.serving = nullcontext          # as BatchedSUTA's: run r's records, its log alone
 
     def work(self) -> str:
         """What the batch's candidate forwards came to (the sweep logs it at the end)."""
         f, c = self.stats["forwards"], self.stats["candidates"]
+        n, k = self.stats["lii_losses"], self.stats["lii_forwards"]
         return (f"{c} candidates in {f} forwards ({c / f:.1f} per forward)" if f else
-                "no candidate forwards (the runs share each utterance's whole pass)")
+                "no candidate forwards (the runs share each utterance's whole pass)") + (
+            f"; dynamic-reset LII losses: {n} in {k} forwards" if n else "")
 
     @torch.no_grad()
     def process(self, runs: List[int], wav: torch.Tensor, info) -> None:
@@ -130,9 +134,10 @@ class BatchedFree:
         of each, their adaptations batched."""
         ms = [self.runs[r] for r in runs]
         try:
-            x = [self._as(r, m.begin, wav, info) for r, m in zip(runs, ms)][0]   # the same input
+            x = [self._as(r, m.begin, wav, info, False) for r, m in zip(runs, ms)][0]  # one input
             with ms[0].runtime.autocast(self.lobe.device.type):
                 ctx = ms[0].prefix(x)
+                self.lii_ahead(ms, ctx)
                 logits = (self.search(ms, x, ctx) if self.population
                           else [m.adapt(x, ctx) for m in ms])
                 hyps = [self.lobe.decode(lg)[0] for lg in logits]
@@ -149,6 +154,25 @@ class BatchedFree:
         """``fn(*args)`` of run ``r``, its records logged as run r's (:attr:`serving`)."""
         with self.serving(r):
             return fn(*args)
+
+    def lii_ahead(self, ms: List[FreeMethod], ctx) -> None:
+        """For the continual runs whose reset policy computes an LII after this utterance: their
+        losses at their phi_D and at the start (``loss_with`` answers from them), from the
+        utterance's one prefix; CMA-ES methods' as two candidates per run in one forward (a
+        separate run: a prefix and a forward per loss). Counted as a separate run counts them."""
+        want = lii_testers(ms)
+        if not want:
+            return
+        self.stats["lii_losses"] += 2 * len(want)
+        if not self.population:                         # the prefix is the whole pass
+            for m in want:
+                m.early_losses = {"phi_D": m.loss_at(ctx, m.reset_policy.phi_D),
+                                  "source": m.loss_at(ctx, None)}
+            return
+        cands = [np.stack([m.lii_candidate(m.reset_policy.phi_D), m.lii_candidate(None)])
+                 for m in want]
+        for m, (fit, _) in zip(want, self.evaluate(want, ctx, cands, lii=True)):
+            m.early_losses = {"phi_D": fit[0], "source": fit[1]}
 
     def search(self, ms: List[FreeMethod], x: torch.Tensor, ctx) -> List[torch.Tensor]:
         """The runs' searches in lock-step; each run's transcript logits ``[1, F, V]``."""
@@ -170,20 +194,24 @@ class BatchedFree:
                 advance(j, answer)
         return logits
 
-    def evaluate(self, ms: List[FreeMethod], ctx, cands) -> List[tuple]:
+    def evaluate(self, ms: List[FreeMethod], ctx, cands, lii: bool = False) -> List[tuple]:
         """The candidates of the runs ``ms`` (one array each) as one forward (or
-        ``population_batch`` per run at a time); each run's ``(fitness, [logits])``."""
+        ``population_batch`` per run at a time); each run's ``(fitness, [logits])``. ``lii``:
+        the reset policies' candidates (counted by :meth:`lii_ahead`, not in :meth:`work`)."""
         arrays = [np.asarray(c) for c in cands]
         z = torch.as_tensor(np.concatenate(arrays), dtype=torch.float32, device=self.lobe.device)
         step = self.population_batch * len(ms) or len(z)
         parts = [ms[0].candidates_forward(ctx, z[i:i + step]) for i in range(0, len(z), step)]
         out = parts[0] if len(parts) == 1 else _cat(parts)
-        self.stats["forwards"] += len(parts)
-        self.stats["candidates"] += len(z)
+        if lii:
+            self.stats["lii_forwards"] += len(parts)
+        else:
+            self.stats["forwards"] += len(parts)
+            self.stats["candidates"] += len(z)
         answers, a = [], 0
         for m, arr in zip(ms, arrays):
             fit, logits = m.score(_rows(out, a, a + len(arr)))
-            m.counts["adapt_forward"] += len(arr)
+            m.counts["adapt_forward"] += 0 if lii else len(arr)
             answers.append((fit, [logits]))
             a += len(arr)
         return answers

@@ -22,7 +22,7 @@ its prefix and candidates' forward read no setting of the run, a batched sweep
 forward of all their candidates, each run's own ``score``.
 The carried state (``free_state``) is saved with the checkpoint; ``reset()`` goes back to
 ``initial_state()``. For the dynamic reset policy, the carried state is ``meta_values()`` and
-``loss_tensor(values, x)`` the method's fitness with it.
+``loss_at(prefix(x), values)`` the method's fitness with it (``loss_tensor(values, x)``, counted).
 
 Counts: ``adapt_forward`` = candidates evaluated (one per candidate, batched or not),
 ``aux_forward`` = policy passes, ``infer_forward`` = passes for a transcript alone.
@@ -184,13 +184,24 @@ class FreeMethod(TTAMethod):
 
     @torch.no_grad()
     def loss_tensor(self, values: Optional[Sequence[torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-        """Fitness of ``x`` at the carried state ``values`` (None: zero, where the search starts)."""
-        if values is None:
-            values = [torch.zeros_like(self.meta_values()[0])]
+        """The reset policy's loss of ``x`` at the carried state ``values`` (a policy pass,
+        counted): :meth:`loss_at` of its prefix."""
         self.counts["aux_forward"] += 1
-        z = values[0].reshape(1, -1).to(self.lobe.device)
         with self.runtime.autocast(self.lobe.device.type):
-            return torch.as_tensor(self.evaluate(self.prefix(x), z)[0][0])
+            return self.loss_at(self.prefix(x), values)
+
+    def loss_at(self, ctx, values: Optional[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """The loss of the utterance whose prefix is ``ctx`` at the carried state ``values``:
+        here the fitness of candidate :meth:`lii_candidate` (``values``)."""
+        z = torch.as_tensor(self.lii_candidate(values)[None], device=self.lobe.device)
+        return torch.as_tensor(self.evaluate(ctx, z)[0][0])
+
+    def lii_candidate(self, values: Optional[Sequence[torch.Tensor]]) -> np.ndarray:
+        """The candidate ``[D]`` (float32) that is the carried state ``values`` (None: zero,
+        where the search starts)."""
+        if values is None:
+            return np.zeros(self.meta_values()[0].numel(), dtype=np.float32)
+        return values[0].detach().reshape(-1).cpu().numpy().astype(np.float32)
 
     def state_dict(self) -> Dict:
         sd = super().state_dict()

@@ -82,11 +82,9 @@ class T3A(FreeMethod):
         self.supports, self.labels, self.ent = self.supports[keep], self.labels[keep], self.ent[keep]
         return self.classify(hidden, self.meta_values()[0])
 
-    @torch.no_grad()
-    def loss_tensor(self, values, x):
-        """SUTA loss of ``x`` under the prototypes ``values`` (None: the head's own rows)."""
-        self.counts["aux_forward"] += 1
-        hidden = self.pf.hidden(x)[3]
-        logits = self.classify(hidden, self.W if values is None else values[0])
+    def loss_at(self, ctx, values):
+        """SUTA loss of the utterance (its full pass ``ctx``) under the prototypes ``values``
+        (None: the head's own rows)."""
+        logits = self.classify(ctx[3], self.W if values is None else values[0])
         return losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
                                 blank_id=self.blank_id).mean()
