@@ -17,7 +17,8 @@ CEA's second stage; SGEM's lr_min, Renyi alpha, negative sampling, beam width an
 weights; AWMC's leader EMA). A method's ``train_mode`` is batched only on a model whose train mode
 draws nothing (no dropout, LayerDrop, SpecAugment or batch norm: ``HFCTCLobe.train_draws``).
 The backprop-free ``lame``, ``t3a``, ``foa`` and ``ebats`` run as one batch too
-(``tta_brain.methods.batched_free``: one prefix, the runs' CMA-ES candidates in one forward);
+(``tta_brain.methods.batched_free``: one prefix, the runs' CMA-ES candidates in one forward, the
+dynamic resets' LII losses from that prefix);
 their runs may differ in their search and fitness settings (the CMA-ES seed, population, sigma,
 generations and early stop, the loss weights, T-EMA and covariance ratio; FOA's shift; LAME's
 graph; T3A's filter). Anything else (another method, another
