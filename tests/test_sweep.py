@@ -300,6 +300,20 @@ def test_batched_runs_equal_separate_runs(data, tmp_path, method, cfgs, capsys):
     assert stamps == {o: (o / "transcripts.csv").stat().st_mtime_ns for o in outs}
 
 
+def test_help_is_help(data, tmp_path, capsys):
+    """``--help`` alone: what a sweep is (exit 0); a run's ``--help``: decode's help for its
+    method; nothing written either way."""
+    assert sweep.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("A batched sweep: R decode runs")
+    out = tmp_path / "a"
+    assert sweep.main([*args(data, out), "--", "tent", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m tta_brain.decode") and "--lr " in text
+    assert not out.exists()
+    with pytest.raises(SystemExit, match="--help: what a sweep does"):
+        sweep.main([])
+
+
 def test_sweep_logs_each_run_as_a_separate_run_logs_it(data, tmp_path):
     """Each process's first run folder once got SpeechBrain's pip freeze in its log.txt and the
     others did not; now every log.txt opens alike (a sweep's two runs and a separate decode, each a

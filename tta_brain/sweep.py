@@ -298,8 +298,16 @@ def main(argv=None) -> int:
             cur = []
         else:
             cur.append(a)
+    if [a for a in argv if a != "--"] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if not groups:
-        raise SystemExit("usage: python -m tta_brain.sweep <decode args> -- <decode args> ...")
+        raise SystemExit("usage: python -m tta_brain.sweep <decode args> -- <decode args> ... "
+                         "(--help: what a sweep does; <method> --help: the method's options)")
+    asked = [g for g in groups if "-h" in g or "--help" in g]
+    if asked:                       # a run's arguments are decode's: its help for that method
+        decode.main(asked[0])
+        return 0
     try:
         run(groups)
     except Refused as e:
