@@ -191,16 +191,19 @@ def _graph_line(folder) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=4)
-    p.add_argument("--n_utts", type=int, default=6)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--seconds", type=float, default=2.0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--runs", type=int, default=4, help="runs in the sweep (default 4)")
+    p.add_argument("--n_utts", type=int, default=6, help="utterances of the stream (default 6)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="steps per utterance of the gradient methods (default 10)")
+    p.add_argument("--seconds", type=float, default=2.0,
+                   help="mean utterance length in seconds (each 0.9-1.1x; default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--method", default="suta",
                    choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta", "cea",
-                            "sgem", "sdpl", "awmc") + FREE)
-    p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"))
-    p.add_argument("--json", default="")
+                            "sgem", "sdpl", "awmc") + FREE, help="the swept method")
+    p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"),
+                   help="every run's reset policy (not for " + ", ".join(NO_POLICY) + ")")
+    p.add_argument("--json", default="", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     res = cpu_bench(a.runs, a.n_utts, a.steps, a.seconds, a.threads, method=a.method,
                     reset=a.reset)
