@@ -18,12 +18,15 @@ import copy
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
 from functools import partial
 
 import pytest
 import torch
 
-from conftest import max_diff
+from conftest import ROOT, max_diff
 from fake_graphs import FakeBackend
 from tta_brain.gpu import DeviceStep, HostStep, graphs, guard, make_step, step_blocker
 from tta_brain.lobes.hf_ctc import HFCTCLobe
@@ -963,6 +966,44 @@ def test_gpu_check_arguments():
     assert smoke.sections == list(gc.SECTIONS) and smoke.device == "cpu"
     assert set(gc.COST) == set(gc.SECTIONS)
     assert "rm -rf .site; pip install --no-index --no-deps --target .site .whl/*.whl" in gc.__doc__
+
+
+WHEELS = os.path.join(ROOT, "tools", "gpu_wheels.sh")
+
+
+def test_gpu_wheels_help_and_refusal(tmp_path):
+    """``--help`` says what it does; a folder that already holds wheels is refused in one line
+    (the GPU machine installs every wheel in it), and nothing is downloaded."""
+    res = subprocess.run(["bash", WHEELS, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "CPython" not in res.stderr
+    assert res.stdout.startswith("Wheels for a lent GPU machine") and "--target .site" in res.stdout
+    (tmp_path / "old-1.0-py3-none-any.whl").write_text("x")
+    res = subprocess.run(["bash", WHEELS, str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert f"{tmp_path} already holds wheels" in res.stderr
+    assert os.listdir(tmp_path) == ["old-1.0-py3-none-any.whl"]
+
+
+@pytest.mark.slow
+def test_gpu_wheels_are_the_gpu_pythons_and_pinned_here(tmp_path):
+    """The wheels are CPython 3.12's (this machine may run another Python), each at the version
+    installed here (transformers 4.57 refuses the newest huggingface_hub at import)."""
+    from importlib.metadata import version
+    probe = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                            "-d", str(tmp_path / "probe"), f"cma=={version('cma')}"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode:
+        pytest.skip(f"no package index reachable: {probe.stderr.strip()[-200:]}")
+    out = tmp_path / "whl"
+    res = subprocess.run(["bash", WHEELS, str(out)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "for CPython 3.12" in res.stdout
+    names = os.listdir(out)
+    for name in ("transformers", "huggingface_hub", "tokenizers", "speechbrain", "cma"):
+        assert any(n.lower().startswith(f"{name}-{version(name)}-") for n in names), (name, names)
+    compiled = [n for n in names if n.startswith(("rapidfuzz-", "ruamel_yaml_clib-", "cffi-"))]
+    assert len(compiled) == 3 and all("-cp312-" in n for n in compiled), compiled
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal without CUDA")

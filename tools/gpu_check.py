@@ -72,23 +72,22 @@ each took on an H100 on 2026-11-26, plus guesses for what the length buckets add
 with a tiny model and a few utterances (no figures: the script's own test, tests/test_gpu.py).
 
 Recipe for a fresh GPU machine with torch 2.11 + CUDA but none of our other packages and no
-network. Here (with network), put the wheels into ``.whl/``::
-
-    pip download --no-deps -d .whl speechbrain==1.1.2 hyperpyyaml==1.2.3 jiwer rapidfuzz \\
-        ruamel.yaml ruamel.yaml.clib transformers==4.57.6 tokenizers huggingface_hub soundfile \\
-        cffi pycparser espeakng-loader submitit cloudpickle cma
-
+network. Here (with network), put the wheels into ``.whl/``: ``bash tools/gpu_wheels.sh`` downloads
+the CPython 3.12 wheels (the GPU machine's Python, not necessarily this one's) of what we import
+beyond torch, the test runner included, each pinned to the version installed here, and checks that
+pip would install them on that Python;
 then carry ``.whl`` along and, on the GPU machine, in the repository root (into an empty
 ``.site``: reinstalling over an earlier one left it without some modules)::
 
     rm -rf .site; pip install --no-index --no-deps --target .site .whl/*.whl
     PYTHONPATH=.site:. python tools/gpu_check.py --out $OUT
 
-(The imports also need numpy, PyYAML, regex, safetensors, tqdm, requests, packaging, joblib,
-scipy, sentencepiece and torchaudio, usually present next to torch; the check names any missing
+(The imports also need numpy, PyYAML, regex, safetensors, tqdm, packaging, filelock, fsspec,
+joblib, scipy, sentencepiece and torchaudio, present next to torch and the machine's own
+transformers; the check names any missing
 module in one line and stops.) Without a CUDA device it refuses with one line (exit status 2).
 The CUDA-only tests (captured vs eager steps, no sync, the batched sweep on the GPU) run with
-pytest (add ``pytest pluggy iniconfig`` to the wheels where it is missing)::
+pytest (its wheels are among them)::
 
     PYTHONPATH=.site:. python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
         tests/test_sweep.py -k cuda
