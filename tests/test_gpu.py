@@ -1006,6 +1006,35 @@ def test_gpu_wheels_are_the_gpu_pythons_and_pinned_here(tmp_path):
     assert len(compiled) == 3 and all("-cp312-" in n for n in compiled), compiled
 
 
+SESSION = os.path.join(ROOT, "tools", "gpu_session.sh")
+
+
+def test_gpu_session_without_wheels_says_how_to_make_them(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    res = subprocess.run(["bash", SESSION], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 3 and res.stdout == "" and res.stderr.count("\n") == 1
+    assert "no wheels in .whl: run 'bash tools/gpu_wheels.sh'" in res.stderr
+    res = subprocess.run(["bash", SESSION, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith("One call on a lent GPU machine")
+
+
+@pytest.mark.slow
+def test_gpu_session_smoke_runs_the_check_and_collects_the_cuda_tests(tmp_path):
+    """The one-call script's plumbing on CPU: the machine described, two sections of the check
+    (its --cpu_smoke), the CUDA tests collected; every log under $OUT."""
+    out = tmp_path / "out"
+    res = subprocess.run(["bash", SESSION, "--smoke"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, OUT=str(out)), timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "| torch " in (out / "machine.txt").read_text()
+    report = json.loads((out / "check" / "gpu_check.json").read_text())
+    assert report["status"] == {"transcripts": "done", "sweep": "done"}
+    collected = (out / "tests.log").read_text()
+    assert "test_captured_batch_on_cuda_gives_the_eager_batchs_results" in collected
+    assert "check exit 0, tests exit 0" in res.stdout
+
+
 @pytest.mark.skipif(CUDA, reason="checks the refusal without CUDA")
 def test_gpu_check_refuses_without_cuda_in_one_line(tmp_path, capsys):
     gc = _gpu_check()

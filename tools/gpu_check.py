@@ -91,6 +91,10 @@ pytest (its wheels are among them)::
 
     PYTHONPATH=.site:. python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
         tests/test_sweep.py -k cuda
+
+``bash tools/gpu_session.sh`` does all three in one device call (the check within
+``--budget_s``, default 240 s, the tests within ``--tests_s``, logs under ``$OUT``), sized to leave
+a session's device time room for a rerun; ``--smoke`` runs its plumbing on the CPU.
 """
 import argparse
 import importlib

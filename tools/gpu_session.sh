@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine, run in the repository root: the carried wheels into a fresh
+# .site, the machine described, tools/gpu_check.py within a budget, then the CUDA-only tests
+# (tests/test_gpu.py, tests/test_sweep.py -k cuda). Every log goes under $OUT (default
+# gpu_session_out); the summary goes to stdout; the exit status is 0 only if both passed.
+#
+#   bash tools/gpu_session.sh [--budget_s S] [--tests_s T] [--smoke] [gpu_check options ...]
+#
+# Here first: bash tools/gpu_wheels.sh (the call then carries ".whl"). The defaults (check 240 s,
+# tests 150 s, about 7 minutes with the install) leave a session's 15 device minutes room for a
+# rerun after the machine's start. --smoke: on this machine's CPU (the check's --cpu_smoke on two
+# sections, the CUDA tests collected, not run; the installed packages, no .site).
+set -uo pipefail
+
+budget=240 tests_s=150 smoke=0 check_opts=()
+while (($#)); do
+  case "$1" in
+    --budget_s) budget=$2; shift 2 ;;
+    --tests_s) tests_s=$2; shift 2 ;;
+    --smoke) smoke=1; shift ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) check_opts+=("$1"); shift ;;
+  esac
+done
+out=${OUT:-gpu_session_out}
+mkdir -p "$out"
+log() { echo "gpu_session: $*"; }
+start=$(date +%s)
+
+if ((smoke)); then
+  py=(python)
+else
+  if ! compgen -G ".whl/*.whl" > /dev/null; then
+    log "no wheels in .whl: run 'bash tools/gpu_wheels.sh' on the development machine and carry" \
+        "\".whl\" with the call" >&2
+    exit 3
+  fi
+  rm -rf .site                          # an install over an earlier one lost modules once
+  if ! pip install -q --no-index --no-deps --target .site .whl/*.whl > "$out/install.log" 2>&1
+  then
+    log "installing .whl failed (see $out/install.log):" >&2
+    tail -3 "$out/install.log" >&2
+    exit 3
+  fi
+  export PYTHONPATH=".site:.${PYTHONPATH:+:$PYTHONPATH}"
+  py=(python)
+fi
+
+{
+  date -u
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv 2>&1 || true
+  "${py[@]}" -c 'import sys, torch, numpy, transformers, speechbrain
+print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda,
+      "| numpy", numpy.__version__, "| transformers", transformers.__version__,
+      "| speechbrain", speechbrain.__version__)' 2>&1
+} > "$out/machine.txt"
+cat "$out/machine.txt"
+
+check=(tools/gpu_check.py --out "$out/check" --budget_s "$budget")
+((smoke)) && check+=(--cpu_smoke --sections transcripts,sweep)
+log "check: ${check[*]} ${check_opts[*]}"
+timeout $((${budget%.*} + 120)) "${py[@]}" "${check[@]}" "${check_opts[@]}" \
+  > "$out/check.log" 2>&1
+check_rc=$?
+tail -n 60 "$out/check.log"
+
+tests=(-m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sweep.py -k cuda -rfE
+       --durations=5)
+((smoke)) && tests+=(--collect-only)
+log "tests: ${tests[*]}"
+timeout "$tests_s" "${py[@]}" "${tests[@]}" > "$out/tests.log" 2>&1
+tests_rc=$?
+tail -n 15 "$out/tests.log"
+
+log "check exit $check_rc, tests exit $tests_rc (124: over its time), $(($(date +%s) - start)) s;" \
+    "logs in $out"
+((check_rc == 0 && tests_rc == 0))
