@@ -6,10 +6,13 @@
 #
 #   bash tools/gpu_session.sh [--budget_s S] [--tests_s T] [--smoke] [gpu_check options ...]
 #
-# Here first: bash tools/gpu_wheels.sh (the call then carries ".whl"). The defaults (check 240 s,
-# tests 150 s, about 7 minutes with the install) leave a session's 15 device minutes room for a
-# rerun after the machine's start. --smoke: on this machine's CPU (the check's --cpu_smoke on two
-# sections, the CUDA tests collected, not run; the installed packages, no .site).
+# Here first: bash tools/gpu_wheels.sh, and for the check's side by side with the official code
+# its src/, config/ and vocab.json in .official/Dynamic-SUTA (e.g. `git archive HEAD src config
+# vocab.json` of a fetched hhhaaahhhaa/Dynamic-SUTA); the call carries ".whl" and ".official"
+# (both ignored by git). The defaults (check 240 s: its first three default sections; tests
+# 150 s; about 7 minutes with the install) leave a session's 15 device minutes, after the
+# machine's start, room to rerun one section (--sections). --smoke: on this machine's CPU (the
+# check's --cpu_smoke on two sections, the CUDA tests collected, not run; no .site).
 set -uo pipefail
 
 budget=240 tests_s=150 smoke=0 check_opts=()
@@ -18,7 +21,7 @@ while (($#)); do
     --budget_s) budget=$2; shift 2 ;;
     --tests_s) tests_s=$2; shift 2 ;;
     --smoke) smoke=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) check_opts+=("$1"); shift ;;
   esac
 done
