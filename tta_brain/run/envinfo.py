@@ -1,6 +1,7 @@
 """What a run ran on: library versions (summary.json, log.txt, env.log) and the machine (the
 RESULTS.md environment block). The one place that asks."""
 import datetime as _dt
+import logging
 import os
 import platform
 import shutil
@@ -28,12 +29,11 @@ _INSTALLED: Optional[str] = None
 
 def installed_packages() -> str:
     """SpeechBrain's description of the environment (Python, ``pip freeze``, git, CUDA): the head
-    of every run's env.log (log.txt names env.log, not the freeze). Asked once per process (the freeze takes about 0.5 s; a batched sweep
-    or a grid worker opens many run folders, and the installed packages do not change under
-    it)."""
+    of every run's env.log (log.txt names env.log, not the freeze). Asked once per process (the
+    freeze takes about 0.5 s; a batched sweep or a grid worker opens many run folders, and the
+    installed packages do not change under it)."""
     global _INSTALLED
     if _INSTALLED is None:
-        import logging
         from speechbrain.utils.logger import get_environment_description
         # SpeechBrain's shell helper also logs the whole freeze at DEBUG: into the log.txt of
         # whichever run folder is open first, and of no other; env.log holds it for every run
