@@ -74,22 +74,22 @@ with a tiny model and a few utterances (no figures: the script's own test, tests
 Recipe for a fresh GPU machine with torch 2.11 + CUDA but none of our other packages and no
 network. Here (with network), put the wheels into ``.whl/``: ``bash tools/gpu_wheels.sh`` downloads
 the CPython 3.12 wheels (the GPU machine's Python, not necessarily this one's) of what we import
-beyond torch, the test runner included, each pinned to the version installed here, and checks that
-pip would install them on that Python;
+that the GPU image lacks or holds in versions we cannot use (its transformers 5.x), each pinned to
+the version installed here, and checks that pip would install them on that Python;
 then carry ``.whl`` along and, on the GPU machine, in the repository root (into an empty
 ``.site``: reinstalling over an earlier one left it without some modules)::
 
-    rm -rf .site; pip install --no-index --no-deps --target .site .whl/*.whl
-    PYTHONPATH=.site:. python tools/gpu_check.py --out $OUT
+    rm -rf .site; python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
+    PYTHONPATH=.site:. python3 tools/gpu_check.py --out $OUT
 
 (The imports also need numpy, PyYAML, regex, safetensors, tqdm, packaging, filelock, fsspec,
-joblib, scipy, sentencepiece and torchaudio, present next to torch and the machine's own
-transformers; the check names any missing
+requests, click, cloudpickle, joblib, scipy, sentencepiece and torchaudio, which the image holds;
+the check names any missing
 module in one line and stops.) Without a CUDA device it refuses with one line (exit status 2).
 The CUDA-only tests (captured vs eager steps, no sync, the batched sweep on the GPU) run with
-pytest (its wheels are among them)::
+the image's pytest::
 
-    PYTHONPATH=.site:. python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+    PYTHONPATH=.site:. python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
         tests/test_sweep.py -k cuda
 
 ``bash tools/gpu_session.sh`` does all three in one device call (the check within
@@ -206,7 +206,7 @@ def preflight(device: str):
             missing.append(mod)
     if missing:
         return (f"missing module(s) {', '.join(missing)}: install the wheels first (see the "
-                f"docstring: pip install --no-index --no-deps --target .site .whl/*.whl; "
+                f"docstring: python3 -m pip install --no-index --no-deps --target .site .whl/*.whl; "
                 f"PYTHONPATH=.site:.)")
     return None
 

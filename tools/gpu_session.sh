@@ -39,14 +39,14 @@ else
     exit 3
   fi
   rm -rf .site                          # an install over an earlier one lost modules once
-  if ! pip install -q --no-index --no-deps --target .site .whl/*.whl > "$out/install.log" 2>&1
-  then
+  if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target .site .whl/*.whl > "$out/install.log" 2>&1; then
     log "installing .whl failed (see $out/install.log):" >&2
     tail -3 "$out/install.log" >&2
     exit 3
   fi
   export PYTHONPATH=".site:.${PYTHONPATH:+:$PYTHONPATH}"
-  py=(python)
+  py=(python3)                          # the image's interpreter (its venv's python3)
 fi
 
 {

@@ -8,21 +8,22 @@
 #
 #   bash tools/gpu_wheels.sh [dest]          (PYVER=3.12 by default)
 #
-# On the GPU machine:  rm -rf .site; pip install --no-index --no-deps --target .site .whl/*.whl
+# On the GPU machine: bash tools/gpu_session.sh (it installs them into a fresh .site)
 set -euo pipefail
 
 dest=${1:-.whl}
 pyver=${PYVER:-3.12}
 case "${1:-}" in -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 
-# the project's run-time imports beyond torch/torchaudio/numpy, the test runner (pytest 9 and
-# what it imports), and requests
-# (huggingface_hub 0.x needs it; the machine's 1.x does not, so it may be missing there)
+# what tta-brain imports beyond what the GPU image holds (its package list: the device tool's
+# KINDS.md; it has torch, torchaudio, numpy, scipy, pytest, requests, pyyaml, regex, safetensors,
+# sentencepiece, tqdm, click, cloudpickle), plus what must shadow the image's own versions
+# (transformers 5.x, huggingface_hub 1.x, tokenizers 0.23.2: transformers 4.57 refuses the last
+# two). One version of each: the image's is left alone where ours is not needed. Not carried:
+# espeakng-loader (10 MB; only the synthetic corpus's text-to-speech imports it).
 packages=(speechbrain hyperpyyaml ruamel.yaml ruamel.yaml.clib jiwer rapidfuzz transformers
-          tokenizers huggingface_hub soundfile cffi pycparser espeakng-loader submitit
-          cloudpickle cma pytest pluggy iniconfig pygments requests urllib3 idna certifi
-          charset-normalizer)
-mapfile -t pins < <(python - "${packages[@]}" <<'EOF'
+          tokenizers huggingface_hub soundfile cffi pycparser submitit cma)
+listed=$(python - "${packages[@]}" <<'EOF'
 import sys
 from importlib.metadata import PackageNotFoundError, version
 for name in sys.argv[1:]:
@@ -33,9 +34,11 @@ for name in sys.argv[1:]:
                  f"(README: Setup)")
 EOF
 )
+mapfile -t pins <<< "$listed"
 platform=(--python-version "$pyver" --implementation cp --only-binary=:all:
-          --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
-          --platform manylinux_2_28_x86_64)
+          --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+          --platform manylinux1_x86_64)
 if compgen -G "$dest/*.whl" > /dev/null; then      # the GPU machine installs every wheel there
   echo "gpu_wheels.sh: $dest already holds wheels: remove them first (or name another folder)" >&2
   exit 2
@@ -51,10 +54,10 @@ if top=$(git -C "$dest" rev-parse --show-toplevel 2>/dev/null) \
   echo "/$rel/" >> "$exclude"
   echo "gpu_wheels.sh: /$rel/ added to $top's .git/info/exclude (carry it: \"$rel\")"
 fi
-pip download -q --no-deps "${platform[@]}" -d "$dest" "${pins[@]}"
+python -m pip download -q --no-deps "${platform[@]}" -d "$dest" "${pins[@]}"
 # every pin resolvable from <dest> alone for the target's tags, without touching this Python
 check=$(mktemp -d)
 trap 'rm -rf "$check"' EXIT
-pip install -q --dry-run --no-index --find-links "$dest" --no-deps "${platform[@]}" \
+python -m pip install -q --dry-run --no-index --find-links "$dest" --no-deps "${platform[@]}" \
   --target "$check/site" "${pins[@]}"
 echo "gpu_wheels.sh: ${#pins[@]} wheels for CPython $pyver in $dest (pinned to this environment)"
