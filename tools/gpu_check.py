@@ -205,9 +205,9 @@ def preflight(device: str):
         except Exception:                       # noqa: BLE001 - name it, whatever broke
             missing.append(mod)
     if missing:
-        return (f"missing module(s) {', '.join(missing)}: install the wheels first (see the "
-                f"docstring: python3 -m pip install --no-index --no-deps --target .site .whl/*.whl; "
-                f"PYTHONPATH=.site:.)")
+        return (f"missing module(s) {', '.join(missing)}: install the wheels first (bash "
+                f"tools/gpu_session.sh does; by hand: python3 -m pip install --no-index "
+                f"--no-deps --target .site .whl/*.whl; PYTHONPATH=.site:.)")
     return None
 
 
