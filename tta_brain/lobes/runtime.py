@@ -49,8 +49,9 @@ class Runtime:
         (suta, csuta, dsuta, tent, eata, sar, cea) are captured as CUDA graphs wherever that is
         exact (fp32, no ``compile``, no train mode that draws dropout, LayerDrop, SpecAugment or
         batch statistics: ``tta_brain.gpu.train_draws``) and replayed for the utterance's
-        remaining steps, with the finiteness check on the device and torch's fused AdamW (no host sync inside a step;
-        rounding differs from the host step's ``foreach`` AdamW); elsewhere the host step.
+        remaining steps, with the finiteness check on the device and torch's fused AdamW (no
+        host sync inside a step; rounding differs from the host step's ``foreach`` AdamW);
+        elsewhere the host step.
         ``on``: the same, and says why where it cannot capture; ``off``: never captured. The first
         ``cuda_graph_warmup`` steps of a new length run eagerly (and 3 in all before the first
         capture); they are real steps, so an utterance still gets N. A batched sweep's step

@@ -23,7 +23,7 @@ the separate runs' (a candidate's forward differs from its separate run's only i
 rides in, by last bits; the CMA-ES ranks and early stops came out the same in the tests).
 """
 from contextlib import nullcontext
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -171,7 +171,9 @@ class BatchedFree:
             return
         cands = [np.stack([m.lii_candidate(m.reset_policy.phi_D), m.lii_candidate(None)])
                  for m in want]
-        for m, (fit, _) in zip(want, self.evaluate(want, ctx, cands, lii=True)):
+        answers, forwards = self.evaluate(want, ctx, cands)
+        self.stats["lii_forwards"] += forwards
+        for m, (fit, _) in zip(want, answers):
             m.early_losses = {"phi_D": fit[0], "source": fit[1]}
 
     def search(self, ms: List[FreeMethod], x: torch.Tensor, ctx) -> List[torch.Tensor]:
@@ -190,28 +192,27 @@ class BatchedFree:
             advance(j, None)
         while asked:
             js = sorted(asked)
-            for j, answer in zip(js, self.evaluate([ms[j] for j in js], ctx, [asked[j] for j in js])):
+            now, cands = [ms[j] for j in js], [np.asarray(asked[j]) for j in js]
+            answers, forwards = self.evaluate(now, ctx, cands)
+            self.stats["forwards"] += forwards
+            self.stats["candidates"] += sum(len(c) for c in cands)
+            for j, m, c, answer in zip(js, now, cands, answers):
+                m.counts["adapt_forward"] += len(c)
                 advance(j, answer)
         return logits
 
-    def evaluate(self, ms: List[FreeMethod], ctx, cands, lii: bool = False) -> List[tuple]:
+    def evaluate(self, ms: List[FreeMethod], ctx, cands) -> Tuple[List[tuple], int]:
         """The candidates of the runs ``ms`` (one array each) as one forward (or
-        ``population_batch`` per run at a time); each run's ``(fitness, [logits])``. ``lii``:
-        the reset policies' candidates (counted by :meth:`lii_ahead`, not in :meth:`work`)."""
+        ``population_batch`` per run at a time): each run's ``(fitness, [logits])``, and how
+        many forwards that took (the callers count them)."""
         arrays = [np.asarray(c) for c in cands]
         z = torch.as_tensor(np.concatenate(arrays), dtype=torch.float32, device=self.lobe.device)
         step = self.population_batch * len(ms) or len(z)
         parts = [ms[0].candidates_forward(ctx, z[i:i + step]) for i in range(0, len(z), step)]
         out = parts[0] if len(parts) == 1 else _cat(parts)
-        if lii:
-            self.stats["lii_forwards"] += len(parts)
-        else:
-            self.stats["forwards"] += len(parts)
-            self.stats["candidates"] += len(z)
         answers, a = [], 0
         for m, arr in zip(ms, arrays):
             fit, logits = m.score(_rows(out, a, a + len(arr)))
-            m.counts["adapt_forward"] += 0 if lii else len(arr)
             answers.append((fit, [logits]))
             a += len(arr)
-        return answers
+        return answers, len(parts)
