@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine, run in the repository root: the carried wheels into a fresh
-# .site, the machine described, tools/gpu_check.py within a budget, then the CUDA-only tests
-# (tests/test_gpu.py, tests/test_sweep.py -k cuda). Every log goes under $OUT (default
-# gpu_session_out); the summary goes to stdout; the exit status is 0 only if both passed.
+# .site, the machine described and every module the check imports imported (a missing one stops it
+# in one line), tools/gpu_check.py within a budget, then the CUDA-only tests (tests/test_gpu.py,
+# tests/test_sweep.py -k cuda). Every log goes under $OUT (default gpu_session_out); the summary
+# goes to stdout; the exit status is 0 only if both passed.
 #
 #   bash tools/gpu_session.sh [--budget_s S] [--tests_s T] [--smoke] [gpu_check options ...]
 #
@@ -21,7 +22,7 @@ while (($#)); do
     --budget_s) budget=$2; shift 2 ;;
     --tests_s) tests_s=$2; shift 2 ;;
     --smoke) smoke=1; shift ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) check_opts+=("$1"); shift ;;
   esac
 done
@@ -52,11 +53,25 @@ fi
 {
   date -u
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv 2>&1 || true
-  "${py[@]}" -c 'import sys, torch, numpy, transformers, speechbrain
+} > "$out/machine.txt"
+# every module a section or test imports, lazily imported ones too (cma, submitit): a module the
+# image lacks stops here in one line, not minutes later inside a section
+if ! "${py[@]}" - >> "$out/machine.txt" 2>&1 <<'EOF'
+import sys
+try:
+    import torch, numpy, transformers, speechbrain, cma, jiwer, soundfile, submitit
+    import tta_brain.decode, tta_brain.sweep, tta_brain.grid, tta_brain.methods.batched
+except ImportError as e:
+    sys.exit(f"import failed: {e}")
 print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda,
       "| numpy", numpy.__version__, "| transformers", transformers.__version__,
-      "| speechbrain", speechbrain.__version__)' 2>&1
-} > "$out/machine.txt"
+      "| speechbrain", speechbrain.__version__)
+EOF
+then
+  log "$(tail -n 1 "$out/machine.txt") (carry its wheel: tools/gpu_wheels.sh's packages;" \
+      "machine: $out/machine.txt)" >&2
+  exit 3
+fi
 cat "$out/machine.txt"
 
 check=(tools/gpu_check.py --out "$out/check" --budget_s "$budget")
@@ -67,8 +82,8 @@ timeout $((${budget%.*} + 120)) "${py[@]}" "${check[@]}" "${check_opts[@]}" \
 check_rc=$?
 tail -n 60 "$out/check.log"
 
-tests=(-m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sweep.py -k cuda -rfE
-       --durations=5)
+tests=(-m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sweep.py -rfE --durations=5
+       -k "cuda and not gpu_session")    # not this script's own CPU smoke test (40 s)
 ((smoke)) && tests+=(--collect-only)
 log "tests: ${tests[*]}"
 timeout "$tests_s" "${py[@]}" "${tests[@]}" > "$out/tests.log" 2>&1
