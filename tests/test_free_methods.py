@@ -5,6 +5,7 @@ import csv
 import math
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,9 @@ from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.lobes.testing import TINY, save_random_ctc_model
 from tta_brain.methods import activation_stats as act, build_method, lame, t3a
+from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.free import EarlyStop
+from tta_brain.methods.resets import make_reset_policy
 from tta_brain.methods.source_stats import SourceStatsError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -309,6 +312,36 @@ def test_dynamic_reset_runs_on_a_free_method(setup, tmp_path):
                          "--reset_patience=1", "--reset_threshold=-100", "--ckpt_every=0"))
     assert s.n_utts == 20 and s.resets
     assert len(list(csv.DictReader(open(tmp_path / "exp" / "lii.csv")))) >= 3
+
+
+@pytest.mark.parametrize("name", ["t3a", "foa", "ebats"])
+def test_lii_losses_come_from_the_prefix_the_adaptation_reuses(setup, name):
+    """A separate run with a dynamic reset: an utterance's two LII losses come from its one
+    prefix, which its adaptation then reuses (T3A's prefix is the whole frozen pass), with the
+    transcripts, LII values, resets and counts of losses each computed from a prefix of its own
+    (the gradient skeleton's ``loss_tensor`` per loss)."""
+    opts = {"t3a": {}, "foa": {"popsize": 6}, "ebats": {"popsize": 6, "generations": 2}}[name]
+
+    def run(prefix_per_loss: bool):
+        policy = make_reset_policy("dynamic", K=4, patience=1, threshold=-100.0)
+        m = build(setup, name, reset_policy=policy, **opts)
+        if prefix_per_loss:
+            m._losses_ahead = types.MethodType(TTAMethod._losses_ahead, m)
+        calls, prefix = [], m.prefix
+        m.prefix = lambda x: calls.append(x) or prefix(x)
+        return [m.process(w) for w in wavs(12)], m, len(calls)
+
+    hyps, m, n_prefix = run(False)
+    ref_hyps, ref, ref_n_prefix = run(True)
+    def events(method):       # LII values exactly; a reset's value is nan
+        return [(e.kind, e.position, None if math.isnan(e.value) else e.value)
+                for e in method.events]
+
+    lii = [e for e in events(m) if e[0] == "lii"]
+    assert hyps == ref_hyps and m.counts == ref.counts and events(m) == events(ref)
+    assert len(lii) >= 4 and any(e[0] == "reset" for e in events(m))
+    assert m.counts["aux_forward"] == 2 * len(lii)
+    assert n_prefix == 12 and ref_n_prefix == 12 + 2 * len(lii)
 
 
 @pytest.mark.slow

@@ -159,15 +159,14 @@ class BatchedFree:
         """For the continual runs whose reset policy computes an LII after this utterance: their
         losses at their phi_D and at the start (``loss_with`` answers from them), from the
         utterance's one prefix; CMA-ES methods' as two candidates per run in one forward (a
-        separate run: a prefix and a forward per loss). Counted as a separate run counts them."""
+        separate run: a forward per loss). Counted as a separate run counts them."""
         want = lii_testers(ms)
         if not want:
             return
         self.stats["lii_losses"] += 2 * len(want)
         if not self.population:                         # the prefix is the whole pass
             for m in want:
-                m.early_losses = {"phi_D": m.loss_at(ctx, m.reset_policy.phi_D),
-                                  "source": m.loss_at(ctx, None)}
+                m.early_losses = m.lii_losses(ctx)
             return
         cands = [np.stack([m.lii_candidate(m.reset_policy.phi_D), m.lii_candidate(None)])
                  for m in want]

@@ -22,7 +22,8 @@ its prefix and candidates' forward read no setting of the run, a batched sweep
 forward of all their candidates, each run's own ``score``.
 The carried state (``free_state``) is saved with the checkpoint; ``reset()`` goes back to
 ``initial_state()``. For the dynamic reset policy, the carried state is ``meta_values()`` and
-``loss_at(prefix(x), values)`` the method's fitness with it (``loss_tensor(values, x)``, counted).
+``loss_at(prefix(x), values)`` the method's fitness with it (``loss_tensor(values, x)``, counted);
+the two LII losses of an utterance come from its one prefix, which its adaptation reuses.
 
 Counts: ``adapt_forward`` = candidates evaluated (one per candidate, batched or not),
 ``aux_forward`` = policy passes, ``infer_forward`` = passes for a transcript alone.
@@ -87,6 +88,7 @@ class FreeMethod(TTAMethod):
                          reset_policy=reset_policy, **kwargs)
         self.population_batch, self.shared_prefix = int(population_batch), bool(shared_prefix)
         self.pf = PartialForward(model)
+        self._held = None          # (x, prefix(x)) of the utterance whose LII losses came first
         self.load_free_state(self.initial_state())
 
     def share_model(self, lobe) -> None:
@@ -169,8 +171,31 @@ class FreeMethod(TTAMethod):
     # ------------------------------------------------------------- the skeleton's hooks
     @torch.no_grad()
     def forward_and_adapt(self, x: torch.Tensor, info) -> str:
+        held, self._held = self._held, None
         with self.runtime.autocast(self.lobe.device.type):       # the run's precision
-            return self.lobe.decode(self.adapt(x, self.prefix(x)))[0]
+            ctx = held[1] if held is not None and held[0] is x else self.prefix(x)
+            return self.lobe.decode(self.adapt(x, ctx))[0]
+
+    @torch.no_grad()
+    def _losses_ahead(self, t: int, x: torch.Tensor) -> None:
+        """The reset policy's two LII losses of utterance ``t`` from one prefix of ``x``, which
+        the utterance's adaptation then reuses (the frozen network runs once per utterance, as in
+        a batched sweep; counted as two policy passes, as :meth:`loss_tensor` counts each)."""
+        policy = self.reset_policy
+        self.early_losses, self._held = {}, None
+        if policy is None or not policy.needs_lii(t):
+            return
+        self.counts["aux_forward"] += 2
+        with self.runtime.autocast(self.lobe.device.type):
+            ctx = self.prefix(x)
+            self.early_losses = self.lii_losses(ctx)
+        self._held = (x, ctx)
+
+    def lii_losses(self, ctx) -> Dict[str, torch.Tensor]:
+        """The LII's two losses of the utterance whose prefix is ``ctx`` (``loss_with`` answers
+        from them): at the reset policy's phi_D and at the start."""
+        return {"phi_D": self.loss_at(ctx, self.reset_policy.phi_D),
+                "source": self.loss_at(ctx, None)}
 
     def reset(self):
         self.load_free_state(self.initial_state())
