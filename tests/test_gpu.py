@@ -1038,6 +1038,18 @@ def test_gpu_session_stops_at_once_on_a_module_the_machine_lacks(tmp_path):
     assert "gpu_wheels.sh" in res.stderr and not (out / "check.log").exists()
 
 
+def test_gpu_session_reruns_check_sections_alone(tmp_path):
+    """``--tests_s 0``: no tests (``timeout 0`` would mean no limit); the check's own exit status
+    decides (here its one-line refusal of an unknown section)."""
+    out = tmp_path / "out"
+    res = subprocess.run(["bash", SESSION, "--smoke", "--tests_s", "0", "--sections", "nosuch"],
+                         cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OUT=str(out)),
+                         timeout=300)
+    assert res.returncode == 1 and "tests: not run (--tests_s 0)" in res.stdout
+    assert "check exit 2, tests exit 0" in res.stdout and not (out / "tests.log").exists()
+    assert "unknown section(s) nosuch" in (out / "check.log").read_text()
+
+
 @pytest.mark.slow
 def test_gpu_session_smoke_runs_the_check_and_collects_the_cuda_tests(tmp_path):
     """The one-call script's plumbing on CPU: the machine described, two sections of the check
