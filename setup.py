@@ -29,7 +29,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tta_brain", "tta_brain.*"]),
     package_data={"tta_brain": ["hparams/*.yaml"]},
-    python_requires=">=3.9",
+    python_requires=">=3.10",           # torch 2.11's floor (tests/test_packaging.py)
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "test": ["pytest>=7", "wheel"],
