@@ -987,6 +987,21 @@ def test_gpu_wheels_help_and_refusal(tmp_path):
     assert os.listdir(tmp_path) == ["old-1.0-py3-none-any.whl"]
 
 
+def test_gpu_twin_help_and_refusal(tmp_path):
+    """The twin's ``--help`` is its header, whole (up to the first line that is not a comment);
+    a PYTHON312 that is not a Python 3.12 is refused in one line before any venv is made (the
+    twin itself needs a package index and 5 GB: rehearsed by hand, see the closing notes)."""
+    twin = os.path.join(ROOT, "tools", "gpu_twin.sh")
+    res = subprocess.run(["bash", twin, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith("A CPU twin of the lent GPU machine")
+    assert res.stdout.rstrip().endswith("or name one in PYTHON312.") and "set -e" not in res.stdout
+    res = subprocess.run(["bash", twin, str(tmp_path / "venv")], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHON312=sys.executable if sys.version_info[:2]
+                                  != (3, 12) else str(tmp_path / "none")), timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "no Python 3.12 found at" in res.stderr and not (tmp_path / "venv").exists()
+
+
 @pytest.mark.slow
 def test_gpu_wheels_are_the_gpu_pythons_and_pinned_here(tmp_path):
     """The wheels are CPython 3.12's (this machine may run another Python), each at the version

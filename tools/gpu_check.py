@@ -94,7 +94,10 @@ the image's pytest::
 
 ``bash tools/gpu_session.sh`` does all three in one device call (the check within
 ``--budget_s``, default 240 s, the tests within ``--tests_s``, logs under ``$OUT``), sized to leave
-a session's device time room for a rerun; ``--smoke`` runs its plumbing on the CPU.
+a session's device time room for a rerun; ``--smoke`` runs its plumbing on the CPU. Before a
+lent GPU, ``bash tools/gpu_twin.sh`` makes a CPU twin of the image's Python and packages, where
+``PATH=/tmp/gpu_twin/bin:$PATH bash tools/gpu_session.sh --cpu_smoke --budget_s 900 --tests_s 0``
+rehearses the whole call (the wheels installed into ``.site``, every section).
 """
 import argparse
 import importlib

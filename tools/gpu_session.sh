@@ -14,7 +14,7 @@
 # 150 s; about 7 minutes with the install) leave a session's 15 device minutes, after the
 # machine's start, room to rerun one section (--sections memory --tests_s 0: no tests). --smoke:
 # on this machine's CPU (the check's --cpu_smoke on two sections, the CUDA tests collected, not
-# run; no .site).
+# run; no .site). tools/gpu_twin.sh: a CPU twin of the image's Python to rehearse the whole call.
 set -uo pipefail
 
 budget=240 tests_s=150 smoke=0 check_opts=()
@@ -23,7 +23,7 @@ while (($#)); do
     --budget_s) budget=$2; shift 2 ;;
     --tests_s) tests_s=$2; shift 2 ;;
     --smoke) smoke=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) check_opts+=("$1"); shift ;;
   esac
 done

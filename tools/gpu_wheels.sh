@@ -13,7 +13,7 @@ set -euo pipefail
 
 dest=${1:-.whl}
 pyver=${PYVER:-3.12}
-case "${1:-}" in -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 
 # what tta-brain imports beyond what the GPU image holds (its package list: the device tool's
 # KINDS.md; it has torch, torchaudio, numpy, scipy, pytest, requests, pyyaml, regex, safetensors,
