@@ -90,7 +90,7 @@ The CUDA-only tests (captured vs eager steps, no sync, the batched sweep on the 
 the image's pytest::
 
     PYTHONPATH=.site:. python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-        tests/test_sweep.py -k cuda
+        tests/test_sweep.py -k "cuda and not gpu_session"
 
 ``bash tools/gpu_session.sh`` does all three in one device call (the check within
 ``--budget_s``, default 240 s, the tests within ``--tests_s``, logs under ``$OUT``), sized to leave
