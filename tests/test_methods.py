@@ -325,6 +325,21 @@ def drive(policy, fake, n, M):
     return resets
 
 
+def test_events_are_equal_when_their_fields_are_nan_values_too():
+    """A reset carries no value (nan): two equal resets are equal, on Python 3.13 too (its
+    dataclass ``__eq__`` compares field by field, where nan != nan failed equal DSUTA runs' events);
+    a different value, reason or position is not; equal events hash alike."""
+    from tta_brain.methods.events import Event
+    a = Event("reset", 6, "dynamic (z=1.08, 1 detections)")
+    b = Event("reset", 6, "dynamic (z=1.08, 1 detections)", float("nan"))
+    assert a.value is not b.value and a == b and [a] == [b] and len({a, b}) == 1
+    assert Event("lii", 3, "detection", 0.25) == Event("lii", 3, "detection", 0.25)
+    assert Event("lii", 3, "detection", 0.25) != Event("lii", 3, "detection", 0.5)
+    assert Event("lii", 3, "detection", 0.25) != Event("lii", 3, "detection")
+    assert a != Event("reset", 7, a.reason) and a != Event("reset", 6, "oracle")
+    assert a != ("reset", 6, a.reason, a.value)
+
+
 def test_dynamic_reset_timeline_phi_D_gaussian_patience(make):
     K, M, P = 8, 2, 2
     stats = {5: 0.10, 6: -0.05, 7: 0.02, 8: 0.07}
