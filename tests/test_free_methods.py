@@ -333,13 +333,10 @@ def test_lii_losses_come_from_the_prefix_the_adaptation_reuses(setup, name):
 
     hyps, m, n_prefix = run(False)
     ref_hyps, ref, ref_n_prefix = run(True)
-    def events(method):       # LII values exactly; a reset's value is nan
-        return [(e.kind, e.position, None if math.isnan(e.value) else e.value)
-                for e in method.events]
-
-    lii = [e for e in events(m) if e[0] == "lii"]
-    assert hyps == ref_hyps and m.counts == ref.counts and events(m) == events(ref)
-    assert len(lii) >= 4 and any(e[0] == "reset" for e in events(m))
+    lii = [e for e in m.events if e.kind == "lii"]
+    assert hyps == ref_hyps and m.counts == ref.counts
+    assert m.events == ref.events                   # reasons, and the LII values exactly
+    assert len(lii) >= 4 and any(e.kind == "reset" for e in m.events)
     assert m.counts["aux_forward"] == 2 * len(lii)
     assert n_prefix == 12 and ref_n_prefix == 12 + 2 * len(lii)
 
