@@ -1,5 +1,6 @@
 """Shared fixtures: tiny *real* Hugging Face CTC models written with ``save_pretrained``."""
 import importlib.util
+import math
 import os
 import shutil
 import subprocess
@@ -54,6 +55,28 @@ def max_diff(a, b):
     assert len(a) == len(b)
     return max((float((x.detach().double().cpu() - y.detach().double().cpu()).abs().max())
                 for x, y in zip(a, b)), default=0.0)
+
+
+def rel_change(a, b, src) -> float:
+    """How far two adapted states are apart, relative to how far adaptation moved ``b`` from the
+    source ``src``: ||a - b|| / ||b - src||, L2 over all their elements. Where two runs take
+    different kernels on CUDA (a padded and an unpadded pass, a batched and a separate one),
+    Adam turns the rounding of a near-zero gradient into an update of up to lr, so single weights
+    differ by more than rounding while the state as a whole does not."""
+    assert len(a) == len(b) == len(src)
+    sq = lambda xs, ys: sum(float((x.detach().double().cpu() - y.detach().double().cpu())  # noqa
+                                  .pow(2).sum()) for x, y in zip(xs, ys))
+    return math.sqrt(sq(a, b)) / max(math.sqrt(sq(b, src)), 1e-30)
+
+
+def transcript_agreement(want, got):
+    """``(same, cer)`` of two equally shaped lists (runs) of transcript lists: the fraction of
+    identical transcripts, and the character edit distance of ``got`` from ``want`` over all of
+    ``want``'s characters."""
+    from torchaudio.functional import edit_distance
+    pairs = [(w, g) for wr, gr in zip(want, got, strict=True) for w, g in zip(wr, gr, strict=True)]
+    same = sum(w == g for w, g in pairs) / len(pairs)
+    return same, sum(edit_distance(w, g) for w, g in pairs) / max(sum(len(w) for w, _ in pairs), 1)
 
 
 @pytest.fixture

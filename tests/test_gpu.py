@@ -26,7 +26,7 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import ROOT, max_diff
+from conftest import ROOT, max_diff, rel_change
 from fake_graphs import FakeBackend
 from tta_brain.gpu import DeviceStep, HostStep, graphs, guard, make_step, step_blocker
 from tta_brain.lobes.hf_ctc import HFCTCLobe
@@ -1160,8 +1160,15 @@ def test_cuda_length_buckets_give_the_unbucketed_transcripts(tiny_model_dir, utt
     a = build(tiny_model_dir, name, "graph", device="cuda", **kw)
     b = build(tiny_model_dir, name, "graph", device="cuda", runtime={
         "cuda_graph_buckets": 0.25, "cuda_graph_cache": 4}, **kw)
+    src = [p.detach().clone() for p in a.params]
     assert run(a, items) == run(b, items)
-    assert max_diff(a.params, b.params) < 1e-4
+    # the padded passes take other kernels than the unpadded ones and round differently, which
+    # Adam turns into updates of up to lr on near-zero gradients (the H200 run of 2026-11-27:
+    # single weights 2e-4 to 6e-4 apart at lr 1e-2, relative changes 2.5e-4 to 6.2e-4; on CPU
+    # 1e-5 to 3e-5); on the sweep tests' stream lr x 1.5 gives >= 0.45
+    rel = rel_change(b.params, a.params, src)
+    print(f"{name} on buckets: relative change {rel:.2e}")
+    assert rel < 0.05
     st = b.step
     assert st.graphs and st.buckets == 0.25
     assert st.cache.stats["captures"] == (4 if name.startswith("dsuta") else 2)

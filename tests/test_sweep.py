@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, kill_9_mid_run
+from conftest import ROOT, kill_9_mid_run, rel_change, transcript_agreement
 from fake_corpora import write_stream
 from fake_graphs import FakeBackend
 from tta_brain import decode, grid
@@ -613,7 +613,8 @@ CUDA = torch.cuda.is_available()
                                   "awmc+dynamic"])
 def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
     """The batch on ``device`` (on CUDA: the vmap'd forward/backward the GPU check's sweep times;
-    the separate runs take the device step there) against the separate runs, 12 utterances."""
+    the separate runs take the device step there) against the separate runs, 12 utterances: the
+    same transcripts and weights on CPU, the same to rounding on CUDA."""
     import soundfile as sf
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.methods import UttInfo, build_method
@@ -644,9 +645,28 @@ def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
         batch.process(list(range(len(cfgs))), w, UttInfo(position=i, segment=str(i // 7)))
         for r, v in enumerate(batch.views):
             got[r].append(v.process(w))
-    assert got == want
+    if device == "cpu":
+        assert got == want
+        for r, m in enumerate(seps):
+            assert max_diff(batch.values(r), m.params) < PARAM_TOL
+    else:
+        # On CUDA the batch's batched matrix products and the separate runs' plain ones take
+        # different kernels and round differently, so: the runs' results to rounding. The H200
+        # run of 2026-11-27: suta, dsuta+dynamic and sgem each had one transcript of 36 a few
+        # characters off, relative changes 0-0.006; CoTTA 0.164 with every transcript the same
+        # (not traced there; a likely cause: its loss averages over the frames whose student
+        # argmax is not blank, a choice rounding can flip on the tiny model's nearly uniform
+        # posteriors, which moves an update by a frame's share).
+        # A batch a little off (each lr x 1.5, or a step less) is far outside: on CPU 58-83 %
+        # of the transcripts the same, relative changes >= 0.12 (CoTTA's >= 0.46).
+        src = [p.detach().clone() for p in build(*cfgs[0]).params]
+        same, cer = transcript_agreement(want, got)
+        rel = [rel_change(batch.values(r), m.params, src) for r, m in enumerate(seps)]
+        print(f"{name} on CUDA: {same:.3f} of the transcripts the same, cer {cer:.4f}, "
+              f"relative change {max(rel):.4f}")
+        assert same >= 0.9 and cer <= 0.03, (same, cer, got, want)
+        assert max(rel) < (0.3 if base == "cotta" else 0.1), rel
     for r, m in enumerate(seps):
-        assert max_diff(batch.values(r), m.params) < PARAM_TOL
         assert [(e.kind, e.position) for e in batch.views[r].events] == \
             [(e.kind, e.position) for e in m.events]
     if reset:
@@ -1115,7 +1135,15 @@ def test_captured_batch_on_cuda_gives_the_eager_batchs_results(data, base, bucke
             b.process(runs, w, info)
         assert [v.process(w) for v in graphed.views] == [v.process(w) for v in eager.views], i
     assert graphed.graphs.stats["replays"] > 0, graphed.graphs.describe()
-    assert (graphed.fast.P - eager.fast.P).abs().max().item() < 1e-5
+    if not buckets:
+        assert (graphed.fast.P - eager.fast.P).abs().max().item() < 1e-5
+    else:
+        # the eager batch runs unpadded: the padded pass's other kernels round differently,
+        # which Adam turns into updates of up to lr on near-zero gradients (the H200 run of
+        # 2026-11-27: single weights 2e-4 apart, relative changes 6e-5 to 1e-3)
+        rel = rel_change([graphed.fast.P], [eager.fast.P], [eager.source.expand_as(eager.fast.P)])
+        print(f"{base} on buckets: relative change {rel:.2e}")
+        assert rel < 0.05
 
 
 @pytest.mark.parametrize("base", ["suta", "dsuta", "eata", "sar"])
