@@ -93,9 +93,11 @@ the image's pytest::
         tests/test_sweep.py -k "cuda and not gpu_session"
 
 ``bash tools/gpu_session.sh`` does all three in one device call (the check within
-``--budget_s``, default 240 s, the tests within ``--tests_s``, logs under ``$OUT``), sized to leave
-a session's device time room for a rerun; ``--smoke`` runs its plumbing on the CPU. Before a
-lent GPU, ``bash tools/gpu_twin.sh`` makes a CPU twin of the image's Python and packages, where
+``--budget_s``, default 440 s: every default section, the tests within ``--tests_s``, logs under
+``$OUT``; about 9 minutes: on an H200 on 2026-11-27 the sections took 419 s, the tests 63 s),
+sized to leave a session's 15 device minutes, after the machine's start, room to rerun a section
+or two; ``--smoke`` runs its plumbing on the CPU. Before a lent GPU, ``bash tools/gpu_twin.sh``
+makes a CPU twin of the image's Python and packages, where
 ``PATH=/tmp/gpu_twin/bin:$PATH bash tools/gpu_session.sh --cpu_smoke --budget_s 900 --tests_s 0``
 rehearses the whole call (the wheels installed into ``.site``, every section).
 """
@@ -114,16 +116,13 @@ for _p in (ROOT, TOOLS):
 
 SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench", "decode",
             "official", "field", "sweep")
-#: rough seconds of each section on one GPU (unmeasured guesses), for the budget
-COST = {"transcripts": 27, "step": 30, "lengths": 70, "deterministic": 25, "memory": 155,
-        "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 63}
-#: What a GPU run checks by default, most wanted first: the H100 run of 2026-11-26 measured
-#: every section but the length buckets, which transcripts, official, lengths and memory now add
-#: (their COST: that run's seconds plus a guess for the buckets, and for the transcripts of eata,
-#: sar and cea; the sweep: 12 utterances and two arms took 60 s, a guess for 8 utterances and a
-#: third arm, the batch's steps eager); they add up to 480 s, the budget (8 minutes). ``field``
-#: (measured then), ``step``, ``bench`` and ``decode`` on request (``--sections``; ``official``
-#: times decode against the method loop on the same utterances)
+#: seconds of each section on one GPU, for the budget: the default sections as an H200 took them
+#: on 2026-11-27 (memory on length buckets), the others as an H100 took them on 2026-11-26
+COST = {"transcripts": 39, "step": 30, "lengths": 72, "deterministic": 22, "memory": 70,
+        "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 80}
+#: What a GPU run checks by default, most wanted first; they add up to 423 s, within the budget
+#: (480 s, 8 minutes). ``field``, ``step``, ``bench`` and ``decode`` on request (``--sections``;
+#: ``official`` times decode against the method loop on the same utterances)
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
 MEASURED_GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent")
 GRAPH_METHODS = MEASURED_GRAPH_METHODS + ("eata", "sar", "cea")

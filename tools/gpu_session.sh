@@ -10,14 +10,15 @@
 # Here first: bash tools/gpu_wheels.sh, and for the check's side by side with the official code
 # its src/, config/ and vocab.json in .official/Dynamic-SUTA (e.g. `git archive HEAD src config
 # vocab.json` of a fetched hhhaaahhhaa/Dynamic-SUTA); the call carries ".whl" and ".official"
-# (both ignored by git). The defaults (check 240 s: its first three default sections; tests
-# 150 s; about 7 minutes with the install) leave a session's 15 device minutes, after the
-# machine's start, room to rerun one section (--sections memory --tests_s 0: no tests). --smoke:
-# on this machine's CPU (the check's --cpu_smoke on two sections, the CUDA tests collected, not
-# run; no .site). tools/gpu_twin.sh: a CPU twin of the image's Python to rehearse the whole call.
+# (both ignored by git). The defaults (check 440 s: every default section, 419 s on an H200 on
+# 2026-11-27; tests 100 s, 63 s there; about 9 minutes with the install) leave a session's 15
+# device minutes, after the machine's start (about 40 s there), room to rerun a section or two
+# (e.g. --sections memory --budget_s 100 --tests_s 0: no tests). --smoke: on this machine's
+# CPU (the check's --cpu_smoke on two sections, the CUDA tests collected, not run; no .site).
+# tools/gpu_twin.sh: a CPU twin of the image's Python to rehearse the whole call.
 set -uo pipefail
 
-budget=240 tests_s=150 smoke=0 check_opts=()
+budget=440 tests_s=100 smoke=0 check_opts=()
 while (($#)); do
   case "$1" in
     --budget_s) budget=$2; shift 2 ;;

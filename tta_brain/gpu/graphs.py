@@ -5,8 +5,10 @@
   eagerly (``cuda_graph_warmup``; 3 eager steps in all before the first capture): they are real
   steps and warm up what a capture must not do for the first time (cuBLAS/cuDNN set-up,
   optimiser state). With ``cuda_graph_warmup: 0`` a new length is captured at once once the
-  process is warm (its first step is then a replay too: no eager step per utterance; unmeasured). A length is captured only when at least 2 steps of the utterance remain. Then
-  one step (zero the gradients, forward, loss, guarded backward, fused update, the counters) is
+  process is warm (its first step is then a replay too: no eager step per utterance; on an H100
+  faster for SUTA, slower for DSUTA + dynamic). A length is captured only when at least 2 steps
+  of the utterance remain. Then one step (zero the gradients, forward, loss, guarded backward,
+  fused update, the counters) is
   captured into a ``torch.cuda.CUDAGraph`` (capture does not run it) and replayed for this and
   the remaining steps. Everything a replay reads or writes outside its own scratch memory is
   static: the input is copied into the graph's input buffer (the CNN features instead, when the
@@ -21,7 +23,8 @@
   tensors allocated outside the capture), so the pool holds only scratch that every replay
   rewrites before reading: graphs of different lengths reuse it instead of growing it. An
   evicted graph is reset; when the cache empties the pool goes back to the allocator.
-* **Length buckets** (``Runtime.cuda_graph_buckets``, off by default, unmeasured on a GPU). Every
+* **Length buckets** (``Runtime.cuda_graph_buckets``, off by default; measured on an H200: the
+  README's GPU section). Every
   utterance of a real stream has its own length, so without buckets each one pays a warm-up and a
   capture and the cache never hits. With buckets the plain steps run on the input zero-padded to
   its bucket (:func:`bucket_length`) with the valid length in a static device tensor; the padded

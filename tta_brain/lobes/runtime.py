@@ -3,8 +3,8 @@ backward kernels. One small object, owned by the lobe; methods ask it, they do n
 
 Only ``precision`` changes the numbers; the other options are exact (tests compare them with the
 plain paths, ``tools/bench_speed.py`` measures them). ``cuda_graphs`` (CUDA only, ``auto`` by
-default, unmeasured) runs the SUTA family's adaptation steps without host syncs, replayed from
-captured graphs (``tta_brain.gpu``).
+default; measured in the README's GPU section) runs the SUTA family's adaptation steps without
+host syncs, replayed from captured graphs (``tta_brain.gpu``).
 """
 import ctypes
 import ctypes.util
@@ -70,8 +70,8 @@ class Runtime:
     cuda_graph_warmup : int
         Eager steps of a new length before it is captured (default 1). 0: once the first 3
         steps of the run have run eagerly, a new length is captured at once (no eager step per
-        utterance: the per-utterance fixed cost; unmeasured on a GPU, ``tools/gpu_check.py``
-        checks that it replays the eager transcripts).
+        utterance; on an H100 faster for SUTA and slower for DSUTA + dynamic, so not the default;
+        ``tools/gpu_check.py`` checks that it replays the eager transcripts).
     cuda_graph_buckets : float
         Length buckets of the captured steps (default 0: off). With ``r > 0`` every plain step of
         an utterance runs on its input zero-padded to the next bucket (edges ``1 s * (1 + r)^k``,
