@@ -84,7 +84,8 @@ timeout $((${budget%.*} + 120)) "${py[@]}" "${check[@]}" "${check_opts[@]}" \
 check_rc=$?
 tail -n 60 "$out/check.log"
 
-tests=(-m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sweep.py -rfE --durations=5
+# -rA: the passed tests' output too, where the tests comparing to rounding print their figures
+tests=(-m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sweep.py -rA --durations=5
        -k "cuda and not gpu_session")    # not this script's own CPU smoke test (40 s)
 ((smoke)) && tests+=(--collect-only)
 if [[ $tests_s == 0 ]]; then         # a rerun of check sections alone (timeout 0: no limit)
@@ -94,7 +95,8 @@ else
   log "tests: ${tests[*]}"
   timeout "$tests_s" "${py[@]}" "${tests[@]}" > "$out/tests.log" 2>&1
   tests_rc=$?
-  tail -n 15 "$out/tests.log"
+  grep -h "on CUDA:\|on buckets:" "$out/tests.log"   # the rounding figures (relative changes)
+  grep -v "^PASSED" "$out/tests.log" | tail -n 15
 fi
 
 log "check exit $check_rc, tests exit $tests_rc (124: over its time), $(($(date +%s) - start)) s;" \
