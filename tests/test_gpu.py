@@ -1105,6 +1105,9 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     assert "price = deterministic / default kernels" in text
     assert len(report["memory"]["marks"]) == 12
     assert report["decode"]["suta default"]["device"] == "cpu"
+    prof = report["profile"]            # the profiled utterances replay buckets met before
+    assert prof["captures_while_profiled"] == 0 and prof["stats"]["replays"] > 0
+    assert prof["top_host"] and prof["profiled_wall_s_per_utt"] > 0
 
 
 def test_bench_speed_has_the_cuda_graphs_option():

@@ -24,6 +24,9 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    captured graph per bucket, replayed from an utterance's first step), on utterances of about
    3 s and 8 s (every one a new length, as in a real stream, after a warm-up at both lengths),
    and the intercept of the line through the two (time = fixed + slope x audio seconds).
+   ``profile`` (on request): where a warm utterance's time goes, SUTA on length buckets under
+   ``torch.profiler``: wall, GPU kernel time, the host calls that launch or wait, the top
+   operators by host and device time, per utterance.
 4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
    run option ``--deterministic``): s per audio s and the price of determinism.
 5. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps; on length
@@ -114,15 +117,16 @@ for _p in (ROOT, TOOLS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-SECTIONS = ("transcripts", "step", "lengths", "deterministic", "memory", "bench", "decode",
-            "official", "field", "sweep")
+SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memory", "bench",
+            "decode", "official", "field", "sweep")
 #: seconds of each section on one GPU, for the budget: the default sections as an H200 took them
 #: on 2026-11-27 (memory on length buckets), the others as an H100 took them on 2026-11-26
 COST = {"transcripts": 39, "step": 30, "lengths": 72, "deterministic": 22, "memory": 70,
-        "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 80}
+        "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 80,
+        "profile": 40}                                    # profile: a guess (not yet run)
 #: What a GPU run checks by default, most wanted first; they add up to 423 s, within the budget
-#: (480 s, 8 minutes). ``field``, ``step``, ``bench`` and ``decode`` on request (``--sections``;
-#: ``official`` times decode against the method loop on the same utterances)
+#: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench`` and ``decode`` on request
+#: (``--sections``; ``official`` times decode against the method loop on the same utterances)
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
 MEASURED_GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent")
 GRAPH_METHODS = MEASURED_GRAPH_METHODS + ("eata", "sar", "cea")
@@ -435,6 +439,76 @@ def section_lengths(args, rep, work):
     rep.say("fixed s/utt: the intercept of time = fixed + slope x audio seconds (a warm process, "
             "every utterance a new length)")
     rep.data["lengths"] = res
+
+
+def _device_us(e, self_only=True):
+    """An operator average's (self) device time in microseconds, across torch's renames."""
+    for name in (("self_device_time_total", "self_cuda_time_total") if self_only
+                 else ("device_time_total", "cuda_time_total")):
+        if hasattr(e, name):
+            return float(getattr(e, name))
+    return 0.0
+
+
+#: host calls that wait for the device or hand it work, counted per utterance by ``profile``
+HOST_CALLS = ("cudaGraphLaunch", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+              "cudaMemcpyAsync", "cudaLaunchKernel", "cudaEventSynchronize")
+
+
+def section_profile(args, rep, work):
+    """Where a warm utterance's time goes, for the fixed cost per utterance the H200 left
+    unexplained (2026-11-27: SUTA on length buckets 0.163 s per 3 s utterance, ten replayed
+    steps): SUTA on buckets over utterances whose buckets it has met, timed, then the same under
+    ``torch.profiler``: wall, the GPU's kernel time (busy share), the host calls that launch or
+    wait (:data:`HOST_CALLS`) and the top operators by host and by device time, per utterance."""
+    from torch.profiler import ProfilerActivity, profile
+    model = _base_model(work, args)
+    cuda = str(args.device).startswith("cuda")
+    n = 2 if args.cpu_smoke else 6
+    wavs = _wavs(n, 0.9 * args.seconds, 1.1 * args.seconds, seed=7)
+    m = _method("suta", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=2e-5,
+                steps=_steps(args, "suta"))
+    _process_all(m, wavs, args.device)                    # every bucket met: replays from here
+    _, wall = _process_all(m, wavs, args.device)
+    before = dict(_stats(m))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        _, wall_prof = _process_all(m, wavs, args.device)
+    after = _stats(m)
+    new_captures = after.get("captures", 0) - before.get("captures", 0)
+    events = prof.key_averages()
+    ms = lambda us: us / 1000.0 / n                       # noqa: E731 - ms per utterance
+    kernels = [e for e in events if _device_us(e) > 0]
+    gpu_ms = ms(sum(_device_us(e) for e in kernels))
+    res = dict(n=n, seconds=args.seconds, wall_s_per_utt=wall / n,
+               profiled_wall_s_per_utt=wall_prof / n, gpu_kernel_ms_per_utt=gpu_ms,
+               captures_while_profiled=new_captures, stats=after, host_calls={}, top_host=[],
+               top_device=[])
+    rep.say(f"suta on buckets, {n} utterances of ~{args.seconds:.0f} s, {_steps(args, 'suta')} "
+            f"steps, every bucket met before: {wall / n:.4f} s per utterance "
+            f"({wall_prof / n:.4f} profiled); GPU kernels {gpu_ms:.1f} ms per utterance "
+            f"({gpu_ms / 1000 / (wall_prof / n):.0%} of the profiled wall); captures while "
+            f"profiled: {new_captures}")
+    for name in HOST_CALLS:
+        hit = [e for e in events if e.key == name]
+        if hit:
+            calls, us = sum(e.count for e in hit), sum(e.self_cpu_time_total for e in hit)
+            res["host_calls"][name] = dict(per_utt=calls / n, ms_per_utt=ms(us))
+            rep.say(f"  {name:<24} {calls / n:>8.1f} calls {ms(us):>8.2f} ms per utterance")
+    rep.say(f"  {'top host operators (self)':<44}{'calls/utt':>10}{'ms/utt':>9}")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]:
+        res["top_host"].append((e.key, e.count / n, ms(e.self_cpu_time_total)))
+        rep.say(f"  {e.key[:44]:<44}{e.count / n:>10.1f}{ms(e.self_cpu_time_total):>9.2f}")
+    if cuda:
+        rep.say(f"  {'top device kernels (self)':<44}{'calls/utt':>10}{'ms/utt':>9}")
+        for e in sorted(kernels, key=lambda e: -_device_us(e))[:8]:
+            res["top_device"].append((e.key, e.count / n, ms(_device_us(e))))
+            rep.say(f"  {e.key[:44]:<44}{e.count / n:>10.1f}{ms(_device_us(e)):>9.2f}")
+    rep.say("profile: host ms are the calls' own time on the host thread; GPU kernel ms the "
+            "kernels' time on the device (graph replays' kernels included where the profiler "
+            "sees them); a wall far above both is the host's time between calls (Python)")
+    _release(m, args.device)
+    rep.data["profile"] = res
 
 
 def section_deterministic(args, rep, work):
