@@ -1108,6 +1108,8 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     prof = report["profile"]            # the profiled utterances replay buckets met before
     assert prof["captures_while_profiled"] == 0 and prof["stats"]["replays"] > 0
     assert prof["top_host"] and prof["profiled_wall_s_per_utt"] > 0
+    assert prof["batch"]["R"] == 2 and prof["batch"]["top_host"]
+    assert prof["batch"]["captures_while_profiled"] == 0
 
 
 def test_bench_speed_has_the_cuda_graphs_option():

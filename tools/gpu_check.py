@@ -24,9 +24,9 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    captured graph per bucket, replayed from an utterance's first step), on utterances of about
    3 s and 8 s (every one a new length, as in a real stream, after a warm-up at both lengths),
    and the intercept of the line through the two (time = fixed + slope x audio seconds).
-   ``profile`` (on request): where a warm utterance's time goes, SUTA on length buckets under
-   ``torch.profiler``: wall, GPU kernel time, the host calls that launch or wait, the top
-   operators by host and device time, per utterance.
+   ``profile`` (on request): where a warm utterance's time goes, SUTA on length buckets, one
+   run and a batch of 8, under ``torch.profiler``: wall, GPU kernel time, the host calls that
+   launch or wait, the top operators by host and device time, per utterance.
 4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
    run option ``--deterministic``): s per audio s and the price of determinism.
 5. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps; on length
@@ -123,7 +123,7 @@ SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memor
 #: on 2026-11-27 (memory on length buckets), the others as an H100 took them on 2026-11-26
 COST = {"transcripts": 39, "step": 30, "lengths": 72, "deterministic": 22, "memory": 70,
         "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 80,
-        "profile": 40}                                    # profile: a guess (not yet run)
+        "profile": 60}                                    # profile: a guess (not yet run)
 #: What a GPU run checks by default, most wanted first; they add up to 423 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench`` and ``decode`` on request
 #: (``--sections``; ``official`` times decode against the method loop on the same utterances)
@@ -455,40 +455,21 @@ HOST_CALLS = ("cudaGraphLaunch", "cudaStreamSynchronize", "cudaDeviceSynchronize
               "cudaMemcpyAsync", "cudaLaunchKernel", "cudaEventSynchronize")
 
 
-def section_profile(args, rep, work):
-    """Where a warm utterance's time goes, for the fixed cost per utterance the H200 left
-    unexplained (2026-11-27: SUTA on length buckets 0.163 s per 3 s utterance, ten replayed
-    steps): SUTA on buckets over utterances whose buckets it has met, timed, then the same under
-    ``torch.profiler``: wall, the GPU's kernel time (busy share), the host calls that launch or
-    wait (:data:`HOST_CALLS`) and the top operators by host and by device time, per utterance."""
+def _profiled(rep, label, n, run, cuda):
+    """``run()`` (one pass over ``n`` utterances, returning its seconds) under ``torch.profiler``
+    and its report per utterance; the report's dict."""
     from torch.profiler import ProfilerActivity, profile
-    model = _base_model(work, args)
-    cuda = str(args.device).startswith("cuda")
-    n = 2 if args.cpu_smoke else 6
-    wavs = _wavs(n, 0.9 * args.seconds, 1.1 * args.seconds, seed=7)
-    m = _method("suta", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=2e-5,
-                steps=_steps(args, "suta"))
-    _process_all(m, wavs, args.device)                    # every bucket met: replays from here
-    _, wall = _process_all(m, wavs, args.device)
-    before = dict(_stats(m))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        _, wall_prof = _process_all(m, wavs, args.device)
-    after = _stats(m)
-    new_captures = after.get("captures", 0) - before.get("captures", 0)
+        wall = run()
     events = prof.key_averages()
     ms = lambda us: us / 1000.0 / n                       # noqa: E731 - ms per utterance
     kernels = [e for e in events if _device_us(e) > 0]
     gpu_ms = ms(sum(_device_us(e) for e in kernels))
-    res = dict(n=n, seconds=args.seconds, wall_s_per_utt=wall / n,
-               profiled_wall_s_per_utt=wall_prof / n, gpu_kernel_ms_per_utt=gpu_ms,
-               captures_while_profiled=new_captures, stats=after, host_calls={}, top_host=[],
-               top_device=[])
-    rep.say(f"suta on buckets, {n} utterances of ~{args.seconds:.0f} s, {_steps(args, 'suta')} "
-            f"steps, every bucket met before: {wall / n:.4f} s per utterance "
-            f"({wall_prof / n:.4f} profiled); GPU kernels {gpu_ms:.1f} ms per utterance "
-            f"({gpu_ms / 1000 / (wall_prof / n):.0%} of the profiled wall); captures while "
-            f"profiled: {new_captures}")
+    res = dict(profiled_wall_s_per_utt=wall / n, gpu_kernel_ms_per_utt=gpu_ms, host_calls={},
+               top_host=[], top_device=[])
+    rep.say(f"{label}: {wall / n:.4f} s per utterance profiled; GPU kernels {gpu_ms:.1f} ms "
+            f"per utterance ({gpu_ms / 1000 / (wall / n):.0%} of it)")
     for name in HOST_CALLS:
         hit = [e for e in events if e.key == name]
         if hit:
@@ -504,11 +485,70 @@ def section_profile(args, rep, work):
         for e in sorted(kernels, key=lambda e: -_device_us(e))[:8]:
             res["top_device"].append((e.key, e.count / n, ms(_device_us(e))))
             rep.say(f"  {e.key[:44]:<44}{e.count / n:>10.1f}{ms(_device_us(e)):>9.2f}")
-    rep.say("profile: host ms are the calls' own time on the host thread; GPU kernel ms the "
-            "kernels' time on the device (graph replays' kernels included where the profiler "
-            "sees them); a wall far above both is the host's time between calls (Python)")
+    return res
+
+
+def section_profile(args, rep, work):
+    """Where a warm utterance's time goes, for the fixed cost per utterance the H200 left
+    unexplained (2026-11-27: SUTA on length buckets 0.163 s per 3 s utterance, ten replayed
+    steps) and for the batched sweep's 2x (target 3x): SUTA on buckets over utterances whose
+    buckets it has met, timed, then the same under ``torch.profiler``; then a batch of 8 SUTA
+    runs (the sweep section's learning rates) on buckets the same way. Per utterance: wall, the
+    GPU's kernel time (busy share), the host calls that launch or wait (:data:`HOST_CALLS`), the
+    top operators by host and by device time."""
+    from tta_brain.methods import UttInfo
+    from tta_brain.sweep import batch_for
+    model = _base_model(work, args)
+    cuda = str(args.device).startswith("cuda")
+    n, steps = (2 if args.cpu_smoke else 6), _steps(args, "suta")
+    wavs = _wavs(n, 0.9 * args.seconds, 1.1 * args.seconds, seed=7)
+    m = _method("suta", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=2e-5, steps=steps)
+    _process_all(m, wavs, args.device)                    # every bucket met: replays from here
+    _, wall = _process_all(m, wavs, args.device)
+    before = m.step.cache.stats["captures"]
+    one = _profiled(rep, f"suta on buckets, {n} utterances of ~{args.seconds:.0f} s, {steps} "
+                    f"steps (unprofiled {wall / n:.4f} s per utterance)", n,
+                    lambda: _process_all(m, wavs, args.device)[1], cuda)
+    one.update(n=n, seconds=args.seconds, wall_s_per_utt=wall / n, stats=_stats(m),
+               captures_while_profiled=m.step.cache.stats["captures"] - before)
     _release(m, args.device)
-    rep.data["profile"] = res
+
+    R = 2 if args.cpu_smoke else 8
+    ms = [_method("suta", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=1e-5 * (r + 1),
+                  steps=steps) for r in range(R)]
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    runs = list(range(R))
+
+    def over_all():
+        _sync(args.device)
+        t0 = time.perf_counter()
+        for i, w in enumerate(wavs):
+            batch.process(runs, w, UttInfo(id=f"u{i}", position=i, domain="d"))
+            for v in batch.views:
+                v.process(w)
+        _sync(args.device)
+        return time.perf_counter() - t0
+    over_all()
+    wall_b = over_all()
+    graphs = batch.graphs
+    captures = lambda: graphs.cache.stats["captures"] if graphs is not None else 0  # noqa: E731
+    before = captures()
+    many = _profiled(rep, f"a batch of {R} suta runs on buckets, the same utterances "
+                     f"(unprofiled {wall_b / n:.4f} s per utterance for all {R})", n, over_all, cuda)
+    many.update(R=R, wall_s_per_utt=wall_b / n,
+                graphs=graphs.describe() if graphs is not None else "eager",
+                captures_while_profiled=captures() - before)
+    if graphs is not None:
+        graphs.release()
+    batch = ms = None                                     # noqa: F841 - freed for the cache
+    if cuda:
+        import torch
+        torch.cuda.empty_cache()
+    rep.say(f"profile: {one['captures_while_profiled']} + {many['captures_while_profiled']} "
+            "captures while profiled; host ms are the calls' own time on the host thread, GPU "
+            "kernel ms the kernels' time on the device (graph replays' kernels included where "
+            "the profiler sees them); a wall far above both is the host's time between calls")
+    rep.data["profile"] = dict(one, batch=many)
 
 
 def section_deterministic(args, rep, work):
