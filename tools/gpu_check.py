@@ -460,7 +460,7 @@ def _profiled(rep, label, n, run, cuda):
     and its report per utterance; the report's dict."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, acc_events=True) as prof:   # one cycle (no warning)
         wall = run()
     events = prof.key_averages()
     ms = lambda us: us / 1000.0 / n                       # noqa: E731 - ms per utterance
