@@ -458,13 +458,15 @@ HOST_CALLS = ("cudaGraphLaunch", "cudaStreamSynchronize", "cudaDeviceSynchronize
 def _profiled(rep, label, n, run, cuda):
     """``run()`` (one pass over ``n`` utterances, returning its seconds) under ``torch.profiler``
     and its report per utterance; the report's dict."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts, acc_events=True) as prof:   # one cycle (no warning)
         wall = run()
     events = prof.key_averages()
     ms = lambda us: us / 1000.0 / n                       # noqa: E731 - ms per utterance
-    kernels = [e for e in events if _device_us(e) > 0]
+    # the kernels' own rows (a host operator's row repeats its kernels' device time)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and _device_us(e) > 0]
     gpu_ms = ms(sum(_device_us(e) for e in kernels))
     res = dict(profiled_wall_s_per_utt=wall / n, gpu_kernel_ms_per_utt=gpu_ms, host_calls={},
                top_host=[], top_device=[])
