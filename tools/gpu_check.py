@@ -70,8 +70,8 @@ By default a GPU run checks, in this order, transcripts, official, lengths, swee
 deterministic (``--sections`` picks others, in the order given). Each section is skipped
 (and says so) once ``--budget_s`` (default 480 s) would be exceeded, so the whole check stays
 under 8 minutes on one GPU; a failing section is reported and the next runs (``COST``: the seconds
-each took on an H100 on 2026-11-26, plus guesses for what the length buckets added;
-``gpu_check.json`` records each section's seconds). ``--cpu_smoke`` runs every section on CPU
+the default sections took on an H200 on 2026-11-27, the others on an H100 on 2026-11-26, a guess
+for ``profile``; ``gpu_check.json`` records each section's seconds). ``--cpu_smoke`` runs every section on CPU
 with a tiny model and a few utterances (no figures: the script's own test, tests/test_gpu.py).
 
 Recipe for a fresh GPU machine with torch 2.11 + CUDA but none of our other packages and no
