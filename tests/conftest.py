@@ -71,12 +71,11 @@ def rel_change(a, b, src) -> float:
 
 def transcript_agreement(want, got):
     """``(same, cer)`` of two equally shaped lists (runs) of transcript lists: the fraction of
-    identical transcripts, and the character edit distance of ``got`` from ``want`` over all of
-    ``want``'s characters."""
-    from torchaudio.functional import edit_distance
+    identical transcripts, and the pooled CER of ``got`` against ``want`` (a fraction)."""
+    from tta_brain.asr.metrics import corpus_error_rate
     pairs = [(w, g) for wr, gr in zip(want, got, strict=True) for w, g in zip(wr, gr, strict=True)]
     same = sum(w == g for w, g in pairs) / len(pairs)
-    return same, sum(edit_distance(w, g) for w, g in pairs) / max(sum(len(w) for w, _ in pairs), 1)
+    return same, corpus_error_rate(pairs, unit="char") / 100.0
 
 
 @pytest.fixture

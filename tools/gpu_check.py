@@ -441,10 +441,9 @@ def section_lengths(args, rep, work):
     rep.data["lengths"] = res
 
 
-def _device_us(e, self_only=True):
-    """An operator average's (self) device time in microseconds, across torch's renames."""
-    for name in (("self_device_time_total", "self_cuda_time_total") if self_only
-                 else ("device_time_total", "cuda_time_total")):
+def _device_us(e):
+    """An operator average's self device time in microseconds, across torch's renames."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
         if hasattr(e, name):
             return float(getattr(e, name))
     return 0.0
