@@ -121,7 +121,7 @@ SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memor
             "decode", "official", "field", "sweep")
 #: seconds of each section on one GPU, for the budget: the default sections as an H200 took them
 #: on 2026-11-27 (memory on length buckets), the others as an H100 took them on 2026-11-26
-COST = {"transcripts": 39, "step": 30, "lengths": 72, "deterministic": 22, "memory": 70,
+COST = {"transcripts": 39, "step": 60, "lengths": 72, "deterministic": 22, "memory": 70,
         "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 80,
         "profile": 60}                                    # profile: a guess (not yet run)
 #: What a GPU run checks by default, most wanted first; they add up to 423 s, within the budget
@@ -387,33 +387,39 @@ def section_transcripts(args, rep, work):
 
 
 def section_step(args, rep, work):
+    """One SUTA step, warm, at ``--seconds`` and ``--long_seconds``: eager, device eager and
+    the default (captured on CUDA), ms per step. Whether a warm step's time grows with the audio
+    tells a per-utterance fixed cost from a step that is bound by its kernels' count."""
     import torch
     model = _base_model(work, args)
     cuda = args.device.startswith("cuda")
-    x_wav = _wavs(1, args.seconds, args.seconds, seed=2)[0]
     res = {}
-    for tag, runtime in (("eager", EAGER), ("device eager", DEVICE_EAGER), ("default", DEFAULT)):
-        m = _method("suta", model, args.device, runtime, lr=2e-5, steps=10)
-        x = m.lobe.prepare(x_wav)
-        with torch.enable_grad():
-            for _ in range(4):                     # warm-up (and, captured: the capture)
-                m.adapt_step(x)
-            _sync(args.device)
-            n, t0 = 20, time.perf_counter()
-            for _ in range(n):
-                m.adapt_step(x)
-            _sync(args.device)
-            wall = (time.perf_counter() - t0) / n * 1e3
-        m.predict(x)                               # settles the step counters
-        res[tag] = dict(ms_per_step=wall, stats=_stats(m))
-        _release(m, args.device)
-    size = "tiny" if args.cpu_smoke else "wav2vec2-base"
-    ratio = res["eager"]["ms_per_step"] / max(res["default"]["ms_per_step"], 1e-9)
-    rep.say(f"SUTA step, {args.seconds:.1f} s, random {size} model, fp32 (this run, "
-            f"{'GPU' if cuda else 'CPU'}): "
-            + ", ".join(f"{k} {v['ms_per_step']:.2f} ms" for k, v in res.items())
-            + f" (eager / default x{ratio:.2f})")
-    rep.say(f"  default: {res['default']['stats']}")
+    for seconds in (args.seconds, args.long_seconds):
+        x_wav = _wavs(1, seconds, seconds, seed=2)[0]
+        row = res[f"{seconds:g}s"] = {}
+        for tag, runtime in (("eager", EAGER), ("device eager", DEVICE_EAGER),
+                             ("default", DEFAULT)):
+            m = _method("suta", model, args.device, runtime, lr=2e-5, steps=10)
+            x = m.lobe.prepare(x_wav)
+            with torch.enable_grad():
+                for _ in range(4):                 # warm-up (and, captured: the capture)
+                    m.adapt_step(x)
+                _sync(args.device)
+                n, t0 = 20, time.perf_counter()
+                for _ in range(n):
+                    m.adapt_step(x)
+                _sync(args.device)
+                wall = (time.perf_counter() - t0) / n * 1e3
+            m.predict(x)                           # settles the step counters
+            row[tag] = dict(ms_per_step=wall, stats=_stats(m))
+            _release(m, args.device)
+        size = "tiny" if args.cpu_smoke else "wav2vec2-base"
+        ratio = row["eager"]["ms_per_step"] / max(row["default"]["ms_per_step"], 1e-9)
+        rep.say(f"SUTA step, {seconds:.1f} s, random {size} model, fp32 (this run, "
+                f"{'GPU' if cuda else 'CPU'}): "
+                + ", ".join(f"{k} {v['ms_per_step']:.2f} ms" for k, v in row.items())
+                + f" (eager / default x{ratio:.2f})")
+        rep.say(f"  default: {row['default']['stats']}")
     rep.say(f"  ({EARLIER})")
     rep.data["step"] = res
 
@@ -489,6 +495,41 @@ def _profiled(rep, label, n, run, cuda):
     return res
 
 
+def _phases(m, wavs, device):
+    """Seconds per utterance of a base-skeleton method's phases (``process`` taken apart, a
+    device sync after each): begin (the input on the device, the reset), the adaptation steps,
+    the prediction (its one host copy), end; and the wall of all four."""
+    import torch
+
+    from tta_brain.methods import UttInfo
+    tot = dict(begin=0.0, steps=0.0, predict=0.0, end=0.0)
+    _sync(device)
+    t_all = time.perf_counter()
+    for i, w in enumerate(wavs):
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            x = m.begin(w, UttInfo(id=f"u{i}", position=i, domain="d"))
+            _sync(device)
+            t1 = time.perf_counter()
+            for k in range(m.steps):
+                m.before_step(k)
+                m.adapt_step(x)
+            _sync(device)
+            t2 = time.perf_counter()
+            m.predict(x)
+            t3 = time.perf_counter()
+            m.end(x)
+            m.features.clear()
+            m.t += 1
+            _sync(device)
+        t4 = time.perf_counter()
+        for k, a, b in (("begin", t0, t1), ("steps", t1, t2), ("predict", t2, t3),
+                        ("end", t3, t4)):
+            tot[k] += b - a
+    wall = time.perf_counter() - t_all
+    return dict({k: v / len(wavs) for k, v in tot.items()}, wall=wall / len(wavs))
+
+
 def section_profile(args, rep, work):
     """Where a warm utterance's time goes, for the fixed cost per utterance the H200 left
     unexplained (2026-11-27: SUTA on length buckets 0.163 s per 3 s utterance, ten replayed
@@ -506,11 +547,15 @@ def section_profile(args, rep, work):
     m = _method("suta", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=2e-5, steps=steps)
     _process_all(m, wavs, args.device)                    # every bucket met: replays from here
     _, wall = _process_all(m, wavs, args.device)
+    phases = _phases(m, wavs, args.device)
+    rep.say(f"suta on buckets, warm, s per utterance by phase (a sync after each): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in phases.items()))
     before = m.step.cache.stats["captures"]
     one = _profiled(rep, f"suta on buckets, {n} utterances of ~{args.seconds:.0f} s, {steps} "
                     f"steps (unprofiled {wall / n:.4f} s per utterance)", n,
                     lambda: _process_all(m, wavs, args.device)[1], cuda)
     one.update(n=n, seconds=args.seconds, wall_s_per_utt=wall / n, stats=_stats(m),
+               phases=phases,
                captures_while_profiled=m.step.cache.stats["captures"] - before)
     _release(m, args.device)
 

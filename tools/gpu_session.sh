@@ -5,7 +5,8 @@
 # tests/test_sweep.py -k cuda). Every log goes under $OUT (default gpu_session_out); the summary
 # goes to stdout; the exit status is 0 only if both passed.
 #
-#   bash tools/gpu_session.sh [--budget_s S] [--tests_s T] [--smoke] [gpu_check options ...]
+#   bash tools/gpu_session.sh [--budget_s S] [--tests_s T] [--tests_k EXPR] [--smoke]
+#                             [gpu_check options ...]
 #
 # Here first: bash tools/gpu_wheels.sh, and for the check's side by side with the official code
 # its src/, config/ and vocab.json in .official/Dynamic-SUTA (e.g. `git archive HEAD src config
@@ -13,16 +14,18 @@
 # (both ignored by git). The defaults (check 440 s: every default section, 419 s on an H200 on
 # 2026-11-27; tests 100 s, 63 s there; about 9 minutes with the install) leave a session's 15
 # device minutes, after the machine's start (about 40 s there), room to rerun a section or two
-# (e.g. --sections memory --budget_s 100 --tests_s 0: no tests). --smoke: on this machine's
+# (e.g. --sections memory --budget_s 100 --tests_s 0: no tests; --tests_k cotta: only the CUDA
+# tests whose names match it too). --smoke: on this machine's
 # CPU (the check's --cpu_smoke on two sections, the CUDA tests collected, not run; no .site).
 # tools/gpu_twin.sh: a CPU twin of the image's Python to rehearse the whole call.
 set -uo pipefail
 
-budget=440 tests_s=100 smoke=0 check_opts=()
+budget=440 tests_s=100 smoke=0 tests_k="cuda and not gpu_session" check_opts=()
 while (($#)); do
   case "$1" in
     --budget_s) budget=$2; shift 2 ;;
     --tests_s) tests_s=$2; shift 2 ;;
+    --tests_k) tests_k="cuda and ($2) and not gpu_session"; shift 2 ;;
     --smoke) smoke=1; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) check_opts+=("$1"); shift ;;
@@ -86,7 +89,7 @@ tail -n 60 "$out/check.log"
 
 # -rA: the passed tests' output too, where the tests comparing to rounding print their figures
 tests=(-m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sweep.py -rA --durations=5
-       -k "cuda and not gpu_session")    # not this script's own CPU smoke test (40 s)
+       -k "$tests_k")    # not this script's own CPU smoke test (40 s)
 ((smoke)) && tests+=(--collect-only)
 if [[ $tests_s == 0 ]]; then         # a rerun of check sections alone (timeout 0: no limit)
   log "tests: not run (--tests_s 0)"
