@@ -45,6 +45,8 @@ def build(model_dir, name, mode="host", device="cpu", backend=None, runtime=None
     cpu), graph (device step + cuda_graphs with ``backend``, on CPU a FakeBackend by default)."""
     base, _, reset = name.partition("+")
     rt = dict(runtime or {})
+    # the tests name the buckets they run (the run's default, auto, is buckets on CUDA)
+    rt.setdefault("cuda_graph_buckets", 0.0)
     rt.setdefault("cuda_graphs", "on" if mode == "graph" else "off")
     rt.setdefault("cuda_device_steps", mode == "device")
     lobe = HFCTCLobe(model_dir, device=device, runtime=Runtime(**rt))
@@ -560,13 +562,32 @@ def test_buckets_only_where_the_padded_pass_is_exact(tmp_path, utterances, caplo
 
 def test_buckets_with_a_one_graph_cache_say_so(tiny_model_dir, caplog):
     with caplog.at_level(logging.WARNING):
-        m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1})
+        m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1,
+                                                            "cuda_graph_cache": 1})
     assert m.step.buckets == 0.1 and "set cuda_graph_cache" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1,
-                                                        "cuda_graph_cache": 32})
-    assert "cuda_graph_cache" not in caplog.text
+    for cache, kept in ((32, 32), ("auto", 64)):      # auto: room for DSUTA's 2 graphs a bucket
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1,
+                                                                "cuda_graph_cache": cache})
+        assert "cuda_graph_cache" not in caplog.text
+        assert m.step.cache.capacity == kept and m.step.forwards.capacity == 3 * kept
+
+
+def test_auto_buckets_are_a_cuda_default(tiny_model_dir, caplog):
+    """``cuda_graph_buckets: auto`` (the default) is the ratio 0.1 on CUDA, off on CPU, and off
+    without a warning where the padded pass is not exact; ``cuda_graph_cache: auto`` keeps 64
+    graphs on buckets, 1 without."""
+    rt = Runtime()
+    assert (rt.cuda_graph_buckets, rt.cuda_graph_cache) == ("auto", "auto")
+    assert rt.bucket_ratio("cuda") == 0.1 and rt.bucket_ratio("cpu") == 0.0
+    assert rt.graph_cache(0.1) == 64 and rt.graph_cache(0.0) == 1
+    assert Runtime(cuda_graph_buckets=0.0).bucket_ratio("cuda") == 0.0
+    assert Runtime(cuda_graph_buckets=0.25, cuda_graph_cache=8).graph_cache(0.25) == 8
+    # the steps built on CPU tensors (the device step's CPU stand-in): auto is off on CPU
+    m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": "auto",
+                                                        "cuda_graph_cache": "auto"})
+    assert m.step.buckets == 0.0 and m.step.cache.capacity == 1
 
 
 def test_cached_graph_is_dropped_when_the_state_is_replaced(tiny_model_dir, utterances):
@@ -833,15 +854,20 @@ def test_runtime_options_and_run_block():
     from tta_brain import hparams
     rt = Runtime()
     assert (rt.cuda_graphs, rt.cuda_device_steps, rt.cuda_graph_cache,
-            rt.cuda_graph_warmup) == ("auto", False, 1, 1)
+            rt.cuda_graph_warmup, rt.cuda_graph_buckets) == ("auto", False, "auto", 1, "auto")
     keys = {k: v for k, v, _ in hparams.describe("suta")}
-    assert keys["cuda_graphs"] == "auto" and keys["cuda_graph_cache"] == "1"
+    assert keys["cuda_graphs"] == "auto" and keys["cuda_graph_cache"] == "auto"
+    assert keys["cuda_graph_buckets"] == "auto"
     path = hparams.find("suta")
     for value in ("auto", "on", "off"):
         hparams.check(path, {"cuda_graphs": value, "deterministic": value == "on"})
     # one spelling per value, checked by the yaml rules only
-    hparams.check(path, {"cuda_graph_warmup": 0})
+    hparams.check(path, {"cuda_graph_warmup": 0, "cuda_graph_cache": 32,
+                         "cuda_graph_buckets": 0.25})
+    hparams.check(path, {"cuda_graph_cache": "auto", "cuda_graph_buckets": 0})
     for key, bad in (("cuda_graphs", True), ("cuda_graphs", "false"), ("cuda_graph_cache", 0),
+                     ("cuda_graph_cache", "off"), ("cuda_graph_buckets", -0.1),
+                     ("cuda_graph_buckets", "on"), ("cuda_graph_buckets", True),
                      ("cuda_graph_warmup", -1), ("deterministic", "yes")):
         with pytest.raises(hparams.HparamsError, match=f"{key} = .* is not valid"):
             hparams.check(path, {key: bad})
@@ -1202,10 +1228,12 @@ def test_cuda_field_methods_on_the_captured_step(tiny_model_dir, utterances, tmp
 
 @cuda
 @pytest.mark.parametrize("name", ["suta", "eata", "sar"])
-@pytest.mark.parametrize("graphs_on,buckets", [(False, 0.0), (True, 0.0), (True, 0.25)])
+@pytest.mark.parametrize("graphs_on,buckets", [(False, 0.0), (True, 0.0), (True, 0.25),
+                                               (True, "auto")])
 def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on, buckets, name):
     """No host synchronisation inside a step (eager device steps and replays, on length buckets
-    too; EATA's filter and SAR's SAM step included): the sync debug mode raises on one."""
+    too, and the default, auto: buckets 0.1 on CUDA; EATA's filter and SAR's SAM step included):
+    the sync debug mode raises on one."""
     kw = {"eata": dict(fisher_alpha=0.0, e_margin_factor=1.01),
           "sar": dict(e_margin_factor=1.01)}.get(name, {})
     m = build(tiny_model_dir, name, "graph" if graphs_on else "device", device="cuda", steps=6,
@@ -1224,6 +1252,7 @@ def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on, buckets, 
     assert not m.step.flags.pending
     if graphs_on:
         assert m.step.stats["replays"] > 0
+    assert m.step.buckets == (0.1 if buckets == "auto" else buckets)
 
 
 @cuda

@@ -170,6 +170,27 @@ def test_labels_are_not_part_of_the_fingerprint(data, tmp_path):
         data, tmp_path / "x", "suta", "--steps=3")).fingerprint) == ["hparams.steps: 2 != 3"]
 
 
+def test_auto_graph_defaults_keep_cpu_fingerprints(data, tmp_path):
+    """``cuda_graph_buckets`` / ``cuda_graph_cache`` became ``auto`` (length buckets on CUDA):
+    a CPU run, where nothing is captured, keeps the fingerprint of the values it had (0.0, 1),
+    so a CPU folder decoded before is still this run's; a CUDA run is fingerprinted as ``auto``
+    and a CUDA folder decoded without buckets differs by those keys."""
+    auto = decode.plan(decode_argv(data, tmp_path / "x"))
+    assert auto.record["cuda_graph_buckets"] == auto.record["cuda_graph_cache"] == "auto"
+    assert (auto.fingerprint["hparams"]["cuda_graph_buckets"],
+            auto.fingerprint["hparams"]["cuda_graph_cache"]) == (0.0, 1)
+    explicit = decode.plan(decode_argv(data, tmp_path / "x", "suta", "--cuda_graph_buckets=0.0",
+                                       "--cuda_graph_cache=1"))
+    assert explicit.fingerprint == auto.fingerprint
+    on_cuda = dict(auto.record, device="cuda:1")
+    new = identity.fingerprint(on_cuda, auto.stream_csv, len(auto.rows))
+    assert (new["hparams"]["device"], new["hparams"]["cuda_graph_buckets"]) == ("cuda", "auto")
+    old = identity.fingerprint(dict(on_cuda, cuda_graph_buckets=0.0, cuda_graph_cache=1),
+                               auto.stream_csv, len(auto.rows))
+    assert identity.differences(old, new) == ["hparams.cuda_graph_buckets: 0.0 != 'auto'",
+                                              "hparams.cuda_graph_cache: 1 != 'auto'"]
+
+
 def test_a_key_added_later_with_its_old_default_matches_older_fingerprints(data, tmp_path):
     """A folder decoded before a run-block key existed (its fingerprint lacks the key) is the
     same run as one with the key at the default that computes what it computed; another value

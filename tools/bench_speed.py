@@ -218,8 +218,8 @@ def make_entry(name, args, model_dir, device):
                       cpu_native_backward=not args.onednn_backward,
                       cuda_graphs=getattr(args, "cuda_graphs", "auto"),
                       cuda_graph_warmup=getattr(args, "cuda_graph_warmup", 1),
-                      cuda_graph_buckets=getattr(args, "cuda_graph_buckets", 0.0),
-                      cuda_graph_cache=getattr(args, "cuda_graph_cache", 1))
+                      cuda_graph_buckets=getattr(args, "cuda_graph_buckets", "auto"),
+                      cuda_graph_cache=getattr(args, "cuda_graph_cache", "auto"))
     lobe = HFCTCLobe(model_dir, device=str(device), runtime=runtime)
     adapt = [{"select": s} for s in args.adapt.split(",")]
     if name in UNITS or name == TRAIN_UNIT:
@@ -366,6 +366,14 @@ def two_lengths(args, model_dir, device):
 
 
 # ------------------------------------------------------------------------------ main
+def _auto(kind):
+    """argparse type: ``auto`` or a ``kind`` value (the run block's graph options)."""
+    def parse(text):
+        return "auto" if text == "auto" else kind(text)
+    parse.__name__ = f"auto or {kind.__name__}"
+    return parse
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -409,10 +417,11 @@ def parse_args(argv=None):
                    help="CUDA: replay the adaptation steps from captured graphs (Runtime.cuda_graphs)")
     p.add_argument("--cuda_graph_warmup", type=int, default=1,
                    help="eager steps of a new length before its capture (0: none once warm)")
-    p.add_argument("--cuda_graph_buckets", type=float, default=0.0,
-                   help="length buckets of the captured steps (Runtime.cuda_graph_buckets; 0: off)")
-    p.add_argument("--cuda_graph_cache", type=int, default=1,
-                   help="captured graphs kept (Runtime.cuda_graph_cache)")
+    p.add_argument("--cuda_graph_buckets", type=_auto(float), default="auto",
+                   help="length buckets of the captured steps (Runtime.cuda_graph_buckets; "
+                        "auto: 0.1 on CUDA where exact, as decode; 0: off)")
+    p.add_argument("--cuda_graph_cache", type=_auto(int), default="auto",
+                   help="captured graphs kept (Runtime.cuda_graph_cache; auto: as decode)")
     p.add_argument("--deterministic", default="true", choices=("true", "false"),
                    help="CUDA: deterministic kernels, as decode's run option (default true)")
     p.add_argument("--tf32", default="torch", choices=("torch", "off", "on"),

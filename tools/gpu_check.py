@@ -119,22 +119,25 @@ for _p in (ROOT, TOOLS):
 
 SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memory", "bench",
             "decode", "official", "field", "sweep")
-#: seconds of each section on one GPU, for the budget: the default sections as an H200 took them
-#: on 2026-11-27 (memory on length buckets), the others as an H100 took them on 2026-11-26
-COST = {"transcripts": 39, "step": 60, "lengths": 72, "deterministic": 22, "memory": 70,
-        "bench": 110, "decode": 60, "official": 140, "field": 85, "sweep": 80,
-        "profile": 60}                                    # profile: a guess (not yet run)
-#: What a GPU run checks by default, most wanted first; they add up to 423 s, within the budget
+#: seconds of each section on one GPU, for the budget: as an H200 took them on 2026-11-27
+#: (transcripts + 10 for its default rows, official + 40 for its long stream: estimates), bench
+#: and decode as an H100 did on 2026-11-26
+COST = {"transcripts": 48, "step": 10, "lengths": 72, "deterministic": 22, "memory": 70,
+        "bench": 110, "decode": 60, "official": 180, "field": 86, "sweep": 80,
+        "profile": 36}
+#: What a GPU run checks by default, most wanted first; they add up to 472 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench`` and ``decode`` on request
-#: (``--sections``; ``official`` times decode against the method loop on the same utterances)
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
 MEASURED_GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent")
 GRAPH_METHODS = MEASURED_GRAPH_METHODS + ("eata", "sar", "cea")
-#: the length buckets measured (Runtime.cuda_graph_buckets; off by default until measured): at
-#: most 10 % padding, room for the 39 buckets of 1-35 s
-BUCKETS, BUCKET_CACHE = {"cuda_graph_buckets": 0.1}, 32
-BUCKET_OPTS = ["--cuda_graph_buckets", "0.1", "--cuda_graph_cache", str(BUCKET_CACHE)]
-DECODE_BUCKET_OPTS = ["--cuda_graph_buckets=0.1", f"--cuda_graph_cache={BUCKET_CACHE}"]
+#: length buckets as the run's default on CUDA sets them (``cuda_graph_buckets`` and
+#: ``cuda_graph_cache: auto``: ``Runtime.AUTO_BUCKETS``, ``AUTO_BUCKET_CACHE``), given explicitly
+#: where a section needs them on CPU too (the smoke test; ``auto`` is off on CPU)
+BUCKETS, BUCKET_CACHE = {"cuda_graph_buckets": 0.1}, 64
+#: the captured steps without buckets (the default until 2026-11-27), for comparison
+UNBUCKETED = {"cuda_graph_buckets": 0.0, "cuda_graph_cache": 1}
+UNBUCKETED_OPTS = ["--cuda_graph_buckets", "0", "--cuda_graph_cache", "1"]
+DECODE_UNBUCKETED_OPTS = ["--cuda_graph_buckets=0", "--cuda_graph_cache=1"]
 #: runtime options of the three ways a step runs
 DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
                                                           "cuda_device_steps": True}
@@ -155,9 +158,9 @@ def parse_args(argv=None):
                         f"{','.join(DEFAULT_SECTIONS)}; the CPU smoke test: all)")
     p.add_argument("--budget_s", type=float, default=480.0,
                    help="skip the sections that would start after this many seconds")
-    p.add_argument("--memory_runtime", default="buckets", choices=("buckets", "default"),
-                   help="memory: dsuta on length buckets (BUCKETS; the default path was measured "
-                        "flat on an H100 on 2026-11-26) or with the default options")
+    p.add_argument("--memory_runtime", default="buckets", choices=("buckets", "unbucketed"),
+                   help="memory: dsuta on length buckets (BUCKETS: the default on CUDA, also "
+                        "on CPU) or without (UNBUCKETED; measured flat on an H100 on 2026-11-26)")
     p.add_argument("--n_utts", type=int, default=20, help="utterances per method (transcripts)")
     p.add_argument("--decode_utts", type=int, default=16, help="utterances of the decode stream")
     p.add_argument("--memory_utts", type=int, default=1000, help="utterances of the memory stream")
@@ -166,14 +169,16 @@ def parse_args(argv=None):
     p.add_argument("--official_dir", default=os.path.join(ROOT, ".official", "Dynamic-SUTA"),
                    help="a checkout of the official code (hhhaaahhhaa/Dynamic-SUTA: its src/, "
                         "config/ and vocab.json) for the section official; not shipped")
+    p.add_argument("--long_stream_s", type=float, default=300.0,
+                   help="official: audio seconds of the long stream at each length (ours only)")
     p.add_argument("--sweep_utts", type=int, default=8, help="utterances of the sweep stream")
     p.add_argument("--sweep_method", default="suta",
                    choices=("suta", "dsuta+dynamic", "eata", "sar", "cotta", "cea", "sgem",
                             "sdpl", "awmc", "ebats", "foa", "lame", "t3a"),
                    help="the runs of the sweep section")
-    p.add_argument("--sweep_buckets", action="store_true",
-                   help="the sweep section with length buckets (" + " ".join(DECODE_BUCKET_OPTS)
-                        + ") in every run of every arm")
+    p.add_argument("--sweep_unbucketed", action="store_true",
+                   help="the sweep section without length buckets ("
+                        + " ".join(DECODE_UNBUCKETED_OPTS) + ") in every run of every arm")
     p.add_argument("--cpu_smoke", action="store_true",
                    help="every section on CPU with a tiny model and a few utterances (no figures)")
     args = p.parse_args(argv)
@@ -265,7 +270,7 @@ class _ReplayBackend:
         return self.Graph(body)
 
 
-def _method(name, model_dir, device, runtime, cache=1, **kw):
+def _method(name, model_dir, device, runtime, cache=None, **kw):
     """Method ``name`` (a token: ``dsuta+dynamic``) on a fresh lobe with ``runtime`` options. On
     CPU (the smoke test) the device step runs on CPU tensors with :class:`_ReplayBackend`."""
     from functools import partial
@@ -276,7 +281,9 @@ def _method(name, model_dir, device, runtime, cache=1, **kw):
     from tta_brain.methods import build_method
     from tta_brain.methods.resets import make_reset_policy
     base, _, reset = name.partition("+")
-    lobe = HFCTCLobe(model_dir, device=device, runtime=Runtime(cuda_graph_cache=cache, **runtime))
+    if cache is not None:                 # else the runtime's (default: auto)
+        runtime = dict(runtime, cuda_graph_cache=cache)
+    lobe = HFCTCLobe(model_dir, device=device, runtime=Runtime(**runtime))
     if reset:
         kw["reset_policy"] = make_reset_policy(reset, K=kw.pop("reset_K", 10))
     kw.pop("reset_K", None)
@@ -363,8 +370,9 @@ def section_transcripts(args, rep, work):
             kw.update(steps2=kw["steps"])
         a = _method(name, tiny, args.device, DEVICE_EAGER, **dict(kw))
         ha, _ = _process_all(a, wavs, args.device)
-        # the methods added since the H100 run (eata, sar, cea): captured and on buckets only
-        variants = ((1, 1, 0.0), (4, 1, 0.0), (1, 0, 0.0), (4, 1, 0.25))
+        # the methods added since the H100 run (eata, sar, cea): cache 4, buckets and the
+        # default only; the default (auto): buckets 0.1 on CUDA, none on CPU
+        variants = ((1, 1, 0.0), (4, 1, 0.0), (1, 0, 0.0), (4, 1, 0.25), ("auto", 1, "auto"))
         for cache, warmup, buckets in (variants if name in MEASURED_GRAPH_METHODS
                                        else variants[1::2]):
             b = _method(name, tiny, args.device, dict(DEFAULT, cuda_graph_warmup=warmup,
@@ -377,7 +385,8 @@ def section_transcripts(args, rep, work):
             st = _stats(b)
             # buckets: the padded passes equal the unpadded ones to rounding, not bit for bit
             ok &= same == len(ha) and (args.cpu_smoke or st.get("replays", 0) > 0)
-            label = (f"{name}, {cache}{', warmup 0' if warmup == 0 else ''}"
+            label = (f"{name}, default" if buckets == "auto" else
+                     f"{name}, {cache}{', warmup 0' if warmup == 0 else ''}"
                      f"{f', buckets {buckets:g}' if buckets else ''}")
             res[label] = dict(same=same, n=len(ha), max_param_diff=diff, eager=_stats(a),
                               graphs=st)
@@ -434,8 +443,8 @@ def section_lengths(args, rep, work):
     common += (["--n_utts", "3", "--warmup", "2", "--suta_steps", "2", "--dsuta_steps", "2"]
                if args.cpu_smoke else ["--n_utts", "12", "--warmup", "8"])
     res = {}
-    for tag, opts in (("eager", ["--cuda_graphs", "off"]), ("default", []),
-                      ("buckets", BUCKET_OPTS)):
+    for tag, opts in (("eager", ["--cuda_graphs", "off"]), ("unbucketed", UNBUCKETED_OPTS),
+                      ("default", [])):
         rep.say(f"--- bench_speed --two_lengths ({tag}: {' '.join(opts) or 'no options'}) ---")
         res[tag] = bench_speed.main(common + opts)
         for name, r in res[tag].items():
@@ -715,7 +724,7 @@ def section_memory(args, rep, work):
     n, every = args.memory_utts, max(1, args.memory_utts // 20)
     lo, hi = (0.5, 1.0) if args.cpu_smoke else (1.0, 3.0)
     buckets = args.memory_runtime == "buckets"
-    m = _method("dsuta", model, args.device, BUCKETS if buckets else DEFAULT,
+    m = _method("dsuta", model, args.device, BUCKETS if buckets else UNBUCKETED,
                 cache=BUCKET_CACHE if buckets else 1, lr=2e-5, steps=_steps(args, "dsuta"),
                 buffer_size=5)
     marks, trace = {}, []
@@ -850,7 +859,8 @@ def section_official(args, rep, work):
     res = {}
     lengths = (args.seconds,) if args.cpu_smoke else (args.seconds, args.long_seconds)
     rep.say(f"{'method, length':<26}{'official s/aud s':>17}{'ours s/aud s':>14}{'speed-up':>10}"
-            f"{'loop s/aud s':>14}{'decode':>10}{'buckets s/aud s':>17}{'speed-up':>10}")
+            f"{'loop s/aud s':>14}{'decode':>10}{'unbucketed':>12}{'speed-up':>10}"
+            f"{'long stream':>13}{'speed-up':>10}")
     for li, sec in enumerate(lengths):
         data = os.path.join(work, f"official_data_{li}")
         n = 2 if args.cpu_smoke else (24 if sec < 5 else 16)
@@ -861,6 +871,15 @@ def section_official(args, rep, work):
         wavs = [torch.from_numpy(sf.read(os.path.join(data, "wav", f"{r['ID']}.wav"),
                                          dtype="float32")[0]) for r in rows]
         audio = sum(w.numel() for w in wavs) / 16000
+        # the long stream: ours alone (the official code's eager step costs the same at every
+        # utterance, so its rate above stands); there our graphs' captures are paid off
+        n_long = 3 if args.cpu_smoke else round(args.long_stream_s / sec)
+        long_data = os.path.join(work, f"official_long_{li}")
+        long_rows = bench_memory.make_audio(long_data, n_long, (0.9 * sec, 1.1 * sec),
+                                            block=n_long, n_lengths=0, seed=20 + li)
+        long_stream = os.path.join(long_data, "stream.csv")
+        bench_memory.write_stream(long_stream, long_rows)
+        long_audio = sum(float(r["duration"]) for r in long_rows)
         for tag, cls_name, module, files, extra, ours_opts in OFFICIAL_RUNS:
             hp = tag.partition("+")[0]
             off = None
@@ -878,26 +897,30 @@ def section_official(args, rep, work):
                                        stream, data)
             ours = meth / audio
             loop = _method_loop(args, tag, model, wavs) / audio
-            # length buckets (off by default until measured): a warm process that has met the
-            # buckets of these utterances once, as a long stream's later utterances have
-            bopts = ours_opts + steps + DECODE_BUCKET_OPTS
-            _ours_decode(args, work, f"{tag}_bwarm{li}", hp, bopts, model, stream, data)
-            bmeth, _ = _ours_decode(args, work, f"{tag}_b{li}", hp, bopts, model, stream, data)
-            buck = bmeth / audio
+            # the captured steps without length buckets (the default until 2026-11-27)
+            uopts = ours_opts + steps + DECODE_UNBUCKETED_OPTS
+            umeth, _ = _ours_decode(args, work, f"{tag}_u{li}", hp, uopts, model, stream, data)
+            unb = umeth / audio
+            lmeth, _ = _ours_decode(args, work, f"{tag}_long{li}", hp, ours_opts + steps, model,
+                                    long_stream, long_data)
+            lng = lmeth / long_audio
             key = f"{tag}, {sec:.0f} s"
             res[key] = dict(official=off, ours=ours, ours_run_s=run_s, audio_s=audio, n=n,
-                            method_loop=loop, decode_over_loop=ours / loop, buckets=buck)
-            up = f"{off / ours:>9.2f}x" if off else f"{'-':>10}"
-            bup = f"{off / buck:>9.2f}x" if off else f"{'-':>10}"
-            rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{up}"
-                    f"{loop:>14.4f}{ours / loop - 1:>+10.0%}{buck:>17.4f}{bup}")
+                            method_loop=loop, decode_over_loop=ours / loop, unbucketed=unb,
+                            long_stream=lng, long_n=n_long, long_audio_s=long_audio)
+            ups = [f"{off / v:>9.2f}x" if off else f"{'-':>10}" for v in (ours, unb, lng)]
+            rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{ups[0]}"
+                    f"{loop:>14.4f}{ours / loop - 1:>+10.0%}{unb:>12.4f}{ups[1]}"
+                    f"{lng:>13.4f}{ups[2]}")
     rep.say("official: its strategy's run() (model loading not timed), PyTorch's default kernels; "
-            "ours: decode with its defaults (captured steps on CUDA, --deterministic true); "
-            "each side warmed up on its own first; loop: the same method object's process() over "
-            "the same utterances in this process (what bench_speed times), and decode's time over "
-            "it (issue #22: within 10 %); buckets: decode with " + " ".join(DECODE_BUCKET_OPTS)
-            + " after one decode of the same utterances (a warm process; each decode captures "
-            "its own graphs)")
+            "ours: decode with its defaults (captured steps on length buckets on CUDA, "
+            "--deterministic true); each side warmed up on its own first; loop: the same method "
+            "object's process() over the same utterances in this process (what bench_speed "
+            "times), and decode's time over it (issue #22: within 10 %); unbucketed: decode with "
+            + " ".join(DECODE_UNBUCKETED_OPTS) + "; long stream: decode with its defaults on "
+            f"a stream of about {args.long_stream_s:.0f} audio s of the same lengths (each "
+            "decode captures its own graphs; a long stream pays them off), its speed-up over the "
+            "official rate of the short stream")
     rep.data["official"] = res
 
 
@@ -915,24 +938,26 @@ def section_field(args, rep, work):
               "--seconds", str(args.seconds), "--cuda_graphs", "auto"]
     common += (["--n_utts", "2", "--repeats", "1", "--warmup", "1", "--suta_steps", "2"]
                if args.cpu_smoke else ["--n_utts", "2", "--repeats", "1", "--warmup", "1"])
-    rep.say("--- bench_speed, the field's methods (default options) ---")
+    rep.say("--- bench_speed, the field's methods (default options: on CUDA the captured steps "
+            "on length buckets) ---")
     res = bench_speed.main(common + ["--json", os.path.join(work, "bench_field.json")])
     rep.say(f"{'method':<12}{'s/aud s':>10}")
     for m, r in res.items():
         rep.say(f"{m:<12}{r['wall']['s_per_audio_s']:>10.4f}")
-    # one step per utterance: captured only on length buckets (warm: after the run's first
-    # three eager steps, every utterance of a visited bucket replays)
-    rep.say(f"--- bench_speed, {ONE_STEP} on length buckets ({' '.join(BUCKET_OPTS)}) ---")
-    bucketed = bench_speed.main(
+    # one step per utterance: without buckets a new length runs eagerly (a capture would serve
+    # one step), so the default's buckets are what captures them
+    rep.say(f"--- bench_speed, {ONE_STEP} without length buckets ({' '.join(UNBUCKETED_OPTS)}) "
+            "---")
+    unbucketed = bench_speed.main(
         ["--device", args.device, "--model", model, "--methods", ONE_STEP,
-         "--seconds", str(args.seconds), "--cuda_graphs", "auto", *BUCKET_OPTS]
+         "--seconds", str(args.seconds), "--cuda_graphs", "auto", *UNBUCKETED_OPTS]
         + (["--n_utts", "2", "--repeats", "1", "--warmup", "1"] if args.cpu_smoke
            else ["--n_utts", "6", "--repeats", "1", "--warmup", "4"]))
-    rep.say(f"{'method':<12}{'s/aud s':>10}{'speed-up vs default':>21}")
-    for m, r in bucketed.items():
+    rep.say(f"{'method':<12}{'s/aud s':>10}{'default (buckets) speed-up':>28}")
+    for m, r in unbucketed.items():
         base = res.get(m, {}).get("wall", {}).get("s_per_audio_s")
         value = r["wall"]["s_per_audio_s"]
-        rep.say(f"{m:<12}{value:>10.4f}" + (f"{base / max(value, 1e-12):>20.2f}x" if base else ""))
+        rep.say(f"{m:<12}{value:>10.4f}" + (f"{value / max(base, 1e-12):>27.2f}x" if base else ""))
     pop = ["--device", args.device, "--model", model, "--population", "--seconds",
            str(args.seconds)] + (["--n_utts", "1"] if args.cpu_smoke else ["--n_utts", "2"])
     rep.say("--- bench_speed --population (E-BATS, FOA: batched vs one at a time) ---")
@@ -943,7 +968,8 @@ def section_field(args, rep, work):
                     f"{r['speedup_of_batched_wall']:.1f} faster, same transcripts: "
                     f"{r['same_transcripts']}")
     rep.data["field"] = dict(s_per_audio_s={m: r["wall"]["s_per_audio_s"] for m, r in res.items()},
-                             buckets={m: r["wall"]["s_per_audio_s"] for m, r in bucketed.items()},
+                             unbucketed={m: r["wall"]["s_per_audio_s"]
+                                         for m, r in unbucketed.items()},
                              population=popres)
 
 
@@ -977,11 +1003,12 @@ def section_sweep(args, rep, work):
         from tta_brain.lobes.hf_ctc import HFCTCLobe
         method, opts = args.sweep_method, tuple(f"--{k}={v}" for k, v in field_stats(
             args.sweep_method, HFCTCLobe(model), SimpleNamespace(seconds=secs[1], seed=0)).items())
-    if args.sweep_buckets:
-        opts = tuple(opts) + tuple(DECODE_BUCKET_OPTS)
+    if args.sweep_unbucketed:
+        opts = tuple(opts) + tuple(DECODE_UNBUCKETED_OPTS)
     res = bench_sweep.gpu_bench(model, stream, data, os.path.join(work, "sweep"), args.device,
                                 runs=runs, steps=steps, method=method, opts=opts)
-    res["method"] = args.sweep_method + (" on length buckets" if args.sweep_buckets else "")
+    res["method"] = args.sweep_method + (" without length buckets" if args.sweep_unbucketed
+                                         else "")
     for arm in ("separate", "batched", "batched_eager"):
         r = res[arm]
         rep.say(f"{runs} {args.sweep_method} runs {arm:<13}: {r['audio_s']:.1f} audio s in "

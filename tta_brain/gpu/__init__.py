@@ -16,8 +16,9 @@ fused too; DSUTA: ``slow_optimizer``; CEA: ``optimizer2``, whose steps are devic
 Runtime options (``tta_brain.lobes.runtime.Runtime``): ``cuda_graphs: auto`` (default) captures
 the steps on CUDA wherever that is exact (fp32, no ``compile``, no train mode, a method whose steps
 run on the device alone) and keeps the host step elsewhere; ``on`` says why where it cannot;
-``off`` never captures. ``cuda_graph_buckets: r`` (> 0) runs the captured steps on length buckets
-where the padded pass is exact (:func:`bucket_blocker`), so one graph serves a bucket of lengths.
+``off`` never captures. ``cuda_graph_buckets: auto`` (default; ratio 0.1 on CUDA) or ``r`` (> 0)
+runs the captured steps on length buckets where the padded pass is exact (:func:`bucket_blocker`),
+so one graph serves a bucket of lengths; ``0`` turns them off.
 ``cuda_device_steps: true`` takes the device step without capture wherever
 it applies (``cuda_graphs: on`` or ``auto`` captured where they can).
 """
@@ -106,18 +107,21 @@ def make_step(m, backend=None, device_on_cpu: bool = False):
                        "check", m.name, no_graph)
     if no_graph is None and backend is None:
         backend = CudaGraphBackend(device)
-    buckets = rt.cuda_graph_buckets if no_graph is None else 0.0
+    buckets = rt.bucket_ratio(device.type) if no_graph is None else 0.0
     if buckets and (why := bucket_blocker(m)):
-        logger.warning("%s: no length buckets (%s); every new length is captured", m.name, why)
+        # auto: buckets where exact, said once; asked for (a ratio): a warning
+        (logger.info if rt.cuda_graph_buckets == "auto" else logger.warning)(
+            "%s: no length buckets (%s); every new length is captured", m.name, why)
         buckets = 0.0
-    if buckets and rt.cuda_graph_cache < 4:
+    cache = rt.graph_cache(buckets)
+    if buckets and cache < 4:
         logger.warning("%s: length buckets with cuda_graph_cache %d keep the graphs of %s bucket: "
                        "a stream that moves between buckets captures again and again (set "
-                       "cuda_graph_cache to about the number of buckets it visits, e.g. 32)",
-                       m.name, rt.cuda_graph_cache, "one" if rt.cuda_graph_cache == 1 else "few")
+                       "cuda_graph_cache to about the number of buckets it visits, or auto)",
+                       m.name, cache, "one" if cache == 1 else "few")
     logger.info("%s: adaptation steps on %s with the device-side check and fused %s%s",
                 m.name, device, type(m.optimizer).__name__,
                 (", captured as CUDA graphs" if no_graph is None else "")
                 + (f" on length buckets (ratio {buckets:g})" if buckets else ""))
-    return DeviceStep(m, backend if no_graph is None else None, rt.cuda_graph_cache,
+    return DeviceStep(m, backend if no_graph is None else None, cache,
                       rt.cuda_graph_warmup, getattr(m, "device_optimizers", ()), buckets)

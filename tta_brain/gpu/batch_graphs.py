@@ -44,10 +44,11 @@ def batch_graphs(batch, runtime) -> Optional["BatchGraphs"]:
             "%s: its steps are not captured (%s); they run eagerly on %s", name,
             getattr(batch, "not_captured", "not capturable"), device)
         return None
-    logger.info("%s: the batched steps are captured as CUDA graphs on %s (graph cache %d)", name,
-                device, runtime.cuda_graph_cache)
-    return BatchGraphs(batch, CudaGraphBackend(device), runtime.cuda_graph_cache,
-                       runtime.cuda_graph_warmup)
+    # the cache as for buckets where they are asked for (the batch sets it again once it knows
+    # whether they run: ``set_capacity``)
+    capacity = runtime.graph_cache(runtime.bucket_ratio(device.type))
+    logger.info("%s: the batched steps are captured as CUDA graphs on %s", name, device)
+    return BatchGraphs(batch, CudaGraphBackend(device), capacity, runtime.cuda_graph_warmup)
 
 
 class BatchGraphs:
@@ -68,6 +69,10 @@ class BatchGraphs:
         self.shapes = {}                 # forward key -> its output's shape (from an eager one)
         self.stats = {"eager": 0, "replays": 0, "failed": 0, "forward_replays": 0,
                       "lii_replays": 0}
+
+    def set_capacity(self, capacity: int) -> None:
+        """The graphs kept (steps, and forwards), set before the first capture."""
+        self.cache.capacity = self.forwards.capacity = max(1, int(capacity))
 
     # ------------------------------------------------------------------ eager
     def eager(self, runs: List[int], x: torch.Tensor, update: bool = True,

@@ -23,8 +23,8 @@
   tensors allocated outside the capture), so the pool holds only scratch that every replay
   rewrites before reading: graphs of different lengths reuse it instead of growing it. An
   evicted graph is reset; when the cache empties the pool goes back to the allocator.
-* **Length buckets** (``Runtime.cuda_graph_buckets``, off by default; measured on an H200: the
-  README's GPU section). Every
+* **Length buckets** (``Runtime.cuda_graph_buckets``; ``auto``, the default, is ratio 0.1 on
+  CUDA, from the H200 measurement in the README's GPU section). Every
   utterance of a real stream has its own length, so without buckets each one pays a warm-up and a
   capture and the cache never hits. With buckets the plain steps run on the input zero-padded to
   its bucket (:func:`bucket_length`) with the valid length in a static device tensor; the padded

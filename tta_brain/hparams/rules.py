@@ -16,6 +16,7 @@ class HparamsError(ValueError):
 #: Types and ranges of the packaged yamls' keys: (kind, test, what a valid value is). A value
 #: that fails is an error naming the key before anything is built.
 _INT, _FLOAT, _BOOL, _TEXT = "an integer", "a number", "true or false", "a string"
+_AUTO_INT, _AUTO_FLOAT = "auto or an integer", "auto or a number"
 RULES = {
     # the run block (run.yaml): what is decoded, where, how
     "seed": (_INT, None), "ckpt_every": (_INT, ">=0"), "max_duration": (_FLOAT, ">=0"),
@@ -26,8 +27,8 @@ RULES = {
     "cpu_native_backward": (_BOOL, None), "deterministic": (_BOOL, None),
     "tf32": (("torch", "off", "on"), None),
     "cuda_graphs": (("auto", "on", "off"), None), "cuda_device_steps": (_BOOL, None),
-    "cuda_graph_cache": (_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=0"),
-    "cuda_graph_buckets": (_FLOAT, ">=0"),
+    "cuda_graph_cache": (_AUTO_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=0"),
+    "cuda_graph_buckets": (_AUTO_FLOAT, ">=0"),
     # the reset block (reset.yaml)
     "reset": (("none", "fixed", "oracle", "dynamic"), None), "reset_every": (_INT, ">=1"),
     "reset_K": (_INT, ">=4"), "reset_patience": (_INT, ">=1"), "reset_threshold": (_FLOAT, None),
@@ -77,6 +78,10 @@ def _valid(value, kind, rng) -> bool:
         return isinstance(value, bool)
     if isinstance(kind, tuple):
         return isinstance(value, str) and value in kind
+    if kind in (_AUTO_INT, _AUTO_FLOAT):
+        if value == "auto":
+            return True
+        kind = _INT if kind == _AUTO_INT else _FLOAT
     if rng == ">0?" and value is None:
         return True
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -11,14 +11,20 @@ import ctypes.util
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["Runtime", "FeatureCache", "PRECISIONS", "native_cpu_kernels", "release_freed_memory",
+__all__ = ["Runtime", "FeatureCache", "PRECISIONS", "AUTO_BUCKETS", "AUTO_BUCKET_CACHE", "native_cpu_kernels", "release_freed_memory",
            "deterministic_kernels", "tf32_kernels", "TF32_MODES", "process_settings"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``cuda_graph_buckets: auto`` on CUDA: the ratio measured on an H200 (2026-11-27: 1.4-2x the
+#: unbucketed captured step through decode, the same transcripts; README, GPU)
+AUTO_BUCKETS = 0.1
+#: ``cuda_graph_cache: auto`` on length buckets: two step graphs (DSUTA's first step, with its
+#: slow-gradient hook, and the others) for each of the 32 buckets of 1-20 s at ratio 0.1
+AUTO_BUCKET_CACHE = 64
 
 
 @dataclass
@@ -61,26 +67,31 @@ class Runtime:
     cuda_device_steps : bool
         CUDA only: the device-side check and fused AdamW also where the steps are not captured
         (``cuda_graphs: off``, bf16/fp16, ``compile``).
-    cuda_graph_cache : int
-        Captured lengths kept (LRU; one shared memory pool; default 1). A stream of distinct
-        lengths captures once per utterance whatever the size; a length seen again while still
-        cached replays without a new capture. Above 1, an older graph may be replayed after newer
-        ones were captured into the same pool, which is safe only because a capture leaves nothing
-        alive in the pool (``tta_brain.gpu.graphs``); ``tools/gpu_check.py`` checks it with 4.
+    cuda_graph_cache : "auto" | int
+        Captured graphs kept (LRU; one shared memory pool). ``auto`` (default): 64 on length
+        buckets (two step graphs, DSUTA's first step and the others, for each of the 32 buckets
+        of 1-20 s at ratio 0.1), else 1. Without buckets a stream of distinct lengths captures
+        once per utterance whatever the size; a length seen again while still cached replays
+        without a new capture. Above 1, an older graph may be replayed after newer ones were
+        captured into the same pool, which is safe only because a capture leaves nothing alive in
+        the pool (``tta_brain.gpu.graphs``); ``tools/gpu_check.py`` checks it with 4.
     cuda_graph_warmup : int
         Eager steps of a new length before it is captured (default 1). 0: once the first 3
         steps of the run have run eagerly, a new length is captured at once (no eager step per
         utterance; on an H100 faster for SUTA and slower for DSUTA + dynamic, so not the default;
         ``tools/gpu_check.py`` checks that it replays the eager transcripts).
-    cuda_graph_buckets : float
-        Length buckets of the captured steps (default 0: off). With ``r > 0`` every plain step of
+    cuda_graph_buckets : "auto" | float
+        Length buckets of the captured steps. ``auto`` (default): ratio 0.1 on CUDA where the
+        padded pass is exact (below), off elsewhere and on CPU (:meth:`bucket_ratio`); 0: off.
+        With ``r > 0`` every plain step of
         an utterance runs on its input zero-padded to the next bucket (edges ``1 s * (1 + r)^k``,
         on the CNN's stride), with its valid length as a device tensor
         (``tta_brain.lobes.partial``: the padding is masked exactly), so one captured graph serves
         every length of its bucket: a new utterance replays from its first step without a warm-up
         or a capture. Only where the padded pass is exact (wav2vec2 and HuBERT encoders, group- or
         layer-norm CNNs, no adapter; the skeleton's SUTA loss; see ``padding_blocker``); the
-        logits equal the unpadded ones to rounding, not bit for bit. Give ``cuda_graph_cache``
+        logits equal the unpadded ones to rounding, not bit for bit (on an H200: the same
+        transcripts, weights within 1.4e-5; README, GPU). Give ``cuda_graph_cache``
         room for the buckets a stream visits (about ``ln(longest / 1 s) / ln(1 + r)``).
 
     The values are checked where they are read, by the yaml rules (``tta_brain.hparams.RULES``);
@@ -94,14 +105,29 @@ class Runtime:
     loss_scale: Optional[float] = None
     cuda_graphs: str = "auto"
     cuda_device_steps: bool = False
-    cuda_graph_cache: int = 1
+    cuda_graph_cache: Union[str, int] = "auto"
     cuda_graph_warmup: int = 1
-    cuda_graph_buckets: float = 0.0
+    cuda_graph_buckets: Union[str, float] = "auto"
 
     def __post_init__(self):
         self.dtype = PRECISIONS[self.precision]
         self.scale = float(self.loss_scale if self.loss_scale is not None
                            else 2.0 ** 12 if self.precision == "fp16" else 1.0)
+
+    def bucket_ratio(self, device_type: str) -> float:
+        """The length-bucket ratio asked for on a ``device_type`` device: ``auto`` is
+        :data:`AUTO_BUCKETS` on CUDA and 0 (off) elsewhere; the method's step still refuses
+        buckets where the padded pass is not exact (``tta_brain.gpu.bucket_blocker``)."""
+        if self.cuda_graph_buckets == "auto":
+            return AUTO_BUCKETS if device_type == "cuda" else 0.0
+        return float(self.cuda_graph_buckets)
+
+    def graph_cache(self, buckets: float) -> int:
+        """Captured graphs kept when the steps run on ``buckets`` (0: off): ``auto`` is
+        :data:`AUTO_BUCKET_CACHE` on buckets, else 1."""
+        if self.cuda_graph_cache == "auto":
+            return AUTO_BUCKET_CACHE if buckets else 1
+        return int(self.cuda_graph_cache)
 
     def autocast(self, device_type: str):
         """The forward's autocast context (a no-op in fp32)."""

@@ -472,17 +472,20 @@ class BatchedSUTA:
     def _buckets(self, rt) -> float:
         """The length-bucket ratio of the captured steps (``cuda_graph_buckets``; 0: off), where
         the padded pass is exact for the model and the losses mask its padding."""
-        ratio = float(getattr(rt, "cuda_graph_buckets", 0.0) or 0.0)
-        if not ratio or self.graphs is None:
-            return 0.0
-        why = ("its losses do not mask padded frames" if not self.masks_padding
-               else self.lobe.padding_blocker())
+        ratio = rt.bucket_ratio(self.lobe.device.type) if self.graphs is not None else 0.0
+        why = ratio and ("its losses do not mask padded frames" if not self.masks_padding
+                         else self.lobe.padding_blocker())
         if why:
-            logger.warning("%s: no length buckets (%s); every new length is captured",
-                           type(self).__name__, why)
-            return 0.0
-        logger.info("%s: the captured steps run on length buckets (ratio %g)",
-                    type(self).__name__, ratio)
+            # auto: buckets where exact, said once; asked for (a ratio): a warning
+            (logger.info if rt.cuda_graph_buckets == "auto" else logger.warning)(
+                "%s: no length buckets (%s); every new length is captured",
+                type(self).__name__, why)
+            ratio = 0.0
+        if self.graphs is not None:      # the graphs kept, now that it is known (cache: auto)
+            self.graphs.set_capacity(rt.graph_cache(ratio))
+        if ratio:
+            logger.info("%s: the captured steps run on length buckets (ratio %g)",
+                        type(self).__name__, ratio)
         return ratio
 
     @staticmethod

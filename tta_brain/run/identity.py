@@ -34,6 +34,10 @@ LABEL_KEYS = ("method_tag", "stream_name")
 #: resumed or skipped, not refused as different). ``tf32``: runs on CUDA ran with SpeechBrain's
 #: TF32 matmuls ("on"); on CPU it has no effect.
 ADDED_KEYS = {"cuda_graph_buckets": 0.0, "tf32": {"cpu": "torch", "cuda": "on"}}
+#: CUDA-only keys whose ``auto`` computes on CPU what the value here did before ``auto`` became
+#: their default (nothing is captured on CPU): a CPU run's fingerprint keeps that value, so CPU
+#: folders decoded before stay this run's. On CUDA ``auto`` is fingerprinted as ``auto``.
+CPU_AUTO = {"cuda_graph_buckets": 0.0, "cuda_graph_cache": 1}
 #: Keys whose value is an input file, fingerprinted by its content (the source model is by
 #: ``source_identity``).
 CONTENT_KEYS = ("source_stats",)
@@ -47,6 +51,9 @@ def fingerprint(hparams: Dict, stream_csv, n_rows: int) -> Dict:
     hp = {k: v for k, v in sorted(hparams.items()) if k not in LOCATION_KEYS + LABEL_KEYS}
     if "device" in hp:
         hp["device"] = str(hp["device"]).split(":")[0]
+    for key, value in CPU_AUTO.items():
+        if hp.get(key) == "auto" and hp.get("device", "cpu") == "cpu":
+            hp[key] = value
     if "source" in hp:
         hp["source"] = source_identity(str(hp["source"]))
     for key in CONTENT_KEYS:       # an input file counts by its content, as the model does
