@@ -728,13 +728,23 @@ def section_memory(args, rep, work):
                 cache=BUCKET_CACHE if buckets else 1, lr=2e-5, steps=_steps(args, "dsuta"),
                 buffer_size=5)
     marks, trace = {}, []
-    for i, w in enumerate(_wavs(n, lo, hi, seed=3)):          # n distinct lengths
+    wavs = _wavs(n, lo, hi, seed=3)                            # n distinct lengths
+    half, audio_half = n // 2, sum(w.numel() for w in wavs[n // 2:]) / 16000
+    t_half = None
+    for i, w in enumerate(wavs):
+        if i == half:
+            _sync(args.device)
+            t_half = time.perf_counter()
         m.process(w, UttInfo(id=f"m{i}", position=i, domain="d"))
         if (i + 1) % every == 0:
             _sync(args.device)
             alloc, reserved = _memory_mb(args.device)
             marks[i + 1] = (round(alloc, 1), round(reserved, 1))
             trace.append(reserved)
+    _sync(args.device)
+    # the second half's speed: a long stream's, once its buckets are warm (the marks' syncs
+    # included: one every ``every`` utterances)
+    rate = (time.perf_counter() - t_half) / audio_half
     # the slope per 100 utterances over the second half of the marks
     slope = bench_memory.tail_slope(trace) / every if len(trace) >= 4 else float("nan")
     flat = slope == slope and slope < 1.0
@@ -745,8 +755,10 @@ def section_memory(args, rep, work):
             + ", ".join(f"{k}: {v}" for k, v in marks.items()))
     rep.say(f"memory: {what} slope over the last half {slope:+.3f} MB per 100 utterances "
             f"({verdict}); {_stats(m)}")
+    rep.say(f"speed over the last {n - half} utterances ({audio_half:.0f} audio s): "
+            f"{rate:.4f} s per audio s (dsuta, {_steps(args, 'dsuta')} steps, buffer 5)")
     rep.data["memory"] = dict(runtime=args.memory_runtime, marks=marks, slope_mb_per_100=slope,
-                              flat=flat, stats=_stats(m))
+                              flat=flat, stats=_stats(m), s_per_audio_s_second_half=rate)
     _release(m, args.device)
 
 # The official code's runs of SUTA and DSUTA + dynamic reset (its config files; steps 10 and 5,
