@@ -40,7 +40,8 @@ from tta_brain.run.envinfo import describe_device, installed_packages, versions
 from tta_brain.run.folder import clear_run
 from tta_brain.run.records import CSV_FILES, RecordError
 from tta_brain.run.summary import read_summary
-from tta_brain.lobes.runtime import KERNEL_CACHE_VARIABLES, bound_kernel_caches, process_settings
+from tta_brain.lobes.runtime import (KERNEL_CACHE_VARIABLES, bound_kernel_caches, free_run_memory,
+                                    process_settings)
 
 logger = logging.getLogger("tta_brain.decode")     # one name, imported or run with -m
 
@@ -165,6 +166,7 @@ def main(argv=None):
         if created and os.listdir(p.out) == [identity.LOCK_FILE]:   # failed before writing
             os.remove(os.path.join(p.out, identity.LOCK_FILE))
             os.rmdir(p.out)
+        free_run_memory()           # the run's model and graphs, before the process goes on
 
 
 def _skip(out):

@@ -40,6 +40,7 @@ from typing import List, Optional
 
 from tta_brain import decode
 from tta_brain.data.manifest import ManifestError
+from tta_brain.lobes.runtime import free_run_memory
 from tta_brain.methods.batched import POLICIES, BatchedSUTA
 from tta_brain.methods.batched_cea import BatchedCEA
 from tta_brain.methods.batched_cotta import BatchedCoTTA
@@ -200,6 +201,7 @@ def run(argvs: List[List[str]]):
             if new and os.path.isdir(p.out) and os.listdir(p.out) == [identity.LOCK_FILE]:
                 os.remove(os.path.join(p.out, identity.LOCK_FILE))
                 os.rmdir(p.out)
+        free_run_memory()          # the R runs' states, before a fallback decodes them one by one
     done = iter(summaries)
     return [None if p.status == "done" else next(done) for p in plans]
 

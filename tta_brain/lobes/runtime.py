@@ -15,7 +15,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["Runtime", "FeatureCache", "PRECISIONS", "AUTO_BUCKETS", "AUTO_BUCKET_CACHE", "native_cpu_kernels", "release_freed_memory",
+__all__ = ["Runtime", "FeatureCache", "PRECISIONS", "AUTO_BUCKETS", "AUTO_BUCKET_CACHE",
+           "native_cpu_kernels", "release_freed_memory", "free_run_memory",
            "deterministic_kernels", "tf32_kernels", "TF32_MODES", "process_settings"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -289,6 +290,20 @@ def _libc_malloc_trim():
 
 
 _malloc_trim = _libc_malloc_trim()
+
+
+def free_run_memory() -> None:
+    """After a run in a process that goes on (a grid job's runs one after another, a sweep's
+    fallback, a notebook): collect the run's objects now. A method and its step refer to each
+    other (``method.step.m``, the hooks' bound methods), so a finished run's model, optimiser
+    state and captured graphs stay allocated until the cyclic collector happens to run (on an
+    H200 the GPU check's memory section, run after 16 decodes in its process, began at 9.2 GB
+    allocated, against 0.6 GB in a fresh process; not rerun there with this collection). On CUDA
+    the freed blocks go back to the driver too, for the processes beside this one."""
+    import gc
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def release_freed_memory() -> None:
