@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""GPU check of the adaptation steps on CUDA: the default (captured steps, ``cuda_graphs: auto``)
-against the eager steps, per-utterance fixed cost, deterministic kernels, memory along a long
+"""GPU check of the adaptation steps on CUDA: the default (captured steps on length buckets,
+``cuda_graphs`` / ``cuda_graph_buckets: auto``) against the eager and the unbucketed steps, per-utterance fixed cost, deterministic kernels, memory along a long
 stream.
 
 Everything in one run on one CUDA device. "default" is what a run gets without options
-(``cuda_graphs: auto``: suta, csuta, dsuta, tent, eata, sar and cea captured in fp32); "eager" is
+(``cuda_graphs: auto``: suta, csuta, dsuta, tent, eata, sar and cea captured in fp32;
+``cuda_graph_buckets: auto``: on length buckets at ratio 0.1 where exact, 64 graphs kept);
+"unbucketed" the captured steps without buckets (``UNBUCKETED``, the default until 2026-11-27);
+"eager" is
 ``cuda_graphs: off`` (the host step: finiteness read on the host, ``foreach`` AdamW); "device
 eager" is the device-side steps without capture (``cuda_graphs: off, cuda_device_steps: true``),
 the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_check.txt`` /
@@ -13,26 +16,31 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
 1. ``transcripts``: captured vs device eager on a tiny random wav2vec2 (the tests' model) for 20
    utterances of each graph-capable method (suta, csuta, dsuta, dsuta + dynamic reset, tent,
    eata: its sample filter decided on the device, sar: its whole SAM step, cea: two stages with
-   their own optimisers), graph cache 1 and 4, ``cuda_graph_warmup: 0``, and length buckets
-   (0.25, cache 4: padded passes, equal to rounding; cea has none); eata, sar and cea cache 4
-   and buckets only: same transcripts? largest parameter difference; captures, hits, replays.
-2. ``step``: one SUTA step on a 3 s utterance of a random wav2vec2-base-sized model, fp32, LayerNorm
-   + CNN adapted: ms per step, eager / device eager / default (the earlier, hand-written H200
-   measurement was 22 ms eager and 8.3 ms replayed; that is *not* what this script measured).
+   their own optimisers), unbucketed with graph cache 1 and 4 and ``cuda_graph_warmup: 0``,
+   length buckets (0.25, cache 4: padded passes, equal to rounding; cea has none) and the
+   default; eata, sar and cea cache 4, buckets and the default only: same transcripts? largest
+   parameter difference; captures, hits, replays.
+2. ``step``: one SUTA step on a 3 s and an 8 s utterance of a random wav2vec2-base-sized model,
+   fp32, LayerNorm + CNN adapted: ms per step, eager / device eager / default (the earlier,
+   hand-written H200 measurement was 22 ms eager and 8.3 ms replayed; that is *not* what this
+   script measured).
 3. ``lengths``: the per-utterance fixed cost (``tools/bench_speed.py --two_lengths 3,8``): s per
-   utterance of suta and dsuta + dynamic, eager, default and on length buckets (``BUCKETS``: one
+   utterance of suta and dsuta + dynamic, eager, unbucketed and default (length buckets: one
    captured graph per bucket, replayed from an utterance's first step), on utterances of about
    3 s and 8 s (every one a new length, as in a real stream, after a warm-up at both lengths),
    and the intercept of the line through the two (time = fixed + slope x audio seconds).
    ``profile`` (on request): where a warm utterance's time goes, SUTA on length buckets, one
-   run and a batch of 8, under ``torch.profiler``: wall, GPU kernel time, the host calls that
-   launch or wait, the top operators by host and device time, per utterance.
+   run (its phases timed with a sync after each: begin, steps, prediction, end) and a batch of
+   8, under ``torch.profiler``: wall, GPU kernel time, the host calls that launch or wait, the
+   top operators by host and device time, per utterance.
 4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
    run option ``--deterministic``): s per audio s and the price of determinism.
 5. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps; on length
-   buckets unless ``--memory_runtime default``): CUDA memory
+   buckets as the default, ``BUCKETS``, unless ``--memory_runtime unbucketed``): CUDA memory
    (allocated / reserved) every 50 utterances and the slope of the reserved memory over the last
-   half (MB per 100 utterances; FLAT below 1 MB per 100).
+   half (MB per 100 utterances; FLAT below 1 MB per 100), and the last half's s per audio s.
+   Allocated memory counts what earlier sections of the process left alive too: for figures
+   comparable with a fresh process run it alone.
 6. ``bench``: ``tools/bench_speed.py --w2v2_base`` (source, suta, dsuta, dsuta+dynamic), default
    and ``--cuda_graphs off``: s per audio s and the ratio.
 7. ``decode``: ``python -m tta_brain.decode`` (in this process) on a generated stream with the same
@@ -42,12 +50,14 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    ``--official_dir``, default ``.official/Dynamic-SUTA``; not shipped, never imported elsewhere)
    and ``decode`` side by side in this process: SUTA and DSUTA + dynamic reset on the same random
    base-sized model and utterances at ``--seconds`` and ``--long_seconds``, s per audio s and the
-   speed-up; ours also on length buckets (``BUCKETS``; the second of two decodes of the
-   stream). Without the checkout: ours only. The smoke test runs the official code on CPU (its
+   speed-up; ours also unbucketed (``DECODE_UNBUCKETED_OPTS``) and, with the defaults, on a
+   longer stream of the same lengths (``--long_stream_s`` audio seconds; ours only, against the
+   official rate of the short stream). Without the checkout: ours only. The smoke test runs the official code on CPU (its
    ``.cuda()`` made a no-op).
 9. ``field``: ``bench_speed`` over the field's methods (tent, eata, sar, cotta, cea, lame, t3a,
-   foa, ebats, with source and suta) on the base-sized model, the one-step ones (tent, eata, sar)
-   again on length buckets (``BUCKETS``: only there are they captured), and ``--population``: E-BATS and
+   foa, ebats, with source and suta) on the base-sized model (the default: length buckets on
+   CUDA), the one-step ones (tent, eata, sar) again without buckets (``UNBUCKETED_OPTS``: a new
+   length then runs eagerly), and ``--population``: E-BATS and
    FOA with the CMA-ES population batched vs one candidate at a time vs the reference's loop.
 
 ``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
@@ -64,7 +74,8 @@ together on the GPU (``tools/bench_sweep.py``): throughput of both over the deco
 the processes' wall time, the ratio (target: >= 3x), and how many runs' transcripts agree; the
 batched sweep once more with ``--cuda_graphs=off`` (its steps eager: what capturing the batched
 step gains, and whether the transcripts agree), with the sweep's graph counts;
-``--sweep_buckets``: every run of every arm on length buckets (``DECODE_BUCKET_OPTS``).
+``--sweep_unbucketed``: every run of every arm without length buckets
+(``DECODE_UNBUCKETED_OPTS``).
 
 By default a GPU run checks, in this order, transcripts, official, lengths, sweep, memory and
 deterministic (``--sections`` picks others, in the order given). Each section is skipped
@@ -120,12 +131,12 @@ for _p in (ROOT, TOOLS):
 SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memory", "bench",
             "decode", "official", "field", "sweep")
 #: seconds of each section on one GPU, for the budget: as an H200 took them on 2026-11-27
-#: (transcripts + 10 for its default rows, official + 40 for its long stream: estimates), bench
-#: and decode as an H100 did on 2026-11-26
-COST = {"transcripts": 48, "step": 10, "lengths": 72, "deterministic": 22, "memory": 70,
-        "bench": 110, "decode": 60, "official": 180, "field": 86, "sweep": 80,
+#: (transcripts + 6 for the field methods' default rows, added after that run), bench and decode
+#: as an H100 did on 2026-11-26
+COST = {"transcripts": 39, "step": 8, "lengths": 57, "deterministic": 22, "memory": 70,
+        "bench": 110, "decode": 60, "official": 130, "field": 86, "sweep": 66,
         "profile": 36}
-#: What a GPU run checks by default, most wanted first; they add up to 472 s, within the budget
+#: What a GPU run checks by default, most wanted first; they add up to 384 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench`` and ``decode`` on request
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
 MEASURED_GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent")
@@ -374,7 +385,7 @@ def section_transcripts(args, rep, work):
         # default only; the default (auto): buckets 0.1 on CUDA, none on CPU
         variants = ((1, 1, 0.0), (4, 1, 0.0), (1, 0, 0.0), (4, 1, 0.25), ("auto", 1, "auto"))
         for cache, warmup, buckets in (variants if name in MEASURED_GRAPH_METHODS
-                                       else variants[1::2]):
+                                       else variants[1::2] + variants[4:]):
             b = _method(name, tiny, args.device, dict(DEFAULT, cuda_graph_warmup=warmup,
                                                       cuda_graph_buckets=buckets),
                         cache=cache, **dict(kw))
