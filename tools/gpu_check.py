@@ -30,7 +30,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    3 s and 8 s (every one a new length, as in a real stream, after a warm-up at both lengths),
    and the intercept of the line through the two (time = fixed + slope x audio seconds).
    ``profile`` (on request): where a warm utterance's time goes, SUTA on length buckets, one
-   run (its phases timed with a sync after each: begin, steps, prediction, end) and a batch of
+   run (its phases timed with a sync after each: begin, steps, prediction, end; DSUTA + dynamic
+   reset's too) and a batch of
    8, under ``torch.profiler``: wall, GPU kernel time, the host calls that launch or wait, the
    top operators by host and device time, per utterance.
 4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
@@ -131,11 +132,12 @@ for _p in (ROOT, TOOLS):
 SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memory", "bench",
             "decode", "official", "field", "sweep")
 #: seconds of each section on one GPU, for the budget: as an H200 took them on 2026-11-27
-#: (transcripts + 6 for the field methods' default rows, official + 10 for its fresh loop, both
-#: added after that run), bench and decode as an H100 did on 2026-11-26
+#: (transcripts + 6 for the field methods' default rows, official + 10 for its fresh loop,
+#: profile + 10 for DSUTA's phases, added after that run), bench and decode as an H100 did on
+#: 2026-11-26
 COST = {"transcripts": 39, "step": 8, "lengths": 57, "deterministic": 22, "memory": 70,
         "bench": 110, "decode": 60, "official": 140, "field": 86, "sweep": 66,
-        "profile": 36}
+        "profile": 46}
 #: What a GPU run checks by default, most wanted first; they add up to 394 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench`` and ``decode`` on request
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
@@ -516,13 +518,18 @@ def _profiled(rep, label, n, run, cuda):
 
 
 def _phases(m, wavs, device):
-    """Seconds per utterance of a base-skeleton method's phases (``process`` taken apart, a
-    device sync after each): begin (the input on the device, the reset), the adaptation steps,
-    the prediction (its one host copy), end; and the wall of all four."""
+    """Seconds per utterance of a method's phases (``process`` taken apart, a device sync after
+    each): begin (the input on the device, the reset; continual: the reset policy's check and
+    its LII forwards), the adaptation steps, the prediction (its one host copy), end (continual:
+    the LII test, the slow step or a reset); and the wall of all four. A method with its own
+    ``forward_and_adapt`` (DSUTA) has steps and prediction as one phase, ``adapt``."""
     import torch
 
     from tta_brain.methods import UttInfo
-    tot = dict(begin=0.0, steps=0.0, predict=0.0, end=0.0)
+    from tta_brain.methods.base import TTAMethod
+    split = type(m).forward_and_adapt is TTAMethod.forward_and_adapt
+    tot = dict(begin=0.0, steps=0.0, predict=0.0, end=0.0) if split else dict(
+        begin=0.0, adapt=0.0, end=0.0)
     _sync(device)
     t_all = time.perf_counter()
     for i, w in enumerate(wavs):
@@ -531,20 +538,24 @@ def _phases(m, wavs, device):
             x = m.begin(w, UttInfo(id=f"u{i}", position=i, domain="d"))
             _sync(device)
             t1 = time.perf_counter()
-            for k in range(m.steps):
-                m.before_step(k)
-                m.adapt_step(x)
-            _sync(device)
-            t2 = time.perf_counter()
-            m.predict(x)
+            if split:
+                for k in range(m.steps):
+                    m.before_step(k)
+                    m.adapt_step(x)
+                _sync(device)
+                t2 = time.perf_counter()
+                m.predict(x)
+            else:
+                m.forward_and_adapt(x, m.info)
+                t2 = time.perf_counter()
             t3 = time.perf_counter()
             m.end(x)
             m.features.clear()
             m.t += 1
             _sync(device)
         t4 = time.perf_counter()
-        for k, a, b in (("begin", t0, t1), ("steps", t1, t2), ("predict", t2, t3),
-                        ("end", t3, t4)):
+        parts = ((("steps", t1, t2), ("predict", t2, t3)) if split else (("adapt", t1, t3),))
+        for k, a, b in (("begin", t0, t1),) + parts + (("end", t3, t4),):
             tot[k] += b - a
     wall = time.perf_counter() - t_all
     return dict({k: v / len(wavs) for k, v in tot.items()}, wall=wall / len(wavs))
@@ -570,12 +581,22 @@ def section_profile(args, rep, work):
     phases = _phases(m, wavs, args.device)
     rep.say(f"suta on buckets, warm, s per utterance by phase (a sync after each): "
             + ", ".join(f"{k} {v:.4f}" for k, v in phases.items()))
+    # DSUTA + dynamic reset (5 steps, buffer 5, K 10: the LII forwards and slow steps too), warm
+    dyn = _method("dsuta+dynamic", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=2e-5,
+                  steps=_steps(args, "dsuta"), buffer_size=5, reset_K=10)
+    dwavs = _wavs(2 * n if args.cpu_smoke else 20, 0.9 * args.seconds, 1.1 * args.seconds,
+                  seed=8)
+    _process_all(dyn, dwavs, args.device)                 # its buckets met, phi_D saved
+    dyn_phases = _phases(dyn, dwavs, args.device)
+    rep.say(f"dsuta+dynamic on buckets, warm, s per utterance by phase: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in dyn_phases.items()) + f"; {_stats(dyn)}")
+    _release(dyn, args.device)
     before = m.step.cache.stats["captures"]
     one = _profiled(rep, f"suta on buckets, {n} utterances of ~{args.seconds:.0f} s, {steps} "
                     f"steps (unprofiled {wall / n:.4f} s per utterance)", n,
                     lambda: _process_all(m, wavs, args.device)[1], cuda)
     one.update(n=n, seconds=args.seconds, wall_s_per_utt=wall / n, stats=_stats(m),
-               phases=phases,
+               phases=phases, dsuta_dynamic_phases=dyn_phases,
                captures_while_profiled=m.step.cache.stats["captures"] - before)
     _release(m, args.device)
 
