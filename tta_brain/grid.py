@@ -74,6 +74,7 @@ class SweepJob(DecodeJob):
             torch.set_num_threads(self.threads)
         from tta_brain import decode
         from tta_brain import sweep
+        from tta_brain.lobes.runtime import free_run_memory
         try:
             sweep.run(self.argvs)
             return [None] * len(self.argvs)
@@ -87,6 +88,9 @@ class SweepJob(DecodeJob):
             print(f"grid: the batched sweep failed ({type(e).__name__}: {why}); the "
                   f"{len(self.argvs)} runs run one after another, each from its own last "
                   f"checkpoint", flush=True)
+        # the failed batch's states are free only now (the exception held its frames): collect
+        # them before the runs decode one by one (after an out-of-memory error above all)
+        free_run_memory()
         out = []
         for argv in self.argvs:
             try:

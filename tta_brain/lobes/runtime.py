@@ -20,8 +20,9 @@ __all__ = ["Runtime", "FeatureCache", "PRECISIONS", "AUTO_BUCKETS", "AUTO_BUCKET
            "deterministic_kernels", "tf32_kernels", "TF32_MODES", "process_settings"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: ``cuda_graph_buckets: auto`` on CUDA: the ratio measured on an H200 (2026-11-27: 1.4-2x the
-#: unbucketed captured step through decode, the same transcripts; README, GPU)
+#: ``cuda_graph_buckets: auto`` on CUDA: the ratio measured on an H200 (2026-11-27, two sessions:
+#: 1.3-2.1x faster than the unbucketed captured step through decode, the same transcripts;
+#: README, GPU)
 AUTO_BUCKETS = 0.1
 #: ``cuda_graph_cache: auto`` on length buckets: two step graphs (DSUTA's first step, with its
 #: slow-gradient hook, and the others) for each of the 32 buckets of 1-20 s at ratio 0.1
