@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU check of the adaptation steps on CUDA: the default (captured steps on length buckets,
-``cuda_graphs`` / ``cuda_graph_buckets: auto``) against the eager and the unbucketed steps, per-utterance fixed cost, deterministic kernels, memory along a long
-stream.
+``cuda_graphs`` / ``cuda_graph_buckets: auto``) against the eager and the unbucketed steps,
+per-utterance fixed cost, deterministic kernels, memory along a long stream.
 
 Everything in one run on one CUDA device. "default" is what a run gets without options
 (``cuda_graphs: auto``: suta, csuta, dsuta, tent, eata, sar and cea captured in fp32;
@@ -53,8 +53,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    base-sized model and utterances at ``--seconds`` and ``--long_seconds``, s per audio s and the
    speed-up; ours also unbucketed (``DECODE_UNBUCKETED_OPTS``) and, with the defaults, on a
    longer stream of the same lengths (``--long_stream_s`` audio seconds; ours only, against the
-   official rate of the short stream). Without the checkout: ours only. The smoke test runs the official code on CPU (its
-   ``.cuda()`` made a no-op).
+   official rate of the short stream). Without the checkout: ours only. The smoke test runs
+   the official code on CPU (its ``.cuda()`` made a no-op).
 9. ``field``: ``bench_speed`` over the field's methods (tent, eata, sar, cotta, cea, lame, t3a,
    foa, ebats, with source and suta) on the base-sized model (the default: length buckets on
    CUDA), the one-step ones (tent, eata, sar) again without buckets (``UNBUCKETED_OPTS``: a new
@@ -964,7 +964,8 @@ def section_official(args, rep, work):
                             long_stream=lng, long_n=n_long, long_audio_s=long_audio)
             ups = [f"{off / v:>9.2f}x" if off else f"{'-':>10}" for v in (ours, unb, lng)]
             rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{ups[0]}"
-                    f"{loop:>14.4f}{ours / loop - 1:>+10.0%}{fresh:>12.4f}{ours / fresh - 1:>+10.0%}"
+                    f"{loop:>14.4f}{ours / loop - 1:>+10.0%}"
+                    f"{fresh:>12.4f}{ours / fresh - 1:>+10.0%}"
                     f"{unb:>12.4f}{ups[1]}{lng:>13.4f}{ups[2]}")
     rep.say("official: its strategy's run() (model loading not timed), PyTorch's default kernels; "
             "ours: decode with its defaults (captured steps on length buckets on CUDA, "
