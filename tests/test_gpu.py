@@ -990,6 +990,10 @@ def test_gpu_check_arguments():
         assert e.value.code == 2
     smoke = gc.parse_args(["--out", "x", "--cpu_smoke"])
     assert smoke.sections == list(gc.SECTIONS) and smoke.device == "cpu"
+    # the check's explicit buckets are the run's CUDA default (auto), not a value of their own
+    from tta_brain.lobes.runtime import AUTO_BUCKET_CACHE, AUTO_BUCKETS
+    assert gc.BUCKETS == {"cuda_graph_buckets": AUTO_BUCKETS}
+    assert gc.BUCKET_CACHE == AUTO_BUCKET_CACHE
     assert set(gc.COST) == set(gc.SECTIONS)
     assert "rm -rf .site; python3 -m pip install -q --no-index --no-deps --target .site " \
         ".whl/*.whl" in gc.__doc__ and "bash tools/gpu_wheels.sh" in gc.__doc__
