@@ -1140,6 +1140,10 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     assert prof["top_host"] and prof["profiled_wall_s_per_utt"] > 0
     assert prof["batch"]["R"] == 2 and prof["batch"]["top_host"]
     assert prof["batch"]["captures_while_profiled"] == 0
+    for rows in (prof["by_operator"], prof["batch"]["by_operator"]):   # which layers own the time
+        assert rows and all(ms > 0 and 0 < share <= 1 for _, _, _, ms, share in rows)
+        assert sum(share for *_, share in rows) <= 1 + 1e-9
+        assert any("conv" in op and shapes for op, shapes, *_ in rows)
 
 
 def test_bench_speed_has_the_cuda_graphs_option():

@@ -33,7 +33,9 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    run (its phases timed with a sync after each: begin, steps, prediction, end; DSUTA + dynamic
    reset's too) and a batch of
    8, under ``torch.profiler``: wall, GPU kernel time, the host calls that launch or wait, the
-   top operators by host and device time, per utterance.
+   top operators by host and device time, per utterance; then the eager step and the eager batch
+   by operator and input shape (which layers own the kernel time; which operators own the
+   batch's layout conversions).
 4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
    run option ``--deterministic``): s per audio s and the price of determinism.
 5. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps; on length
@@ -133,11 +135,11 @@ SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memor
             "decode", "official", "field", "sweep")
 #: seconds of each section on one GPU, for the budget: as an H200 took them on 2026-11-27
 #: (transcripts + 6 for the field methods' default rows, official + 10 for its fresh loop,
-#: profile + 10 for DSUTA's phases, added after that run; sweep: 66 s for 8 utterances, an
-#: estimate for 24), bench and decode as an H100 did on 2026-11-26
+#: profile + 10 for DSUTA's phases and + 16 for its tables by operator, added after that run;
+#: sweep: 66 s for 8 utterances, an estimate for 24), bench and decode as an H100 did on 2026-11-26
 COST = {"transcripts": 39, "step": 8, "lengths": 57, "deterministic": 22, "memory": 70,
         "bench": 110, "decode": 60, "official": 140, "field": 86, "sweep": 110,
-        "profile": 46}
+        "profile": 62}
 #: What a GPU run checks by default, most wanted first; they add up to 438 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench`` and ``decode`` on request
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
@@ -520,6 +522,31 @@ def _profiled(rep, label, n, run, cuda):
     return res
 
 
+def _by_operator(rep, label, n_steps, run, cuda, top=10):
+    """``run()`` (``n_steps`` eager steps) under ``torch.profiler`` with the operators' input
+    shapes: the operators that own the most time per step, with their shapes (which layer: the
+    CNN's convolutions, the positional convolution's [1, 768, F] by [768, 48, 128], the
+    transformer's matmuls). Device time (the operator's own kernels) on CUDA, host time on CPU."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True, acc_events=True) as prof:
+        run()
+    own = _device_us if cuda else (lambda e: float(e.self_cpu_time_total))
+    rows = [e for e in prof.key_averages(group_by_input_shape=True)
+            if own(e) > 0 and e.key.startswith("aten::")]
+    total = sum(own(e) for e in rows) or 1.0
+    rep.say(f"{label}: {total / 1000 / n_steps:.2f} ms of operators' own "
+            f"{'device' if cuda else 'host'} time per step")
+    rep.say(f"  {'operator':<34}{'input shapes':<48}{'calls/step':>11}{'ms/step':>9}{'share':>7}")
+    res = []
+    for e in sorted(rows, key=lambda e: -own(e))[:top]:
+        shapes = ", ".join(str(list(s)) for s in (e.input_shapes or []) if s)[:47]
+        res.append((e.key, shapes, e.count / n_steps, own(e) / 1000 / n_steps, own(e) / total))
+        rep.say(f"  {e.key[:33]:<34}{shapes:<48}{e.count / n_steps:>11.1f}"
+                f"{own(e) / 1000 / n_steps:>9.3f}{own(e) / total:>7.1%}")
+    return res
+
+
 def _phases(m, wavs, device):
     """Seconds per utterance of a method's phases (``process`` taken apart, a device sync after
     each): begin (the input on the device, the reset; continual: the reset policy's check and
@@ -564,6 +591,28 @@ def _phases(m, wavs, device):
     return dict({k: v / len(wavs) for k, v in tot.items()}, wall=wall / len(wavs))
 
 
+def _suta_batch(model, device, runtime, R, steps):
+    """A batch of ``R`` SUTA runs (learning rates 1e-5 .. R e-5) with ``runtime`` options."""
+    from tta_brain.sweep import batch_for
+    ms = [_method("suta", model, device, runtime, lr=1e-5 * (r + 1), steps=steps,
+                  **({"cache": BUCKET_CACHE} if runtime is BUCKETS else {})) for r in range(R)]
+    return batch_for(ms[0])(ms[0].lobe, ms)
+
+
+def _batch_all(batch, wavs, device):
+    """Seconds of a batch's pass over ``wavs`` (every run adapts and predicts each)."""
+    from tta_brain.methods import UttInfo
+    runs = list(range(len(batch.views)))
+    _sync(device)
+    t0 = time.perf_counter()
+    for i, w in enumerate(wavs):
+        batch.process(runs, w, UttInfo(id=f"u{i}", position=i, domain="d"))
+        for v in batch.views:
+            v.process(w)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def section_profile(args, rep, work):
     """Where a warm utterance's time goes, for the fixed cost per utterance the H200 left
     unexplained (2026-11-27: SUTA on length buckets 0.163 s per 3 s utterance, ten replayed
@@ -571,9 +620,9 @@ def section_profile(args, rep, work):
     buckets it has met, timed, then the same under ``torch.profiler``; then a batch of 8 SUTA
     runs (the sweep section's learning rates) on buckets the same way. Per utterance: wall, the
     GPU's kernel time (busy share), the host calls that launch or wait (:data:`HOST_CALLS`), the
-    top operators by host and by device time."""
-    from tta_brain.methods import UttInfo
-    from tta_brain.sweep import batch_for
+    top operators by host and by device time. Then the eager step and the eager batch by operator
+    with input shapes (:func:`_by_operator`): which layers own the step's kernel time and which
+    operators the batch's layout conversions belong to."""
     model = _base_model(work, args)
     cuda = str(args.device).startswith("cuda")
     n, steps = (2 if args.cpu_smoke else 6), _steps(args, "suta")
@@ -602,35 +651,40 @@ def section_profile(args, rep, work):
                phases=phases, dsuta_dynamic_phases=dyn_phases,
                captures_while_profiled=m.step.cache.stats["captures"] - before)
     _release(m, args.device)
+    # which operators (which layers) the step's time goes to: the eager step, shapes recorded
+    # (a replay's kernels carry no operator), the first utterance n times (one row per layer)
+    eager = _method("suta", model, args.device, EAGER, lr=2e-5, steps=steps)
+    same = [wavs[0]] * n
+    _process_all(eager, same[:1], args.device)
+    one["by_operator"] = _by_operator(
+        rep, f"suta eager, one utterance of {wavs[0].numel() / 16000:.2f} s {n} times, {steps} "
+        "steps (and the prediction), by operator", n * steps,
+        lambda: _process_all(eager, same, args.device), cuda)
+    _release(eager, args.device)
 
     R = 2 if args.cpu_smoke else 8
-    ms = [_method("suta", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=1e-5 * (r + 1),
-                  steps=steps) for r in range(R)]
-    batch = batch_for(ms[0])(ms[0].lobe, ms)
-    runs = list(range(R))
-
-    def over_all():
-        _sync(args.device)
-        t0 = time.perf_counter()
-        for i, w in enumerate(wavs):
-            batch.process(runs, w, UttInfo(id=f"u{i}", position=i, domain="d"))
-            for v in batch.views:
-                v.process(w)
-        _sync(args.device)
-        return time.perf_counter() - t0
-    over_all()
-    wall_b = over_all()
+    batch = _suta_batch(model, args.device, BUCKETS, R, steps)
+    over_all = lambda utts: _batch_all(batch, utts, args.device)   # noqa: E731
+    over_all(wavs)
+    wall_b = over_all(wavs)
     graphs = batch.graphs
     captures = lambda: graphs.cache.stats["captures"] if graphs is not None else 0  # noqa: E731
     before = captures()
     many = _profiled(rep, f"a batch of {R} suta runs on buckets, the same utterances "
-                     f"(unprofiled {wall_b / n:.4f} s per utterance for all {R})", n, over_all, cuda)
+                     f"(unprofiled {wall_b / n:.4f} s per utterance for all {R})", n,
+                     lambda: over_all(wavs), cuda)
     many.update(R=R, wall_s_per_utt=wall_b / n,
                 graphs=graphs.describe() if graphs is not None else "eager",
                 captures_while_profiled=captures() - before)
     if graphs is not None:
         graphs.release()
-    batch = ms = None                                     # noqa: F841 - freed for the cache
+    # the batch's operators (which ones own the layout conversions), eager, two utterances
+    batch = _suta_batch(model, args.device, EAGER, R, steps)
+    over_all(same[:1])
+    many["by_operator"] = _by_operator(
+        rep, f"a batch of {R} suta runs eager, the same utterance twice, by operator",
+        2 * steps, lambda: over_all(same[:2]), cuda)
+    batch = None                                          # freed for the cache
     if cuda:
         import torch
         torch.cuda.empty_cache()
