@@ -1135,6 +1135,10 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     assert "price = deterministic / default kernels" in text
     assert len(report["memory"]["marks"]) == 12
     assert report["decode"]["suta default"]["device"] == "cpu"
+    rows = report["official"]           # ours in every column, with or without the official code
+    assert set(rows) == {"suta, 1 s", "dsuta+dynamic, 1 s"}
+    assert all(r[k] > 0 for r in rows.values() for k in ("ours", "method_loop", "fresh_loop",
+                                                           "unbucketed", "long_stream", "warmup0"))
     prof = report["profile"]            # the profiled utterances replay buckets met before
     assert prof["captures_while_profiled"] == 0 and prof["stats"]["replays"] > 0
     assert prof["top_host"] and prof["profiled_wall_s_per_utt"] > 0

@@ -55,8 +55,9 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    base-sized model and utterances at ``--seconds`` and ``--long_seconds``, s per audio s and the
    speed-up; ours also unbucketed (``DECODE_UNBUCKETED_OPTS``) and, with the defaults, on a
    longer stream of the same lengths (``--long_stream_s`` audio seconds; ours only, against the
-   official rate of the short stream). Without the checkout: ours only. The smoke test runs
-   the official code on CPU (its ``.cuda()`` made a no-op).
+   official rate of the short stream), and with ``--cuda_graph_warmup=0`` (the candidate for a
+   smaller cold start, ``DECODE_WARMUP0_OPTS``). Without the checkout: ours only. The smoke
+   test runs the official code on CPU (its ``.cuda()`` made a no-op).
 9. ``field``: ``bench_speed`` over the field's methods (tent, eata, sar, cotta, cea, lame, t3a,
    foa, ebats, with source and suta) on the base-sized model (the default: length buckets on
    CUDA), the one-step ones (tent, eata, sar) again without buckets (``UNBUCKETED_OPTS``: a new
@@ -134,13 +135,14 @@ for _p in (ROOT, TOOLS):
 SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memory", "bench",
             "decode", "official", "field", "sweep")
 #: seconds of each section on one GPU, for the budget: as an H200 took them on 2026-11-27
-#: (transcripts + 6 for the field methods' default rows, official + 10 for its fresh loop,
+#: (transcripts + 6 for the field methods' default rows, official + 10 for its fresh loop and
+#: + 12 for its warm-up 0 column,
 #: profile + 10 for DSUTA's phases and + 16 for its tables by operator, added after that run;
 #: sweep: 66 s for 8 utterances, an estimate for 24), bench and decode as an H100 did on 2026-11-26
 COST = {"transcripts": 39, "step": 8, "lengths": 57, "deterministic": 22, "memory": 70,
-        "bench": 110, "decode": 60, "official": 140, "field": 86, "sweep": 110,
+        "bench": 110, "decode": 60, "official": 152, "field": 86, "sweep": 110,
         "profile": 62}
-#: What a GPU run checks by default, most wanted first; they add up to 438 s, within the budget
+#: What a GPU run checks by default, most wanted first; they add up to 450 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench`` and ``decode`` on request
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
 MEASURED_GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent")
@@ -153,6 +155,8 @@ BUCKETS, BUCKET_CACHE = {"cuda_graph_buckets": 0.1}, 64
 UNBUCKETED = {"cuda_graph_buckets": 0.0, "cuda_graph_cache": 1}
 UNBUCKETED_OPTS = ["--cuda_graph_buckets", "0", "--cuda_graph_cache", "1"]
 DECODE_UNBUCKETED_OPTS = ["--cuda_graph_buckets=0", "--cuda_graph_cache=1"]
+#: the candidate for a smaller cold start per run, measured beside the default by ``official``
+DECODE_WARMUP0_OPTS = ["--cuda_graph_warmup=0"]
 #: runtime options of the three ways a step runs
 DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
                                                           "cuda_device_steps": True}
@@ -967,7 +971,8 @@ def section_official(args, rep, work):
     lengths = (args.seconds,) if args.cpu_smoke else (args.seconds, args.long_seconds)
     rep.say(f"{'method, length':<26}{'official s/aud s':>17}{'ours s/aud s':>14}{'speed-up':>10}"
             f"{'loop s/aud s':>14}{'decode':>10}{'fresh loop':>12}{'decode':>10}"
-            f"{'unbucketed':>12}{'speed-up':>10}{'long stream':>13}{'speed-up':>10}")
+            f"{'unbucketed':>12}{'speed-up':>10}{'long stream':>13}{'speed-up':>10}"
+            f"{'warm-up 0':>11}{'speed-up':>10}")
     for li, sec in enumerate(lengths):
         data = os.path.join(work, f"official_data_{li}")
         n = 2 if args.cpu_smoke else (24 if sec < 5 else 16)
@@ -1008,6 +1013,11 @@ def section_official(args, rep, work):
             uopts = ours_opts + steps + DECODE_UNBUCKETED_OPTS
             umeth, _ = _ours_decode(args, work, f"{tag}_u{li}", hp, uopts, model, stream, data)
             unb = umeth / audio
+            # the candidate for a smaller cold start: a new bucket captured without its own
+            # eager warm-up step once the run is warm (cuda_graph_warmup 0)
+            wmeth, _ = _ours_decode(args, work, f"{tag}_w{li}", hp,
+                                    ours_opts + steps + DECODE_WARMUP0_OPTS, model, stream, data)
+            w0 = wmeth / audio
             lmeth, _ = _ours_decode(args, work, f"{tag}_long{li}", hp, ours_opts + steps, model,
                                     long_stream, long_data)
             lng = lmeth / long_audio
@@ -1015,12 +1025,13 @@ def section_official(args, rep, work):
             res[key] = dict(official=off, ours=ours, ours_run_s=run_s, audio_s=audio, n=n,
                             method_loop=loop, decode_over_loop=ours / loop,
                             fresh_loop=fresh, decode_over_fresh_loop=ours / fresh, unbucketed=unb,
+                            warmup0=w0,
                             long_stream=lng, long_n=n_long, long_audio_s=long_audio)
-            ups = [f"{off / v:>9.2f}x" if off else f"{'-':>10}" for v in (ours, unb, lng)]
+            ups = [f"{off / v:>9.2f}x" if off else f"{'-':>10}" for v in (ours, unb, lng, w0)]
             rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{ups[0]}"
                     f"{loop:>14.4f}{ours / loop - 1:>+10.0%}"
                     f"{fresh:>12.4f}{ours / fresh - 1:>+10.0%}"
-                    f"{unb:>12.4f}{ups[1]}{lng:>13.4f}{ups[2]}")
+                    f"{unb:>12.4f}{ups[1]}{lng:>13.4f}{ups[2]}{w0:>11.4f}{ups[3]}")
     rep.say("official: its strategy's run() (model loading not timed), PyTorch's default kernels; "
             "ours: decode with its defaults (captured steps on length buckets on CUDA, "
             "--deterministic true); each side warmed up on its own first; loop: the same method "
@@ -1031,7 +1042,9 @@ def section_official(args, rep, work):
             + " ".join(DECODE_UNBUCKETED_OPTS) + "; long stream: decode with its defaults on "
             f"a stream of about {args.long_stream_s:.0f} audio s of the same lengths (each "
             "decode captures its own graphs; a long stream pays them off), its speed-up over the "
-            "official rate of the short stream")
+            "official rate of the short stream; warm-up 0: decode with its defaults and "
+            + " ".join(DECODE_WARMUP0_OPTS) + " on the short stream (a new bucket captured "
+            "without an eager step of its own once the run has taken its first 3)")
     rep.data["official"] = res
 
 
