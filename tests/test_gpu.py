@@ -133,13 +133,85 @@ def test_device_path_matches_host_path(tiny_model_dir, utterances, name):
         assert all(g["fused"] for g in b.slow_optimizer.param_groups)
 
 
+#: ``param_collection: official`` (the LS-C and CHiME-3 recipes' setting): RepeatedAdam
+OFFICIAL = [{"select": "layernorm"}, {"select": "cnn"}, {"param_collection": "official"}]
+
+
+@pytest.mark.parametrize("name", ["suta", "csuta", "dsuta+dynamic"])
+def test_official_collection_takes_the_device_step(tiny_model_dir, utterances, name):
+    """``param_collection: official``: RepeatedAdam's device update (counts on the device, the
+    bias corrections computed there) against its host update: the same transcripts, resets and
+    LII positions, parameters and moments (bit-identical on CPU), the counts of a repeated
+    tensor k per step."""
+    from tta_brain.methods.optim import RepeatedAdam
+    items = stream(utterances, 8)
+    a = build(tiny_model_dir, name, "host", adapt_params=OFFICIAL)
+    b = build(tiny_model_dir, name, "device", adapt_params=OFFICIAL)
+    assert isinstance(b.optimizer, RepeatedAdam) and type(b.step) is DeviceStep
+    ha, hb = run(a, items), run(b, items)
+    assert ha == hb
+    # on CPU the same operations in the same order: bit-identical (CUDA rounds as its kernels)
+    assert max_diff(a.params, b.params) == 0.0
+    assert max_diff(opt_tensors(a.optimizer, a.params), opt_tensors(b.optimizer, b.params)) == 0.0
+    assert a.counts == b.counts
+    ea, eb = events(a), events(b)
+    assert ea[0] == eb[0] and ea[1] == eb[1]
+    assert b.optimizer.on_device and not a.optimizer.on_device
+    reps = {id(p): k for g in b.optimizer.param_groups for p, k in zip(g["params"], g["repeats"])}
+    assert set(reps.values()) == {1, 2, 4}
+    for p, st in b.optimizer.state.items():       # a tensor listed k times counts k per step
+        assert st["step"].dtype == torch.float32 and not st["step"].is_inference()
+        assert float(st["step"]) == float(a.optimizer.state[
+            a.params[[id(q) for q in b.params].index(id(p))]]["step"]) and \
+            float(st["step"]) % reps[id(p)] == 0
+    if name.startswith("dsuta"):
+        assert isinstance(b.slow_optimizer, RepeatedAdam) and b.slow_optimizer.on_device
+        assert max_diff(a.meta, b.meta) < 1e-5
+
+
+def test_repeated_adam_device_update_skips_on_found_inf():
+    """What the guard relies on, for RepeatedAdam on the device: found_inf 1 leaves parameters,
+    moments and counts exactly unchanged (also with a non-finite gradient); found_inf 0 is the
+    host update (bit-identical on CPU), the counts advanced k per step."""
+    from tta_brain.methods.optim import RepeatedAdam
+    torch.manual_seed(0)
+    start = [torch.randn(5), torch.randn(2, 3), torch.randn(4)]
+    ks = [4, 2, 1]
+    host = [torch.nn.Parameter(t.clone()) for t in start]
+    dev = [torch.nn.Parameter(t.clone()) for t in start]
+    oh = RepeatedAdam([{"params": host, "repeats": ks}], lr=1e-2, weight_decay=0.01)
+    od = RepeatedAdam([{"params": dev, "repeats": ks}], lr=1e-2, weight_decay=0.01)
+    for i in range(3):
+        grads = [torch.randn_like(t) for t in start]
+        for p, q, g in zip(host, dev, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        oh.step()
+        if i == 0:
+            assert guard.device_optimizer_blocker(od) is None and not guard.is_device_optimizer(od)
+            od.step()                               # a host step first, then on the device
+            guard.to_device_optimizer(od)
+            assert guard.is_device_optimizer(od)
+        else:
+            guard.guarded_update(od, torch.zeros(()))
+    assert max_diff(host, dev) == 0.0
+    assert max_diff(opt_tensors(oh, host), opt_tensors(od, dev)) == 0.0
+    assert [float(od.state[p]["step"]) for p in dev] == [3.0 * k for k in ks]
+    before = snapshot(dev), opt_tensors(od, dev)
+    for q in dev:
+        q.grad = torch.full_like(q, math.nan)
+    guard.guarded_update(od, torch.ones(()))
+    assert max_diff(before[0], dev) == 0.0 and max_diff(before[1], opt_tensors(od, dev)) == 0.0
+    assert not hasattr(od, "found_inf")
+
+
 # ------------------------------------------------------------------------------ fake graphs
-@pytest.mark.parametrize("adapt", ["layernorm,cnn", "layernorm"])       # feature cache off / on
+# feature cache off / on; the official collection (RepeatedAdam on the device)
+@pytest.mark.parametrize("adapt", ["layernorm,cnn", "layernorm", "official"])
 @pytest.mark.parametrize("name", GRAPH_METHODS)
 def test_replayed_steps_equal_eager_device_steps(tiny_model_dir, utterances, name, adapt):
     """Fake capture/replay re-executes the captured step on the static buffers: bit-identical to
     the eager device path, with the warm-up, capture and cache bookkeeping of the real one."""
-    sel = [{"select": s} for s in adapt.split(",")]
+    sel = OFFICIAL if adapt == "official" else [{"select": s} for s in adapt.split(",")]
     items = stream(utterances, 10, LENGTHS)
     e = build(tiny_model_dir, name, "device", adapt_params=sel)
     fake = FakeBackend()
@@ -339,6 +411,26 @@ def test_replays_read_nothing_on_the_host(tiny_model_dir, utterances, name, buck
         with HostReads() as control:
             float(m.loss(m.lobe.logits(x)))
     assert control.seen
+
+
+@pytest.mark.parametrize("buckets", [0.0, 0.25])
+def test_official_collection_replays_read_nothing_on_the_host(tiny_model_dir, utterances,
+                                                               buckets):
+    """RepeatedAdam's device update inside a replayed step (the official collection's repeated
+    tensors, its bias corrections from the device counts) reads nothing on the host."""
+    m = build(tiny_model_dir, "suta", "graph", steps=4, adapt_params=OFFICIAL,
+              runtime={"cuda_graph_buckets": buckets, "cuda_graph_cache": 4})
+    lengths = [9600, 11200, 10400, 9600] if buckets else [9600] * 4
+    run(m, stream(utterances, 4, lengths))
+    x = m.lobe.prepare(utterances[4][:10400 if buckets else 9600].clone())
+    with torch.enable_grad():
+        m.adapt_step(x)
+        replays = m.step.stats["replays"]
+        with HostReads() as reads, torch.enable_grad():
+            for _ in range(3):
+                m.adapt_step(x)
+    assert m.step.stats["replays"] == replays + 3 and reads.seen == []
+    assert m.optimizer.on_device
 
 
 @pytest.mark.parametrize("buckets", [0.0, 0.25])
@@ -755,6 +847,30 @@ def test_nonfinite_gradient_is_skipped_on_the_device(tiny_model_dir, utterances,
     assert max_diff(h.params, d.params) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["device", "graph"])
+def test_official_collection_skips_a_nonfinite_gradient_on_the_device(tiny_model_dir, utterances,
+                                                                       mode):
+    """``param_collection: official``: an inf gradient in utterance 1 is skipped by RepeatedAdam
+    on the device as the host step skips it (the same skip records, counts and parameters)."""
+    items = stream(utterances, 4)
+    h = build(tiny_model_dir, "csuta", "host", adapt_params=OFFICIAL, steps=2)
+    d = build(tiny_model_dir, "csuta", mode, adapt_params=OFFICIAL, steps=2)
+    for m in (h, d):
+        flag = {"on": False}
+        m.params[0].register_hook(lambda g, f=flag: torch.full_like(g, math.inf) if f["on"] else g)
+        m._flag = flag
+    for i, (w, info) in enumerate(items):
+        for m in (h, d):
+            m._flag["on"] = i == 1
+            m.process(w, info)
+    skips = [(e.position, e.reason) for e in d.events if e.kind == "skip"]
+    assert skips == [(1, "non-finite gradient")] * 2
+    assert skips == [(e.position, e.reason) for e in h.events if e.kind == "skip"]
+    assert h.counts == d.counts and d.optimizer.on_device
+    assert max_diff(h.params, d.params) == 0.0
+    assert max_diff(opt_tensors(h.optimizer, h.params), opt_tensors(d.optimizer, d.params)) == 0.0
+
+
 def test_fused_step_with_found_inf_leaves_the_optimiser_unchanged():
     """What the guard relies on: the fused AdamW step skips the update and restores the step
     count when found_inf is 1 (torch 2.11)."""
@@ -780,8 +896,7 @@ def test_device_optimizer_blocker():
     from tta_brain.methods.optim import RepeatedAdam
     p = [torch.nn.Parameter(torch.randn(3))]
     assert "SGD" in guard.device_optimizer_blocker(torch.optim.SGD(p, lr=0.1))
-    assert "RepeatedAdam" in guard.device_optimizer_blocker(
-        RepeatedAdam([{"params": p, "lr": 0.1}], lr=0.1))
+    assert guard.device_optimizer_blocker(RepeatedAdam([{"params": p, "lr": 0.1}], lr=0.1)) is None
     assert guard.device_optimizer_blocker(torch.optim.Adam(p, lr=0.1)) is None
     assert guard.device_optimizer_blocker(None) == "no optimiser"
 
@@ -1130,6 +1245,9 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     assert gc.main(["--out", str(tmp_path), "--cpu_smoke"]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["status"] == {s: "done" for s in gc.SECTIONS}
+    methods = report["transcripts"]["methods"]    # the recipes' list on the device step too
+    assert methods["suta@official, default"]["same"] == methods["suta@official, default"]["n"]
+    assert methods["dsuta+dynamic@official, 4"]["graphs"]["replays"] > 0
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "earlier H200 measurement" in text and "fixed s/utt" in text
     assert "price = deterministic / default kernels" in text
@@ -1138,7 +1256,8 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     rows = report["official"]           # ours in every column, with or without the official code
     assert set(rows) == {"suta, 1 s", "dsuta+dynamic, 1 s"}
     assert all(r[k] > 0 for r in rows.values() for k in ("ours", "method_loop", "fresh_loop",
-                                                           "unbucketed", "long_stream", "warmup0"))
+                                                           "unbucketed", "long_stream", "warmup0",
+                                                           "official_list"))
     prof = report["profile"]            # the profiled utterances replay buckets met before
     assert prof["captures_while_profiled"] == 0 and prof["stats"]["replays"] > 0
     assert prof["top_host"] and prof["profiled_wall_s_per_utt"] > 0
@@ -1265,6 +1384,42 @@ def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on, buckets, 
     if graphs_on:
         assert m.step.stats["replays"] > 0
     assert m.step.buckets == (0.1 if buckets == "auto" else buckets)
+
+
+@cuda
+@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic"])
+@pytest.mark.parametrize("buckets", [0.0, 0.25])
+def test_cuda_official_collection_on_the_captured_step(tiny_model_dir, utterances, name, buckets,
+                                                       cuda_determinism):
+    """``param_collection: official`` (the LS-C and CHiME-3 recipes' setting) on CUDA: RepeatedAdam
+    on the device, captured, against its host step and its eager device step: the same
+    transcripts, parameters to rounding; no host sync inside a step."""
+    items = stream(utterances, 12, BUCKET_LENGTHS if buckets else None)
+    h = build(tiny_model_dir, name, "host", device="cuda", adapt_params=OFFICIAL)
+    e = build(tiny_model_dir, name, "device", device="cuda", adapt_params=OFFICIAL)
+    g = build(tiny_model_dir, name, "graph", device="cuda", adapt_params=OFFICIAL,
+              runtime={"cuda_graph_cache": 4, "cuda_graph_buckets": buckets})
+    assert type(h.step) is HostStep and g.step.graphs
+    hh, he, hg = run(h, items), run(e, items), run(g, items)
+    assert g.optimizer.on_device and not h.optimizer.on_device
+    print(f"official {name} buckets {buckets}: host vs device {max_diff(h.params, e.params):.2e}, "
+          f"device vs captured {max_diff(e.params, g.params):.2e}")
+    assert hh == he and (buckets or he == hg)
+    assert max_diff(h.params, e.params) < 1e-5
+    if not buckets:                     # a padded pass rounds otherwise (the buckets test above)
+        assert max_diff(e.params, g.params) < 1e-5
+    assert g.step.stats["replays"] > 0
+    if name != "suta":
+        return
+    x = g.lobe.prepare(utterances[3])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.enable_grad():
+            for _ in range(3):
+                g.adapt_step(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @cuda

@@ -56,7 +56,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    speed-up; ours also unbucketed (``DECODE_UNBUCKETED_OPTS``) and, with the defaults, on a
    longer stream of the same lengths (``--long_stream_s`` audio seconds; ours only, against the
    official rate of the short stream), and with ``--cuda_graph_warmup=0`` (the candidate for a
-   smaller cold start, ``DECODE_WARMUP0_OPTS``). Without the checkout: ours only. The smoke
+   smaller cold start, ``DECODE_WARMUP0_OPTS``) and ``--param_collection=official`` (the
+   recipes' setting, ``DECODE_OFFICIAL_LIST_OPTS``). Without the checkout: ours only. The smoke
    test runs the official code on CPU (its ``.cuda()`` made a no-op).
 9. ``field``: ``bench_speed`` over the field's methods (tent, eata, sar, cotta, cea, lame, t3a,
    foa, ebats, with source and suta) on the base-sized model (the default: length buckets on
@@ -111,7 +112,7 @@ the image's pytest::
         tests/test_sweep.py -k "cuda and not gpu_session"
 
 ``bash tools/gpu_session.sh`` does all three in one device call (the check within
-``--budget_s``, default 440 s: every default section, the tests within ``--tests_s``, logs under
+``--budget_s``, default 480 s: every default section, the tests within ``--tests_s``, logs under
 ``$OUT``; about 9 minutes: on an H200 on 2026-11-27 the sections took 419 s, the tests 63 s),
 sized to leave a session's 15 device minutes, after the machine's start, room to rerun a section
 or two; ``--smoke`` runs its plumbing on the CPU. Before a lent GPU, ``bash tools/gpu_twin.sh``
@@ -136,17 +137,22 @@ SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memor
             "decode", "official", "field", "sweep")
 #: seconds of each section on one GPU, for the budget: as an H200 took them on 2026-11-27
 #: (transcripts + 6 for the field methods' default rows, official + 10 for its fresh loop and
-#: + 12 for its warm-up 0 column,
+#: + 24 for its warm-up 0 and official-list columns, transcripts + 8 for the official list's rows,
 #: profile + 10 for DSUTA's phases and + 16 for its tables by operator, added after that run;
 #: sweep: 66 s for 8 utterances, an estimate for 24), bench and decode as an H100 did on 2026-11-26
-COST = {"transcripts": 39, "step": 8, "lengths": 57, "deterministic": 22, "memory": 70,
-        "bench": 110, "decode": 60, "official": 152, "field": 86, "sweep": 110,
+COST = {"transcripts": 47, "step": 8, "lengths": 57, "deterministic": 22, "memory": 70,
+        "bench": 110, "decode": 60, "official": 164, "field": 86, "sweep": 110,
         "profile": 62}
-#: What a GPU run checks by default, most wanted first; they add up to 450 s, within the budget
+#: What a GPU run checks by default, most wanted first; they add up to 470 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench`` and ``decode`` on request
 DEFAULT_SECTIONS = ("transcripts", "official", "lengths", "sweep", "memory", "deterministic")
 MEASURED_GRAPH_METHODS = ("suta", "csuta", "dsuta", "dsuta+dynamic", "tent")
-GRAPH_METHODS = MEASURED_GRAPH_METHODS + ("eata", "sar", "cea")
+#: ``@official``: ``param_collection: official`` (the LS-C and CHiME-3 recipes' setting), whose
+#: RepeatedAdam runs on the device since 2026-11-27 (not yet on a GPU)
+GRAPH_METHODS = MEASURED_GRAPH_METHODS + ("eata", "sar", "cea", "suta@official",
+                                          "dsuta+dynamic@official")
+#: the official code's parameter list (``adapt_params`` of ``param_collection: official``)
+OFFICIAL_LIST = [{"select": "layernorm"}, {"select": "cnn"}, {"param_collection": "official"}]
 #: length buckets as the run's default on CUDA sets them (``cuda_graph_buckets`` and
 #: ``cuda_graph_cache: auto``: ``Runtime.AUTO_BUCKETS``, ``AUTO_BUCKET_CACHE``), given explicitly
 #: where a section needs them on CPU too (the smoke test; ``auto`` is off on CPU)
@@ -157,6 +163,8 @@ UNBUCKETED_OPTS = ["--cuda_graph_buckets", "0", "--cuda_graph_cache", "1"]
 DECODE_UNBUCKETED_OPTS = ["--cuda_graph_buckets=0", "--cuda_graph_cache=1"]
 #: the candidate for a smaller cold start per run, measured beside the default by ``official``
 DECODE_WARMUP0_OPTS = ["--cuda_graph_warmup=0"]
+#: the recipes' parameter list (``param_collection: official``), measured beside the default
+DECODE_OFFICIAL_LIST_OPTS = ["--param_collection=official"]
 #: runtime options of the three ways a step runs
 DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
                                                           "cuda_device_steps": True}
@@ -293,8 +301,9 @@ class _ReplayBackend:
 
 
 def _method(name, model_dir, device, runtime, cache=None, **kw):
-    """Method ``name`` (a token: ``dsuta+dynamic``) on a fresh lobe with ``runtime`` options. On
-    CPU (the smoke test) the device step runs on CPU tensors with :class:`_ReplayBackend`."""
+    """Method ``name`` (a token: ``dsuta+dynamic``; ``@official``: the official code's parameter
+    list) on a fresh lobe with ``runtime`` options. On CPU (the smoke test) the device step runs
+    on CPU tensors with :class:`_ReplayBackend`."""
     from functools import partial
 
     from tta_brain.gpu import make_step
@@ -302,6 +311,9 @@ def _method(name, model_dir, device, runtime, cache=None, **kw):
     from tta_brain.lobes.runtime import Runtime
     from tta_brain.methods import build_method
     from tta_brain.methods.resets import make_reset_policy
+    name, _, collection = name.partition("@")
+    if collection == "official":
+        kw.setdefault("adapt_params", OFFICIAL_LIST)
     base, _, reset = name.partition("+")
     if cache is not None:                 # else the runtime's (default: auto)
         runtime = dict(runtime, cuda_graph_cache=cache)
@@ -378,7 +390,7 @@ def section_transcripts(args, rep, work):
     # 8 distinct lengths in random order: captures, cache hits and (cache 4) replays of older
     # graphs after newer ones were captured into the same pool
     wavs = _wavs(args.n_utts, 0.6, 1.4, n_lengths=8, seed=1)
-    rep.say(f"{'method, graph cache':<26}{'same transcripts':>14}{'max |dparam|':>14}  graph stats")
+    rep.say(f"{'method, graph cache':<42}{'same transcripts':>14}{'max |dparam|':>14}  graph stats")
     res, ok = {}, True
     for name in GRAPH_METHODS:
         kw = dict(lr=1e-3, steps=3 if name == "csuta" else 4)   # csuta: N=1 would never capture
@@ -412,7 +424,7 @@ def section_transcripts(args, rep, work):
                      f"{f', buckets {buckets:g}' if buckets else ''}")
             res[label] = dict(same=same, n=len(ha), max_param_diff=diff, eager=_stats(a),
                               graphs=st)
-            rep.say(f"{label:<26}{same:>8}/{len(ha):<5}{diff:>14.2e}  {st}")
+            rep.say(f"{label:<42}{same:>8}/{len(ha):<5}{diff:>14.2e}  {st}")
     rep.say("transcripts: " + ("OK (captured == device eager)" if ok else "MISMATCH or no replay"))
     rep.data["transcripts"] = dict(ok=ok, methods=res)
 
@@ -972,7 +984,7 @@ def section_official(args, rep, work):
     rep.say(f"{'method, length':<26}{'official s/aud s':>17}{'ours s/aud s':>14}{'speed-up':>10}"
             f"{'loop s/aud s':>14}{'decode':>10}{'fresh loop':>12}{'decode':>10}"
             f"{'unbucketed':>12}{'speed-up':>10}{'long stream':>13}{'speed-up':>10}"
-            f"{'warm-up 0':>11}{'speed-up':>10}")
+            f"{'warm-up 0':>11}{'speed-up':>10}{'official list':>15}{'speed-up':>10}")
     for li, sec in enumerate(lengths):
         data = os.path.join(work, f"official_data_{li}")
         n = 2 if args.cpu_smoke else (24 if sec < 5 else 16)
@@ -1018,6 +1030,12 @@ def section_official(args, rep, work):
             wmeth, _ = _ours_decode(args, work, f"{tag}_w{li}", hp,
                                     ours_opts + steps + DECODE_WARMUP0_OPTS, model, stream, data)
             w0 = wmeth / audio
+            # the recipes' setting: the official code's parameter list (RepeatedAdam on the
+            # device), the same optimiser entries as the official run beside it
+            ometh, _ = _ours_decode(args, work, f"{tag}_o{li}", hp,
+                                    ours_opts + steps + DECODE_OFFICIAL_LIST_OPTS, model, stream,
+                                    data)
+            olist = ometh / audio
             lmeth, _ = _ours_decode(args, work, f"{tag}_long{li}", hp, ours_opts + steps, model,
                                     long_stream, long_data)
             lng = lmeth / long_audio
@@ -1025,13 +1043,15 @@ def section_official(args, rep, work):
             res[key] = dict(official=off, ours=ours, ours_run_s=run_s, audio_s=audio, n=n,
                             method_loop=loop, decode_over_loop=ours / loop,
                             fresh_loop=fresh, decode_over_fresh_loop=ours / fresh, unbucketed=unb,
-                            warmup0=w0,
+                            warmup0=w0, official_list=olist,
                             long_stream=lng, long_n=n_long, long_audio_s=long_audio)
-            ups = [f"{off / v:>9.2f}x" if off else f"{'-':>10}" for v in (ours, unb, lng, w0)]
+            ups = [f"{off / v:>9.2f}x" if off else f"{'-':>10}"
+                   for v in (ours, unb, lng, w0, olist)]
             rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{ups[0]}"
                     f"{loop:>14.4f}{ours / loop - 1:>+10.0%}"
                     f"{fresh:>12.4f}{ours / fresh - 1:>+10.0%}"
-                    f"{unb:>12.4f}{ups[1]}{lng:>13.4f}{ups[2]}{w0:>11.4f}{ups[3]}")
+                    f"{unb:>12.4f}{ups[1]}{lng:>13.4f}{ups[2]}{w0:>11.4f}{ups[3]}"
+                    f"{olist:>15.4f}{ups[4]}")
     rep.say("official: its strategy's run() (model loading not timed), PyTorch's default kernels; "
             "ours: decode with its defaults (captured steps on length buckets on CUDA, "
             "--deterministic true); each side warmed up on its own first; loop: the same method "
@@ -1044,7 +1064,10 @@ def section_official(args, rep, work):
             "decode captures its own graphs; a long stream pays them off), its speed-up over the "
             "official rate of the short stream; warm-up 0: decode with its defaults and "
             + " ".join(DECODE_WARMUP0_OPTS) + " on the short stream (a new bucket captured "
-            "without an eager step of its own once the run has taken its first 3)")
+            "without an eager step of its own once the run has taken its first 3); official "
+            "list: decode with its defaults and " + " ".join(DECODE_OFFICIAL_LIST_OPTS) + " (the "
+            "LS-C and CHiME-3 recipes' setting: the official code's optimiser entries, "
+            "RepeatedAdam on the device) on the short stream")
     rep.data["official"] = res
 
 

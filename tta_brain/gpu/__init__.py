@@ -119,8 +119,9 @@ def make_step(m, backend=None, device_on_cpu: bool = False):
                        "a stream that moves between buckets captures again and again (set "
                        "cuda_graph_cache to about the number of buckets it visits, or auto)",
                        m.name, cache, "one" if cache == 1 else "few")
-    logger.info("%s: adaptation steps on %s with the device-side check and fused %s%s",
-                m.name, device, type(m.optimizer).__name__,
+    logger.info("%s: adaptation steps on %s with the device-side check and %s%s",
+                m.name, device, ("RepeatedAdam on the device" if hasattr(m.optimizer, "on_device")
+                                 else f"fused {type(m.optimizer).__name__}"),
                 (", captured as CUDA graphs" if no_graph is None else "")
                 + (f" on length buckets (ratio {buckets:g})" if buckets else ""))
     return DeviceStep(m, backend if no_graph is None else None, cache,

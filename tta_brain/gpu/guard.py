@@ -39,11 +39,18 @@ class DeviceHook:
 
 
 # ------------------------------------------------------------------------------ optimiser
+def _repeated(opt) -> bool:
+    """``param_collection: official``'s optimiser (``methods.optim.RepeatedAdam``), which runs
+    on the device by its own ``to_device`` (not torch's fused kernels)."""
+    return callable(getattr(opt, "to_device", None)) and hasattr(opt, "on_device")
+
+
 def device_optimizer_blocker(opt) -> Optional[str]:
-    """Why ``opt`` cannot be run as a fused, capturable Adam/AdamW (None: it can)."""
+    """Why ``opt`` cannot be run as a fused, capturable Adam/AdamW, or as ``RepeatedAdam`` on the
+    device (None: it can)."""
     if opt is None:
         return "no optimiser"
-    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) and not _repeated(opt):
         return f"the optimiser is {type(opt).__name__}, not torch's Adam/AdamW"
     for g in opt.param_groups:
         if g.get("differentiable"):
@@ -57,6 +64,8 @@ def device_optimizer_blocker(opt) -> Optional[str]:
 
 
 def is_device_optimizer(opt) -> bool:
+    if _repeated(opt):
+        return opt.on_device
     return all(g.get("fused") and g.get("capturable") for g in opt.param_groups)
 
 
@@ -65,7 +74,11 @@ def to_device_optimizer(opt) -> None:
     """Run ``opt`` (torch's Adam/AdamW, see :func:`device_optimizer_blocker`) as its fused,
     capturable implementation, in place: the step counts move to the parameters' device (float32,
     as the fused kernels keep them); moments are untouched. The update is the same Adam/AdamW up
-    to rounding (the CPU's ``foreach`` path computes the bias corrections on the host)."""
+    to rounding (the CPU's ``foreach`` path computes the bias corrections on the host).
+    ``RepeatedAdam`` runs its own device update instead (``RepeatedAdam.to_device``)."""
+    if _repeated(opt):
+        opt.to_device()
+        return
     for g in opt.param_groups:
         g["fused"], g["foreach"], g["capturable"] = True, False, True
         for p in g["params"]:

@@ -59,6 +59,14 @@ class RepeatedAdam(torch.optim.Adam):
 
     Only the official code's settings are supported: no amsgrad, maximize, capturable,
     differentiable or fused; a float lr.
+
+    **On the device** (:meth:`to_device`, what the device step and its captured graphs run, as
+    torch's fused, capturable AdamW for a clean list): the same operations with the step counts
+    on the parameters' device (float32) and the bias corrections computed there from them (in
+    float64, as the host computes them, then rounded to float32 as the kernels round the host's
+    scalars), so a step reads nothing on the host; a step whose ``found_inf`` attribute (the
+    device guard's flag, ``tta_brain.gpu.guard.guarded_update``) is 1 leaves parameters, moments
+    and step counts unchanged. The same update as the host path to rounding.
     """
 
     def __init__(self, params, **kwargs):
@@ -77,13 +85,44 @@ class RepeatedAdam(torch.optim.Adam):
             if torch.is_tensor(group["lr"]):
                 raise ValueError("RepeatedAdam: the lr must be a float")
 
+    @property
+    def on_device(self) -> bool:
+        """Whether the steps run on the device (:meth:`to_device`)."""
+        return all(g["capturable"] for g in self.param_groups)
+
+    @torch.no_grad()
+    def to_device(self) -> None:
+        """Run the steps on the parameters' device from now on (see the class docstring): the
+        step counts move there (float32), new states are created there; moments untouched."""
+        for g in self.param_groups:
+            g["capturable"] = True
+            for p in g["params"]:
+                st = self.state.get(p)
+                step = st.get("step") if st else None
+                if torch.is_tensor(step) and (step.device != p.device
+                                              or step.dtype != torch.float32):
+                    st["step"] = step.to(device=p.device, dtype=torch.float32)
+        self.defaults["capturable"] = True
+
+    def _kept(self, slot, tensors):
+        """Scratch copies of ``tensors`` (group and device ``slot``'s parameters and moments) for a
+        guarded device step: made once and kept, so a captured step writes the same memory on
+        every replay; made anew only when the state tensors are replaced (which drops the
+        captured steps too: their signature holds the state's addresses)."""
+        store = self.__dict__.setdefault("_scratch", {})
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        if slot not in store or store[slot][0] != ptrs:
+            store[slot] = (ptrs, [torch.empty_like(t) for t in tensors])
+        return store[slot][1]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        found_inf = getattr(self, "found_inf", None)
+        for gi, group in enumerate(self.param_groups):
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
             if not params:
@@ -92,25 +131,33 @@ class RepeatedAdam(torch.optim.Adam):
             ks = [rep[id(p)] for p in params]
             grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(
                 [params, grads, exp_avgs, exp_avg_sqs, steps], with_indices=True)
-            for (d_params, d_grads, d_m, d_v, d_steps), indices in grouped.values():
-                _repeated_adam_update(d_params, d_grads, d_m, d_v, d_steps,
-                                      [ks[i] for i in indices], group)
+            for key, ((d_params, d_grads, d_m, d_v, d_steps), indices) in grouped.items():
+                d_ks = [ks[i] for i in indices]
+                if group["capturable"]:
+                    kept = (None if found_inf is None else
+                            self._kept((gi, key), d_params + d_m + d_v))
+                    _repeated_adam_device_update(d_params, d_grads, d_m, d_v, d_steps, d_ks,
+                                                 group, found_inf, kept)
+                else:
+                    _repeated_adam_update(d_params, d_grads, d_m, d_v, d_steps, d_ks, group)
         return loss
 
 
-def _repeated_adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group):
-    """``torch._multi_tensor_adam`` (non-capturable path) on the list in which tensor ``i``
-    appears ``ks[i]`` times, one list operation at a time."""
-    beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    kmax = max(ks)
-
+def _times(ks):
+    """For r = 0..max(ks)-1, a function that keeps, of parallel lists, the entries whose tensor
+    appears more than r times."""
     def times(*lists):
-        """For r = 0..kmax-1: the entries whose tensor appears more than r times."""
-        for r in range(kmax):
+        for r in range(max(ks)):
             keep = [i for i, k in enumerate(ks) if k > r]
             yield [[lst[i] for i in keep] for lst in lists]
+    return times
 
+
+def _moments(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group) -> None:
+    """The counts, the weight decay and the moments: each list operation ``k`` times in turn."""
+    beta1, beta2 = group["betas"]
+    lr, wd = group["lr"], group["weight_decay"]
+    times = _times(ks)
     one = torch.tensor(1.0, device="cpu")
     for (s,) in times(steps):
         if s[0].is_cpu:
@@ -129,6 +176,15 @@ def _repeated_adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group
         torch._foreach_mul_(v, beta2)
     for v, g in times(exp_avg_sqs, grads):
         torch._foreach_addcmul_(v, g, g, 1 - beta2)
+
+
+def _repeated_adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group):
+    """``torch._multi_tensor_adam`` (non-capturable path) on the list in which tensor ``i``
+    appears ``ks[i]`` times, one list operation at a time."""
+    beta1, beta2 = group["betas"]
+    lr, eps = group["lr"], group["eps"]
+    times = _times(ks)
+    _moments(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group)
     values = [float(s) for s in steps]
     step_size = [(lr / (1 - beta1 ** s)) * -1 for s in values]
     bias_correction2_sqrt = [(1 - beta2 ** s) ** 0.5 for s in values]
@@ -137,6 +193,47 @@ def _repeated_adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group
     torch._foreach_add_(denom, eps)
     for p, m, d, ss in times(params, exp_avgs, denom, step_size):
         torch._foreach_addcdiv_(p, m, d, ss)
+
+
+def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group,
+                                 found_inf=None, kept=None):
+    """:func:`_repeated_adam_update` with nothing read on the host (capturable): the counts are
+    device tensors and the bias corrections are computed from them on the device, in float64
+    and then rounded to float32 (as the host's Python floats are, by the kernels); with
+    ``found_inf`` (a 0-d device tensor) 1, parameters, moments and counts are left as they were
+    (the fused AdamW's skip, which the device guard relies on), restored from ``kept`` (tensors
+    like parameters and moments, in that order; kept across steps so a captured step writes the
+    same memory)."""
+    beta1, beta2 = group["betas"]
+    lr, eps = group["lr"], group["eps"]
+    times = _times(ks)
+    state = [*params, *exp_avgs, *exp_avg_sqs]
+    if found_inf is not None:
+        torch._foreach_copy_(kept, state)
+    _moments(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group)
+    counts = torch.stack(steps).to(torch.float64)
+    step_size = ((lr / (1 - torch.pow(beta1, counts))) * -1).to(torch.float32)
+    bias_correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, counts)).to(torch.float32)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, list(bias_correction2_sqrt.unbind()))
+    torch._foreach_add_(denom, eps)
+    # the host's addcdiv p + s m / d with a device scalar s, in the order its kernel rounds:
+    # (s m) / d on CPU, s (m / d) on CUDA (one increment, added k times as the host adds it)
+    step_size = list(step_size.unbind())
+    if params[0].is_cpu:
+        increment = torch._foreach_mul(exp_avgs, step_size)
+        torch._foreach_div_(increment, denom)
+        for p, inc in times(params, increment):
+            torch._foreach_add_(p, inc)
+    else:
+        quotient = torch._foreach_div(exp_avgs, denom)
+        for p, q, ss in times(params, quotient, step_size):
+            torch._foreach_addcmul_(p, q, ss)
+    if found_inf is not None:
+        skip = found_inf.reshape(()) != 0
+        for t, old in zip(state, kept):
+            torch.where(skip, old, t, out=t)
+        torch._foreach_sub_(steps, torch._foreach_mul([found_inf.reshape(())] * len(ks), ks))
 
 
 def official_optimizer(factory, selected: Selection, lr: float) -> RepeatedAdam:
