@@ -4,7 +4,8 @@
 per-utterance fixed cost, deterministic kernels, memory along a long stream.
 
 Everything in one run on one CUDA device. "default" is what a run gets without options
-(``cuda_graphs: auto``: suta, csuta, dsuta, tent, eata, sar and cea captured in fp32;
+(``cuda_graphs: auto``: suta, csuta, dsuta, tent, eata, sar and cea captured in fp32, also on
+the official code's parameter list;
 ``cuda_graph_buckets: auto``: on length buckets at ratio 0.1 where exact, 64 graphs kept);
 "unbucketed" the captured steps without buckets (``UNBUCKETED``, the default until 2026-11-27);
 "eager" is
@@ -18,7 +19,9 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    eata: its sample filter decided on the device, sar: its whole SAM step, cea: two stages with
    their own optimisers), unbucketed with graph cache 1 and 4 and ``cuda_graph_warmup: 0``,
    length buckets (0.25, cache 4: padded passes, equal to rounding; cea has none) and the
-   default; eata, sar and cea cache 4, buckets and the default only: same transcripts? largest
+   default; eata, sar and cea cache 4, buckets and the default only, as are suta and dsuta +
+   dynamic on the official code's parameter list (``@official``: the recipes'
+   ``param_collection: official``, RepeatedAdam on the device): same transcripts? largest
    parameter difference; captures, hits, replays.
 2. ``step``: one SUTA step on a 3 s and an 8 s utterance of a random wav2vec2-base-sized model,
    fp32, LayerNorm + CNN adapted: ms per step, eager / device eager / default (the earlier,
