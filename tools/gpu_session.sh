@@ -11,7 +11,7 @@
 # Here first: bash tools/gpu_wheels.sh, and for the check's side by side with the official code
 # its src/, config/ and vocab.json in .official/Dynamic-SUTA (e.g. `git archive HEAD src config
 # vocab.json` of a fetched hhhaaahhhaa/Dynamic-SUTA); the call carries ".whl" and ".official"
-# (both ignored by git). The defaults (check 480 s: every default section, about 470 s by the
+# (both ignored by git). The defaults (check 480 s: every default section, about 464 s by the
 # check's COST, the H200's seconds of 2026-11-27 and estimates; tests 100 s, 59-63 s there; about
 # 9 minutes with the install) leave a session's 15
 # device minutes, after the machine's start (about 40 s there), room to rerun a section or two
