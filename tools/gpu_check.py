@@ -686,27 +686,27 @@ def section_profile(args, rep, work):
 
     R = 2 if args.cpu_smoke else 8
     batch = _suta_batch(model, args.device, BUCKETS, R, steps)
-    over_all = lambda utts: _batch_all(batch, utts, args.device)   # noqa: E731
-    over_all(wavs)
-    wall_b = over_all(wavs)
+    _batch_all(batch, wavs, args.device)
+    wall_b = _batch_all(batch, wavs, args.device)
     graphs = batch.graphs
     captures = lambda: graphs.cache.stats["captures"] if graphs is not None else 0  # noqa: E731
     before = captures()
     many = _profiled(rep, f"a batch of {R} suta runs on buckets, the same utterances "
                      f"(unprofiled {wall_b / n:.4f} s per utterance for all {R})", n,
-                     lambda: over_all(wavs), cuda)
+                     lambda: _batch_all(batch, wavs, args.device), cuda)
     many.update(R=R, wall_s_per_utt=wall_b / n,
                 graphs=graphs.describe() if graphs is not None else "eager",
                 captures_while_profiled=captures() - before)
     if graphs is not None:
         graphs.release()
     # the batch's operators (which ones own the layout conversions), eager, two utterances
-    batch = _suta_batch(model, args.device, EAGER, R, steps)
-    over_all(same[:1])
+    batch = None                                          # freed for the cache
+    eager_batch = _suta_batch(model, args.device, EAGER, R, steps)
+    _batch_all(eager_batch, same[:1], args.device)
     many["by_operator"] = _by_operator(
         rep, f"a batch of {R} suta runs eager, the same utterance twice, by operator",
-        2 * steps, lambda: over_all(same[:2]), cuda)
-    batch = None                                          # freed for the cache
+        2 * steps, lambda: _batch_all(eager_batch, same[:2], args.device), cuda)
+    eager_batch = None                                    # noqa: F841 - freed for the cache
     if cuda:
         import torch
         torch.cuda.empty_cache()
