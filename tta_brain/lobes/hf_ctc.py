@@ -16,6 +16,7 @@ from torch.func import functional_call
 from tta_brain.asr.ctc import collapse
 from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
+from tta_brain.lobes.weight_norm import cache_frozen_weight_norms
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,8 @@ class HFCTCLobe(nn.Module):
         self.word_delimiter_id = vocab.get(self.word_delimiter)
         self.special_ids = set(self.tokenizer.all_special_ids) - {self.blank_id}
         self.model.eval()
+        # frozen weight norms (the positional convolution's) computed once, not on every pass
+        self.cached_weight_norms = cache_frozen_weight_norms(self.model)
         self.to(device)
         self.runtime = runtime or Runtime()
         if self.runtime.compile:

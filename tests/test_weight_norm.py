@@ -1,0 +1,97 @@
+"""Frozen weight norms computed once (``tta_brain.lobes.weight_norm``) change nothing but the work.
+
+On the tiny real Wav2Vec2ForCTC, whose positional convolution carries ``weight_norm``: runs with the
+cache equal runs with torch's own parametrisation bit for bit (transcripts, parameters, optimiser
+moments, LII values) whether the layer is frozen (SUTA, DSUTA + dynamic reset) or adapted (every
+parameter); the cached weight follows in-place changes, loads and dtype moves; the state dict keeps
+its keys.
+"""
+import pytest
+import torch
+from torch.nn.utils.parametrizations import _WeightNorm
+
+from conftest import build_on, max_diff
+from test_speed_paths import events, items, opt_tensors, run
+from tta_brain.lobes.hf_ctc import HFCTCLobe
+from tta_brain.lobes.weight_norm import CachedWeightNorm
+from tta_brain.methods.resets import DynamicReset
+
+
+def cached_norms(lobe):
+    return [m for m in lobe.modules() if isinstance(m, CachedWeightNorm)]
+
+
+def uncache(lobe):
+    """Put torch's own weight_norm parametrisation back (the reference path)."""
+    n = 0
+    for module in lobe.modules():
+        for plist in getattr(module, "parametrizations", {}).values():
+            for i, p in enumerate(plist):
+                if isinstance(p, CachedWeightNorm):
+                    plist[i] = _WeightNorm(p.dim)
+                    n += 1
+    assert n, "nothing to uncache: the tiny model has no weight norm"
+    return lobe
+
+
+def pos_conv(lobe):
+    return lobe.model.base_model.encoder.pos_conv_embed.conv
+
+
+def test_the_positional_convolution_is_cached(tiny_model_dir):
+    lobe = HFCTCLobe(tiny_model_dir)
+    assert lobe.cached_weight_norms == 1 and len(cached_norms(lobe)) == 1
+    plain = uncache(HFCTCLobe(tiny_model_dir))
+    assert list(lobe.state_dict()) == list(plain.state_dict())
+    lobe.requires_grad_(False)
+    w1, w2 = pos_conv(lobe).weight, pos_conv(lobe).weight
+    assert w1 is w2 and cached_norms(lobe)[0].computed == 1
+    assert torch.equal(w1, pos_conv(plain).weight)
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("suta", {}),
+    ("dsuta+dynamic", {"buffer_size": 2}),
+    ("suta", {"adapt_params": [{"select": "all"}]}),
+])
+def test_runs_equal_torch_weight_norm(tiny_model_dir, utterances, name, kwargs):
+    stream = items(utterances, 5)
+
+    def build():
+        k = dict(kwargs, steps=2, lr=1e-3)
+        if name.endswith("dynamic"):
+            k["reset_policy"] = DynamicReset(K=4, patience=1, threshold=-1e9)
+        return build_on(tiny_model_dir, name.split("+")[0], **k)
+    got, want = build(), build()
+    uncache(want.lobe)
+    assert run(got, stream) == run(want, stream)
+    assert max_diff(got.params, want.params) == 0.0
+    assert max_diff(opt_tensors(got.optimizer, got.params),
+                    opt_tensors(want.optimizer, want.params)) == 0.0
+    assert events(got) == events(want)
+    norm = cached_norms(got.lobe)[0]
+    adapted = any("parametrizations" in n for n in got.param_names)
+    # frozen: computed once for the whole run; adapted: never from the cache
+    assert norm.computed == (0 if adapted else 1)
+    if adapted:
+        assert max_diff([pos_conv(got.lobe).weight], [pos_conv(want.lobe).weight]) == 0.0
+
+
+def test_the_cache_follows_changes(tiny_model_dir):
+    lobe = HFCTCLobe(tiny_model_dir).requires_grad_(False)
+    conv, norm = pos_conv(lobe), cached_norms(lobe)[0]
+    g, v = conv.parametrizations.weight.original0, conv.parametrizations.weight.original1
+    before = conv.weight.clone()
+    with torch.no_grad():
+        v.mul_(1.5).add_(0.01)                            # in place, as an optimiser or a restore
+    assert torch.equal(conv.weight, torch._weight_norm(v, g, norm.dim))
+    assert not torch.equal(conv.weight, before)
+    other = HFCTCLobe(tiny_model_dir)
+    lobe.load_state_dict(other.state_dict())
+    assert torch.equal(conv.weight, before)
+    lobe.double()
+    assert conv.weight.dtype == torch.float64
+    assert torch.equal(conv.weight, torch._weight_norm(conv.parametrizations.weight.original1,
+                                                       conv.parametrizations.weight.original0,
+                                                       norm.dim))
+    assert norm.computed == 4
