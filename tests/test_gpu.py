@@ -1243,6 +1243,7 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
                                                            "official_list"))
     prof = report["profile"]            # the profiled utterances replay buckets met before
     assert prof["captures_while_profiled"] == 0 and prof["stats"]["replays"] > 0
+    assert prof["weight_norms_while_profiled"] == 0     # computed once, before
     assert prof["top_host"] and prof["profiled_wall_s_per_utt"] > 0
     assert prof["batch"]["R"] == 2 and prof["batch"]["top_host"]
     assert prof["batch"]["captures_while_profiled"] == 0

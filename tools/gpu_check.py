@@ -332,6 +332,12 @@ def _method(name, model_dir, device, runtime, cache=None, **kw):
     return build_method(base, model=lobe, **kw)
 
 
+def _weight_norms(lobe) -> int:
+    """Frozen weight norms the lobe has computed so far (``lobes.weight_norm``)."""
+    from tta_brain.lobes.weight_norm import CachedWeightNorm
+    return sum(m.computed for m in lobe.modules() if isinstance(m, CachedWeightNorm))
+
+
 def _wavs(n, lo, hi, n_lengths=0, seed=0):
     """Speech-like waveforms (``bench_memory.speech_like_wavs``)."""
     from bench_memory import speech_like_wavs
@@ -665,13 +671,14 @@ def section_profile(args, rep, work):
     rep.say(f"dsuta+dynamic on buckets, warm, s per utterance by phase: "
             + ", ".join(f"{k} {v:.4f}" for k, v in dyn_phases.items()) + f"; {_stats(dyn)}")
     _release(dyn, args.device)
-    before = m.step.cache.stats["captures"]
+    before, norms = m.step.cache.stats["captures"], _weight_norms(m.lobe)
     one = _profiled(rep, f"suta on buckets, {n} utterances of ~{args.seconds:.0f} s, {steps} "
                     f"steps (unprofiled {wall / n:.4f} s per utterance)", n,
                     lambda: _process_all(m, wavs, args.device)[1], cuda)
     one.update(n=n, seconds=args.seconds, wall_s_per_utt=wall / n, stats=_stats(m),
                phases=phases, dsuta_dynamic_phases=dyn_phases,
-               captures_while_profiled=m.step.cache.stats["captures"] - before)
+               captures_while_profiled=m.step.cache.stats["captures"] - before,
+               weight_norms_while_profiled=_weight_norms(m.lobe) - norms)
     _release(m, args.device)
     # which operators (which layers) the step's time goes to: the eager step, shapes recorded
     # (a replay's kernels carry no operator), the first utterance n times (one row per layer)
@@ -711,7 +718,9 @@ def section_profile(args, rep, work):
         import torch
         torch.cuda.empty_cache()
     rep.say(f"profile: {one['captures_while_profiled']} + {many['captures_while_profiled']} "
-            "captures while profiled; host ms are the calls' own time on the host thread, GPU "
+            f"captures while profiled; {one['weight_norms_while_profiled']} weight norms "
+            "computed outside the graphs in the warm SUTA run (frozen ones are computed once, "
+            "lobes/weight_norm.py); host ms are the calls' own time on the host thread, GPU "
             "kernel ms the kernels' time on the device (graph replays' kernels included where "
             "the profiler sees them); a wall far above both is the host's time between calls")
     rep.data["profile"] = dict(one, batch=many)

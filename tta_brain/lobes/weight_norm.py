@@ -52,11 +52,13 @@ class CachedWeightNorm(_WeightNorm):
         super().__init__(dim)
         self.__dict__["_cached"] = None      # kept out of the state dict and of .to()
         self.__dict__["_cache_key"] = None
-        self.computed = 0                    # weight norms computed (for tests and benchmarks)
+        self.computed = 0                    # weight norms computed, cached or not (tests, checks)
 
     def forward(self, weight_g: torch.Tensor, weight_v: torch.Tensor) -> torch.Tensor:
-        if (not (_constant(weight_g) and _constant(weight_v)) or torch.compiler.is_compiling()
-                or _capturing(weight_v.device)):
+        if torch.compiler.is_compiling():
+            return torch._weight_norm(weight_v, weight_g, self.dim)
+        if not (_constant(weight_g) and _constant(weight_v)) or _capturing(weight_v.device):
+            self.computed += 1
             return torch._weight_norm(weight_v, weight_g, self.dim)
         key = _key(weight_g, weight_v)
         if key != self._cache_key:
