@@ -1420,3 +1420,54 @@ def test_cuda_graph_memory_does_not_grow(tiny_model_dir):
     assert marks[1][1] - marks[0][1] < 64 * 2 ** 20
     m.step.release()
     assert len(m.step.cache) == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_frozen_weight_norm_under_graph_capture(tiny_model_dir, utterances):
+    """The frozen positional weight norm (``lobes.weight_norm``) inside real CUDA graphs: met
+    first inside a capture it is computed by the graph's own kernels and not cached (a value
+    computed there exists only once the graph replays); once an eager pass has cached it, a
+    graph captured then reads the cache, and an in-place change of its tensors followed by an
+    eager pass reaches that graph's replays (the cache is refreshed in place)."""
+    from tta_brain.lobes.weight_norm import CachedWeightNorm
+    lobe = HFCTCLobe(tiny_model_dir, device="cuda").requires_grad_(False)
+    norm = next(m for m in lobe.modules() if isinstance(m, CachedWeightNorm))
+    v = lobe.model.base_model.encoder.pos_conv_embed.conv.parametrizations.weight.original1
+    static = lobe.prepare(utterances[0]).clone()
+
+    def eager():
+        with torch.no_grad():
+            return lobe.logits(static).clone()
+
+    side = torch.cuda.Stream()
+
+    def capture(forget=False):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                 # warm-up, as torch.cuda.graph asks
+            eager()
+        torch.cuda.current_stream().wait_stream(side)
+        if forget:                                    # as if first met inside the capture
+            norm.__dict__.update(_cached=None, _cache_key=None)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, stream=side):
+            out = lobe.logits(static)
+        return graph, out
+
+    g1, out1 = capture(forget=True)
+    assert norm._cached is None                           # not cached inside the capture
+    before = eager()                                      # cached from here
+    assert norm._cached is not None
+    g1.replay()
+    torch.cuda.synchronize()
+    assert max_diff([out1], [before]) <= 1e-5
+    g2, out2 = capture()                                  # reads the cache
+    computed = norm.computed
+    with torch.no_grad():
+        v.mul_(1.5)
+    after = eager()                                       # refreshes the cache in place
+    assert norm.computed == computed + 1
+    assert max_diff([after], [before]) > 1e-3             # the change shows in the logits
+    for graph, out in ((g1, out1), (g2, out2)):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert max_diff([out], [after]) <= 1e-5

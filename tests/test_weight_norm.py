@@ -96,3 +96,33 @@ def test_the_cache_follows_changes(tiny_model_dir):
                                                        conv.parametrizations.weight.original0,
                                                        norm.dim))
     assert norm.computed == 4
+
+
+def test_inside_a_capture_the_cache_is_read_but_never_filled(tiny_model_dir, monkeypatch):
+    """CUDA capture records kernels without running them, so a weight norm first computed inside
+    a capture must stay the graph's own (``tta_brain.lobes.weight_norm._capturing`` stands in for
+    ``torch.cuda.is_current_stream_capturing`` here; tests/test_gpu.py runs real graphs)."""
+    from tta_brain.lobes import weight_norm
+    lobe = HFCTCLobe(tiny_model_dir).requires_grad_(False)
+    norm, conv = cached_norms(lobe)[0], pos_conv(lobe)
+    read = []
+    forward = type(conv)._conv_forward
+    monkeypatch.setattr(type(conv), "_conv_forward",
+                        lambda self, x, w, b: read.append(w) or forward(self, x, w, b))
+    x = lobe.prepare(torch.randn(8000, generator=torch.Generator().manual_seed(0)))
+
+    def logits():
+        read.clear()
+        with torch.no_grad():
+            out = lobe.logits(x)
+        return out, any(w is norm._cached for w in read)
+
+    monkeypatch.setattr(weight_norm, "_capturing", lambda device: True)
+    captured, from_cache = logits()
+    assert not from_cache and norm._cached is None and norm.computed == 1
+    monkeypatch.setattr(weight_norm, "_capturing", lambda device: False)
+    eager, from_cache = logits()                          # fills the cache
+    assert from_cache and norm.computed == 2 and torch.equal(captured, eager)
+    monkeypatch.setattr(weight_norm, "_capturing", lambda device: True)
+    captured, from_cache = logits()                       # a capture now reads the cache
+    assert from_cache and norm.computed == 2 and torch.equal(captured, eager)

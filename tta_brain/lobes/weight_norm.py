@@ -41,11 +41,12 @@ def _capturing(device: torch.device) -> bool:
 class CachedWeightNorm(_WeightNorm):
     """``weight_norm``'s parametrisation, computed once while its inputs stay the same.
 
-    The cache is refreshed eagerly when ``g`` or ``v`` change (in place, so a CUDA graph that
-    read it reads the new values once an eager pass has run). It is bypassed when either needs a
-    gradient (the layer adapts) or is a ``torch.func`` wrapper (a batched sweep's stacked rows),
-    under ``torch.compile`` and inside a CUDA graph capture (a value first computed there would
-    only exist once the graph replays).
+    The cache is refreshed eagerly when ``g`` or ``v`` change (in place, so a CUDA graph captured
+    while it was valid reads the new values once an eager pass has run). It is bypassed when
+    either needs a gradient (the layer adapts) or is a ``torch.func`` wrapper (a batched sweep's
+    stacked rows) and under ``torch.compile``; inside a CUDA graph capture a valid cache is read,
+    an invalid one is not refreshed (a value computed there exists only once the graph replays):
+    the graph then computes the weight norm itself.
     """
 
     def __init__(self, dim: Optional[int] = 0) -> None:
@@ -57,11 +58,14 @@ class CachedWeightNorm(_WeightNorm):
     def forward(self, weight_g: torch.Tensor, weight_v: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch._weight_norm(weight_v, weight_g, self.dim)
-        if not (_constant(weight_g) and _constant(weight_v)) or _capturing(weight_v.device):
+        if not (_constant(weight_g) and _constant(weight_v)):
             self.computed += 1
             return torch._weight_norm(weight_v, weight_g, self.dim)
         key = _key(weight_g, weight_v)
         if key != self._cache_key:
+            if _capturing(weight_v.device):          # the graph computes it on every replay
+                self.computed += 1
+                return torch._weight_norm(weight_v, weight_g, self.dim)
             with torch.no_grad():
                 value = torch._weight_norm(weight_v, weight_g, self.dim)
                 cached = self._cached
