@@ -169,6 +169,29 @@ def test_official_collection_takes_the_device_step(tiny_model_dir, utterances, n
         assert max_diff(a.meta, b.meta) < 1e-5
 
 
+def test_where_restores_every_tensor_in_one_selection():
+    """``guard.where_`` (a guarded step's restore, the hook's zeroed gradients): each tensor takes
+    the other value where the 0-d flag is true and keeps its own, NaN included, where it is
+    false; non-contiguous and mixed-dtype lists; a flat ``other`` in the tensors' order."""
+    torch.manual_seed(0)
+    ts = [torch.randn(3), torch.randn(4, 2).t(), torch.tensor([math.nan, math.inf]),
+          torch.randn(2, dtype=torch.float64)]
+    before = [t.clone() for t in ts]
+    guard.where_(torch.tensor(False), ts, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(ts[:2] + ts[3:], before[:2] + before[3:]))
+    assert math.isnan(ts[2][0]) and ts[2][1] == math.inf
+    guard.where_(torch.tensor(True), ts, 0.0)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in ts) and ts[1].stride() == (1, 2)
+    same = ts[:3]
+    flat = torch.arange(float(sum(t.numel() for t in same)))
+    guard.where_(torch.tensor(True), same, flat)
+    assert torch.equal(same[1], flat[3:11].view(2, 4)) and same[2].tolist() == [11.0, 12.0]
+    guard.where_(torch.tensor(False), same, torch.zeros_like(flat))
+    assert torch.equal(torch.cat([t.reshape(-1) for t in same]), flat)
+    with pytest.raises(ValueError, match="one device and dtype"):
+        guard.where_(torch.tensor(True), ts, torch.zeros(13))
+
+
 def test_repeated_adam_device_update_skips_on_found_inf():
     """What the guard relies on, for RepeatedAdam on the device: found_inf 1 leaves parameters,
     moments and counts exactly unchanged (also with a non-finite gradient); found_inf 0 is the

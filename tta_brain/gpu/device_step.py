@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tta_brain.gpu.graphs import FIRST_WARMUP, CapturedStep, GraphCache, bucket_length
 from tta_brain.gpu.guard import (DeviceHook, StepFlags, device_optimizer_blocker, guarded_update,
-                                 is_device_optimizer, skipped, to_device_optimizer)
+                                 is_device_optimizer, skipped, to_device_optimizer, where_)
 from tta_brain.gpu.host_step import HostStep, step_loss, train_draws
 
 logger = logging.getLogger(__name__)
@@ -239,9 +239,7 @@ class DeviceStep:
         grads = m.runtime.backward_guarded(loss, m.params, self.device, f.found, f.inv_scale)
         if after_backward is not None:
             if grads:                         # a skipped step hands the hook zero gradients
-                bad = f.found.bool()
-                for g in grads:
-                    g.masked_fill_(bad, 0.0)
+                where_(f.found.bool(), grads, 0.0)
             after_backward()
         f.note_step(after_backward is not None, keep)
         if gate is not None:

@@ -12,12 +12,12 @@ non-finite loss, of which a step whose ``after_backward`` hook ran) and read onc
 transcript's labels (one device-to-host copy). Device-agnostic: the tests run it on CPU tensors.
 """
 import warnings
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["StepFlags", "StepFilter", "DeviceHook", "device_optimizer_blocker",
-           "to_device_optimizer", "is_device_optimizer", "guarded_update", "skipped"]
+           "to_device_optimizer", "is_device_optimizer", "guarded_update", "where_", "skipped"]
 
 #: Slots of the per-utterance counters on the device.
 SKIPPED, LOSS_NONFINITE, HOOKED = 0, 1, 2
@@ -104,6 +104,31 @@ def guarded_update(opt, found_inf: torch.Tensor) -> None:
 
 
 _UNCAPTURED_WARNING = "This instance was constructed with capturable=True"
+
+
+@torch.no_grad()
+def where_(cond: torch.Tensor, tensors: Sequence[torch.Tensor], other=0.0) -> None:
+    """In place, every ``tensors[i]`` becomes ``other``'s value where the 0-d bool tensor ``cond``
+    is true and stays as it is where it is false, with a few kernels in all instead of one a
+    tensor: one ``torch.where`` over the concatenation of the tensors of each device and dtype,
+    one ``foreach`` copy back. ``other``: a number, or a 1-d tensor holding the values in the
+    tensors' order (their concatenation: one device and dtype). Exact: a selection and copies.
+    Device work only (no host read), so a captured step can run it (a guarded step's restore)."""
+    if not tensors:
+        return
+    groups = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    if torch.is_tensor(other) and len(groups) > 1:
+        raise ValueError("where_: a flat `other` needs tensors of one device and dtype")
+    for ts in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        if torch.is_tensor(other):
+            torch.where(cond, other, flat, out=flat)
+        else:
+            flat.masked_fill_(cond, other)
+        torch._foreach_copy_(ts, [v.view_as(t) for v, t in
+                                  zip(flat.split([t.numel() for t in ts]), ts)])
 
 
 # ------------------------------------------------------------------------------ flags

@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
+from tta_brain.gpu.guard import where_
 from tta_brain.methods.params import Selection, param_groups
 
 __all__ = ["build_optimizer", "RepeatedAdam", "official_optimizer"]
@@ -106,14 +107,29 @@ class RepeatedAdam(torch.optim.Adam):
 
     def _kept(self, slot, tensors):
         """Scratch copies of ``tensors`` (group and device ``slot``'s parameters and moments) for a
-        guarded device step: made once and kept, so a captured step writes the same memory on
-        every replay; made anew only when the state tensors are replaced (which drops the
-        captured steps too: their signature holds the state's addresses)."""
+        guarded device step: one flat buffer (their concatenation, which the restore selects
+        from in one ``where``) and its views shaped like them, made once and kept, so a captured
+        step writes the same memory on every replay; made anew only when the state tensors are
+        replaced (which drops the captured steps too: their signature holds the state's
+        addresses)."""
         store = self.__dict__.setdefault("_scratch", {})
         ptrs = tuple(t.data_ptr() for t in tensors)
         if slot not in store or store[slot][0] != ptrs:
-            store[slot] = (ptrs, [torch.empty_like(t) for t in tensors])
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                               device=tensors[0].device)
+            views = [v.view(t.shape) for v, t in
+                     zip(flat.split([t.numel() for t in tensors]), tensors)]
+            store[slot] = (ptrs, (flat, views))
         return store[slot][1]
+
+    def _segments(self, slot, params):
+        """:func:`segment_index` of group and device ``slot``'s parameters, made once per list of
+        sizes (the device update's gather reads it)."""
+        store = self.__dict__.setdefault("_scratch", {})
+        sizes = tuple(p.numel() for p in params)
+        if store.get(("segments", slot), (None,))[0] != sizes:
+            store[("segments", slot)] = (sizes, segment_index(params))
+        return store[("segments", slot)][1]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -137,10 +153,18 @@ class RepeatedAdam(torch.optim.Adam):
                     kept = (None if found_inf is None else
                             self._kept((gi, key), d_params + d_m + d_v))
                     _repeated_adam_device_update(d_params, d_grads, d_m, d_v, d_steps, d_ks,
-                                                 group, found_inf, kept)
+                                                 group, found_inf, kept,
+                                                 self._segments((gi, key), d_params))
                 else:
                     _repeated_adam_update(d_params, d_grads, d_m, d_v, d_steps, d_ks, group)
         return loss
+
+
+def segment_index(tensors) -> torch.Tensor:
+    """Each element of the tensors' concatenation -> its tensor's index (int32, on their
+    device), so one gather spreads per-tensor values over every element."""
+    return torch.cat([torch.full((t.numel(),), i, dtype=torch.int32, device=t.device)
+                      for i, t in enumerate(tensors)])
 
 
 def _times(ks):
@@ -196,26 +220,33 @@ def _repeated_adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group
 
 
 def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group,
-                                 found_inf=None, kept=None):
+                                 found_inf=None, kept=None, segments=None):
     """:func:`_repeated_adam_update` with nothing read on the host (capturable): the counts are
     device tensors and the bias corrections are computed from them on the device, in float64
     and then rounded to float32 (as the host's Python floats are, by the kernels); with
     ``found_inf`` (a 0-d device tensor) 1, parameters, moments and counts are left as they were
-    (the fused AdamW's skip, which the device guard relies on), restored from ``kept`` (tensors
-    like parameters and moments, in that order; kept across steps so a captured step writes the
-    same memory)."""
+    (the fused AdamW's skip, which the device guard relies on), restored from ``kept`` (a flat
+    buffer and its views shaped like parameters and moments, in that order, kept across steps so
+    a captured step writes the same memory) by one selection over all of them
+    (:func:`~tta_brain.gpu.guard.where_`: a few kernels, not three a tensor)."""
     beta1, beta2 = group["betas"]
     lr, eps = group["lr"], group["eps"]
     times = _times(ks)
     state = [*params, *exp_avgs, *exp_avg_sqs]
     if found_inf is not None:
-        torch._foreach_copy_(kept, state)
+        kept_flat, kept_views = kept
+        torch._foreach_copy_(kept_views, state)
     _moments(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group)
     counts = torch.stack(steps).to(torch.float64)
     step_size = ((lr / (1 - torch.pow(beta1, counts))) * -1).to(torch.float32)
     bias_correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, counts)).to(torch.float32)
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, list(bias_correction2_sqrt.unbind()))
+    # each tensor's divisor spread over its elements: one multi-tensor division (the same
+    # divisions as by one 0-d tensor a tensor, which take a kernel a tensor)
+    spread = bias_correction2_sqrt.index_select(
+        0, segment_index(params) if segments is None else segments)
+    torch._foreach_div_(denom, [v.view_as(d) for v, d in
+                                zip(spread.split([d.numel() for d in denom]), denom)])
     torch._foreach_add_(denom, eps)
     # the host's addcdiv p + s m / d with a device scalar s, in the order its kernel rounds:
     # (s m) / d on CPU, s (m / d) on CUDA (one increment, added k times as the host adds it)
@@ -230,9 +261,7 @@ def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks
         for p, q, ss in times(params, quotient, step_size):
             torch._foreach_addcmul_(p, q, ss)
     if found_inf is not None:
-        skip = found_inf.reshape(()) != 0
-        for t, old in zip(state, kept):
-            torch.where(skip, old, t, out=t)
+        where_(found_inf.reshape(()) != 0, state, kept_flat)
         torch._foreach_sub_(steps, torch._foreach_mul([found_inf.reshape(())] * len(ks), ks))
 
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from tta_brain.gpu.guard import StepFilter, guarded_update
+from tta_brain.gpu.guard import StepFilter, guarded_update, where_
 from tta_brain.methods import losses
 from tta_brain.methods import Event      # (the package exports it wherever it is defined)
 from tta_brain.methods.base import TTAMethod
@@ -142,8 +142,7 @@ class SAR(TTAMethod):
         ok1 = ~(out1 | bad1)
         with torch.no_grad():
             eps = sam_ascent(grads, self.rho)
-            for e in eps:                                 # no ascent after a stopped pass 1
-                e.masked_fill_(~ok1, 0.0)
+            where_(~ok1, eps, 0.0)                        # no ascent after a stopped pass 1
             torch._foreach_add_(params, eps)
         optimizer.zero_grad(set_to_none=False)
         h2 = self._entropy(logits_fn()[0], path, lengths)
