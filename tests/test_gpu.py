@@ -1267,6 +1267,9 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     prof = report["profile"]            # the profiled utterances replay buckets met before
     assert prof["captures_while_profiled"] == 0 and prof["stats"]["replays"] > 0
     assert prof["weight_norms_while_profiled"] == 0     # computed once, before
+    official = prof["official_list"]    # RepeatedAdam's kernels a step against the clean list's
+    assert official["stats"]["replays"] > 0 and official["profiled_wall_s_per_utt"] > 0
+    assert "extra_kernels_per_step" in official and not official["top_host"]
     assert prof["top_host"] and prof["profiled_wall_s_per_utt"] > 0
     assert prof["batch"]["R"] == 2 and prof["batch"]["top_host"]
     assert prof["batch"]["captures_while_profiled"] == 0

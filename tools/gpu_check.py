@@ -143,11 +143,12 @@ SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memor
 #: (transcripts + 6 for the field methods' default rows, official + 10 for its fresh loop and
 #: + 40 for its warm-up 0 and official-list columns (8 decodes), transcripts + 8 for the
 #: official list's rows,
-#: profile + 10 for DSUTA's phases and + 16 for its tables by operator, added after that run;
+#: profile + 10 for DSUTA's phases, + 16 for its tables by operator and + 10 for the official
+#: list's, added after that run;
 #: sweep: 66 s for 8 utterances, an estimate for 24), bench and decode as an H100 did on 2026-11-26
 COST = {"transcripts": 47, "step": 8, "lengths": 57, "deterministic": 22, "memory": 70,
         "bench": 110, "decode": 60, "official": 180, "field": 86, "sweep": 110,
-        "profile": 62}
+        "profile": 72}
 #: What a GPU run checks by default, most wanted first; they add up to 464 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench``, ``decode`` and
 #: ``deterministic`` (its price measured twice: 1.12x on an H100, 1.2x on an H200) on request
@@ -515,9 +516,10 @@ HOST_CALLS = ("cudaGraphLaunch", "cudaStreamSynchronize", "cudaDeviceSynchronize
               "cudaMemcpyAsync", "cudaLaunchKernel", "cudaEventSynchronize")
 
 
-def _profiled(rep, label, n, run, cuda):
+def _profiled(rep, label, n, run, cuda, tables=True):
     """``run()`` (one pass over ``n`` utterances, returning its seconds) under ``torch.profiler``
-    and its report per utterance; the report's dict."""
+    and its report per utterance (``tables``: with the top host operators and kernels); the
+    report's dict."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -528,10 +530,13 @@ def _profiled(rep, label, n, run, cuda):
     # the kernels' own rows (a host operator's row repeats its kernels' device time)
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and _device_us(e) > 0]
     gpu_ms = ms(sum(_device_us(e) for e in kernels))
-    res = dict(profiled_wall_s_per_utt=wall / n, gpu_kernel_ms_per_utt=gpu_ms, host_calls={},
-               top_host=[], top_device=[])
+    n_kernels = sum(e.count for e in kernels) / n
+    res = dict(profiled_wall_s_per_utt=wall / n, gpu_kernel_ms_per_utt=gpu_ms,
+               kernels_per_utt=n_kernels, host_calls={}, top_host=[], top_device=[])
     rep.say(f"{label}: {wall / n:.4f} s per utterance profiled; GPU kernels {gpu_ms:.1f} ms "
-            f"per utterance ({gpu_ms / 1000 / (wall / n):.0%} of it)")
+            f"per utterance ({gpu_ms / 1000 / (wall / n):.0%} of it), {n_kernels:.0f} kernels")
+    if not tables:
+        return res
     for name in HOST_CALLS:
         hit = [e for e in events if e.key == name]
         if hit:
@@ -655,9 +660,10 @@ def section_profile(args, rep, work):
     buckets it has met, timed, then the same under ``torch.profiler``; then a batch of 8 SUTA
     runs (the sweep section's learning rates) on buckets the same way. Per utterance: wall, the
     GPU's kernel time (busy share), the host calls that launch or wait (:data:`HOST_CALLS`), the
-    top operators by host and by device time. Then the eager step and the eager batch by operator
-    with input shapes (:func:`_by_operator`): which layers own the step's kernel time and which
-    operators the batch's layout conversions belong to."""
+    top operators by host and by device time. Then the official parameter list (RepeatedAdam)
+    the same way: its kernels a step against the clean list's. Then the eager step and the eager
+    batch by operator with input shapes (:func:`_by_operator`): which layers own the step's
+    kernel time and which operators the batch's layout conversions belong to."""
     model = _base_model(work, args)
     cuda = str(args.device).startswith("cuda")
     n, steps = (2 if args.cpu_smoke else 6), _steps(args, "suta")
@@ -687,6 +693,26 @@ def section_profile(args, rep, work):
                captures_while_profiled=m.step.cache.stats["captures"] - before,
                weight_norms_while_profiled=_weight_norms(m.lobe) - norms)
     _release(m, args.device)
+    # the official code's parameter list (RepeatedAdam on the device, the LS-C and CHiME-3
+    # recipes' setting) against the clean list's fused AdamW: its extra kernels a step (its
+    # restore and second bias correction over all tensors at once since 2026-11-28, about 8
+    # kernels by torch's multi-tensor rules where they took 252; its multiply-add one a tensor)
+    off = _method("suta@official", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=2e-5,
+                  steps=steps)
+    _process_all(off, wavs, args.device)
+    _, wall_o = _process_all(off, wavs, args.device)
+    one["official_list"] = _profiled(
+        rep, f"suta@official (the official list: RepeatedAdam) on buckets, the same utterances "
+        f"(unprofiled {wall_o / n:.4f} s per utterance)", n,
+        lambda: _process_all(off, wavs, args.device)[1], cuda, tables=False)
+    one["official_list"].update(wall_s_per_utt=wall_o / n, stats=_stats(off))
+    _release(off, args.device)
+    extra = (one["official_list"]["kernels_per_utt"] - one["kernels_per_utt"]) / steps
+    one["official_list"]["extra_kernels_per_step"] = extra
+    if cuda:
+        rep.say(f"the official list: {extra:+.0f} kernels a step against the clean list "
+                f"({one['official_list']['wall_s_per_utt'] / one['wall_s_per_utt']:.2f}x its "
+                "wall per utterance)")
     # which operators (which layers) the step's time goes to: the eager step, shapes recorded
     # (a replay's kernels carry no operator), the first utterance n times (one row per layer)
     eager = _method("suta", model, args.device, EAGER, lr=2e-5, steps=steps)
