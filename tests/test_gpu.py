@@ -1257,6 +1257,8 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "earlier H200 measurement" in text and "fixed s/utt" in text
     assert "price = deterministic / default kernels" in text
+    assert all(report["deterministic"][f"{name} warm deterministic autotuned={b}"] > 0
+               for name in ("suta", "dsuta+dynamic") for b in (False, True))
     assert len(report["memory"]["marks"]) == 12
     assert report["decode"]["suta default"]["device"] == "cpu"
     rows = report["official"]           # ours in every column, with or without the official code

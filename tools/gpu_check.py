@@ -40,7 +40,9 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    by operator and input shape (which layers own the kernel time; which operators own the
    batch's layout conversions).
 4. ``deterministic``: SUTA and DSUTA (default steps) with deterministic kernels on and off (the
-   run option ``--deterministic``): s per audio s and the price of determinism.
+   run option ``--deterministic``): s per audio s and the price of determinism; and, warm, cuDNN's
+   deterministic convolutions as its heuristics pick them against the fastest ones its autotuner
+   (``cudnn.benchmark``) finds.
 5. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps; on length
    buckets as the default, ``BUCKETS``, unless ``--memory_runtime unbucketed``): CUDA memory
    (allocated / reserved) every 50 utterances and the slope of the reserved memory over the last
@@ -144,9 +146,9 @@ SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memor
 #: + 40 for its warm-up 0 and official-list columns (8 decodes), transcripts + 8 for the
 #: official list's rows,
 #: profile + 10 for DSUTA's phases, + 16 for its tables by operator and + 10 for the official
-#: list's, added after that run;
+#: list's, deterministic + 14 for its autotuned rows (an estimate), added after that run;
 #: sweep: 66 s for 8 utterances, an estimate for 24), bench and decode as an H100 did on 2026-11-26
-COST = {"transcripts": 47, "step": 8, "lengths": 57, "deterministic": 22, "memory": 70,
+COST = {"transcripts": 47, "step": 8, "lengths": 57, "deterministic": 36, "memory": 70,
         "bench": 110, "decode": 60, "official": 180, "field": 86, "sweep": 110,
         "profile": 72}
 #: What a GPU run checks by default, most wanted first; they add up to 464 s, within the budget
@@ -760,25 +762,44 @@ def section_profile(args, rep, work):
 
 
 def section_deterministic(args, rep, work):
+    import torch
+
     from tta_brain.lobes.runtime import deterministic_kernels
     model = _base_model(work, args)
     wavs = _wavs(2 if args.cpu_smoke else 8, 0.9 * args.seconds, 1.1 * args.seconds, seed=6)
     audio = sum(w.numel() for w in wavs) / 16000
-    res = {}
+    res, graphs = {}, {}
+
+    def build(name, runtime):                  # SUTA; DSUTA + dynamic reset (buffer 5, K 10)
+        kw = dict(lr=2e-5, steps=_steps(args, name.partition("+")[0]))
+        if name.startswith("dsuta"):
+            kw.update(buffer_size=5, reset_K=10)
+        return _method(name, model, args.device, runtime, **kw)
     try:
         for name in ("suta", "dsuta+dynamic"):
-            base = name.partition("+")[0]
             for tag, runtime in (("default", DEFAULT), ("eager", EAGER)):
                 for on in (True, False):
                     deterministic_kernels(on)
-                    kw = dict(lr=2e-5, steps=_steps(args, base))
-                    if base == "dsuta":
-                        kw.update(buffer_size=5, reset_K=10)
-                    m = _method(name, model, args.device, runtime, **kw)
+                    m = build(name, runtime)
                     _process_all(m, wavs[:1], args.device)                  # warm-up
                     _, t = _process_all(m, wavs, args.device)
                     res[f"{name} {tag} deterministic={on}"] = t / audio
                     _release(m, args.device)
+        # cuDNN's deterministic convolutions as its heuristics pick them (decode's default)
+        # against the fastest deterministic ones its autotuner finds (cudnn.benchmark, not a run
+        # option: its pick, and so the rounding, may change from process to process): the
+        # default (captured) steps, every utterance once before the clock, so that the
+        # autotuning of each new shape and the captures are behind both
+        for name in ("suta", "dsuta+dynamic"):
+            for tuned in (False, True):
+                deterministic_kernels(True)
+                torch.backends.cudnn.benchmark = tuned
+                m = build(name, DEFAULT)
+                _process_all(m, wavs, args.device)
+                _, t = _process_all(m, wavs, args.device)
+                res[f"{name} warm deterministic autotuned={tuned}"] = t / audio
+                graphs[f"{name} autotuned={tuned}"] = _stats(m)   # a failed capture: eager
+                _release(m, args.device)
     finally:
         deterministic_kernels(True)                 # the check's default, as decode's
     rep.say(f"{'method, steps':<24}{'deterministic':>14}{'default kernels':>17}{'price':>8}")
@@ -788,7 +809,16 @@ def section_deterministic(args, rep, work):
             rep.say(f"{name + ', ' + tag:<24}{on:>14.4f}{off:>17.4f}{on / max(off, 1e-12):>7.2f}x")
     rep.say("s per audio s; price = deterministic / default kernels (the run option "
             "--deterministic, default true)")
+    rep.say(f"{'method, default steps':<24}{'heuristics':>14}{'autotuned':>17}{'gain':>8}")
+    for name in ("suta", "dsuta+dynamic"):
+        h, a = (res[f"{name} warm deterministic autotuned={b}"] for b in (False, True))
+        g = graphs[f"{name} autotuned=True"]
+        rep.say(f"{name + ', warm':<24}{h:>14.4f}{a:>17.4f}{h / max(a, 1e-12):>7.2f}x"
+                f"  (autotuned: graphs {g.get('graphs')}, {g.get('replays', 0)} replays)")
+    rep.say("s per audio s, deterministic kernels, every utterance met before the clock; "
+            "autotuned: cudnn.benchmark among the deterministic algorithms (not a run option)")
     rep.data["deterministic"] = res
+    rep.data["deterministic_autotuned_graphs"] = graphs
 
 
 def section_bench(args, rep, work):
