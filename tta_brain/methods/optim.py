@@ -153,8 +153,8 @@ class RepeatedAdam(torch.optim.Adam):
                     kept = (None if found_inf is None else
                             self._kept((gi, key), d_params + d_m + d_v))
                     _repeated_adam_device_update(d_params, d_grads, d_m, d_v, d_steps, d_ks,
-                                                 group, found_inf, kept,
-                                                 self._segments((gi, key), d_params))
+                                                 group, self._segments((gi, key), d_params),
+                                                 found_inf, kept)
                 else:
                     _repeated_adam_update(d_params, d_grads, d_m, d_v, d_steps, d_ks, group)
         return loss
@@ -220,7 +220,7 @@ def _repeated_adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group
 
 
 def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group,
-                                 found_inf=None, kept=None, segments=None):
+                                 segments, found_inf=None, kept=None):
     """:func:`_repeated_adam_update` with nothing read on the host (capturable): the counts are
     device tensors and the bias corrections are computed from them on the device, in float64
     and then rounded to float32 (as the host's Python floats are, by the kernels); with
@@ -228,7 +228,8 @@ def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks
     (the fused AdamW's skip, which the device guard relies on), restored from ``kept`` (a flat
     buffer and its views shaped like parameters and moments, in that order, kept across steps so
     a captured step writes the same memory) by one selection over all of them
-    (:func:`~tta_brain.gpu.guard.where_`: a few kernels, not three a tensor)."""
+    (:func:`~tta_brain.gpu.guard.where_`: a few kernels, not three a tensor). ``segments``:
+    :func:`segment_index` of ``params`` (kept by the optimiser)."""
     beta1, beta2 = group["betas"]
     lr, eps = group["lr"], group["eps"]
     times = _times(ks)
@@ -243,8 +244,7 @@ def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks
     denom = torch._foreach_sqrt(exp_avg_sqs)
     # each tensor's divisor spread over its elements: one multi-tensor division (the same
     # divisions as by one 0-d tensor a tensor, which take a kernel a tensor)
-    spread = bias_correction2_sqrt.index_select(
-        0, segment_index(params) if segments is None else segments)
+    spread = bias_correction2_sqrt.index_select(0, segments)    # segment_index(params)
     torch._foreach_div_(denom, [v.view_as(d) for v, d in
                                 zip(spread.split([d.numel() for d in denom]), denom)])
     torch._foreach_add_(denom, eps)
