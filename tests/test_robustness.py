@@ -232,7 +232,11 @@ def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     assert args.run_opts == {"noprogressbar": True}
     msg = _error(["dsuta", f"--stream_csv={ok_stream}",
                   f"--output_folder={out}"])
-    assert "'source' is a !PLACEHOLDER" in msg
+    assert "dsuta.yaml: 'source' is required: pass --source=... (HF CTC checkpoint" in msg
+    msg = _error(["foa", f"--source={tiny_model_dir}", f"--stream_csv={ok_stream}",
+                  f"--output_folder={out}"])     # the key's comment says how to make the file
+    assert "foa.yaml: 'source_stats' is required: pass --source_stats=..." in msg
+    assert "python -m tta_brain.stats --kinds hidden" in msg
     msg = _error(dsuta_args(tmp_path / "no_model", ok_stream, out))
     assert "source model directory not found" in msg and "no_model" in msg
     assert not out.exists()

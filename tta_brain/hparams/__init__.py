@@ -155,9 +155,20 @@ class _errors:
         if isinstance(err, TypeError):
             raise HparamsError(f"{where}: {_describe(err)} (check the spelling of the keys "
                                f"passed to that class in the yaml)") from err
+        if isinstance(err, ValueError):
+            unset = re.fullmatch(r"'(\w+)' is a !PLACEHOLDER and must be replaced\.?", _describe(err))
+            if unset:
+                raise HparamsError(_required(self.path, unset.group(1))) from err
         if isinstance(err, (ValueError, ImportError, AttributeError, RuntimeError, OSError)):
             raise HparamsError(f"{where}: {_describe(err)}") from err
         return False
+
+
+def _required(path, key: str) -> str:
+    """The one line for a ``!PLACEHOLDER`` key left unset: the option to pass and what it is
+    (the key's comment in the yaml or the block that holds it)."""
+    meaning = {k: c for k, _, c in describe(path)}.get(key, "")
+    return (f"{path}: '{key}' is required: pass --{key}=..." + (f" ({meaning})" if meaning else ""))
 
 
 def _describe(err) -> str:
