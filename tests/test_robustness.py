@@ -281,6 +281,7 @@ def test_command_line_error_is_one_line_not_a_traceback(tmp_path, ok_stream, tin
     (["--seed=abc"], "seed = 'abc' is not valid: seed must be an integer"),
     (["--em_coef=2"], "em_coef must be a number between 0 and 1"),
     (["--precision=fp8"], "precision must be one of fp32, bf16, fp16"),
+    (["--precision=fp16", "--device=cpu"], "precision = fp16 (--precision) needs a CUDA device"),
     (["--reset=dynamic", "--reset_K=4", "--buffer_size=3"],
      "reset_K = 4 with buffer_size = 3: phi_D is saved after K/2 = 2 utterances"),
     (["--reset=dynamic", "--reset_K=6", "--buffer_size=5"], "use reset_K >= 10"),

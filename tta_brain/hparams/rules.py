@@ -98,8 +98,8 @@ def _expected(kind, rng) -> str:
 
 
 def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] = None) -> None:
-    """Every known key's value has its type and range, the dynamic reset's K fits, and ``device``
-    exists here; else an :class:`HparamsError` naming the key, the value, what it must be and
+    """Every known key's value has its type and range, the dynamic reset's K fits, ``device``
+    exists here and fp16 is asked for only on CUDA; else an :class:`HparamsError` naming the key, the value, what it must be and
     what the key means (``meanings()``: key -> the yaml's comment)."""
     for key, (kind, rng) in RULES.items():
         if key in values and not _valid(values[key], kind, rng):
@@ -111,6 +111,9 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
         _check_dynamic_reset(path, values)
     if "device" in values:
         check_device(values["device"])
+    if values.get("precision") == "fp16" and str(values.get("device", "cpu")) == "cpu":
+        raise HparamsError(f"{path}: precision = fp16 (--precision) needs a CUDA device "
+                           f"(--device=cuda); on cpu use bf16 or fp32")
 
 
 def _check_dynamic_reset(path, values: Dict) -> None:
