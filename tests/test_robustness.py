@@ -362,3 +362,37 @@ def test_awmc_takes_the_reset_options(tmp_path, tiny_model_dir):
                      f"--output_folder={tmp_path / 'exp'}", f"--data_root={data}", "--steps=1",
                      "--ckpt_every=0", "--noprogressbar", "--reset=oracle"])
     assert s.method == "awmc+oracle" and s.resets == [4, 8]
+
+
+# ----------------------------------------------------------------------------- the Python API's input
+def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_dir, utterances):
+    """What a sound card or ``soundfile.read`` hands over: int16 PCM is scaled as libsndfile scales
+    it when it reads the same samples from a file, ``[T, C]`` and ``[C, T]`` are both averaged;
+    unusable input is one line and leaves the stream where it was."""
+    from tta_brain.stream import TTAStream, as_mono_float
+    stereo = torch.stack([utterances[1][:16000], 0.5 * utterances[3]], 1).numpy()   # 1.0 s each
+    path = tmp_path / "stereo.wav"
+    sf.write(path, stereo, 16000, subtype="PCM_16")
+    pcm, _ = sf.read(path, dtype="int16")                         # [T, 2], as a sound card gives
+    want = load_audio(path)                                       # the file path's own reading
+    assert pcm.shape[1] == 2 and pcm.dtype == np.int16
+    assert torch.equal(as_mono_float(pcm), want)                  # [T, C]
+    assert torch.equal(as_mono_float(pcm.T.copy()), want)         # [C, T]
+    left = torch.from_numpy(sf.read(path, dtype="float32")[0][:, 0].copy())
+    assert torch.equal(as_mono_float(pcm[:, 0].copy()), left)
+    assert torch.equal(as_mono_float(pcm[:, 0].astype(np.int32) << 16), left)
+    assert torch.equal(as_mono_float(((pcm[:, 0] >> 8) + 128).astype(np.uint8)),
+                       torch.from_numpy((pcm[:, 0] >> 8).astype(np.float32) / 128))
+    assert not torch.equal(torch.as_tensor(pcm[:, 0], dtype=torch.float32), left)   # scaling matters
+
+    tta = TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"steps": 1})
+    hyps = [tta.transcribe(x) for x in (want, pcm, pcm.T.copy())]
+    assert hyps[1:] == hyps[:1] * 2 and tta.position == 3
+    for bad, why in ((np.zeros(100, np.float32), "100 samples at 16000 Hz are too short for the model"),
+                     (np.zeros(0, np.float32), "expected a non-empty 1-D waveform, got shape (0,)"),
+                     (np.zeros((2, 3, 4), np.float32), "got shape (2, 3, 4)"),
+                     (np.ones(800, bool), "expected float or integer PCM samples, got torch.bool"),
+                     (np.full(800, np.nan, np.float32), "contains NaN or inf")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            tta.transcribe(bad)
+    assert tta.position == 3 and tta.counts == tta.method.counts

@@ -3,7 +3,7 @@
     from tta_brain.stream import TTAStream
     tta = TTAStream.from_hparams("dsuta", source="recipes/synthetic/source_model",
                                  overrides={"reset": "dynamic", "steps": 5})
-    for wav in my_audio_chunks():            # 1-D float tensors / numpy arrays, one utterance each
+    for wav in my_audio_chunks():            # one utterance each: float or int16 PCM, mono or [T, C]
         print(tta.transcribe(wav, sample_rate=16000))
     print(tta.resets)                        # stream positions where the model was reset
 
@@ -53,19 +53,24 @@ class TTAStream:
         """Adapt on one utterance and return its transcript.
 
         ``segment`` (an integer domain-block label) is only needed by the oracle reset policy.
-        Multi-channel input ``[C, T]`` is averaged; other sample rates are resampled.
+        Floating-point samples are taken as they are (nominal range [-1, 1]); integer PCM (int16
+        from a sound card, int32, uint8) is scaled as ``soundfile`` scales it when it reads a file.
+        Several channels, ``[C, T]`` or ``[T, C]`` (``soundfile.read``'s layout; the channels are
+        the shorter side), are averaged; other sample rates are resampled. A waveform that cannot
+        be used (empty, NaN/inf, too short for the model) is a one-line ``ValueError`` and leaves
+        the state and the stream position unchanged.
         """
-        wav = torch.as_tensor(waveform, dtype=torch.float32)
-        if wav.dim() == 2:
-            wav = wav.mean(dim=0)
-        if wav.dim() != 1 or wav.numel() == 0:
-            raise ValueError(f"transcribe: expected a non-empty 1-D waveform, got shape {tuple(wav.shape)}")
+        wav = as_mono_float(waveform)
         if not torch.isfinite(wav).all():
             raise ValueError("transcribe: the waveform contains NaN or inf")
         sr = sample_rate or self.sample_rate
         if sr != self.sample_rate:
             import torchaudio
             wav = torchaudio.functional.resample(wav, sr, self.sample_rate)
+        out_len = getattr(getattr(self.method, "lobe", None), "output_lengths", None)
+        if out_len is not None and int(out_len(torch.tensor(wav.numel()))) < 1:
+            raise ValueError(f"transcribe: {wav.numel()} samples at {self.sample_rate} Hz are too "
+                             f"short for the model (no output frame)")
         info = UttInfo(id=utt_id or str(self.position), position=self.position, domain=domain,
                        segment=segment or 0)
         hyp = self.method.process(wav, info)
@@ -100,3 +105,27 @@ class TTAStream:
         sd = torch.load(path, map_location=self.method.lobe.device, weights_only=False)
         self.method.load_state_dict(sd["method"])
         self.position, self.resets = sd["position"], sd["resets"]
+
+
+#: Integer PCM -> float in [-1, 1): the divisor and offset ``soundfile`` (libsndfile) uses.
+_PCM = {torch.int16: (2.0 ** 15, 0.0), torch.int32: (2.0 ** 31, 0.0), torch.int8: (2.0 ** 7, 0.0),
+        torch.uint8: (2.0 ** 7, 128.0)}
+
+
+def as_mono_float(waveform) -> torch.Tensor:
+    """One utterance as a 1-D float32 tensor: integer PCM scaled to [-1, 1), channels
+    (``[C, T]`` or ``[T, C]``: the shorter side) averaged; anything else a one-line ValueError."""
+    wav = torch.as_tensor(waveform)
+    if wav.dtype in _PCM:
+        scale, offset = _PCM[wav.dtype]
+        wav = (wav.to(torch.float64) - offset) / scale
+    elif not wav.is_floating_point():
+        raise ValueError(f"transcribe: expected float or integer PCM samples, got {wav.dtype}")
+    wav = wav.to(torch.float32)
+    if wav.dim() == 2 and wav.numel():
+        wav = wav.mean(dim=0 if wav.shape[0] <= wav.shape[1] else 1)
+    if wav.dim() != 1 or wav.numel() == 0:
+        raise ValueError(f"transcribe: expected a non-empty 1-D waveform, got shape "
+                         f"{tuple(torch.as_tensor(waveform).shape)}")
+    return wav
+
