@@ -161,6 +161,11 @@ def test_help_and_invalid_options(script):
     assert res.returncode == 1 and "invalid option --no-such-option" in res.stderr
     res = run(script, "--dry-run", "maybe")
     assert res.returncode == 1 and "expects true or false" in res.stderr
+    res = run(script, "--stage", "three")
+    assert res.returncode == 1 and "option --stage expects an integer, got 'three'" in res.stderr
+    assert "Stage" not in res.stderr                      # nothing ran
+    res = run(script, "--stop-stage=2x")
+    assert res.returncode == 1 and "option --stop-stage expects an integer, got '2x'" in res.stderr
 
 
 def test_lsc_missing_noise_folder_stops_at_stage1(lsc, tmp_path):
