@@ -106,6 +106,20 @@ def test_second_writer_stops_at_once_and_the_first_finishes_intact(data, tmp_pat
     assert compare_runs.compare(ref, out) == []
 
 
+def test_compare_runs_never_reads_nothing_as_the_same(tmp_path, capsys):
+    """A mistyped or empty root used to print '0 same, 0 different' and exit 0."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / "s" / "suta").mkdir(parents=True)
+    b.mkdir()
+    assert compare_runs.main([str(a), str(tmp_path / "typo")]) == 2
+    assert f"{tmp_path / 'typo'}: no such directory" in capsys.readouterr().err
+    assert compare_runs.main([str(a), str(b)]) == 2                # neither holds a run folder
+    assert "nothing to compare" in capsys.readouterr().err
+    (a / "s" / "suta" / "summary.json").write_text("{}")
+    assert compare_runs.main([str(a), str(b)]) == 1                # one side only: missing
+    assert f"s/suta: only under {a}" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_rerun_with_other_settings_is_refused_overwrite_and_skip(data, tmp_path):
     out = tmp_path / "exp"

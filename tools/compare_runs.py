@@ -8,7 +8,8 @@ Used to check that a refactoring changed no result (bit for bit on CPU)::
     python tools/compare_runs.py /tmp/exp_before /tmp/exp_after
 
 Prints one line per folder (``same`` or what differs, with the first differing row) and exits
-with 1 if anything differs or a folder is missing on one side.
+with 1 if anything differs or a folder is missing on one side, 2 if a root is not a directory
+or neither holds a run folder.
 """
 import argparse
 import csv
@@ -59,7 +60,15 @@ def main(argv=None) -> int:
     p.add_argument("root_a", type=Path)
     p.add_argument("root_b", type=Path)
     args = p.parse_args(argv)
+    for root in (args.root_a, args.root_b):   # nothing compared must not read as "the same"
+        if not root.is_dir():
+            print(f"ERROR: {root}: no such directory", file=sys.stderr)
+            return 2
     ra, rb = runs(args.root_a), runs(args.root_b)
+    if not ra and not rb:
+        print(f"ERROR: no run folder (one with a summary.json) under {args.root_a} or "
+              f"{args.root_b}: nothing to compare", file=sys.stderr)
+        return 2
     bad = 0
     for name in sorted(set(ra) | set(rb)):
         if name not in ra or name not in rb:
