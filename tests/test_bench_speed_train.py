@@ -2,6 +2,8 @@
 train-mode unit pass (timed alongside), its inference / auxiliary forwards at the eval one."""
 import json
 
+import pytest
+
 
 def test_bench_speed_costs_train_mode_methods_with_train_mode_units(tiny_model_dir, tmp_path, capsys):
     import bench_speed
@@ -29,3 +31,13 @@ def test_bench_speed_costs_train_mode_methods_with_train_mode_units(tiny_model_d
                             "--repeats", "1", "--warmup", "1", "--methods", "suta",
                             "--suta_steps", "1", "--json", str(out)])
     assert set(json.loads(out.read_text())["units"]["wall"]) == {"unit_fb", "unit_f"}
+
+
+def test_bench_speed_refuses_an_unknown_method_token_in_one_line(capsys):
+    import bench_speed
+    for token in ("nosuch", "suta+dynamik"):
+        with pytest.raises(SystemExit):
+            bench_speed.parse_args(["--methods", f"suta,{token}"])
+        err = capsys.readouterr().err
+        assert f"--methods: unknown method token '{token}'" in err and "Traceback" not in err
+    assert bench_speed.parse_args(["--methods", "tent,dsuta+fixed"]).methods == "tent,dsuta+fixed"

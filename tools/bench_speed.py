@@ -434,7 +434,14 @@ def parse_args(argv=None):
     p.add_argument("--population", action="store_true", help="only E-BATS and FOA: the CMA-ES "
                    "population in one batch vs one candidate at a time (same transcripts?); on the "
                    "tests' tiny model unless --model")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from tta_brain.methods import METHODS
+    for token in (m.strip() for m in args.methods.split(",") if m.strip()):
+        base, plus, reset = token.partition("+")
+        if base not in METHODS or (plus and reset not in ("dynamic", "fixed", "oracle")):
+            p.error(f"--methods: unknown method token {token!r} (methods: "
+                    f"{', '.join(sorted(METHODS))}; resets: +dynamic, +fixed, +oracle)")
+    return args
 
 
 def load_utterances(args):
