@@ -396,3 +396,56 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
         with pytest.raises(ValueError, match=re.escape(why)):
             tta.transcribe(bad)
     assert tta.position == 3 and tta.counts == tta.method.counts
+
+
+def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path, tiny_model_dir,
+                                                                       utterances, caplog):
+    """save -> load continues as if never stopped (DSUTA + dynamic reset: meta-parameters, both
+    optimisers, the detector); a state of another method, reset policy, model or parameter set is
+    a one-line error that leaves the stream untouched; other settings are taken and logged."""
+    from tta_brain.stream import StreamStateError, TTAStream
+    from conftest import save_ctc_model
+    ov = {"reset": "dynamic", "steps": 2, "buffer_size": 2, "reset_K": 4, "reset_patience": 1,
+          "lr": 1e-3}
+    whole = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov)
+    want = [whole.transcribe(w) for w in utterances]
+    part = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov)
+    first = [part.transcribe(w) for w in utterances[:3]]
+    state = tmp_path / "state.pt"
+    part.save(state)
+    again = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov)
+    again.load(state)
+    assert again.position == 3 and again.lii == part.lii
+    assert first + [again.transcribe(w) for w in utterances[3:]] == want
+    assert (again.resets, again.lii, again.counts) == (whole.resets, whole.lii, whole.counts)
+    assert whole.lii, "no LII value: the detector's state was not exercised"
+
+    other_model = save_ctc_model(tmp_path / "other_model", seed=1)
+    for name, over, why in (
+            ("suta", {"steps": 2}, "method 'dsuta' (file) != 'suta' (this stream)"),
+            ("dsuta", {**ov, "reset": "fixed"}, "reset 'dynamic' (file) != 'fixed'"),
+            ("tent", {}, "!= 'none' (this stream); adapted "),
+            ("dsuta", {**ov, "source": str(other_model)}, "source 'sha1:")):
+        stream = TTAStream.from_hparams(name, source=tiny_model_dir, overrides=over)
+        before = [p.detach().clone() for p in stream.method.params]
+        with pytest.raises(StreamStateError, match=re.escape(f"{state}: saved by another stream: ")) as e:
+            stream.load(state)
+        assert why in str(e.value) and "\n" not in str(e.value)
+        assert stream.position == 0 and all(torch.equal(a, b) for a, b in
+                                            zip(before, stream.method.params))
+    caplog.set_level("WARNING", logger="tta_brain.stream")
+    faster = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides={**ov, "lr": 2e-3})
+    faster.load(state)
+    assert faster.position == 3 and "lr 0.001 -> 0.002" in caplog.text
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_text("not a state")
+    for bad, why in ((tmp_path / "missing.pt", "no such state file"),
+                     (garbage, "not a TTAStream state file")):
+        with pytest.raises(StreamStateError, match=re.escape(f"{bad}: {why}")):
+            again.load(bad)
+    legacy = tmp_path / "legacy.pt"        # what TTAStream.save wrote before states had an identity
+    torch.save({"method": part.method.state_dict(), "position": 3, "resets": part.resets}, legacy)
+    old = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov)
+    old.load(legacy)
+    assert [old.transcribe(w) for w in utterances[3:]] == want[3:]
+    assert "saved by an older tta_brain" in caplog.text

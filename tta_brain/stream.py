@@ -10,6 +10,7 @@
 The method keeps its state across calls, so the slow meta-parameters, the reset detector and the
 optimiser moments carry over from one utterance to the next exactly as in a recipe run.
 """
+import logging
 import os
 from typing import Dict, List, Optional, Union
 
@@ -20,14 +21,31 @@ from tta_brain import hparams as hp_files
 from tta_brain.methods.base import TTAMethod, UttInfo
 from tta_brain.lobes.runtime import bound_kernel_caches, process_settings
 
+logger = logging.getLogger(__name__)
+
+#: What :meth:`TTAStream.save` writes (``format``, ``version``); files saved before had neither.
+STATE_FORMAT, STATE_VERSION = "tta_brain.stream_state", 1
+#: Resolved yaml keys that say where things are, not what the adapted state means.
+_NOT_SETTINGS = ("stream_csv", "output_folder", "data_root", "ckpt_every", "method_tag",
+                 "stream_name", "device", "source")
+
+
+class StreamStateError(ValueError):
+    """A state file that this stream cannot take; the message names the file and why."""
+
 
 class TTAStream:
     """Feed utterances one at a time; get transcripts back, adapting as you go."""
 
-    def __init__(self, method: TTAMethod, sample_rate: int = 16000):
+    def __init__(self, method: TTAMethod, sample_rate: int = 16000, source: Optional[str] = None,
+                 settings: Optional[Dict] = None):
+        """``source`` (the model's directory or hub name) and ``settings`` (scalar hparams) are
+        what :meth:`save` records and :meth:`load` checks; :meth:`from_hparams` passes both."""
         bound_kernel_caches()      # a live stream is long: every length is new (runtime.py)
         self.method = method
         self.sample_rate = sample_rate
+        self.source = source
+        self.settings = dict(settings or {})
         self.position = 0
         self.resets: List[int] = []
         self.lii: List[tuple] = []
@@ -44,9 +62,13 @@ class TTAStream:
         if source is not None:
             ov["source"] = str(source)
         ov.update(overrides or {})
-        hp = hp_files.load(hparams, ov)
+        resolved = hp_files.resolve(hparams, ov)
+        hp = resolved.build()
         process_settings(ov["device"], hp.get("deterministic", True), hp.get("tf32", "torch"))
-        return cls(hp["method"], sample_rate=16000)
+        settings = {k: v for k, v in resolved.values.items() if k not in _NOT_SETTINGS
+                    and not k.startswith("__") and isinstance(v, (str, int, float, bool, type(None)))}
+        return cls(hp["method"], sample_rate=16000, source=str(hp.get("source") or "") or None,
+                   settings=settings)
 
     def transcribe(self, waveform: Union[torch.Tensor, np.ndarray], sample_rate: Optional[int] = None,
                    domain: str = "", segment: Optional[int] = None, utt_id: str = "") -> str:
@@ -97,14 +119,71 @@ class TTAStream:
         else:
             m.reset()
 
+    def identity(self) -> Dict:
+        """What a saved state must match to be loaded here: the method, its reset policy, the
+        source model (by content, ``None`` when unknown) and the adapted tensors' shapes."""
+        from tta_brain.data.cache import source_identity
+        policy = getattr(self.method, "reset_policy", None)
+        return {"method": getattr(self.method, "name", type(self.method).__name__),
+                "reset": getattr(policy, "name", "none") if policy is not None else "none",
+                "source": source_identity(self.source) if self.source else None,
+                "adapted": [list(p.shape) for p in getattr(self.method, "params", None) or []]}
+
     def save(self, path: Union[str, os.PathLike]):
-        torch.save({"method": self.method.state_dict(), "position": self.position,
-                    "resets": self.resets}, path)
+        """The stream's state (method, position, resets, LII values) with :meth:`identity` and the
+        settings, written atomically (a temporary file, then a rename)."""
+        path = str(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save({"format": STATE_FORMAT, "version": STATE_VERSION, "identity": self.identity(),
+                    "settings": self.settings, "method": self.method.state_dict(),
+                    "position": self.position, "resets": self.resets, "lii": self.lii}, tmp)
+        os.replace(tmp, path)
 
     def load(self, path: Union[str, os.PathLike]):
-        sd = torch.load(path, map_location=self.method.lobe.device, weights_only=False)
+        """Continue from a state :meth:`save` wrote. Another method, reset policy, source model or
+        set of adapted tensors is a :class:`StreamStateError` (one line naming the file and what
+        differs), and the stream is left as it was; other settings that differ (``lr``,
+        ``steps``, ...) are taken as this stream's and logged."""
+        path = str(path)
+        if not os.path.isfile(path):
+            raise StreamStateError(f"{path}: no such state file (TTAStream.load)")
+        try:
+            sd = torch.load(path, map_location=self.method.lobe.device, weights_only=False)
+        except Exception as e:      # pickle / zip errors of every kind: one line
+            raise StreamStateError(f"{path}: not a TTAStream state file ({type(e).__name__}: "
+                                   f"{' '.join(str(e).split())[:160]})") from None
+        if not isinstance(sd, dict) or "method" not in sd or "position" not in sd:
+            raise StreamStateError(f"{path}: not a TTAStream state file (written by TTAStream.save)")
+        if "format" not in sd:          # saved before states carried their identity
+            logger.warning("%s: a state saved by an older tta_brain: its method and model are "
+                           "not recorded, so not checked", path)
+        elif sd.get("format") != STATE_FORMAT or sd.get("version") != STATE_VERSION:
+            raise StreamStateError(f"{path}: state format {sd.get('format')!r} version "
+                                   f"{sd.get('version')!r}; this tta_brain reads {STATE_FORMAT!r} "
+                                   f"version {STATE_VERSION}")
+        else:
+            mine, theirs = self.identity(), sd["identity"]
+            diffs = [f"{k} {_short(theirs.get(k))} (file) != {_short(mine[k])} (this stream)"
+                     for k in mine if mine[k] is not None and theirs.get(k) is not None
+                     and theirs.get(k) != mine[k]]
+            if diffs:
+                raise StreamStateError(f"{path}: saved by another stream: {'; '.join(diffs)}")
+            other = sorted(k for k in set(self.settings) | set(sd.get("settings", {}))
+                           if self.settings.get(k) != sd["settings"].get(k))
+            if other:
+                logger.warning("%s: saved with other settings, continuing with this stream's: %s",
+                               path, ", ".join(f"{k} {sd['settings'].get(k)!r} -> "
+                                               f"{self.settings.get(k)!r}" for k in other))
         self.method.load_state_dict(sd["method"])
-        self.position, self.resets = sd["position"], sd["resets"]
+        self.position, self.resets = sd["position"], list(sd["resets"])
+        self.lii = list(sd.get("lii", []))
+
+
+def _short(value) -> str:
+    """An identity value for a one-line message (the adapted shapes as counts)."""
+    if isinstance(value, list):
+        return f"{len(value)} tensors of {sum(int(np.prod(s)) for s in value)} values"
+    return repr(value)
 
 
 #: Integer PCM -> float in [-1, 1): the divisor and offset ``soundfile`` (libsndfile) uses.

@@ -99,8 +99,9 @@ def _expected(kind, rng) -> str:
 
 def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] = None) -> None:
     """Every known key's value has its type and range, the dynamic reset's K fits, ``device``
-    exists here and fp16 is asked for only on CUDA; else an :class:`HparamsError` naming the key, the value, what it must be and
-    what the key means (``meanings()``: key -> the yaml's comment)."""
+    exists here and fp16 is asked for only on CUDA; else an :class:`HparamsError` naming the key,
+    the value, what it must be and what the key means (``meanings()``: key -> the yaml's
+    comment)."""
     for key, (kind, rng) in RULES.items():
         if key in values and not _valid(values[key], kind, rng):
             meaning = meanings() if meanings is not None else {}
