@@ -9,6 +9,7 @@
 - the same grid through a real Slurm cluster (skipped without one, except under CI=true), with a
   job cancelled (``scancel``) mid-grid.
 """
+import argparse
 import json
 import logging
 import os
@@ -319,13 +320,48 @@ def workers_of(grid_dir):
 
 
 # ----------------------------------------------------------------------------- Slurm
+@pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
+def test_the_recipes_slurm_conf_makes_an_executor(recipe, tmp_path):
+    """Each recipe's conf/slurm.yaml as submitit takes it (its requeue count is a constructor
+    argument, not a job parameter: the shipped files used to stop every --engine slurm grid)."""
+    conf = REPO / "recipes" / recipe / "conf" / "slurm.yaml"
+    args = argparse.Namespace(nj=4, slurm_conf=str(conf), exp_dir=str(tmp_path / "exp"))
+    ex = grid.slurm_executor(args, tmp_path / "exp" / ".grid")
+    assert ex._executor.max_num_timeout == 30
+    assert ex._executor.parameters == {
+        "partition": "debug", "time": 240, "cpus_per_task": 2, "mem": "8GB", "gpus_per_node": 0,
+        "signal_delay_s": 120, "array_parallelism": 4}
+    assert not (tmp_path / "exp").exists()                  # made on submission only
+
+
+@pytest.mark.parametrize("text,expected", [
+    (None, "No such file or directory"),
+    ("slurm_partition: debug\ntime_min: 10\n", "Unknown executor 'time' in parameter 'time_min'"),
+    ("slurm_partiton: debug\n", "Unknown argument 'partiton' for executor 'slurm'"),
+    ("mem_gb: 8G\n", 'Parameter "mem_gb" expected type'),
+    ("a: [1\n", "yaml syntax error"),
+    ("- slurm_partition\n", "expected key: value lines (submitit parameters), got a list"),
+])
+def test_a_bad_slurm_conf_is_one_line_before_anything_runs(text, expected, tmp_path, data):
+    conf = tmp_path / "slurm.yaml"
+    if text is not None:
+        conf.write_text(text)
+    exp = tmp_path / "exp"
+    res = subprocess.run([sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, exp, "suta", "0", "--engine", "slurm", "--slurm_conf", str(conf), "--dry_run")],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and f"ERROR: --slurm_conf {conf}: {expected}" in res.stderr
+    assert "Traceback" not in res.stderr and "DRY-RUN" not in res.stdout and not exp.exists()
+
+
 @pytest.mark.slow
 def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slurm_cluster):
     methods = "source suta dsuta+dynamic"
     ref, exp = tmp_path / "ref", tmp_path / "exp"
     serial(data, ref, methods)
     conf = tmp_path / "slurm.yaml"
-    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 1\nmem_gb: 2\n")
+    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 1\nmem_gb: 2\n"
+                    "slurm_signal_delay_s: 60\nslurm_max_num_timeout: 5\n")  # as the recipes' conf
     cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
         data, exp, methods, "0 1", "--engine", "slurm", "--nj", "2", "--slurm_conf", str(conf))]
     env = {**ENV, "SLURM_CONF": slurm_cluster}

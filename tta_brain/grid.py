@@ -16,6 +16,7 @@ submitted (``tta_brain.decode`` decides the same way), so rerunning a grid is id
 run does not stop the others; the grid ends with the failed runs, their logs and exit status 1.
 """
 import argparse
+import inspect
 import logging
 import os
 import shlex
@@ -147,14 +148,50 @@ def batches(runs: List[Run], size: int) -> List[List[Run]]:
     return sorted(units, key=lambda u: queued.index(u[0]))
 
 
+def _slurm_constructor_keys() -> tuple:
+    """``--slurm_conf`` keys that submitit takes when the executor is made, not as job parameters
+    (``slurm_max_num_timeout``: requeues allowed per job; ``slurm_python``; ...)."""
+    from submitit.slurm.slurm import SlurmExecutor
+    return tuple(f"slurm_{n}" for n in inspect.signature(SlurmExecutor.__init__).parameters
+                 if n not in ("self", "folder"))
+
+
+def slurm_executor(args, folder) -> "submitit.AutoExecutor":
+    """The Slurm executor of ``--slurm_conf``: its constructor keys to the executor, the rest
+    (over the array parallelism) as job parameters, checked the way submitit checks them. A
+    missing or malformed file, or a key or value submitit refuses, is one line naming the file
+    (``SystemExit``); nothing is created before a job is submitted."""
+    import yaml
+    params = {"slurm_array_parallelism": args.nj or 64}
+    path = args.slurm_conf
+    if path:
+        try:
+            conf = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise SystemExit(f"ERROR: --slurm_conf {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise SystemExit(f"ERROR: --slurm_conf {path}: yaml syntax error: "
+                             f"{' '.join(str(e).split())}") from None
+        if conf is not None and not isinstance(conf, dict):
+            raise SystemExit(f"ERROR: --slurm_conf {path}: expected key: value lines (submitit "
+                             f"parameters), got a {type(conf).__name__}")
+        params.update(conf or {})
+    made = {k: params.pop(k) for k in _slurm_constructor_keys() if k in params}
+    try:
+        ex = submitit.AutoExecutor(folder=folder, cluster="slurm", **made)
+        ex.update_parameters(**params)
+    except (NameError, AssertionError, TypeError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SystemExit(f"ERROR: --slurm_conf {path or '(none)'}: {first} (keys: submitit's "
+                         f"AutoExecutor parameters, e.g. slurm_partition, timeout_min, mem_gb, "
+                         f"cpus_per_task, gpus_per_node, slurm_max_num_timeout)") from None
+    return ex
+
+
 def _engine(args):
     folder = Path(args.exp_dir) / ".grid" / time.strftime("%Y%m%d-%H%M%S")
     if args.engine == "slurm":
-        import yaml
-        conf = yaml.safe_load(Path(args.slurm_conf).read_text()) if args.slurm_conf else {}
-        ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
-        ex.update_parameters(**{"slurm_array_parallelism": args.nj or 64, **(conf or {})})
-        return ex
+        return slurm_executor(args, folder)
     ex = submitit.LocalExecutor(folder=folder)
     ex.update_parameters(timeout_min=60 * 24 * 365)
     return ex
@@ -345,6 +382,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     runs = plan_runs(args)
+    if args.engine == "slurm":
+        slurm_executor(args, Path(args.exp_dir) / ".grid")   # a mistyped --slurm_conf stops here
     if args.dry_run:
         for r in runs:
             print("DRY-RUN: " + shlex.join([sys.executable, "-m", "tta_brain.decode", *r.argv]))
