@@ -1028,6 +1028,33 @@ def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir):
         assert all(r.status == "failed" and "no CUDA device" in r.message for r in gpu)
 
 
+def test_slurm_jobs_that_ask_for_gpus_decode_on_cuda(tmp_path, tiny_model_dir):
+    """A Slurm conf that asks for GPUs makes every run decode on CUDA (no --decode_opts needed);
+    the submitting machine (a login node) need not have the GPU: the device is checked where the
+    run starts, not by the grid."""
+    from tta_brain import grid
+    gpu_conf, gres_conf = tmp_path / "gpu.yaml", tmp_path / "gres.yaml"
+    gpu_conf.write_text("slurm_partition: gpu\ngpus_per_node: 1\n")
+    gres_conf.write_text("slurm_gres: gpu:a100:2\n")
+    asks = {}
+    for conf in (gpu_conf, gres_conf, os.path.join(ROOT, "recipes/synthetic/conf/slurm.yaml"), None):
+        a = _grid_args(tmp_path, tiny_model_dir, "--engine", "slurm",
+                       *(["--slurm_conf", str(conf)] if conf else []))
+        asks[conf] = grid.slurm_gpus(grid.slurm_executor(a, tmp_path / ".grid"))
+    assert list(asks.values()) == [True, True, False, False]
+    a = _grid_args(tmp_path, tiny_model_dir, "--engine", "slurm", "--slurm_conf", str(gpu_conf))
+    runs = grid.plan_runs(a, cuda=True)
+    assert all("--device=cuda" in r.argv for r in runs)
+    grid.check_done(runs, device_here=False)
+    assert all(r.status == "queued" and r.plan.status == "new" for r in runs)
+    if not CUDA:                 # checked here, as a local run is, they would not be submitted
+        again = grid.plan_runs(a, cuda=True)
+        grid.check_done(again)
+        assert all(r.status == "failed" and "no CUDA device" in r.message for r in again)
+    user = _grid_args(tmp_path, tiny_model_dir, "--engine", "slurm", "--decode_opts=--device=cpu")
+    assert all(r.argv[-1] == "--device=cpu" for r in grid.plan_runs(user, cuda=True))   # wins
+
+
 def test_device_description_names_the_machine_gpu():
     """The GPU id a run used (log.txt, env.log, summary.json): CUDA device I of the process is
     entry I of CUDA_VISIBLE_DEVICES, which the grid sets for each run."""

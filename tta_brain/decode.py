@@ -112,14 +112,16 @@ def folder_status(out, fp):
     return "new", []
 
 
-def plan(argv) -> Plan:
+def plan(argv, device_here: bool = True) -> Plan:
     """Parse a decode command, resolve its yaml, fingerprint the run and look at its folder.
-    Raises SystemExit with one ``ERROR:`` line for a bad command, yaml or manifest."""
+    Raises SystemExit with one ``ERROR:`` line for a bad command, yaml or manifest.
+    ``device_here=False``: the run will decode on another machine (a Slurm node), so ``--device``
+    is checked for its form only; the run checks it again where it starts."""
     try:
         args = parse_arguments(list(argv))
         if args.help:
             return Plan(None, args, [], {}, "", "", {}, "help", [])
-        hp = hp_files.resolve(args.method, args.overrides)
+        hp = hp_files.resolve(args.method, args.overrides, device_here=device_here)
     except (UsageError, hp_files.HparamsError) as e:
         _fail(str(e))
     resolved = hp.values

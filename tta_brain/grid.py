@@ -102,12 +102,14 @@ class SweepJob(DecodeJob):
         return out
 
 
-def check_done(runs: List[Run]) -> None:
-    """Mark runs finished with the same fingerprint as skipped, and refused ones as failed."""
+def check_done(runs: List[Run], device_here: bool = True) -> None:
+    """Mark runs finished with the same fingerprint as skipped, and refused ones as failed
+    (``device_here=False``: the runs decode on Slurm nodes, whose GPUs this machine, a login
+    node, need not have; each run checks its device where it starts)."""
     from tta_brain import decode
     for run in runs:
         try:
-            p = decode.plan(run.argv)
+            p = decode.plan(run.argv, device_here=device_here)
         except SystemExit as e:
             run.status, run.message = "failed", str(e)
             continue
@@ -186,6 +188,14 @@ def slurm_executor(args, folder) -> "submitit.AutoExecutor":
                          f"AutoExecutor parameters, e.g. slurm_partition, timeout_min, mem_gb, "
                          f"cpus_per_task, gpus_per_node, slurm_max_num_timeout)") from None
     return ex
+
+
+def slurm_gpus(ex) -> bool:
+    """Whether the jobs of a Slurm executor ask for GPUs (gpus_per_node, slurm_gpus_per_task,
+    slurm_num_gpus or a gpu slurm_gres): its runs then decode on CUDA."""
+    p = ex._executor.parameters
+    return any(int(p.get(k) or 0) > 0 for k in ("gpus_per_node", "gpus_per_task", "num_gpus")) \
+        or "gpu" in str(p.get("gres") or "")
 
 
 def _engine(args):
@@ -381,14 +391,18 @@ def _terminate(signum, frame):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    runs = plan_runs(args)
-    if args.engine == "slurm":
-        slurm_executor(args, Path(args.exp_dir) / ".grid")   # a mistyped --slurm_conf stops here
+    # a mistyped --slurm_conf stops here; jobs that ask for GPUs decode on them
+    cuda = args.engine == "slurm" and slurm_gpus(slurm_executor(args, Path(args.exp_dir) / ".grid"))
+    if cuda:
+        logging.getLogger("tta_brain.grid").info(
+            "%s asks for GPUs: the runs decode on cuda (--decode_opts=--device=cpu to override)",
+            args.slurm_conf)
+    runs = plan_runs(args, cuda=cuda)
     if args.dry_run:
         for r in runs:
             print("DRY-RUN: " + shlex.join([sys.executable, "-m", "tta_brain.decode", *r.argv]))
         return 0
-    check_done(runs)
+    check_done(runs, device_here=args.engine == "local")
     print(_progress(runs), flush=True)
     # SIGTERM (kill, a batch system ending this job) ends the grid as Ctrl-C does: through
     # execute's clean-up, which cancels the local workers

@@ -89,13 +89,16 @@ class Resolved:
             return load_hyperpyyaml(self.text)
 
 
-def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None) -> Resolved:
-    """Find, compose and resolve a yaml with ``overrides`` once, and :func:`check` its values."""
+def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None,
+            device_here: bool = True) -> Resolved:
+    """Find, compose and resolve a yaml with ``overrides`` once, and :func:`check` its values
+    (``device_here=False``: the run decodes on another machine, whose devices are not known here:
+    a Slurm job's node)."""
     path = find(name_or_path)
     with _errors(path):
         text = resolve_references(compose(path), overrides, overrides_must_match=True).getvalue()
         values = ruamel.yaml.YAML().load(text)
-    check(path, values)
+    check(path, values, device_here)
     return Resolved(path, text, values)
 
 
@@ -127,9 +130,9 @@ def describe(name_or_path: PathLike) -> List[Tuple[str, str, str]]:
     return out
 
 
-def check(path, values: Dict) -> None:
+def check(path, values: Dict, device_here: bool = True) -> None:
     """:func:`tta_brain.hparams.rules.check` with the yaml's comments as the keys' meanings."""
-    rules.check(path, values, lambda: {k: c for k, _, c in describe(path)})
+    rules.check(path, values, lambda: {k: c for k, _, c in describe(path)}, device_here)
 
 
 class _errors:

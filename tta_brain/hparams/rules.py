@@ -97,11 +97,12 @@ def _expected(kind, rng) -> str:
     return kind + RANGES[rng][1]
 
 
-def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] = None) -> None:
+def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] = None,
+          device_here: bool = True) -> None:
     """Every known key's value has its type and range, the dynamic reset's K fits, ``device``
-    exists here and fp16 is asked for only on CUDA; else an :class:`HparamsError` naming the key,
-    the value, what it must be and what the key means (``meanings()``: key -> the yaml's
-    comment)."""
+    exists here (``device_here``; else only its form: the run decodes on another machine) and
+    fp16 is asked for only on CUDA; else an :class:`HparamsError` naming the key, the value, what
+    it must be and what the key means (``meanings()``: key -> the yaml's comment)."""
     for key, (kind, rng) in RULES.items():
         if key in values and not _valid(values[key], kind, rng):
             meaning = meanings() if meanings is not None else {}
@@ -111,7 +112,7 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
     if values.get("reset") == "dynamic":
         _check_dynamic_reset(path, values)
     if "device" in values:
-        check_device(values["device"])
+        check_device(values["device"], here=device_here)
     if values.get("precision") == "fp16" and str(values.get("device", "cpu")) == "cpu":
         raise HparamsError(f"{path}: precision = fp16 (--precision) needs a CUDA device "
                            f"(--device=cuda); on cpu use bf16 or fp32")
@@ -133,13 +134,15 @@ def _check_dynamic_reset(path, values: Dict) -> None:
             f"every LII is 0 and the reset never fires; use reset_K >= {2 * M}")
 
 
-def check_device(device) -> None:
-    """``cpu``, or a CUDA device that exists on this machine."""
+def check_device(device, here: bool = True) -> None:
+    """``cpu``, or a CUDA device that exists on this machine (``here=False``: only the form)."""
     name = str(device)
     if name == "cpu":
         return
     if not re.fullmatch(r"cuda(:\d+)?", name):
         raise HparamsError(f"device = {name!r} (--device) is not valid: use cpu, cuda or cuda:N")
+    if not here:
+        return
     import torch
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n == 0:

@@ -114,8 +114,10 @@ class OptionRule:
         return kept
 
 
-def plan_runs(args) -> List[Run]:
-    """Every run of the grid, in order (streams, methods, seeds, sweep points)."""
+def plan_runs(args, cuda: bool = False) -> List[Run]:
+    """Every run of the grid, in order (streams, methods, seeds, sweep points). Its runs decode
+    on CUDA (``--device=cuda`` before the user's options) with local ``--gpus`` or ``cuda``
+    (Slurm jobs that ask for GPUs)."""
     conf = Path(args.conf_dir) if args.conf_dir else None
     md = set(args.md_streams.split())
     user, md_opts = shlex.split(args.decode_opts), shlex.split(args.md_decode_opts)
@@ -131,7 +133,7 @@ def plan_runs(args) -> List[Run]:
     rule.check("--md_decode_opts", md_opts)
     rule.check("--sweep", points[0])
     # --gpus: each local run sees its one GPU (CUDA_VISIBLE_DEVICES) and decodes on it
-    gpu = ["--device=cuda"] if args.engine == "local" and args.gpus.split() else []
+    gpu = ["--device=cuda"] if cuda or (args.engine == "local" and args.gpus.split()) else []
     runs = []
     for spec in args.streams:
         name, _, csv = spec.rpartition("=") if "=" in spec else ("", "", spec)
