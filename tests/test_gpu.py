@@ -1012,7 +1012,7 @@ def _grid_args(tmp_path, model, *extra):
                             "--methods", "source suta", "--seeds", "0", *extra])
 
 
-def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir):
+def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir, capsys):
     """``--gpus``: every run decodes on CUDA (the local engine shows each its one GPU), under the
     same run names; on a machine without CUDA the runs fail with the reason instead of silently
     decoding on the CPU."""
@@ -1023,6 +1023,12 @@ def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir):
     assert all("--device=cuda" in r.argv for r in gpu)
     assert not any(a.startswith("--device") for r in cpu for a in r.argv)
     assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0 1")) == [0, 0, 1, 1]
+    assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0,1")) == [0, 0, 1, 1]
+    for extra, why in ((["--gpus", "cuda:0"], "--gpus 'cuda:0': GPU ids are numbers"),
+                       (["--gpus", "0 1", "--engine", "slurm"], "in --slurm_conf (gpus_per_node")):
+        with pytest.raises(SystemExit):
+            _grid_args(tmp_path, tiny_model_dir, *extra)
+        assert why in capsys.readouterr().err
     if not CUDA:
         grid.check_done(gpu)
         assert all(r.status == "failed" and "no CUDA device" in r.message for r in gpu)

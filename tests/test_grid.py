@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fake_corpora import write_stream
 from tta_brain import decode, grid
@@ -384,6 +385,24 @@ def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slur
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "(6 runs, 5 already finished)" in rerun.stdout
     assert compare_runs.main([str(ref), str(exp)]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a Slurm node without CUDA")
+def test_slurm_run_checks_its_device_on_its_node(data, tmp_path, slurm_cluster):
+    """--device=cuda from a machine without CUDA: the grid submits the job (the submitting machine
+    is not where it decodes) and the run stops on its node with the one-line reason."""
+    conf = tmp_path / "slurm.yaml"
+    conf.write_text("slurm_partition: debug\ntimeout_min: 5\ncpus_per_task: 1\nmem_gb: 1\n")
+    exp = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(data, exp, "suta", "0", "--engine",
+                                                              "slurm", "--slurm_conf", str(conf))]
+    cmd[cmd.index(f"--decode_opts={' '.join(RUN)}")] += " --device=cuda"
+    res = subprocess.run(cmd, cwd=REPO, env={**ENV, "SLURM_CONF": slurm_cluster},
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "0 failed, 1 queued" in res.stdout                      # not refused before submission
+    assert "FAILED s/suta/seed0: ERROR: --device=cuda: no CUDA device here" in res.stdout
 
 
 def freeze_mid_run(folder):

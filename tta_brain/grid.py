@@ -367,8 +367,9 @@ def parse_args(argv=None):
     p.add_argument("--engine", default="local", choices=("local", "slurm"))
     p.add_argument("--nj", type=int, default=0, help="runs at a time (local default: one per CPU "
                    "core, or --per_gpu per GPU; slurm: array parallelism)")
-    p.add_argument("--gpus", default="", help="local: GPU ids, e.g. '0 1 2 3': the runs decode "
-                   "on them (--device=cuda, one GPU visible to each run)")
+    p.add_argument("--gpus", default="", help="local: GPU ids, e.g. '0 1 2 3' or '0,1,2,3': the "
+                   "runs decode on them (--device=cuda, one GPU visible to each run); on Slurm "
+                   "ask for GPUs in --slurm_conf instead")
     p.add_argument("--per_gpu", type=int, default=2, help="local: runs per GPU")
     p.add_argument("--batch_runs", type=int, default=1, help="runs of one stream, method and "
                    "source that differ only in settings (suta, csuta, dsuta, tent, eata, sar, "
@@ -381,7 +382,14 @@ def parse_args(argv=None):
                    "(slurm_partition, timeout_min, mem_gb, cpus_per_task, gpus_per_node, ...)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between progress checks")
     p.add_argument("--dry_run", action="store_true", help="print the decode commands and stop")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    given, args.gpus = args.gpus, " ".join(args.gpus.replace(",", " ").split())   # '0,1' too
+    if any(not g.isdigit() for g in args.gpus.split()):
+        p.error(f"--gpus {given!r}: GPU ids are numbers, e.g. '0 1 2 3' or '0,1,2,3'")
+    if args.gpus.split() and args.engine == "slurm":
+        p.error("--gpus picks this machine's GPUs (--engine local); a Slurm job asks for its GPU "
+                "in --slurm_conf (gpus_per_node: 1) and then decodes on it")
+    return args
 
 
 def _terminate(signum, frame):
