@@ -403,6 +403,7 @@ def test_slurm_run_checks_its_device_on_its_node(data, tmp_path, slurm_cluster):
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     assert "0 failed, 1 queued" in res.stdout                      # not refused before submission
     assert "FAILED s/suta/seed0: ERROR: --device=cuda: no CUDA device here" in res.stdout
+    assert "seed0/log.txt" not in res.stdout and "_log.err" in res.stdout   # the files there are
 
 
 def freeze_mid_run(folder):

@@ -286,8 +286,9 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
 
 
 def _collect(unit: List[Run], job) -> None:
-    for run in unit:
-        run.logs = [str(job.paths.stdout), str(job.paths.stderr), str(run.folder / "log.txt")]
+    for run in unit:      # the files there are (a run refused on its node wrote no log.txt)
+        run.logs = [str(p) for p in (job.paths.stdout, job.paths.stderr, run.folder / "log.txt")
+                    if os.path.exists(p)]
     try:
         result = job.result()
         errors = result if len(unit) > 1 else [None]
@@ -296,9 +297,12 @@ def _collect(unit: List[Run], job) -> None:
     except Exception as e:       # FailedJobError (with the job's stderr), UncompletedJobError
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         errors = [ln for ln in lines if "ERROR:" in ln or "Error" in ln]
+        line = errors[-1] if errors else lines[0] if lines else type(e).__name__
+        if "ERROR:" in line:        # decode's own one-line error, without the job's wrapping
+            line = line[line.index("ERROR:"):]
         for run in unit:
             run.status = "failed"
-            run.message = (errors[-1] if errors else lines[0] if lines else type(e).__name__)[:300]
+            run.message = line[:300]
 
 
 def rate_since(seen: Optional[tuple], rows: int, now: float):
