@@ -130,7 +130,8 @@ def _single_domain_columns(runs: Sequence[Run]) -> "OrderedDict[str, str]":
     for r in runs:
         if is_single_domain(r):
             doms = list(run_domain_wer(r))
-            stream_domain.setdefault(r.stream, doms[0] if doms else r.stream)
+            # a manifest without a domain column (one's own data): the stream names the column
+            stream_domain.setdefault(r.stream, doms[0] if doms and doms[0] else r.stream)
     ordered = sorted(stream_domain, key=lambda s: (stream_domain[s], s))
     unique = len(set(stream_domain.values())) == len(stream_domain)
     return OrderedDict((s, stream_domain[s] if unique else s) for s in ordered)
