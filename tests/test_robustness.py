@@ -449,3 +449,41 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     old.load(legacy)
     assert [old.transcribe(w) for w in utterances[3:]] == want[3:]
     assert "saved by an older tta_brain" in caplog.text
+
+
+# ----------------------------------------------------------------------------- one's own manifest
+def _without(src, dst, column, **set_values):
+    with open(src, newline="") as f:
+        rows = list(csv.DictReader(f))
+    fields = [c for c in rows[0] if c != column]
+    with open(dst, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows({**r, **set_values} for r in rows)
+    return dst
+
+
+def test_domains_without_segments_are_the_oracles_blocks(tmp_path, tiny_model_dir):
+    """A manifest of one's own with a domain column and no segment column: its domain blocks are
+    the segments (the column's definition), so the oracle reset fires where the domain changes,
+    exactly as with the segments written out; one block only is a logged, summarised warning."""
+    from fake_corpora import write_stream
+    from tta_brain.data.loader import boundaries, load_stream
+    root = write_stream(tmp_path / "s", n=8, block=3)            # domains d0 d0 d0 d1 d1 d1 d0 d0
+    own = _without(root / "stream.csv", root / "own.csv", "segment")
+    one = _without(root / "stream.csv", root / "one.csv", "segment", domain="street")
+    full = load_stream(root / "stream.csv", root)
+    assert [r["segment"] for r in load_stream(own, root)] == [r["segment"] for r in full]
+    assert boundaries(load_stream(own, root)) == boundaries(full) == [3, 6]
+    assert boundaries(load_stream(one, root)) == []
+    got = {}
+    for name in ("stream", "own", "one"):
+        out = tmp_path / name
+        decode.main(dsuta_args(tiny_model_dir, root / f"{name}.csv", out, "--reset=oracle",
+                               f"--data_root={root}"))
+        summary = json.loads((out / "summary.json").read_text())
+        hyps = [r["hyp"] for r in csv.DictReader(open(out / "transcripts.csv"))]
+        got[name] = (summary["resets"], summary["boundaries"], hyps, summary["warnings"])
+    assert got["own"] == got["stream"] and got["stream"][:2] == ([3, 6], [3, 6])
+    assert got["one"][:2] == ([], []) and "oracle reset on a stream with one domain block" in \
+        got["one"][3][0]

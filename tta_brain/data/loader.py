@@ -6,6 +6,7 @@ samples, no transcript, too long, too short for the model, shorter than the mani
 decoded (the decode loop's default), so that the device does not wait for the disk between
 utterances; it yields exactly what ``iterate`` yields.
 """
+import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ import torch
 from tta_brain.data.audio import AudioError, load_audio
 from tta_brain.data.manifest import read_header, read_manifest, validate_manifest
 from tta_brain.asr.metrics import normalize_text
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["STREAM_REQUIRED", "load_stream", "Utterance", "StreamLoader", "boundaries"]
 
@@ -28,12 +31,24 @@ def load_stream(path, data_root=None) -> List[Dict]:
     """Validate a stream manifest and read it (``$data_root`` replaced).
 
     Raises :class:`ManifestError` naming the file and the problem: missing file or columns, no
-    rows, positions out of order, ``$data_root`` without a value.
+    rows, positions out of order, ``$data_root`` without a value. A manifest with ``domain`` but
+    no ``segment`` column gets its segments from the domain blocks.
     """
     header = read_header(path)
     required = STREAM_REQUIRED + (("position",) if "position" in header else ())
     validate_manifest(path, required=required)
-    return read_manifest(path, replacements={"data_root": data_root or ""})
+    rows = read_manifest(path, replacements={"data_root": data_root or ""})
+    if "domain" in header and "segment" not in header:
+        # segment = the index of the contiguous domain block (the column's definition): a
+        # manifest of one's own with domains but no segments still has its true boundaries
+        segment = 0
+        for i, row in enumerate(rows):
+            segment += i > 0 and row["domain"] != rows[i - 1]["domain"]
+            row["segment"] = str(segment)
+        if segment:
+            logger.info("%s: no segment column: %d domain blocks from its domain column", path,
+                        segment + 1)
+    return rows
 
 
 def boundaries(rows: List[Dict]) -> List[int]:

@@ -113,10 +113,12 @@ class TTAMethod:
                 f"step(s) per utterance; adapts {len(self.params)} tensors, "
                 f"{self.num_adapted / 1e6:.3f}M of {total / 1e6:.2f}M parameters ({groups})")
 
-    def warnings(self, n_utts: int) -> List[str]:
-        """Why the reset policy cannot act on a stream of ``n_utts`` utterances (the driver logs
-        them and keeps them in the summary)."""
-        return self.reset_policy.warnings(n_utts) if self.reset_policy is not None else []
+    def warnings(self, n_utts: int, boundaries=None) -> List[str]:
+        """Why the reset policy cannot act on a stream of ``n_utts`` utterances with the true
+        domain ``boundaries`` (positions; None: unknown) (the driver logs them and keeps them in
+        the summary)."""
+        return (self.reset_policy.warnings(n_utts, boundaries) if self.reset_policy is not None
+                else [])
 
     # ------------------------------------------------------------- set-up
     def configure_model(self):

@@ -371,8 +371,9 @@ class RunView:
     def describe(self) -> str:
         return self._describe + f"; batched run {self.r + 1} of {self.batch.R}"
 
-    def warnings(self, n_utts: int) -> List[str]:
-        return self.reset_policy.warnings(n_utts) if self.reset_policy is not None else []
+    def warnings(self, n_utts: int, boundaries=None) -> List[str]:
+        return (self.reset_policy.warnings(n_utts, boundaries) if self.reset_policy is not None
+                else [])
 
     def process(self, wav, info=None) -> str:
         """The transcript the batch computed for this run's current utterance."""

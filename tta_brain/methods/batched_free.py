@@ -77,8 +77,8 @@ class FreeView:
     def describe(self) -> str:
         return self.method.describe() + f"; batched run {self.r + 1} of {self.batch.R}"
 
-    def warnings(self, n_utts: int) -> List[str]:
-        return self.method.warnings(n_utts)
+    def warnings(self, n_utts: int, boundaries=None) -> List[str]:
+        return self.method.warnings(n_utts, boundaries)
 
     process = RunView.process          # the transcript the batch computed for this utterance
 

@@ -69,8 +69,9 @@ class ResetPolicy:
     def on_reset(self, after: int) -> None:
         pass
 
-    def warnings(self, n_utts: int) -> List[str]:
-        """Why this policy cannot act on a stream of ``n_utts`` utterances (logged, summarised)."""
+    def warnings(self, n_utts: int, boundaries=None) -> List[str]:
+        """Why this policy cannot act on a stream of ``n_utts`` utterances whose true domain
+        boundaries are ``boundaries`` (None: unknown) (logged, summarised)."""
         return []
 
     def state_dict(self):
@@ -100,7 +101,7 @@ class FixedReset(ResetPolicy):
     def on_reset(self, after):
         self.last = after
 
-    def warnings(self, n_utts):
+    def warnings(self, n_utts, boundaries=None):
         if n_utts <= self.every:
             return [f"fixed reset every {self.every} utterances on a stream of {n_utts}: it never "
                     f"fires (set reset_every below the stream length)"]
@@ -120,6 +121,12 @@ class OracleReset(ResetPolicy):
 
     def __init__(self):
         self.prev = None
+
+    def warnings(self, n_utts, boundaries=None):
+        if boundaries is not None and not boundaries:
+            return ["oracle reset on a stream with one domain block (its manifest's segment, or "
+                    "domain, never changes): it never fires"]
+        return []
 
     def before_utterance(self, info):
         seg, prev = info.segment, self.prev
@@ -212,7 +219,7 @@ class DynamicReset(ResetPolicy):
                 logger.warning("dynamic reset: only %d LII values at t=%d; no test this stage",
                                len(self.stats), t)
 
-    def warnings(self, n_utts):
+    def warnings(self, n_utts, boundaries=None):
         if n_utts <= self.K:
             return [f"dynamic reset with reset_K = {self.K} on a stream of {n_utts} utterances: "
                     f"its construction stage (K utterances) does not end before the stream does, "

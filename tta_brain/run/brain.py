@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from tta_brain.run import checkpoint, identity
 from tta_brain.asr import metrics
-from tta_brain.data.loader import StreamLoader, load_stream
+from tta_brain.data.loader import StreamLoader, boundaries, load_stream
 from tta_brain.methods.base import UttInfo
 from tta_brain.run.records import Memory, RecordWriter, Reject, Reset, Transcript
 from tta_brain.lobes.runtime import release_freed_memory
@@ -96,7 +96,7 @@ class TTABrain(sb.Brain):
             self.state.fingerprint = identity.stream_fingerprint(test_set, len(rows), self.tag)
         logger.info("Decoding %s (%d utterances) with %s, seed %s", test_set, len(rows), self.tag,
                     self._hp("seed"))
-        self._warnings = self.method.warnings(len(rows))
+        self._warnings = self.method.warnings(len(rows), boundaries(rows))
         for text in self._warnings:
             logger.warning("%s", text)
         resumed = checkpoint.recover(self.checkpointer)
