@@ -103,6 +103,10 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
     assert run_cli("--source", tiny_model_dir, "--manifest", tmp_path / "no.csv",
                    "--out", tmp_path / "x.pt") == 1
     assert "no.csv" in capsys.readouterr().err
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--kinds", "fisher", "--out", tmp_path / "x.pt", "--device", "gpu") == 1
+    assert capsys.readouterr().err.strip() == ("ERROR: device = 'gpu' (--device) is not valid: "
+                                               "use cpu, cuda or cuda:N")       # as decode says it
     assert not (tmp_path / "x.pt").exists()
 
 

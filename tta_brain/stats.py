@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     if args.reuse:
         print(f"{args.out}: {why}, computing")
     try:
+        from tta_brain.hparams import check_device
+        check_device(args.device)           # decode's one line for a device this machine lacks
         record = ss.compute(args.source, args.manifest, kinds, data_root=args.data_root,
                             max_utts=args.max_utts, device=args.device,
                             max_duration=args.max_duration, options=options)
