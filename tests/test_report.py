@@ -300,6 +300,11 @@ def test_cli_prints_main_table(results, tmp_path, capsys):
     assert rc == 0 and out.is_file()
     stdout = capsys.readouterr().out
     assert "|Method|lsc_AA|lsc_GS|md_easy|" in stdout and "33.3 ± 10.0 (n=3)" in stdout
+    for opt, value, why in (("--digits", "-1", ">= 0"), ("--smooth", "0", ">= 1"),
+                            ("--window", "-5", ">= 0")):
+        with pytest.raises(SystemExit):                 # was a ValueError traceback (--digits)
+            report.main(["--exp_dir", str(results), opt, value, "--no_plots"])
+        assert f"{opt} {value}: must be an integer {why}" in capsys.readouterr().err
 
 
 def test_empty_root(tmp_path, capsys):

@@ -159,7 +159,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="reset detection window (utterances after a boundary)")
     p.add_argument("--digits", type=int, default=1, help="decimals of WER cells")
     p.add_argument("--no_plots", action="store_true", help="tables only")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, low in (("smooth", 1), ("window", 0), ("digits", 0)):
+        if getattr(args, name) < low:
+            p.error(f"--{name} {getattr(args, name)}: must be an integer >= {low}")
+    return args
 
 
 def main(argv=None) -> int:
