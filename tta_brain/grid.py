@@ -387,6 +387,11 @@ def parse_args(argv=None):
     p.add_argument("--poll", type=float, default=2.0, help="seconds between progress checks")
     p.add_argument("--dry_run", action="store_true", help="print the decode commands and stop")
     args = p.parse_args(argv)
+    for name, low in (("nj", 0), ("per_gpu", 1), ("batch_runs", 1)):   # else no worker: a hang
+        if getattr(args, name) < low:
+            p.error(f"--{name} {getattr(args, name)}: must be an integer >= {low}")
+    if not args.poll > 0:
+        p.error(f"--poll {args.poll}: must be > 0 (seconds)")
     given, args.gpus = args.gpus, " ".join(args.gpus.replace(",", " ").split())   # '0,1' too
     if any(not g.isdigit() for g in args.gpus.split()):
         p.error(f"--gpus {given!r}: GPU ids are numbers, e.g. '0 1 2 3' or '0,1,2,3'")
