@@ -31,6 +31,15 @@ def test_windowed_wer_uses_full_windows_only():
     assert np.isnan(windowed_wer([0], [0], 1)).all()  # no reference words: undefined
 
 
+def test_long_report_refuses_an_empty_window(tmp_path, capsys):
+    from tta_brain.report import long
+    for opt, value, why in (("--window", "0", ">= 1 (utterances)"), ("--flat_mib", "-1.0", ">= 0")):
+        with pytest.raises(SystemExit):                 # a 0-utterance window reported nonsense
+            long.main(["--exp_dir", str(tmp_path), opt, value])
+        err = capsys.readouterr().err
+        assert f"{opt} {value}: must be" in err and why in err
+
+
 def test_worst_window_and_first_position_above_the_source():
     curve = np.array([np.nan, 40.0, 60.0, 90.0, 70.0])
     source = np.array([np.nan, 50.0, 50.0, 80.0, 60.0])

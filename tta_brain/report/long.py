@@ -267,6 +267,10 @@ def main(argv=None) -> int:
                    help="largest RSS slope (MiB per 1,000 utterances) that counts as flat")
     p.add_argument("--no_plots", action="store_true")
     args = p.parse_args(argv)
+    if args.window < 1:
+        p.error(f"--window {args.window}: must be an integer >= 1 (utterances)")
+    if args.flat_mib < 0:
+        p.error(f"--flat_mib {args.flat_mib}: must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tta_brain.report.results import collect_runs
     try:
