@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tta_brain import hparams as hp_files
+from tta_brain.data.loader import output_frames
 from tta_brain.methods.base import TTAMethod, UttInfo
 from tta_brain.lobes.runtime import bound_kernel_caches, process_settings
 
@@ -89,8 +90,8 @@ class TTAStream:
         if sr != self.sample_rate:
             import torchaudio
             wav = torchaudio.functional.resample(wav, sr, self.sample_rate)
-        out_len = getattr(getattr(self.method, "lobe", None), "output_lengths", None)
-        if out_len is not None and int(out_len(torch.tensor(wav.numel()))) < 1:
+        frames = output_frames(self.method)
+        if frames is not None and frames(wav.numel()) < 1:
             raise ValueError(f"transcribe: {wav.numel()} samples at {self.sample_rate} Hz are too "
                              f"short for the model (no output frame)")
         info = UttInfo(id=utt_id or str(self.position), position=self.position, domain=domain,
@@ -195,6 +196,7 @@ def as_mono_float(waveform) -> torch.Tensor:
     """One utterance as a 1-D float32 tensor: integer PCM scaled to [-1, 1), channels
     (``[C, T]`` or ``[T, C]``: the shorter side) averaged; anything else a one-line ValueError."""
     wav = torch.as_tensor(waveform)
+    shape = tuple(wav.shape)
     if wav.dtype in _PCM:
         scale, offset = _PCM[wav.dtype]
         wav = (wav.to(torch.float64) - offset) / scale
@@ -204,7 +206,6 @@ def as_mono_float(waveform) -> torch.Tensor:
     if wav.dim() == 2 and wav.numel():
         wav = wav.mean(dim=0 if wav.shape[0] <= wav.shape[1] else 1)
     if wav.dim() != 1 or wav.numel() == 0:
-        raise ValueError(f"transcribe: expected a non-empty 1-D waveform, got shape "
-                         f"{tuple(torch.as_tensor(waveform).shape)}")
+        raise ValueError(f"transcribe: expected a non-empty 1-D waveform, got shape {shape}")
     return wav
 

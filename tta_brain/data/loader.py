@@ -20,7 +20,8 @@ from tta_brain.asr.metrics import normalize_text
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STREAM_REQUIRED", "load_stream", "Utterance", "StreamLoader", "boundaries"]
+__all__ = ["STREAM_REQUIRED", "load_stream", "Utterance", "StreamLoader", "boundaries",
+           "output_frames"]
 
 #: Columns a stream manifest must have (``domain``, ``segment``, ``position`` are optional; with
 #: ``position``, rows must be in order 0..n-1).
@@ -49,6 +50,13 @@ def load_stream(path, data_root=None) -> List[Dict]:
             logger.info("%s: no segment column: %d domain blocks from its domain column", path,
                         segment + 1)
     return rows
+
+
+def output_frames(method) -> Optional[Callable[[int], int]]:
+    """samples -> output frames of ``method``'s model (to reject audio too short for it), or None
+    when the method has no lobe that says (no check)."""
+    out_len = getattr(getattr(method, "lobe", None), "output_lengths", None)
+    return None if out_len is None else (lambda n: int(out_len(torch.tensor(n))))
 
 
 def boundaries(rows: List[Dict]) -> List[int]:
