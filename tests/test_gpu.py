@@ -1049,7 +1049,7 @@ def test_slurm_jobs_that_ask_for_gpus_decode_on_cuda(tmp_path, tiny_model_dir):
     for conf in (gpu_conf, gres_conf, os.path.join(ROOT, "recipes/synthetic/conf/slurm.yaml"), None):
         a = _grid_args(tmp_path, tiny_model_dir, "--engine", "slurm",
                        *(["--slurm_conf", str(conf)] if conf else []))
-        asks[conf] = grid.slurm_gpus(grid.slurm_executor(a, tmp_path / ".grid"))
+        asks[conf] = grid.slurm_gpus(grid.slurm_executor(a, tmp_path / ".grid", submit=False))
     assert list(asks.values()) == [True, True, False, False]
     a = _grid_args(tmp_path, tiny_model_dir, "--engine", "slurm", "--slurm_conf", str(gpu_conf))
     runs = grid.plan_runs(a, cuda=True)

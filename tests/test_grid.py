@@ -327,7 +327,7 @@ def test_the_recipes_slurm_conf_makes_an_executor(recipe, tmp_path):
     argument, not a job parameter: the shipped files used to stop every --engine slurm grid)."""
     conf = REPO / "recipes" / recipe / "conf" / "slurm.yaml"
     args = argparse.Namespace(nj=4, slurm_conf=str(conf), exp_dir=str(tmp_path / "exp"))
-    ex = grid.slurm_executor(args, tmp_path / "exp" / ".grid")
+    ex = grid.slurm_executor(args, tmp_path / "exp" / ".grid", submit=False)
     assert ex._executor.max_num_timeout == 30
     assert ex._executor.parameters == {
         "partition": "debug", "time": 240, "cpus_per_task": 2, "mem": "8GB", "gpus_per_node": 0,
@@ -353,6 +353,34 @@ def test_a_bad_slurm_conf_is_one_line_before_anything_runs(text, expected, tmp_p
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and f"ERROR: --slurm_conf {conf}: {expected}" in res.stderr
     assert "Traceback" not in res.stderr and "DRY-RUN" not in res.stdout and not exp.exists()
+
+
+def test_a_machine_without_slurm_checks_the_conf_on_a_dry_run_and_refuses_to_submit(
+        tmp_path, data):
+    """Without ``srun`` (a laptop, CI before its cluster starts) a Slurm grid's dry run still
+    checks the conf and prints the commands, and a real one is one line, not submitit's
+    traceback (its executor refuses to be built there)."""
+    no_srun = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                              if d and not os.path.exists(os.path.join(d, "srun")))
+    conf = REPO / "recipes" / "synthetic" / "conf" / "slurm.yaml"
+    exp = tmp_path / "exp"
+    argv = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, exp, "suta", "0", "--engine", "slurm", "--slurm_conf", str(conf))]
+    env = {**ENV, "PATH": no_srun}
+    dry = subprocess.run(argv + ["--dry_run"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert dry.returncode == 0 and dry.stdout.count("DRY-RUN: ") == 1, dry.stderr[-2000:]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("slurm_partiton: debug\n")
+    res = subprocess.run(argv[:-1] + [str(bad), "--dry_run"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Unknown argument 'partiton'" in res.stderr
+    res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        "ERROR: --engine slurm: no `srun` on this machine's PATH: submit from a Slurm login node "
+        "(--dry_run checks --slurm_conf anywhere)")
+    assert not exp.exists()
 
 
 @pytest.mark.slow

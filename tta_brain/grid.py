@@ -16,10 +16,12 @@ submitted (``tta_brain.decode`` decides the same way), so rerunning a grid is id
 run does not stop the others; the grid ends with the failed runs, their logs and exit status 1.
 """
 import argparse
+import contextlib
 import inspect
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -158,11 +160,13 @@ def _slurm_constructor_keys() -> tuple:
                  if n not in ("self", "folder"))
 
 
-def slurm_executor(args, folder) -> "submitit.AutoExecutor":
+def slurm_executor(args, folder, submit: bool = True) -> "submitit.AutoExecutor":
     """The Slurm executor of ``--slurm_conf``: its constructor keys to the executor, the rest
     (over the array parallelism) as job parameters, checked the way submitit checks them. A
     missing or malformed file, or a key or value submitit refuses, is one line naming the file
-    (``SystemExit``); nothing is created before a job is submitted."""
+    (``SystemExit``); nothing is created before a job is submitted. ``submit=False`` (a dry run:
+    the conf is checked, nothing submitted) also works on a machine without Slurm; otherwise a
+    machine without ``srun`` is one line too."""
     import yaml
     params = {"slurm_array_parallelism": args.nj or 64}
     path = args.slurm_conf
@@ -179,8 +183,12 @@ def slurm_executor(args, folder) -> "submitit.AutoExecutor":
                              f"parameters), got a {type(conf).__name__}")
         params.update(conf or {})
     made = {k: params.pop(k) for k in _slurm_constructor_keys() if k in params}
+    if submit and shutil.which("srun") is None:
+        raise SystemExit("ERROR: --engine slurm: no `srun` on this machine's PATH: submit from a "
+                         "Slurm login node (--dry_run checks --slurm_conf anywhere)")
     try:
-        ex = submitit.AutoExecutor(folder=folder, cluster="slurm", **made)
+        with _without_srun_check():
+            ex = submitit.AutoExecutor(folder=folder, cluster="slurm", **made)
         ex.update_parameters(**params)
     except (NameError, AssertionError, TypeError, ValueError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -188,6 +196,19 @@ def slurm_executor(args, folder) -> "submitit.AutoExecutor":
                          f"AutoExecutor parameters, e.g. slurm_partition, timeout_min, mem_gb, "
                          f"cpus_per_task, gpus_per_node, slurm_max_num_timeout)") from None
     return ex
+
+
+@contextlib.contextmanager
+def _without_srun_check():
+    """submitit's SlurmExecutor refuses to be built where ``srun`` is missing (its ``affinity``);
+    :func:`slurm_executor` checks that itself when it will submit, so a dry run can check a conf
+    on a machine without Slurm."""
+    affinity = submitit.SlurmExecutor.__dict__["affinity"]
+    submitit.SlurmExecutor.affinity = classmethod(lambda cls: 2)
+    try:
+        yield
+    finally:
+        submitit.SlurmExecutor.affinity = affinity
 
 
 def slurm_gpus(ex) -> bool:
@@ -409,7 +430,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # a mistyped --slurm_conf stops here; jobs that ask for GPUs decode on them
-    cuda = args.engine == "slurm" and slurm_gpus(slurm_executor(args, Path(args.exp_dir) / ".grid"))
+    cuda = args.engine == "slurm" and slurm_gpus(slurm_executor(
+        args, Path(args.exp_dir) / ".grid", submit=not args.dry_run))
     if cuda:
         logging.getLogger("tta_brain.grid").info(
             "%s asks for GPUs: the runs decode on cuda (--decode_opts=--device=cpu to override)",
