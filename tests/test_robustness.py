@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -323,6 +324,122 @@ def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_m
     assert not (tmp_path / "exp").exists()
 
 
+@pytest.mark.parametrize("damage,expected", [
+    ("rm vocab.json", "its tokenizer (vocab.json, tokenizer_config.json): vocab.json missing in"),
+    ("rm preprocessor_config.json", "its feature extractor (preprocessor_config.json): "
+                                    "preprocessor_config.json missing in"),
+    ("rm model.safetensors", "its model (config.json, the weights): OSError: "),
+    ("cut model.safetensors", "its model (config.json, the weights): SafetensorError: "),
+    ("bad config.json", "its model (config.json, the weights): OSError: "),
+])
+def test_a_damaged_source_directory_is_one_line(tmp_path, ok_stream, tiny_model_dir, damage,
+                                                expected):
+    """A checkpoint folder with a file missing, cut short (a download that stopped) or malformed
+    fails with one line naming the folder, the part and the file, never a traceback (a cut
+    safetensors file raised safetensors' own error type; a missing vocab.json made transformers
+    ask for protobuf)."""
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, src)
+    verb, name = damage.split()
+    if verb == "rm":
+        (src / name).unlink()
+    elif verb == "cut":
+        (src / name).write_bytes((src / name).read_bytes()[:1000])
+    else:
+        (src / name).write_text("{")
+    msg = _error(["dsuta", f"--source={src}", f"--stream_csv={ok_stream}",
+                  f"--output_folder={tmp_path / 'exp'}", *FAST])
+    assert f"Cannot load the CTC source model '{src}': " + expected in msg, msg
+    assert "`source` must be a local directory written by save_pretrained" in msg
+    assert "\n" not in msg and not (tmp_path / "exp").exists()
+
+
+class _CountingHub:
+    """A stand-in for the hub on a local port (``HF_ENDPOINT``): answers every request 404 and
+    counts the connections, so a test sees whether anything asked the network."""
+
+    def __init__(self):
+        import socket
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.connections = 0
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+
+
+def _hub_cache(root, model_dir, repo="org/tiny-ctc", commit="c0ffee" * 6 + "abcd", only=None):
+    """``model_dir`` as hub model ``repo`` at ``commit`` in a Hugging Face cache under ``root``
+    (its layout: models--org--name/{refs/main, snapshots/<commit>/...}); ``only``: those files."""
+    snap = Path(root) / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        if only is None or f.name in only:
+            shutil.copy(f, snap / f.name)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text(commit)
+    return repo, commit
+
+
+def _decode_with_hub(tmp_path, ok_stream, hub, repo, *extra):
+    return subprocess.run(
+        [sys.executable, "-m", "tta_brain.decode", "dsuta", f"--source={repo}",
+         f"--stream_csv={ok_stream}", f"--output_folder={tmp_path / 'exp'}", *FAST, *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"),
+             "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"})
+
+
+def test_a_cached_hub_model_loads_without_the_network_and_its_commit_is_recorded(
+        tmp_path, ok_stream, tiny_model_dir):
+    """A hub name whose snapshot is in the local HF cache is loaded from there without one
+    request (before, each file was asked for first: 2 min 47 s of retries a run on a machine
+    without network), and the run's fingerprint and log name the commit it ran on."""
+    hub = _CountingHub()
+    repo, commit = _hub_cache(tmp_path / "hf", tiny_model_dir)
+    res = _decode_with_hub(tmp_path, ok_stream, hub, repo)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert hub.connections == 0
+    fp = json.loads((tmp_path / "exp" / "fingerprint.json").read_text())
+    assert fp["hparams"]["source"] == f"hub:{repo}@{commit}"
+    assert f"Source model: hub:{repo}@{commit}" in (tmp_path / "exp" / "log.txt").read_text()
+
+
+def test_an_incomplete_cached_snapshot_asks_the_hub(tmp_path, ok_stream, tiny_model_dir):
+    hub = _CountingHub()
+    repo, _ = _hub_cache(tmp_path / "hf", tiny_model_dir, only={"config.json"})
+    res = _decode_with_hub(tmp_path, ok_stream, hub, repo)
+    assert res.returncode == 1 and hub.connections > 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ERROR: ") and f"Cannot load the CTC source model '{repo}'" in last
+    assert "or a hub name already in the HF cache" in last
+
+
+def test_a_hub_source_recorded_without_its_commit_is_the_same_run():
+    from tta_brain.data.cache import same_source
+    from tta_brain.run.identity import differences
+    old = {"stream_sha1": "s", "hparams": {"source": "hub:org/m", "lr": 1}}
+    new = {"stream_sha1": "s", "hparams": {"source": "hub:org/m@abc", "lr": 1}}
+    assert differences(old, new) == [] and differences(new, old) == []
+    other = {"stream_sha1": "s", "hparams": {"source": "hub:org/m@def", "lr": 1}}
+    assert differences(new, other) == ["hparams.source: 'hub:org/m@abc' != 'hub:org/m@def'"]
+    assert not same_source("hub:org/m", "hub:org/m2@abc") and not same_source("sha1:1", "sha1:2")
+    assert not same_source("hub:org/m", "sha1:abc") and same_source(None, None)
+
+
 def test_a_truncated_last_line_names_file_and_line(tmp_path, one_wav, tiny_model_dir):
     stream = write_manifest(tmp_path / "s.csv", [row(f"u{i}", one_wav, 0.4) for i in range(3)])
     text = stream.read_text()
@@ -449,6 +566,32 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     old.load(legacy)
     assert [old.transcribe(w) for w in utterances[3:]] == want[3:]
     assert "saved by an older tta_brain" in caplog.text
+
+
+def test_live_stream_state_of_a_hub_model_matches_by_commit(tmp_path, tiny_model_dir,
+                                                            utterances, monkeypatch):
+    """A hub source counts by the commit of its cached snapshot: a state saved on another commit
+    is refused; one recorded without a commit (the cache was empty then) is taken."""
+    from tta_brain.data import cache
+    from tta_brain.stream import StreamStateError, TTAStream
+    snapshot = {"commit": "abc"}
+    monkeypatch.setattr(cache, "hub_snapshot", lambda name, cache_dir=None:
+                        f"/hf/models--org--m/snapshots/{snapshot['commit']}" if snapshot["commit"]
+                        else None)
+    stream = TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"steps": 1})
+    stream.source = "org/m"                 # as if built from the hub name
+    stream.transcribe(utterances[0])
+    assert stream.identity()["source"] == "hub:org/m@abc"
+    state = tmp_path / "state.pt"
+    stream.save(state)
+    snapshot["commit"] = "def"
+    with pytest.raises(StreamStateError, match="source 'hub:org/m@abc' .file. != 'hub:org/m@def'"):
+        stream.load(state)
+    snapshot["commit"] = None                # saved when the cache had no snapshot of it
+    stream.save(state)
+    snapshot["commit"] = "def"
+    stream.load(state)
+    assert stream.position == 1
 
 
 # ----------------------------------------------------------------------------- one's own manifest

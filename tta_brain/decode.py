@@ -53,12 +53,14 @@ def _fail(message):
     raise SystemExit(f"ERROR: {message}")
 
 
-def _log_run(out, argv, seed, device, deterministic):
-    """Seed, device, versions and command in log.txt and env.log (after SpeechBrain's
-    environment description: ``installed_packages``)."""
+def _log_run(out, argv, seed, device, deterministic, source=None):
+    """Seed, device, source model identity, versions and command in log.txt and env.log (after
+    SpeechBrain's environment description: ``installed_packages``)."""
     vers = versions()
     logger.info("Command: python -m tta_brain.decode %s", " ".join(argv))
     logger.info("Seed: %s", seed)
+    if source:
+        logger.info("Source model: %s", source)
     logger.info("Device: %s; deterministic kernels: %s", device, deterministic)
     logger.info("Versions: %s", json.dumps(vers))
     logger.info("Environment (pip freeze, git, CUDA): %s", os.path.join(out, "env.log"))
@@ -66,6 +68,8 @@ def _log_run(out, argv, seed, device, deterministic):
         f.write("\n==============================\ntta-brain run\n")
         f.write(f"Command: python -m tta_brain.decode {' '.join(argv)}\n")
         f.write(f"Seed: {seed}\n")
+        if source:
+            f.write(f"Source model: {source}\n")
         f.write(f"Device: {device}\nDeterministic kernels: {deterministic}\n")
         for k, v in vers.items():
             f.write(f"{k}: {v}\n")
@@ -218,7 +222,8 @@ def open_folder(p: Plan, argv, status: str, hparams) -> "sb.utils.checkpoints.Ch
         f.write(installed_packages())          # what SpeechBrain writes there, asked once
     with open(os.path.join(out, "hyperparams.yaml"), "w", encoding="utf-8") as f:
         f.write(p.hp.record)
-    _log_run(out, argv, seed, describe_device(p.resolved.get("device", "cpu")), p.determinism)
+    _log_run(out, argv, seed, describe_device(p.resolved.get("device", "cpu")), p.determinism,
+             p.fingerprint.get("hparams", {}).get("source"))
     logger.info("%s", hparams["method"].describe())
     if not os.path.exists(os.path.join(out, "stream.csv")):
         shutil.copyfile(p.stream_csv, os.path.join(out, "stream.csv"))

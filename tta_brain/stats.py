@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 def current(args, kinds, options):
     """None when ``--out`` holds ``kinds`` computed with these inputs and options, else why not."""
     import os
-    from tta_brain.data.cache import file_sha1, source_identity
+    from tta_brain.data.cache import file_sha1, same_source, source_identity
     if not os.path.isfile(args.out):
         return "no file yet"
     try:
@@ -72,7 +72,7 @@ def current(args, kinds, options):
         return str(e)
     if not os.path.isfile(args.manifest) or rec.manifest_sha1 != file_sha1(args.manifest):
         return "another manifest content"
-    if rec.model != source_identity(args.source):
+    if not same_source(rec.model, source_identity(args.source)):
         return "another model"
     if set(kinds) - set(rec.kinds) or rec.options != options:
         return "other kinds or options"

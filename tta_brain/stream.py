@@ -163,10 +163,12 @@ class TTAStream:
                                    f"{sd.get('version')!r}; this tta_brain reads {STATE_FORMAT!r} "
                                    f"version {STATE_VERSION}")
         else:
+            from tta_brain.data.cache import same_source
             mine, theirs = self.identity(), sd["identity"]
             diffs = [f"{k} {_short(theirs.get(k))} (file) != {_short(mine[k])} (this stream)"
                      for k in mine if mine[k] is not None and theirs.get(k) is not None
-                     and theirs.get(k) != mine[k]]
+                     and theirs.get(k) != mine[k]
+                     and not (k == "source" and same_source(theirs[k], mine[k]))]
             if diffs:
                 raise StreamStateError(f"{path}: saved by another stream: {'; '.join(diffs)}")
             other = sorted(k for k in set(self.settings) | set(sd.get("settings", {}))

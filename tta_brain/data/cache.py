@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+from typing import Optional
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -65,15 +66,39 @@ def _dir_sha1(path: str, stamp: tuple) -> str:
     return h.hexdigest()
 
 
+def hub_snapshot(name: str, cache_dir=None) -> Optional[str]:
+    """The folder of hub model ``name`` in the local Hugging Face cache (the snapshot its ``main``
+    ref names), or None when the cache has none or ``name`` is no hub name. Never touches the
+    network."""
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(str(name), cache_dir=cache_dir, local_files_only=True)
+    except Exception:       # not cached, not a valid repo id, no huggingface_hub: not there
+        return None
+
+
 def source_identity(source: str) -> str:
-    """``sha1:<hex>`` of a local model directory's files, else ``hub:<name>``."""
+    """``sha1:<hex>`` of a local model directory's files; ``hub:<name>@<commit>`` for a hub model
+    in the local HF cache (the commit of the snapshot it is loaded from), else ``hub:<name>``."""
     if os.path.isdir(source):
         names = sorted(n for n in os.listdir(source) if n.endswith(MODEL_FILES)
                        and os.path.isfile(os.path.join(source, n)))
         stamp = tuple((n, os.path.getsize(os.path.join(source, n)),
                        os.stat(os.path.join(source, n)).st_mtime_ns) for n in names)
         return f"sha1:{_dir_sha1(os.path.abspath(source), stamp)}"
-    return f"hub:{source}"
+    snapshot = hub_snapshot(source)
+    return f"hub:{source}@{os.path.basename(snapshot)}" if snapshot else f"hub:{source}"
+
+
+def same_source(recorded: str, current: str) -> bool:
+    """Whether a recorded :func:`source_identity` is ``current``'s. ``hub:<name>`` without a
+    commit (recorded before commits were, or before the model was in the cache) matches
+    ``hub:<name>@<any commit>``: what it ran on is not known, so it is not refused."""
+    if recorded == current:
+        return True
+    a, b = (str(x) for x in (recorded, current))
+    return a.startswith("hub:") and b.startswith("hub:") and (
+        a.split("@")[0] == b.split("@")[0] and ("@" not in a or "@" not in b))
 
 
 def file_identity(path) -> str:

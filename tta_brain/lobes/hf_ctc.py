@@ -14,6 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from tta_brain.asr.ctc import collapse
+from tta_brain.data.cache import hub_snapshot
 from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
 from tta_brain.lobes.weight_norm import cache_frozen_weight_norms
@@ -84,6 +85,40 @@ def module_draws(module: nn.Module) -> List[str]:
             or isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+def _load_part(source: str, part: str, needs: Sequence[str], files: str, load):
+    """``load()`` one part of a CTC checkpoint; any failure (a missing or malformed file, a
+    truncated safetensors file, a tokenizer that wants a library this checkout lacks, no network)
+    becomes one RuntimeError naming the source, the part, its files (``files``) and, for a local
+    directory, which of the files the part ``needs`` are missing there."""
+    try:
+        return load()
+    except Exception as e:   # transformers, huggingface_hub and safetensors raise many types
+        local = os.path.isdir(source)
+        missing = [f for f in needs if local and not os.path.exists(os.path.join(source, f))]
+        hint = ("a local directory written by save_pretrained (config.json, model weights, "
+                "preprocessor_config.json, vocab.json)")
+        if not local:
+            hint += " or a hub name already in the HF cache (no network here?)"
+        why = " ".join(str(e).split()).rstrip(".") or type(e).__name__
+        raise RuntimeError(
+            f"Cannot load the CTC source model '{source}': its {part} ({files})"
+            + (f": {', '.join(missing)} missing in {source}" if missing else "")
+            + f": {type(e).__name__}: {why}.\n`source` must be {hint}.") from e
+
+
+def _load_checkpoint(source: str, kwargs: dict):
+    """The model, feature extractor and tokenizer of a CTC checkpoint (``from_pretrained(source,
+    **kwargs)``); a failure is one RuntimeError (:func:`_load_part`)."""
+    from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
+    return (_load_part(source, "model", ("config.json",), "config.json, the weights",
+                       lambda: AutoModelForCTC.from_pretrained(source, **kwargs)),
+            _load_part(source, "feature extractor", ("preprocessor_config.json",),
+                       "preprocessor_config.json",
+                       lambda: AutoFeatureExtractor.from_pretrained(source, **kwargs)),
+            _load_part(source, "tokenizer", ("vocab.json",), "vocab.json, tokenizer_config.json",
+                       lambda: AutoTokenizer.from_pretrained(source, **kwargs)))
+
+
 class HFCTCLobe(nn.Module):
     """``transformers.AutoModelForCTC`` + its processor, with greedy CTC decoding to text.
 
@@ -94,7 +129,9 @@ class HFCTCLobe(nn.Module):
     savedir : str, optional
         HF cache directory (``cache_dir``).
     local_files_only : bool, optional
-        Never touch the network. Defaults to True for an existing local directory.
+        Never touch the network. Defaults to True for an existing local directory. A hub model
+        in the local HF cache is loaded from its cached snapshot without the network unless this
+        is False (then the hub is asked for updates, as ``from_pretrained`` does).
     sample_rate : int
         Expected input sample rate; checked against the processor's.
     device : str
@@ -108,27 +145,29 @@ class HFCTCLobe(nn.Module):
                  local_files_only: Optional[bool] = None, sample_rate: int = 16000,
                  device: str = "cpu", runtime: Optional[Runtime] = None):
         super().__init__()
-        from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
-
         if not os.path.isdir(source) and _looks_like_a_path(source):
             raise FileNotFoundError(
                 f"source model directory not found: {source} (a local directory written by "
                 f"save_pretrained; a hub model is given by its name, e.g. "
                 f"facebook/wav2vec2-base-960h, and must be in the local HF cache without network)")
-        if local_files_only is None:
-            local_files_only = os.path.isdir(source)
-        kwargs = dict(cache_dir=savedir, local_files_only=local_files_only)
-        try:
-            self.model = AutoModelForCTC.from_pretrained(source, **kwargs)
-            self.feature_extractor = AutoFeatureExtractor.from_pretrained(source, **kwargs)
-            self.tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        except (OSError, ValueError) as e:
-            hint = ("a local directory written by save_pretrained (config.json, model weights, "
-                    "preprocessor_config.json, vocab.json)")
-            if not os.path.isdir(source):
-                hint += " or a hub name already in the HF cache (no network here?)"
-            raise RuntimeError(f"Cannot load the CTC source model '{source}': {e}\n"
-                               f"`source` must be {hint}.") from e
+        snapshot = (hub_snapshot(source, savedir) if not os.path.isdir(source)
+                    and local_files_only is not False else None)
+        parts = None
+        if snapshot:          # a cached hub model: no network (a cluster node may have none)
+            try:
+                parts = _load_checkpoint(snapshot, dict(local_files_only=True))
+                logger.info("%s: loaded from the local Hugging Face cache (commit %s) without "
+                            "the network; `huggingface-cli download %s` updates it", source,
+                            os.path.basename(snapshot), source)
+            except RuntimeError as e:
+                logger.warning("%s: the cached snapshot %s is incomplete or unreadable, asking "
+                               "the hub: %s", source, snapshot, " ".join(str(e).split()))
+        if parts is None:
+            if local_files_only is None:
+                local_files_only = os.path.isdir(source)
+            parts = _load_checkpoint(source, dict(cache_dir=savedir,
+                                                  local_files_only=local_files_only))
+        self.model, self.feature_extractor, self.tokenizer = parts
         sr = getattr(self.feature_extractor, "sampling_rate", sample_rate)
         if sr != sample_rate:
             raise ValueError(f"{source}: the processor expects {sr} Hz audio, not {sample_rate}")

@@ -2,7 +2,7 @@
 one writer per experiment folder.
 
 The fingerprint holds the stream manifest's content (sha1), the source model's identity (sha1 of
-its files for a local directory, the name for a hub model), the toolkit version and every
+its files for a local directory, the name and cached commit for a hub model), the toolkit version and every
 resolved hyperparameter except where the run is written and how often it checkpoints
 (:data:`LOCATION_KEYS`); ``device`` counts by its type (cpu / cuda), not its index. It is stored in
 ``fingerprint.json`` when a run starts, in every checkpoint and in ``summary.json``; a folder is
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from tta_brain.data.cache import file_identity, file_sha1, source_identity
+from tta_brain.data.cache import file_identity, file_sha1, same_source, source_identity
 from tta_brain.data.manifest import expand_path
 
 __all__ = ["LOCATION_KEYS", "CONTENT_KEYS", "fingerprint", "stream_fingerprint",
@@ -89,6 +89,8 @@ def differences(old: Optional[Dict], new: Dict) -> List[str]:
             if isinstance(default, dict):
                 default = default.get(str(a.get("hparams.device", "cpu")))
             a[f"hparams.{key}"] = default
+    if same_source(a.get("hparams.source"), b.get("hparams.source")):
+        a["hparams.source"] = b.get("hparams.source")   # a hub name recorded without its commit
     return [f"{k}: {a.get(k, '(unset)')!r} != {b.get(k, '(unset)')!r}"
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
