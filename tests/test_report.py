@@ -108,6 +108,9 @@ def results(tmp_path_factory):
     (bad / "summary.json").write_text("{not json")
     (root / "md_easy" / "unfinished").mkdir()         # transcripts without summary
     (root / "md_easy" / "unfinished" / "transcripts.csv").write_text("position\n")
+    make_run(root / "cut", "suta", "md_easy", 9, 1)   # a copy cut short at a line boundary
+    tr = root / "cut" / "md_easy" / "suta" / "9" / "transcripts.csv"
+    tr.write_text("".join(tr.read_text().splitlines(keepends=True)[:11]))
     return root
 
 
@@ -143,6 +146,9 @@ def test_collect_runs_skips_bad_dirs(results, caplog):
     assert {r.name for r in runs} >= {"md_easy/suta/1", "lsc_AA/source/0"}
     assert any("broken" in m and "summary.json" in m for m in caplog.messages)
     assert any("unfinished" in m for m in caplog.messages)
+    cut = [m for m in caplog.messages if "cut/md_easy/suta/9" in m]    # not a 10-utterance run
+    assert len(cut) == 1 and "transcripts.csv: 10 utterances, 100 words, 10 errors, but " \
+        "summary.json says 600, 6000, 600 (cut short" in cut[0], cut
     dyn = next(r for r in runs if r.method == "dsuta+dynamic" and r.seed == 2)
     assert dyn.resets == [120, 230, 520] and dyn.boundaries == [200, 400]
     assert len(dyn.transcripts) == 600 and dyn.lii[0].stage == "construction"

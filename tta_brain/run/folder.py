@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from tta_brain.run.records import (CSV_FILES, Lii, Memory, Transcript, read_lii, read_memory,
-                                   read_resets, read_transcripts)
+from tta_brain.run.records import (CSV_FILES, Lii, Memory, RecordError, Transcript, read_lii,
+                                   read_memory, read_resets, read_transcripts)
 from tta_brain.run.summary import Summary, read_summary
 
 __all__ = ["Run", "load_run", "clear_run", "RUN_FILES"]
@@ -45,11 +45,22 @@ class Run:
 
 
 def load_run(folder, root=None) -> Run:
-    """Read a finished experiment folder (raises :class:`RecordError` naming the bad file)."""
+    """Read a finished experiment folder (raises :class:`RecordError` naming the bad file). Its
+    transcripts must be those its summary was computed from (utterances, words, errors): a
+    ``transcripts.csv`` cut short at a line boundary (a copy from a cluster that stopped, a full
+    disk) or changed after the run reads as a smaller run, not as this one."""
     folder = Path(folder)
     summary = read_summary(folder)
+    transcripts = sorted(read_transcripts(folder), key=lambda t: t.position)
+    held = (len(transcripts), sum(t.n_words for t in transcripts), sum(t.n_err for t in transcripts))
+    said = (summary.n_utts, summary.n_words, summary.n_err)
+    if held != said:
+        raise RecordError(f"{folder / 'transcripts.csv'}: {held[0]} utterances, {held[1]} words, "
+                          f"{held[2]} errors, but summary.json says {said[0]}, {said[1]}, "
+                          f"{said[2]} (cut short or changed after the run finished: copy the "
+                          f"folder again, or delete it and rerun its decode command)")
     return Run(dir=folder, name=os.path.relpath(folder, root) if root is not None else folder.name,
-               summary=summary, transcripts=sorted(read_transcripts(folder), key=lambda t: t.position),
+               summary=summary, transcripts=transcripts,
                resets=sorted(r.position for r in read_resets(folder)),
                lii=sorted(read_lii(folder), key=lambda v: v.position),
                memory=sorted(read_memory(folder), key=lambda m: m.position))
