@@ -107,6 +107,21 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
                    clean, "--kinds", "fisher", "--out", tmp_path / "x.pt", "--device", "gpu") == 1
     assert capsys.readouterr().err.strip() == ("ERROR: device = 'gpu' (--device) is not valid: "
                                                "use cpu, cuda or cuda:N")       # as decode says it
+    # a mistyped kind option was ignored: --parms=cnn gave the default (layernorm) Fisher terms
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--kinds", "fisher", "--out", tmp_path / "x.pt", "--parms=cnn") == 1
+    assert capsys.readouterr().err.strip() == ("ERROR: --parms: not an option of the kind(s) "
+                                               "fisher (--kinds); they take --params=...")
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--kinds", "hidden", "--out", tmp_path / "x.pt", "--params=cnn") == 1
+    assert "--params: not an option of the kind(s) hidden (--kinds); they take no options" in \
+        capsys.readouterr().err
+    for bad, why in ((["--max_utts", "-3"], "--max_utts -3: must be >= 0"),   # was: all but 3
+                     (["--max_duration", "0"], "--max_duration 0.0: must be > 0 seconds")):
+        with pytest.raises(SystemExit):
+            run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv",
+                    "--out", tmp_path / "x.pt", *bad)
+        assert why in capsys.readouterr().err
     assert not (tmp_path / "x.pt").exists()
 
 

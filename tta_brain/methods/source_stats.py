@@ -25,6 +25,9 @@ file is)::
     @register_kind("hidden")
     def hidden_stats(lobe, inputs, options): ...
 
+(``register_kind("fisher", options=("params",))``: the ``--key=value`` keys a kind reads; a key
+no requested kind reads is refused in one line, not silently ignored.)
+
 and a method reads it with ``load(path).kind("hidden", path)``.
 """
 import hashlib
@@ -38,24 +41,28 @@ import torch.nn.functional as F
 
 from tta_brain.data.cache import file_sha1, source_identity
 
-__all__ = ["SourceStats", "SourceStatsError", "KINDS", "register_kind", "save", "load", "compute",
+__all__ = ["SourceStats", "SourceStatsError", "KINDS", "KIND_OPTIONS", "register_kind", "save", "load", "compute",
            "params_sha1", "make_command", "FORMAT", "VERSION"]
 
 FORMAT, VERSION = "tta_brain.source_stats", 1
 KINDS: Dict[str, Callable] = {}
+#: The ``--key=value`` options each kind reads.
+KIND_OPTIONS: Dict[str, tuple] = {}
 
 
 class SourceStatsError(ValueError):
     """A statistics file that cannot be used; the message is one line naming the file."""
 
 
-def register_kind(name: str):
-    """Decorator: make ``fn(lobe, inputs, options) -> {name: tensor}`` the statistics kind ``name``."""
+def register_kind(name: str, options: Sequence[str] = ()):
+    """Decorator: make ``fn(lobe, inputs, options) -> {name: tensor}`` the statistics kind ``name``;
+    ``options``: the ``--key=value`` keys it reads (any other key is refused, not ignored)."""
     def deco(fn):
         old = KINDS.get(name)
         if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
             raise ValueError(f"statistics kind '{name}' is taken by {old.__module__}.{old.__qualname__}")
         KINDS[name] = fn
+        KIND_OPTIONS[name] = tuple(options)
         return fn
     return deco
 
@@ -157,6 +164,15 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     if unknown or not kinds:
         raise SourceStatsError(f"unknown statistics kind(s) {', '.join(unknown) or '(none given)'} "
                                f"(--kinds); known: {', '.join(sorted(KINDS))}")
+    known = sorted({o for k in kinds for o in KIND_OPTIONS.get(k, ())})
+    stray = sorted(set(options or {}) - set(known))
+    if stray:
+        raise SourceStatsError(
+            f"{', '.join('--' + o for o in stray)}: not an option of the kind(s) "
+            f"{', '.join(kinds)} (--kinds); they take " + (", ".join(f"--{o}=..." for o in known)
+                                                         if known else "no options"))
+    if max_utts < 0:
+        raise SourceStatsError(f"--max_utts {max_utts}: must be >= 0 (0: all utterances)")
     rows = [r for r in read_manifest(manifest, replacements={"data_root": data_root or ""})
             if float(r.get("duration") or 0) <= max_duration]
     rows = rows[:max_utts] if max_utts else rows
@@ -172,7 +188,7 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
                        tta_brain=tta_brain.__version__)
 
 
-@register_kind("fisher")
+@register_kind("fisher", options=("params",))
 def fisher_information(lobe, inputs, options) -> Dict[str, torch.Tensor]:
     """EATA's diagonal Fisher information: per utterance, the squared gradient of the mean frame
     cross-entropy against the model's own argmax labels, averaged over utterances (the reference
