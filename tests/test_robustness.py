@@ -331,6 +331,10 @@ def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_m
     ("rm model.safetensors", "its model (config.json, the weights): OSError: "),
     ("cut model.safetensors", "its model (config.json, the weights): SafetensorError: "),
     ("bad config.json", "its model (config.json, the weights): OSError: "),
+    # transformers only warned, and the run decoded with a random output layer (WER ~100 %)
+    ("nohead model.safetensors", "its model (config.json, the weights): ValueError: the "
+     "checkpoint has no CTC output layer (lm_head.bias, lm_head.weight would be random): a "
+     "pretrained-only model (e.g. facebook/wav2vec2-base) is no recogniser"),
 ])
 def test_a_damaged_source_directory_is_one_line(tmp_path, ok_stream, tiny_model_dir, damage,
                                                 expected):
@@ -345,6 +349,9 @@ def test_a_damaged_source_directory_is_one_line(tmp_path, ok_stream, tiny_model_
         (src / name).unlink()
     elif verb == "cut":
         (src / name).write_bytes((src / name).read_bytes()[:1000])
+    elif verb == "nohead":                 # the encoder without its CTC head, as pretrained
+        from transformers import AutoModelForCTC
+        AutoModelForCTC.from_pretrained(src).base_model.save_pretrained(src)
     else:
         (src / name).write_text("{")
     msg = _error(["dsuta", f"--source={src}", f"--stream_csv={ok_stream}",
@@ -352,6 +359,21 @@ def test_a_damaged_source_directory_is_one_line(tmp_path, ok_stream, tiny_model_
     assert f"Cannot load the CTC source model '{src}': " + expected in msg, msg
     assert "`source` must be a local directory written by save_pretrained" in msg
     assert "\n" not in msg and not (tmp_path / "exp").exists()
+
+
+def test_a_vocabulary_that_does_not_name_every_output_is_refused(tmp_path, ok_stream,
+                                                                  tiny_model_dir):
+    """vocab.json of another model (fewer tokens than the model's outputs): the frames of the
+    unnamed ids vanished from every transcript (WER 98 % on the synthetic stream), silently."""
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, src)
+    vocab = json.loads((src / "vocab.json").read_text())
+    (src / "vocab.json").write_text(json.dumps({t: i for t, i in vocab.items() if i < 10}))
+    msg = _error(["dsuta", f"--source={src}", f"--stream_csv={ok_stream}",
+                  f"--output_folder={tmp_path / 'exp'}", *FAST])
+    assert (f"{src}: the model outputs 32 classes but its tokenizer names only 10 of them (no "
+            f"token for ids 10-31): vocab.json does not belong to this model") in msg, msg
+    assert not (tmp_path / "exp").exists()
 
 
 class _CountingHub:

@@ -106,12 +106,33 @@ def _load_part(source: str, part: str, needs: Sequence[str], files: str, load):
             + f": {type(e).__name__}: {why}.\n`source` must be {hint}.") from e
 
 
+def _id_ranges(ids: Sequence[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``'3-5, 9'``."""
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x > start else f"{x}")
+            start = None
+    return ", ".join(out)
+
+
 def _load_checkpoint(source: str, kwargs: dict):
     """The model, feature extractor and tokenizer of a CTC checkpoint (``from_pretrained(source,
     **kwargs)``); a failure is one RuntimeError (:func:`_load_part`)."""
     from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
-    return (_load_part(source, "model", ("config.json",), "config.json, the weights",
-                       lambda: AutoModelForCTC.from_pretrained(source, **kwargs)),
+    def model():
+        loaded, info = AutoModelForCTC.from_pretrained(source, output_loading_info=True, **kwargs)
+        head = sorted(k for k in info.get("missing_keys") or () if k.startswith("lm_head."))
+        if head:       # transformers only warns, and the run decodes with a random output layer
+            raise ValueError(
+                f"the checkpoint has no CTC output layer ({', '.join(head)} would be random): a "
+                f"pretrained-only model (e.g. facebook/wav2vec2-base) is no recogniser; use a "
+                f"CTC fine-tuned one (e.g. facebook/wav2vec2-base-960h)")
+        return loaded
+
+    return (_load_part(source, "model", ("config.json",), "config.json, the weights", model),
             _load_part(source, "feature extractor", ("preprocessor_config.json",),
                        "preprocessor_config.json",
                        lambda: AutoFeatureExtractor.from_pretrained(source, **kwargs)),
@@ -180,6 +201,13 @@ class HFCTCLobe(nn.Module):
         self.word_delimiter = getattr(self.tokenizer, "word_delimiter_token", "|")
         vocab = self.tokenizer.get_vocab()
         self.id_to_token = {i: t for t, i in vocab.items()}
+        unnamed = [i for i in range(self.vocab_size) if i not in self.id_to_token]
+        if unnamed:        # their frames would vanish from every transcript
+            raise ValueError(
+                f"{source}: the model outputs {self.vocab_size} classes but its tokenizer names "
+                f"only {self.vocab_size - len(unnamed)} of them (no token for id"
+                f"{'s' if len(unnamed) > 1 else ''} {_id_ranges(unnamed)}): vocab.json does "
+                f"not belong to this model")
         self.word_delimiter_id = vocab.get(self.word_delimiter)
         self.special_ids = set(self.tokenizer.all_special_ids) - {self.blank_id}
         self.model.eval()
