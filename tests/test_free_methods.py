@@ -73,7 +73,9 @@ def wavs(n=6):
 # ----------------------------------------------------------------------------- partial forwards
 @pytest.mark.parametrize("arch,cfg", [("wav2vec2", {}), ("wav2vec2", {"feat_extract_norm": "layer",
                                        "do_stable_layer_norm": True}), ("hubert", {}),
-                                      ("data2vec-audio", {})])
+                                      ("data2vec-audio", {}), ("wavlm", {}),
+                                      ("wavlm", {"feat_extract_norm": "layer",
+                                                 "do_stable_layer_norm": True})])
 def test_partial_forward_is_the_models_forward(tmp_path, arch, cfg):
     lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 1, arch=arch, **dict(TINY, **cfg)))
     pf = PartialForward(lobe)

@@ -203,6 +203,7 @@ ARCHS = {
     "wav2vec2-layer-stable": ("wav2vec2", dict(feat_extract_norm="layer", do_stable_layer_norm=True,
                                                **POS16)),
     "hubert": ("hubert", dict(feat_extract_norm="group", **POS16)),
+    "wavlm": ("wavlm", dict(feat_extract_norm="group", **POS16)),
     "data2vec-audio": ("data2vec-audio", dict(num_conv_pos_embeddings=2, conv_pos_kernel_size=5,
                                               num_conv_pos_embedding_groups=2)),
 }

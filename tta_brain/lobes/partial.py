@@ -1,4 +1,4 @@
-"""Partial forwards of the Hugging Face wav2vec 2.0 family (wav2vec2, HuBERT, data2vec-audio), for
+"""Partial forwards of the Hugging Face wav2vec 2.0 family (wav2vec2, HuBERT, data2vec-audio, WavLM), for
 methods that evaluate many candidates of one utterance (the backprop-free CMA-ES methods): the part
 of the network before the candidates' insertion point runs once, the rest once for a batch of
 candidates ``[P, ...]``.
@@ -28,6 +28,7 @@ padding) and masked as attention keys. :func:`padding_blocker` says where that d
 other encoders).
 Nothing in a padded pass reads a value on the host, so it can be captured in a CUDA graph.
 """
+import inspect
 from typing import List, Optional, Tuple
 
 import torch
@@ -86,6 +87,11 @@ class PartialForward:
         self.encoder = self.base.encoder
         # the "stable layer norm" encoders (wav2vec2-large-lv60, HuBERT-large) normalise at the end
         self.stable = type(self.encoder).__name__.endswith("StableLayerNorm")
+        # WavLM: layer 0 computes a relative position bias that the later layers take in
+        self.relative = any(hasattr(getattr(layer, "attention", None), "rel_attn_embed")
+                            for layer in self.encoder.layers)
+        self.indexed = self.relative and "index" in inspect.signature(
+            self.encoder.layers[0].forward).parameters
         self.conv_layers = self.base.feature_extractor.conv_layers
         self.conv_channels = self.conv_layers[-1].conv.out_channels
         self.hidden_size = self.model.config.hidden_size
@@ -126,10 +132,15 @@ class PartialForward:
         """The transformer layers on ``h [B, F, H]``; the hidden states (each layer's input and
         the last output, the first ``skip`` positions - prompts - dropped) and the last one.
         ``attention_mask``: additive ``[B, 1, F, F]`` (padded passes)."""
-        states = []
-        for layer in self.encoder.layers:
+        states, position_bias = [], None
+        for i, layer in enumerate(self.encoder.layers):
             states.append(h[:, skip:])
-            h = layer(h, attention_mask=attention_mask)[0]
+            if self.relative:
+                h, position_bias = layer(h, attention_mask=attention_mask,
+                                         position_bias=position_bias,
+                                         **({"index": i} if self.indexed else {}))[:2]
+            else:
+                h = layer(h, attention_mask=attention_mask)[0]
         if self.stable:
             h = self.encoder.layer_norm(h)
         states.append(h[:, skip:])

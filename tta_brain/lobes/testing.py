@@ -24,7 +24,8 @@ BASE_960H = dict(
 #: Architectures by name: (config class, CTC model class) in ``transformers``.
 ARCHS = {"wav2vec2": ("Wav2Vec2Config", "Wav2Vec2ForCTC"),
          "hubert": ("HubertConfig", "HubertForCTC"),
-         "data2vec-audio": ("Data2VecAudioConfig", "Data2VecAudioForCTC")}
+         "data2vec-audio": ("Data2VecAudioConfig", "Data2VecAudioForCTC"),
+         "wavlm": ("WavLMConfig", "WavLMForCTC")}
 
 
 def save_random_ctc_model(out_dir: str, seed: int = 0, arch: str = "wav2vec2",
