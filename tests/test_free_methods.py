@@ -4,6 +4,7 @@ the population batched == one at a time, decodes, resume after kill -9."""
 import csv
 import math
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -75,7 +76,8 @@ def wavs(n=6):
                                        "do_stable_layer_norm": True}), ("hubert", {}),
                                       ("data2vec-audio", {}), ("wavlm", {}),
                                       ("wavlm", {"feat_extract_norm": "layer",
-                                                 "do_stable_layer_norm": True})])
+                                                 "do_stable_layer_norm": True}),
+                                      ("unispeech-sat", {})])
 def test_partial_forward_is_the_models_forward(tmp_path, arch, cfg):
     lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 1, arch=arch, **dict(TINY, **cfg)))
     pf = PartialForward(lobe)
@@ -91,6 +93,31 @@ def test_partial_forward_is_the_models_forward(tmp_path, arch, cfg):
     assert all(torch.equal(a, b) for a, b in zip(states, ref.hidden_states))
     assert torch.allclose(batched, torch.cat(single), atol=1e-5)
     assert not torch.allclose(batched[0], batched[1]), "the bias had no effect"
+
+
+@pytest.mark.parametrize("arch,why", [
+    ("sew", "SEWForCTC: a partial forward needs a wav2vec 2.0-style model"),
+    ("wav2vec2-conformer", "Wav2Vec2ConformerForCTC: its encoder (Wav2Vec2ConformerEncoder) is "
+                           "not one the partial forward runs layer by layer"),
+])
+def test_models_the_partial_forward_would_get_wrong_are_refused(tmp_path, arch, why):
+    """SEW pools and upsamples around its encoder, and its cached-features pass gave other logits
+    than the model (other transcripts under the default feature cache); a Conformer's layers need
+    its relative position embeddings. Both still decode through the model's own forward."""
+    lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 1, arch=arch, **TINY))
+    with pytest.raises(ValueError, match=re.escape(why)):
+        PartialForward(lobe)
+    x = lobe.prepare(torch.from_numpy(fake_speech(0.7, seed=1)))
+    with torch.no_grad():
+        assert torch.equal(lobe.logits(x), lobe.model(x).logits)
+    if arch == "sew":
+        assert not lobe.supports_features
+        assert lobe.feature_cache_blocker(list(lobe.parameters())[-2:]) == (
+            "the model has no separable feature encoder")
+    else:           # the conformer's features path is its forward: the feature cache may run
+        assert lobe.supports_features
+        with torch.no_grad():
+            assert torch.equal(lobe(None, features=lobe.features(x)), lobe.model(x).logits)
 
 
 # ----------------------------------------------------------------------------- LAME

@@ -65,6 +65,12 @@ def normalize_waveforms(wavs: torch.Tensor, lengths: Optional[torch.Tensor] = No
     return ((wavs - mean) / torch.sqrt(var + 1e-7)) * mask
 
 
+#: Base models whose forward is CNN -> projection -> encoder (-> adapter) -> CTC head, so the CNN
+#: features can be computed once and the rest run from them (tested: identical logits).
+FEATURE_MODELS = ("Wav2Vec2Model", "HubertModel", "Data2VecAudioModel", "WavLMModel",
+                  "UniSpeechModel", "UniSpeechSatModel", "Wav2Vec2ConformerModel")
+
+
 def _looks_like_a_path(source: str) -> bool:
     """A local path rather than a hub name (``org/name``): absolute, relative with ``./`` or
     ``../``, ``~``, more than one ``/``, or an existing parent folder."""
@@ -314,9 +320,13 @@ class HFCTCLobe(nn.Module):
     # (-> adapter) in the base model, then dropout -> lm_head in the CTC head.
     @property
     def supports_features(self) -> bool:
-        """Whether :meth:`features` / ``forward(features=...)`` apply to this architecture."""
+        """Whether :meth:`features` / ``forward(features=...)`` apply to this architecture: a base
+        model of :data:`FEATURE_MODELS`, whose forward after the CNN is the one
+        :meth:`_logits_from_features` runs (SEW's has the same parts and is not: it pools and
+        upsamples around its encoder, and the cached-features pass gave other logits)."""
         base = getattr(self.model, "base_model", None)
         return (base is not None and base is not self.model
+                and type(base).__name__ in FEATURE_MODELS
                 and all(hasattr(base, a) for a in ("feature_extractor", "feature_projection", "encoder"))
                 and hasattr(self.model, "lm_head") and hasattr(self.model, "dropout"))
 

@@ -34,11 +34,18 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["PartialForward", "padding_blocker", "PADDABLE_ENCODERS"]
+__all__ = ["PartialForward", "padding_blocker", "PADDABLE_ENCODERS", "PARTIAL_ENCODERS"]
 
 #: encoders whose padded frames a padded pass masks exactly (see the module docstring)
 PADDABLE_ENCODERS = ("Wav2Vec2Encoder", "Wav2Vec2EncoderStableLayerNorm", "HubertEncoder",
                      "HubertEncoderStableLayerNorm")
+
+
+#: encoders whose layers the partial forward runs as the model does (tested: identical logits and
+#: hidden states); a Conformer's relative position embeddings, say, are not threaded through
+PARTIAL_ENCODERS = tuple(f"{family}Encoder{stable}" for family in
+                         ("Wav2Vec2", "Hubert", "WavLM", "UniSpeech", "UniSpeechSat")
+                         for stable in ("", "StableLayerNorm")) + ("Data2VecAudioEncoder",)
 
 
 def padding_blocker(lobe) -> Optional[str]:
@@ -82,6 +89,10 @@ class PartialForward:
         if not lobe.supports_features:
             raise ValueError(f"{type(lobe.model).__name__}: a partial forward needs a wav2vec 2.0-style "
                              f"model (feature_extractor, feature_projection, encoder, lm_head)")
+        encoder = type(lobe.model.base_model.encoder).__name__
+        if encoder not in PARTIAL_ENCODERS:
+            raise ValueError(f"{type(lobe.model).__name__}: its encoder ({encoder}) is not one the "
+                             f"partial forward runs layer by layer ({', '.join(PARTIAL_ENCODERS)})")
         self.lobe, self.model = lobe, lobe.model
         self.base = lobe.model.base_model
         self.encoder = self.base.encoder

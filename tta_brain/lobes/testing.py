@@ -25,7 +25,10 @@ BASE_960H = dict(
 ARCHS = {"wav2vec2": ("Wav2Vec2Config", "Wav2Vec2ForCTC"),
          "hubert": ("HubertConfig", "HubertForCTC"),
          "data2vec-audio": ("Data2VecAudioConfig", "Data2VecAudioForCTC"),
-         "wavlm": ("WavLMConfig", "WavLMForCTC")}
+         "wavlm": ("WavLMConfig", "WavLMForCTC"),
+         "unispeech-sat": ("UniSpeechSatConfig", "UniSpeechSatForCTC"),
+         "sew": ("SEWConfig", "SEWForCTC"),
+         "wav2vec2-conformer": ("Wav2Vec2ConformerConfig", "Wav2Vec2ConformerForCTC")}
 
 
 def save_random_ctc_model(out_dir: str, seed: int = 0, arch: str = "wav2vec2",
