@@ -692,6 +692,37 @@ def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
         assert sum(e.kind == "lii" for e in seps[0].events) >= 6
 
 
+@pytest.mark.parametrize("arch", ["wavlm", "unispeech-sat", "hubert"])
+def test_batch_of_other_model_families_gives_the_separate_transcripts(data, tmp_path, arch):
+    """The batched sweep on other encoders: WavLM's attention calls SDPA with its relative
+    position bias as the mask whatever the attention setting, and the fused CPU kernel has no
+    gradient for a mask (the batch stopped with a traceback)."""
+    import soundfile as sf
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
+    from tta_brain.methods import UttInfo, build_method
+    from tta_brain.sweep import batch_for
+    model = save_random_ctc_model(str(tmp_path / arch), 3, arch=arch, **TINY)
+    wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
+            for p in sorted((data["root"] / "wav").glob("*.wav"))][:5]
+    cfgs = [(1e-3, 2), (1e-2, 1)]
+
+    def build(lr, steps):
+        return build_method("suta", model=HFCTCLobe(model), lr=lr, steps=steps)
+    seps = [build(*c) for c in cfgs]
+    want = [[m.process(w, UttInfo(position=i)) for i, w in enumerate(wavs)] for m in seps]
+    ms = [build(*c) for c in cfgs]
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    got = [[] for _ in cfgs]
+    for i, w in enumerate(wavs):
+        batch.process(list(range(len(cfgs))), w, UttInfo(position=i))
+        for r, v in enumerate(batch.views):
+            got[r].append(v.process(w))
+    assert got == want
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not CUDA, reason="needs a CUDA device"))])
 @pytest.mark.parametrize("name", ["lame", "t3a+fixed", "foa+fixed", "ebats+fixed"])

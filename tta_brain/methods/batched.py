@@ -91,12 +91,16 @@ def eager_attention(lobe):
     """The lobe's model with transformers' eager attention (matmul + softmax) meanwhile: the
     fused SDPA kernels have no vmap batching rule on CPU (a per-row loop) and failed in the
     backward on CUDA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     config = lobe.model.config
     attn = getattr(config, "_attn_implementation", None)
     try:
         if attn is not None:
             config._attn_implementation = "eager"
-        yield
+        # WavLM calls SDPA whatever the setting, its relative position bias as the mask: the
+        # fused CPU kernel has no gradient for the mask, the math one does (and vmaps)
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
     finally:
         if attn is not None:
             config._attn_implementation = attn
