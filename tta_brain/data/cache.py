@@ -30,8 +30,8 @@ import json
 import logging
 import os
 import time
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 logger = logging.getLogger(__name__)
 

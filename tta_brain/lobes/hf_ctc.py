@@ -128,6 +128,7 @@ def _load_checkpoint(source: str, kwargs: dict):
     """The model, feature extractor and tokenizer of a CTC checkpoint (``from_pretrained(source,
     **kwargs)``); a failure is one RuntimeError (:func:`_load_part`)."""
     from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
+
     def model():
         loaded, info = AutoModelForCTC.from_pretrained(source, output_loading_info=True, **kwargs)
         head = sorted(k for k in info.get("missing_keys") or () if k.startswith("lm_head."))

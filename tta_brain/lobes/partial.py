@@ -1,7 +1,7 @@
-"""Partial forwards of the Hugging Face wav2vec 2.0 family (wav2vec2, HuBERT, data2vec-audio, WavLM), for
-methods that evaluate many candidates of one utterance (the backprop-free CMA-ES methods): the part
-of the network before the candidates' insertion point runs once, the rest once for a batch of
-candidates ``[P, ...]``.
+"""Partial forwards of the Hugging Face wav2vec 2.0 family (wav2vec2, HuBERT, data2vec-audio,
+WavLM, UniSpeech(-SAT): :data:`PARTIAL_ENCODERS`), for methods that evaluate many candidates of
+one utterance (the backprop-free CMA-ES methods): the part of the network before the candidates'
+insertion point runs once, the rest once for a batch of candidates ``[P, ...]``.
 
 The stages, in the models' own order (same operations as ``model(input_values)`` in eval mode, so
 a full pass assembled from them gives the model's logits)::
