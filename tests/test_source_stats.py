@@ -116,12 +116,14 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
                    clean, "--kinds", "hidden", "--out", tmp_path / "x.pt", "--params=cnn") == 1
     assert "--params: not an option of the kind(s) hidden (--kinds); they take no options" in \
         capsys.readouterr().err
-    for bad, why in ((["--max_utts", "-3"], "--max_utts -3: must be >= 0"),   # was: all but 3
-                     (["--max_duration", "0"], "--max_duration 0.0: must be > 0 seconds")):
-        with pytest.raises(SystemExit):
-            run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv",
-                    "--out", tmp_path / "x.pt", *bad)
-        assert why in capsys.readouterr().err
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--out", tmp_path / "x.pt", "--max_utts", "-3") == 1   # was: all but 3
+    assert capsys.readouterr().err.strip() == ("ERROR: --max_utts -3: must be >= 0 "
+                                               "(0: all utterances)")
+    with pytest.raises(SystemExit):
+        run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv",
+                "--out", tmp_path / "x.pt", "--max_duration", "0")
+    assert "--max_duration 0.0: must be > 0 seconds" in capsys.readouterr().err
     assert not (tmp_path / "x.pt").exists()
 
 

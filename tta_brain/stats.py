@@ -27,8 +27,6 @@ def parse_args(argv=None):
     p.add_argument("--reuse", action="store_true",
                    help="keep --out when it holds these kinds of this model on this manifest")
     args, extra = p.parse_known_args(argv)
-    if args.max_utts < 0:
-        p.error(f"--max_utts {args.max_utts}: must be >= 0 (0: all utterances)")
     if not args.max_duration > 0:
         p.error(f"--max_duration {args.max_duration}: must be > 0 seconds")
     options = {}

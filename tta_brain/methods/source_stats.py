@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 from tta_brain.data.cache import file_sha1, source_identity
 
-__all__ = ["SourceStats", "SourceStatsError", "KINDS", "KIND_OPTIONS", "register_kind", "save", "load", "compute",
-           "params_sha1", "make_command", "FORMAT", "VERSION"]
+__all__ = ["SourceStats", "SourceStatsError", "KINDS", "KIND_OPTIONS", "register_kind", "save",
+           "load", "compute", "params_sha1", "make_command", "FORMAT", "VERSION"]
 
 FORMAT, VERSION = "tta_brain.source_stats", 1
 KINDS: Dict[str, Callable] = {}

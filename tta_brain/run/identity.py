@@ -2,8 +2,8 @@
 one writer per experiment folder.
 
 The fingerprint holds the stream manifest's content (sha1), the source model's identity (sha1 of
-its files for a local directory, the name and cached commit for a hub model), the toolkit version and every
-resolved hyperparameter except where the run is written and how often it checkpoints
+its files for a local directory, the name and cached commit for a hub model), the toolkit version
+and every resolved hyperparameter except where the run is written and how often it checkpoints
 (:data:`LOCATION_KEYS`); ``device`` counts by its type (cpu / cuda), not its index. It is stored in
 ``fingerprint.json`` when a run starts, in every checkpoint and in ``summary.json``; a folder is
 only resumed or skipped by a run with the same fingerprint.
