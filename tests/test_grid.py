@@ -342,6 +342,8 @@ def test_the_recipes_slurm_conf_makes_an_executor(recipe, tmp_path):
     ("mem_gb: 8G\n", 'Parameter "mem_gb" expected type'),
     ("a: [1\n", "yaml syntax error"),
     ("- slurm_partition\n", "expected key: value lines (submitit parameters), got a list"),
+    ("timeout_min: 2\n", "timeout_min 2 leaves 30 s before Slurm's USR2 (slurm_signal_delay_s 90)"),
+    ("timeout_min: 4\nslurm_signal_delay_s: 180\n", "timeout_min 4 leaves 60 s before"),
 ])
 def test_a_bad_slurm_conf_is_one_line_before_anything_runs(text, expected, tmp_path, data):
     conf = tmp_path / "slurm.yaml"

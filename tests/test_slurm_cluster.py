@@ -63,7 +63,9 @@ def test_submitit_job_and_array(slurm_cluster, tmp_path):
     deadline = time.monotonic() + DEADLINE_S
     # cluster="slurm": never fall back silently to submitit's local executor.
     executor = submitit.AutoExecutor(folder=str(tmp_path / "%j"), cluster="slurm")
-    executor.update_parameters(timeout_min=2, cpus_per_task=1, mem_gb=1, name="tta-slurm-test")
+    # 10 min: submitit asks for USR2 90 s before the limit and Slurm may send it up to 60 s
+    # earlier; with 2 min a job was once signalled as it started (a CI failure).
+    executor.update_parameters(timeout_min=10, cpus_per_task=1, mem_gb=1, name="tta-slurm-test")
     job = executor.submit(_square_plus, 3, offset=1)
     jobs = executor.map_array(_square_plus, [1, 2])
     _wait([job, *jobs], deadline)

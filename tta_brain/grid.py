@@ -195,7 +195,23 @@ def slurm_executor(args, folder, submit: bool = True) -> "submitit.AutoExecutor"
         raise SystemExit(f"ERROR: --slurm_conf {path or '(none)'}: {first} (keys: submitit's "
                          f"AutoExecutor parameters, e.g. slurm_partition, timeout_min, mem_gb, "
                          f"cpus_per_task, gpus_per_node, slurm_max_num_timeout)") from None
+    _check_signal_time(ex._executor.parameters, path)
     return ex
+
+
+def _check_signal_time(params: dict, path) -> None:
+    """Refuse a time limit that leaves no run time before Slurm's USR2. submitit asks for USR2
+    ``signal_delay_s`` (default 90) before the limit (``time``, default 5 min), and Slurm may send
+    it up to 60 s earlier than asked (sbatch(1), --signal): a job would be signalled as it starts,
+    then requeued (a checkpointable run) or killed, again and again."""
+    limit, delay = params.get("time", 5), params.get("signal_delay_s", 90)
+    if not (isinstance(limit, int) and isinstance(delay, int)):
+        return
+    if limit * 60 - delay <= 60:
+        raise SystemExit(f"ERROR: --slurm_conf {path or '(none)'}: timeout_min {limit} leaves "
+                         f"{limit * 60 - delay} s before Slurm's USR2 (slurm_signal_delay_s "
+                         f"{delay}), which Slurm may send up to 60 s early: raise timeout_min or "
+                         f"lower slurm_signal_delay_s")
 
 
 @contextlib.contextmanager
