@@ -19,7 +19,7 @@ import soundfile as sf
 import torch
 
 from fake_corpora import fake_speech
-from tta_brain import decode
+from tta_brain import decode, sweep
 from tta_brain.run.cli import parse_arguments
 from tta_brain.data.audio import AudioError, load_audio
 from tta_brain.methods import build_method
@@ -468,6 +468,21 @@ def test_a_truncated_last_line_names_file_and_line(tmp_path, one_wav, tiny_model
     stream.write_text(text[: text.rindex(",", 0, len(text) - 1)] + "\n")   # cut the last row
     msg = _error(dsuta_args(tiny_model_dir, stream, tmp_path / "exp"))
     assert f"{stream}:4: " in msg and "truncated or malformed line" in msg and "(--stream_csv)" in msg
+
+
+@pytest.mark.parametrize("method,expected", [
+    ("dsuta_typo", "hparams file not found: dsuta_typo (packaged methods: awmc,"),
+    ("bad_include.yaml", "bad_include.yaml: include 'nosuch' not found"),
+])
+def test_help_of_a_method_that_is_not_there_is_one_line(method, expected, tmp_path, monkeypatch):
+    (tmp_path / "bad_include.yaml").write_text("include: [nosuch]\nlr: 0.1\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        decode.main([method, "--help"])
+    assert str(e.value).startswith("ERROR: ") and expected in str(e.value)
+    with pytest.raises(SystemExit) as e:                  # a sweep's run: decode's help
+        sweep.main(["suta", "--", method, "--help"])
+    assert str(e.value).startswith("ERROR: ") and expected in str(e.value)
 
 
 def test_run_options_do_what_they_say_and_help_lists_the_keys(tmp_path, ok_stream, tiny_model_dir,

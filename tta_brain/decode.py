@@ -148,7 +148,10 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = plan(argv)
     if p.status == "help":
-        print(help_text(p.args.method))
+        try:
+            print(help_text(p.args.method))
+        except hp_files.HparamsError as e:      # a mistyped method or path, a bad include line
+            _fail(str(e))
         return None
     if p.status == "done":
         return _skip(p.out)
