@@ -166,6 +166,9 @@ def test_help_and_invalid_options(script):
     assert "Stage" not in res.stderr                      # nothing ran
     res = run(script, "--stop-stage=2x")
     assert res.returncode == 1 and "option --stop-stage expects an integer, got '2x'" in res.stderr
+    res = run(script, "--stage", 3, "--stop_stage", 1)
+    assert res.returncode == 1 and "--stage 3 is after --stop-stage 1: no stage would run" in \
+        res.stderr and "Finished" not in res.stdout + res.stderr
 
 
 def test_lsc_missing_noise_folder_stops_at_stage1(lsc, tmp_path):

@@ -11,7 +11,7 @@
 # Accepted forms: --foo-bar VALUE, --foo_bar VALUE, --foo-bar=VALUE. Each sets the variable
 # foo_bar, which must already be defined; anything else is an "invalid option" error (exit 1).
 # A variable whose default is true/false only accepts true or false; --stage and --stop_stage
-# only an integer.
+# only an integer, and --stage no later than --stop_stage.
 # --config FILE sources FILE (shell assignments of known options) before the remaining options.
 # --help / -h prints $help_message and exits 0.
 # Parsing stops at "--" or at the first argument that does not start with "--"; those arguments
@@ -74,5 +74,9 @@ for _po_name in stage stop_stage; do
     exit 1
   fi
 done
+if [ -n "${stage+set}" ] && [ -n "${stop_stage+set}" ] && [ "${stage}" -gt "${stop_stage}" ]; then
+  echo "$0: --stage ${stage} is after --stop-stage ${stop_stage}: no stage would run" >&2
+  exit 1
+fi
 unset _po_name _po_value _po_shift
 true
