@@ -92,6 +92,26 @@ def test_corpus_has_librispeech_layout(tmp_path):
                                  n_test_speakers=2, num_workers=1) == json.loads(
         json.dumps(stamp))
     assert os.path.getmtime(flacs[0]) == mtime
+    # a mistyped count (run.sh --n_test -3) is one line, and the rendered corpus stays
+    with pytest.raises(SystemExit) as e:
+        synthetic.main(["corpus", "--root", str(tmp_path), "--n_train", "8", "--n_test", "-3"])
+    assert e.value.code == 2
+    assert os.path.getmtime(flacs[0]) == mtime and len(glob.glob(os.path.join(
+        str(tmp_path), "LibriSpeech", "test-synth", "*", "*", "*.flac"))) == stamp["stats"]["test-synth"]["n_utts"]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["corpus", "--root", "r", "--n_test", "0"], "corpus --n_test 0: must be an integer >= 1"),
+    (["corpus", "--root", "r", "--n_train", "-1"], "corpus --n_train -1: must be an integer >= 0"),
+    (["long_test", "--root", "r", "--n_speakers", "0"], "long_test --n_speakers 0: must be"),
+    (["noises", "--noise_dir", "n", "--seconds", "0"], "noises --seconds 0.0: must be > 0"),
+])
+def test_synthetic_counts_are_checked_before_anything_is_written(argv, expected, tmp_path,
+                                                                 monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        synthetic.main(argv)
+    assert expected in capsys.readouterr().err and not os.listdir(tmp_path)
 
 
 def _band_profile(x):

@@ -276,6 +276,16 @@ def main(argv=None):
     nz.add_argument("--sample_rate", type=int, default=SAMPLE_RATE)
     p.add_argument("--noprogressbar", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
+    lows = {"corpus": (("n_train", 0), ("n_test", 1), ("n_train_speakers", 1),
+                       ("n_test_speakers", 1), ("num_workers", 1)),
+            "long_test": (("n_test", 1), ("n_speakers", 1), ("n_train_ref", 0),
+                          ("n_test_ref", 0), ("num_workers", 1)),
+            "noises": (("sample_rate", 1),)}[args.cmd]
+    for name, low in lows:     # before anything is deleted: a new corpus replaces the old one
+        if getattr(args, name) < low:
+            p.error(f"{args.cmd} --{name} {getattr(args, name)}: must be an integer >= {low}")
+    if args.cmd == "noises" and not args.seconds > 0:
+        p.error(f"noises --seconds {args.seconds}: must be > 0")
     if args.noprogressbar:
         from tta_brain.data.prep.progress import disable_progressbars
         disable_progressbars()
