@@ -107,6 +107,9 @@ def test_md_long_stops_exactly_and_validates():
         md_long(make_domains(n=5, domains=("A",)), total=10)
     with pytest.raises(ValueError, match="min_len"):
         md_long(make_domains(n=5), total=10, min_len=5, max_len=2)
+    for total in (0, -5):             # was an empty stream, written as a manifest with no header
+        with pytest.raises(ValueError, match=f"md_long: total must be >= 1, got {total}"):
+            md_long(make_domains(n=5), total=total)
 
 
 def test_streams_are_reproducible_and_seed_dependent():

@@ -143,6 +143,8 @@ def md_long(domain_rows, total=10000, min_len=20, max_len=500, seed=0, domains=N
         raise ValueError("md_long: needs at least two domains (a domain never follows itself)")
     if not 1 <= min_len <= max_len:
         raise ValueError(f"md_long: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    if total < 1:
+        raise ValueError(f"md_long: total must be >= 1, got {total}")
     for domain in domains:
         if not domain_rows.get(domain):
             raise ValueError(f"md_long: no utterances for domain {domain!r}")
