@@ -320,6 +320,19 @@ def workers_of(grid_dir):
     return found
 
 
+@pytest.mark.parametrize("extra,expected", [
+    (["--seeds", ""], "--seeds '': names no seed"),      # was a grid of 0 runs, exit 0
+    (["--seeds", "0 x"], "--seeds '0 x': seeds are integers"),
+    (["--methods", " "], "--methods ' ': names no method"),
+    (["--streams", ""], "--streams '': an empty stream name"),   # was output folders under /
+])
+def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
+    argv = ["--exp_dir", "e", "--source", "m", "--streams", "s.csv", "--methods", "suta"]
+    with pytest.raises(SystemExit) as e:
+        grid.parse_args(argv + extra)
+    assert e.value.code == 2 and expected in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- Slurm
 @pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
 def test_the_recipes_slurm_conf_makes_an_executor(recipe, tmp_path):

@@ -424,6 +424,13 @@ def parse_args(argv=None):
     p.add_argument("--poll", type=float, default=2.0, help="seconds between progress checks")
     p.add_argument("--dry_run", action="store_true", help="print the decode commands and stop")
     args = p.parse_args(argv)
+    for name in ("methods", "seeds"):         # an empty list is a grid of no runs, not a success
+        if not getattr(args, name).split():
+            p.error(f"--{name} {getattr(args, name)!r}: names no {name[:-1]}")
+    if any(not s.lstrip("-").isdigit() for s in args.seeds.split()):
+        p.error(f"--seeds {args.seeds!r}: seeds are integers, e.g. '0 1 2'")
+    if any(not s.strip() for s in args.streams):
+        p.error(f"--streams {' '.join(map(repr, args.streams))}: an empty stream name")
     for name, low in (("nj", 0), ("per_gpu", 1), ("batch_runs", 1)):   # else no worker: a hang
         if getattr(args, name) < low:
             p.error(f"--{name} {getattr(args, name)}: must be an integer >= {low}")
