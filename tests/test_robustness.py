@@ -549,7 +549,13 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
                      (np.full(800, np.nan, np.float32), "contains NaN or inf")):
         with pytest.raises(ValueError, match=re.escape(why)):
             tta.transcribe(bad)
+    for rate in (0, -8000, 8000.5, "16k", True):    # 0 was taken as 16 kHz, the others deep errors
+        with pytest.raises(ValueError, match=re.escape(
+                f"sample_rate must be a positive whole number of Hz, got {rate!r}")):
+            tta.transcribe(want, sample_rate=rate)
     assert tta.position == 3 and tta.counts == tta.method.counts
+    hyp = tta.transcribe(want, sample_rate=np.int64(16000))          # numpy and whole floats
+    assert hyp == tta.transcribe(want, sample_rate=16000.0) == hyps[0]
 
 
 def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path, tiny_model_dir,

@@ -86,7 +86,12 @@ class TTAStream:
         wav = as_mono_float(waveform)
         if not torch.isfinite(wav).all():
             raise ValueError("transcribe: the waveform contains NaN or inf")
-        sr = sample_rate or self.sample_rate
+        sr = self.sample_rate if sample_rate is None else sample_rate
+        if isinstance(sr, (bool, str)) or not isinstance(sr, (int, float, np.number)) \
+                or not float(sr).is_integer() or sr < 1:     # 0 was taken as the default rate
+            raise ValueError(f"transcribe: sample_rate must be a positive whole number of Hz, "
+                             f"got {sample_rate!r}")
+        sr = int(sr)
         if sr != self.sample_rate:
             import torchaudio
             wav = torchaudio.functional.resample(wav, sr, self.sample_rate)
