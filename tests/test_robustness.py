@@ -603,6 +603,13 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
                      (garbage, "not a TTAStream state file")):
         with pytest.raises(StreamStateError, match=re.escape(f"{bad}: {why}")):
             again.load(bad)
+    before = sorted(os.listdir(tmp_path))
+    for bad, why in ((tmp_path, "is a folder; TTAStream.save writes a file"),    # left a .tmp file
+                     (tmp_path / "no" / "s.pt", "cannot write the state file: Parent directory")):
+        with pytest.raises(StreamStateError, match=re.escape(f"{bad}: {why}")):
+            again.save(bad)
+    assert sorted(os.listdir(tmp_path)) == before and not list(tmp_path.parent.glob(
+        f"{tmp_path.name}.tmp*"))
     legacy = tmp_path / "legacy.pt"        # what TTAStream.save wrote before states had an identity
     torch.save({"method": part.method.state_dict(), "position": 3, "resets": part.resets}, legacy)
     old = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov)

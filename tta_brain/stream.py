@@ -32,7 +32,8 @@ _NOT_SETTINGS = ("stream_csv", "output_folder", "data_root", "ckpt_every", "meth
 
 
 class StreamStateError(ValueError):
-    """A state file that this stream cannot take; the message names the file and why."""
+    """A state file that this stream cannot take (or write); the message names the file and
+    why."""
 
 
 class TTAStream:
@@ -139,11 +140,21 @@ class TTAStream:
         """The stream's state (method, position, resets, LII values) with :meth:`identity` and the
         settings, written atomically (a temporary file, then a rename)."""
         path = str(path)
+        if os.path.isdir(path):     # the rename would fail and leave the temporary file beside it
+            raise StreamStateError(f"{path}: is a folder; TTAStream.save writes a file")
         tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({"format": STATE_FORMAT, "version": STATE_VERSION, "identity": self.identity(),
-                    "settings": self.settings, "method": self.method.state_dict(),
-                    "position": self.position, "resets": self.resets, "lii": self.lii}, tmp)
-        os.replace(tmp, path)
+        try:
+            torch.save({"format": STATE_FORMAT, "version": STATE_VERSION,
+                        "identity": self.identity(), "settings": self.settings,
+                        "method": self.method.state_dict(), "position": self.position,
+                        "resets": self.resets, "lii": self.lii}, tmp)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:     # no folder, not writable, a full disk
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise StreamStateError(f"{path}: cannot write the state file: {why} "
+                                   f"(TTAStream.save)") from None
 
     def load(self, path: Union[str, os.PathLike]):
         """Continue from a state :meth:`save` wrote. Another method, reset policy, source model or
