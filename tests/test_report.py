@@ -313,6 +313,29 @@ def test_cli_prints_main_table(results, tmp_path, capsys):
         assert f"{opt} {value}: must be an integer {why}" in capsys.readouterr().err
 
 
+def test_cli_output_places_and_baseline_are_checked(results, tmp_path, capsys, caplog):
+    """--out naming a folder was a traceback; a --plots_dir that cannot be made was a traceback
+    logged for every plot; a mistyped --baseline silently plotted absolute WER."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert report.main(["--exp_dir", str(results), "--out", str(folder), "--no_plots"]) == 1
+    assert f"ERROR: cannot write {folder}: is a folder (--out names the RESULTS.md file) " \
+        "(--out)" in capsys.readouterr().err and not list(folder.iterdir())
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    caplog.set_level("WARNING")
+    out = tmp_path / "R.md"
+    assert report.main(["--exp_dir", str(results), "--out", str(out), "--plots_dir",
+                        str(blocker / "plots"), "--baseline", "sorce"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+                and not r.getMessage().startswith("Skipping")]
+    assert warnings == [
+        "--baseline 'sorce': no run has that tag (tags: alpha, awmc, dsuta, dsuta+dynamic, source, "
+        "suta, zeta); the WER-over-time plots show absolute WER",
+        f"No plots: cannot create {blocker / 'plots'} (Not a directory; --plots_dir)"]
+    assert "## Plots" not in out.read_text() and "|Method|" in out.read_text()
+
+
 def test_empty_root(tmp_path, capsys):
     with pytest.raises(report.NoRunsError, match="No experiment directory"):
         report.write_results(tmp_path)

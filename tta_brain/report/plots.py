@@ -243,6 +243,12 @@ def plot_wer_vs_steps(runs: Sequence[Run], stream: str, out_png, baseline: str =
 def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: str = "source") -> List[str]:
     """Every plot that the runs support; a failing plot is logged and skipped."""
     plots_dir = Path(plots_dir)
+    try:
+        plots_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:                  # one line, not a traceback for each plot
+        logger.warning("No plots: cannot create %s (%s; --plots_dir)", plots_dir,
+                       e.strerror or e)
+        return []
     jobs = []
     for s in streams_of(runs):
         name = safe_name(s)

@@ -15,6 +15,7 @@ pair; a reset at position r detects the last true boundary b <= r when r - b <= 
 run with several step counts is split into rows ``method (N=steps)``.
 """
 import argparse
+import errno
 import json
 import logging
 import os
@@ -128,6 +129,9 @@ def write_report(runs: Sequence[Run], root, out=None, plots_dir=None, smooth: in
     if not runs:
         raise NoRunsError(f"No experiment directory with a readable summary.json under {root}")
     out = Path(out) if out else Path(root) / "RESULTS.md"
+    if out.is_dir():                                  # before the plots: they take a while
+        raise IsADirectoryError(errno.EISDIR, "is a folder (--out names the RESULTS.md file)",
+                                str(out))
     written: List[str] = []
     if make_plots:
         from tta_brain.report import plots  # matplotlib is only imported when plotting
@@ -154,7 +158,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plots_dir", default=None, help="plot folder (default: <exp_dir>/plots)")
     p.add_argument("--smooth", type=int, default=100,
                    help="smoothing window (utterances) of WER-over-time plots")
-    p.add_argument("--baseline", default="source", help="tag the WER difference is taken against")
+    p.add_argument("--baseline", default=None, help="tag the WER difference is taken against "
+                   "(default: source)")
     p.add_argument("--window", type=int, default=100,
                    help="reset detection window (utterances after a boundary)")
     p.add_argument("--digits", type=int, default=1, help="decimals of WER cells")
@@ -170,11 +175,20 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     runs = collect_runs(args.exp_dir)
+    tags = sorted({r.method for r in runs})
+    if args.baseline is not None and runs and args.baseline not in tags and not args.no_plots:
+        logger.warning("--baseline %r: no run has that tag (tags: %s); the WER-over-time plots "
+                       "show absolute WER", args.baseline, ", ".join(tags))
     try:
         out = write_report(runs, args.exp_dir, args.out, args.plots_dir, args.smooth,
-                           args.baseline, args.window, args.digits, not args.no_plots)
+                           args.baseline or "source", args.window, args.digits,
+                           not args.no_plots)
     except NoRunsError as err:
         print(f"tta_brain.report.results: {err}; nothing to report.", file=sys.stderr)
+        return 1
+    except OSError as err:                  # RESULTS.md: a folder, no permission, a full disk
+        print(f"ERROR: cannot write {err.filename or args.out}: {err.strerror or err} (--out)",
+              file=sys.stderr)
         return 1
     print(tables.table_main(runs, args.digits))
     print(f"\nWrote {out}")
