@@ -151,7 +151,7 @@ def test_a_run_samples_its_memory_along_the_stream(decoded):
     assert records.rows_done(decoded / "md_long" / "dsuta" / "seed0") == 20
 
 
-def test_long_report_table_plot_and_memory_verdict(decoded):
+def test_long_report_table_plot_and_memory_verdict(decoded, capsys):
     runs = collect_runs(decoded)
     assert {r.method for r in runs} == {"source", "dsuta"} and all(r.memory for r in runs)
     out = write_long_report(runs, decoded, "md_long", window=5, margin=0.0)
@@ -164,8 +164,14 @@ def test_long_report_table_plot_and_memory_verdict(decoded):
     assert cells[5] == "never" or 4 <= int(cells[5]) < 20
     assert "Memory not judged (fewer than 10 samples" in text
     assert (decoded / "plots" / "long_md_long.png").stat().st_size > 10000
-    with pytest.raises(ValueError, match="no finished run of stream 'md_hard'"):
+    with pytest.raises(ValueError, match=r"no finished run of stream 'md_hard' under .* "
+                       r"\(streams there: md_long; --stream\)"):
         write_long_report(runs, decoded, "md_hard")
+    from tta_brain.report import long
+    folder = decoded / "plots"                    # --out naming a folder was a traceback
+    assert long.main(["--exp_dir", str(decoded), "--out", str(folder), "--no_plots"]) == 1
+    assert f"ERROR: cannot write {folder}: is a folder (--out names the LONG.md file) (--out)" \
+        in capsys.readouterr().err
 
 
 def test_memory_verdict_covers_cuda_memory_on_a_gpu(decoded):

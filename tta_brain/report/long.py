@@ -18,6 +18,7 @@ seeds), the domain blocks shaded and labelled, dynamic (detected) resets as mark
 curve; below it, RSS over position per run.
 """
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -230,7 +231,12 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
     out = Path(out) if out else root / "LONG.md"
     sruns = [r for r in runs if r.stream == stream]
     if not sruns:
-        raise ValueError(f"no finished run of stream {stream!r} under {root}")
+        have = sorted({r.stream for r in runs})
+        raise ValueError(f"no finished run of stream {stream!r} under {root}"
+                         + (f" (streams there: {', '.join(have)}; --stream)" if have else ""))
+    if out.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a folder (--out names the LONG.md file)",
+                                str(out))
     table, not_flat, unknown = table_long(runs, stream, window, margin, flat_mib)
     n = max(len(r.transcripts) for r in sruns)
     lines = [f"# {stream}: {n} utterances, {len(sruns)} runs", "",
@@ -278,6 +284,10 @@ def main(argv=None) -> int:
                                 args.window, args.margin, args.flat_mib, not args.no_plots)
     except ValueError as err:
         print(f"ERROR: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:                  # LONG.md: a folder, no permission, a full disk
+        print(f"ERROR: cannot write {err.filename or args.out}: {err.strerror or err} (--out)",
+              file=sys.stderr)
         return 1
     print(out.read_text(encoding="utf-8"))
     return 0
