@@ -125,6 +125,15 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
                 "--out", tmp_path / "x.pt", "--max_duration", "0")
     assert "--max_duration 0.0: must be > 0 seconds" in capsys.readouterr().err
     assert not (tmp_path / "x.pt").exists()
+    folder = tmp_path / "stats"          # was computed, then '[Errno 21]' and a .tmp file left
+    folder.mkdir()
+    with pytest.raises(SystemExit):
+        run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                clean, "--out", folder)
+    assert f"--out {folder}: is a folder; it names the statistics file" in capsys.readouterr().err
+    with pytest.raises(OSError, match=f"is a folder, not a file name: '{folder}'"):
+        ss.save(rec, folder)
+    assert not list(tmp_path.glob("stats.tmp*"))
 
 
 def test_paths_and_identity(tmp_path):

@@ -8,6 +8,7 @@ Use clean speech that is in no test stream (the recipes render or name such a se
 information is kept). Errors are one line naming the file or option.
 """
 import argparse
+import os
 import sys
 
 from tta_brain.methods import source_stats as ss
@@ -29,6 +30,8 @@ def parse_args(argv=None):
     args, extra = p.parse_known_args(argv)
     if not args.max_duration > 0:
         p.error(f"--max_duration {args.max_duration}: must be > 0 seconds")
+    if os.path.isdir(args.out):             # before the statistics are computed, not after
+        p.error(f"--out {args.out}: is a folder; it names the statistics file")
     options = {}
     for a in extra:
         key, eq, value = a[2:].partition("=") if a.startswith("--") else ("", "", "")
@@ -52,9 +55,13 @@ def main(argv=None) -> int:
         record = ss.compute(args.source, args.manifest, kinds, data_root=args.data_root,
                             max_utts=args.max_utts, device=args.device,
                             max_duration=args.max_duration, options=options)
-        ss.save(record, args.out)
     except (ss.SourceStatsError, ValueError, OSError, RuntimeError) as e:
         print(f"ERROR: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    try:
+        ss.save(record, args.out)
+    except OSError as e:
+        print(f"ERROR: cannot write {args.out}: {e.strerror} (--out)", file=sys.stderr)
         return 1
     sizes = ", ".join(f"{k}: {len(v)} tensors" for k, v in record.stats.items())
     print(f"{args.out}: {sizes} from {record.n_utts} utterances of {args.manifest} "
@@ -64,7 +71,6 @@ def main(argv=None) -> int:
 
 def current(args, kinds, options):
     """None when ``--out`` holds ``kinds`` computed with these inputs and options, else why not."""
-    import os
     from tta_brain.data.cache import file_sha1, same_source, source_identity
     if not os.path.isfile(args.out):
         return "no file yet"

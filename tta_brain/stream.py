@@ -139,21 +139,14 @@ class TTAStream:
     def save(self, path: Union[str, os.PathLike]):
         """The stream's state (method, position, resets, LII values) with :meth:`identity` and the
         settings, written atomically (a temporary file, then a rename)."""
-        path = str(path)
-        if os.path.isdir(path):     # the rename would fail and leave the temporary file beside it
-            raise StreamStateError(f"{path}: is a folder; TTAStream.save writes a file")
-        tmp = f"{path}.tmp{os.getpid()}"
+        from tta_brain.data.cache import save_torch
         try:
-            torch.save({"format": STATE_FORMAT, "version": STATE_VERSION,
+            save_torch({"format": STATE_FORMAT, "version": STATE_VERSION,
                         "identity": self.identity(), "settings": self.settings,
                         "method": self.method.state_dict(), "position": self.position,
-                        "resets": self.resets, "lii": self.lii}, tmp)
-            os.replace(tmp, path)
-        except (OSError, RuntimeError) as e:     # no folder, not writable, a full disk
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-            raise StreamStateError(f"{path}: cannot write the state file: {why} "
+                        "resets": self.resets, "lii": self.lii}, path)
+        except OSError as e:             # a folder, no parent, not writable, a full disk
+            raise StreamStateError(f"{path}: cannot write the state file: {e.strerror} "
                                    f"(TTAStream.save)") from None
 
     def load(self, path: Union[str, os.PathLike]):

@@ -53,6 +53,29 @@ def file_sha1(path, chunk=1 << 20):
     return h.hexdigest()
 
 
+def save_torch(obj, path) -> None:
+    """``torch.save`` to ``path`` atomically (a temporary file beside it, then a rename). A folder
+    at ``path``, a missing parent or a failed write is an ``OSError`` naming ``path``, and the
+    temporary file is removed (a rename onto a folder used to leave it behind)."""
+    import errno
+    import torch
+    path = str(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file name", path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(errno.ENOENT, f"no folder {parent}", path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:      # not writable, a full disk (torch: RuntimeError)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise OSError(getattr(e, "errno", None) or errno.EIO, why, path) from None
+
+
 #: Files of a model directory that decide its outputs (weights, config, processor).
 MODEL_FILES = (".json", ".safetensors", ".bin", ".txt", ".model", ".pt")
 

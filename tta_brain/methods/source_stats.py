@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 import torch.nn.functional as F
 
-from tta_brain.data.cache import file_sha1, source_identity
+from tta_brain.data.cache import file_sha1, save_torch, source_identity
 
 __all__ = ["SourceStats", "SourceStatsError", "KINDS", "KIND_OPTIONS", "register_kind", "save",
            "load", "compute", "params_sha1", "make_command", "FORMAT", "VERSION"]
@@ -121,9 +121,7 @@ def save(record: SourceStats, path) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     d = asdict(record)
     stats = {k: {n: t.detach().cpu().contiguous() for n, t in v.items()} for k, v in d.pop("stats").items()}
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save({"format": FORMAT, "version": VERSION, "provenance": d, "stats": stats}, tmp)
-    os.replace(tmp, path)
+    save_torch({"format": FORMAT, "version": VERSION, "provenance": d, "stats": stats}, path)
 
 
 def load(path) -> SourceStats:
