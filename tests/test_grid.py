@@ -333,6 +333,15 @@ def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
     assert e.value.code == 2 and expected in capsys.readouterr().err
 
 
+def test_an_exp_dir_that_cannot_be_made_is_one_line(data, tmp_path, capsys):
+    blocker = tmp_path / "results"             # a file where the results folder should be
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as e:       # was submitit's NotADirectoryError traceback
+        grid.main(grid_argv(data, blocker, "source", "0", "--nj", "1"))
+    assert str(e.value).startswith(f"ERROR: --exp_dir {blocker}: cannot create {blocker}/.grid/")
+    assert str(e.value).endswith(": Not a directory") and blocker.read_text() == ""
+
+
 # ----------------------------------------------------------------------------- Slurm
 @pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
 def test_the_recipes_slurm_conf_makes_an_executor(recipe, tmp_path):

@@ -237,6 +237,11 @@ def slurm_gpus(ex) -> bool:
 
 def _engine(args):
     folder = Path(args.exp_dir) / ".grid" / time.strftime("%Y%m%d-%H%M%S")
+    try:                                # --exp_dir a file, or where one cannot write
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"ERROR: --exp_dir {args.exp_dir}: cannot create {folder}: "
+                         f"{e.strerror or e}") from None
     if args.engine == "slurm":
         return slurm_executor(args, folder)
     ex = submitit.LocalExecutor(folder=folder)
