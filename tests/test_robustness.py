@@ -149,6 +149,28 @@ def test_conversions_happen_on_read_and_are_logged(bad_run, bad_stream):
     assert load_audio(d / "stereo44k.flac").numel() == int(0.4 * SR)
 
 
+def test_a_stream_of_only_unreadable_audio_is_one_line_and_reruns_once_fixed(tmp_path,
+                                                                            tiny_model_dir):
+    """Every utterance skipped (a wrong --data_root): SpeechBrain's WER summary divided by zero
+    (a traceback). Now one line naming the first reason and rejects.csv, no summary.json (the
+    folder is not a finished run), and the rerun it asks for decodes once the audio is there."""
+    wavs = [tmp_path / "audio" / f"u{i}.wav" for i in range(2)]
+    stream = write_manifest(tmp_path / "s.csv", [row(w.stem, w, 0.4) for w in wavs])
+    out = tmp_path / "exp"
+    msg = _error(dsuta_args(tiny_model_dir, stream, out))
+    assert msg == (f"ERROR: s: none of its 2 utterances was decoded (first: u0: {wavs[0]}: file "
+                   f"not found); every reason is in {out / 'rejects.csv'}: fix the audio files or "
+                   f"--data_root, delete {out} (it holds no transcript) and rerun")
+    assert not (out / "summary.json").exists()
+    assert _error(dsuta_args(tiny_model_dir, stream, out)) == msg          # a resume: the same
+    wavs[0].parent.mkdir()
+    for w in wavs:
+        sf.write(w, speech(0.4), SR, subtype="PCM_16")
+    shutil.rmtree(out)
+    summary = decode.main(dsuta_args(tiny_model_dir, stream, out))
+    assert (summary.n_utts, summary.n_skipped) == (2, 0)
+
+
 def test_load_audio_errors(tmp_path):
     (tmp_path / "zero.wav").write_bytes(b"")
     with pytest.raises(AudioError, match=r"zero\.wav: empty file \(0 bytes\)"):

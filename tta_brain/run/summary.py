@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from tta_brain.data.loader import boundaries
+from tta_brain.data.manifest import ManifestError
 from tta_brain.run.envinfo import describe_device, versions
 from tta_brain.asr.metrics import error_rate
 from tta_brain.run.records import (RecordError, read_rejects, read_resets, read_transcripts,
@@ -92,6 +93,13 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
     :class:`~tta_brain.run.checkpoint.StreamState` (time spent); ``method``: its pass counts.
     """
     transcripts = read_transcripts(folder)
+    rejects = read_rejects(folder)
+    if not transcripts:          # every utterance skipped: no WER (was SpeechBrain's ZeroDivision)
+        first = f" (first: {rejects[0].ID}: {rejects[0].reason})" if rejects else ""
+        raise ManifestError(f"{stream}: none of its {len(rejects)} utterances was decoded{first}; "
+                            f"every reason is in {Path(folder) / 'rejects.csv'}: fix the audio "
+                            f"files or --data_root, delete {folder} (it holds no transcript) and "
+                            f"rerun")
     write_wer_file(folder, transcripts)
     per_dom: Dict[str, List[int]] = {}
     for t in transcripts:
@@ -99,7 +107,6 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
         e[0], e[1] = e[0] + t.n_err, e[1] + t.n_words
     n_err = sum(t.n_err for t in transcripts)
     n_words = sum(t.n_words for t in transcripts)
-    rejects = read_rejects(folder)
     wall, audio = state.wall_time, state.audio_time
     summary = Summary(
         method=tag, stream=stream, seed=seed, wer=error_rate(n_err, n_words),
