@@ -159,8 +159,9 @@ def test_a_stream_of_only_unreadable_audio_is_one_line_and_reruns_once_fixed(tmp
     out = tmp_path / "exp"
     msg = _error(dsuta_args(tiny_model_dir, stream, out))
     assert msg == (f"ERROR: s: none of its 2 utterances was decoded (first: u0: {wavs[0]}: file "
-                   f"not found); every reason is in {out / 'rejects.csv'}: fix the audio files or "
-                   f"--data_root, delete {out} (it holds no transcript) and rerun")
+                   f"not found); every reason is in {out / 'rejects.csv'}: fix what they name "
+                   f"(audio, --data_root, the manifest), delete {out} (it holds no transcript) "
+                   f"and rerun")
     assert not (out / "summary.json").exists()
     assert _error(dsuta_args(tiny_model_dir, stream, out)) == msg          # a resume: the same
     wavs[0].parent.mkdir()

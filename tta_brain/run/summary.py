@@ -97,9 +97,9 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
     if not transcripts:          # every utterance skipped: no WER (was SpeechBrain's ZeroDivision)
         first = f" (first: {rejects[0].ID}: {rejects[0].reason})" if rejects else ""
         raise ManifestError(f"{stream}: none of its {len(rejects)} utterances was decoded{first}; "
-                            f"every reason is in {Path(folder) / 'rejects.csv'}: fix the audio "
-                            f"files or --data_root, delete {folder} (it holds no transcript) and "
-                            f"rerun")
+                            f"every reason is in {Path(folder) / 'rejects.csv'}: fix what they "
+                            f"name (audio, --data_root, the manifest), delete {folder} (it holds "
+                            f"no transcript) and rerun")
     write_wer_file(folder, transcripts)
     per_dom: Dict[str, List[int]] = {}
     for t in transcripts:
