@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -331,6 +332,21 @@ def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
     with pytest.raises(SystemExit) as e:
         grid.parse_args(argv + extra)
     assert e.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_two_streams_of_one_name_are_refused(data, tmp_path):
+    """Two manifests under one name used to plan the first one's runs only (the second was
+    dropped as a duplicate run); the same manifest twice is still one set of runs."""
+    other = tmp_path / "other.csv"
+    other.write_bytes(Path(data["csv"]).read_bytes())
+    argv = grid_argv(data, tmp_path / "exp", "source", "0")
+    i = argv.index("--streams") + 1
+    with pytest.raises(SystemExit, match=re.escape(
+            f"ERROR: --streams: the name 's' is given to {data['csv']} and {other} (their runs "
+            f"would share {tmp_path / 'exp' / 's'}); name them apart: NAME=CSV")):
+        grid.plan_runs(grid.parse_args(argv[:i + 1] + [f"s={other}"] + argv[i + 1:]))
+    twice = grid.plan_runs(grid.parse_args(argv[:i + 1] + [f"s={data['csv']}"] + argv[i + 1:]))
+    assert [r.name for r in twice] == ["s/source/seed0"]
 
 
 def test_an_exp_dir_that_cannot_be_made_is_one_line(data, tmp_path, capsys):

@@ -134,10 +134,14 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
     rule.check("--sweep", points[0])
     # --gpus: each local run sees its one GPU (CUDA_VISIBLE_DEVICES) and decodes on it
     gpu = ["--device=cuda"] if cuda or (args.engine == "local" and args.gpus.split()) else []
-    runs = []
+    runs, named = [], {}
     for spec in args.streams:
         name, _, csv = spec.rpartition("=") if "=" in spec else ("", "", spec)
         name = name or Path(csv).stem
+        if named.setdefault(name, csv) != csv:       # one folder for two streams: one was lost
+            raise SystemExit(f"ERROR: --streams: the name {name!r} is given to {named[name]} and "
+                             f"{csv} (their runs would share {Path(args.exp_dir) / name}); name "
+                             f"them apart: NAME=CSV")
         if not Path(csv).is_file() and not args.dry_run:
             raise SystemExit(f"ERROR: stream {csv} not found; run the earlier stages first")
         kind = "_md" if Path(name).name in md else ""
