@@ -334,6 +334,19 @@ def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
     assert e.value.code == 2 and expected in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sweep,expected", [
+    (["lr=1e-4", "lr=2e-4"], "--sweep 'lr=1e-4' 'lr=2e-4': lr given twice; list its values in "
+                             "one: lr=1e-4,2e-4"),      # was one run, lr=2e-4
+    (["lr=1e-4,,2e-4"], "--sweep 'lr=1e-4,,2e-4': use key=v1,v2,..."),
+    (["lr="], "--sweep 'lr=': use key=v1,v2,..."),
+])
+def test_a_sweep_that_would_lose_values_is_refused(sweep, expected):
+    from tta_brain.run.grid_plan import sweep_points
+    with pytest.raises(SystemExit, match=re.escape(f"ERROR: {expected}")):
+        sweep_points(sweep)
+    assert sweep_points(["lr=1,2", "steps=3"]) == [["--lr=1", "--steps=3"], ["--lr=2", "--steps=3"]]
+
+
 def test_two_streams_of_one_name_are_refused(data, tmp_path):
     """Two manifests under one name used to plan the first one's runs only (the second was
     dropped as a duplicate run); the same manifest twice is still one set of runs."""

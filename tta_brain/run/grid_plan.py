@@ -60,12 +60,17 @@ def inference_tag(opts: List[str]) -> str:
 
 def sweep_points(specs: List[str]) -> List[List[str]]:
     """``["lr=1e-4,3e-4", "steps=5,10"]`` -> the cartesian product as ``--key=value`` lists."""
-    axes = []
+    axes, keys = [], {}
     for spec in specs:
         key, _, values = spec.partition("=")
-        if not key or not values:
+        if not key or not values or "" in values.split(","):
             raise SystemExit(f"ERROR: --sweep {spec!r}: use key=v1,v2,...")
-        axes.append([f"--{key.lstrip('-')}={v}" for v in values.split(",")])
+        key = key.lstrip("-")
+        if key in keys:               # the product took the last value only: one run, not two
+            raise SystemExit(f"ERROR: --sweep {keys[key]!r} {spec!r}: {key} given twice; list "
+                             f"its values in one: {key}={keys[key].partition('=')[2]},{values}")
+        keys[key] = spec
+        axes.append([f"--{key}={v}" for v in values.split(",")])
     return [list(p) for p in itertools.product(*axes)] or [[]]
 
 
