@@ -581,6 +581,23 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
     assert hyp == tta.transcribe(want, sample_rate=16000.0) == hyps[0]
 
 
+def test_live_stream_oracle_reset_needs_the_segment(tiny_model_dir):
+    """Without segment= the oracle policy saw one block and never reset, silently."""
+    from tta_brain.stream import TTAStream
+    tta = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides={
+        "reset": "oracle", "steps": 1, "buffer_size": 1})
+    wav = torch.from_numpy(speech(0.4))
+    with pytest.raises(ValueError, match=re.escape("the oracle reset policy needs segment=")):
+        tta.transcribe(wav)
+    assert tta.position == 0
+    for seg in (0, 0, 1, 1, 2):
+        tta.transcribe(wav, segment=seg)
+    assert tta.resets == [2, 4]
+    plain = TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"steps": 1})
+    plain.transcribe(wav)                     # other policies need no segment
+    assert plain.position == 1
+
+
 def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path, tiny_model_dir,
                                                                        utterances, caplog):
     """save -> load continues as if never stopped (DSUTA + dynamic reset: meta-parameters, both

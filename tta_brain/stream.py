@@ -76,7 +76,8 @@ class TTAStream:
                    domain: str = "", segment: Optional[int] = None, utt_id: str = "") -> str:
         """Adapt on one utterance and return its transcript.
 
-        ``segment`` (an integer domain-block label) is only needed by the oracle reset policy.
+        ``segment`` (an integer domain-block label) is needed by the oracle reset policy only (a
+        ValueError without it).
         Floating-point samples are taken as they are (nominal range [-1, 1]); integer PCM (int16
         from a sound card, int32, uint8) is scaled as ``soundfile`` scales it when it reads a file.
         Several channels, ``[C, T]`` or ``[T, C]`` (``soundfile.read``'s layout; the channels are
@@ -84,6 +85,10 @@ class TTAStream:
         be used (empty, NaN/inf, too short for the model) is a one-line ``ValueError`` and leaves
         the state and the stream position unchanged.
         """
+        policy = getattr(self.method, "reset_policy", None)
+        if segment is None and getattr(policy, "name", None) == "oracle":   # it never fired
+            raise ValueError("transcribe: the oracle reset policy needs segment= (the domain "
+                             "block of this utterance: it resets where the label changes)")
         wav = as_mono_float(waveform)
         if not torch.isfinite(wav).all():
             raise ValueError("transcribe: the waveform contains NaN or inf")
