@@ -110,10 +110,6 @@ def multi_domain(domain_rows, order, per_domain=500, rate=None, seed=0):
     domain. ``per_domain`` must be a multiple of ``rate``.
     """
     order = list(order)
-    twice = sorted({d for d in order if order.count(d) > 1})
-    if twice:          # its block would repeat the same utterances: duplicate IDs in the stream
-        raise ValueError(f"multi_domain: the order names {', '.join(twice)} more than once "
-                         f"(each domain is one pool of per_domain utterances; rate cycles them)")
     rate = per_domain if rate is None else int(rate)
     if rate <= 0 or per_domain <= 0:
         raise ValueError("multi_domain: per_domain and rate must be positive")
