@@ -210,6 +210,11 @@ def test_manifest_other_mistakes(tmp_path, one_wav, tiny_model_dir):
     stream = write_manifest(tmp_path / "order.csv", rows)
     with pytest.raises(SystemExit, match=r"order\.csv: row 1 has position '5'"):
         decode.main(dsuta_args(tiny_model_dir, stream, out))
+    rows = [row("a", one_wav, 0.4), {**row("b", one_wav, 0.4), "segment": "x"}]
+    stream = write_manifest(tmp_path / "seg.csv", rows)          # was int()'s traceback
+    with pytest.raises(SystemExit, match=r"seg\.csv: row 1 has segment 'x'; segments are "
+                                         r"integers \(the domain block's index\) \(--stream_csv\)"):
+        decode.main(dsuta_args(tiny_model_dir, stream, out))
     stream = write_manifest(tmp_path / "root.csv", [row("a", "$data_root/a.wav", 0.4)])
     with pytest.raises(SystemExit, match=r"root\.csv:2: .*needs \$data_root.*--data_root"):
         decode.main(dsuta_args(tiny_model_dir, stream, out))

@@ -224,7 +224,11 @@ def _check_stream_order(path, rows):
     if "segment" in rows[0]:
         prev = -1
         for i, row in enumerate(rows):
-            seg = int(row["segment"])
+            try:
+                seg = int(row["segment"])
+            except ValueError:               # was int()'s traceback
+                raise ManifestError(f"{path}: row {i} has segment {row['segment']!r}; segments "
+                                    f"are integers (the domain block's index)") from None
             if seg not in (prev, prev + 1) or (i == 0 and seg != 0):
                 raise ManifestError(f"{path}: row {i} has segment {seg} after {prev}; "
                                     "segments must start at 0 and increase by 1 per block")
