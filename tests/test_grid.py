@@ -326,6 +326,8 @@ def workers_of(grid_dir):
     (["--seeds", "0 x"], "--seeds '0 x': seeds are integers"),
     (["--methods", " "], "--methods ' ': names no method"),
     (["--streams", ""], "--streams '': an empty stream name"),   # was output folders under /
+    (["--conf_dir", "/no/conf"], "--conf_dir /no/conf: no such folder"),   # were silently
+    (["--hparams_dir", "/no/hp"], "--hparams_dir /no/hp: no such folder"),  # left out
 ])
 def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
     argv = ["--exp_dir", "e", "--source", "m", "--streams", "s.csv", "--methods", "suta"]

@@ -436,6 +436,9 @@ def parse_args(argv=None):
         p.error(f"--seeds {args.seeds!r}: seeds are integers, e.g. '0 1 2'")
     if any(not s.strip() for s in args.streams):
         p.error(f"--streams {' '.join(map(repr, args.streams))}: an empty stream name")
+    for name in ("hparams_dir", "conf_dir"):    # else the packaged yamls / no recipe settings
+        if getattr(args, name) and not os.path.isdir(getattr(args, name)):
+            p.error(f"--{name} {getattr(args, name)}: no such folder")
     for name, low in (("nj", 0), ("per_gpu", 1), ("batch_runs", 1)):   # else no worker: a hang
         if getattr(args, name) < low:
             p.error(f"--{name} {getattr(args, name)}: must be an integer >= {low}")
