@@ -328,6 +328,7 @@ def workers_of(grid_dir):
     (["--streams", ""], "--streams '': an empty stream name"),   # was output folders under /
     (["--conf_dir", "/no/conf"], "--conf_dir /no/conf: no such folder"),   # were silently
     (["--hparams_dir", "/no/hp"], "--hparams_dir /no/hp: no such folder"),  # left out
+    (["--slurm_conf", "s.yaml"], "--slurm_conf s.yaml: read by --engine slurm only"),  # ran here
 ])
 def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
     argv = ["--exp_dir", "e", "--source", "m", "--streams", "s.csv", "--methods", "suta"]
@@ -347,6 +348,36 @@ def test_a_sweep_that_would_lose_values_is_refused(sweep, expected):
     with pytest.raises(SystemExit, match=re.escape(f"ERROR: {expected}")):
         sweep_points(sweep)
     assert sweep_points(["lr=1,2", "steps=3"]) == [["--lr=1", "--steps=3"], ["--lr=2", "--steps=3"]]
+
+
+def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
+    """``--lr 1e-4`` (decode's space form) in ``--decode_opts`` or an ``.opts`` file is one
+    override, named ``lr1e-4`` (it was refused as a key '1e-4'); a stray word, an open quote or
+    a key that the sweep replaces in every run is one line naming where it was written."""
+    argv = grid_argv(data, tmp_path / "exp", "suta", "0")
+
+    def plan(*extra):
+        return grid.plan_runs(grid.parse_args(argv + list(extra)))
+    spaced = plan("--decode_opts=--lr 1e-4 --noprogressbar --steps 2")
+    assert [r.name for r in spaced] == ["s/suta_lr1e-4_steps2/seed0"]
+    assert {"--lr=1e-4", "--noprogressbar", "--steps=2"} <= set(spaced[0].argv)
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "suta.opts").write_text("# a comment\n--lr 2e-4\n--steps=1 3\n")
+    for extra, expected in (
+            (["--decode_opts=--noprogressbar 3"], "--decode_opts: '3' is no option's value"),
+            (["--decode_opts=--lr='1e-4"], "--decode_opts: No closing quotation"),
+            (["--conf_dir", str(conf)], f"{conf / 'suta.opts'}:3: '3' is no option's value"),
+            (["--decode_opts=--lr=1e-4", "--sweep", "lr=2e-4,3e-4"],     # was lr=1e-4 unused
+             "--decode_opts sets --lr and --sweep sweeps it"),
+            (["--md_streams", "s", "--md_decode_opts=--steps=2", "--sweep", "steps=1,3"],
+             "--md_decode_opts sets --steps and --sweep sweeps it")):
+        with pytest.raises(SystemExit, match=re.escape(f"ERROR: {expected}")):
+            plan(*extra)
+    (conf / "suta.opts").write_text("--lr 2e-4\n")       # a recipe setting the sweep replaces
+    swept = plan("--conf_dir", str(conf), "--sweep", "lr=3e-4")
+    a = swept[0].argv                                    # the later (the sweep's) one wins
+    assert a.index("--lr=2e-4") < a.index("--lr=3e-4") and "lr3e-4" in swept[0].name
 
 
 def test_two_streams_of_one_name_are_refused(data, tmp_path):

@@ -447,6 +447,9 @@ def parse_args(argv=None):
     given, args.gpus = args.gpus, " ".join(args.gpus.replace(",", " ").split())   # '0,1' too
     if any(not g.isdigit() for g in args.gpus.split()):
         p.error(f"--gpus {given!r}: GPU ids are numbers, e.g. '0 1 2 3' or '0,1,2,3'")
+    if args.slurm_conf and args.engine == "local":      # else the grid runs here, not on Slurm
+        p.error(f"--slurm_conf {args.slurm_conf}: read by --engine slurm only (this grid would "
+                "run on this machine); add --engine slurm, or leave --slurm_conf out")
     if args.gpus.split() and args.engine == "slurm":
         p.error("--gpus picks this machine's GPUs (--engine local); a Slurm job asks for its GPU "
                 "in --slurm_conf (gpus_per_node: 1) and then decodes on it")

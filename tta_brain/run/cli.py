@@ -16,8 +16,8 @@ import ruamel.yaml.error
 
 from tta_brain import hparams as hp_files
 
-__all__ = ["UsageError", "Arguments", "parse_arguments", "help_text", "record_hparams",
-           "RUN_OPTIONS"]
+__all__ = ["UsageError", "Arguments", "parse_arguments", "key_value_form", "help_text",
+           "record_hparams", "RUN_OPTIONS"]
 
 USAGE = ("usage: python -m tta_brain.decode <method or yaml> --source=<model> --stream_csv=<csv> "
          "--output_folder=<dir> [--data_root=<dir>] [run options] [--key=value ...]\n"
@@ -66,6 +66,21 @@ def _bool(key: str, value: str) -> bool:
     if v in ("false", "0", "no", "off"):
         return False
     raise UsageError(f"--{key} takes true or false, not {value!r}")
+
+
+def key_value_form(opts: List[str]) -> List[str]:
+    """Options as decode reads them, each one ``--key=value`` (or a bare flag): ``--lr 1e-4`` ->
+    ``--lr=1e-4``. For lists of overrides written for decode and read by others (the grid names
+    its runs by their keys); a token that is no option's value is a UsageError."""
+    out = []
+    for a in opts:
+        if a.startswith("--"):
+            out.append(a)
+        elif out and "=" not in out[-1] and out[-1][2:] not in FLAGS:
+            out[-1] += "=" + a
+        else:
+            raise UsageError(f"{a!r} is no option's value (overrides are --key=value)")
+    return out
 
 
 def parse_arguments(argv: List[str]) -> Arguments:

@@ -37,11 +37,21 @@ class Run:
     plan: object = None             # its decode.plan, once the grid has looked at its folder
 
 
+def _options(source: str, text: str) -> List[str]:
+    """Decode overrides written on one line, as ``--key=value`` items (``--lr 1e-4`` too); a line
+    that is none (a stray word, an open quote) is one line naming ``source``."""
+    from tta_brain.run.cli import key_value_form
+    try:
+        return key_value_form(shlex.split(text))
+    except ValueError as e:                     # shlex's open quote, or a UsageError
+        raise SystemExit(f"ERROR: {source}: {e}") from None
+
+
 def _opts_file(path: Path) -> List[str]:
     if not path.is_file():
         return []
-    return [a for line in path.read_text().splitlines() if not line.strip().startswith("#")
-            for a in shlex.split(line)]
+    return [a for n, line in enumerate(path.read_text().splitlines(), 1)
+            if not line.strip().startswith("#") for a in _options(f"{path}:{n}", line)]
 
 
 def _keyvals(opts: List[str]) -> Dict[str, str]:
@@ -125,9 +135,15 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
     (Slurm jobs that ask for GPUs)."""
     conf = Path(args.conf_dir) if args.conf_dir else None
     md = set(args.md_streams.split())
-    user, md_opts = shlex.split(args.decode_opts), shlex.split(args.md_decode_opts)
-    md_recipe = shlex.split(getattr(args, "md_recipe_opts", ""))     # recipe settings: no check
+    user = _options("--decode_opts", args.decode_opts)
+    md_opts = _options("--md_decode_opts", args.md_decode_opts)
+    md_recipe = _options("--md_recipe_opts", getattr(args, "md_recipe_opts", ""))   # no check
     points = sweep_points(args.sweep)
+    for source, opts in (("--decode_opts", user), ("--md_decode_opts", md_opts)):
+        both = sorted(set(_keyvals(opts)) & set(_keyvals(points[0])))
+        if both:                              # the sweep's values would replace it in every run
+            raise SystemExit(f"ERROR: {source} sets --{both[0]} and --sweep sweeps it (every run "
+                             f"would take the sweep's value); give it in one of them only")
     tokens = args.methods.split()
     if tokens == ["all"]:                  # every packaged method
         from tta_brain import hparams
