@@ -224,6 +224,11 @@ def test_manifest_other_mistakes(tmp_path, one_wav, tiny_model_dir):
     stream = write_manifest(tmp_path / "dur.csv", [row("a", one_wav, 0.4) | {"duration": "x"}])
     with pytest.raises(SystemExit, match=r"dur\.csv:2: duration 'x' is not a number"):
         decode.main(dsuta_args(tiny_model_dir, stream, out))
+    for bad in ("-0.4", "nan", "inf"):      # were accepted: -0.4 passed every length filter
+        stream = write_manifest(tmp_path / "dur.csv", [row("a", one_wav, 0.4) | {"duration": bad}])
+        with pytest.raises(SystemExit, match=rf"dur\.csv:2: duration {float(bad)!r} is not a "
+                                             rf"length in seconds \(a number >= 0\)"):
+            decode.main(dsuta_args(tiny_model_dir, stream, out))
     assert not out.exists()
 
 

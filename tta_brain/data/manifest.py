@@ -20,6 +20,7 @@ Preparation steps keep a cache record next to their output (``<file>.opts.json``
 import csv
 import io
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -127,6 +128,9 @@ def _read_rows(path, records, replacements):
             except ValueError:
                 raise ManifestError(
                     f"{path}:{line_no}: duration {row['duration']!r} is not a number") from None
+            if not 0 <= row["duration"] < math.inf:      # nan too: every filter would drop it
+                raise ManifestError(f"{path}:{line_no}: duration {row['duration']!r} is not a "
+                                    f"length in seconds (a number >= 0)")
         rows.append(row)
     return rows
 
