@@ -126,6 +126,33 @@ def test_resume_refuses_another_stream_and_truncated_records(data, reference, tm
         decode.main(args(data, out, *DSUTA, "--ckpt_every=5", csv_path=other))
 
 
+def test_a_finished_run_with_damaged_records_is_not_skipped(data, tmp_path):
+    """A finished folder whose transcripts.csv was cut short (a copy from a cluster that
+    stopped) or whose summary.json is unreadable was skipped as finished by decode and the grid
+    (and the summary's traceback); now it is one line, and ``--overwrite`` decodes it again."""
+    from tta_brain import grid
+    short = tmp_path / "short.csv"
+    short.write_text("\n".join(data["csv"].read_text().splitlines()[:7]) + "\n")
+    out, run = tmp_path / "exp", args(data, tmp_path / "exp", *DSUTA, csv_path=short)
+    decode.main(run)
+    good = records(out)
+    lines = good["transcripts.csv"].splitlines(keepends=True)
+    (out / "transcripts.csv").write_text("".join(lines[:-1]))
+    with pytest.raises(SystemExit, match=r"transcripts\.csv: 5 utterances, .* but summary\.json "
+                                         r"says 6, .*\(cut short .*; or add --overwrite"):
+        decode.main(run)
+    plan = grid.Run("exp", out, run[:])
+    grid.check_done([plan])
+    assert plan.status == "failed" and plan.message.endswith("; or --decode_opts --overwrite")
+    (out / "transcripts.csv").write_text(good["transcripts.csv"])
+    (out / "summary.json").write_text("{")
+    with pytest.raises(SystemExit, match=r"summary\.json"):
+        decode.main(run)
+    decode.main(run + ["--overwrite"])
+    assert records(out) == good
+    assert decode.plan(run).status == "done"
+
+
 def test_same_seed_same_transcripts_awmc_with_dropout(data, tmp_path):
     """AWMC adapts in train mode (dropout on): the seed decides the dropout masks."""
     common = ["--steps=2", "--lr=0.05", "--ckpt_every=0", "--train_mode=true"]

@@ -37,7 +37,7 @@ from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hpa
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
 from tta_brain.run.envinfo import describe_device, installed_packages, versions
-from tta_brain.run.folder import clear_run
+from tta_brain.run.folder import clear_run, load_run
 from tta_brain.run.records import CSV_FILES, RecordError
 from tta_brain.run.summary import read_summary
 from tta_brain.lobes.runtime import (KERNEL_CACHE_VARIABLES, bound_kernel_caches, free_run_memory,
@@ -88,7 +88,7 @@ class Plan:
     stream_csv: str
     out: str
     fingerprint: dict
-    status: str                   # new | resume | done | differs
+    status: str                   # new | resume | done | differs | damaged
     diffs: list
     determinism: str = ""         # the deterministic-kernels and TF32 line (set by prepare)
 
@@ -98,7 +98,9 @@ class Plan:
 
 
 def folder_status(out, fp):
-    """``(status, differences)`` of an output folder for a run with fingerprint ``fp``."""
+    """``(status, differences)`` of an output folder for a run with fingerprint ``fp``;
+    ``damaged``: this run finished there, but its records are not those its summary was computed
+    from (cut short, changed) or the summary is unreadable: the difference is the reason."""
     folder = Path(out)
     if (folder / "summary.json").is_file():
         try:
@@ -106,7 +108,13 @@ def folder_status(out, fp):
         except RecordError:
             old = identity.read_fingerprint(folder)
         diffs = identity.differences(old, fp)
-        return ("differs", diffs) if diffs else ("done", [])
+        if diffs:
+            return "differs", diffs
+        try:
+            load_run(folder)
+        except RecordError as e:
+            return "damaged", [str(e)]
+        return "done", []
     old = identity.read_fingerprint(folder)
     if old is not None:
         diffs = identity.differences(old, fp)
@@ -155,8 +163,8 @@ def main(argv=None):
         return None
     if p.status == "done":
         return _skip(p.out)
-    if p.status == "differs" and not p.args.overwrite:
-        _refuse(p.out, p.diffs)
+    if p.status in ("differs", "damaged") and not p.args.overwrite:
+        _refuse(p.out, p.diffs, p.status)
     created = not os.path.exists(p.out)
     if os.path.exists(p.out) and not os.path.isdir(p.out):
         _fail(f"cannot write the output folder {p.out} (--output_folder): it is a file")
@@ -185,7 +193,9 @@ def _skip(out):
     return summary
 
 
-def _refuse(out, diffs):
+def _refuse(out, diffs, status="differs"):
+    if status == "damaged":
+        _fail(f"{diffs[0]}; or add --overwrite to delete its records and start over")
     _fail(f"{out} holds a run with other settings ({'; '.join(diffs)}); use another "
           f"--output_folder, or add --overwrite to delete its records and start over")
 
@@ -196,8 +206,8 @@ def prepare(p: Plan) -> str:
     status, diffs = folder_status(p.out, p.fingerprint)
     if status == "done":
         return status
-    if status == "differs" and not p.args.overwrite:
-        _refuse(p.out, diffs)
+    if status in ("differs", "damaged") and not p.args.overwrite:
+        _refuse(p.out, diffs, status)
     bound_kernel_caches()                                          # before the first forward
     p.determinism = process_settings(p.resolved.get("device"),
                                      p.resolved.get("deterministic", True),
@@ -210,7 +220,7 @@ def open_folder(p: Plan, argv, status: str, hparams) -> "sb.utils.checkpoints.Ch
     fingerprint, the experiment directory (log.txt, env.log), hyperparams.yaml, the logged seed,
     device and versions, the method's description, stream.csv; the run's checkpointer.
     ``hparams``: the built yaml (``method`` may be a stand-in with ``describe()``)."""
-    if status == "differs":          # --overwrite, once the new run is known to build
+    if status in ("differs", "damaged"):     # --overwrite, once the new run is known to build
         removed = clear_run(p.out)
         print(f"{p.out}: --overwrite: removed {', '.join(removed) or 'nothing'}")
     identity.write_fingerprint(p.out, p.fingerprint)     # the folder is this run's from now on

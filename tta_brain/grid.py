@@ -122,6 +122,8 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
             run.status = "failed"
             run.message = (f"holds a run with other settings ({'; '.join(p.diffs)}); use another "
                            f"--exp_dir or --decode_opts --overwrite")
+        elif p.status == "damaged" and "--overwrite" not in run.argv:
+            run.status, run.message = "failed", f"{p.diffs[0]}; or --decode_opts --overwrite"
 
 
 def batches(runs: List[Run], size: int) -> List[List[Run]]:

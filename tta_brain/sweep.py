@@ -169,8 +169,8 @@ def run(argvs: List[List[str]]):
     for p in plans:
         if p.status == "help":
             raise Refused("--help is not a run")
-        if p.status == "differs" and not p.args.overwrite:
-            decode._refuse(p.out, p.diffs)
+        if p.status in ("differs", "damaged") and not p.args.overwrite:
+            decode._refuse(p.out, p.diffs, p.status)
     todo = [(p, a) for p, a in zip(plans, argvs) if p.status != "done"]
     for p in plans:
         if p.status == "done":
