@@ -470,7 +470,11 @@ def test_a_cached_hub_model_loads_without_the_network_and_its_commit_is_recorded
     assert hub.connections == 0
     fp = json.loads((tmp_path / "exp" / "fingerprint.json").read_text())
     assert fp["hparams"]["source"] == f"hub:{repo}@{commit}"
-    assert f"Source model: hub:{repo}@{commit}" in (tmp_path / "exp" / "log.txt").read_text()
+    log = (tmp_path / "exp" / "log.txt").read_text()
+    assert f"Source model: hub:{repo}@{commit}" in log
+    # logged while the model was built, before log.txt existed: it used to reach no file
+    line = f"{repo}: loaded from the local Hugging Face cache (commit {commit})"
+    assert log.count(line) == 1 and (res.stdout + res.stderr).count(line) == 1
 
 
 def test_an_incomplete_cached_snapshot_asks_the_hub(tmp_path, ok_stream, tiny_model_dir):

@@ -215,11 +215,47 @@ def prepare(p: Plan) -> str:
     return status
 
 
-def open_folder(p: Plan, argv, status: str, hparams) -> "sb.utils.checkpoints.Checkpointer":
+class HeldLogs(logging.Handler):
+    """What a run logs while its yaml is built (the model's loading, ...), before its log.txt
+    exists: held, then logged once the run's folder is made (:meth:`replay`), so it reaches
+    log.txt as well as the console. A build that fails shows the held warnings as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.records, self._level = [], None
+
+    def __enter__(self):
+        root = logging.getLogger()
+        self._level = root.level
+        root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
+        root.addHandler(self)
+        return self
+
+    def __exit__(self, kind, *_):
+        root = logging.getLogger()
+        root.removeHandler(self)
+        root.setLevel(self._level)
+        if kind is not None:                    # no folder will take them: stderr, as before
+            for r in self.records:
+                if r.levelno >= logging.WARNING:
+                    logging.lastResort.handle(r)
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def replay(self):
+        records, self.records = self.records, []
+        for r in records:
+            logging.getLogger(r.name).handle(r)
+
+
+def open_folder(p: Plan, argv, status: str, hparams, held: "HeldLogs" = None
+                ) -> "sb.utils.checkpoints.Checkpointer":
     """Make ``p.out`` this run's folder (``--overwrite`` clears another run's records first): the
     fingerprint, the experiment directory (log.txt, env.log), hyperparams.yaml, the logged seed,
     device and versions, the method's description, stream.csv; the run's checkpointer.
-    ``hparams``: the built yaml (``method`` may be a stand-in with ``describe()``)."""
+    ``hparams``: the built yaml (``method`` may be a stand-in with ``describe()``); ``held``: what
+    was logged while it was built."""
     if status in ("differs", "damaged"):     # --overwrite, once the new run is known to build
         removed = clear_run(p.out)
         print(f"{p.out}: --overwrite: removed {', '.join(removed) or 'nothing'}")
@@ -231,6 +267,8 @@ def open_folder(p: Plan, argv, status: str, hparams) -> "sb.utils.checkpoints.Ch
         logger.warning("%s has no 'seed'; seeded with 0", p.hp.path)
     out = p.out
     sb.create_experiment_directory(experiment_directory=out, save_env_desc=False)
+    if held is not None:
+        held.replay()
     with open(os.path.join(out, "env.log"), "w", encoding="utf-8") as f:
         f.write(installed_packages())          # what SpeechBrain writes there, asked once
     with open(os.path.join(out, "hyperparams.yaml"), "w", encoding="utf-8") as f:
@@ -248,10 +286,11 @@ def _run(p: Plan, argv):
     if status == "done":
         return _skip(p.out)
     try:
-        hparams = p.hp.build()
+        with HeldLogs() as held:
+            hparams = p.hp.build()
     except hp_files.HparamsError as e:
         _fail(str(e))
-    checkpointer = open_folder(p, argv, status, hparams)
+    checkpointer = open_folder(p, argv, status, hparams, held)
     brain = TTABrain(modules={"model": hparams["model"]}, hparams=hparams,
                      run_opts=p.args.run_opts, checkpointer=checkpointer,
                      fingerprint=p.fingerprint, record_hparams=p.record)

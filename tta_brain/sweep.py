@@ -210,13 +210,15 @@ def _run(todo):
     statuses = [decode.prepare(p) for p, _ in todo]
     if "done" in statuses:                  # finished meanwhile by another process
         raise Refused("a run of the batch was finished by another process meanwhile; rerun")
-    built = []
+    built, held = [], []
     for p, _ in todo:                       # each run's own yaml; its own model is dropped
         try:
-            hparams = p.hp.build()
+            with decode.HeldLogs() as logs:
+                hparams = p.hp.build()
         except decode.hp_files.HparamsError as e:
             decode._fail(str(e))
         built.append(hparams)
+        held.append(logs)
         if len(built) > 1:          # only its settings are read: its weights go at once
             hparams["model"].to("meta")
             hparams["model"] = built[0]["model"]
@@ -228,7 +230,7 @@ def _run(todo):
     brains = []
     for r, ((p, argv), status, hparams) in enumerate(zip(todo, statuses, built)):
         hparams["method"] = batch.views[r]
-        ckpt = decode.open_folder(p, argv, status, hparams)
+        ckpt = decode.open_folder(p, argv, status, hparams, held[r])
         brains.append(TTABrain(modules={"model": batch.lobe}, hparams=hparams,
                                run_opts=p.args.run_opts, checkpointer=ckpt,
                                fingerprint=p.fingerprint, record_hparams=p.record))
