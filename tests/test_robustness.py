@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -485,6 +486,24 @@ def test_an_incomplete_cached_snapshot_asks_the_hub(tmp_path, ok_stream, tiny_mo
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("ERROR: ") and f"Cannot load the CTC source model '{repo}'" in last
     assert "or a hub name already in the HF cache" in last
+
+
+def test_an_uncached_hub_model_without_a_reachable_hub_is_one_line_at_once(
+        tmp_path, ok_stream, monkeypatch):
+    """A hub name that is not in the cache, on a machine where the hub's host does not resolve
+    (a cluster node without network), used to retry for about 50 s a run before failing; now the
+    run stops at once (no retry) with one line saying what to do."""
+    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    hub = types.SimpleNamespace(url="https://hub.invalid")      # RFC 6761: never resolves
+    res = _decode_with_hub(tmp_path, ok_stream, hub, "org/not-cached")
+    assert res.returncode == 1 and "Retrying" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ERROR: ") and ("Cannot load the CTC source model 'org/not-cached': it "
+                                           "is not in the local Hugging Face cache and the hub's "
+                                           "host hub.invalid cannot be resolved here") in last
+    assert "`huggingface-cli download org/not-cached` on a machine with network" in last
+    assert not (tmp_path / "exp").exists()
 
 
 def test_a_hub_source_recorded_without_its_commit_is_the_same_run():

@@ -100,6 +100,31 @@ def hub_snapshot(name: str, cache_dir=None) -> Optional[str]:
         return None
 
 
+def hub_unreachable() -> Optional[str]:
+    """Why the Hugging Face hub (``HF_ENDPOINT``) cannot be asked, found at once: its host name
+    does not resolve (no network or no DNS here). None when it may be reachable (a proxy is set,
+    or offline mode, where the hub library stops at once by itself); asking it otherwise retries
+    for about 50 s before failing the same way."""
+    import socket
+    import urllib.parse
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return None
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        return f"the hub's host {host} cannot be resolved here ({e.strerror})"
+    except (OSError, UnicodeError):
+        return None
+    return None
+
+
 def source_identity(source: str) -> str:
     """``sha1:<hex>`` of a local model directory's files; ``hub:<name>@<commit>`` for a hub model
     in the local HF cache (the commit of the snapshot it is loaded from), else ``hub:<name>``."""

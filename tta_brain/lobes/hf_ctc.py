@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from tta_brain.asr.ctc import collapse
-from tta_brain.data.cache import hub_snapshot
+from tta_brain.data.cache import hub_snapshot, hub_unreachable
 from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
 from tta_brain.lobes.weight_norm import cache_frozen_weight_norms
@@ -193,6 +193,13 @@ class HFCTCLobe(nn.Module):
         if parts is None:
             if local_files_only is None:
                 local_files_only = os.path.isdir(source)
+            why = not local_files_only and not snapshot and hub_unreachable()
+            if why:                # else minutes of retries before every run of a grid
+                raise RuntimeError(
+                    f"Cannot load the CTC source model '{source}': it is not in the local Hugging "
+                    f"Face cache and {why}.\n`source` must be a local directory written by "
+                    f"save_pretrained or a hub name already in the HF cache (`huggingface-cli "
+                    f"download {source}` on a machine with network, into HF_HOME)")
             parts = _load_checkpoint(source, dict(cache_dir=savedir,
                                                   local_files_only=local_files_only))
         self.model, self.feature_extractor, self.tokenizer = parts
