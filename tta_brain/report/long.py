@@ -275,8 +275,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.window < 1:
         p.error(f"--window {args.window}: must be an integer >= 1 (utterances)")
-    if args.flat_mib < 0:
-        p.error(f"--flat_mib {args.flat_mib}: must be >= 0")
+    for name in ("margin", "flat_mib"):        # nan: nothing is ever above it, all is flat
+        if not 0 <= getattr(args, name) < float("inf"):
+            p.error(f"--{name} {getattr(args, name)}: must be a number >= 0")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tta_brain.report.results import collect_runs
     try:
