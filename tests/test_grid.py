@@ -324,6 +324,7 @@ def workers_of(grid_dir):
 @pytest.mark.parametrize("extra,expected", [
     (["--seeds", ""], "--seeds '': names no seed"),      # was a grid of 0 runs, exit 0
     (["--seeds", "0 x"], "--seeds '0 x': seeds are integers"),
+    (["--seeds", "-1 0"], "--seeds '-1 0': seeds are integers from 0 to 4294967295"),  # ran seed 0
     (["--methods", " "], "--methods ' ': names no method"),
     (["--streams", ""], "--streams '': an empty stream name"),   # was output folders under /
     (["--conf_dir", "/no/conf"], "--conf_dir /no/conf: no such folder"),   # were silently

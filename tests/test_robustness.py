@@ -314,6 +314,9 @@ def test_command_line_error_is_one_line_not_a_traceback(tmp_path, ok_stream, tin
     (["--lr=abc"], "lr = 'abc' is not valid: lr must be a number > 0 (AdamW learning rate"),
     (["--steps=many"], "steps = 'many' is not valid: steps must be an integer"),
     (["--seed=abc"], "seed = 'abc' is not valid: seed must be an integer"),
+    # SpeechBrain's seed_everything seeded 0 instead, with an INFO line: two seeds, one run
+    (["--seed=-1"], "seed = -1 is not valid: seed must be an integer between 0 and 4294967295"),
+    (["--seed=4294967296"], "seed = 4294967296 is not valid: seed must be an integer between 0"),
     (["--em_coef=2"], "em_coef must be a number between 0 and 1"),
     (["--precision=fp8"], "precision must be one of fp32, bf16, fp16"),
     (["--precision=fp16", "--device=cpu"], "precision = fp16 (--precision) needs a CUDA device"),
@@ -340,6 +343,17 @@ def test_bad_values_and_options_name_the_key(tmp_path, ok_stream, tiny_model_dir
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, *extra))
     assert expected in msg and "\n" not in msg, msg
     assert not out.exists()                          # nothing written
+
+
+def test_a_cma_seed_numpy_cannot_take_is_one_line():
+    """FOA / E-BATS draw from ``RandomState(cma_seed)``: a negative seed was numpy's traceback."""
+    from tta_brain import hparams
+    base = "source: m\nstream_csv: s.csv\noutput_folder: o\nsource_stats: s.pt\n"
+    for method in ("foa", "ebats"):
+        with pytest.raises(hparams.HparamsError, match=f"{method}.yaml: cma_seed = -1 is not "
+                                                       f"valid: cma_seed must be an integer between"):
+            hparams.resolve(method, base + "cma_seed: -1\n")
+        assert hparams.resolve(method, base + "cma_seed: 4294967295\n").values["cma_seed"] > 0
 
 
 def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir):

@@ -434,8 +434,8 @@ def parse_args(argv=None):
     for name in ("methods", "seeds"):         # an empty list is a grid of no runs, not a success
         if not getattr(args, name).split():
             p.error(f"--{name} {getattr(args, name)!r}: names no {name[:-1]}")
-    if any(not s.lstrip("-").isdigit() for s in args.seeds.split()):
-        p.error(f"--seeds {args.seeds!r}: seeds are integers, e.g. '0 1 2'")
+    if any(not s.isdigit() or int(s) >= 2 ** 32 for s in args.seeds.split()):
+        p.error(f"--seeds {args.seeds!r}: seeds are integers from 0 to 4294967295, e.g. '0 1 2'")
     if any(not s.strip() for s in args.streams):
         p.error(f"--streams {' '.join(map(repr, args.streams))}: an empty stream name")
     for name in ("hparams_dir", "conf_dir"):    # else the packaged yamls / no recipe settings

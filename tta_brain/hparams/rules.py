@@ -19,7 +19,7 @@ _INT, _FLOAT, _BOOL, _TEXT = "an integer", "a number", "true or false", "a strin
 _AUTO_INT, _AUTO_FLOAT = "auto or an integer", "auto or a number"
 RULES = {
     # the run block (run.yaml): what is decoded, where, how
-    "seed": (_INT, None), "ckpt_every": (_INT, ">=0"), "max_duration": (_FLOAT, ">=0"),
+    "seed": (_INT, "seed"), "ckpt_every": (_INT, ">=0"), "max_duration": (_FLOAT, ">=0"),
     "source": (_TEXT, None), "stream_csv": (_TEXT, None), "output_folder": (_TEXT, None),
     "data_root": (_TEXT, None), "stream_name": (_TEXT, None), "device": (_TEXT, None),
     "method_tag": (_TEXT, None), "precision": (("fp32", "bf16", "fp16"), None),
@@ -56,7 +56,7 @@ RULES = {
     "knn": (_INT, ">=1"), "bound_lambda": (_FLOAT, ">=0"), "max_steps": (_INT, ">=1"),
     "tol": (_FLOAT, ">=0"), "blank_threshold": (_FLOAT, "0..1"), "filter_K": (_INT, "-1|>=1"),
     "popsize": (_INT, ">=2"), "sigma": (_FLOAT, ">0"), "generations": (_INT, ">=1"),
-    "early_stop_threshold": (_FLOAT, ">=0"), "patience": (_INT, ">=1"), "cma_seed": (_INT, None),
+    "early_stop_threshold": (_FLOAT, ">=0"), "patience": (_INT, ">=1"), "cma_seed": (_INT, "seed"),
     "entropy_coef": (_FLOAT, ">=0"), "stats_coef": (_FLOAT, ">=0"), "tokenwise": (_BOOL, None),
     "loss_max": (_FLOAT, ">0"), "cov_ratio": (_FLOAT, "0..1"), "n_prompts": (_INT, ">=1"),
     "fitness_coef": (_FLOAT, ">=0"), "disc_div": (_FLOAT, ">0"), "shift_coef": (_FLOAT, None),
@@ -67,7 +67,9 @@ RANGES = {None: (lambda v: True, ""), ">=0": (lambda v: v >= 0, " >= 0"),
           ">0": (lambda v: v > 0, " > 0"), ">0?": (lambda v: v > 0, " > 0 (or null)"),
           ">=1": (lambda v: v >= 1, " >= 1"), ">=2": (lambda v: v >= 2, " >= 2"),
           ">=4": (lambda v: v >= 4, " >= 4"), "0..1": (lambda v: 0 <= v <= 1, " between 0 and 1"),
-          "-1|>=1": (lambda v: v == -1 or v >= 1, " >= 1 (or -1: all)")}
+          "-1|>=1": (lambda v: v == -1 or v >= 1, " >= 1 (or -1: all)"),
+          # numpy's seeds; SpeechBrain's seed_everything silently seeds 0 outside them
+          "seed": (lambda v: 0 <= v < 2 ** 32, " between 0 and 4294967295 (2**32 - 1)")}
 
 
 def _valid(value, kind, rng) -> bool:
