@@ -105,6 +105,7 @@ def test_corpus_has_librispeech_layout(tmp_path):
     (["corpus", "--root", "r", "--n_train", "-1"], "corpus --n_train -1: must be an integer >= 0"),
     (["long_test", "--root", "r", "--n_speakers", "0"], "long_test --n_speakers 0: must be"),
     (["noises", "--noise_dir", "n", "--seconds", "0"], "noises --seconds 0.0: must be > 0"),
+    (["noises", "--noise_dir", "n", "--seed", "-1"], "noises --seed -1: must be an integer >= 0"),
 ])
 def test_synthetic_counts_are_checked_before_anything_is_written(argv, expected, tmp_path,
                                                                  monkeypatch, capsys):
@@ -112,6 +113,20 @@ def test_synthetic_counts_are_checked_before_anything_is_written(argv, expected,
     with pytest.raises(SystemExit):
         synthetic.main(argv)
     assert expected in capsys.readouterr().err and not os.listdir(tmp_path)
+
+
+def test_a_negative_stream_or_noise_seed_is_one_line_before_anything_is_written(
+        tmp_path, monkeypatch, capsys):
+    """numpy's generators take no negative seed: ``prepare streams --seed -1`` ended in its bare
+    'expected non-negative integer'."""
+    from tta_brain.data.prep import prepare
+    monkeypatch.chdir(tmp_path)
+    for argv in (["streams", "--manifest", "m.csv", "--out", "o", "--seed", "-1"],
+                 ["corrupt", "--manifest", "m.csv", "--out", "o", "--seed", "-1"]):
+        with pytest.raises(SystemExit):
+            prepare.main(argv)
+        assert f"{argv[0]} --seed -1: must be an integer >= 0" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
 
 
 def _band_profile(x):

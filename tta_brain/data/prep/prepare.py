@@ -250,7 +250,10 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "seed", 0) < 0:         # numpy's generators take none (after work began)
+        parser.error(f"{args.command} --seed {args.seed}: must be an integer >= 0")
     if args.noprogressbar:
         from tta_brain.data.prep.progress import disable_progressbars
         disable_progressbars()

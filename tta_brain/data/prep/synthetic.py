@@ -280,7 +280,7 @@ def main(argv=None):
                        ("n_test_speakers", 1), ("num_workers", 1)),
             "long_test": (("n_test", 1), ("n_speakers", 1), ("n_train_ref", 0),
                           ("n_test_ref", 0), ("num_workers", 1)),
-            "noises": (("sample_rate", 1),)}[args.cmd]
+            "noises": (("sample_rate", 1), ("seed", 0))}[args.cmd]
     for name, low in lows:     # before anything is deleted: a new corpus replaces the old one
         if getattr(args, name) < low:
             p.error(f"{args.cmd} --{name} {getattr(args, name)}: must be an integer >= {low}")
