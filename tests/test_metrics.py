@@ -25,3 +25,24 @@ def test_counts_and_normalisation():
     assert (e.n_ref, e.n_err, e.n_sub, e.n_del, e.n_ins) == (3, 2, 1, 0, 1)
     assert normalize_text("  Don't -- STOP.\n") == "DON'T STOP"
     assert math.isnan(error_rate(0, 0)) and error_rate(1, 4) == 25.0
+
+
+def test_normalisation_keeps_the_letters_of_every_script():
+    """Letters outside A-Z were removed: an accented word split in two, a Cyrillic or Japanese
+    reference was empty (every utterance skipped as having no transcript)."""
+    assert normalize_text("l\u2019été est là!") == "L'ÉTÉ EST LÀ"
+    assert normalize_text("l\u2019e\u0301te\u0301") == "L'ÉTÉ"         # combining accents
+    assert normalize_text("Привет, мир!") == "ПРИВЕТ МИР"
+    assert normalize_text("日本語 テスト。") == "日本語 テスト"
+    assert word_errors("Привет мир", "привет мир").n_err == 0
+
+
+def test_ascii_normalisation_is_the_one_results_were_scored_with():
+    """On ASCII the rule is unchanged (A-Z, 0-9, apostrophes), so earlier runs stay comparable."""
+    import random
+    import re
+    import string
+    rng = random.Random(0)
+    for _ in range(5000):
+        t = "".join(rng.choice(string.printable) for _ in range(rng.randint(0, 30)))
+        assert normalize_text(t) == " ".join(re.sub(r"[^A-Z0-9' ]+", " ", t.upper()).split())

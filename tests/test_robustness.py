@@ -173,6 +173,17 @@ def test_a_stream_of_only_unreadable_audio_is_one_line_and_reruns_once_fixed(tmp
     assert (summary.n_utts, summary.n_skipped) == (2, 0)
 
 
+def test_references_in_another_script_are_scored_not_skipped(tmp_path, one_wav, tiny_model_dir):
+    """A Cyrillic (or accented) reference normalised to nothing: every utterance was skipped as
+    having no transcript, so a model of another language could not be evaluated at all."""
+    rows = [row("a", one_wav, 0.4, "Привет, мир"), row("b", one_wav, 0.4, "L'été est là")]
+    summary = decode.main(dsuta_args(tiny_model_dir, write_manifest(tmp_path / "s.csv", rows),
+                                     tmp_path / "exp"))
+    assert (summary.n_utts, summary.n_skipped, summary.n_words) == (2, 0, 5)
+    refs = [r["ref"] for r in csv.DictReader(open(tmp_path / "exp" / "transcripts.csv"))]
+    assert refs == ["ПРИВЕТ МИР", "L'ÉTÉ EST LÀ"]
+
+
 def test_load_audio_errors(tmp_path):
     (tmp_path / "zero.wav").write_bytes(b"")
     with pytest.raises(AudioError, match=r"zero\.wav: empty file \(0 bytes\)"):

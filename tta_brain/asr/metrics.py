@@ -2,6 +2,7 @@
 distance underneath)."""
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Tuple
 
@@ -10,10 +11,17 @@ from speechbrain.utils.edit_distance import wer_details_for_batch
 __all__ = ["normalize_text", "Errors", "errors", "word_errors", "error_rate", "corpus_error_rate"]
 
 
+#: Apostrophes other than ASCII's, read as it (``don’t`` is ``DON'T``).
+_APOSTROPHES = str.maketrans({"\u2019": "'", "\u02bc": "'"})
+
+
 def normalize_text(text: str) -> str:
-    """Upper case, punctuation other than apostrophes removed, white space collapsed."""
-    text = re.sub(r"[^A-Z0-9' ]+", " ", str(text).upper())
-    return " ".join(text.split())
+    """Upper case, every character but letters and digits (of any script) and apostrophes a
+    space, white space collapsed; composed (NFC) first, so an accent typed as a combining mark is
+    the same letter. ASCII text: A-Z, 0-9 and ``'`` kept, as before; other scripts keep their
+    letters (they were removed: a Cyrillic reference was empty, so its utterance skipped)."""
+    text = unicodedata.normalize("NFC", str(text)).translate(_APOSTROPHES).upper()
+    return " ".join(re.sub(r"[^\w']+|_", " ", text).split())
 
 
 @dataclass(frozen=True)
