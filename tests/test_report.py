@@ -139,6 +139,31 @@ def png_size(path):
 
 
 # ---------------------------------------------------------------------------------------------
+def test_runs_pooled_as_seeds_that_are_not_are_named(tmp_path, caplog):
+    """Reporting a root with two SNRs' folders of one stream name pooled their runs as seeds of
+    one experiment (n=3 below); the report now names such cells, in the log and in RESULTS.md."""
+    import dataclasses
+    for sub, seed, lr in (("snr5", 0, 1e-4), ("snr20", 0, 1e-4), ("snr20", 1, 2e-4)):
+        d = make_run(tmp_path / sub, "suta", "md_easy", seed, 1)
+        summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint={
+            "stream_sha1": sub, "hparams": {"seed": seed, "lr": lr}}))
+    with caplog.at_level(logging.WARNING, logger="tta_brain.report.results"):
+        runs = report.collect_runs(tmp_path)
+    expected = ("suta on md_easy: seed 0 more than once and settings other than the seed differ "
+                "(hparams.lr, stream_sha1) across its 3 runs (snr20/md_easy/suta/0, "
+                "snr5/md_easy/suta/0, snr20/md_easy/suta/1), pooled as seeds of one experiment")
+    assert [m[:len(expected)] for m in caplog.messages] == [expected]
+    assert f"## Warnings\n\n- {expected}" in report.build_markdown(runs)
+    one = report.collect_runs(tmp_path / "snr20")          # seeds of one stream: one lr apart
+    assert report.pooling_warnings(one) == [
+        "suta on md_easy: settings other than the seed differ (hparams.lr) across its 2 runs "
+        "(md_easy/suta/0, md_easy/suta/1), pooled as seeds of one experiment: if they are other "
+        "experiments, name them apart (--method_tag; the grid's --decode_opts and --sweep do) or "
+        "report each experiment's folder (--exp_dir)"]
+    assert report.pooling_warnings(report.collect_runs(tmp_path / "snr5")) == []
+    assert "## Warnings" not in report.build_markdown(report.collect_runs(tmp_path / "snr5"))
+
+
 def test_collect_runs_skips_bad_dirs(results, caplog):
     with caplog.at_level(logging.WARNING, logger="tta_brain.report.results"):
         runs = report.collect_runs(results)

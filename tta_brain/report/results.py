@@ -20,13 +20,14 @@ import json
 import logging
 import os
 import sys
-from collections import OrderedDict, Counter
+from collections import OrderedDict
 from pathlib import Path
 from typing import List, Sequence
 
 from tta_brain.report import tables, tags
 from tta_brain.run.envinfo import environment
 from tta_brain.run.folder import Run, load_run
+from tta_brain.run.identity import differences
 from tta_brain.run.records import RecordError
 
 logger = logging.getLogger("tta_brain.report.results")  # same name under python -m
@@ -56,11 +57,38 @@ def collect_runs(root) -> List[Run]:
             logger.warning("Skipping %s: transcripts.csv but no summary.json (unfinished run?)",
                            dirpath)
     runs.sort(key=lambda r: (r.stream, tags.sort_key(r.method), _seed_key(r.seed), r.name))
-    seen = Counter((r.method, r.steps, r.stream, str(r.seed)) for r in runs)
-    for (method, steps, stream, seed), n in seen.items():
-        if n > 1:
-            logger.warning("%s on %s: %d runs share seed %s", method, stream, n, seed)
+    for line in pooling_warnings(runs):
+        logger.warning("%s", line)
     return runs
+
+
+def pooling_warnings(runs: Sequence[Run]) -> List[str]:
+    """The (method, stream) cells whose runs are not seeds of one experiment, though the tables
+    pool them as such: a seed given twice (a copy, or another SNR's folder of the same stream
+    name) or fingerprints that differ in more than the seed (another stream file, model or
+    setting). One line each, naming the differing keys and the runs."""
+    groups = OrderedDict()
+    for r in runs:
+        groups.setdefault((r.method, r.steps, r.stream), []).append(r)
+    lines = []
+    for (method, _, stream), group in groups.items():
+        seeds = [str(r.seed) for r in group]
+        twice = sorted({s for s in seeds if seeds.count(s) > 1}, key=_seed_key)
+        base = group[0].summary.fingerprint
+        keys = sorted({d.partition(": ")[0] for r in group[1:]
+                       if base and r.summary.fingerprint
+                       for d in differences(base, r.summary.fingerprint, recorded=True)} - {"hparams.seed"})
+        why = ([f"seed{'s' if len(twice) > 1 else ''} {', '.join(twice)} more than once"] if twice
+               else []) + \
+              ([f"settings other than the seed differ ({', '.join(keys)})"] if keys else [])
+        if why:
+            names = [r.name for r in group]
+            lines.append(f"{method} on {stream}: {' and '.join(why)} across its {len(group)} runs "
+                         f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), pooled "
+                         f"as seeds of one experiment: if they are other experiments, name them "
+                         f"apart (--method_tag; the grid's --decode_opts and --sweep do) or "
+                         f"report each experiment's folder (--exp_dir)")
+    return lines
 
 
 def _seed_key(seed):
@@ -88,8 +116,11 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
     """The whole RESULTS.md text."""
     notes = ("WER (%) = 100 * errors / reference words, pooled over a run's utterances. Cells: "
              "mean ± sample std over runs (seeds), n = number of runs.")
-    parts = ["# RESULTS", environment_block(runs, repo_dir),
-             "## WER (%) per method and stream", notes, tables.table_main(runs, digits)]
+    warnings = pooling_warnings(runs)
+    parts = ["# RESULTS", environment_block(runs, repo_dir)]
+    if warnings:
+        parts += ["## Warnings", "\n".join(f"- {w}" for w in warnings)]
+    parts += ["## WER (%) per method and stream", notes, tables.table_main(runs, digits)]
     domains = tables.table_domains(runs, digits)
     if domains:
         parts += ["## WER (%) on single-domain streams", domains]

@@ -78,17 +78,19 @@ def _flat(d: Dict, prefix: str = "") -> Dict:
     return out
 
 
-def differences(old: Optional[Dict], new: Dict) -> List[str]:
-    """``key: old != new`` for every key that differs (hparams flattened)."""
+def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[str]:
+    """``key: old != new`` for every key that differs (hparams flattened). ``new`` is this
+    run's; ``recorded=True``: both are recorded runs', either of which may predate a key."""
     if not old:
         return ["no fingerprint recorded (a folder written by an older tta_brain, or not a run)"]
     labels = {f"hparams.{k}" for k in LABEL_KEYS}
     a, b = ({k: v for k, v in _flat(fp).items() if k not in labels} for fp in (old, new))
-    for key, default in ADDED_KEYS.items():
-        if f"hparams.{key}" not in a and "hparams.seed" in a:     # an older run's fingerprint
-            if isinstance(default, dict):
-                default = default.get(str(a.get("hparams.device", "cpu")))
-            a[f"hparams.{key}"] = default
+    for fp in (a, b) if recorded else (a,):
+        for key, default in ADDED_KEYS.items():
+            if f"hparams.{key}" not in fp and "hparams.seed" in fp:    # an older run's
+                if isinstance(default, dict):
+                    default = default.get(str(fp.get("hparams.device", "cpu")))
+                fp[f"hparams.{key}"] = default
     if same_source(a.get("hparams.source"), b.get("hparams.source")):
         a["hparams.source"] = b.get("hparams.source")   # a hub name recorded without its commit
     return [f"{k}: {a.get(k, '(unset)')!r} != {b.get(k, '(unset)')!r}"
