@@ -343,6 +343,8 @@ def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
                              "one: lr=1e-4,2e-4"),      # was one run, lr=2e-4
     (["lr=1e-4,,2e-4"], "--sweep 'lr=1e-4,,2e-4': use key=v1,v2,..."),
     (["lr="], "--sweep 'lr=': use key=v1,v2,..."),
+    (["device=cpu,cuda"], "--sweep 'device=cpu,cuda': device says where or how a run goes"),
+    (["lr=1,2", "ckpt_every=5,10"], "--sweep 'ckpt_every=5,10': ckpt_every says"),  # were 2 runs
 ])
 def test_a_sweep_that_would_lose_values_is_refused(sweep, expected):
     from tta_brain.run.grid_plan import sweep_points

@@ -76,6 +76,10 @@ def sweep_points(specs: List[str]) -> List[List[str]]:
         if not key or not values or "" in values.split(","):
             raise SystemExit(f"ERROR: --sweep {spec!r}: use key=v1,v2,...")
         key = key.lstrip("-")
+        if key in UNTAGGED:           # not in the folder name: its points would share one folder
+            raise SystemExit(f"ERROR: --sweep {spec!r}: {key} says where or how a run goes, not "
+                             f"what it computes, so it does not name run folders and is no sweep "
+                             f"axis (give it in --decode_opts; another device: another --exp_dir)")
         if key in keys:               # the product took the last value only: one run, not two
             raise SystemExit(f"ERROR: --sweep {keys[key]!r} {spec!r}: {key} given twice; list "
                              f"its values in one: {key}={keys[key].partition('=')[2]},{values}")
