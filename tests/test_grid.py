@@ -121,6 +121,11 @@ def test_compare_runs_never_reads_nothing_as_the_same(tmp_path, capsys):
     (a / "s" / "suta" / "summary.json").write_text("{}")
     assert compare_runs.main([str(a), str(b)]) == 1                # one side only: missing
     assert f"s/suta: only under {a}" in capsys.readouterr().out
+    (b / "s" / "suta").mkdir(parents=True)                        # was json's traceback
+    (b / "s" / "suta" / "summary.json").write_text('{"method": "su')
+    assert compare_runs.main([str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert f"{a / 's' / 'suta' / 'summary.json'}: not a summary of this tta_brain version" in out
 
 
 @pytest.mark.slow

@@ -13,10 +13,12 @@ or neither holds a run folder.
 """
 import argparse
 import csv
-import json
 import os
 import sys
 from pathlib import Path
+
+from tta_brain.run.records import RecordError
+from tta_brain.run.summary import read_summary
 
 RECORDS = ("transcripts.csv", "resets.csv", "lii.csv", "rejects.csv")
 SUMMARY_KEYS = ("method", "stream", "seed", "wer", "wer_per_domain", "n_utts", "n_words", "n_err",
@@ -47,11 +49,13 @@ def compare(a: Path, b: Path):
             first = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
             diffs.append(f"{name}: {len(ra)} vs {len(rb)} rows, first difference at row {first}: "
                          f"{ra[first] if first < len(ra) else '-'} != {rb[first] if first < len(rb) else '-'}")
-    sa = json.loads((a / "summary.json").read_text())
-    sb = json.loads((b / "summary.json").read_text())
+    try:                      # through the module that owns the file (an unreadable one: a line)
+        sa, sb = read_summary(a), read_summary(b)
+    except RecordError as e:
+        return diffs + [str(e)]
     for key in SUMMARY_KEYS:
-        if sa.get(key) != sb.get(key):
-            diffs.append(f"summary {key}: {sa.get(key)} != {sb.get(key)}")
+        if getattr(sa, key) != getattr(sb, key):
+            diffs.append(f"summary {key}: {getattr(sa, key)} != {getattr(sb, key)}")
     return diffs
 
 
