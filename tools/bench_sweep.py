@@ -36,6 +36,8 @@ for _p in (ROOT, TOOLS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from tta_brain.run.summary import read_summary  # noqa: E402  (after the path set-up)
+
 
 #: the backprop-free methods: no lr or steps; a sweep's runs differ in :func:`run_setting`
 FREE = ("lame", "t3a", "foa", "ebats")
@@ -164,7 +166,7 @@ def gpu_bench(model, stream, data_root, work, device="cuda", runs=8, steps=10, t
         if bad or any(p.returncode for p in procs):
             raise RuntimeError(f"{arm}: {bad[:1] or 'failed'} (whole stderr: "
                                f"{os.path.join(work, arm, 'stderr*.txt')})")
-        audio = sum(json.load(open(os.path.join(o, "summary.json")))["audio_s"] for o in outs)
+        audio = sum(read_summary(o).audio_s for o in outs)
         span = _span(outs)
         hyps = [open(os.path.join(o, "transcripts.csv")).read() for o in outs]
         res[arm] = dict(wall_s=wall, loop_s=span, audio_s=audio, hyps=hyps,

@@ -75,20 +75,21 @@ def clean_wer(data_dir: Path, model: Path = RECIPE_DIR / "source_model") -> floa
 def collect(exp_dir: Path, stream: str = "md_hard") -> dict:
     """WER per method and the dynamic resets with their matching to the true boundaries."""
     from tta_brain.report.tables import detect_boundaries
+    from tta_brain.run.summary import read_summary
 
     out = {}
     for method in REDUCED["methods"].split():
         runs = sorted((exp_dir / stream / method).glob("seed*/summary.json"))
         if not runs:
             raise FileNotFoundError(f"no run of {method} under {exp_dir / stream}")
-        summary = json.loads(runs[0].read_text())
-        out[method] = summary["wer"]
+        summary = read_summary(runs[0].parent)
+        out[method] = summary.wer
         if method == "dsuta+dynamic":
-            out["resets"] = summary["resets"]
-            out["boundaries"] = summary["boundaries"]
-            match = detect_boundaries(summary["resets"], summary["boundaries"], window=DETECT_WINDOW)
+            out["resets"] = summary.resets
+            out["boundaries"] = summary.boundaries
+            match = detect_boundaries(summary.resets, summary.boundaries, window=DETECT_WINDOW)
             out["detected"] = sorted(match["detected"])
-            out["detected_fraction"] = len(match["detected"]) / max(1, len(summary["boundaries"]))
+            out["detected_fraction"] = len(match["detected"]) / max(1, len(summary.boundaries))
     return out
 
 
