@@ -379,7 +379,13 @@ def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
             (["--decode_opts=--lr=1e-4", "--sweep", "lr=2e-4,3e-4"],     # was lr=1e-4 unused
              "--decode_opts sets --lr and --sweep sweeps it"),
             (["--md_streams", "s", "--md_decode_opts=--steps=2", "--sweep", "steps=1,3"],
-             "--md_decode_opts sets --steps and --sweep sweeps it")):
+             "--md_decode_opts sets --steps and --sweep sweeps it"),
+            # replaced the grid's own value: every seed folder ran seed 3
+            (["--decode_opts=--seed=3"], "--decode_opts --seed: the grid sets it for every run "
+                                         "(from --seeds); give it there"),
+            (["--sweep", "seed=1,2"], "--sweep --seed: the grid sets it"),
+            (["--decode_opts=--output_folder=/tmp/x"], "--decode_opts --output_folder: the grid "
+                                                       "sets it for every run (from --exp_dir)")):
         with pytest.raises(SystemExit, match=re.escape(f"ERROR: {expected}")):
             plan(*extra)
     (conf / "suta.opts").write_text("--lr 2e-4\n")       # a recipe setting the sweep replaces

@@ -24,6 +24,13 @@ __all__ = ["Run", "plan_runs", "inference_tag", "sweep_points", "method_yaml", "
 UNTAGGED = ("noprogressbar", "device", "ckpt_every", "output_folder", "stream_csv", "data_root",
             "method_tag", "stream_name")
 
+#: Decode options the grid sets for every run from its own options (where to give them): in an
+#: option list a later value would replace the grid's (every seed folder the same seed, a run
+#: written where the grid does not look).
+GRID_SET = {"source": "--source", "stream_csv": "--streams", "output_folder": "--exp_dir",
+            "seed": "--seeds", "data_root": "--data_root", "stream_name": "--streams NAME=CSV"}
+
+
 @dataclass
 class Run:
     name: str                       # <stream>/<tag>/seed<seed>, relative to exp_dir
@@ -42,9 +49,18 @@ def _options(source: str, text: str) -> List[str]:
     that is none (a stray word, an open quote) is one line naming ``source``."""
     from tta_brain.run.cli import key_value_form
     try:
-        return key_value_form(shlex.split(text))
+        opts = key_value_form(shlex.split(text))
     except ValueError as e:                     # shlex's open quote, or a UsageError
         raise SystemExit(f"ERROR: {source}: {e}") from None
+    _not_grid_set(source, opts)
+    return opts
+
+
+def _not_grid_set(source: str, opts: List[str]) -> None:
+    for key in _keyvals(opts):
+        if key in GRID_SET:
+            raise SystemExit(f"ERROR: {source} --{key}: the grid sets it for every run (from "
+                             f"{GRID_SET[key]}); give it there")
 
 
 def _opts_file(path: Path) -> List[str]:
@@ -143,6 +159,7 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
     md_opts = _options("--md_decode_opts", args.md_decode_opts)
     md_recipe = _options("--md_recipe_opts", getattr(args, "md_recipe_opts", ""))   # no check
     points = sweep_points(args.sweep)
+    _not_grid_set("--sweep", points[0])
     for source, opts in (("--decode_opts", user), ("--md_decode_opts", md_opts)):
         both = sorted(set(_keyvals(opts)) & set(_keyvals(points[0])))
         if both:                              # the sweep's values would replace it in every run
