@@ -627,7 +627,10 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
                      (np.zeros(0, np.float32), "expected a non-empty 1-D waveform, got shape (0,)"),
                      (np.zeros((2, 3, 4), np.float32), "got shape (2, 3, 4)"),
                      (np.ones(800, bool), "expected float or integer PCM samples, got torch.bool"),
-                     (np.full(800, np.nan, np.float32), "contains NaN or inf")):
+                     (np.full(800, np.nan, np.float32), "contains NaN or inf"),
+                     (str(path), "expected the samples (a numpy array, torch tensor or list of "
+                                 "numbers), got str"),        # a path: was torch's 'new()'
+                     ([[0.1, 0.2], [0.3]], "got list")):
         with pytest.raises(ValueError, match=re.escape(why)):
             tta.transcribe(bad)
     for rate in (0, -8000, 8000.5, "16k", True):    # 0 was taken as 16 kHz, the others deep errors

@@ -211,7 +211,11 @@ _PCM = {torch.int16: (2.0 ** 15, 0.0), torch.int32: (2.0 ** 31, 0.0), torch.int8
 def as_mono_float(waveform) -> torch.Tensor:
     """One utterance as a 1-D float32 tensor: integer PCM scaled to [-1, 1), channels
     (``[C, T]`` or ``[T, C]``: the shorter side) averaged; anything else a one-line ValueError."""
-    wav = torch.as_tensor(waveform)
+    try:
+        wav = torch.as_tensor(waveform)
+    except (TypeError, ValueError, RuntimeError) as e:     # a path, ragged lists, objects
+        raise ValueError(f"transcribe: expected the samples (a numpy array, torch tensor or list "
+                         f"of numbers), got {type(waveform).__name__} ({e})") from None
     shape = tuple(wav.shape)
     if wav.dtype in _PCM:
         scale, offset = _PCM[wav.dtype]
