@@ -121,11 +121,16 @@ def test_a_negative_stream_or_noise_seed_is_one_line_before_anything_is_written(
     'expected non-negative integer'."""
     from tta_brain.data.prep import prepare
     monkeypatch.chdir(tmp_path)
-    for argv in (["streams", "--manifest", "m.csv", "--out", "o", "--seed", "-1"],
-                 ["corrupt", "--manifest", "m.csv", "--out", "o", "--seed", "-1"]):
+    for argv, why in ((["streams", "--manifest", "m.csv", "--out", "o", "--seed", "-1"],
+                       "streams --seed -1: must be an integer >= 0"),
+                      (["corrupt", "--manifest", "m.csv", "--out", "o", "--seed", "-1"],
+                       "corrupt --seed -1: must be an integer >= 0"),
+                      # every utterance left out: 'domain AC has 0 utterances'
+                      (["streams", "--manifest", "m.csv", "--out", "o", "--max_duration", "-1"],
+                       "streams --max_duration -1.0: must be a number of seconds >= 0")):
         with pytest.raises(SystemExit):
             prepare.main(argv)
-        assert f"{argv[0]} --seed -1: must be an integer >= 0" in capsys.readouterr().err
+        assert why in capsys.readouterr().err
     assert not os.listdir(tmp_path)
 
 

@@ -218,7 +218,8 @@ def build_parser():
                         "--manifest)")
     p.add_argument("--seed", type=int, default=0, help="stream seed")
     p.add_argument("--max_duration", type=float, default=None,
-                   help="leave out utterances longer than this (s); the paper uses 20 for LS-C")
+                   help="leave out utterances longer than this (s; 0: no limit); the paper uses 20 "
+                        "for LS-C")
     p.add_argument("--per_domain", type=int, default=None, help="MD-Easy/Hard size per domain")
     p.add_argument("--total", type=int, default=None, help="MD-Long length")
     p.add_argument("--min_len", type=int, default=None, help="MD-Long shortest run")
@@ -254,6 +255,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if getattr(args, "seed", 0) < 0:         # numpy's generators take none (after work began)
         parser.error(f"{args.command} --seed {args.seed}: must be an integer >= 0")
+    limit = getattr(args, "max_duration", None)
+    if limit is not None and not 0 <= limit < float("inf"):   # -1 left out every utterance
+        parser.error(f"{args.command} --max_duration {limit}: must be a number of seconds >= 0 "
+                     f"(0 or left out: no limit)")
     if args.noprogressbar:
         from tta_brain.data.prep.progress import disable_progressbars
         disable_progressbars()
