@@ -127,7 +127,9 @@ def test_a_negative_stream_or_noise_seed_is_one_line_before_anything_is_written(
                        "corrupt --seed -1: must be an integer >= 0"),
                       # every utterance left out: 'domain AC has 0 utterances'
                       (["streams", "--manifest", "m.csv", "--out", "o", "--max_duration", "-1"],
-                       "streams --max_duration -1.0: must be a number of seconds >= 0")):
+                       "streams --max_duration -1.0: must be a number of seconds >= 0"),
+                      (["corrupt", "--manifest", "m.csv", "--out", "o", "--snrs", "5", "nan"],
+                       "corrupt --snrs nan: must be a finite number of dB")):
         with pytest.raises(SystemExit):
             prepare.main(argv)
         assert why in capsys.readouterr().err

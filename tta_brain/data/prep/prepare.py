@@ -255,6 +255,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if getattr(args, "seed", 0) < 0:         # numpy's generators take none (after work began)
         parser.error(f"{args.command} --seed {args.seed}: must be an integer >= 0")
+    bad = [x for x in getattr(args, "snrs", None) or () if not -1e3 < x < 1e3]
+    if bad:                                   # nan: every mixture NaN, each utterance rejected
+        parser.error(f"corrupt --snrs {bad[0]}: must be a finite number of dB")
     limit = getattr(args, "max_duration", None)
     if limit is not None and not 0 <= limit < float("inf"):   # -1 left out every utterance
         parser.error(f"{args.command} --max_duration {limit}: must be a number of seconds >= 0 "
