@@ -1026,6 +1026,7 @@ def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir, capsys):
     assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0,1")) == [0, 0, 1, 1]
     for extra, why in ((["--gpus", "cuda:0"], "--gpus 'cuda:0': GPU ids are numbers"),
                        (["--gpus", "0 1", "--engine", "slurm"], "in --slurm_conf (gpus_per_node"),
+                       (["--gpus", "0,1,0"], "--gpus '0,1,0': GPU 0 given twice (runs per GPU"),
                        (["--gpus", "0", "--per_gpu", "0"], "--per_gpu 0: must be an integer >= 1"),
                        (["--nj", "-1"], "--nj -1: must be an integer >= 0"),   # these two hung
                        (["--poll", "0"], "--poll 0.0: must be > 0")):

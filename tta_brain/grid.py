@@ -449,6 +449,9 @@ def parse_args(argv=None):
     given, args.gpus = args.gpus, " ".join(args.gpus.replace(",", " ").split())   # '0,1' too
     if any(not g.isdigit() for g in args.gpus.split()):
         p.error(f"--gpus {given!r}: GPU ids are numbers, e.g. '0 1 2 3' or '0,1,2,3'")
+    twice = sorted({g for g in args.gpus.split() if args.gpus.split().count(g) > 1})
+    if twice:                                  # else 2 x --per_gpu runs shared that GPU
+        p.error(f"--gpus {given!r}: GPU {twice[0]} given twice (runs per GPU: --per_gpu)")
     if args.slurm_conf and args.engine == "local":      # else the grid runs here, not on Slurm
         p.error(f"--slurm_conf {args.slurm_conf}: read by --engine slurm only (this grid would "
                 "run on this machine); add --engine slurm, or leave --slurm_conf out")
