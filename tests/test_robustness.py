@@ -503,6 +503,26 @@ def test_a_cached_hub_model_loads_without_the_network_and_its_commit_is_recorded
     assert log.count(line) == 1 and (res.stdout + res.stderr).count(line) == 1
 
 
+def test_what_a_build_logs_reaches_its_own_runs_log_only(tmp_path, ok_stream, tiny_model_dir,
+                                                         monkeypatch):
+    """Two decodes in one process (a sweep's fallback, a notebook): what the second logs while
+    its model is built went to the first run's log.txt (its handler was still attached), and
+    before that to no file at all."""
+    import logging
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    built = HFCTCLobe.__init__
+
+    def logging_init(self, source, *a, **kw):
+        logging.getLogger("tta_brain.lobes.hf_ctc").info("building for %s", kw.get("device"))
+        built(self, source, *a, **kw)
+    monkeypatch.setattr(HFCTCLobe, "__init__", logging_init)
+    outs = [tmp_path / "one", tmp_path / "two"]
+    for i, out in enumerate(outs):
+        decode.main(dsuta_args(tiny_model_dir, ok_stream, out, f"--seed={i}"))
+    logs = [(out / "log.txt").read_text() for out in outs]
+    assert [log.count("building for cpu") for log in logs] == [1, 1]
+
+
 def test_an_incomplete_cached_snapshot_asks_the_hub(tmp_path, ok_stream, tiny_model_dir):
     hub = _CountingHub()
     repo, _ = _hub_cache(tmp_path / "hf", tiny_model_dir, only={"config.json"})

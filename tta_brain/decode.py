@@ -217,16 +217,19 @@ def prepare(p: Plan) -> str:
 
 class HeldLogs(logging.Handler):
     """What a run logs while its yaml is built (the model's loading, ...), before its log.txt
-    exists: held, then logged once the run's folder is made (:meth:`replay`), so it reaches
-    log.txt as well as the console. A build that fails shows the held warnings as before."""
+    exists: held (not written to the log of a run this process made before), then logged once
+    the run's folder is made (:meth:`replay`), so it reaches its log.txt and the console. A build
+    that fails logs them where the process logged before (stderr's warnings, as before)."""
 
     def __init__(self):
         super().__init__()
-        self.records, self._level = [], None
+        self.records, self._level, self._handlers = [], None, []
 
     def __enter__(self):
         root = logging.getLogger()
-        self._level = root.level
+        self._level, self._handlers = root.level, root.handlers[:]
+        for h in self._handlers:
+            root.removeHandler(h)
         root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
         root.addHandler(self)
         return self
@@ -234,11 +237,11 @@ class HeldLogs(logging.Handler):
     def __exit__(self, kind, *_):
         root = logging.getLogger()
         root.removeHandler(self)
+        for h in self._handlers:
+            root.addHandler(h)
         root.setLevel(self._level)
-        if kind is not None:                    # no folder will take them: stderr, as before
-            for r in self.records:
-                if r.levelno >= logging.WARNING:
-                    logging.lastResort.handle(r)
+        if kind is not None:                    # no folder will take them
+            self.replay()
 
     def emit(self, record):
         self.records.append(record)
