@@ -384,6 +384,8 @@ def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
             (["--decode_opts=--seed=3"], "--decode_opts --seed: the grid sets it for every run "
                                          "(from --seeds); give it there"),
             (["--sweep", "seed=1,2"], "--sweep --seed: the grid sets it"),
+            (["--sweep", "data_root=/a,/b"], "--sweep --data_root: the grid sets it for every "
+                                             "run (from --data_root)"),
             (["--decode_opts=--output_folder=/tmp/x"], "--decode_opts --output_folder: the grid "
                                                        "sets it for every run (from --exp_dir)")):
         with pytest.raises(SystemExit, match=re.escape(f"ERROR: {expected}")):

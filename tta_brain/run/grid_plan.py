@@ -92,7 +92,7 @@ def sweep_points(specs: List[str]) -> List[List[str]]:
         if not key or not values or "" in values.split(","):
             raise SystemExit(f"ERROR: --sweep {spec!r}: use key=v1,v2,...")
         key = key.lstrip("-")
-        if key in UNTAGGED:           # not in the folder name: its points would share one folder
+        if key in UNTAGGED and key not in GRID_SET:     # its points would share one folder
             raise SystemExit(f"ERROR: --sweep {spec!r}: {key} says where or how a run goes, not "
                              f"what it computes, so it does not name run folders and is no sweep "
                              f"axis (give it in --decode_opts; another device: another --exp_dir)")

@@ -255,7 +255,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if getattr(args, "seed", 0) < 0:         # numpy's generators take none (after work began)
         parser.error(f"{args.command} --seed {args.seed}: must be an integer >= 0")
-    bad = [x for x in getattr(args, "snrs", None) or () if not -1e3 < x < 1e3]
+    bad = [x for x in getattr(args, "snrs", None) or () if not abs(x) < float("inf")]
     if bad:                                   # nan: every mixture NaN, each utterance rejected
         parser.error(f"corrupt --snrs {bad[0]}: must be a finite number of dB")
     limit = getattr(args, "max_duration", None)
