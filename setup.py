@@ -11,6 +11,7 @@ INSTALL_REQUIRES = [
     "transformers==4.57.6",
     "sentencepiece>=0.2.0",
     "jiwer>=3.0",
+    "rapidfuzz>=3.0",         # CER counts (tta_brain.asr.metrics); jiwer's own edit distance
     "tqdm>=4.66",
     "soundfile>=0.12",
     "matplotlib>=3.8",

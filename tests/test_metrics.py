@@ -4,7 +4,8 @@ import math
 import jiwer
 import pytest
 
-from tta_brain.asr.metrics import corpus_error_rate, error_rate, normalize_text, word_errors
+from tta_brain.asr.metrics import (char_errors, corpus_error_rate, error_rate, errors,
+                                    normalize_text, word_errors)
 
 PAIRS = [("the cat sat on the mat", "the cat sat on mat"),
          ("a b c d", "a x c d e"),
@@ -46,3 +47,26 @@ def test_ascii_normalisation_is_the_one_results_were_scored_with():
     for _ in range(5000):
         t = "".join(rng.choice(string.printable) for _ in range(rng.randint(0, 30)))
         assert normalize_text(t) == " ".join(re.sub(r"[^A-Z0-9' ]+", " ", t.upper()).split())
+
+
+def test_character_counts_are_the_edit_distance_of_the_characters():
+    """CER counts (rapidfuzz, C++) against SpeechBrain's edit distance on the characters and
+    jiwer's CER, on random texts of several scripts with spaces."""
+    import random
+    rng = random.Random(1)
+    alphabet = "AB C'ÉПР日本 "
+    refs, hyps = [], []
+    for _ in range(300):
+        ref = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 25)))
+        hyp = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 25)))
+        c, w = char_errors(ref, hyp), errors(list(ref), list(hyp))
+        assert (c.n_ref, c.n_err) == (w.n_ref, w.n_err) == (len(ref), c.n_sub + c.n_del + c.n_ins)
+        refs.append(ref)
+        hyps.append(hyp)
+    e = char_errors("KITTEN SAT", "SITTING SAT")
+    assert (e.n_ref, e.n_err, e.n_sub, e.n_del, e.n_ins) == (10, 3, 2, 0, 1)
+    assert char_errors("", "AB").n_ins == 2 and char_errors("AB", "").n_del == 2
+    pairs = [(r, h) for r, h in ((normalize_text(r), normalize_text(h))
+                                 for r, h in zip(refs, hyps)) if r]
+    assert corpus_error_rate(pairs, "char") == pytest.approx(
+        100 * jiwer.cer([r for r, _ in pairs], [h for _, h in pairs]))

@@ -1,4 +1,5 @@
 """Tests of tta_brain.report.results / tta_brain.report.plots on realistic experiment directories."""
+import json
 import logging
 import statistics
 import struct
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tta_brain.report import plots, results as report, tables
+from tta_brain.asr import metrics
+from tta_brain.report import long, plots, results as report, tables
 from tta_brain.run import records, summary
 
 WORDS = 10  # reference words per utterance
@@ -323,6 +325,61 @@ def test_steps_table_and_plot(tmp_path):
     main = [r[0] for r in table_rows(section(text, "WER (%) per method and stream"))]
     assert main[1:] == ["source", "suta (N=0)", "suta (N=5)", "suta (N=10)", "dsuta (N=5)", "dsuta (N=10)"]
     png_size(tmp_path / "figs" / "wer_vs_steps_lsc_AA.png")
+
+
+def _text_run(root, method, pairs):
+    """A run of stream ``ja`` whose transcripts hold these (reference, hypothesis) texts."""
+    d = Path(root) / method
+    d.mkdir(parents=True)
+    writer, n_err, n_words = records.RecordWriter(d), 0, 0
+    for pos, (ref, hyp) in enumerate(pairs):
+        w = metrics.word_errors(ref, hyp)
+        n_err, n_words = n_err + w.n_err, n_words + w.n_ref
+        writer.transcript(records.Transcript(pos, f"u{pos}", "", 0, 1.0, ref, hyp, w.n_ref,
+                                             w.n_err, w.n_sub, w.n_del, w.n_ins))
+    writer.close()
+    summary.write_summary(d, summary.Summary(
+        method=method, stream="ja", seed=0, wer=100.0 * n_err / n_words, wer_per_domain={},
+        n_utts=len(pairs), n_words=n_words, n_err=n_err, n_skipped=0, skipped=[], resets=[],
+        boundaries=[], counts={}, wall_time_s=1.0, audio_s=1.0, time_per_audio_s=1.0,
+        num_adapted_params=0, hparams={}, device="cpu", versions={}))
+    return d
+
+
+def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path):
+    """``--metric cer``: every table and plot of character error rates (a language written
+    without spaces has one "word" a sentence: one wrong character is 100 % WER), into
+    RESULTS_cer.md and cer_* plots beside the WER report, which stays as it was."""
+    _text_run(tmp_path, "source", [("日本語のテスト", "日本語のテクト"), ("はい", "はい")])
+    d = _text_run(tmp_path, "suta", [("日本語のテスト", "日本語のテスト"), ("はい", "はいい")])
+    data = json.loads((d / "summary.json").read_text())
+    for key in ("cer", "cer_per_domain"):            # a summary written before CER: still read
+        assert key in data
+        del data[key]
+    (d / "summary.json").write_text(json.dumps(data))
+    assert summary.read_summary(d).cer is None
+    assert report.main(["--exp_dir", str(tmp_path)]) == 0
+    assert report.main(["--exp_dir", str(tmp_path), "--metric", "cer"]) == 0
+    wer, cer = (tmp_path / "RESULTS.md").read_text(), (tmp_path / "RESULTS_cer.md").read_text()
+    assert table_rows(section(wer, "WER (%) per method and stream"))[1:] == [
+        ["source", "50.0 (n=1)"], ["suta", "50.0 (n=1)"]]
+    # source: 1 of 9 characters; suta: 1 insertion
+    assert table_rows(section(cer, "CER (%) per method and stream"))[1:] == [
+        ["source", "11.1 (n=1)"], ["suta", "11.1 (n=1)"]]
+    assert "CER (%) = 100 * character edits / reference characters" in cer and "WER" not in \
+        section(cer, "Runs")
+    assert table_rows(section(cer, "Per-experiment scores"))[0][:3] == ["dataset", "Snt", "Chr"]
+    assert table_rows(section(cer, "Per-experiment scores"))[1] == [
+        "ja", "2", "9", "88.9", "11.1", "0.0", "0.0", "11.1", "50.0"]
+    for name in ("wer_diff_ja.png", "cer_diff_ja.png"):
+        png_size(tmp_path / "plots" / name)
+    assert "(plots/cer_diff_ja.png)" in cer and "(plots/wer_diff_ja.png)" in wer
+    assert long.main(["--exp_dir", str(tmp_path), "--stream", "ja", "--window", "1",
+                      "--metric", "cer", "--no_plots"]) == 0
+    rows = table_rows((tmp_path / "LONG_cer.md").read_text())
+    assert rows[0][3] == "CER %" and rows[2][:5] == ["suta", "0", "2", "11.1", "50.0 @ 1"]
+    with pytest.raises(SystemExit):
+        report.main(["--exp_dir", str(tmp_path), "--metric", "ter"])
 
 
 def test_cli_prints_main_table(results, tmp_path, capsys):

@@ -14,6 +14,7 @@ import sys
 import types
 from pathlib import Path
 
+import jiwer
 import numpy as np
 import pytest
 import soundfile as sf
@@ -22,6 +23,7 @@ import torch
 from fake_corpora import fake_speech
 from tta_brain import decode, sweep
 from tta_brain.run.cli import parse_arguments
+from tta_brain.run.summary import read_summary
 from tta_brain.data.audio import AudioError, load_audio
 from tta_brain.methods import build_method
 
@@ -176,12 +178,18 @@ def test_a_stream_of_only_unreadable_audio_is_one_line_and_reruns_once_fixed(tmp
 def test_references_in_another_script_are_scored_not_skipped(tmp_path, one_wav, tiny_model_dir):
     """A Cyrillic (or accented) reference normalised to nothing: every utterance was skipped as
     having no transcript, so a model of another language could not be evaluated at all."""
-    rows = [row("a", one_wav, 0.4, "Привет, мир"), row("b", one_wav, 0.4, "L'été est là")]
+    rows = [row("a", one_wav, 0.4, "Привет, мир"), row("b", one_wav, 0.4, "L'été est là"),
+            row("c", one_wav, 0.4, "日本語のテストです。")]
     summary = decode.main(dsuta_args(tiny_model_dir, write_manifest(tmp_path / "s.csv", rows),
                                      tmp_path / "exp"))
-    assert (summary.n_utts, summary.n_skipped, summary.n_words) == (2, 0, 5)
-    refs = [r["ref"] for r in csv.DictReader(open(tmp_path / "exp" / "transcripts.csv"))]
-    assert refs == ["ПРИВЕТ МИР", "L'ÉTÉ EST LÀ"]
+    assert (summary.n_utts, summary.n_skipped, summary.n_words) == (3, 0, 6)
+    written = list(csv.DictReader(open(tmp_path / "exp" / "transcripts.csv")))
+    refs, hyps = [r["ref"] for r in written], [r["hyp"] for r in written]
+    assert refs == ["ПРИВЕТ МИР", "L'ÉTÉ EST LÀ", "日本語のテストです"]
+    # a language written without spaces: its WER counts the sentence as one word; the summary
+    # also has the CER (jiwer's, an independent implementation) over the same written text
+    assert summary.cer == pytest.approx(100 * jiwer.cer(refs, hyps))
+    assert read_summary(tmp_path / "exp").cer == pytest.approx(summary.cer)
 
 
 def test_load_audio_errors(tmp_path):

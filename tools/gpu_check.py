@@ -179,7 +179,8 @@ DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off"
                                                           "cuda_device_steps": True}
 #: What the check imports besides torch (module names), for the one-line preflight.
 NEEDED = ("numpy", "yaml", "ruamel.yaml", "hyperpyyaml", "speechbrain", "transformers",
-          "tokenizers", "huggingface_hub", "safetensors", "soundfile", "jiwer", "tqdm")
+          "tokenizers", "huggingface_hub", "safetensors", "soundfile", "jiwer", "rapidfuzz",
+          "tqdm")
 EARLIER = ("earlier H200 measurement (hand-written capture, wav2vec2-base size, 3 s, fp32, "
            "not this code): one SUTA step 22 ms eager, 8.3 ms replayed; 10 s: 29 vs 13.5 ms")
 

@@ -308,8 +308,9 @@ def _run(p: Plan, argv):
 
 def summary_line(summary) -> str:
     """The line a finished run prints."""
-    wer = "-" if summary.wer is None else f"{summary.wer:.2f}%"
-    return (f"{summary.method} | {summary.stream} | WER {wer} | {summary.n_utts} utts, "
+    pct = lambda v: "-" if v is None else f"{v:.2f}%"     # noqa: E731 (null: no reference)
+    return (f"{summary.method} | {summary.stream} | WER {pct(summary.wer)}, CER "
+            f"{pct(summary.cer)} | {summary.n_utts} utts, "
             f"{summary.n_skipped} skipped, {len(summary.resets)} resets | "
             f"{summary.time_per_audio_s:.3f} s per audio s")
 

@@ -6,9 +6,11 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Tuple
 
+from rapidfuzz.distance import Levenshtein
 from speechbrain.utils.edit_distance import wer_details_for_batch
 
-__all__ = ["normalize_text", "Errors", "errors", "word_errors", "error_rate", "corpus_error_rate"]
+__all__ = ["normalize_text", "Errors", "errors", "word_errors", "char_errors", "error_rate",
+           "corpus_error_rate"]
 
 
 #: Apostrophes other than ASCII's, read as it (``don’t`` is ``DON'T``).
@@ -46,6 +48,15 @@ def word_errors(ref: str, hyp: str) -> Errors:
     return errors(normalize_text(ref).split(), normalize_text(hyp).split())
 
 
+def char_errors(ref: str, hyp: str) -> Errors:
+    """Character counts of two normalised texts, spaces counted as characters (jiwer's CER).
+    rapidfuzz's Levenshtein (C++): the same edit count as :func:`errors` on the characters, in
+    microseconds instead of milliseconds a sentence, so every summary and report has it."""
+    tags = [op.tag for op in Levenshtein.editops(ref, hyp)]
+    return Errors(len(ref), len(tags), tags.count("replace"), tags.count("delete"),
+                  tags.count("insert"))
+
+
 def error_rate(n_err: float, n_ref: float) -> float:
     """100 * errors / reference tokens (nan without reference tokens)."""
     return 100.0 * n_err / n_ref if n_ref else math.nan
@@ -57,6 +68,6 @@ def corpus_error_rate(pairs: Iterable[Tuple[str, str]], unit: str = "word") -> f
     n_err = n_ref = 0
     for ref, hyp in pairs:
         ref, hyp = normalize_text(ref), normalize_text(hyp)
-        e = errors(ref.split(), hyp.split()) if unit == "word" else errors(ref, hyp)
+        e = errors(ref.split(), hyp.split()) if unit == "word" else char_errors(ref, hyp)
         n_err, n_ref = n_err + e.n_err, n_ref + e.n_ref
     return error_rate(n_err, n_ref)

@@ -1,7 +1,7 @@
 """Long streams at a glance: collapse figures per run, memory along the stream, one plot.
 
     python -m tta_brain.report.long --exp_dir exp/long3000/snr20 [--stream md_long] [--window 100]
-        [--margin 5] [--out exp/long3000/snr20/LONG.md]
+        [--margin 5] [--out exp/long3000/snr20/LONG.md] [--metric wer|cer]
 
 Per run (the paper's MD-Long table, one row per method and seed): the WER, and two collapse
 figures on the windowed WER (errors / reference words over the last ``window`` utterances, full
@@ -15,7 +15,8 @@ the 0.5 MiB per 100 of ``tools/bench_memory.py``), judged from 10 samples (500 u
 
 The plot (``plots/long_<stream>.png``): windowed WER over stream position per method (mean over
 seeds), the domain blocks shaded and labelled, dynamic (detected) resets as markers on their
-curve; below it, RSS over position per run.
+curve; below it, RSS over position per run. ``--metric cer``: all of it of character error rates
+(``LONG_cer.md``, ``plots/long_cer_<stream>.png``; ``--margin`` in CER points).
 """
 import argparse
 import errno
@@ -29,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tta_brain.report import tags
-from tta_brain.report.tables import fmt, md_table, run_wer
+from tta_brain.report.tables import METRICS, fmt, in_metric, md_table, run_wer
 from tta_brain.run.folder import Run
 
 logger = logging.getLogger("tta_brain.report.long")
@@ -126,9 +127,9 @@ def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
 
 
 def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: float = MARGIN,
-               flat_mib: float = FLAT_MIB) -> Tuple[str, List[str]]:
+               flat_mib: float = FLAT_MIB, metric: str = "wer") -> Tuple[str, List[str]]:
     """The Markdown table of ``stream``, the runs whose RSS is not flat and those with too few
-    memory samples to tell."""
+    memory samples to tell (``metric="cer"``: runs from ``tables.in_metric``)."""
     rows, not_flat, unknown = [], [], []
     for r in [r for r in runs if r.stream == stream]:
         f = collapse_figures(r, _source_for(r, runs), window, margin)
@@ -148,7 +149,7 @@ def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: f
                      "-" if f["worst"] is None else f"{fmt(f['worst'])} @ {f['worst_at']}",
                      above, str(len(r.resets)), rss, "-" if slope is None else _signed(slope)
                      + ("" if cuda is None else f" (CUDA {_signed(cuda)})")])
-    header = ["method", "seed", "utts", "WER %", f"worst {window}-utt window (ends at)",
+    header = ["method", "seed", "utts", f"{metric.upper()} %", f"worst {window}-utt window (ends at)",
               f"first position > source + {margin:g}", "resets", "RSS MiB (first -> last)",
               "RSS slope MiB / 1k utts"]
     return md_table(header, rows), not_flat, unknown
@@ -171,7 +172,8 @@ def _mean_curves(runs: Sequence[Run], window: int) -> Dict[str, np.ndarray]:
     return out
 
 
-def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW) -> Optional[str]:
+def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
+              metric: str = "wer") -> Optional[str]:
     """Windowed WER over position per method with shaded, labelled domain blocks and reset
     markers; RSS per run below."""
     from tta_brain.report.plots import _save, _segments, plt
@@ -205,8 +207,8 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW) -
             if ok:
                 ax.plot(ok, curve[ok], linestyle="none", marker="v", markersize=6,
                         color=tags.color(method), markeredgecolor="k")
-    ax.set_ylabel(f"WER % (last {window} utts)")
-    ax.set_title(f"{stream}: windowed WER over the stream (shaded: domain blocks; "
+    ax.set_ylabel(f"{metric.upper()} % (last {window} utts)")
+    ax.set_title(f"{stream}: windowed {metric.upper()} over the stream (shaded: domain blocks; "
                  f"v: resets detected by the method)", pad=18)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
@@ -225,10 +227,12 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW) -
 
 def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=None,
                       window: int = WINDOW, margin: float = MARGIN, flat_mib: float = FLAT_MIB,
-                      plots: bool = True) -> Path:
-    """``LONG.md`` (table + memory verdict + plot link) for ``stream``; returns its path."""
+                      plots: bool = True, metric: str = "wer") -> Path:
+    """``LONG.md`` (table + memory verdict + plot link) for ``stream``; returns its path.
+    ``metric="cer"``: of character error rates, ``LONG_cer.md`` by default."""
     root = Path(root)
-    out = Path(out) if out else root / "LONG.md"
+    out = Path(out) if out else root / ("LONG.md" if metric == "wer" else f"LONG_{metric}.md")
+    runs = in_metric(runs, metric)
     sruns = [r for r in runs if r.stream == stream]
     if not sruns:
         have = sorted({r.stream for r in runs})
@@ -237,12 +241,14 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
     if out.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a folder (--out names the LONG.md file)",
                                 str(out))
-    table, not_flat, unknown = table_long(runs, stream, window, margin, flat_mib)
+    table, not_flat, unknown = table_long(runs, stream, window, margin, flat_mib, metric)
     n = max(len(r.transcripts) for r in sruns)
+    M, units = metric.upper(), ("errors / words" if metric == "wer"
+                                else "character edits / characters (spaces counted)")
     lines = [f"# {stream}: {n} utterances, {len(sruns)} runs", "",
-             f"Windowed WER: errors / words over the last {window} utterances (full windows "
+             f"Windowed {M}: {units} over the last {window} utterances (full windows "
              f"only). Collapse figures: the worst window, and the first position where a run's "
-             f"windowed WER exceeds the source model's by more than {margin:g} points.", "",
+             f"windowed {M} exceeds the source model's by more than {margin:g} points.", "",
              table, ""]
     rule = (f"RSS (and CUDA memory) slope over the second half of the stream at most "
             f"{flat_mib:g} MiB per 1,000 utterances")
@@ -254,7 +260,8 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
         lines.append(f"Memory not judged (fewer than {MIN_SAMPLES} samples in memory.csv): "
                      f"{', '.join(unknown)}.")
     if plots:
-        png = plot_long(runs, stream, root / "plots" / f"long_{stream}.png", window)
+        name = f"long_{stream}.png" if metric == "wer" else f"long_{metric}_{stream}.png"
+        png = plot_long(runs, stream, root / "plots" / name, window, metric)
         if png:
             lines += ["", f"![{stream}]({os.path.relpath(png, out.parent)})"]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -266,9 +273,13 @@ def main(argv=None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--exp_dir", required=True, help="results root (e.g. exp/long3000/snr20)")
     p.add_argument("--stream", default="md_long")
-    p.add_argument("--out", default=None, help="default: <exp_dir>/LONG.md")
+    p.add_argument("--out", default=None,
+                   help="default: <exp_dir>/LONG.md (--metric cer: <exp_dir>/LONG_cer.md)")
+    p.add_argument("--metric", default="wer", choices=tuple(METRICS),
+                   help="error rate of the table and the plot: wer or cer (characters)")
     p.add_argument("--window", type=int, default=WINDOW, help="window of the WER (utterances)")
-    p.add_argument("--margin", type=float, default=MARGIN, help="WER points above the source")
+    p.add_argument("--margin", type=float, default=MARGIN,
+                   help="WER (CER) points above the source")
     p.add_argument("--flat_mib", type=float, default=FLAT_MIB,
                    help="largest RSS slope (MiB per 1,000 utterances) that counts as flat")
     p.add_argument("--no_plots", action="store_true")
@@ -282,7 +293,8 @@ def main(argv=None) -> int:
     from tta_brain.report.results import collect_runs
     try:
         out = write_long_report(collect_runs(args.exp_dir), args.exp_dir, args.stream, args.out,
-                                args.window, args.margin, args.flat_mib, not args.no_plots)
+                                args.window, args.margin, args.flat_mib, not args.no_plots,
+                                args.metric)
     except ValueError as err:
         print(f"ERROR: {err}", file=sys.stderr)
         return 1

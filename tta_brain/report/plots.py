@@ -67,9 +67,11 @@ def _mean_curve(runs: Sequence[Run], window: int) -> Optional[np.ndarray]:
 
 
 def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int = 100,
-                        baseline: str = "source") -> Optional[str]:
+                        baseline: str = "source", metric: str = "wer") -> Optional[str]:
     """Smoothed WER of each method minus the baseline's over stream position (absolute WER if the
-    stream has no baseline run); boundaries dashed, resets of dynamic-reset runs as markers."""
+    stream has no baseline run); boundaries dashed, resets of dynamic-reset runs as markers.
+    ``metric="cer"``: of runs from ``tables.in_metric``, labelled CER."""
+    M = metric.upper()
     sruns = [r for r in runs if r.stream == stream and r.transcripts]
     groups = group_runs(sruns)
     base = _mean_curve([r for r in sruns if r.method == baseline], window)
@@ -101,11 +103,11 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
     _draw_boundaries(ax, sruns[0].boundaries)
     if base is not None:
         ax.axhline(0, color="k", linewidth=0.8)
-        ax.set_ylabel(f"WER difference to {baseline} (% abs.)")
-        ax.set_title(f"{stream}: WER difference to {baseline} over time (window {window} utts)")
+        ax.set_ylabel(f"{M} difference to {baseline} (% abs.)")
+        ax.set_title(f"{stream}: {M} difference to {baseline} over time (window {window} utts)")
     else:
-        ax.set_ylabel("WER (%)")
-        ax.set_title(f"{stream}: WER over time (window {window} utts; no {baseline} run)")
+        ax.set_ylabel(f"{M} (%)")
+        ax.set_title(f"{stream}: {M} over time (window {window} utts; no {baseline} run)")
     ax.set_xlabel("stream position (utterances)")
     ax.grid(alpha=0.3)
     # outside the axes: with many methods an inner legend hides curves
@@ -217,7 +219,8 @@ def plot_lii_histogram(runs: Sequence[Run], out_png, title: str = "") -> Optiona
 # ------------------------------------------------------------------------------------------------
 # WER vs adaptation steps (paper appendix figure)
 # ------------------------------------------------------------------------------------------------
-def plot_wer_vs_steps(runs: Sequence[Run], stream: str, out_png, baseline: str = "source") -> Optional[str]:
+def plot_wer_vs_steps(runs: Sequence[Run], stream: str, out_png, baseline: str = "source",
+                      metric: str = "wer") -> Optional[str]:
     """Mean WER (error bars: sample std over seeds) against the number of adaptation steps."""
     by_method = steps_groups(runs).get(stream)
     if not by_method:
@@ -232,16 +235,18 @@ def plot_wer_vs_steps(runs: Sequence[Run], stream: str, out_png, baseline: str =
     if base:
         ax.axhline(aggregate(base)[0], color="0.3", linestyle=":", label=f"{baseline} (no adaptation)")
     ax.set_xlabel("adaptation steps per utterance (N)")
-    ax.set_ylabel("WER (%)")
-    ax.set_title(f"{stream}: WER vs number of adaptation steps")
+    ax.set_ylabel(f"{metric.upper()} (%)")
+    ax.set_title(f"{stream}: {metric.upper()} vs number of adaptation steps")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9)
     return _save(fig, Path(out_png))
 
 
 # ------------------------------------------------------------------------------------------------
-def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: str = "source") -> List[str]:
-    """Every plot that the runs support; a failing plot is logged and skipped."""
+def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: str = "source",
+                   metric: str = "wer") -> List[str]:
+    """Every plot that the runs support; a failing plot is logged and skipped. The error-rate
+    plots are named by ``metric`` (``wer_diff_*``, ``cer_diff_*``: both reports share a folder)."""
     plots_dir = Path(plots_dir)
     try:
         plots_dir.mkdir(parents=True, exist_ok=True)
@@ -252,9 +257,11 @@ def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: 
     jobs = []
     for s in streams_of(runs):
         name = safe_name(s)
-        jobs.append((plot_wer_difference, (runs, s, plots_dir / f"wer_diff_{name}.png", smooth, baseline)))
+        jobs.append((plot_wer_difference, (runs, s, plots_dir / f"{metric}_diff_{name}.png", smooth,
+                                           baseline, metric)))
         jobs.append((plot_reset_timeline, (runs, s, plots_dir / f"resets_{name}.png")))
-        jobs.append((plot_wer_vs_steps, (runs, s, plots_dir / f"wer_vs_steps_{name}.png", baseline)))
+        jobs.append((plot_wer_vs_steps, (runs, s, plots_dir / f"{metric}_vs_steps_{name}.png",
+                                         baseline, metric)))
         lii_runs: Dict[str, List[Run]] = {}
         for r in runs:
             if r.stream == s and r.lii:

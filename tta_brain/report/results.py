@@ -5,6 +5,7 @@ Usage::
 
     python -m tta_brain.report --exp_dir results/ [--out results/RESULTS.md]
         [--plots_dir results/plots] [--smooth 100] [--baseline source] [--window 100]
+        [--metric wer|cer]
 
 Every folder (any depth) holding a ``summary.json`` is read with ``tta_brain.run.records``, the module
 that writes it; a folder it cannot read is skipped with a warning naming the file and why, and a
@@ -12,7 +13,10 @@ folder with records but no summary (a run still going or interrupted) is listed 
 Conventions (also written into RESULTS.md): WER of a run = 100 * errors / reference words over its
 transcripts; cells are ``mean ± sample std (n=runs)`` over the runs (seeds) of a (method, stream)
 pair; a reset at position r detects the last true boundary b <= r when r - b <= window; a method
-run with several step counts is split into rows ``method (N=steps)``.
+run with several step counts is split into rows ``method (N=steps)``. ``--metric cer``: every
+table and plot of character error rates instead (100 * character edits / reference characters,
+spaces counted; for languages written without spaces), into ``RESULTS_cer.md`` and ``cer_*`` plots
+by default, beside the WER report.
 """
 import argparse
 import errno
@@ -111,22 +115,29 @@ def environment_block(runs: Sequence[Run], repo_dir=None) -> str:
     return "\n".join(lines)
 
 
+#: what a cell of each metric is, for the notes of RESULTS.md
+DEFINITIONS = {"wer": "WER (%) = 100 * errors / reference words",
+               "cer": "CER (%) = 100 * character edits / reference characters (spaces counted, "
+                      "after the same normalisation as the WER)"}
+
+
 def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None, window: int = 100,
-                   digits: int = 1, repo_dir=None) -> str:
-    """The whole RESULTS.md text."""
-    notes = ("WER (%) = 100 * errors / reference words, pooled over a run's utterances. Cells: "
+                   digits: int = 1, repo_dir=None, metric: str = "wer") -> str:
+    """The whole RESULTS.md text; ``metric="cer"``: of runs from :func:`tables.in_metric`."""
+    M = metric.upper()
+    notes = (f"{DEFINITIONS[metric]}, pooled over a run's utterances. Cells: "
              "mean ± sample std over runs (seeds), n = number of runs.")
     warnings = pooling_warnings(runs)
     parts = ["# RESULTS", environment_block(runs, repo_dir)]
     if warnings:
         parts += ["## Warnings", "\n".join(f"- {w}" for w in warnings)]
-    parts += ["## WER (%) per method and stream", notes, tables.table_main(runs, digits)]
+    parts += [f"## {M} (%) per method and stream", notes, tables.table_main(runs, digits)]
     domains = tables.table_domains(runs, digits)
     if domains:
-        parts += ["## WER (%) on single-domain streams", domains]
+        parts += [f"## {M} (%) on single-domain streams", domains]
     for s in tables.streams_of(runs):
         if not all(tables.is_single_domain(r) for r in runs if r.stream == s):
-            parts += [f"## Per-domain WER (%) on {s}", tables.table_breakdown(runs, s, digits)]
+            parts += [f"## Per-domain {M} (%) on {s}", tables.table_breakdown(runs, s, digits)]
     resets = [(s, tables.table_resets(runs, s, window)) for s in tables.streams_of(runs)]
     if any(t for _, t in resets):
         parts += ["## Reset steps",
@@ -143,33 +154,37 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
         parts += [f"**{s}**\n\n{t}" for s, t in eff if t]
     steps = tables.table_steps(runs, digits)
     if steps:
-        parts += ["## WER (%) vs number of adaptation steps", steps]
+        parts += [f"## {M} (%) vs number of adaptation steps", steps]
     if plots:
         base = Path(out_dir) if out_dir else Path.cwd()
         parts += ["## Plots", "\n".join(f"- [{Path(p).name}]({os.path.relpath(p, base)})"
                                         for p in plots)]
-    parts += ["## Runs", tables.runs_inventory(runs, digits), "## Per-experiment scores (ESPnet style)"]
-    parts += [f"### {r.name}\n\n{tables.table_espnet(r)}" for r in runs]
+    parts += ["## Runs", tables.runs_inventory(runs, digits, metric),
+              "## Per-experiment scores (ESPnet style)"]
+    parts += [f"### {r.name}\n\n{tables.table_espnet(r, metric)}" for r in runs]
     return "\n\n".join(parts) + "\n"
 
 
 def write_report(runs: Sequence[Run], root, out=None, plots_dir=None, smooth: int = 100,
                  baseline: str = "source", window: int = 100, digits: int = 1,
-                 make_plots: bool = True, repo_dir=None) -> Path:
-    """Write plots and RESULTS.md for already collected ``runs``; returns the RESULTS.md path."""
+                 make_plots: bool = True, repo_dir=None, metric: str = "wer") -> Path:
+    """Write plots and RESULTS.md (``metric="cer"``: RESULTS_cer.md and ``cer_*`` plots, of
+    character error rates) for already collected ``runs``; returns the RESULTS.md path."""
     if not runs:
         raise NoRunsError(f"No experiment directory with a readable summary.json under {root}")
-    out = Path(out) if out else Path(root) / "RESULTS.md"
+    out = Path(out) if out else Path(root) / ("RESULTS.md" if metric == "wer"
+                                              else f"RESULTS_{metric}.md")
     if out.is_dir():                                  # before the plots: they take a while
         raise IsADirectoryError(errno.EISDIR, "is a folder (--out names the RESULTS.md file)",
                                 str(out))
+    runs = tables.in_metric(runs, metric)
     written: List[str] = []
     if make_plots:
         from tta_brain.report import plots  # matplotlib is only imported when plotting
         written = plots.make_all_plots(runs, plots_dir or Path(root) / "plots", smooth=smooth,
-                                       baseline=baseline)
+                                       baseline=baseline, metric=metric)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_markdown(runs, written, out.parent, window, digits, repo_dir),
+    out.write_text(build_markdown(runs, written, out.parent, window, digits, repo_dir, metric),
                    encoding="utf-8")
     logger.info("Wrote %s (%d runs, %d plots)", out, len(runs), len(written))
     return out
@@ -185,7 +200,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tta_brain.report",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--exp_dir", required=True, help="results root holding experiment directories")
-    p.add_argument("--out", default=None, help="RESULTS.md path (default: <exp_dir>/RESULTS.md)")
+    p.add_argument("--out", default=None, help="RESULTS.md path (default: <exp_dir>/RESULTS.md; "
+                   "with --metric cer: <exp_dir>/RESULTS_cer.md)")
+    p.add_argument("--metric", default="wer", choices=tuple(tables.METRICS),
+                   help="error rate of every table and plot: wer (words) or cer (characters, "
+                        "spaces counted: languages written without spaces)")
     p.add_argument("--plots_dir", default=None, help="plot folder (default: <exp_dir>/plots)")
     p.add_argument("--smooth", type=int, default=100,
                    help="smoothing window (utterances) of WER-over-time plots")
@@ -193,7 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(default: source)")
     p.add_argument("--window", type=int, default=100,
                    help="reset detection window (utterances after a boundary)")
-    p.add_argument("--digits", type=int, default=1, help="decimals of WER cells")
+    p.add_argument("--digits", type=int, default=1, help="decimals of WER (CER) cells")
     p.add_argument("--no_plots", action="store_true", help="tables only")
     args = p.parse_args(argv)
     for name, low in (("smooth", 1), ("window", 0), ("digits", 0)):
@@ -213,7 +232,7 @@ def main(argv=None) -> int:
     try:
         out = write_report(runs, args.exp_dir, args.out, args.plots_dir, args.smooth,
                            args.baseline or "source", args.window, args.digits,
-                           not args.no_plots)
+                           not args.no_plots, metric=args.metric)
     except NoRunsError as err:
         print(f"tta_brain.report.results: {err}; nothing to report.", file=sys.stderr)
         return 1
@@ -221,7 +240,7 @@ def main(argv=None) -> int:
         print(f"ERROR: cannot write {err.filename or args.out}: {err.strerror or err} (--out)",
               file=sys.stderr)
         return 1
-    print(tables.table_main(runs, args.digits))
+    print(tables.table_main(tables.in_metric(runs, args.metric), args.digits))
     print(f"\nWrote {out}")
     return 0
 

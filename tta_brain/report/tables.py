@@ -1,20 +1,48 @@
 """Numbers of a set of runs (:class:`tta_brain.run.folder.Run`) and the Markdown tables of RESULTS.md:
 per-run WERs, grouping by method label and stream, mean +- sample std over seeds, resets against
-the true boundaries, ESPnet-style scores, efficiency, WER vs adaptation steps."""
+the true boundaries, ESPnet-style scores, efficiency, WER vs adaptation steps. The same tables of
+CER: :func:`in_metric` (``--metric cer``)."""
+import dataclasses
 import math
 import statistics
 from collections import OrderedDict, defaultdict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from tta_brain.report import tags
-from tta_brain.asr.metrics import error_rate
+from tta_brain.asr.metrics import char_errors, error_rate
 from tta_brain.run.folder import Run
 
 COUNT_KEYS = ("adapt_forward", "adapt_backward", "infer_forward", "aux_forward")
 Label = Tuple[str, Optional[int]]
 
 
+#: the error rates a report can show: name -> what its counts count
+METRICS = {"wer": "word", "cer": "char"}
+
+
 # ----------------------------------------------------------------------------- per run
+def in_metric(runs: Sequence[Run], metric: str = "wer") -> List[Run]:
+    """The runs as ``metric`` counts them. ``wer``: as they are. ``cer``: copies whose transcripts
+    hold the character counts of their (normalised) reference and hypothesis, spaces counted, in
+    the word-count fields (``n_words`` = reference characters, ``n_err``/``n_sub``/... the
+    character edits), so every table, plot and score of the report is the CER one, as ESPnet's
+    ``score_cer`` gives the ``score_wer`` tables of characters. For languages written without
+    spaces, where a word error rate counts whole sentences."""
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: one of {', '.join(METRICS)}")
+    if metric == "wer":
+        return list(runs)
+    out = []
+    for r in runs:
+        ts = []
+        for t in r.transcripts:
+            e = char_errors(t.ref, t.hyp)
+            ts.append(dataclasses.replace(t, n_words=e.n_ref, n_err=e.n_err, n_sub=e.n_sub,
+                                          n_del=e.n_del, n_ins=e.n_ins))
+        out.append(dataclasses.replace(r, transcripts=ts))
+    return out
+
+
 def run_wer(run: Run) -> float:
     """WER (%) of one run: 100 * errors / reference words over its transcripts."""
     return error_rate(sum(t.n_err for t in run.transcripts), sum(t.n_words for t in run.transcripts))
@@ -230,8 +258,10 @@ def espnet_rows(run: Run) -> List[List[str]]:
     return out
 
 
-def table_espnet(run: Run) -> str:
-    return md_table(["dataset", "Snt", "Wrd", "Corr", "Sub", "Del", "Ins", "Err", "S.Err"],
+def table_espnet(run: Run, metric: str = "wer") -> str:
+    """ESPnet's result table; with ``metric="cer"`` of a run from :func:`in_metric` (``Chr``)."""
+    unit = "Chr" if metric == "cer" else "Wrd"
+    return md_table(["dataset", "Snt", unit, "Corr", "Sub", "Del", "Ins", "Err", "S.Err"],
                     espnet_rows(run))
 
 
@@ -280,7 +310,8 @@ def table_steps(runs: Sequence[Run], digits: int = 1) -> Optional[str]:
     return "\n\n".join(parts)
 
 
-def runs_inventory(runs: Sequence[Run], digits: int = 1) -> str:
+def runs_inventory(runs: Sequence[Run], digits: int = 1, metric: str = "wer") -> str:
     rows = [[r.name, r.method, r.stream, str(r.seed), "-" if r.steps is None else str(r.steps),
              str(r.summary.n_utts), fmt(run_wer(r), digits)] for r in runs]
-    return md_table(["Experiment", "Method", "Stream", "Seed", "Steps", "Utts", "WER (%)"], rows)
+    return md_table(["Experiment", "Method", "Stream", "Seed", "Steps", "Utts",
+                     f"{metric.upper()} (%)"], rows)

@@ -5,14 +5,14 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from tta_brain.data.loader import boundaries
 from tta_brain.data.manifest import ManifestError
 from tta_brain.run.envinfo import describe_device, versions
-from tta_brain.asr.metrics import error_rate
+from tta_brain.asr.metrics import char_errors, error_rate
 from tta_brain.run.records import (RecordError, read_rejects, read_resets, read_transcripts,
                                    write_wer_file)
 
@@ -46,6 +46,9 @@ class Summary:
     versions: Dict[str, str]
     fingerprint: Dict = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)   # what the run could not do (e.g. reset)
+    # character error rate (%), spaces counted (null in a summary written before it was added)
+    cer: Optional[float] = None
+    cer_per_domain: Dict[str, Optional[float]] = field(default_factory=dict)
 
     @property
     def steps(self) -> Optional[int]:
@@ -77,7 +80,9 @@ def read_summary(folder) -> Summary:
     except (OSError, ValueError) as err:
         raise RecordError(f"{path}: cannot read ({err})") from None
     names = {f.name for f in fields(Summary)}
-    missing = sorted(n for n in names if n not in data and n not in ("fingerprint", "warnings"))
+    required = {f.name for f in fields(Summary)
+                if f.default is MISSING and f.default_factory is MISSING}
+    missing = sorted(n for n in required if n not in data)
     if not isinstance(data, dict) or missing:
         raise RecordError(f"{path}: not a summary of this tta_brain version (missing: "
                           f"{', '.join(missing)})")
@@ -103,25 +108,29 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
     write_wer_file(folder, transcripts)
     per_dom: Dict[str, List[int]] = {}
     for t in transcripts:
-        e = per_dom.setdefault(t.domain, [0, 0])
-        e[0], e[1] = e[0] + t.n_err, e[1] + t.n_words
+        c = char_errors(t.ref, t.hyp)
+        e = per_dom.setdefault(t.domain, [0, 0, 0, 0])
+        e[0], e[1], e[2], e[3] = e[0] + t.n_err, e[1] + t.n_words, e[2] + c.n_err, e[3] + c.n_ref
     n_err = sum(t.n_err for t in transcripts)
     n_words = sum(t.n_words for t in transcripts)
     wall, audio = state.wall_time, state.audio_time
     summary = Summary(
         method=tag, stream=stream, seed=seed, wer=error_rate(n_err, n_words),
-        wer_per_domain={d: error_rate(e, w) for d, (e, w) in per_dom.items()},
+        wer_per_domain={d: error_rate(e, w) for d, (e, w, _, _) in per_dom.items()},
         n_utts=len(transcripts), n_words=n_words, n_err=n_err, n_skipped=len(rejects),
         skipped=[{"position": r.position, "ID": r.ID, "reason": r.reason} for r in rejects],
         resets=[r.position for r in read_resets(folder)], boundaries=boundaries(rows),
         counts=dict(method.counts), wall_time_s=wall, audio_s=audio,
         time_per_audio_s=wall / max(audio, 1e-9), num_adapted_params=method.num_adapted,
         hparams=dict(hparams), device=describe_device(device), versions=versions(),
-        fingerprint=dict(fingerprint or {}), warnings=list(warnings))
+        fingerprint=dict(fingerprint or {}), warnings=list(warnings),
+        cer=error_rate(sum(e[2] for e in per_dom.values()), sum(e[3] for e in per_dom.values())),
+        cer_per_domain={d: error_rate(ce, cr) for d, (_, _, ce, cr) in per_dom.items()})
     write_summary(folder, summary)
-    wer = "-" if summary.wer is None or summary.wer != summary.wer else f"{summary.wer:.2f}%"
-    logger.info("%s on %s: WER %s (%d utterances, %d skipped, %d resets)", tag, stream, wer,
-                len(transcripts), len(rejects), len(summary.resets))
+    pct = lambda v: "-" if v is None or v != v else f"{v:.2f}%"   # noqa: E731
+    logger.info("%s on %s: WER %s, CER %s (%d utterances, %d skipped, %d resets)", tag, stream,
+                pct(summary.wer), pct(summary.cer), len(transcripts), len(rejects),
+                len(summary.resets))
     if rejects:
         logger.warning("%d utterance(s) skipped, listed with the reasons in %s", len(rejects),
                        f"{folder}/rejects.csv")
