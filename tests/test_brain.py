@@ -139,14 +139,17 @@ def test_a_finished_run_with_damaged_records_is_not_skipped(data, tmp_path):
     lines = good["transcripts.csv"].splitlines(keepends=True)
     (out / "transcripts.csv").write_text("".join(lines[:-1]))
     with pytest.raises(SystemExit, match=r"transcripts\.csv: 5 utterances, .* but summary\.json "
-                                         r"says 6, .*\(cut short .*; or add --overwrite"):
+                                         r"says 6, .*\(cut short .*; to decode this run "
+                                         r"again there, add --overwrite \(it deletes"):
         decode.main(run)
     plan = grid.Run("exp", out, run[:])
     grid.check_done([plan])
-    assert plan.status == "failed" and plan.message.endswith("; or --decode_opts --overwrite")
+    assert plan.status == "failed" and plan.message.endswith(
+        "; to decode this run again there, add --decode_opts --overwrite")
     (out / "transcripts.csv").write_text(good["transcripts.csv"])
     (out / "summary.json").write_text("{")
-    with pytest.raises(SystemExit, match=r"summary\.json"):
+    with pytest.raises(SystemExit, match=r"summary\.json: cannot read .*; to decode this run "
+                                         r"again there, add --overwrite"):
         decode.main(run)
     decode.main(run + ["--overwrite"])
     assert records(out) == good

@@ -195,7 +195,8 @@ def _skip(out):
 
 def _refuse(out, diffs, status="differs"):
     if status == "damaged":
-        _fail(f"{diffs[0]}; or add --overwrite to delete its records and start over")
+        _fail(f"{diffs[0]}; to decode this run again there, add --overwrite (it deletes the "
+              f"folder's records first)")
     _fail(f"{out} holds a run with other settings ({'; '.join(diffs)}); use another "
           f"--output_folder, or add --overwrite to delete its records and start over")
 

@@ -123,7 +123,8 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
             run.message = (f"holds a run with other settings ({'; '.join(p.diffs)}); use another "
                            f"--exp_dir or --decode_opts --overwrite")
         elif p.status == "damaged" and "--overwrite" not in run.argv:
-            run.status, run.message = "failed", f"{p.diffs[0]}; or --decode_opts --overwrite"
+            run.status, run.message = "failed", (f"{p.diffs[0]}; to decode this run again "
+                                                   f"there, add --decode_opts --overwrite")
 
 
 def batches(runs: List[Run], size: int) -> List[List[Run]]:

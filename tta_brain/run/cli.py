@@ -115,9 +115,6 @@ def parse_arguments(argv: List[str]) -> Arguments:
         raise UsageError(USAGE)
     overrides: Dict[str, str] = {}
     for key, value, has_value in pairs:
-        if key in SB_TRAINING_OPTIONS:
-            raise UsageError(f"--{key} is a SpeechBrain training option; decoding does not use "
-                             f"it (run options: {', '.join('--' + k for k in RUN_OPTIONS)})")
         if key in ("noprogressbar", "overwrite"):
             flag = _bool(key, value) if has_value else True
             if key == "noprogressbar":
