@@ -227,8 +227,9 @@ def main(argv=None) -> int:
     runs = collect_runs(args.exp_dir)
     tags = sorted({r.method for r in runs})
     if args.baseline is not None and runs and args.baseline not in tags and not args.no_plots:
-        logger.warning("--baseline %r: no run has that tag (tags: %s); the WER-over-time plots "
-                       "show absolute WER", args.baseline, ", ".join(tags))
+        logger.warning("--baseline %r: no run has that tag (tags: %s); the %s-over-time plots "
+                       "show absolute %s", args.baseline, ", ".join(tags), args.metric.upper(),
+                       args.metric.upper())
     try:
         out = write_report(runs, args.exp_dir, args.out, args.plots_dir, args.smooth,
                            args.baseline or "source", args.window, args.digits,
