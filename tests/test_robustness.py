@@ -726,6 +726,9 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     faster = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides={**ov, "lr": 2e-3})
     faster.load(state)
     assert faster.position == 3 and "lr 0.001 -> 0.002" in caplog.text
+    # the optimisers (DSUTA's fast and slow) go on with this stream's lr, not the file's
+    assert [g["lr"] for o in (faster.method.optimizer, faster.method.slow_optimizer)
+            for g in o.param_groups] == [2e-3, 2e-3]
     garbage = tmp_path / "garbage.pt"
     garbage.write_text("not a state")
     for bad, why in ((tmp_path / "missing.pt", "no such state file"),
@@ -746,6 +749,36 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     old.load(legacy)
     assert [old.transcribe(w) for w in utterances[3:]] == want[3:]
     assert "saved by an older tta_brain" in caplog.text
+    # an older file (nothing to check it by) that does not fit the method: one line, and the
+    # stream as it was (its step counter and pass counts had been taken from the file)
+    awmc = TTAStream.from_hparams("awmc", source=tiny_model_dir, overrides={"steps": 1})
+    awmc.transcribe(utterances[0])
+    t, counts, params = awmc.method.t, awmc.counts, [p.clone() for p in awmc.method.params]
+    with pytest.raises(StreamStateError, match=re.escape(f"{legacy}: does not fit this "
+                                                         f"stream's awmc (")):
+        awmc.load(legacy)
+    assert (awmc.method.t, awmc.counts, awmc.position) == (t, counts, 1)
+    assert all(torch.equal(a, b) for a, b in zip(params, awmc.method.params))
+
+
+def test_live_stream_state_keeps_the_random_state(tmp_path, tiny_model_dir, utterances):
+    """AWMC adapts in train mode (dropout): a loaded stream went on from the random state its
+    construction seeded, not the saved stream's, so its parameters left the uninterrupted run's."""
+    from tta_brain.stream import TTAStream
+    ov = {"steps": 2, "lr": 0.05, "train_mode": True}
+    whole = TTAStream.from_hparams("awmc", source=tiny_model_dir, overrides=ov)
+    want = [whole.transcribe(w) for w in utterances]
+    part = TTAStream.from_hparams("awmc", source=tiny_model_dir, overrides=ov)
+    first = [part.transcribe(w) for w in utterances[:3]]
+    part.save(tmp_path / "s.pt")
+    again = TTAStream.from_hparams("awmc", source=tiny_model_dir, overrides=ov)  # seeds anew
+    again.load(tmp_path / "s.pt")
+    assert first + [again.transcribe(w) for w in utterances[3:]] == want
+    assert all(torch.equal(a, b) for a, b in zip(whole.method.params, again.method.params))
+    other = TTAStream.from_hparams("awmc", source=tiny_model_dir, overrides={**ov, "seed": 1})
+    [other.transcribe(w) for w in utterances]
+    assert not all(torch.equal(a, b) for a, b in zip(whole.method.params, other.method.params)), \
+        "dropout had no effect: the test would prove nothing"
 
 
 def test_live_stream_state_of_a_hub_model_matches_by_commit(tmp_path, tiny_model_dir,

@@ -142,14 +142,17 @@ class TTAStream:
                 "adapted": [list(p.shape) for p in getattr(self.method, "params", None) or []]}
 
     def save(self, path: Union[str, os.PathLike]):
-        """The stream's state (method, position, resets, LII values) with :meth:`identity` and the
-        settings, written atomically (a temporary file, then a rename)."""
+        """The stream's state (method, position, resets, LII values, and the random number
+        generators a method draws from: AWMC's dropout, SpecAugment's masks) with
+        :meth:`identity` and the settings, written atomically (a temporary file, then a
+        rename)."""
         from tta_brain.data.cache import save_torch
+        from tta_brain.run.checkpoint import get_rng_state
         try:
             save_torch({"format": STATE_FORMAT, "version": STATE_VERSION,
                         "identity": self.identity(), "settings": self.settings,
                         "method": self.method.state_dict(), "position": self.position,
-                        "resets": self.resets, "lii": self.lii}, path)
+                        "resets": self.resets, "lii": self.lii, "rng": get_rng_state()}, path)
         except OSError as e:             # a folder, no parent, not writable, a full disk
             raise StreamStateError(f"{path}: cannot write the state file: {e.strerror} "
                                    f"(TTAStream.save)") from None
@@ -158,7 +161,10 @@ class TTAStream:
         """Continue from a state :meth:`save` wrote. Another method, reset policy, source model or
         set of adapted tensors is a :class:`StreamStateError` (one line naming the file and what
         differs), and the stream is left as it was; other settings that differ (``lr``,
-        ``steps``, ...) are taken as this stream's and logged."""
+        ``steps``, ...) are taken as this stream's and logged: the optimisers keep this stream's
+        hyperparameters (the file's moments and step counts are loaded, not its ``lr``). The
+        random number generators continue from the file's (a state saved before they were
+        recorded: from where they are)."""
         path = str(path)
         if not os.path.isfile(path):
             raise StreamStateError(f"{path}: no such state file (TTAStream.load)")
@@ -191,9 +197,35 @@ class TTAStream:
                 logger.warning("%s: saved with other settings, continuing with this stream's: %s",
                                path, ", ".join(f"{k} {sd['settings'].get(k)!r} -> "
                                                f"{self.settings.get(k)!r}" for k in other))
-        self.method.load_state_dict(sd["method"])
+        before = self.method.state_dict()
+        kept = _hyperparameters(self.method)
+        try:
+            self.method.load_state_dict(sd["method"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:   # an unchecked older file
+            self.method.load_state_dict(before)
+            raise StreamStateError(f"{path}: does not fit this stream's {self.identity()['method']}"
+                                   f" ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+                                   f"the stream is left as it was") from None
+        for optimizer, groups in kept:              # load_state_dict made new group dicts
+            for group, values in zip(optimizer.param_groups, groups):
+                group.update(values)
         self.position, self.resets = sd["position"], list(sd["resets"])
         self.lii = list(sd.get("lii", []))
+        if sd.get("rng") is not None:
+            from tta_brain.run.checkpoint import set_rng_state
+            set_rng_state(sd["rng"])
+
+
+#: An optimiser group's settings (not its state): a loaded stream keeps its own.
+_HYPER = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")
+
+
+def _hyperparameters(method) -> List[tuple]:
+    """(optimiser, its groups' hyperparameters) of every optimiser of ``method``
+    (``optimizer``, DSUTA's ``slow_optimizer``, CEA's ``optimizer2``, ...), to put back after a
+    load: ``Optimizer.load_state_dict`` takes the saved groups' ``lr`` too."""
+    return [(value, [{k: g[k] for k in _HYPER if k in g} for g in value.param_groups])
+            for value in vars(method).values() if isinstance(value, torch.optim.Optimizer)]
 
 
 def _short(value) -> str:

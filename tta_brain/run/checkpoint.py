@@ -46,8 +46,8 @@ def set_rng_state(state: Dict) -> None:
         np.random.set_state(state["numpy"])
     if "python" in state:
         random.setstate(state["python"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if state.get("cuda") is not None and torch.cuda.is_available():   # GPUs this process has
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]][:torch.cuda.device_count()])
 
 
 @register_checkpoint_hooks
