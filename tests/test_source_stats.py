@@ -1,10 +1,12 @@
 """Source statistics: the file format with its provenance, the ``python -m tta_brain.stats``
 command, the kinds table, the Fisher kind against a direct computation, one-line errors."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import soundfile as sf
 import torch
 import torch.nn.functional as F
 
@@ -162,3 +164,17 @@ def test_reuse_keeps_a_current_file_and_recomputes_a_stale_one(clean, tiny_model
     assert run_cli(*argv[:-2], 3, "--reuse") == 0
     assert "another number of utterances" in capsys.readouterr().out and ss.load(out).n_utts == 3
     assert run_cli(*argv, "--params=cnn") == 0 and "other kinds or options" in capsys.readouterr().out
+    # the same manifest and count, other audio: kept before (its fisher was of the old audio)
+    argv = argv[:-1] + ["--params=cnn", "--reuse"]
+    assert run_cli(*argv) == 0 and "up to date" in capsys.readouterr().out
+    other = tmp_path / "other_root"
+    shutil.copytree(clean, other)
+    wav = sorted(other.rglob("*.wav"))[0]
+    sf.write(wav, 0.5 * sf.read(wav)[0], 16000)
+    old = ss.load(out).stats["fisher"]
+    assert run_cli(*argv[:5], other, *argv[6:]) == 0
+    assert "other audio files (--data_root, --max_duration)" in capsys.readouterr().out
+    assert any(not torch.equal(old[k], v) for k, v in ss.load(out).stats["fisher"].items())
+    # durations 0.427, 0.308, 0.463, 0.421, ...: two utterances still, but not the same two
+    assert run_cli(*argv[:5], other, *argv[6:], "--max_duration", 0.425) == 0
+    assert "other audio files" in capsys.readouterr().out and ss.load(out).n_utts == 2

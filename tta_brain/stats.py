@@ -26,7 +26,8 @@ def parse_args(argv=None):
     p.add_argument("--max_duration", type=float, default=20.0, help="longer ones are left out")
     p.add_argument("--device", default="cpu")
     p.add_argument("--reuse", action="store_true",
-                   help="keep --out when it holds these kinds of this model on this manifest")
+                   help="keep --out when it holds these kinds and options of this model on this "
+                        "manifest's content and these audio files (paths and sizes)")
     args, extra = p.parse_known_args(argv)
     if not args.max_duration > 0:
         p.error(f"--max_duration {args.max_duration}: must be > 0 seconds")
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
     args, options = parse_args(argv)
     kinds = [k for k in args.kinds.replace(",", " ").split() if k]
     if args.reuse and (why := current(args, kinds, options)) is None:
-        print(f"{args.out}: up to date (same manifest content, model, kinds and options), kept")
+        print(f"{args.out}: up to date (same manifest content, audio files, model, kinds and "
+              f"options), kept")
         return 0
     if args.reuse:
         print(f"{args.out}: {why}, computing")
@@ -84,10 +86,15 @@ def current(args, kinds, options):
         return "another model"
     if set(kinds) - set(rec.kinds) or rec.options != options:
         return "other kinds or options"
-    from tta_brain.data.manifest import read_manifest
-    n = sum(float(r.get("duration") or 0) <= args.max_duration for r in read_manifest(args.manifest))
-    if rec.n_utts != (min(n, args.max_utts) if args.max_utts else n):
+    try:
+        rows = ss.clean_rows(args.manifest, args.data_root, args.max_utts, args.max_duration)
+    except (ValueError, OSError):           # computing says what is wrong with it, in one line
+        return "the manifest cannot be read"
+    if rec.n_utts != len(rows):
         return "another number of utterances"
+    if rec.audio_sha1 != ss.audio_sha1(rows):   # another --data_root, --max_duration, or older
+        return ("other audio files (--data_root, --max_duration)" if rec.audio_sha1
+                else "no record of its audio files (made by an older tta_brain)")
     return None
 
 

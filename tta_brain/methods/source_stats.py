@@ -8,7 +8,8 @@ The file (``torch.save`` of a plain dict, read back with ``weights_only=True``):
      "provenance": {"manifest": <path as given>, "manifest_sha1": <content sha1>,
                     "model": <source identity: sha1 of a local model dir, or hub:<name>>,
                     "model_params_sha1": <sha1 of the model's parameter names and values>,
-                    "n_utts": <utterances used>, "kinds": [...], "options": {...},
+                    "n_utts": <utterances used>, "audio_sha1": <sha1 of their audio files'
+                    paths and sizes>, "kinds": [...], "options": {...},
                     "created": <date>, "tta_brain": <version>},
      "stats": {<kind>: {<name>: tensor, ...}, ...}}
 
@@ -83,6 +84,7 @@ class SourceStats:
     options: Dict[str, str] = field(default_factory=dict)
     created: str = ""
     tta_brain: str = ""
+    audio_sha1: str = ""        # which audio files (:func:`audio_sha1`); "" in older files
 
     @property
     def kinds(self) -> List[str]:
@@ -148,6 +150,27 @@ def load(path) -> SourceStats:
 
 
 # ---------------------------------------------------------------------------- computing
+def clean_rows(manifest: str, data_root: str = "", max_utts: int = 0,
+               max_duration: float = 20.0) -> List[Dict]:
+    """The manifest rows :func:`compute` uses: the first ``max_utts`` (0: all) not longer than
+    ``max_duration`` seconds, in manifest order, their ``$data_root`` replaced."""
+    from tta_brain.data.manifest import read_manifest
+    rows = [r for r in read_manifest(manifest, replacements={"data_root": data_root or ""})
+            if float(r.get("duration") or 0) <= max_duration]
+    return rows[:max_utts] if max_utts else rows
+
+
+def audio_sha1(rows: Sequence[Dict]) -> str:
+    """sha1 of the rows' audio files as they are found (absolute path and size, in order): another
+    ``--data_root``, ``--max_duration`` or ``--max_utts`` selects other audio, so another digest."""
+    h = hashlib.sha1()
+    for r in rows:
+        path = os.path.abspath(r["wav"])
+        size = os.path.getsize(path) if os.path.isfile(path) else -1
+        h.update(f"{path}\0{size}\n".encode())
+    return h.hexdigest()
+
+
 def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "",
             max_utts: int = 0, device: str = "cpu", max_duration: float = 20.0,
             options: Dict[str, str] = None) -> SourceStats:
@@ -156,7 +179,6 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     import tta_brain
     import tta_brain.methods  # noqa: F401  (every method module registers its kinds)
     from tta_brain.data.audio import load_audio
-    from tta_brain.data.manifest import read_manifest
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
@@ -171,9 +193,7 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
                                                          if known else "no options"))
     if max_utts < 0:
         raise SourceStatsError(f"--max_utts {max_utts}: must be >= 0 (0: all utterances)")
-    rows = [r for r in read_manifest(manifest, replacements={"data_root": data_root or ""})
-            if float(r.get("duration") or 0) <= max_duration]
-    rows = rows[:max_utts] if max_utts else rows
+    rows = clean_rows(manifest, data_root, max_utts, max_duration)
     if not rows:
         raise SourceStatsError(f"{manifest}: no utterance of at most {max_duration} s (--manifest)")
     lobe = HFCTCLobe(source, device=device)
@@ -183,7 +203,7 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     return SourceStats(stats=stats, manifest=str(manifest), manifest_sha1=file_sha1(manifest),
                        model=source_identity(str(source)), model_params_sha1=params_sha1(lobe.model),
                        n_utts=len(inputs), options=options, created=time.strftime("%Y-%m-%d %H:%M:%S"),
-                       tta_brain=tta_brain.__version__)
+                       tta_brain=tta_brain.__version__, audio_sha1=audio_sha1(rows))
 
 
 @register_kind("fisher", options=("params",))
