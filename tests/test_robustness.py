@@ -192,6 +192,33 @@ def test_references_in_another_script_are_scored_not_skipped(tmp_path, one_wav, 
     assert read_summary(tmp_path / "exp").cer == pytest.approx(summary.cer)
 
 
+def test_audio_shorter_than_a_train_mode_time_mask_is_skipped(tmp_path, one_wav):
+    """AWMC adapts in train mode, where wav2vec2 draws SpecAugment time masks of
+    ``mask_time_length`` frames: a 0.1 s utterance (4 frames, fewer than a mask) stopped the
+    whole run with transformers' traceback, and a live stream's pass counts took the failed
+    call. Now it is skipped with the reason; in eval mode it is decoded as before."""
+    from conftest import save_ctc_model
+    from tta_brain.stream import TTAStream
+    model = save_ctc_model(tmp_path / "masked", mask_time_prob=0.05, mask_time_length=10)
+    short = tmp_path / "short.wav"
+    sf.write(short, speech(0.1), SR, subtype="PCM_16")
+    stream = write_manifest(tmp_path / "s.csv", [row("a", one_wav, 0.4), row("b", short, 0.1),
+                                                 row("c", one_wav, 0.4)])
+    common = [f"--source={model}", f"--stream_csv={stream}", "--steps=1", "--noprogressbar"]
+    summary = decode.main(["awmc", *common, f"--output_folder={tmp_path / 'awmc'}"])
+    assert (summary.n_utts, summary.n_skipped) == (2, 1)
+    assert summary.skipped[0]["ID"] == "b" and summary.skipped[0]["reason"] == (
+        f"{short}: too short for the model (1600 samples give 4 output frames, fewer than the 10 "
+        f"of one SpecAugment time mask, which the model draws in train mode)")
+    summary = decode.main(["suta", *common, f"--output_folder={tmp_path / 'suta'}"])
+    assert (summary.n_utts, summary.n_skipped) == (3, 0)
+    live = TTAStream.from_hparams("awmc", source=model, overrides={"steps": 1})
+    with pytest.raises(ValueError, match=re.escape("1600 samples at 16000 Hz are too short for "
+                                                   "the model (1600 samples give 4 output")):
+        live.transcribe(speech(0.1))
+    assert live.position == 0 and not any(live.counts.values())
+
+
 def test_load_audio_errors(tmp_path):
     (tmp_path / "zero.wav").write_bytes(b"")
     with pytest.raises(AudioError, match=r"zero\.wav: empty file \(0 bytes\)"):

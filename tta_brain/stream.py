@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tta_brain import hparams as hp_files
-from tta_brain.data.loader import output_frames
+from tta_brain.data.loader import too_short
 from tta_brain.methods.base import TTAMethod, UttInfo
 from tta_brain.lobes.runtime import bound_kernel_caches, process_settings
 
@@ -101,10 +101,11 @@ class TTAStream:
         if sr != self.sample_rate:
             import torchaudio
             wav = torchaudio.functional.resample(wav, sr, self.sample_rate)
-        frames = output_frames(self.method)
-        if frames is not None and frames(wav.numel()) < 1:
+        check = too_short(self.method)
+        why = check(wav.numel()) if check is not None else None
+        if why:
             raise ValueError(f"transcribe: {wav.numel()} samples at {self.sample_rate} Hz are too "
-                             f"short for the model (no output frame)")
+                             f"short for the model ({why})")
         info = UttInfo(id=utt_id or str(self.position), position=self.position, domain=domain,
                        segment=segment or 0)
         hyp = self.method.process(wav, info)

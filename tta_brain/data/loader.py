@@ -21,7 +21,7 @@ from tta_brain.asr.metrics import normalize_text
 logger = logging.getLogger(__name__)
 
 __all__ = ["STREAM_REQUIRED", "load_stream", "Utterance", "StreamLoader", "boundaries",
-           "output_frames"]
+           "too_short"]
 
 #: Columns a stream manifest must have (``domain``, ``segment``, ``position`` are optional; with
 #: ``position``, rows must be in order 0..n-1).
@@ -52,11 +52,31 @@ def load_stream(path, data_root=None) -> List[Dict]:
     return rows
 
 
-def output_frames(method) -> Optional[Callable[[int], int]]:
-    """samples -> output frames of ``method``'s model (to reject audio too short for it), or None
-    when the method has no lobe that says (no check)."""
-    out_len = getattr(getattr(method, "lobe", None), "output_lengths", None)
-    return None if out_len is None else (lambda n: int(out_len(torch.tensor(n))))
+def too_short(method) -> Optional[Callable[[int], Optional[str]]]:
+    """samples -> why audio of that length is too short for ``method``'s model (None: long
+    enough), or None when the method has no lobe that says (no check). Too short: no output frame;
+    or, for a method adapting in train mode (AWMC; SDPL's ``train_mode``) on a model whose
+    SpecAugment masks time spans in training (wav2vec2's ``mask_time_prob`` > 0), fewer frames
+    than one span (``mask_time_length``), which transformers refuses with an error."""
+    lobe = getattr(method, "lobe", None)
+    out_len = getattr(lobe, "output_lengths", None)
+    if out_len is None:
+        return None
+    cfg = getattr(getattr(lobe, "model", None), "config", None)
+    need = 1
+    if (getattr(method, "train_mode", False) and getattr(cfg, "apply_spec_augment", False)
+            and float(getattr(cfg, "mask_time_prob", 0) or 0) > 0):
+        need = max(1, int(getattr(cfg, "mask_time_length", 1)))
+
+    def why(n: int) -> Optional[str]:
+        frames = int(out_len(torch.tensor(n)))
+        if frames >= need:
+            return None
+        if frames < 1:
+            return f"{n} samples give no output frame"
+        return (f"{n} samples give {frames} output frames, fewer than the {need} of one "
+                f"SpecAugment time mask, which the model draws in train mode")
+    return why
 
 
 def boundaries(rows: List[Dict]) -> List[int]:
@@ -91,13 +111,14 @@ class Utterance:
 class StreamLoader:
     """Walks the rows from ``start`` and yields :class:`Utterance` objects.
 
-    ``max_duration`` (s, 0 = no limit), ``sample_rate`` and ``frames`` (samples -> output frames
-    of the model, to reject audio too short for it; None = no check).
+    ``max_duration`` (s, 0 = no limit), ``sample_rate`` and ``too_short`` (samples -> why that
+    is too short for the method's model, or None: :func:`too_short`; None = no check).
     """
 
     def __init__(self, rows: List[Dict], max_duration: float = 20.0, sample_rate: int = 16000,
-                 frames: Optional[Callable[[int], int]] = None):
-        self.rows, self.max_duration, self.sr, self.frames = rows, max_duration, sample_rate, frames
+                 too_short: Optional[Callable[[int], Optional[str]]] = None):
+        self.rows, self.max_duration, self.sr = rows, max_duration, sample_rate
+        self.too_short = too_short
 
     def __len__(self):
         return len(self.rows)
@@ -203,6 +224,7 @@ class StreamLoader:
             # libsndfile reads a truncated file without complaint; the manifest knows better
             return None, (f"{row['wav']}: {n / sr:.2f} s of audio but the manifest says "
                           f"{dur:.2f} s (truncated or replaced file?)")
-        if self.frames is not None and self.frames(n) < 1:
-            return None, f"{row['wav']}: too short for the model ({n} samples give no output frame)"
+        why = self.too_short(n) if self.too_short is not None else None
+        if why:
+            return None, f"{row['wav']}: too short for the model ({why})"
         return wav, None

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from tta_brain.run import checkpoint, identity
 from tta_brain.asr import metrics
-from tta_brain.data.loader import StreamLoader, boundaries, load_stream, output_frames
+from tta_brain.data.loader import StreamLoader, boundaries, load_stream, too_short
 from tta_brain.methods.base import UttInfo
 from tta_brain.run.records import Memory, RecordWriter, Reject, Reset, Transcript
 from tta_brain.lobes.runtime import release_freed_memory
@@ -105,7 +105,7 @@ class TTABrain(sb.Brain):
         self._test_set, self._rows = test_set, rows
         self._writer = RecordWriter(self.out, self.state.offsets if resumed else None, cursor)
         self.stream_loader = StreamLoader(rows, float(self._hp("max_duration", 20.0) or 0),
-                                   int(self._hp("sample_rate", 16000)), output_frames(self.method))
+                                   int(self._hp("sample_rate", 16000)), too_short(self.method))
         self._ckpt_every = int(self._hp("ckpt_every", 200) or 0)
         self._show = not self.noprogressbar if progressbar is None else progressbar
         self._bar = tqdm(total=len(rows), initial=cursor, disable=not self._show,
