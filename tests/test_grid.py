@@ -411,6 +411,54 @@ def test_two_streams_of_one_name_are_refused(data, tmp_path):
     assert [r.name for r in twice] == ["s/source/seed0"]
 
 
+def test_streams_and_sweeps_given_twice_and_paths_with_equals_signs(data, tmp_path):
+    """A second --streams or --sweep replaced the first, silently (its runs were not planned);
+    a manifest under ``snr=20/`` was split at its last ``=`` into a name and a missing file; a
+    manifest named ``2020.csv`` failed every run (its stream name read as a number)."""
+    folder = tmp_path / "snr=20"
+    folder.mkdir()
+    for name in ("2020.csv", "b.csv"):
+        (folder / name).write_bytes(Path(data["csv"]).read_bytes())
+    argv = ["--exp_dir", str(tmp_path / "exp"), "--source", data["model"], "--data_root",
+            str(data["root"]), "--methods", "source", "--conf_dir", str(data["conf"]),
+            f"--decode_opts={' '.join(RUN)}", "--nj", "1", "--poll", "0.5"]
+    runs = grid.plan_runs(grid.parse_args(argv + [
+        "--streams", str(folder / "2020.csv"), "--streams", f"n={folder / 'b.csv'}",
+        "--sweep", "max_duration=10,20", "--sweep", "precision=fp32"]))
+    assert [r.name for r in runs] == [f"{s}/source_{d}/seed0" for s in ("2020", "n")
+                                      for d in ("max_duration10_precisionfp32",
+                                                "max_duration20_precisionfp32")]
+    assert f"--stream_csv={folder / 'b.csv'}" in runs[2].argv
+    grid.main(argv + ["--streams", str(folder / "2020.csv")])
+    summary = json.loads((tmp_path / "exp" / "2020" / "source" / "seed0" / "summary.json")
+                         .read_text())
+    assert summary["stream"] == "2020" and summary["n_utts"] == 24
+
+
+def test_the_overwrite_the_grid_suggests_reruns_the_run_in_its_folder(data, tmp_path):
+    """``--decode_opts --overwrite``, what a refused run's message says to add, named the runs
+    ``<method>_overwrite`` and decoded them there, beside the old ones, as another method."""
+    exp = tmp_path / "exp"
+    grid.main(grid_argv(data, exp, "source", "0", "--nj", "1"))
+    conf = tmp_path / "conf"                # the recipe's settings changed (not in the tags)
+    conf.mkdir()
+    (conf / "source.opts").write_text("--max_duration=10\n")
+    other = grid_argv(data, exp, "source", "0", "--nj", "1")
+    other[other.index("--conf_dir") + 1] = str(conf)
+    runs = grid.plan_runs(grid.parse_args(other))
+    grid.check_done(runs)
+    assert runs[0].status == "failed" and runs[0].message.endswith(
+        "use another --exp_dir or --decode_opts --overwrite")
+    again = [a + " --overwrite" if a.startswith("--decode_opts=") else a for a in other]
+    runs = grid.plan_runs(grid.parse_args(again))
+    grid.check_done(runs)
+    assert [(r.name, r.status) for r in runs] == [("s/source/seed0", "queued")]
+    grid.main(again)
+    assert sorted(p.name for p in (exp / "s").iterdir()) == ["source"]
+    assert json.loads((exp / "s" / "source" / "seed0" / "summary.json").read_text())[
+        "hparams"]["max_duration"] == 10
+
+
 def test_an_exp_dir_that_cannot_be_made_is_one_line(data, tmp_path, capsys):
     blocker = tmp_path / "results"             # a file where the results folder should be
     blocker.write_text("")

@@ -323,6 +323,27 @@ def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     assert not out.exists()
 
 
+def test_option_values_are_read_as_typed(tmp_path, ok_stream, tiny_model_dir):
+    """Overrides become yaml lines: an output folder ``run #1`` was written to ``run`` (yaml read
+    `` #1`` as a comment), a stream named ``2020`` was refused as no string (the grid names
+    streams by their file), and ``--lr=1e-4 #x`` ran with 1e-4, silently."""
+    import ruamel.yaml
+    args = parse_arguments(["suta", "--output_folder=/x/run #1", "--stream_name=2020",
+                            "--lr=1e-4 #x", "--steps=2", "--lm_path=", "--source_stats=null",
+                            "--method_tag='q'", "--data_root=!ref <output_folder>"])
+    got = dict(ruamel.yaml.YAML(typ="safe").load(args.overrides.replace("!ref ", "")))
+    assert got == {"output_folder": "/x/run #1", "stream_name": "2020", "lr": "1e-4 #x",
+                   "steps": 2, "lm_path": None, "source_stats": None, "method_tag": "q",
+                   "data_root": "<output_folder>"}
+    out = tmp_path / "exp" / "run #1"
+    summary = decode.main(["source", f"--source={tiny_model_dir}", f"--stream_csv={ok_stream}",
+                           f"--output_folder={out}", "--stream_name=2020", "--noprogressbar"])
+    assert (out / "summary.json").is_file() and summary.stream == "2020"
+    assert [p.name for p in out.parent.iterdir()] == ["run #1"]
+    msg = _error(dsuta_args(tiny_model_dir, ok_stream, tmp_path / "x", "--lr=1e-4 #x"))
+    assert "lr" in msg and "a number" in msg
+
+
 @pytest.mark.parametrize("old,new,expected", [
     ("    buffer_size: !ref <buffer_size>", "    bufer_size: !ref <buffer_size>",
      "has no option(s) bufer_size; valid: adapt_params, buffer_size"),

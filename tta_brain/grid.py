@@ -118,11 +118,11 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
         run.plan = p
         if p.status == "done":
             run.status, run.message = "skipped", "finished with the same settings"
-        elif p.status == "differs" and "--overwrite" not in run.argv:
+        elif p.status == "differs" and not p.args.overwrite:
             run.status = "failed"
             run.message = (f"holds a run with other settings ({'; '.join(p.diffs)}); use another "
                            f"--exp_dir or --decode_opts --overwrite")
-        elif p.status == "damaged" and "--overwrite" not in run.argv:
+        elif p.status == "damaged" and not p.args.overwrite:
             run.status, run.message = "failed", (f"{p.diffs[0]}; to decode this run again "
                                                    f"there, add --decode_opts --overwrite")
 
@@ -400,7 +400,8 @@ def parse_args(argv=None):
     p.add_argument("--exp_dir", required=True, help="results root of the grid")
     p.add_argument("--source", required=True, help="source model (local dir or hub name)")
     p.add_argument("--data_root", default="", help="replaces $data_root in the manifests")
-    p.add_argument("--streams", nargs="+", required=True, help="stream manifests, CSV or NAME=CSV")
+    p.add_argument("--streams", nargs="+", action="extend", required=True,
+                   help="stream manifests, CSV or NAME=CSV (given twice: both lists)")
     p.add_argument("--methods", required=True, help="method tokens, e.g. 'suta dsuta+dynamic', "
                    "or all (every packaged method)")
     p.add_argument("--seeds", default="0", help="seeds, e.g. '0 1 2'")
@@ -412,7 +413,8 @@ def parse_args(argv=None):
                    "--md_streams (before --md_decode_opts): a key a method lacks is not passed "
                    "to it, and none of the grid's methods needing it is no error")
     p.add_argument("--decode_opts", default="", help="overrides for every run (named in the tag)")
-    p.add_argument("--sweep", nargs="*", default=[], help="key=v1,v2 ...: one run per combination")
+    p.add_argument("--sweep", nargs="*", action="extend", default=[],
+                   help="key=v1,v2 ...: one run per combination (given twice: both axes)")
     p.add_argument("--engine", default="local", choices=("local", "slurm"))
     p.add_argument("--nj", type=int, default=0, help="runs at a time (local default: one per CPU "
                    "core, or --per_gpu per GPU; slurm: array parallelism)")

@@ -16,6 +16,7 @@ class HparamsError(ValueError):
 #: Types and ranges of the packaged yamls' keys: (kind, test, what a valid value is). A value
 #: that fails is an error naming the key before anything is built.
 _INT, _FLOAT, _BOOL, _TEXT = "an integer", "a number", "true or false", "a string"
+TEXT = _TEXT        # the kind of the keys whose values are text (paths, names): run.cli quotes them
 _AUTO_INT, _AUTO_FLOAT = "auto or an integer", "auto or a number"
 RULES = {
     # the run block (run.yaml): what is decoded, where, how

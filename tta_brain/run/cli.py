@@ -8,6 +8,7 @@ model and are recorded with the run. SpeechBrain's training options (``--debug``
 ``--data_parallel_backend``, ``--grad_accumulation_factor``, ...) do nothing here and are refused. Every other ``--key=value`` (or ``--key value``) overrides the
 yaml key ``key``; a later one wins over an earlier one (recipes append ``.opts`` files).
 """
+import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -129,7 +130,7 @@ def parse_arguments(argv: List[str]) -> Arguments:
         overrides[key] = value               # a later one wins
     lines = []
     for key, value in overrides.items():
-        line = f"{key}: {value}"
+        line = f"{key}: {_yaml_value(key, value)}"
         try:
             ruamel.yaml.YAML().load(line)
         except ruamel.yaml.error.YAMLError as e:
@@ -137,6 +138,24 @@ def parse_arguments(argv: List[str]) -> Arguments:
         lines.append(line)
     args.overrides = "\n".join(lines) + ("\n" if lines else "")
     return args
+
+
+#: Values of a text key that mean "none" in yaml, kept as yaml reads them (``--lm_path=``).
+_NONE = ("", "null", "Null", "NULL", "~")
+
+
+def _yaml_value(key: str, value: str) -> str:
+    """``value`` as the yaml text of an override that reads back as what was typed: a text key's
+    value (a path, a stream name) quoted, so ``run #1`` keeps its `` #1`` (yaml: a comment) and a
+    stream named ``2020`` stays a name (yaml: a number); any other value with `` #`` quoted too
+    (then its key's rule says it is no number). A value the user quoted, a yaml tag (``!ref``)
+    and a text key's "none" are left as typed."""
+    from tta_brain.hparams.rules import RULES, TEXT
+    if value[:1] in ("'", '"', "!") or (value.strip() in _NONE):
+        return value
+    if RULES.get(key, (None,))[0] == TEXT or " #" in value or value.startswith("#"):
+        return json.dumps(value, ensure_ascii=False)    # a yaml double-quoted scalar
+    return value
 
 
 def help_text(method: Optional[str]) -> str:

@@ -13,7 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 logger = logging.getLogger("tta_brain.grid")
 
@@ -22,7 +22,7 @@ __all__ = ["Run", "plan_runs", "inference_tag", "sweep_points", "method_yaml", "
 
 #: Decode options that say where or how visibly a run goes, not what it computes: not in tags.
 UNTAGGED = ("noprogressbar", "device", "ckpt_every", "output_folder", "stream_csv", "data_root",
-            "method_tag", "stream_name")
+            "method_tag", "stream_name", "overwrite")
 
 #: Decode options the grid sets for every run from its own options (where to give them): in an
 #: option list a later value would replace the grid's (every seed folder the same seed, a run
@@ -104,6 +104,17 @@ def sweep_points(specs: List[str]) -> List[List[str]]:
     return [list(p) for p in itertools.product(*axes)] or [[]]
 
 
+def stream_spec(spec: str) -> Tuple[str, str]:
+    """``--streams`` item -> (name, manifest): ``CSV`` (named by its file) or ``NAME=CSV``. A path
+    may hold ``=`` (``snr=20/md_easy.csv``): a file of that path is taken whole, else the split
+    that names a file, else (a dry run before the files exist) the first ``=``."""
+    if "=" not in spec or Path(spec).is_file():
+        return Path(spec).stem, spec
+    splits = (spec.partition("="), spec.rpartition("="))
+    name, _, csv = next((s for s in splits if Path(s[2]).is_file()), splits[0])
+    return name or Path(csv).stem, csv
+
+
 def method_yaml(token: str, hparams_dir: Optional[str]):
     """The yaml of a method token and the ``--reset`` it implies (``dsuta+dynamic``)."""
     base, _, reset = token.partition("+")
@@ -178,8 +189,7 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
     gpu = ["--device=cuda"] if cuda or (args.engine == "local" and args.gpus.split()) else []
     runs, named = [], {}
     for spec in args.streams:
-        name, _, csv = spec.rpartition("=") if "=" in spec else ("", "", spec)
-        name = name or Path(csv).stem
+        name, csv = stream_spec(spec)
         if named.setdefault(name, csv) != csv:       # one folder for two streams: one was lost
             raise SystemExit(f"ERROR: --streams: the name {name!r} is given to {named[name]} and "
                              f"{csv} (their runs would share {Path(args.exp_dir) / name}); name "
