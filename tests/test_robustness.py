@@ -262,6 +262,18 @@ def test_manifest_other_mistakes(tmp_path, one_wav, tiny_model_dir):
     with pytest.raises(SystemExit, match=r"seg\.csv: row 1 has segment 'x'; segments are "
                                          r"integers \(the domain block's index\) \(--stream_csv\)"):
         decode.main(dsuta_args(tiny_model_dir, stream, out))
+    # the same without a position column: was the traceback, and its fingerprint.json left
+    # behind refused the rerun of the corrected manifest as a run with other settings
+    stream = write_manifest(tmp_path / "seg2.csv", rows, columns=("ID", "duration", "wav",
+                                                                   "wrd", "domain", "segment"))
+    with pytest.raises(SystemExit, match=r"seg2\.csv: row 1 has segment 'x'; segments are "):
+        decode.main(dsuta_args(tiny_model_dir, stream, out))
+    assert not out.exists()
+    rows[1]["segment"] = 3
+    stream = write_manifest(tmp_path / "seg3.csv", rows, columns=("ID", "duration", "wav",
+                                                                   "wrd", "domain", "segment"))
+    with pytest.raises(SystemExit, match=r"seg3\.csv: row 1 has segment 3 after 0; "):
+        decode.main(dsuta_args(tiny_model_dir, stream, out))
     stream = write_manifest(tmp_path / "root.csv", [row("a", "$data_root/a.wav", 0.4)])
     with pytest.raises(SystemExit, match=r"root\.csv:2: .*needs \$data_root.*--data_root"):
         decode.main(dsuta_args(tiny_model_dir, stream, out))

@@ -37,7 +37,7 @@ def load_stream(path, data_root=None) -> List[Dict]:
     """
     header = read_header(path)
     required = STREAM_REQUIRED + (("position",) if "position" in header else ())
-    validate_manifest(path, required=required)
+    validate_manifest(path, required=required, stream=True)
     rows = read_manifest(path, replacements={"data_root": data_root or ""})
     if "domain" in header and "segment" not in header:
         # segment = the index of the contiguous domain block (the column's definition): a

@@ -24,6 +24,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 from .cache import RECORD_FORMAT, record_path
 
@@ -190,13 +191,14 @@ def read_header(path):
         records.close()
 
 
-def validate_manifest(path, required=UTT_COLUMNS):
+def validate_manifest(path, required=UTT_COLUMNS, stream: Optional[bool] = None):
     """Check a manifest and return its rows (placeholders kept).
 
     Checks: the file exists; every column in ``required`` is present; it has rows; ``ID`` values are
     non-empty (and unique unless the manifest is a stream, where an utterance may recur);
-    ``duration`` is numeric; if ``position`` is required, positions are 0..n-1 in row order and
-    ``segment`` (if present) starts at 0 and only grows by 1 where the block changes.
+    ``duration`` is numeric; for a stream (``stream=True``, or by default when ``position`` is
+    required) positions (if present) are 0..n-1 in row order and ``segment`` (if present) starts
+    at 0 and only grows by 1 where the block changes.
     Raises :class:`ManifestError` naming the file and the problem.
     """
     path = Path(path)
@@ -211,7 +213,7 @@ def validate_manifest(path, required=UTT_COLUMNS):
     ids = [r.get("ID", "") for r in rows] if "ID" in header else []
     if any(not i for i in ids):
         raise ManifestError(f"{path}: empty ID at row {ids.index('') + 1}")
-    is_stream = "position" in required
+    is_stream = "position" in required if stream is None else stream
     if ids and not is_stream and len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ManifestError(f"{path}: duplicate ID {dup!r}")
@@ -221,7 +223,7 @@ def validate_manifest(path, required=UTT_COLUMNS):
 
 
 def _check_stream_order(path, rows):
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows if "position" in rows[0] else ()):
         if str(row.get("position")) != str(i):
             raise ManifestError(f"{path}: row {i} has position {row.get('position')!r}; "
                                 "stream rows must be in order with positions 0..n-1")
