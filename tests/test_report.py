@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tta_brain.asr import metrics
@@ -380,6 +381,29 @@ def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path):
     assert rows[0][3] == "CER %" and rows[2][:5] == ["suta", "0", "2", "11.1", "50.0 @ 1"]
     with pytest.raises(SystemExit):
         report.main(["--exp_dir", str(tmp_path), "--metric", "ter"])
+
+
+def test_plot_files_of_streams_with_like_names_are_apart(tmp_path):
+    """Stream names without ASCII letters all became ``unnamed`` (one plot file, drawn over by
+    each stream, linked twice), as did names that differ in a space or a '_'."""
+    for stream in ("嘈杂", "安静", "md easy", "md_easy"):
+        make_run(tmp_path, "suta", stream, 0, 2)
+    runs = report.collect_runs(tmp_path)
+    written = [Path(p).name for p in plots.make_all_plots(runs, tmp_path / "plots")]
+    diff = sorted(n for n in written if n.startswith("wer_diff_"))
+    assert len(diff) == 4 and "wer_diff_嘈杂.png" in diff and "wer_diff_安静.png" in diff
+    assert {n[:len("wer_diff_md_easy-")] for n in diff if "md" in n} == {"wer_diff_md_easy-"}
+    assert plots.file_names(["md_easy", "lsc_AA"]) == {"md_easy": "md_easy", "lsc_AA": "lsc_AA"}
+
+
+def test_curves_are_drawn_at_stream_positions(tmp_path):
+    """A skipped utterance shifted the rest of the curve (and the resets drawn on it) one
+    position to the left of the boundaries."""
+    make_run(tmp_path, "source", "lsc_AA", 0, lambda p, dom: 10 if p >= 50 else 0)
+    run = report.collect_runs(tmp_path)[0]
+    run.transcripts = [t for t in run.transcripts if t.position != 10]     # position 10 skipped
+    curve = plots._mean_curve([run], 1)
+    assert len(curve) == 100 and np.isnan(curve[10]) and curve[49] == 0 and curve[50] == 100
 
 
 def test_cli_prints_main_table(results, tmp_path, capsys):

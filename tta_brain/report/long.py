@@ -30,7 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tta_brain.report import tags
-from tta_brain.report.tables import METRICS, fmt, in_metric, md_table, run_wer
+from tta_brain.report.tables import (METRICS, fmt, in_metric, md_table, position_counts,
+                                     run_wer)
 from tta_brain.run.folder import Run
 
 logger = logging.getLogger("tta_brain.report.long")
@@ -92,14 +93,9 @@ def memory_slope(positions: Sequence[float], values: Sequence[float]) -> Optiona
 # ------------------------------------------------------------------------------------------------
 def run_curve(run: Run, window: int = WINDOW) -> np.ndarray:
     """The run's windowed WER indexed by stream position (NaN at positions it did not decode)."""
-    ts = run.transcripts
-    if not ts:
+    if not run.transcripts:
         return np.full(0, np.nan)
-    n = max(t.position for t in ts) + 1
-    err, words = np.zeros(n), np.zeros(n)
-    for t in ts:
-        err[t.position], words[t.position] = t.n_err, t.n_words
-    return windowed_wer(err, words, window)
+    return windowed_wer(*position_counts(run), window)
 
 
 def _source_for(run: Run, runs: Sequence[Run]) -> Optional[Run]:
@@ -260,7 +256,9 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
         lines.append(f"Memory not judged (fewer than {MIN_SAMPLES} samples in memory.csv): "
                      f"{', '.join(unknown)}.")
     if plots:
-        name = f"long_{stream}.png" if metric == "wer" else f"long_{metric}_{stream}.png"
+        from tta_brain.report.plots import safe_name
+        name = (f"long_{safe_name(stream)}.png" if metric == "wer"
+                else f"long_{metric}_{safe_name(stream)}.png")
         png = plot_long(runs, stream, root / "plots" / name, window, metric)
         if png:
             lines += ["", f"![{stream}]({os.path.relpath(png, out.parent)})"]

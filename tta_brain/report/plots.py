@@ -4,8 +4,10 @@ objects; every ``plot_*`` returns the PNG path written, or None when there is no
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -18,14 +20,26 @@ import numpy as np  # noqa: E402
 from tta_brain.report import tags  # noqa: E402
 from tta_brain.run.folder import Run  # noqa: E402
 from tta_brain.report.tables import (aggregate, group_runs, has_resets, label_text,  # noqa: E402
-                              run_wer, steps_groups, streams_of)
+                                     position_counts, run_wer, steps_groups, streams_of)
 
 logger = logging.getLogger(__name__)
 DPI = 120
 
 
 def safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_") or "unnamed"
+    """A file-name part of ``text``: letters (of any script), digits, ``.``, ``-``; others ``_``."""
+    return re.sub(r"[^\w.-]+", "_", str(text)).strip("_") or "unnamed"
+
+
+def file_names(texts) -> Dict[str, str]:
+    """text -> its :func:`safe_name`, made unique: texts whose names would be one file (``md
+    easy`` and ``md_easy``) get a short hash of the text appended."""
+    names = {t: safe_name(t) for t in texts}
+    seen: Dict[str, int] = {}
+    for n in names.values():
+        seen[n] = seen.get(n, 0) + 1
+    return {t: n if seen[n] == 1 else f"{n}-{hashlib.sha1(str(t).encode()).hexdigest()[:6]}"
+            for t, n in names.items()}
 
 
 def _save(fig, path: Path) -> str:
@@ -57,13 +71,15 @@ def smoothed_wer(n_err: Sequence[float], n_words: Sequence[float], window: int =
 
 
 def _mean_curve(runs: Sequence[Run], window: int) -> Optional[np.ndarray]:
-    """Mean over runs (seeds) of their smoothed WER curves, cut to the shortest run."""
-    curves = [smoothed_wer([t.n_err for t in r.transcripts], [t.n_words for t in r.transcripts], window)
-              for r in runs if r.transcripts]
+    """Mean over runs (seeds) of their smoothed WER curves by stream position, cut to the
+    shortest run."""
+    curves = [smoothed_wer(*position_counts(r), window) for r in runs if r.transcripts]
     if not curves:
         return None
     n = min(len(c) for c in curves)
-    return np.nanmean(np.stack([c[:n] for c in curves]), axis=0)
+    with warnings.catch_warnings():     # positions no run has words at stay NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(np.stack([c[:n] for c in curves]), axis=0)
 
 
 def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int = 100,
@@ -255,8 +271,9 @@ def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: 
                        e.strerror or e)
         return []
     jobs = []
+    stream_names = file_names(streams_of(runs))
     for s in streams_of(runs):
-        name = safe_name(s)
+        name = stream_names[s]
         jobs.append((plot_wer_difference, (runs, s, plots_dir / f"{metric}_diff_{name}.png", smooth,
                                            baseline, metric)))
         jobs.append((plot_reset_timeline, (runs, s, plots_dir / f"resets_{name}.png")))
@@ -266,9 +283,11 @@ def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: 
         for r in runs:
             if r.stream == s and r.lii:
                 lii_runs.setdefault(r.method, []).append(r)
+        method_names = file_names(lii_runs)
         for method, group in sorted(lii_runs.items()):
             title = f"{s}: LII of {method} (n={len(group)} runs), in- vs out-of-domain"
-            jobs.append((plot_lii_histogram, (group, plots_dir / f"lii_{name}_{safe_name(method)}.png", title)))
+            png = plots_dir / f"lii_{name}_{method_names[method]}.png"
+            jobs.append((plot_lii_histogram, (group, png, title)))
     written = []
     for fn, args in jobs:
         try:

@@ -48,6 +48,18 @@ def run_wer(run: Run) -> float:
     return error_rate(sum(t.n_err for t in run.transcripts), sum(t.n_words for t in run.transcripts))
 
 
+def position_counts(run: Run) -> Tuple["np.ndarray", "np.ndarray"]:
+    """(errors, reference words) indexed by stream position: 0 and 0 where an utterance was
+    skipped, so a curve's x is the stream position its boundaries and resets are drawn at."""
+    import numpy as np
+    n = max(t.position for t in run.transcripts) + 1 if run.transcripts else 0
+    err, words = np.zeros(n), np.zeros(n)
+    for t in run.transcripts:
+        err[t.position] += t.n_err
+        words[t.position] += t.n_words
+    return err, words
+
+
 def run_domain_wer(run: Run) -> "OrderedDict[str, float]":
     """WER (%) per domain in order of first appearance in the stream."""
     err, words = OrderedDict(), defaultdict(int)
