@@ -331,7 +331,7 @@ def workers_of(grid_dir):
     (["--seeds", "0 x"], "--seeds '0 x': seeds are integers"),
     (["--seeds", "-1 0"], "--seeds '-1 0': seeds are integers from 0 to 4294967295"),  # ran seed 0
     (["--methods", " "], "--methods ' ': names no method"),
-    (["--streams", ""], "--streams '': an empty stream name"),   # was output folders under /
+    (["--streams", ""], "--streams 's.csv' '': an empty stream name"),  # was folders under /
     (["--conf_dir", "/no/conf"], "--conf_dir /no/conf: no such folder"),   # were silently
     (["--hparams_dir", "/no/hp"], "--hparams_dir /no/hp: no such folder"),  # left out
     (["--slurm_conf", "s.yaml"], "--slurm_conf s.yaml: read by --engine slurm only"),  # ran here
