@@ -272,6 +272,18 @@ def test_efficiency_ratios(written):
     assert rows["awmc"]["Wall time (s)"] == f"{0.16 * 1200:.1f}"
 
 
+def test_efficiency_ratios_to_a_grids_tagged_suta(tmp_path):
+    """A grid tags its runs (``suta_steps1``): the ratios were '-' for every method; the one
+    tagged SUTA is the reference, two are no reference."""
+    make_run(tmp_path, "suta_steps1", "lsc_AA", 0, 2, time_per_audio=0.08)
+    make_run(tmp_path, "dsuta_steps1", "lsc_AA", 0, 2, time_per_audio=0.04)
+    rows = table_rows(tables.table_efficiency(report.collect_runs(tmp_path), "lsc_AA"))
+    assert {r[0]: r[7] for r in rows[1:]} == {"suta_steps1": "1.00", "dsuta_steps1": "0.50"}
+    make_run(tmp_path, "suta_steps2", "lsc_AA", 0, 2, time_per_audio=0.1)
+    rows = table_rows(tables.table_efficiency(report.collect_runs(tmp_path), "lsc_AA"))
+    assert [r[7] for r in rows[1:]] == ["-", "-", "-"]
+
+
 def test_environment_block(written):
     _, text = written
     env = section(text, "Environments")

@@ -150,7 +150,7 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
     if any(t for _, t in eff):
         parts += ["## Efficiency", "Forward/backward passes per utterance (means over runs), wall "
                   "time, and seconds of compute per second of audio; ratios are to SUTA on the same "
-                  "stream."]
+                  "stream (its one tagged variant, e.g. suta_steps1, where no run is tagged suta)."]
         parts += [f"**{s}**\n\n{t}" for s, t in eff if t]
     steps = tables.table_steps(runs, digits)
     if steps:

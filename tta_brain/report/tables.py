@@ -294,7 +294,10 @@ def table_efficiency(runs: Sequence[Run], stream: str, reference: str = "suta") 
         return None
     stats = OrderedDict((label, efficiency_stats(by[stream]))
                         for label, by in group_runs(sruns).items())
-    ref = next((s for (m, _), s in stats.items() if m == reference), None)
+    # the reference's runs: its tag, else its one tagged variant (a grid's suta_steps1)
+    refs = [s for (m, _), s in stats.items() if m == reference] or \
+        [s for (m, _), s in stats.items() if m.startswith(reference + "_")]
+    ref = refs[0] if len(refs) == 1 else None
     rows = []
     for label, s in stats.items():
         t_ratio = (s["time_per_audio_s"] / ref["time_per_audio_s"]
