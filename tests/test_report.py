@@ -395,6 +395,7 @@ def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path):
         report.main(["--exp_dir", str(tmp_path), "--metric", "ter"])
 
 
+@pytest.mark.filterwarnings("ignore:Glyph .* missing from font")   # no CJK font here
 def test_plot_files_of_streams_with_like_names_are_apart(tmp_path):
     """Stream names without ASCII letters all became ``unnamed`` (one plot file, drawn over by
     each stream, linked twice), as did names that differ in a space or a '_'."""
