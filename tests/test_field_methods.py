@@ -168,6 +168,25 @@ def test_cotta_stochastic_restore_rate_and_mask(tiny_model_dir, mask):
     assert torch.equal(restored[0], restored[1]) == (mask == "fixed")
 
 
+def test_cotta_adapts_and_pins_what_the_reference_does(tmp_path):
+    """The reference's collect_params: every module's own weight and bias (``select: all`` also
+    took the positional conv's weight-norm g and v, and masked_spec_embed); its fixed mask:
+    ``torch.manual_seed(42)`` before each tensor's ``torch.rand(shape) < p`` (ours reseeded with
+    the run's seed + 1: other weights pinned)."""
+    from conftest import save_ctc_model
+    model_dir = save_ctc_model(str(tmp_path / "m"), mask_time_prob=0.05)
+    m = build_on(model_dir, "cotta", restore_prob=0.01, restore_mask="fixed")
+    ref = [p for _, mod in m.net.named_modules() for n, p in mod.named_parameters(recurse=False)
+           if n in ("weight", "bias")]
+    assert [id(p) for p in m.params] == [id(p) for p in ref]
+    assert len(ref) < len(list(m.net.parameters()))          # the weight norm's g, v and more
+    want = []
+    for p in m.params:
+        torch.manual_seed(42)
+        want.append((torch.rand(p.shape) < 0.01).view(-1).nonzero().squeeze(1))
+    assert all(torch.equal(a, b) for a, b in zip(m.restore_indices(), want))
+
+
 def test_cotta_augments_when_the_anchor_is_unsure(tiny_model_dir, utterances):
     sure = build_on(tiny_model_dir, "cotta", ap_threshold=0.0, n_augment=3)
     unsure = build_on(tiny_model_dir, "cotta", ap_threshold=1.0, n_augment=3)

@@ -148,7 +148,7 @@ def test_empty_selection_is_a_clear_error(net, caplog):
 
 def test_selectors_registry_is_documented():
     assert set(SELECTORS) == {"layernorm", "feature_extractor", "feature_projection", "cnn",
-                              "encoder_bias", "all"}
+                              "encoder_bias", "weights_and_biases", "all"}
 
 
 def test_selection_is_clean_by_default(net):

@@ -9,7 +9,7 @@ stored ``g`` and ``v``, although no TTA method of the paper adapts that layer. O
 which keeps its last result while ``g`` and ``v`` are unchanged and need no gradient. The result is
 the same operation on the same tensors, so every logit, gradient and transcript is unchanged; the
 state dict keeps its keys (``parametrizations.weight.original0/1``) and a method that adapts the
-layer (CoTTA, ``select: all``) gets the ordinary differentiable computation.
+layer (``select: all``) gets the ordinary differentiable computation.
 """
 from typing import Optional, Tuple
 

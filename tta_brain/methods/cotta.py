@@ -1,4 +1,5 @@
-"""CoTTA (Wang et al., CVPR 2022) for CTC, continual: a student adapts every weight towards an EMA
+"""CoTTA (Wang et al., CVPR 2022) for CTC, continual: a student adapts every module's weight and
+bias (as the reference's ``collect_params``: ``select: weights_and_biases``) towards an EMA
 teacher, a frozen source anchor decides when the teacher averages augmented views, and a random
 0.1 % of the weights go back to the source after each step.
 
@@ -22,6 +23,9 @@ from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 from tta_brain.methods.state import restore, snapshot
 
+#: ``restore_mask: fixed``: the seed the reference sets before drawing each tensor's mask.
+REFERENCE_MASK_SEED = 42
+
 
 
 def augmented_view(wav: torch.Tensor, gen: torch.Generator, noise) -> torch.Tensor:
@@ -43,7 +47,7 @@ class CoTTA(TTAMethod):
                  ap_threshold: float = 0.2, n_augment: int = 32, noise_min: float = 0.001,
                  noise_max: float = 0.015, noise_p: float = 0.5, restore_prob: float = 0.001,
                  restore_mask: str = "fresh", seed: int = 0, **kwargs):
-        kwargs.setdefault("adapt_params", ({"select": "all"},))
+        kwargs.setdefault("adapt_params", ({"select": "weights_and_biases"},))
         super().__init__(model, lr=lr, steps=steps, **kwargs)
         self.ema_decay, self.ap_threshold = float(ema_decay), float(ap_threshold)
         self.n_augment, self.noise = int(n_augment), (float(noise_min), float(noise_max), float(noise_p))
@@ -92,7 +96,8 @@ class CoTTA(TTAMethod):
     def stochastic_restore(self):
         """Each adapted weight back to its source value with probability ``restore_prob``: a new
         mask every step (``fresh``, the CoTTA paper) or the reference's (``fixed``: the generator
-        reseeded before each tensor, so the same weights every step). The masks are drawn on the
+        reseeded with the reference's 42 before each tensor, so the same weights every step, and
+        the reference's weights: its ``torch.manual_seed(42); torch.rand(shape) < p``). The masks are drawn on the
         CPU (a seeded generator, the same on every device) as flat indices."""
         for p, src, idx in zip(self.params, self.source, self.restore_indices()):
             idx = idx.to(p.device)
@@ -106,7 +111,7 @@ class CoTTA(TTAMethod):
             if self._fixed is None:
                 self._fixed = []
                 for p in self.params:
-                    self.restore_gen.manual_seed(self.seed + 1)
+                    self.restore_gen.manual_seed(REFERENCE_MASK_SEED)
                     mask = torch.rand(p.shape, generator=self.restore_gen) < self.restore_prob
                     self._fixed.append(mask.view(-1).nonzero().squeeze(1))
             return self._fixed

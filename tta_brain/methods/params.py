@@ -73,6 +73,9 @@ SELECTORS = {
     "feature_projection": lambda name, ln: _in_module(name, "feature_projection"),
     "cnn": lambda name, ln: _in_module(name, "feature_extractor") or _in_module(name, "feature_projection"),
     "encoder_bias": lambda name, ln: _in_module(name, "encoder") and name.endswith(".bias"),
+    # a module's own weight and bias (CoTTA's reference collect_params): not a weight norm's
+    # g and v (parametrizations.weight.original0/1), nor wav2vec2's masked_spec_embed
+    "weights_and_biases": lambda name, ln: name.rpartition(".")[2] in ("weight", "bias"),
     "all": lambda name, ln: True,
 }
 
