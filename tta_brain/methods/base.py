@@ -100,7 +100,8 @@ class TTAMethod:
         if reset_policy is not None:
             if getattr(reset_policy, "name", "none") != "none" and self.episodic:
                 raise ValueError(f"Reset policy '{reset_policy.name}' needs a continual method "
-                                 f"(csuta, dsuta, awmc); '{self.name}' starts every utterance "
+                                 f"(csuta, dsuta, awmc, eata, sar, cotta, t3a, foa, ebats); "
+                                 f"'{self.name}' starts every utterance "
                                  f"from the source model already")
             reset_policy.bind(self)
         self.step = (make_step or default_step)(self)
