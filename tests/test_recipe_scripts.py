@@ -277,6 +277,17 @@ def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
     assert not any("--reset_K=30" in c for c in cmds if c[c.index("tta_brain.decode") + 1] == "suta")
     for opt in ("--reset_K=30", "--reset_every=15"):     # logged once, not once per stream
         assert res.stderr.count(f"suta: --md_recipe_opts {opt} is not a key of its yaml") == 1
+    # blocks under 8 utterances: the smallest valid K and period (were 2 and 0: every +fixed run
+    # failed on a key the user never set); --md_recipe_opts given: it, not the rule (was ignored)
+    for extra, want in ((["--per_domain", 3], ["--reset_K=4", "--reset_every=1"]),
+                        (["--md_recipe_opts", "--reset_K=7"], ["--reset_K=7"])):
+        res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
+                  "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",
+                  "md_hard", "--methods", "dsuta+fixed", *extra, "--dry_run", "true")
+        assert res.returncode == 0, res.stderr
+        cmd = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+               if "tta_brain.decode" in x][0]
+        assert [a for a in cmd if a.startswith(("--reset_K", "--reset_every"))] == want
     # the recipe's own settings are no typo: a grid of methods without resets runs too
     res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
               "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",

@@ -27,7 +27,8 @@ per_gpu=2             # local: decodes per GPU
 batch_runs=1          # suta/csuta/dsuta/tent/eata/sar/cotta/cea runs of one stream differing only in settings: batched sweeps of N
 slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of one Slurm job
 grid_help="  --engine local|slurm  --nj N  --gpus \"LIST\"  --per_gpu N  --batch_runs N  --slurm_conf YAML
-  --decode_opts \"OPTS\"  --md_decode_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"  --hparams_dir DIR"
+  --decode_opts \"OPTS\"  --md_decode_opts \"OPTS\"  --md_recipe_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"
+  --hparams_dir DIR  --python BIN (${python})"
 # Source statistics of the methods that need them (eata: Fisher information), before decoding.
 stats_csv=            # clean manifest of speech that is in no stream (synthetic: rendered if empty)
 stats_utts=100        # its first N utterances (the EATA reference: 100)

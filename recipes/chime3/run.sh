@@ -42,8 +42,9 @@ if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
   exit 1
 fi
-if [ -n "${md_decode_opts}" ]; then
-  echo "$0: --md_decode_opts: the CHiME-3 stream is decoded with the single-domain option set" >&2
+if [ -n "${md_decode_opts}${md_recipe_opts}" ]; then
+  echo "$0: --md_decode_opts / --md_recipe_opts: the CHiME-3 stream is decoded with the" \
+       "single-domain option set" >&2
   exit 1
 fi
 # absolute paths: manifests and decode commands must not depend on the working directory

@@ -37,7 +37,8 @@ Options (default):
   --stage N (${stage})  --stop_stage N (${stop_stage})
   --split NAME (${split})  --snrs "LIST" (${snrs})  --domains "LIST" (${domains})
   --streams "LIST" (${streams}; NAME=KIND for a stream of your own name, e.g. held_out=md_easy)
-  --stream_seed N (${stream_seed})  --max_duration SEC (${max_duration})
+  --stream_seed N (${stream_seed})  --noise_seed N (${noise_seed})  --max_duration SEC (${max_duration})
+  --stats_split NAME (LibriSpeech split in no stream for the source statistics; or --stats_csv)
   --per_domain N  --md_long_total N  --md_long_min N  --md_long_max N  (paper sizes if empty)
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
   --conf_dir DIR  --model DIR_OR_NAME

@@ -49,13 +49,16 @@ Usage: $0 [options]
 Options (default):
   --stage N (${stage})  --stop_stage N (${stop_stage})
   --n_test N (${n_test})  --n_train N (${n_train})  --corpus_seed N (${corpus_seed})
-  --retrain true|false (${retrain})  --train_minutes N (${train_minutes})  --model DIR (source_model/)
-  --snrs "LIST" (${snrs})  --noise_table YAML (conf/noises.yaml)
+  --retrain true|false (${retrain})  --train_minutes N (${train_minutes})  --train_seed N (${train_seed})
+  --model DIR (source_model/)
+  --snrs "LIST" (${snrs})  --noise_table YAML (conf/noises.yaml)  --noise_seed N (${noise_seed})
   --streams "LIST" (${streams}; also single domains, md_*_s100, md_*_s20, md_long, and
                     NAME=KIND for a stream of your own name, e.g. held_out=md_easy)
-  --per_domain N (${per_domain})  --md_long_total N (${md_long_total})
+  --per_domain N (${per_domain})  --stream_seed N (${stream_seed})
+  --md_long_total N (${md_long_total})  --md_long_min N (${md_long_min})  --md_long_max N (${md_long_max})
   --long true|false (${long}: md_long of --long_total ${long_total} utterances, blocks
-                    ${md_long_min}-${long_max}, from --n_long held-out utterances, conf/long.methods)
+                    --md_long_min ${md_long_min} to --long_max ${long_max}, from --n_long held-out
+                    utterances, conf/long.methods)
   --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
   --methods "LIST" (${methods})
   --seeds "LIST" (${seeds})
@@ -92,8 +95,11 @@ print(' '.join(t for t in tokens if t.partition('+')[0] in hparams.available()))
 fi
 # K of the dynamic reset and the fixed-reset period follow the block size: K = half a block
 # (the construction stage ends inside the first block), the fixed period a quarter of it.
-if [ -z "${md_decode_opts}" ]; then
-  md_recipe_opts="--reset_K=$((per_domain / 2)) --reset_every=$((per_domain / 4))"
+# (At least their smallest valid values: K 4, period 1, for blocks under 8 utterances.) Given
+# --md_recipe_opts or --md_decode_opts replace them.
+if [ -z "${md_decode_opts}" ] && [ -z "${md_recipe_opts}" ]; then
+  md_recipe_opts="--reset_K=$(( per_domain / 2 > 4 ? per_domain / 2 : 4 ))"
+  md_recipe_opts+=" --reset_every=$(( per_domain / 4 > 1 ? per_domain / 4 : 1 ))"
 fi
 
 corpus=${data_dir}/corpus
