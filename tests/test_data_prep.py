@@ -1,8 +1,10 @@
 """Audio I/O, manifests, and corpus preparation (LibriSpeech, MS-SNSD corruption, CHiME-3, CLI)."""
+import csv
 import hashlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -290,6 +292,20 @@ def test_corrupt_errors(clean_set, tmp_path):
     sf.write(str(empty / "Other.wav"), np.ones(10, dtype=np.float32) * 0.1, SR)
     with pytest.raises(FileNotFoundError, match="AirConditioner_6.wav"):
         corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=empty.parent)
+
+
+def test_corrupt_names_a_silent_utterance(small_set, tmp_path):
+    """An all-zero clean file stopped the stage with 'cannot normalise a silent (all-zero)
+    signal', naming no file."""
+    manifest, noise_dir = small_set
+    rows = list(csv.DictReader(open(manifest)))
+    silent = Path(rows[1]["wav"])
+    data, sr = sf.read(silent)
+    sf.write(silent, np.zeros_like(data), sr)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{silent} (ID {rows[1]['ID']}, AC at 5 dB): cannot normalise a silent (all-zero) "
+            f"signal; remove it from the manifest")):
+        corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=noise_dir, snrs=[5])
 
 
 def _mtimes(folder):

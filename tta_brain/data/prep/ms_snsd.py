@@ -93,8 +93,12 @@ def corrupt_domain(rows, code, noise, out_dir, snr, seed=DEFAULT_SEED, data_root
             signal = gaussian_noise(speech.numel(), utterance_seed(seed, src_id))
         else:
             signal = noise
-        write_audio(mixture_path(out_dir, code, snr, src_id),
-                    mix_at_snr(speech.numpy(), signal, float(snr)), sample_rate)
+        try:
+            mixed = mix_at_snr(speech.numpy(), signal, float(snr))
+        except ValueError as e:         # a silent utterance has no SNR: say which one
+            raise ValueError(f"{row['wav']} (ID {src_id}, {code} at {snr:g} dB): {e}; remove "
+                             f"it from the manifest") from None
+        write_audio(mixture_path(out_dir, code, snr, src_id), mixed, sample_rate)
         if (i + 1) % 500 == 0:
             logger.info("%s %s: %d/%d", code, snr_tag(snr), i + 1, len(work))
     return domain_rows(rows, code, out_dir, snr, data_root)
