@@ -92,6 +92,19 @@ def test_corpus_has_librispeech_layout(tmp_path):
                                  n_test_speakers=2, num_workers=1) == json.loads(
         json.dumps(stamp))
     assert os.path.getmtime(flacs[0]) == mtime
+    # the recipe without --retrain asks for no training speech: both splits kept (the rendered
+    # training speech was deleted, and the unchanged test split rendered again)
+    train_flac = glob.glob(str(base / "train-synth" / "*" / "*" / "*.flac"))[0]
+    mtimes = (os.path.getmtime(train_flac), mtime)
+    again = synthetic.make_corpus(str(tmp_path), n_train=0, n_test=4, seed=2, n_train_speakers=2,
+                                  n_test_speakers=2, num_workers=1)
+    assert again == json.loads(json.dumps(stamp))              # it holds what was rendered
+    assert (os.path.getmtime(train_flac), os.path.getmtime(flacs[0])) == mtimes
+    # another number of training utterances: that split only (the test set does not depend on it)
+    synthetic.make_corpus(str(tmp_path), n_train=6, n_test=4, seed=2, n_train_speakers=2,
+                          n_test_speakers=2, num_workers=1)
+    assert os.path.getmtime(flacs[0]) == mtime
+    assert not os.path.exists(train_flac) or os.path.getmtime(train_flac) != mtimes[0]
     # a mistyped count (run.sh --n_test -3) is one line, and the rendered corpus stays
     with pytest.raises(SystemExit) as e:
         synthetic.main(["corpus", "--root", str(tmp_path), "--n_train", "8", "--n_test", "-3"])

@@ -174,7 +174,10 @@ def make_corpus(root: str, n_train: int = 10000, n_test: int = 400, seed: int = 
     """Render the synthetic corpus under ``root/LibriSpeech/{train_split,test_split}``.
 
     Deterministic given the options (``num_workers`` included: it fixes which process renders
-    which utterances). Skips all work when the stamp file exists with the same options.
+    which utterances). Skips all work when the stamp file exists with the same options; else
+    keeps each split whose own options (:func:`_split_options`) are unchanged, and a rendered
+    training split when ``n_train`` is 0 (the recipe without ``--retrain``: test speech only;
+    it deleted the training speech a later ``--retrain`` needs).
     Returns the stamp dict (options plus per-split statistics and speakers). Utterances whose
     3 candidate sentences all fall outside 1-5 s are dropped (rare), so counts can be slightly
     below the request.
@@ -184,11 +187,20 @@ def make_corpus(root: str, n_train: int = 10000, n_test: int = 400, seed: int = 
                    train_split=train_split, test_split=test_split, num_workers=num_workers)
     base = os.path.join(root, "LibriSpeech")
     stamp_path = os.path.join(base, STAMP_NAME)
+    old = {}
     if os.path.isfile(stamp_path):
         with open(stamp_path) as f:
-            stamp = json.load(f)
-        if stamp.get("options") == options:
-            return stamp
+            old = json.load(f)
+        if old.get("options") == options:
+            return old
+    old_options, old_stats = old.get("options") or {}, old.get("stats") or {}
+    if n_train == 0 and train_split in old_stats and \
+            _split_options({**old_options, "n_train": 0})[train_split] == \
+            _split_options(options)[train_split]:
+        options["n_train"] = n_train = old_options["n_train"]     # kept, not rendered again
+    kept = {split for split, o in _split_options(options).items()
+            if o == _split_options(old_options).get(split) and split in old_stats
+            and os.path.isdir(os.path.join(base, split))}
     train_sent, test_sent = make_sentence_sets(3 * n_train, 3 * n_test, seed)
     train_spk = make_speakers(TRAIN_VARIANTS, n_train_speakers, seed, first_id=1000)
     test_spk = make_speakers(TEST_VARIANTS, n_test_speakers, seed + 1, first_id=9000)
@@ -196,6 +208,10 @@ def make_corpus(root: str, n_train: int = 10000, n_test: int = 400, seed: int = 
     for split, spks, sents, n, s in ((train_split, train_spk, train_sent, n_train, seed),
                                      (test_split, test_spk, test_sent, n_test, seed + 7919)):
         split_dir = os.path.join(base, split)
+        if split in kept:
+            print(f"{split_dir}: rendered with these options, kept")
+            stats[split] = old_stats[split]
+            continue
         if os.path.isdir(split_dir):
             import shutil
 
@@ -208,6 +224,15 @@ def make_corpus(root: str, n_train: int = 10000, n_test: int = 400, seed: int = 
     with open(stamp_path, "w") as f:
         json.dump(stamp, f, indent=1)
     return stamp
+
+
+def _split_options(options: Dict) -> Dict[str, Dict]:
+    """split -> the options its audio depends on: the test split's (sentences drawn first) not on
+    ``n_train``, the training split's on ``n_test`` too."""
+    common = ("version", "seed", "num_workers")
+    test = {k: options.get(k) for k in common + ("n_test", "n_test_speakers")}
+    train = {k: options.get(k) for k in common + ("n_train", "n_test", "n_train_speakers")}
+    return {options.get("train_split"): train, options.get("test_split"): test}
 
 
 def make_long_test(root: str, n_test: int = 1000, seed: int = 1, n_speakers: int = 40,
