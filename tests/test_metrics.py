@@ -70,3 +70,9 @@ def test_character_counts_are_the_edit_distance_of_the_characters():
                                  for r, h in zip(refs, hyps)) if r]
     assert corpus_error_rate(pairs, "char") == pytest.approx(
         100 * jiwer.cer([r for r, _ in pairs], [h for _, h in pairs]))
+
+
+def test_rates_print_as_percent_or_a_dash_when_there_is_none():
+    from tta_brain.run.summary import percent
+    assert percent(12.5) == "12.50%" and percent(0) == "0.00%"
+    assert percent(None) == "-" and percent(float("nan")) == "-"    # no reference / empty domain

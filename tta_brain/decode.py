@@ -39,7 +39,7 @@ from tta_brain.data.manifest import ManifestError
 from tta_brain.run.envinfo import describe_device, installed_packages, versions
 from tta_brain.run.folder import clear_run, load_run
 from tta_brain.run.records import CSV_FILES, RecordError
-from tta_brain.run.summary import read_summary
+from tta_brain.run.summary import percent, read_summary
 from tta_brain.lobes.runtime import (KERNEL_CACHE_VARIABLES, bound_kernel_caches, free_run_memory,
                                     process_settings)
 
@@ -188,8 +188,7 @@ def main(argv=None):
 
 def _skip(out):
     summary = read_summary(out)
-    wer = "-" if summary.wer is None else f"{summary.wer:.2f}%"
-    print(f"{out}: finished with the same settings (WER {wer}), skipping")
+    print(f"{out}: finished with the same settings (WER {percent(summary.wer)}), skipping")
     return summary
 
 
@@ -309,9 +308,8 @@ def _run(p: Plan, argv):
 
 def summary_line(summary) -> str:
     """The line a finished run prints."""
-    pct = lambda v: "-" if v is None else f"{v:.2f}%"     # noqa: E731 (null: no reference)
-    return (f"{summary.method} | {summary.stream} | WER {pct(summary.wer)}, CER "
-            f"{pct(summary.cer)} | {summary.n_utts} utts, "
+    return (f"{summary.method} | {summary.stream} | WER {percent(summary.wer)}, CER "
+            f"{percent(summary.cer)} | {summary.n_utts} utts, "
             f"{summary.n_skipped} skipped, {len(summary.resets)} resets | "
             f"{summary.time_per_audio_s:.3f} s per audio s")
 

@@ -64,6 +64,11 @@ def _json_safe(value):
     return value
 
 
+def percent(value) -> str:
+    """A rate as the run's lines print it; "-" when there is none (no reference, or NaN)."""
+    return "-" if value is None or value != value else f"{value:.2f}%"
+
+
 def write_summary(folder, summary: Summary) -> None:
     """``summary.json``, written atomically (temporary file + rename)."""
     path = Path(folder) / "summary.json"
@@ -127,9 +132,8 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
         cer=error_rate(sum(e[2] for e in per_dom.values()), sum(e[3] for e in per_dom.values())),
         cer_per_domain={d: error_rate(ce, cr) for d, (_, _, ce, cr) in per_dom.items()})
     write_summary(folder, summary)
-    pct = lambda v: "-" if v is None or v != v else f"{v:.2f}%"   # noqa: E731
     logger.info("%s on %s: WER %s, CER %s (%d utterances, %d skipped, %d resets)", tag, stream,
-                pct(summary.wer), pct(summary.cer), len(transcripts), len(rejects),
+                percent(summary.wer), percent(summary.cer), len(transcripts), len(rejects),
                 len(summary.resets))
     if rejects:
         logger.warning("%d utterance(s) skipped, listed with the reasons in %s", len(rejects),
