@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fake_corpora import estimate_snr_db, make_chime3, make_librispeech, make_ms_snsd
+from tta_brain import hparams
 from tta_brain.data.audio import load_audio
 from tta_brain.data.manifest import STREAM_COLUMNS, read_manifest, validate_manifest
 from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
@@ -277,17 +278,24 @@ def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
     assert not any("--reset_K=30" in c for c in cmds if c[c.index("tta_brain.decode") + 1] == "suta")
     for opt in ("--reset_K=30", "--reset_every=15"):     # logged once, not once per stream
         assert res.stderr.count(f"suta: --md_recipe_opts {opt} is not a key of its yaml") == 1
-    # blocks under 8 utterances: the smallest valid K and period (were 2 and 0: every +fixed run
-    # failed on a key the user never set); --md_recipe_opts given: it, not the rule (was ignored)
-    for extra, want in ((["--per_domain", 3], ["--reset_K=4", "--reset_every=1"]),
+    # small blocks: the smallest K and period that DSUTA's own yaml accepts (were 2 and 0, then
+    # K 4 < 2 x buffer_size: every +fixed / +dynamic run failed on a key the user never set);
+    # --md_recipe_opts given: it, not the rule (was ignored)
+    for extra, want in ((["--per_domain", 3], ["--reset_K=10", "--reset_every=1"]),
+                        (["--per_domain", 6], ["--reset_K=10", "--reset_every=1"]),
                         (["--md_recipe_opts", "--reset_K=7"], ["--reset_K=7"])):
-        res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
-                  "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",
-                  "md_hard", "--methods", "dsuta+fixed", *extra, "--dry_run", "true")
-        assert res.returncode == 0, res.stderr
-        cmd = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
-               if "tta_brain.decode" in x][0]
-        assert [a for a in cmd if a.startswith(("--reset_K", "--reset_every"))] == want
+        for method in ("dsuta+fixed", "dsuta+dynamic"):
+            res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
+                      "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",
+                      "md_hard", "--methods", method, *extra, "--dry_run", "true")
+            assert res.returncode == 0, res.stderr
+            cmd = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+                   if "tta_brain.decode" in x][0]
+            given = [a for a in cmd if a.startswith(("--reset_K", "--reset_every"))]
+            assert given == want
+            if "--md_recipe_opts" not in extra:      # the recipe's own values pass the yaml's rules
+                hparams.resolve("dsuta", {"source": "x", "stream_csv": "x", "output_folder": "x", **{
+                    a[2:].split("=")[0]: int(a.split("=")[1]) for a in given}})
     # the recipe's own settings are no typo: a grid of methods without resets runs too
     res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
               "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",

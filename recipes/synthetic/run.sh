@@ -95,10 +95,11 @@ print(' '.join(t for t in tokens if t.partition('+')[0] in hparams.available()))
 fi
 # K of the dynamic reset and the fixed-reset period follow the block size: K = half a block
 # (the construction stage ends inside the first block), the fixed period a quarter of it.
-# (At least their smallest valid values: K 4, period 1, for blocks under 8 utterances.) Given
-# --md_recipe_opts or --md_decode_opts replace them.
+# At least their smallest values valid for every method: K 10 (DSUTA's phi_D is saved after K/2
+# utterances, at least one meta-update of buffer_size 5 later: K >= 2 x 5), period 1; so blocks
+# under 20 utterances get K 10. Given --md_recipe_opts or --md_decode_opts replace them.
 if [ -z "${md_decode_opts}" ] && [ -z "${md_recipe_opts}" ]; then
-  md_recipe_opts="--reset_K=$(( per_domain / 2 > 4 ? per_domain / 2 : 4 ))"
+  md_recipe_opts="--reset_K=$(( per_domain / 2 > 10 ? per_domain / 2 : 10 ))"
   md_recipe_opts+=" --reset_every=$(( per_domain / 4 > 1 ? per_domain / 4 : 1 ))"
 fi
 
