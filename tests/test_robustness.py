@@ -903,3 +903,7 @@ def test_domains_without_segments_are_the_oracles_blocks(tmp_path, tiny_model_di
     assert got["own"] == got["stream"] and got["stream"][:2] == ([3, 6], [3, 6])
     assert got["one"][:2] == ([], []) and "oracle reset on a stream with one domain block" in \
         got["one"][3][0]
+    # and it says so in the run's log (was logged before the run had a log, and lost)
+    note = "no segment column: 3 domain blocks from its domain column"
+    assert note in (tmp_path / "own" / "log.txt").read_text()
+    assert note not in (tmp_path / "stream" / "log.txt").read_text()

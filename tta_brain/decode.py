@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import speechbrain as sb
@@ -91,6 +91,7 @@ class Plan:
     status: str                   # new | resume | done | differs | damaged
     diffs: list
     determinism: str = ""         # the deterministic-kernels and TF32 line (set by prepare)
+    notes: list = field(default_factory=list)   # what reading the stream logged (for log.txt)
 
     @property
     def resolved(self) -> dict:
@@ -143,13 +144,14 @@ def plan(argv, device_here: bool = True) -> Plan:
                   f"output_folder; `include: [run]` gives the last three)")
     stream_csv, out = str(resolved["stream_csv"]), str(resolved["output_folder"])
     try:   # before the experiment folder exists: a bad manifest leaves nothing behind
-        rows = load_stream(stream_csv, resolved.get("data_root"))
+        with HeldLogs() as notes:          # logged in the run's log once it has one
+            rows = load_stream(stream_csv, resolved.get("data_root"))
     except ManifestError as e:
         _fail(f"{e} (--stream_csv)")
     record = record_hparams(resolved)
     fp = identity.fingerprint(record, stream_csv, len(rows))
     status, diffs = folder_status(out, fp)
-    return Plan(hp, args, rows, record, stream_csv, out, fp, status, diffs)
+    return Plan(hp, args, rows, record, stream_csv, out, fp, status, diffs, notes=notes.records)
 
 
 def main(argv=None):
@@ -248,6 +250,10 @@ class HeldLogs(logging.Handler):
 
     def replay(self):
         records, self.records = self.records, []
+        self.handle_all(records)
+
+    @staticmethod
+    def handle_all(records):
         for r in records:
             logging.getLogger(r.name).handle(r)
 
@@ -270,6 +276,7 @@ def open_folder(p: Plan, argv, status: str, hparams, held: "HeldLogs" = None
         logger.warning("%s has no 'seed'; seeded with 0", p.hp.path)
     out = p.out
     sb.create_experiment_directory(experiment_directory=out, save_env_desc=False)
+    HeldLogs.handle_all(p.notes)
     if held is not None:
         held.replay()
     with open(os.path.join(out, "env.log"), "w", encoding="utf-8") as f:
