@@ -375,3 +375,18 @@ def test_source_stats_one_file_per_method_never_rewritten(tmp_path, tiny_model_d
     (out / "source_stats_foa.pt").unlink()
     res = stage("foa", csv="")
     assert res.returncode == 1 and "foa needs source statistics (hidden)" in res.stderr
+
+
+@pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
+def test_grid_options_that_cannot_go_together_stop_before_any_stage(recipe, tmp_path):
+    """--slurm_conf without --engine slurm (was ignored: the recipe decoded on this machine),
+    --gpus with --engine slurm and an unknown engine stop the recipe at once, naming the option,
+    before a data stage writes anything."""
+    script = REPO / "recipes" / recipe / "run.sh"
+    data = tmp_path / "data"
+    for args, named in ((["--slurm_conf", tmp_path / "mine.yaml"], "--slurm_conf"),
+                        (["--engine", "slurm", "--gpus", "0"], "--gpus"),
+                        (["--engine", "slurn"], "--engine slurn")):
+        res = run(script, "--data_dir", data, "--exp_dir", tmp_path / "exp", *args)
+        assert res.returncode == 1 and named in res.stderr and len(res.stderr.splitlines()) == 1
+        assert not data.exists() and not (tmp_path / "exp").exists()

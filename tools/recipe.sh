@@ -26,6 +26,7 @@ gpus=                 # local: GPU ids, e.g. "0 1 2 3"
 per_gpu=2             # local: decodes per GPU
 batch_runs=1          # suta/csuta/dsuta/tent/eata/sar/cotta/cea runs of one stream differing only in settings: batched sweeps of N
 slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of one Slurm job
+slurm_conf_default=${slurm_conf}
 grid_help="  --engine local|slurm  --nj N  --gpus \"LIST\"  --per_gpu N  --batch_runs N  --slurm_conf YAML
   --decode_opts \"OPTS\"  --md_decode_opts \"OPTS\"  --md_recipe_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"
   --hparams_dir DIR  --python BIN (${python})"
@@ -34,6 +35,25 @@ stats_csv=            # clean manifest of speech that is in no stream (synthetic
 stats_utts=100        # its first N utterances (the EATA reference: 100)
 grid_help="${grid_help}
   --stats_csv CSV (clean speech in no stream: the source statistics of eata, foa, ebats)  --stats_utts N (${stats_utts})"
+
+# check_grid_options: the grid options that cannot go together, refused before any stage runs
+# (tta_brain.grid refuses them too, but only at the decode stage, after the data stages).
+check_grid_options() {
+  case "${engine}" in
+    local|slurm) ;;
+    *) echo "$0: --engine ${engine}: local or slurm" >&2; exit 1 ;;
+  esac
+  if [ "${engine}" = local ] && [ "${slurm_conf}" != "${slurm_conf_default}" ]; then
+    echo "$0: --slurm_conf ${slurm_conf}: read by --engine slurm only (this recipe would decode" \
+      "on this machine); add --engine slurm, or leave --slurm_conf out" >&2
+    exit 1
+  fi
+  if [ "${engine}" = slurm ] && [ -n "${gpus}" ]; then
+    echo "$0: --gpus picks this machine's GPUs (--engine local); a Slurm job asks for its GPU" \
+      "in --slurm_conf (gpus_per_node: 1) and then decodes on it" >&2
+    exit 1
+  fi
+}
 
 # method_tokens: the method tokens of --methods ("all": every packaged method).
 method_tokens() {

@@ -42,6 +42,7 @@ if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
   exit 1
 fi
+check_grid_options
 if [ -n "${md_decode_opts}${md_recipe_opts}" ]; then
   echo "$0: --md_decode_opts / --md_recipe_opts: the CHiME-3 stream is decoded with the" \
        "single-domain option set" >&2

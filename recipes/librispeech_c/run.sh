@@ -52,6 +52,7 @@ if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
   exit 1
 fi
+check_grid_options
 # absolute paths: manifests and decode commands must not depend on the working directory
 case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
 case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac

@@ -74,6 +74,7 @@ if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
   exit 1
 fi
+check_grid_options
 if ${noprogressbar}; then
   export TTA_NOPROGRESSBAR=1
   decode_opts="--noprogressbar ${decode_opts}"
