@@ -124,13 +124,39 @@ def _id_ranges(ids: Sequence[int]) -> str:
     return ", ".join(out)
 
 
+def _weights_at_fault(source: str, kwargs: dict) -> str:
+    """When a local checkpoint's model did not load although its config does: its weight files
+    with their sizes (``'/m/model.safetensors (100000 bytes)'``), the only part left to blame;
+    else ''."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(source):
+        return ""
+    try:
+        AutoConfig.from_pretrained(source, **kwargs)
+    except Exception:       # the config is at fault (its own message names config.json)
+        return ""
+    files = sorted(f for f in os.listdir(source) if f.endswith((".safetensors", ".bin")))
+    return ", ".join(f"{os.path.join(source, f)} ({os.path.getsize(os.path.join(source, f))} "
+                     f"bytes)" for f in files)
+
+
 def _load_checkpoint(source: str, kwargs: dict):
     """The model, feature extractor and tokenizer of a CTC checkpoint (``from_pretrained(source,
     **kwargs)``); a failure is one RuntimeError (:func:`_load_part`)."""
     from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
 
     def model():
-        loaded, info = AutoModelForCTC.from_pretrained(source, output_loading_info=True, **kwargs)
+        try:
+            loaded, info = AutoModelForCTC.from_pretrained(source, output_loading_info=True,
+                                                           **kwargs)
+        except Exception as e:
+            weights = _weights_at_fault(source, kwargs)
+            if weights:    # e.g. a truncated model.safetensors: say which file
+                why = " ".join(str(e).split()).rstrip(".") or type(e).__name__
+                raise ValueError(f"cannot read the weights in {weights} "
+                                 f"({type(e).__name__}: {why})") from e
+            raise
         head = sorted(k for k in info.get("missing_keys") or () if k.startswith("lm_head."))
         if head:       # transformers only warns, and the run decodes with a random output layer
             raise ValueError(
