@@ -452,13 +452,19 @@ def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_m
 
 
 @pytest.mark.parametrize("damage,expected", [
-    ("rm vocab.json", "its tokenizer (vocab.json, tokenizer_config.json): vocab.json missing in"),
+    # a missing file is named, without what transformers made of it (400 model types, protobuf)
+    ("rm vocab.json", "its tokenizer (vocab.json, tokenizer_config.json): vocab.json missing in "
+     "{src}. `source`"),
     ("rm preprocessor_config.json", "its feature extractor (preprocessor_config.json): "
                                     "preprocessor_config.json missing in"),
+    ("rm config.json", "its model (config.json, the weights): config.json missing in {src}. `source`"),
     ("rm model.safetensors", "its model (config.json, the weights): OSError: "),
     ("cut model.safetensors", "its model (config.json, the weights): ValueError: cannot read "
      "the weights in {src}/model.safetensors (1000 bytes) (SafetensorError: "),   # (file unnamed)
     ("bad config.json", "its model (config.json, the weights): OSError: "),
+    # a config of no CTC model: transformers lists ~400 model types; a few hundred characters kept
+    ("bert config.json", "its model (config.json, the weights): ValueError: Unrecognized "
+     "configuration class"),
     # transformers only warned, and the run decoded with a random output layer (WER ~100 %)
     ("nohead model.safetensors", "its model (config.json, the weights): ValueError: the "
      "checkpoint has no CTC output layer (lm_head.bias, lm_head.weight would be random): a "
@@ -480,10 +486,15 @@ def test_a_damaged_source_directory_is_one_line(tmp_path, ok_stream, tiny_model_
     elif verb == "nohead":                 # the encoder without its CTC head, as pretrained
         from transformers import AutoModelForCTC
         AutoModelForCTC.from_pretrained(src).base_model.save_pretrained(src)
+    elif verb == "bert":
+        from transformers import BertConfig
+        BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                   intermediate_size=8).save_pretrained(src)
     else:
         (src / name).write_text("{")
     msg = _error(["dsuta", f"--source={src}", f"--stream_csv={ok_stream}",
                   f"--output_folder={tmp_path / 'exp'}", *FAST])
+    assert len(msg) < 800, msg                  # was 5 KB with a BERT config
     assert f"Cannot load the CTC source model '{src}': " + expected.format(src=src) in msg, msg
     assert "`source` must be a local directory written by save_pretrained" in msg
     assert "\n" not in msg and not (tmp_path / "exp").exists()

@@ -106,10 +106,18 @@ def _load_part(source: str, part: str, needs: Sequence[str], files: str, load):
         if not local:
             hint += " or a hub name already in the HF cache (no network here?)"
         why = " ".join(str(e).split()).rstrip(".") or type(e).__name__
+        if len(why) > _WHY_CHARS:
+            why = why[:_WHY_CHARS].rstrip() + " ..."
+        # a missing file is the cause; what transformers made of it is noise (a list of 400
+        # model types without config.json, "requires protobuf" without vocab.json)
         raise RuntimeError(
             f"Cannot load the CTC source model '{source}': its {part} ({files})"
-            + (f": {', '.join(missing)} missing in {source}" if missing else "")
-            + f": {type(e).__name__}: {why}.\n`source` must be {hint}.") from e
+            + (f": {', '.join(missing)} missing in {source}" if missing
+               else f": {type(e).__name__}: {why}") + f".\n`source` must be {hint}.") from e
+
+
+#: How much of a loading library's own message a source-model error keeps.
+_WHY_CHARS = 300
 
 
 def _id_ranges(ids: Sequence[int]) -> str:
@@ -124,21 +132,31 @@ def _id_ranges(ids: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def _weights_at_fault(source: str, kwargs: dict) -> str:
-    """When a local checkpoint's model did not load although its config does: its weight files
-    with their sizes (``'/m/model.safetensors (100000 bytes)'``), the only part left to blame;
-    else ''."""
-    from transformers import AutoConfig
+def _weights_at_fault(source: str) -> str:
+    """When a local checkpoint's model did not load: those of its weight files that cannot be
+    read on their own, with their sizes (``'/m/model.safetensors (100000 bytes)'``: a download
+    cut short); '' when they all read (the fault is elsewhere: the config, the classes)."""
+    import torch
 
     if not os.path.isdir(source):
         return ""
-    try:
-        AutoConfig.from_pretrained(source, **kwargs)
-    except Exception:       # the config is at fault (its own message names config.json)
-        return ""
-    files = sorted(f for f in os.listdir(source) if f.endswith((".safetensors", ".bin")))
-    return ", ".join(f"{os.path.join(source, f)} ({os.path.getsize(os.path.join(source, f))} "
-                     f"bytes)" for f in files)
+    bad = []
+    for name in sorted(os.listdir(source)):    # model.safetensors, pytorch_model.bin, shards
+        path = os.path.join(source, name)      # (not training_args.bin: no weights)
+        if not name.startswith(("model", "pytorch_model")):
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+                with safe_open(path, framework="pt") as f:
+                    f.keys()
+            elif name.endswith(".bin"):
+                torch.load(path, map_location="cpu", weights_only=True)
+            else:
+                continue
+        except Exception:
+            bad.append(f"{path} ({os.path.getsize(path)} bytes)")
+    return ", ".join(bad)
 
 
 def _load_checkpoint(source: str, kwargs: dict):
@@ -151,7 +169,7 @@ def _load_checkpoint(source: str, kwargs: dict):
             loaded, info = AutoModelForCTC.from_pretrained(source, output_loading_info=True,
                                                            **kwargs)
         except Exception as e:
-            weights = _weights_at_fault(source, kwargs)
+            weights = _weights_at_fault(source)
             if weights:    # e.g. a truncated model.safetensors: say which file
                 why = " ".join(str(e).split()).rstrip(".") or type(e).__name__
                 raise ValueError(f"cannot read the weights in {weights} "
