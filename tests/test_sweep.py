@@ -353,15 +353,24 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
         ([args(data, tmp_path / "a", "--shared_prefix=false", method="ebats"),
           args(data, tmp_path / "b", "--shared_prefix=false", method="ebats")],
          "run 1: shared_prefix false"),
-        ([args(data, tmp_path / "a", method="foa"),
+        ([args(data, tmp_path / "a", method="foa"),   # foa's own keys (were always SUTA's)
           args(data, tmp_path / "b", "--n_prompts=2", method="foa")],
-         "option n_prompts differs"),
+         "option n_prompts differs from run 1's (2 != 3; a batch of foa may differ in "
+         "temperature, reset, reset_every, seed, reset_K, reset_patience, reset_threshold, "
+         "reset_lii_count, cma_seed, popsize, sigma, fitness_coef, disc_div, shift_coef, "
+         "hist_decay)"),
+        ([args(data, tmp_path / "a", method="foa"),   # (was: 'missing:...' != 'sha1:...')
+          args(data, tmp_path / "b", f"--source_stats={tmp_path / 'no.pt'}", method="foa")],
+         f"run 2 ({tmp_path / 'b'}): source_stats: file not found: {tmp_path / 'no.pt'}"),
         ([args(data, tmp_path / "a"), args(data, tmp_path / "b", method="suta")], "yaml"),
+        # one folder written two ways (was: "being written by pid <the sweep itself>")
+        ([args(data, tmp_path / "a"), args(data, f"{tmp_path}//a/", "--lr=1e-2")],
+         "two runs of the batch write the same --output_folder"),
     ]
     for argvs, expected in cases:
         with pytest.raises(sweep.Refused) as e:
             sweep.run(argvs)
-        assert expected in str(e.value) and "\n" not in str(e.value)
+        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     res = subprocess.run([sys.executable, "-m", "tta_brain.sweep", *cases[0][0][0], "--",
                           *cases[0][0][1]], cwd=ROOT, capture_output=True, text=True, timeout=120)

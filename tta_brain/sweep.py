@@ -116,9 +116,21 @@ def refusal(plans) -> Optional[str]:
         a, b = first.fingerprint["hparams"], p.fingerprint["hparams"]
         for key in sorted(set(a) | set(b)):
             if key not in MAY_DIFFER and a.get(key) != b.get(key):
+                gone = next((str(x)[len("missing:"):] for x in (b.get(key), a.get(key))
+                             if str(x).startswith("missing:")), None)     # cache.file_identity
+                if gone:
+                    return f"{who}: {key}: file not found: {gone}"
                 return (f"{who}: option {key} differs from run 1's ({b.get(key)!r} != "
-                        f"{a.get(key)!r}; a batch may differ in {', '.join(MAY_DIFFER[:9])})")
+                        f"{a.get(key)!r}; a batch of {name} may differ in "
+                        f"{', '.join(may_differ(a))})")
     return None
+
+
+def may_differ(hparams) -> List[str]:
+    """The keys of a run's recorded hparams in which the runs of its batch may differ (not the
+    location and label keys, which never make two runs different)."""
+    return [k for k in MAY_DIFFER if k in hparams
+            and k not in identity.LOCATION_KEYS + identity.LABEL_KEYS]
 
 
 def batch_for(method):
@@ -180,7 +192,7 @@ def run(argvs: List[List[str]]):
     why = refusal([p for p, _ in todo])
     if why:
         raise Refused(why)
-    outs = [p.out for p, _ in todo]
+    outs = [os.path.realpath(p.out) for p, _ in todo]      # a/ and a//. are a too
     if len(set(outs)) != len(outs):
         raise Refused("two runs of the batch write the same --output_folder")
     locks, created = [], [not os.path.exists(p.out) for p, _ in todo]
