@@ -1321,7 +1321,7 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
 def test_bench_speed_has_the_cuda_graphs_option():
     import bench_speed
     assert bench_speed.fixed_cost((3.0, 0.13), (8.0, 0.18)) == pytest.approx((0.1, 0.01))
-    assert bench_speed.parse_args(["--two_lengths", "3,8"]).two_lengths == "3,8"
+    assert bench_speed.parse_args(["--two_lengths", "3,8"]).two_lengths == [3.0, 8.0]
     assert bench_speed.parse_args(["--cuda_graphs", "off"]).cuda_graphs == "off"
     assert bench_speed.parse_args([]).cuda_graphs == "auto"
 

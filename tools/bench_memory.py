@@ -59,6 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench_args import device, output_file, positive  # noqa: E402
 from tta_brain.lobes.testing import save_random_ctc_model  # noqa: E402
 WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL")
 SR = 16000
@@ -350,22 +351,23 @@ def tail_slope(trace, start=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[50, 100, 200, 400])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--lengths", type=positive(int), nargs="+", default=[50, 100, 200, 400])
+    p.add_argument("--device", default="cpu", type=device)
     p.add_argument("--source", help="CTC model dir or hub name (default: a generated tiny one)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seconds", type=float, nargs=2, default=(0.5, 1.0),
+    p.add_argument("--seconds", type=positive(float), nargs=2, default=(0.5, 1.0),
                    help="utterance durations: uniform in [min, max] s")
     p.add_argument("--n_lengths", type=int, default=0,
                    help="distinct utterance lengths (0: every utterance its own random length)")
-    p.add_argument("--block", type=int, default=25, help="utterances per domain block")
+    p.add_argument("--block", type=positive(int), default=25, help="utterances per domain block")
     p.add_argument("--hparams", default="dsuta", help="method name or yaml (default: dsuta)")
     p.add_argument("--decode_opts", default="--reset=dynamic --reset_K=20 --buffer_size=5 "
                    "--steps=2 --lr=1e-3 --ckpt_every=50",
                    help="overrides passed to tta_brain.decode")
-    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the runs")
-    p.add_argument("--workdir", help="keep inputs and outputs here (default: a temp dir)")
+    p.add_argument("--threads", type=positive(int), default=1, help="OMP_NUM_THREADS of the runs")
+    p.add_argument("--workdir", help="keep inputs and outputs here (default: a temporary folder, "
+                   "removed at the end)")
     p.add_argument("--tolerance_mb", type=float, default=20.0)
     p.add_argument("--window", type=int, default=200,
                    help="utterances per window of the windowed RSS (median per window)")
@@ -382,7 +384,7 @@ def main(argv=None):
     p.add_argument("--prefetch", type=int, help="bisecting: TTABrain.PREFETCH (0: no thread)")
     p.add_argument("--mkldnn", choices=("on", "off"), default="on",
                    help="bisecting: off = torch.backends.mkldnn.enabled False for the whole run")
-    p.add_argument("--json", help="write the measurements here")
+    p.add_argument("--json", type=output_file, help="write the measurements here")
     # internal: one measured run
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stream", help=argparse.SUPPRESS)
@@ -392,10 +394,18 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.child:
         return child(args)
+    if args.seconds[0] > args.seconds[1]:
+        p.error(f"--seconds {args.seconds[0]:g} {args.seconds[1]:g}: min, then max")
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+        return measure(args, args.workdir)
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as work:
+        return measure(args, work)
 
+
+def measure(args, work) -> int:
+    """The runs of ``main`` in the folder ``work``; 0 if the memory stays flat, else 1."""
     lengths = sorted(set(args.lengths))
-    work = args.workdir or tempfile.mkdtemp(prefix="bench_memory_")
-    os.makedirs(work, exist_ok=True)
     source = args.source or make_model(os.path.join(work, "model"), args.hidden, args.layers)
     rows = make_audio(work, lengths[-1], args.seconds, args.block, args.n_lengths)
     marks = sorted({m for m in (50, 100, 200, 400, 800, 1600, 3200) if m <= lengths[-1]}

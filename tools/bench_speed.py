@@ -82,6 +82,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench_args import device, output_file, positive, positives  # noqa: E402
 from tta_brain.methods import losses  # noqa: E402
 from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
@@ -344,7 +345,7 @@ def two_lengths(args, model_dir, device):
     a warm process, which with length buckets has met the buckets it is timed on), and the
     per-utterance fixed cost: the intercept of time = fixed + slope x audio seconds through the
     two."""
-    secs = [float(s) for s in args.two_lengths.split(",")]
+    secs = list(args.two_lengths)
     print(f"{'method':<16}{f's/utt {secs[0]:g} s':>12}{f's/utt {secs[1]:g} s':>12}"
           f"{'fixed s/utt':>13}{'s/audio s':>11}", flush=True)
     res = {}
@@ -383,17 +384,18 @@ def parse_args(argv=None):
                    help="random wav2vec2-base-sized model (for GPU timing)")
     p.add_argument("--stream", default=None, help="stream manifest CSV (default: generated audio)")
     p.add_argument("--data_root", default="", help="replaces $data_root in --stream")
-    p.add_argument("--n_utts", type=int, default=10, help="utterances per round")
-    p.add_argument("--seconds", type=float, default=3.0, help="mean length of generated utterances")
+    p.add_argument("--n_utts", type=positive(int), default=10, help="utterances per round")
+    p.add_argument("--seconds", type=positive(float), default=3.0, help="mean length of generated utterances")
     p.add_argument("--lengths", default="fresh", choices=("fresh", "repeat"),
                    help="fresh: every pass meets a new input length, as on a real stream")
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                   type=device)
     p.add_argument("--methods", default=",".join(ALL_METHODS),
                    help="comma-separated: source, suta, dsuta, dsuta+dynamic, dsuta+fixed, csuta, "
                    "tent, eata, sar, cotta, cea, ...")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU); 1 is the "
+    p.add_argument("--threads", type=positive(int), default=1, help="torch.set_num_threads (CPU); 1 is the "
                    "most stable on a shared machine")
-    p.add_argument("--repeats", type=int, default=3, help="rounds")
+    p.add_argument("--repeats", type=positive(int), default=3, help="rounds")
     p.add_argument("--warmup", type=int, default=6, help="utterances each entry processes first "
                    "(>= reset_K/2 + 1, so DSUTA + dynamic reset is timed in its detection stage)")
     p.add_argument("--seed", type=int, default=0)
@@ -426,15 +428,17 @@ def parse_args(argv=None):
                    help="CUDA: deterministic kernels, as decode's run option (default true)")
     p.add_argument("--tf32", default="torch", choices=("torch", "off", "on"),
                    help="CUDA: TF32 use, as decode's run option (default torch: fp32 matmuls)")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None, type=output_file, help="write the results here")
     p.add_argument("--profile", default=None, help="cProfile this entry over the first round")
-    p.add_argument("--two_lengths", default=None, metavar="A,B", help="instead of the table: "
-                   "s per utterance of each method at about A and B seconds and the fixed cost per "
-                   "utterance (the intercept), e.g. 3,8")
+    p.add_argument("--two_lengths", default=None, type=positives(float, 2), metavar="A,B",
+                   help="instead of the table: s per utterance of each method at about A and B "
+                   "seconds and the fixed cost per utterance (the intercept), e.g. 3,8")
     p.add_argument("--population", action="store_true", help="only E-BATS and FOA: the CMA-ES "
                    "population in one batch vs one candidate at a time (same transcripts?); on the "
                    "tests' tiny model unless --model")
     args = p.parse_args(argv)
+    if args.stream and not os.path.isfile(args.stream):
+        p.error(f"--stream {args.stream}: no such file")
     from tta_brain.methods import METHODS
     for token in (m.strip() for m in args.methods.split(",") if m.strip()):
         base, plus, reset = token.partition("+")

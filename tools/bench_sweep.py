@@ -36,7 +36,8 @@ for _p in (ROOT, TOOLS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from tta_brain.run.summary import read_summary  # noqa: E402  (after the path set-up)
+from bench_args import output_file, positive  # noqa: E402  (after the path set-up)
+from tta_brain.run.summary import read_summary  # noqa: E402
 
 
 #: the backprop-free methods: no lr or steps; a sweep's runs differ in :func:`run_setting`
@@ -68,8 +69,10 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
     wavs = speech_like_wavs(n_utts, 0.9 * seconds, 1.1 * seconds, seed=3)
     audio = sum(w.numel() for w in wavs) / 16000
     settings = [dict([run_setting(method, r)]) for r in range(runs)]
+    block = max(2, n_utts // 3)          # the fixed period, and the oracle's domain blocks
+    info = lambda i: UttInfo(position=i, segment=i // block)    # noqa: E731
     policy = lambda: (None if method in NO_POLICY else
-                      make_reset_policy(reset, every=max(2, n_utts // 3), K=max(4, n_utts // 3)))
+                      make_reset_policy(reset, every=block, K=max(4, n_utts // 3)))
     # EATA: every step kept (a random model's entropy is near ln V, above the default E0; its
     # mean posteriors are so alike that |cos| rounds to 1.0, the default d_margin), no Fisher
     # term (no statistics file)
@@ -90,24 +93,28 @@ def cpu_bench(runs, n_utts, steps, seconds, threads=1, model=None, method="suta"
     seps = [build(setting) for setting in settings]      # built (model loads) untimed, as the batch
     sep_hyps, t0 = [], time.perf_counter()
     for m in seps:
-        sep_hyps.append([m.process(w, UttInfo(position=i)) for i, w in enumerate(wavs)])
+        sep_hyps.append([m.process(w, info(i)) for i, w in enumerate(wavs)])
     t_sep = time.perf_counter() - t0
     ms = [build(setting) for setting in settings]
     batch = batch_for(ms[0])(ms[0].lobe, ms)
     bat_hyps, t0 = [[] for _ in settings], time.perf_counter()
     for i, w in enumerate(wavs):
-        batch.process(list(range(runs)), w, UttInfo(position=i))
+        batch.process(list(range(runs)), w, info(i))
         for r, v in enumerate(batch.views):
             bat_hyps[r].append(v.process(w))
     t_bat = time.perf_counter() - t0
+    resets = lambda ms: [sum(e.kind == "reset" for e in m.events) for m in ms]   # noqa: E731
     res = dict(method=method, reset=reset, runs=runs, n_utts=n_utts, steps=steps, audio_s=audio,
                separate_s_per_audio_s=t_sep / audio, batched_s_per_audio_s=t_bat / audio,
-               speedup=t_sep / t_bat, same_transcripts=sep_hyps == bat_hyps)
+               speedup=t_sep / t_bat, same_transcripts=sep_hyps == bat_hyps,
+               resets_separate=resets(seps), resets_batched=resets(batch.views))
     label = method + ("" if method in NO_POLICY else f"+{reset}")
     what = "default search" if method in FREE else f"{steps} steps"
     print(f"{runs} {label} runs x {n_utts} utterances ({audio:.1f} audio s each), {what}, "
           f"{threads} thread(s): separate {t_sep / audio:.3f} s per audio s (all runs), batched "
-          f"{t_bat / audio:.3f}: {t_sep / t_bat:.2f}x; same transcripts: {res['same_transcripts']}")
+          f"{t_bat / audio:.3f}: {t_sep / t_bat:.2f}x; same transcripts: {res['same_transcripts']}"
+          + ("" if method in NO_POLICY else f"; resets per run {res['resets_separate']} "
+             f"(batched {res['resets_batched']})"))
     return res
 
 
@@ -193,20 +200,25 @@ def _graph_line(folder) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=4, help="runs in the sweep (default 4)")
-    p.add_argument("--n_utts", type=int, default=6, help="utterances of the stream (default 6)")
-    p.add_argument("--steps", type=int, default=10,
+    p.add_argument("--runs", type=positive(int), default=4, help="runs in the sweep (default 4)")
+    p.add_argument("--n_utts", type=positive(int), default=6,
+                   help="utterances of the stream (default 6)")
+    p.add_argument("--steps", type=positive(int), default=10,
                    help="steps per utterance of the gradient methods (default 10)")
-    p.add_argument("--seconds", type=float, default=2.0,
+    p.add_argument("--seconds", type=positive(float), default=2.0,
                    help="mean utterance length in seconds (each 0.9-1.1x; default 2)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--threads", type=positive(int), default=1,
+                   help="torch CPU threads (default 1)")
     p.add_argument("--method", default="suta",
                    choices=("suta", "csuta", "dsuta", "tent", "eata", "sar", "cotta", "cea",
                             "sgem", "sdpl", "awmc") + FREE, help="the swept method")
     p.add_argument("--reset", default="none", choices=("none", "fixed", "oracle", "dynamic"),
                    help="every run's reset policy (not for " + ", ".join(NO_POLICY) + ")")
-    p.add_argument("--json", default="", help="also write the figures to this JSON file")
+    p.add_argument("--json", default=None, type=output_file,
+                   help="also write the figures to this JSON file")
     a = p.parse_args(argv)
+    if a.method in NO_POLICY and a.reset != "none":      # else labelled, but run without one
+        p.error(f"--reset {a.reset}: {a.method} runs without a reset policy here")
     res = cpu_bench(a.runs, a.n_utts, a.steps, a.seconds, a.threads, method=a.method,
                     reset=a.reset)
     if a.json:

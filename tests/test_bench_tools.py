@@ -1,0 +1,78 @@
+"""The benchmark tools' arguments (a bad value: one argparse line naming the option, before any
+model is built; a --json path that cannot be written: before the benchmark, not after it) and
+what bench_sweep's reset options do."""
+import pytest
+
+CUDA_HERE = __import__("torch").cuda.is_available()
+
+
+def _refused(main, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--runs", "0"], "argument --runs: 0 is not > 0"),
+    (["--n_utts", "0"], "argument --n_utts: 0 is not > 0"),
+    (["--seconds", "-1"], "argument --seconds: -1 is not > 0"),
+    (["--threads", "x"], "argument --threads: 'x' is not a int"),
+    (["--json", "/no/such/dir/x.json"], "argument --json: /no/such/dir/x.json: folder /no/such/dir "
+                                        "does not exist"),
+    # was accepted, recorded as "dynamic" in the JSON, and run without a reset policy
+    (["--method", "suta", "--reset", "dynamic"], "--reset dynamic: suta runs without a reset "
+                                                 "policy here"),
+])
+def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
+    import bench_sweep
+    assert named in _refused(bench_sweep.main, argv, capsys)
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--n_utts", "0"], "argument --n_utts: 0 is not > 0"),      # was a StatisticsError
+    (["--repeats", "0"], "argument --repeats: 0 is not > 0"),
+    (["--two_lengths", "abc"], "argument --two_lengths: 'abc' is not a float"),
+    (["--two_lengths", "3"], "argument --two_lengths: '3': 2 values, comma-separated"),
+    (["--stream", "/no/such.csv"], "--stream /no/such.csv: no such file"),
+    (["--json", "/no/such/dir/x.json"], "folder /no/such/dir does not exist"),
+] + ([] if CUDA_HERE else [(["--device", "cuda:0"], "--device=cuda:0: no CUDA device here")]))
+def test_bench_speed_refuses_bad_arguments_in_one_line(argv, named, capsys):
+    import bench_speed
+    assert named in _refused(bench_speed.parse_args, argv, capsys)
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--lengths", "10", "0"], "argument --lengths: 0 is not > 0"),   # was an IndexError
+    (["--seconds", "2", "1"], "--seconds 2 1: min, then max"),
+    (["--json", "/no/such/dir/x.json"], "folder /no/such/dir does not exist"),
+] + ([] if CUDA_HERE else [(["--device", "cuda:0"], "--device=cuda:0: no CUDA device here")]))
+def test_bench_memory_refuses_bad_arguments_in_one_line(argv, named, capsys):
+    import bench_memory
+    assert named in _refused(bench_memory.main, argv, capsys)
+
+
+def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):
+    """Its default work folder was left in /tmp after every run (the streams and runs of each
+    length); --workdir keeps them."""
+    import bench_memory
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)     # TMPDIR read again
+    opts = ["--lengths", "2", "3", "--seconds", "0.5", "0.6", "--decode_opts",
+            "--steps=1 --reset_K=10"]
+    assert bench_memory.main(opts) in (0, 1)
+    assert "3 utts | peak RSS" in capsys.readouterr().out
+    assert not list((tmp_path / "tmp").glob("bench_memory_*"))    # (torch's own caches stay)
+    bench_memory.main([*opts, "--workdir", str(tmp_path / "kept")])
+    assert (tmp_path / "kept" / "exp_3" / "summary.json").is_file()
+
+
+def test_bench_sweep_oracle_resets_fire_at_its_blocks():
+    """--reset oracle gave every utterance segment 0: labelled +oracle, it never reset."""
+    import bench_sweep
+    res = bench_sweep.cpu_bench(2, 6, 1, 0.6, method="csuta", reset="oracle")
+    assert res["resets_separate"] == res["resets_batched"] == [2, 2]    # blocks of 2: 0|1|2
+    assert res["same_transcripts"]

@@ -1,0 +1,52 @@
+"""Argument types of the benchmark tools (bench_speed, bench_memory, bench_sweep): a bad value is
+one argparse line naming the option, before any model is built or run."""
+import argparse
+import os
+
+
+def positive(kind):
+    """``type=positive(int)``: a number > 0."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def output_file(text):
+    """``type=output_file``: a file whose folder exists (checked before the benchmark runs, not
+    after: its figures would be lost)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder")
+    return text
+
+
+def device(text):
+    """``type=device``: cpu, or a CUDA device this machine has (the runs' own rule)."""
+    from tta_brain.hparams.rules import HparamsError, check_device
+    try:
+        check_device(text)
+    except HparamsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def positives(kind, n):
+    """``type=positives(float, 2)``: ``n`` comma-separated numbers > 0 (``3,8``)."""
+    one = positive(kind)
+
+    def parse(text):
+        values = [one(v) for v in text.split(",")]
+        if len(values) != n:
+            raise argparse.ArgumentTypeError(f"{text!r}: {n} values, comma-separated")
+        return values
+    parse.__name__ = f"{n} positive {kind.__name__}s"
+    return parse
