@@ -362,6 +362,9 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
         ([args(data, tmp_path / "a", method="foa"),   # (was: 'missing:...' != 'sha1:...')
           args(data, tmp_path / "b", f"--source_stats={tmp_path / 'no.pt'}", method="foa")],
          f"run 2 ({tmp_path / 'b'}): source_stats: file not found: {tmp_path / 'no.pt'}"),
+        ([args(data, tmp_path / "a", f"--source_stats={tmp_path / 'no.pt'}", method="foa"),
+          args(data, tmp_path / "b", method="foa")],      # run 1's file: run 1 named
+         f"run 1 ({tmp_path / 'a'}): source_stats: file not found: {tmp_path / 'no.pt'}"),
         ([args(data, tmp_path / "a"), args(data, tmp_path / "b", method="suta")], "yaml"),
         # one folder written two ways (was: "being written by pid <the sweep itself>")
         ([args(data, tmp_path / "a"), args(data, f"{tmp_path}//a/", "--lr=1e-2")],

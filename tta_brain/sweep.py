@@ -116,10 +116,11 @@ def refusal(plans) -> Optional[str]:
         a, b = first.fingerprint["hparams"], p.fingerprint["hparams"]
         for key in sorted(set(a) | set(b)):
             if key not in MAY_DIFFER and a.get(key) != b.get(key):
-                gone = next((str(x)[len("missing:"):] for x in (b.get(key), a.get(key))
+                gone = next(((w, str(x)[len("missing:"):]) for w, x in
+                             ((who, b.get(key)), (f"run 1 ({first.out})", a.get(key)))
                              if str(x).startswith("missing:")), None)     # cache.file_identity
                 if gone:
-                    return f"{who}: {key}: file not found: {gone}"
+                    return f"{gone[0]}: {key}: file not found: {gone[1]}"
                 return (f"{who}: option {key} differs from run 1's ({b.get(key)!r} != "
                         f"{a.get(key)!r}; a batch of {name} may differ in "
                         f"{', '.join(may_differ(a))})")
