@@ -145,7 +145,7 @@ def test_a_finished_run_with_damaged_records_is_not_skipped(data, tmp_path):
     plan = grid.Run("exp", out, run[:])
     grid.check_done([plan])
     assert plan.status == "failed" and plan.message.endswith(
-        "; to decode this run again there, add --decode_opts --overwrite")
+        "; to decode this run again there, add --decode_opts=--overwrite")
     (out / "transcripts.csv").write_text(good["transcripts.csv"])
     (out / "summary.json").write_text("{")
     with pytest.raises(SystemExit, match=r"summary\.json: cannot read .*; to decode this run "

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -279,11 +280,15 @@ def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_pa
 
 
 @pytest.mark.slow
-def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path, sigint):
     """SIGTERM to the grid (as Ctrl-C) cancels its local workers, which bypass SIGTERM
-    themselves: none goes on decoding after the grid has gone; the rerun resumes."""
+    themselves: none goes on decoding after the grid has gone; the rerun resumes. Also for a
+    grid started with SIGINT ignored (``grid ... &`` in a script), which its workers inherited:
+    they went on decoding to the end of their runs."""
     exp = tmp_path / "exp"
-    cmd, proc, victim = grid_until_checkpoint(data, exp, "suta dsuta+dynamic", "0")
+    cmd, proc, victim = grid_until_checkpoint(data, exp, "suta dsuta+dynamic", "0",
+                                              sigint_ignored=sigint == "ignored")
     pid = holder_pid(victim)
     assert proc.poll() is None and pid, "the grid ended before it could be stopped"
     proc.send_signal(signal.SIGTERM)
@@ -300,13 +305,14 @@ def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path):
     assert json.loads((victim / "summary.json").read_text())["n_utts"] == 24
 
 
-def grid_until_checkpoint(data, exp, methods, seeds):
+def grid_until_checkpoint(data, exp, methods, seeds, sigint_ignored=False):
     """A local grid of 2 workers started in the background, returned once its run
     ``dsuta+dynamic/seed0`` has a checkpoint (or the grid ended): (command, process, that run)."""
     cmd = [sys.executable, "-m", "tta_brain.grid",
            *grid_argv(data, exp, methods, seeds, "--nj", "2")]
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
     victim = exp / "s" / "dsuta+dynamic" / "seed0"
     wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
              "a checkpoint of the victim")
@@ -436,7 +442,7 @@ def test_streams_and_sweeps_given_twice_and_paths_with_equals_signs(data, tmp_pa
 
 
 def test_the_overwrite_the_grid_suggests_reruns_the_run_in_its_folder(data, tmp_path):
-    """``--decode_opts --overwrite``, what a refused run's message says to add, named the runs
+    """``--decode_opts=--overwrite``, what a refused run's message says to add, named the runs
     ``<method>_overwrite`` and decoded them there, beside the old ones, as another method."""
     exp = tmp_path / "exp"
     grid.main(grid_argv(data, exp, "source", "0", "--nj", "1"))
@@ -448,7 +454,10 @@ def test_the_overwrite_the_grid_suggests_reruns_the_run_in_its_folder(data, tmp_
     runs = grid.plan_runs(grid.parse_args(other))
     grid.check_done(runs)
     assert runs[0].status == "failed" and runs[0].message.endswith(
-        "use another --exp_dir or --decode_opts --overwrite")
+        "use another --exp_dir or --decode_opts=--overwrite")
+    suggested = runs[0].message.rsplit(" or ", 1)[1]    # as typed: argparse takes it
+    bare = [a for a in other if not a.startswith("--decode_opts=")]
+    assert grid.parse_args(bare + [suggested]).decode_opts == "--overwrite"
     again = [a + " --overwrite" if a.startswith("--decode_opts=") else a for a in other]
     runs = grid.plan_runs(grid.parse_args(again))
     grid.check_done(runs)
@@ -531,6 +540,53 @@ def test_a_machine_without_slurm_checks_the_conf_on_a_dry_run_and_refuses_to_sub
         "ERROR: --engine slurm: no `srun` on this machine's PATH: submit from a Slurm login node "
         "(--dry_run checks --slurm_conf anywhere)")
     assert not exp.exists()
+
+
+def test_a_slurm_that_will_not_take_the_jobs_is_one_line_naming_why(tmp_path, data):
+    """A login node without ``sbatch`` (``srun`` alone) and an ``sbatch`` that refuses the jobs
+    (here a program that answers as sbatch does for a mistyped partition; the real cluster's
+    answer is in test_slurm_grid_with_a_partition_it_lacks_is_one_line) are one line each, not
+    submitit's traceback, and nothing is left queued."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").symlink_to(shutil.which("true"))
+    python_dir = os.path.dirname(sys.executable)
+    conf = REPO / "recipes" / "synthetic" / "conf" / "slurm.yaml"
+    argv = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, tmp_path / "exp", "suta", "0", "--engine", "slurm", "--slurm_conf", str(conf))]
+    env = {**ENV, "PATH": os.pathsep.join([str(bin_dir), python_dir, "/usr/bin", "/bin"])}
+    if shutil.which("sbatch", path=env["PATH"]):
+        env["PATH"] = os.pathsep.join([str(bin_dir), python_dir])
+    res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        "ERROR: --engine slurm: no `sbatch` on this machine's PATH: submit from a Slurm login "
+        "node (--dry_run checks --slurm_conf anywhere)")
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: debug' >&2\n"
+                      "echo 'sbatch: error: Batch job submission failed: Invalid partition name "
+                      "specified' >&2\nexit 1\n")
+    sbatch.chmod(0o755)
+    res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"ERROR: --engine slurm: sbatch did not take the 1 job(s), nothing was submitted: "
+        f"sbatch: error: Batch job submission failed: Invalid partition name specified (check "
+        f"--slurm_conf {conf} and the cluster)")
+
+
+@pytest.mark.slow
+def test_slurm_grid_with_a_partition_it_lacks_is_one_line(data, tmp_path, slurm_cluster):
+    conf = tmp_path / "slurm.yaml"
+    conf.write_text("slurm_partition: nosuchpartition\ntimeout_min: 10\n")
+    res = subprocess.run([sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, tmp_path / "exp", "suta", "0 1", "--engine", "slurm", "--slurm_conf", str(conf))],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ERROR: --engine slurm: sbatch did not take the 2 job(s), nothing was "
+                           "submitted: sbatch: ") and "partition" in last.lower(), last
+    assert last.endswith(f"(check --slurm_conf {conf} and the cluster)"), last
 
 
 @pytest.mark.slow

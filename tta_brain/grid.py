@@ -4,7 +4,7 @@
 
     python -m tta_brain.grid --exp_dir exp/snr20 --source MODEL --data_root data \\
         --streams data/snr20/streams/md_hard.csv [NAME=CSV ...] --methods "suta dsuta+dynamic" \\
-        --seeds "0 1 2" [--conf_dir conf] [--md_streams "md_hard"] [--decode_opts "--lr=1e-4"] \\
+        --seeds "0 1 2" [--conf_dir conf] [--md_streams "md_hard"] [--decode_opts="--lr=1e-4"] \\
         [--sweep "lr=1e-4,3e-4"] [--engine local|slurm] [--nj N] [--gpus "0 1"] [--per_gpu 2]
 
 The runs, their folders (``<exp_dir>/<stream>/<token>[_<tag>]/seed<seed>``, the tag naming the
@@ -44,14 +44,23 @@ class DecodeJob(submitit.helpers.Checkpointable):
     """One decode in a job process. Preempted or timed out (Slurm), it is requeued with the same
     arguments and resumes from the run's last checkpoint."""
 
-    def __init__(self, argv: List[str], threads: int = 0):
-        self.argv, self.threads = list(argv), int(threads)
+    def __init__(self, argv: List[str], threads: int = 0, local: bool = False):
+        self.argv, self.threads, self.local = list(argv), int(threads), bool(local)
 
-    def __call__(self):
+    def setup(self) -> None:
+        """The job process's threads; a local job also stops on SIGTERM as on Ctrl-C (submitit
+        bypasses SIGTERM, Slurm's preemption warning, which a local job never gets): the grid
+        stops its local jobs with it, as submitit's cancel (SIGINT) reaches no job of a grid
+        started where SIGINT is ignored (``grid ... &`` in a script)."""
+        if self.local:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         if self.threads:
             os.environ["OMP_NUM_THREADS"] = str(self.threads)
             import torch
             torch.set_num_threads(self.threads)
+
+    def __call__(self):
+        self.setup()
         from tta_brain import decode
         try:
             summary = decode.main(self.argv)
@@ -66,15 +75,12 @@ class SweepJob(DecodeJob):
     operation the batched pass cannot run), they run one after another (logged), each resuming
     from its own last checkpoint. Returns one ``None`` (done) or error line per run."""
 
-    def __init__(self, argvs: List[List[str]], threads: int = 0):
-        super().__init__([], threads)
+    def __init__(self, argvs: List[List[str]], threads: int = 0, local: bool = False):
+        super().__init__([], threads, local)
         self.argvs = [list(a) for a in argvs]
 
     def __call__(self):
-        if self.threads:
-            os.environ["OMP_NUM_THREADS"] = str(self.threads)
-            import torch
-            torch.set_num_threads(self.threads)
+        self.setup()
         from tta_brain import decode
         from tta_brain import sweep
         from tta_brain.lobes.runtime import free_run_memory
@@ -121,10 +127,10 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
         elif p.status == "differs" and not p.args.overwrite:
             run.status = "failed"
             run.message = (f"holds a run with other settings ({'; '.join(p.diffs)}); use another "
-                           f"--exp_dir or --decode_opts --overwrite")
+                           f"--exp_dir or --decode_opts=--overwrite")
         elif p.status == "damaged" and not p.args.overwrite:
             run.status, run.message = "failed", (f"{p.diffs[0]}; to decode this run again "
-                                                   f"there, add --decode_opts --overwrite")
+                                                   f"there, add --decode_opts=--overwrite")
 
 
 def batches(runs: List[Run], size: int) -> List[List[Run]]:
@@ -186,9 +192,10 @@ def slurm_executor(args, folder, submit: bool = True) -> "submitit.AutoExecutor"
                              f"parameters), got a {type(conf).__name__}")
         params.update(conf or {})
     made = {k: params.pop(k) for k in _slurm_constructor_keys() if k in params}
-    if submit and shutil.which("srun") is None:
-        raise SystemExit("ERROR: --engine slurm: no `srun` on this machine's PATH: submit from a "
-                         "Slurm login node (--dry_run checks --slurm_conf anywhere)")
+    missing = [c for c in ("srun", "sbatch") if shutil.which(c) is None]
+    if submit and missing:
+        raise SystemExit(f"ERROR: --engine slurm: no `{missing[0]}` on this machine's PATH: submit "
+                         f"from a Slurm login node (--dry_run checks --slurm_conf anywhere)")
     try:
         with _without_srun_check():
             ex = submitit.AutoExecutor(folder=folder, cluster="slurm", **made)
@@ -269,14 +276,20 @@ def execute(runs: List[Run], args) -> None:
     jobs = {}
 
     def job(unit, threads=0):
+        local = args.engine == "local"
         if len(unit) == 1:
-            return DecodeJob(unit[0].argv, threads)
-        return SweepJob([r.argv for r in unit], threads)
+            return DecodeJob(unit[0].argv, threads, local)
+        return SweepJob([r.argv for r in unit], threads, local)
 
     if args.engine == "slurm":
-        with ex.batch():
-            for u in units:
-                jobs[id(u)] = (u, ex.submit(job(u)), None)
+        try:
+            with ex.batch():
+                for u in units:
+                    jobs[id(u)] = (u, ex.submit(job(u)), None)
+        except (submitit.core.utils.FailedJobError, OSError) as e:
+            raise SystemExit(f"ERROR: --engine slurm: sbatch did not take the {len(units)} "
+                             f"job(s), nothing was submitted: {sbatch_error(e)} (check "
+                             f"--slurm_conf {args.slurm_conf or '(none)'} and the cluster)") from None
         for u in units:
             for r in u:
                 r.status = "running"
@@ -287,13 +300,26 @@ def execute(runs: List[Run], args) -> None:
             _stop_workers(jobs)
 
 
+def sbatch_error(e: Exception) -> str:
+    """The line of a failed submission that says why: sbatch's own ``error:`` / ``fatal:`` line
+    (submitit wraps it in its command and output), else the exception's first line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    said = [ln for ln in lines if "sbatch: error" in ln or "sbatch: fatal" in ln]
+    line = said[-1] if said else lines[0] if lines else type(e).__name__
+    return line[line.index("sbatch:"):] if "sbatch:" in line else line[:300]
+
+
 def _stop_workers(jobs) -> None:
     """Cancel the local jobs still running (the grid is ending early: Ctrl-C, SIGTERM, an
-    error). submitit's workers bypass SIGTERM (Slurm's preemption warning), so without this they
-    would go on decoding after the grid is gone; ``cancel`` ends each worker and its decode. A
+    error): without this they would go on decoding after the grid is gone. Each job's
+    controller gets SIGTERM, which it forwards to its job (a local job stops on it: see
+    :meth:`DecodeJob.setup`), then submitit's cancel (SIGINT: the controller stops its job, and
+    kills it a second later), which a controller started with SIGINT ignored does not hear. A
     cancelled run keeps its checkpoints: rerunning the grid resumes it."""
     running = [(u, j) for u, j, _ in jobs.values() if u[0].status == "running" and not j.done()]
     for u, j in running:
+        with contextlib.suppress(OSError, AttributeError):      # ended meanwhile
+            j._process.send_signal(signal.SIGTERM)
         j.cancel()
         for r in u:
             r.status, r.message = "failed", "cancelled: the grid was stopped"
