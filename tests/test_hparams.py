@@ -33,3 +33,13 @@ def test_a_bad_value_names_the_key_what_it_must_be_and_what_it_means(key, value,
     comment = dict((k, c) for k, _, c in hparams.describe(method))[key]
     assert comment and comment in str(err.value) and "\n" not in str(err.value)
     hparams.check(hparams.find(method), {"filter_K": -1, "popsize": 2})      # edges allowed
+
+
+def test_a_file_error_in_a_constructor_names_the_file():
+    """An ``OSError`` of a file, raised in a yaml's constructor, was ``2: No such file or
+    directory`` (its args), without the file."""
+    from tta_brain.hparams import _describe
+    assert _describe(FileNotFoundError(2, "No such file or directory", "/x/words.txt")) == \
+        "/x/words.txt: No such file or directory"
+    assert _describe(FileNotFoundError("lm_unigrams /x: no such file")) == "lm_unigrams /x: no such file"
+    assert _describe(ValueError("a", "b\n c")) == "a: b c"

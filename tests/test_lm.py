@@ -3,7 +3,10 @@
 The LMs are ARPA files that the tests estimate themselves from a handful of sentences (a back-off
 bigram with absolute discounting). Tests that need the extra skip when it is not installed.
 """
+import gzip
+import json
 import math
+import shutil
 import sys
 from collections import Counter
 
@@ -11,7 +14,10 @@ import pytest
 import torch
 
 from tta_brain.asr.ctc import collapse, prefix_beam_search, viterbi_align
-from tta_brain.asr.lm import LM_EXTRA_HINT, LMBeamSearch, arpa_unigrams, require_lm_packages
+from tta_brain import hparams
+from tta_brain.asr.lm import (LM_EXTRA_HINT, LMBeamSearch, arpa_unigrams, read_word_list,
+                              require_lm_packages)
+from tta_brain.run import identity
 from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB
 
 try:
@@ -108,6 +114,57 @@ def test_test_arpa_writer_and_unigram_reader(tmp_path):
         arpa_unigrams(str(tmp_path / "x.arpa"))
 
 
+def test_word_lists_and_gzipped_arpa_files_are_read_or_named(tmp_path):
+    path = write_bigram_arpa(SENTENCES, tmp_path / "lm.arpa")
+    with open(path, "rb") as f, gzip.open(tmp_path / "lm.arpa.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    assert arpa_unigrams(str(tmp_path / "lm.arpa.gz")) == arpa_unigrams(path)
+    (tmp_path / "words.txt").write_text("THE CAT\nSAT\n")
+    assert read_word_list(str(tmp_path / "words.txt")) == ["THE", "CAT", "SAT"]
+    (tmp_path / "empty.txt").write_text("\n")        # was pyctcdecode's ZeroDivisionError
+    with pytest.raises(ValueError, match=f"^lm_unigrams {tmp_path}/empty.txt: no words in it"):
+        read_word_list(str(tmp_path / "empty.txt"))
+    with pytest.raises(FileNotFoundError, match=f"^lm_unigrams {tmp_path}/no.txt: no such file$"):
+        read_word_list(str(tmp_path / "no.txt"))
+
+
+@pytest.mark.parametrize("values,expected", [
+    ({"lm_unigrams": "w.txt", "lm_path": None}, "lm_unigrams = 'w.txt' without lm_path: the word "
+     "list belongs to a KenLM binary given as lm_path"),
+    ({"lm_path": "lm.arpa", "beam_width": 1}, "lm_path = 'lm.arpa' with beam_width = 1: a beam of "
+     "1 is the greedy path and the LM would not be used; use beam_width > 1 or no lm_path"),
+])
+def test_an_lm_setting_that_would_be_ignored_is_refused(values, expected):
+    """Both decoded as if the setting were not there (the LM was loaded, then never asked)."""
+    with pytest.raises(hparams.HparamsError) as err:
+        hparams.check(hparams.find("sgem"), values)
+    assert str(err.value) == f"{hparams.find('sgem')}: {expected}"
+    hparams.check(hparams.find("sgem"), {"lm_path": "lm.arpa", "beam_width": 2})
+
+
+def test_an_lm_counts_by_its_content_in_the_run_fingerprint(tmp_path):
+    """A finished run is redone when its LM file changes, not when the same LM moves (the LM
+    counted by its path: another LM under the same name was skipped as finished); a run
+    fingerprinted by path before matches what that path holds now."""
+    stream = tmp_path / "s.csv"
+    stream.write_text("id\n")
+    lm = write_bigram_arpa(SENTENCES, tmp_path / "lm.arpa")
+    hp = {"lm_path": lm, "lm_unigrams": None, "steps": 1}
+    before = identity.fingerprint(hp, stream, 1)
+    moved = tmp_path / "moved.arpa"
+    shutil.copy(lm, moved)
+    assert identity.differences(before, identity.fingerprint({**hp, "lm_path": str(moved)},
+                                                             stream, 1)) == []
+    write_bigram_arpa(SENTENCES[:4], tmp_path / "lm.arpa")          # another LM, same name
+    after = identity.fingerprint(hp, stream, 1)
+    assert [d.split(":")[0] for d in identity.differences(before, after)] == ["hparams.lm_path"]
+    older = json.loads(json.dumps(before))
+    older["hparams"]["lm_path"] = lm                                 # as runs recorded it
+    assert identity.differences(older, after) == []
+    assert identity.differences(older, identity.fingerprint(
+        {**hp, "lm_path": str(moved)}, stream, 1)) != []
+
+
 # ----------------------------------------------------------------------------- needs the extra
 @needs_lm
 def test_kenlm_reads_the_test_lm(arpa):
@@ -167,3 +224,25 @@ def test_missing_lm_file_and_missing_delimiter(tmp_path, arpa):
         LMBeamSearch(TOKENS, str(tmp_path / "nope.arpa"))
     with pytest.raises(ValueError, match="word delimiter"):
         LMBeamSearch([t for t in TOKENS if t != "|"], arpa)
+
+
+@needs_lm
+def test_a_gzipped_arpa_decodes_as_the_arpa_and_unreadable_lms_are_one_line(tmp_path):
+    """KenLM reads ``.arpa.gz``: its words and case are read through gzip too (it was taken
+    for a binary: no unigrams, the model's case against a lower-case LM, other transcripts)."""
+    path = write_bigram_arpa(SENTENCES, tmp_path / "lower.arpa", lowercase=True)
+    with open(path, "rb") as f, gzip.open(tmp_path / "lower.arpa.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    plain, gz = LMBeamSearch(TOKENS, path), LMBeamSearch(TOKENS, str(tmp_path / "lower.arpa.gz"))
+    assert gz.labels == plain.labels and gz.labels[ID["E"]] == "e"
+    torch.manual_seed(0)
+    for _ in range(3):
+        lp = torch.randn(60, len(TOKENS)).log_softmax(-1)
+        assert gz(lp) == plain(lp)
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match=f"^{junk}: KenLM cannot read this LM "):
+        LMBeamSearch(TOKENS, str(junk))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="lm_unigrams .*empty.txt: no words"):
+        LMBeamSearch(TOKENS, path, unigrams=str(tmp_path / "empty.txt"))

@@ -9,13 +9,15 @@ open vocabulary. Works offline with a local ARPA file (unigrams read from it) or
 Install: ``pip install -e ".[lm]"`` (pyctcdecode, kenlm; kenlm builds from source: a C++
 compiler is needed).
 """
+import gzip
 import os
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-__all__ = ["LM_EXTRA_HINT", "require_lm_packages", "arpa_unigrams", "LMBeamSearch"]
+__all__ = ["LM_EXTRA_HINT", "require_lm_packages", "arpa_unigrams", "read_word_list",
+           "LMBeamSearch"]
 
 LM_EXTRA_HINT = ('the word n-gram LM needs pyctcdecode and kenlm, the optional [lm] extra: '
                  'pip install -e ".[lm]"')
@@ -30,11 +32,29 @@ def require_lm_packages():
         raise ImportError(f"{LM_EXTRA_HINT} (missing: {err.name or err})") from None
 
 
+def _open_text(path: str):
+    """A text file, read through gzip when it is one (KenLM reads ``.arpa.gz`` as it is)."""
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
+
+
+def read_word_list(path: str) -> List[str]:
+    """The whitespace-separated words of a word list (``lm_unigrams``: a KenLM binary's words)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"lm_unigrams {path}: no such file")
+    with _open_text(path) as f:
+        words = f.read().split()
+    if not words:
+        raise ValueError(f"lm_unigrams {path}: no words in it (one word per line or space)")
+    return words
+
+
 def arpa_unigrams(path: str) -> List[str]:
-    """The words of the ``\\1-grams:`` section of an ARPA file (``<s>``, ``</s>``, ``<unk>``
-    left out)."""
+    """The words of the ``\\1-grams:`` section of an ARPA file, gzipped or not (``<s>``,
+    ``</s>``, ``<unk>`` left out)."""
     words, inside = [], False
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for line in f:
             line = line.strip()
             if line.startswith("\\"):
@@ -78,8 +98,7 @@ class LMBeamSearch:
         if isinstance(tokens, dict):
             tokens = [tokens.get(i, "") for i in range(max(tokens) + 1)]
         if isinstance(unigrams, str):
-            with open(unigrams, encoding="utf-8") as f:
-                unigrams = [w for w in f.read().split() if w]
+            unigrams = read_word_list(unigrams)
         elif unigrams is None and _is_arpa(lm_path):
             unigrams = arpa_unigrams(lm_path)
         unigrams = None if unigrams is None else list(unigrams)
@@ -105,9 +124,14 @@ class LMBeamSearch:
             raise ValueError(f"no word delimiter {word_delimiter!r} among the tokens")
         self.labels, self.lm_path = labels, lm_path
         self.beam_prune_logp, self.token_min_logp = float(beam_prune_logp), float(token_min_logp)
-        self._decoder = build_ctcdecoder(labels, kenlm_model_path=lm_path, unigrams=unigrams,
-                                         alpha=float(alpha), beta=float(beta),
-                                         unk_score_offset=float(unk_score_offset))
+        try:
+            self._decoder = build_ctcdecoder(labels, kenlm_model_path=lm_path, unigrams=unigrams,
+                                             alpha=float(alpha), beta=float(beta),
+                                             unk_score_offset=float(unk_score_offset))
+        except (OSError, RuntimeError, UnicodeError) as e:     # KenLM's reader: a C++ message
+            why = "" if isinstance(e, UnicodeError) else f": {' '.join(str(e).split())[:200]}"
+            raise ValueError(f"{lm_path}: KenLM cannot read this LM (it reads ARPA files, "
+                             f"gzipped or not, and KenLM binaries){why}") from None
 
     def text_to_labels(self, text: str) -> List[int]:
         """A decoded text -> label ids (single spaces -> the word delimiter)."""
@@ -139,10 +163,13 @@ def _is_arpa(path: str) -> bool:
     """An ARPA text file (vs a KenLM binary): its first non-empty line is ``\\data\\``."""
     try:
         with open(path, "rb") as f:
-            head = f.read(4096).lstrip()
-    except OSError:
+            head = f.read(4096)
+        if head[:2] == b"\x1f\x8b":
+            with gzip.open(path, "rb") as f:
+                head = f.read(4096)
+    except (OSError, EOFError):
         return False
-    return head.startswith(b"\\data\\")
+    return head.lstrip().startswith(b"\\data\\")
 
 
 def _mostly_lowercase(words: Optional[Sequence[str]]) -> bool:

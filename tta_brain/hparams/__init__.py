@@ -175,6 +175,9 @@ def _required(path, key: str) -> str:
 
 
 def _describe(err) -> str:
-    """hyperpyyaml wraps constructor errors as ``(context, message)`` tuples: join them."""
+    """hyperpyyaml wraps constructor errors as ``(context, message)`` tuples: join them. An
+    ``OSError`` of a file is ``file: reason`` (its args hold only the errno and the reason)."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
     parts = [str(a) for a in err.args] or [type(err).__name__]
     return " ".join(": ".join(parts).split())

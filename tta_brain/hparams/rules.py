@@ -114,6 +114,7 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
                                f"{_expected(kind, rng)}{what}")
     if values.get("reset") == "dynamic":
         _check_dynamic_reset(path, values)
+    _check_lm(path, values)
     if "device" in values:
         check_device(values["device"], here=device_here)
     if values.get("precision") == "fp16" and str(values.get("device", "cpu")) == "cpu":
@@ -135,6 +136,18 @@ def _check_dynamic_reset(path, values: Dict) -> None:
             f"{path}: reset_K = {K} with buffer_size = {M}: phi_D is saved after K/2 = {K // 2} "
             f"utterances, before the first meta-update (every {M}), so it is the source model, "
             f"every LII is 0 and the reset never fires; use reset_K >= {2 * M}")
+
+
+def _check_lm(path, values: Dict) -> None:
+    """A word LM is only used by a beam search, and a word list only with an LM: either set
+    alone decoded as if it were not there."""
+    if values.get("lm_unigrams") and not values.get("lm_path"):
+        raise HparamsError(f"{path}: lm_unigrams = {values['lm_unigrams']!r} without lm_path: "
+                           f"the word list belongs to a KenLM binary given as lm_path")
+    if values.get("lm_path") and "beam_width" in values and values["beam_width"] == 1:
+        raise HparamsError(f"{path}: lm_path = {values['lm_path']!r} with beam_width = 1: a beam "
+                           f"of 1 is the greedy path and the LM would not be used; use "
+                           f"beam_width > 1 or no lm_path")
 
 
 def check_device(device, here: bool = True) -> None:

@@ -5,7 +5,8 @@ The pseudo path is the CTC prefix beam search's best hypothesis force-aligned to
 posteriors (``torchaudio.functional.forced_align``); its non-blank frames carry the entropy term.
 With ``lm_path`` (an ARPA file or KenLM binary; the ``[lm]`` extra), the beam search is the
 official code's: pyctcdecode + KenLM, LM weight ``lm_weight`` (pyctcdecode's alpha) and
-``word_bonus`` per word (its beta), both at pyctcdecode's defaults. (The official code computes
+``word_bonus`` per word (its beta), both at pyctcdecode's defaults; its unknown-word penalty is
+not scaled by ``lm_weight`` (0 is not "no LM"). (The official code computes
 the mask from the greedy argmax, so there its beam search does not change the loss;
 ``beam_width: 1`` gives that behaviour here.)
 """

@@ -39,8 +39,11 @@ ADDED_KEYS = {"cuda_graph_buckets": 0.0, "tf32": {"cpu": "torch", "cuda": "on"}}
 #: folders decoded before stay this run's. On CUDA ``auto`` is fingerprinted as ``auto``.
 CPU_AUTO = {"cuda_graph_buckets": 0.0, "cuda_graph_cache": 1}
 #: Keys whose value is an input file, fingerprinted by its content (the source model is by
-#: ``source_identity``).
-CONTENT_KEYS = ("source_stats",)
+#: ``source_identity``): a run is redone when the file changes, not when it moves.
+CONTENT_KEYS = ("source_stats", "lm_path", "lm_unigrams")
+#: Content keys that runs fingerprinted by path before: such a run's path matches a content
+#: that the path holds now (all that can be known of what it read).
+PATH_BEFORE = ("lm_path", "lm_unigrams")
 FINGERPRINT_FILE = "fingerprint.json"
 LOCK_FILE = ".lock"
 
@@ -91,6 +94,12 @@ def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[
                 if isinstance(default, dict):
                     default = default.get(str(fp.get("hparams.device", "cpu")))
                 fp[f"hparams.{key}"] = default
+    for key in (f"hparams.{k}" for k in PATH_BEFORE):
+        for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
+            was = old_fp.get(key)
+            if isinstance(was, str) and not was.startswith(("sha1:", "missing:")) \
+                    and file_identity(expand_path(was, "")) == new_fp.get(key):
+                old_fp[key] = new_fp[key]
     if same_source(a.get("hparams.source"), b.get("hparams.source")):
         a["hparams.source"] = b.get("hparams.source")   # a hub name recorded without its commit
     return [f"{k}: {a.get(k, '(unset)')!r} != {b.get(k, '(unset)')!r}"
