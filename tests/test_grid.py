@@ -356,6 +356,9 @@ def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
     (["lr="], "--sweep 'lr=': use key=v1,v2,..."),
     (["device=cpu,cuda"], "--sweep 'device=cpu,cuda': device says where or how a run goes"),
     (["lr=1,2", "ckpt_every=5,10"], "--sweep 'ckpt_every=5,10': ckpt_every says"),  # were 2 runs
+    (["lr=1e-4,0.0001"], "--sweep 'lr=1e-4,0.0001': 1e-4 and 0.0001 are the same value (its runs "
+                         "would be one run decoded twice); list it once"),   # were 2 folders
+    (["reset=fixed,dynamic,fixed"], "--sweep 'reset=fixed,dynamic,fixed': fixed and fixed are"),
 ])
 def test_a_sweep_that_would_lose_values_is_refused(sweep, expected):
     from tta_brain.run.grid_plan import sweep_points

@@ -100,8 +100,21 @@ def sweep_points(specs: List[str]) -> List[List[str]]:
             raise SystemExit(f"ERROR: --sweep {keys[key]!r} {spec!r}: {key} given twice; list "
                              f"its values in one: {key}={keys[key].partition('=')[2]},{values}")
         keys[key] = spec
+        seen = {}
+        for v in values.split(","):        # two folders would decode one run twice
+            same = seen.setdefault(_number_or_text(v), v)
+            if same != v or values.split(",").count(v) > 1:
+                raise SystemExit(f"ERROR: --sweep {spec!r}: {same} and {v} are the same value "
+                                 f"(its runs would be one run decoded twice); list it once")
         axes.append([f"--{key}={v}" for v in values.split(",")])
     return [list(p) for p in itertools.product(*axes)] or [[]]
+
+
+def _number_or_text(value: str):
+    try:
+        return float(value)
+    except ValueError:
+        return value.strip()
 
 
 def stream_spec(spec: str) -> Tuple[str, str]:
