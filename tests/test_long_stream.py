@@ -165,6 +165,11 @@ def test_long_report_table_plot_and_memory_verdict(decoded, capsys):
     assert cells[2] == "20" and "@" in cells[4]
     assert cells[5] == "never" or 4 <= int(cells[5]) < 20
     assert "Memory not judged (fewer than 10 samples" in text
+    short = write_long_report(runs, decoded, "md_long", out=decoded / "SHORT.md", window=50,
+                              plots=False)
+    row = next(ln for ln in short.read_text().splitlines() if ln.startswith("|dsuta|"))
+    cells = [c.strip() for c in row.strip("|").split("|")]      # 20 utterances, no window of 50:
+    assert cells[4:6] == ["-", "no full 50-utt window"]          # was "never" (nothing compared)
     assert (decoded / "plots" / "long_md_long.png").stat().st_size > 10000
     with pytest.raises(ValueError, match=r"no finished run of stream 'md_hard' under .* "
                        r"\(streams there: md_long; --stream\)"):

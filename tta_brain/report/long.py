@@ -7,7 +7,7 @@ Per run (the paper's MD-Long table, one row per method and seed): the WER, and t
 figures on the windowed WER (errors / reference words over the last ``window`` utterances, full
 windows only): the **worst window** (its WER and where it ends), and the **first position where
 the windowed WER exceeds the source model's by more than ``margin`` points** ("never" if it does
-not). The source curve is the ``source`` run of the same stream (same seed when there is one).
+not; "no full N-utt window" for a stream shorter than a window). The source curve is the ``source`` run of the same stream (same seed when there is one).
 Memory: the process RSS sampled along the stream (``memory.csv``) and its least-squares slope over
 the second half of the samples, per 1,000 utterances (on a GPU also that of torch's CUDA memory);
 a run is *flat* when that slope is at most ``--flat_mib`` (default 5 MiB per 1,000 utterances,
@@ -109,9 +109,13 @@ def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
     curve = run_curve(run, window)
     worst, at = worst_window(curve)
     out = {"wer": run_wer(run), "worst": worst, "worst_at": at, "first_above": None,
-           "has_source": source is not None, "rss_slope": None, "rss": None, "cuda_slope": None}
+           "has_source": source is not None, "compared": False, "rss_slope": None, "rss": None, "cuda_slope": None}
     if source is not None:
-        out["first_above"] = first_above(curve, run_curve(source, window), margin)
+        reference = run_curve(source, window)
+        n = min(len(curve), len(reference))
+        # "never" only where windows were compared: a stream shorter than a window has none
+        out["compared"] = bool((np.isfinite(curve[:n]) & np.isfinite(reference[:n])).any())
+        out["first_above"] = first_above(curve, reference, margin)
     if run.memory:
         out["rss_slope"] = memory_slope([m.position for m in run.memory],
                                         [m.rss_mb for m in run.memory])
@@ -133,6 +137,8 @@ def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: f
             above = "-"
         elif not f["has_source"]:
             above = "no source run"
+        elif not f["compared"]:
+            above = f"no full {window}-utt window"
         else:
             above = "never" if f["first_above"] is None else str(f["first_above"])
         slope, cuda = f["rss_slope"], f["cuda_slope"]
