@@ -540,7 +540,10 @@ def test_cli_streams_written_once(clean_set, tmp_path, capsys):
     args = ["streams", "--manifest_dir", str(tmp_path / "c" / "manifests"), "--snr", "5",
             "--out", str(tmp_path / "s"), "--per_domain", "2"]
     assert prepare.main(args + ["--names", "GS", "mini=md_easy", "--seed", "1"]) == 1
-    assert "domain 'TP'" in capsys.readouterr().err  # md_easy needs TP: a message, no traceback
+    err = capsys.readouterr().err                     # md_easy needs TP: a message, no traceback
+    assert "ERROR: stream mini: multi_domain: no utterances for domain 'TP' (have: AC, CM, GS; " \
+           "this stream's domains: AC, CM, TP, AA, SD); its noisy sets are made by `corrupt " \
+           "--domains` (the recipes' --domains)" in err, err
     assert prepare.main(args + ["--names", "GS", "--seed", "1"]) == 0
     gs = tmp_path / "s" / "streams" / "GS.csv"
     first = gs.read_text()

@@ -119,7 +119,8 @@ def multi_domain(domain_rows, order, per_domain=500, rate=None, seed=0):
     for domain in order:
         if domain not in domain_rows:
             raise ValueError(f"multi_domain: no utterances for domain {domain!r} "
-                             f"(have: {', '.join(sorted(domain_rows))})")
+                             f"(have: {', '.join(sorted(domain_rows))}; this stream's domains: "
+                             f"{', '.join(order)})")
         rows = domain_rows[domain]
         if len(rows) < per_domain:
             raise ValueError(f"multi_domain: domain {domain!r} has {len(rows)} utterances, "
@@ -147,7 +148,9 @@ def md_long(domain_rows, total=10000, min_len=20, max_len=500, seed=0, domains=N
         raise ValueError(f"md_long: total must be >= 1, got {total}")
     for domain in domains:
         if not domain_rows.get(domain):
-            raise ValueError(f"md_long: no utterances for domain {domain!r}")
+            raise ValueError(f"md_long: no utterances for domain {domain!r} (have: "
+                             f"{', '.join(sorted(d for d in domain_rows if domain_rows[d]))}; "
+                             f"this stream's domains: {', '.join(domains)})")
     rng = _rng(seed, "md_long")
     pools = {d: [] for d in domains}
     blocks, count, prev = [], 0, None

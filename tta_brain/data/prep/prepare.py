@@ -145,7 +145,11 @@ def _streams(args):
         if why is None:
             logger.info("%s: up to date (same options and source manifests), skipping", out_csv)
             continue
-        stream = build_stream(preset, domain_rows, seed=args.seed, **overrides)
+        try:
+            stream = build_stream(preset, domain_rows, seed=args.seed, **overrides)
+        except ValueError as e:        # which stream, and where its domains come from
+            raise ValueError(f"stream {name}: {e}; its noisy sets are made by `corrupt "
+                             f"--domains` (the recipes' --domains)") from None
         if out_csv.is_file():
             # Streams are written once; what matters is whether the stream itself would change.
             if out_csv.read_bytes() == manifest_text(stream).encode("utf-8"):
