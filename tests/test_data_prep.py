@@ -591,3 +591,24 @@ def test_cli_missing_data_message(tmp_path, capsys):
     assert prepare.main(["librispeech", "--root", str(tmp_path / "none"),
                          "--out", str(tmp_path / "x.csv")]) == 1
     assert "set LIBRISPEECH=" in capsys.readouterr().err
+
+
+def test_cli_a_corpus_file_that_is_no_audio_is_one_line_naming_it(tmp_path, capsys):
+    """A cut FLAC (an interrupted extraction) or an empty WAV in the corpus was soundfile's
+    traceback; nothing is written."""
+    make_librispeech(tmp_path / "ls", speakers=(7,), utts=2)
+    flac = sorted((tmp_path / "ls").rglob("*.flac"))[1]
+    flac.write_bytes(flac.read_bytes()[:30])
+    assert prepare.main(["librispeech", "--root", str(tmp_path / "ls"),
+                         "--out", str(tmp_path / "ls.csv")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"ERROR: {flac}: not readable as audio (") and \
+        err[-1].endswith("); a corpus file: extract it again"), err
+    make_chime3(tmp_path / "c", splits=("bus_real",))
+    wav = sorted((tmp_path / "c").rglob("*.wav"))[0]
+    sf.write(str(wav), np.zeros(0), 16000)
+    assert prepare.main(["chime3", "--root", str(tmp_path / "c"), "--splits", "bus_real",
+                         "--out", str(tmp_path / "c.csv")]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"ERROR: {wav}: no audio in it (0 frames); a corpus file: extract it again")
+    assert not (tmp_path / "ls.csv").exists() and not (tmp_path / "c.csv").exists()

@@ -242,10 +242,19 @@ def _check_stream_order(path, rows):
 
 
 def audio_duration(path):
-    """Duration in seconds from the audio file header (soundfile, no decoding)."""
+    """Duration in seconds from the audio file header (soundfile, no decoding); a file it cannot
+    read (empty, cut, not audio) is a ``ValueError`` naming it."""
     import soundfile as sf
 
-    info = sf.info(str(path))
+    try:
+        info = sf.info(str(path))
+    except (RuntimeError, OSError) as e:     # soundfile.LibsndfileError is a RuntimeError
+        why = (getattr(e, "error_string", None) or " ".join(str(e).split())).rstrip(".")
+        raise ValueError(f"{path}: not readable as audio ({why}); a corpus file: extract it "
+                         f"again") from None
+    if not info.samplerate or info.frames <= 0:
+        raise ValueError(f"{path}: no audio in it ({info.frames} frames); a corpus file: "
+                         f"extract it again")
     return info.frames / float(info.samplerate)
 
 
