@@ -41,5 +41,6 @@ def test_a_file_error_in_a_constructor_names_the_file():
     from tta_brain.hparams import _describe
     assert _describe(FileNotFoundError(2, "No such file or directory", "/x/words.txt")) == \
         "/x/words.txt: No such file or directory"
-    assert _describe(FileNotFoundError("lm_unigrams /x: no such file")) == "lm_unigrams /x: no such file"
+    assert _describe(FileNotFoundError("lm_unigrams /x: no such file")) == \
+        "lm_unigrams /x: no such file"
     assert _describe(ValueError("a", "b\n c")) == "a: b c"

@@ -287,9 +287,10 @@ def execute(runs: List[Run], args) -> None:
                 for u in units:
                     jobs[id(u)] = (u, ex.submit(job(u)), None)
         except (submitit.core.utils.FailedJobError, OSError) as e:
+            conf = args.slurm_conf or "(none)"
             raise SystemExit(f"ERROR: --engine slurm: sbatch did not take the {len(units)} "
                              f"job(s), nothing was submitted: {sbatch_error(e)} (check "
-                             f"--slurm_conf {args.slurm_conf or '(none)'} and the cluster)") from None
+                             f"--slurm_conf {conf} and the cluster)") from None
         for u in units:
             for r in u:
                 r.status = "running"

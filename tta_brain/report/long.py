@@ -7,7 +7,8 @@ Per run (the paper's MD-Long table, one row per method and seed): the WER, and t
 figures on the windowed WER (errors / reference words over the last ``window`` utterances, full
 windows only): the **worst window** (its WER and where it ends), and the **first position where
 the windowed WER exceeds the source model's by more than ``margin`` points** ("never" if it does
-not; "no full N-utt window" for a stream shorter than a window). The source curve is the ``source`` run of the same stream (same seed when there is one).
+not; "no full N-utt window" for a stream shorter than a window). The source curve is the
+``source`` run of the same stream (same seed when there is one).
 Memory: the process RSS sampled along the stream (``memory.csv``) and its least-squares slope over
 the second half of the samples, per 1,000 utterances (on a GPU also that of torch's CUDA memory);
 a run is *flat* when that slope is at most ``--flat_mib`` (default 5 MiB per 1,000 utterances,
@@ -109,7 +110,8 @@ def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
     curve = run_curve(run, window)
     worst, at = worst_window(curve)
     out = {"wer": run_wer(run), "worst": worst, "worst_at": at, "first_above": None,
-           "has_source": source is not None, "compared": False, "rss_slope": None, "rss": None, "cuda_slope": None}
+           "has_source": source is not None, "compared": False, "rss_slope": None, "rss": None,
+           "cuda_slope": None}
     if source is not None:
         reference = run_curve(source, window)
         n = min(len(curve), len(reference))
