@@ -32,11 +32,15 @@ def require_lm_packages():
         raise ImportError(f"{LM_EXTRA_HINT} (missing: {err.name or err})") from None
 
 
+def _gzipped(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def _open_text(path: str):
     """A text file, read through gzip when it is one (KenLM reads ``.arpa.gz`` as it is)."""
-    with open(path, "rb") as f:
-        gzipped = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
+    return (gzip.open(path, "rt", encoding="utf-8") if _gzipped(path)
+            else open(path, encoding="utf-8"))
 
 
 def read_word_list(path: str) -> List[str]:
@@ -162,11 +166,8 @@ class LMBeamSearch:
 def _is_arpa(path: str) -> bool:
     """An ARPA text file (vs a KenLM binary): its first non-empty line is ``\\data\\``."""
     try:
-        with open(path, "rb") as f:
+        with (gzip.open if _gzipped(path) else open)(path, "rb") as f:
             head = f.read(4096)
-        if head[:2] == b"\x1f\x8b":
-            with gzip.open(path, "rb") as f:
-                head = f.read(4096)
     except (OSError, EOFError):
         return False
     return head.lstrip().startswith(b"\\data\\")

@@ -102,10 +102,11 @@ def sweep_points(specs: List[str]) -> List[List[str]]:
         keys[key] = spec
         seen = {}
         for v in values.split(","):        # two folders would decode one run twice
-            same = seen.setdefault(_number_or_text(v), v)
-            if same != v or values.split(",").count(v) > 1:
-                raise SystemExit(f"ERROR: --sweep {spec!r}: {same} and {v} are the same value "
-                                 f"(its runs would be one run decoded twice); list it once")
+            if _number_or_text(v) in seen:
+                raise SystemExit(f"ERROR: --sweep {spec!r}: {seen[_number_or_text(v)]} and {v} "
+                                 f"are the same value (its runs would be one run decoded "
+                                 f"twice); list it once")
+            seen[_number_or_text(v)] = v
         axes.append([f"--{key}={v}" for v in values.split(",")])
     return [list(p) for p in itertools.product(*axes)] or [[]]
 
