@@ -7,8 +7,10 @@ and whether an attention mask is used; its tokenizer maps label ids back to text
 """
 import logging
 import os
+import warnings
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -251,6 +253,11 @@ class HFCTCLobe(nn.Module):
         if sr != sample_rate:
             raise ValueError(f"{source}: the processor expects {sr} Hz audio, not {sample_rate}")
         self.sample_rate = sample_rate
+        #: the model's input: ``input_values`` (the waveform: the wav2vec 2.0 family) or the
+        #: processor's filterbank features (``input_features``: Wav2Vec2-BERT, Parakeet, M-CTC-T)
+        self.input_name = str(getattr(self.model, "main_input_name", "input_values"))
+        self.filterbank = self.input_name != "input_values"
+        self._fbank_frames = {}
         self.do_normalize = bool(getattr(self.feature_extractor, "do_normalize", True))
         self.use_attention_mask = bool(getattr(self.feature_extractor, "return_attention_mask", False))
         self.blank_id = int(self.model.config.pad_token_id if self.model.config.pad_token_id is not None
@@ -282,11 +289,47 @@ class HFCTCLobe(nn.Module):
         return normalize_waveforms(wavs, lengths) if self.do_normalize else wavs
 
     def prepare(self, wav: torch.Tensor) -> torch.Tensor:
-        """A 1-D waveform -> normalised ``[1, T]`` model input on the model's device."""
+        """A 1-D waveform (or ``[B, T]`` of equal lengths) -> the model input on the model's
+        device: the normalised waveform ``[1, T]``, or for a filterbank model
+        (:attr:`filterbank`) the processor's features ``[1, F, D]`` (:meth:`filterbank_features`)."""
         if wav.dim() == 1:
             wav = wav[None]
+        if self.filterbank:
+            return self.filterbank_features(wav).to(self.device)
         wav = wav.to(device=self.device, dtype=torch.float32)
         return self.normalize(wav)
+
+    def filterbank_features(self, wavs: torch.Tensor) -> torch.Tensor:
+        """The processor's features of the waveforms ``[B, T]`` (equal lengths), float32, on the
+        host: exactly what the processor gives the model, with its padding (SeamlessM4T's
+        extractor pads an odd frame count by one frame of ``padding_value`` before stacking
+        pairs; :meth:`feature_mask` finds that frame again)."""
+        out = self.feature_extractor([w.detach().float().cpu().numpy() for w in wavs],
+                                     sampling_rate=self.sample_rate, return_tensors="pt")
+        return out[self.input_name].float()
+
+    def feature_mask(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
+        """The attention mask the processor gives with filterbank ``inputs [B, F, D]`` (None for
+        an extractor that stacks no frames): every frame but a last one whose stacked second half
+        is the extractor's padding (every value ``padding_value``, which no normalised filterbank
+        frame is), as the processor's own mask (the model's adapter and attention read it). No
+        host read and no branch on the values, so it runs under ``vmap``."""
+        stride = int(getattr(self.feature_extractor, "stride", 1) or 1)
+        if stride < 2 or inputs.dim() != 3 or inputs.shape[1] == 0 or inputs.shape[-1] % stride:
+            return None
+        pad = float(getattr(self.feature_extractor, "padding_value", 0.0))
+        tail = inputs[:, -1:, inputs.shape[-1] // stride * (stride - 1):]
+        real = ~(tail == pad).all(-1)
+        ones = torch.ones(inputs.shape[0], inputs.shape[1] - 1, dtype=torch.long,
+                          device=inputs.device)
+        return torch.cat([ones, real.long()], 1)
+
+    def prepare_each(self, wavs: torch.Tensor) -> torch.Tensor:
+        """Waveforms ``[R, T]`` (equal lengths) -> ``[R, 1, ...]``: each row prepared as its own
+        utterance (:meth:`prepare`), for a pass that maps over the rows."""
+        if self.filterbank:
+            return self.filterbank_features(wavs)[:, None].to(self.device)
+        return self.normalize(wavs.to(device=self.device, dtype=torch.float32))[:, None]
 
     @property
     def device(self) -> torch.device:
@@ -310,6 +353,8 @@ class HFCTCLobe(nn.Module):
             return partial.padded(inputs, samples, features)[0]
         if features is not None:
             return self._from_features(features)
+        if self.filterbank:
+            return self._model(inputs, attention_mask=self.feature_mask(inputs)).logits
         if attention_mask is not None and self.use_attention_mask:
             return self._model(inputs, attention_mask=attention_mask).logits
         return self._model(inputs).logits
@@ -445,7 +490,31 @@ class HFCTCLobe(nn.Module):
 
     def output_lengths(self, input_lengths: torch.Tensor) -> torch.Tensor:
         """Number of logit frames for each input length in samples."""
-        return self.model._get_feat_extract_output_lengths(input_lengths)
+        if not self.filterbank:
+            return self.model._get_feat_extract_output_lengths(input_lengths)
+        lengths = torch.as_tensor(input_lengths)
+        frames = torch.tensor([self.feature_frames(int(n)) for n in lengths.reshape(-1).tolist()],
+                              dtype=torch.long).reshape(lengths.shape)
+        of_frames = (getattr(self.model, "_get_feat_extract_output_lengths", None)
+                     or getattr(self.model, "_get_subsampling_output_length", None))
+        return frames if of_frames is None else torch.as_tensor(of_frames(frames)).long()
+
+    def feature_frames(self, samples: int) -> int:
+        """Filterbank frames the processor makes of ``samples`` samples (a filterbank model);
+        0 where it makes none, or none that is finite (SeamlessM4T normalises each bin by its
+        sample std, which one frame does not have)."""
+        if samples not in self._fbank_frames:
+            try:
+                with np.errstate(all="ignore"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    feats = self.filterbank_features(torch.ones(1, samples))
+                n = int(feats.shape[1]) if bool(torch.isfinite(feats).all()) else 0
+            except Exception:                 # shorter than one window: the fbank refuses
+                n = 0
+            if len(self._fbank_frames) > 4096:
+                self._fbank_frames.clear()
+            self._fbank_frames[samples] = n
+        return self._fbank_frames[samples]
 
     # ------------------------------------------------------------------ decode
     def labels_to_text(self, labels: Sequence[int]) -> str:

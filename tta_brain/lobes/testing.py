@@ -1,10 +1,11 @@
-"""Randomly initialised Hugging Face CTC models with the wav2vec2-base-960h character processor,
-written with ``save_pretrained``: the tiny (and real-size) models of the tests and the benchmarks.
+"""Randomly initialised Hugging Face CTC models with the wav2vec2-base-960h character processor
+(Wav2Vec2-BERT: its 80-bin filterbank feature extractor with that tokenizer), written with
+``save_pretrained``: the tiny (and real-size) models of the tests and the benchmarks.
 Nothing is downloaded; a model is the same for the same seed and config."""
 import os
 from typing import Optional
 
-__all__ = ["save_random_ctc_model", "TINY", "BASE_960H", "ARCHS"]
+__all__ = ["save_random_ctc_model", "TINY", "TINY_BERT", "BASE_960H", "ARCHS"]
 
 #: A tiny wav2vec2 (31 k parameters): 3 CNN layers of 16 channels, 2 transformer layers of 32.
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -28,7 +29,15 @@ ARCHS = {"wav2vec2": ("Wav2Vec2Config", "Wav2Vec2ForCTC"),
          "wavlm": ("WavLMConfig", "WavLMForCTC"),
          "unispeech-sat": ("UniSpeechSatConfig", "UniSpeechSatForCTC"),
          "sew": ("SEWConfig", "SEWForCTC"),
-         "wav2vec2-conformer": ("Wav2Vec2ConformerConfig", "Wav2Vec2ConformerForCTC")}
+         "wav2vec2-conformer": ("Wav2Vec2ConformerConfig", "Wav2Vec2ConformerForCTC"),
+         "wav2vec2-bert": ("Wav2Vec2BertConfig", "Wav2Vec2BertForCTC")}
+#: A tiny Wav2Vec2-BERT (filterbank input: 80 mel bins stacked in pairs, as w2v-BERT 2.0's
+#: SeamlessM4T processor), 2 conformer layers of 32; ``add_adapter=True`` adds w2v-BERT 2.0 CTC
+#: fine-tunes' strided adapter.
+TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                 output_hidden_size=32, conv_depthwise_kernel_size=3, feature_projection_input_dim=160,
+                 num_adapter_layers=1, adapter_kernel_size=3, adapter_stride=2, layerdrop=0.0,
+                 mask_time_prob=0.0)
 
 
 def save_random_ctc_model(out_dir: str, seed: int = 0, arch: str = "wav2vec2",
@@ -50,5 +59,10 @@ def save_random_ctc_model(out_dir: str, seed: int = 0, arch: str = "wav2vec2",
     model.save_pretrained(out_dir)
     if attention_mask is None:
         attention_mask = cfg.get("feat_extract_norm") == "layer"
-    save_char_processor(out_dir, attention_mask=attention_mask)
+    processor = save_char_processor(out_dir, attention_mask=attention_mask)
+    if model.main_input_name == "input_features":      # w2v-BERT 2.0's processor: 80-bin fbank
+        fbank = transformers.SeamlessM4TFeatureExtractor(
+            feature_size=80, num_mel_bins=80, sampling_rate=16000, stride=2, padding_value=1.0)
+        transformers.Wav2Vec2BertProcessor(feature_extractor=fbank,
+                                           tokenizer=processor.tokenizer).save_pretrained(out_dir)
     return out_dir

@@ -84,10 +84,10 @@ class BatchedCoTTA(BatchedSUTA):
         views = {r: [] for r in noisy}
         for k in range(max([self.n_augment[r] for r in noisy], default=0)):
             now = [r for r in noisy if k < self.n_augment[r]]
-            # the runs' k-th views, drawn on the host, one upload, normalised per row as prepare
-            raw = to_device(torch.stack([augmented_view(wav, self.aug_gen[r], self.noise[r])
-                                         for r in now]), self.P.device)
-            xs = self.lobe.normalize(raw)[:, None]
+            # the runs' k-th views, drawn on the host, one upload, each prepared as prepare does
+            raw = torch.stack([augmented_view(wav, self.aug_gen[r], self.noise[r]) for r in now])
+            xs = self.lobe.prepare_each(raw if self.lobe.filterbank
+                                        else to_device(raw, self.P.device))
             out = self.logits_each(self._rows(self.teacher, now), xs)
             for j, r in enumerate(now):
                 views[r].append(out[j])
