@@ -181,6 +181,40 @@ def test_long_report_table_plot_and_memory_verdict(decoded, capsys):
         in capsys.readouterr().err
 
 
+def test_long_report_tells_runs_apart_and_keeps_its_warnings(decoded, tiny_model_dir, tmp_path):
+    """A method run with two step counts gets RESULTS.md's labels (``dsuta (N=1)``) in the table
+    and as two curves, each row names its folder, and runs pooled though they are not seeds of
+    one experiment (here a copy of the source run) are warned about in LONG.md itself, not only
+    on stderr (the rows read as two identical "dsuta, seed 0" and the plot averaged N=1 with
+    N=2)."""
+    import shutil
+    from tta_brain.report.long import _mean_curves
+    exp = tmp_path / "exp"
+    shutil.copytree(decoded, exp)
+    shutil.copytree(exp / "md_long" / "source", exp / "copy" / "source")
+    data = write_stream(tmp_path / "stream")       # the fixture's stream, written again
+    decode.main(["dsuta", f"--source={tiny_model_dir}", f"--stream_csv={data / 'stream.csv'}",
+                 f"--output_folder={exp / 'md_long' / 'dsuta_n1' / 'seed0'}",
+                 f"--data_root={data}", "--noprogressbar", "--stream_name=md_long",
+                 "--steps=1", "--lr=0.05", "--buffer_size=2"])
+    runs = collect_runs(exp)
+    text = write_long_report(runs, exp, "md_long", window=5, plots=False).read_text()
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()
+            if ln.startswith("|dsuta")]
+    assert sorted((r[0], r[-1]) for r in rows) == [
+        ("dsuta (N=1)", "md_long/dsuta_n1/seed0"), ("dsuta (N=2)", "md_long/dsuta/seed0")]
+    assert sorted(_mean_curves([r for r in runs if r.method == "dsuta"], 5)) == \
+        ["dsuta (N=1)", "dsuta (N=2)"]
+    warned = text.split("## Warnings", 1)[1]
+    assert "source on md_long: seed 0 more than once" in warned
+    # two SNRs' folders hold streams of one name: the collapse compares with the same file's
+    from tta_brain.report.long import _source_for
+    other, own = (next(r for r in runs if r.name == f"{d}/source/seed0")
+                  for d in ("copy", "md_long"))
+    other.summary.fingerprint["stream_sha1"] = "another stream file"
+    assert _source_for(next(r for r in runs if r.name == "md_long/dsuta/seed0"), runs) is own
+
+
 def test_memory_verdict_covers_cuda_memory_on_a_gpu(decoded):
     from tta_brain.report.long import table_long
     runs = collect_runs(decoded)

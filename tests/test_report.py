@@ -284,6 +284,21 @@ def test_efficiency_ratios_to_a_grids_tagged_suta(tmp_path):
     assert [r[7] for r in rows[1:]] == ["-", "-", "-"]
 
 
+def test_efficiency_ratios_to_the_default_steps_of_suta(tmp_path):
+    """SUTA run with two step counts: every ratio was '-' (no single reference), though the
+    paper's N=10 is in the table; the packaged default is the reference, and the header says
+    which."""
+    (tmp_path / "a").mkdir()
+    make_run(tmp_path / "a", "suta", "lsc_AA", 0, 2, time_per_audio=0.08, hparams={"steps": 10})
+    (tmp_path / "b").mkdir()
+    make_run(tmp_path / "b", "suta", "lsc_AA", 0, 2, time_per_audio=0.02, hparams={"steps": 1})
+    make_run(tmp_path, "dsuta", "lsc_AA", 0, 2, time_per_audio=0.04, hparams={"steps": 5})
+    rows = table_rows(tables.table_efficiency(report.collect_runs(tmp_path), "lsc_AA"))
+    assert rows[0][7] == "Time x SUTA (N=10)"
+    assert {r[0]: r[7] for r in rows[1:]} == {"suta (N=10)": "1.00", "suta (N=1)": "0.25",
+                                              "dsuta": "0.50"}
+
+
 def test_environment_block(written):
     _, text = written
     env = section(text, "Environments")

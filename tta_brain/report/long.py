@@ -8,7 +8,9 @@ figures on the windowed WER (errors / reference words over the last ``window`` u
 windows only): the **worst window** (its WER and where it ends), and the **first position where
 the windowed WER exceeds the source model's by more than ``margin`` points** ("never" if it does
 not; "no full N-utt window" for a stream shorter than a window). The source curve is the
-``source`` run of the same stream (same seed when there is one).
+``source`` run of the same stream file (same seed when there is one). Rows and curves are
+labelled as in RESULTS.md (``dsuta (N=1)`` for a method run with several step counts), each row
+names its folder, and runs pooled as seeds that are not are listed under ``## Warnings``.
 Memory: the process RSS sampled along the stream (``memory.csv``) and its least-squares slope over
 the second half of the samples, per 1,000 utterances (on a GPU also that of torch's CUDA memory);
 a run is *flat* when that slope is at most ``--flat_mib`` (default 5 MiB per 1,000 utterances,
@@ -31,8 +33,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tta_brain.report import tags
-from tta_brain.report.tables import (METRICS, fmt, in_metric, md_table, position_counts,
-                                     run_wer)
+from tta_brain.report.tables import (METRICS, fmt, in_metric, label_text, md_table,
+                                     method_labels, position_counts, run_wer)
 from tta_brain.run.folder import Run
 
 logger = logging.getLogger("tta_brain.report.long")
@@ -99,8 +101,18 @@ def run_curve(run: Run, window: int = WINDOW) -> np.ndarray:
     return windowed_wer(*position_counts(run), window)
 
 
+def _stream_sha1(run: Run) -> Optional[str]:
+    return (run.summary.fingerprint or {}).get("stream_sha1")
+
+
 def _source_for(run: Run, runs: Sequence[Run]) -> Optional[Run]:
+    """The ``source`` run of ``run``'s stream (same seed when there is one): of the same stream
+    file where the fingerprints say (two SNRs' folders hold streams of one name), else of the
+    same stream name."""
     same = [r for r in runs if r.stream == run.stream and r.method == "source"]
+    sha = _stream_sha1(run)
+    if sha:
+        same = [r for r in same if _stream_sha1(r) in (sha, None)]
     return next((r for r in same if r.seed == run.seed), same[0] if same else None)
 
 
@@ -133,7 +145,9 @@ def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: f
     """The Markdown table of ``stream``, the runs whose RSS is not flat and those with too few
     memory samples to tell (``metric="cer"``: runs from ``tables.in_metric``)."""
     rows, not_flat, unknown = [], [], []
-    for r in [r for r in runs if r.stream == stream]:
+    sruns = [r for r in runs if r.stream == stream]
+    labels = method_labels(sruns)
+    for r in sruns:
         f = collapse_figures(r, _source_for(r, runs), window, margin)
         if r.method == "source":
             above = "-"
@@ -149,13 +163,14 @@ def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: f
         elif max(slope, cuda or 0.0) > flat_mib:
             not_flat.append(r.name)
         rss = "-" if f["rss"] is None else f"{f['rss'][0]:.0f} -> {f['rss'][1]:.0f}"
-        rows.append([r.method, str(r.seed), str(len(r.transcripts)), fmt(f["wer"]),
+        rows.append([label_text(labels[id(r)]), str(r.seed), str(len(r.transcripts)),
+                     fmt(f["wer"]),
                      "-" if f["worst"] is None else f"{fmt(f['worst'])} @ {f['worst_at']}",
                      above, str(len(r.resets)), rss, "-" if slope is None else _signed(slope)
-                     + ("" if cuda is None else f" (CUDA {_signed(cuda)})")])
+                     + ("" if cuda is None else f" (CUDA {_signed(cuda)})"), r.name])
     header = ["method", "seed", "utts", f"{metric.upper()} %", f"worst {window}-utt window (ends at)",
               f"first position > source + {margin:g}", "resets", "RSS MiB (first -> last)",
-              "RSS slope MiB / 1k utts"]
+              "RSS slope MiB / 1k utts", "run"]
     return md_table(header, rows), not_flat, unknown
 
 
@@ -163,16 +178,21 @@ def _signed(value: float) -> str:
     return f"{round(value, 1) + 0.0:+.1f}"      # (+ 0.0: no "-0.0")
 
 
-def _mean_curves(runs: Sequence[Run], window: int) -> Dict[str, np.ndarray]:
-    by: Dict[str, List[np.ndarray]] = {}
+def _mean_curves(runs: Sequence[Run], window: int) -> Dict[str, Tuple[np.ndarray, List[Run]]]:
+    """label text (``suta (N=1)`` where a method ran with several step counts, as RESULTS.md)
+    -> (mean windowed curve over its runs, the runs)."""
+    labels = method_labels(runs)
+    by: Dict[tuple, List[Run]] = {}
     for r in runs:
-        by.setdefault(r.method, []).append(run_curve(r, window))
+        by.setdefault(labels[id(r)], []).append(r)
     out = {}
-    for method in sorted(by, key=tags.sort_key):
-        n = min(len(c) for c in by[method])
+    for label in sorted(by, key=lambda k: (tags.sort_key(k[0]), -1 if k[1] is None else k[1])):
+        curves = [run_curve(r, window) for r in by[label]]
+        n = min(len(c) for c in curves)
         with warnings.catch_warnings():     # all-NaN columns (before the first window) stay NaN
             warnings.simplefilter("ignore", RuntimeWarning)
-            out[method] = np.nanmean(np.stack([c[:n] for c in by[method]]), axis=0)
+            out[label_text(label)] = (np.nanmean(np.stack([c[:n] for c in curves]), axis=0),
+                                      by[label])
     return out
 
 
@@ -200,13 +220,12 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
         if stop - start >= end / 60:
             ax.text((start + stop) / 2, 1.01, domain, transform=ax.get_xaxis_transform(),
                     ha="center", va="bottom", fontsize=7)
-    for method, curve in _mean_curves(sruns, window).items():
-        n_seeds = sum(r.method == method for r in sruns)
+    for label, (curve, lruns) in _mean_curves(sruns, window).items():
+        method = lruns[0].method
         ax.plot(np.arange(len(curve)), curve, color=tags.color(method), linewidth=1.2,
-                label=f"{method} (n={n_seeds})")
+                label=f"{label} (n={len(lruns)})")
         if method != "source" and not method.endswith(("+fixed", "+oracle")):
-            resets = sorted({p for r in sruns if r.method == method for p in r.resets
-                             if 0 <= p < len(curve)})
+            resets = sorted({p for r in lruns for p in r.resets if 0 <= p < len(curve)})
             ok = [p for p in resets if np.isfinite(curve[p])]
             if ok:
                 ax.plot(ok, curve[ok], linestyle="none", marker="v", markersize=6,
@@ -263,6 +282,10 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
     if unknown:
         lines.append(f"Memory not judged (fewer than {MIN_SAMPLES} samples in memory.csv): "
                      f"{', '.join(unknown)}.")
+    from tta_brain.report.results import pooling_warnings
+    pooled = pooling_warnings(sruns)
+    if pooled:
+        lines += ["", "## Warnings", "\n".join(f"- {w}" for w in pooled)]
     if plots:
         from tta_brain.report.plots import safe_name
         name = (f"long_{safe_name(stream)}.png" if metric == "wer"

@@ -294,10 +294,14 @@ def table_efficiency(runs: Sequence[Run], stream: str, reference: str = "suta") 
         return None
     stats = OrderedDict((label, efficiency_stats(by[stream]))
                         for label, by in group_runs(sruns).items())
-    # the reference's runs: its tag, else its one tagged variant (a grid's suta_steps1)
-    refs = [s for (m, _), s in stats.items() if m == reference] or \
-        [s for (m, _), s in stats.items() if m.startswith(reference + "_")]
-    ref = refs[0] if len(refs) == 1 else None
+    # the reference's runs: its tag, else its one tagged variant (a grid's suta_steps1); of
+    # several step counts, its packaged default (SUTA's N=10)
+    refs = [(k, s) for k, s in stats.items() if k[0] == reference] or \
+        [(k, s) for k, s in stats.items() if k[0].startswith(reference + "_")]
+    if len(refs) > 1:
+        steps = packaged_steps(reference)
+        refs = [(k, s) for k, s in refs if k[1] is not None and k[1] == steps]
+    ref_label, ref = refs[0] if len(refs) == 1 else ((reference, None), None)
     rows = []
     for label, s in stats.items():
         t_ratio = (s["time_per_audio_s"] / ref["time_per_audio_s"]
@@ -307,9 +311,19 @@ def table_efficiency(runs: Sequence[Run], stream: str, reference: str = "suta") 
                     + [fmt(s["wall_time_s"], 1), fmt(s["time_per_audio_s"], 3), fmt(t_ratio, 2),
                        fmt(p_ratio, 2), str(s["n"])])
     header = ["Method", "Adapt fwd/utt", "Adapt bwd/utt", "Infer fwd/utt", "Aux fwd/utt",
-              "Wall time (s)", "s per audio s", f"Time x {reference.upper()}",
-              f"Passes x {reference.upper()}", "Runs"]
+              "Wall time (s)", "s per audio s", f"Time x {label_text(ref_label).upper()}",
+              f"Passes x {label_text(ref_label).upper()}", "Runs"]
     return md_table(header, rows)
+
+
+def packaged_steps(method: str) -> Optional[int]:
+    """``steps`` of the packaged yaml of ``method`` (None: no such yaml, or no integer there)."""
+    from tta_brain import hparams
+    try:
+        found = dict((k, v) for k, v, _ in hparams.describe(method))
+        return int(found["steps"])
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
 
 
 def table_steps(runs: Sequence[Run], digits: int = 1) -> Optional[str]:
