@@ -198,7 +198,8 @@ def test_long_report_tells_runs_apart_and_keeps_its_warnings(decoded, tiny_model
                  f"--data_root={data}", "--noprogressbar", "--stream_name=md_long",
                  "--steps=1", "--lr=0.05", "--buffer_size=2"])
     runs = collect_runs(exp)
-    text = write_long_report(runs, exp, "md_long", window=5, plots=False).read_text()
+    text = write_long_report(runs, exp, "md_long", window=5).read_text()
+    assert (exp / "plots" / "long_md_long.png").stat().st_size > 10000
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()
             if ln.startswith("|dsuta")]
     assert sorted((r[0], r[-1]) for r in rows) == [

@@ -254,7 +254,7 @@ class HFCTCLobe(nn.Module):
             raise ValueError(f"{source}: the processor expects {sr} Hz audio, not {sample_rate}")
         self.sample_rate = sample_rate
         #: the model's input: ``input_values`` (the waveform: the wav2vec 2.0 family) or the
-        #: processor's filterbank features (``input_features``: Wav2Vec2-BERT, Parakeet, M-CTC-T)
+        #: processor's filterbank features (``input_features``; tested: Wav2Vec2-BERT)
         self.input_name = str(getattr(self.model, "main_input_name", "input_values"))
         self.filterbank = self.input_name != "input_values"
         self._fbank_frames = {}

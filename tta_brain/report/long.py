@@ -33,8 +33,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tta_brain.report import tags
-from tta_brain.report.tables import (METRICS, fmt, in_metric, label_text, md_table,
-                                     method_labels, position_counts, run_wer)
+from tta_brain.report.tables import (METRICS, _label_key, fmt, in_metric, label_text,
+                                     md_table, method_labels, position_counts, run_wer)
 from tta_brain.run.folder import Run
 
 logger = logging.getLogger("tta_brain.report.long")
@@ -186,7 +186,7 @@ def _mean_curves(runs: Sequence[Run], window: int) -> Dict[str, Tuple[np.ndarray
     for r in runs:
         by.setdefault(labels[id(r)], []).append(r)
     out = {}
-    for label in sorted(by, key=lambda k: (tags.sort_key(k[0]), -1 if k[1] is None else k[1])):
+    for label in sorted(by, key=_label_key):
         curves = [run_curve(r, window) for r in by[label]]
         n = min(len(c) for c in curves)
         with warnings.catch_warnings():     # all-NaN columns (before the first window) stay NaN
@@ -220,10 +220,12 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
         if stop - start >= end / 60:
             ax.text((start + stop) / 2, 1.01, domain, transform=ax.get_xaxis_transform(),
                     ha="center", va="bottom", fontsize=7)
+    variants: Dict[str, int] = {}         # a method's step counts: one colour, other dashes
     for label, (curve, lruns) in _mean_curves(sruns, window).items():
         method = lruns[0].method
+        k = variants[method] = variants.get(method, -1) + 1
         ax.plot(np.arange(len(curve)), curve, color=tags.color(method), linewidth=1.2,
-                label=f"{label} (n={len(lruns)})")
+                linestyle=("-", "--", ":", "-.")[k % 4], label=f"{label} (n={len(lruns)})")
         if method != "source" and not method.endswith(("+fixed", "+oracle")):
             resets = sorted({p for r in lruns for p in r.resets if 0 <= p < len(curve)})
             ok = [p for p in resets if np.isfinite(curve[p])]
