@@ -413,6 +413,7 @@ def test_command_line_error_is_one_line_not_a_traceback(tmp_path, ok_stream, tin
     (["--device=cuda:7"] if torch.cuda.is_available() else ["--device=cuda:0"],
      "--device=cuda:"),
     (["--device=gpu"], "device = 'gpu' (--device) is not valid: use cpu, cuda or cuda:N"),
+    (["--device="], "device = empty (--device) is not valid: use cpu, cuda or cuda:N"),
     (["--debug"], "--debug is a SpeechBrain training option; decoding does not use it"),
     (["--grad_accumulation_factor=2"], "--grad_accumulation_factor is a SpeechBrain training"),
     (["--compile=maybe"], "--compile takes true or false"),

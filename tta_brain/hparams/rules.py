@@ -156,7 +156,8 @@ def check_device(device, here: bool = True) -> None:
     if name == "cpu":
         return
     if not re.fullmatch(r"cuda(:\d+)?", name):
-        raise HparamsError(f"device = {name!r} (--device) is not valid: use cpu, cuda or cuda:N")
+        shown = "empty" if device is None or not name.strip() else repr(name)
+        raise HparamsError(f"device = {shown} (--device) is not valid: use cpu, cuda or cuda:N")
     if not here:
         return
     import torch
