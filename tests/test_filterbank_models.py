@@ -167,3 +167,16 @@ def test_batched_sweep_gives_the_separate_transcripts(bert, utterances, name):
         assert all(m.counts["augmented"] == 4 for m in seps)
     for r, m in enumerate(seps):
         assert max_diff(batch.values(r), m.params) < 1e-3      # batched rounding, as test_sweep
+
+
+@pytest.mark.parametrize("mode", ["device", "graph"])
+def test_device_step_gives_the_host_transcripts(bert, utterances, mode):
+    """The device step and its captured replays (the fake graph backend on CPU) on the
+    filterbank model: the host path's transcripts, parameters to rounding."""
+    from test_gpu import build, run, stream
+    items = stream(utterances, 8)
+    a, b = build(bert[True], "dsuta+dynamic", "host"), build(bert[True], "dsuta+dynamic", mode)
+    assert run(a, items) == run(b, items)
+    assert max_diff(a.params, b.params) < 1e-5
+    if mode == "graph":
+        assert b.step.stats["replays"] > 0
