@@ -95,7 +95,8 @@ def test_gradient_methods_adapt_a_filterbank_model(bert, utterances, name):
 
 
 @pytest.mark.parametrize("name,why", [
-    ("lame", "a partial forward needs a wav2vec 2.0-style model"),
+    ("foa", "a partial forward needs a wav2vec 2.0-style model"),
+    ("ebats", "a partial forward needs a wav2vec 2.0-style model"),
     ("cea", "tc_coef > 0 needs a model with a separable CNN feature encoder")])
 def test_methods_that_need_the_cnn_refuse_in_one_line(bert, name, why):
     with pytest.raises(ValueError, match=why):
@@ -143,12 +144,14 @@ def test_decode_on_a_filterbank_model(bert, tmp_path):
     assert s["n_utts"] == 8 and s["n_skipped"] == 1 and s["n_words"] > 0
 
 
-@pytest.mark.parametrize("name", ["suta", "cotta"])
+@pytest.mark.parametrize("name", ["suta", "cotta", "t3a"])
 def test_batched_sweep_gives_the_separate_transcripts(bert, utterances, name):
     """Two runs of one batch against the same runs alone; CoTTA's augmented views (every
-    utterance here: the random model is never sure) are each prepared as their own utterance."""
+    utterance here: the random model is never sure) are each prepared as their own utterance;
+    T3A's runs share one frozen pass of each utterance."""
     from tta_brain.sweep import batch_for
-    cfgs = [dict(lr=1e-3), dict(lr=1e-2)]
+    cfgs = ([dict(filter_K=1), dict(filter_K=10)] if name == "t3a"
+            else [dict(lr=1e-3), dict(lr=1e-2)])
 
     def build(cfg):
         return build_method(name, model=HFCTCLobe(bert[True]), **cfg)
@@ -165,6 +168,10 @@ def test_batched_sweep_gives_the_separate_transcripts(bert, utterances, name):
     assert got == want
     if name == "cotta":
         assert all(m.counts["augmented"] == 4 for m in seps)
+    if name == "t3a":
+        assert [len(m.supports) for m in seps] == [len(v.method.supports) for v in batch.views]
+        assert len(seps[0].supports) < len(seps[1].supports), "filter_K made no difference"
+        return
     for r, m in enumerate(seps):
         assert max_diff(batch.values(r), m.params) < 1e-3      # batched rounding, as test_sweep
 

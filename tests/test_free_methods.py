@@ -15,12 +15,12 @@ import soundfile as sf
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_resumes_after_kill_9
+from conftest import assert_resumes_after_kill_9, max_diff
 from fake_corpora import fake_speech, write_stream
 from tta_brain import decode, stats as stats_cli
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.lobes.partial import PartialForward
-from tta_brain.lobes.testing import TINY, save_random_ctc_model
+from tta_brain.lobes.testing import TINY, TINY_BERT, save_random_ctc_model
 from tta_brain.methods import activation_stats as act, build_method, lame, t3a
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.free import EarlyStop
@@ -118,6 +118,43 @@ def test_models_the_partial_forward_would_get_wrong_are_refused(tmp_path, arch, 
         assert lobe.supports_features
         with torch.no_grad():
             assert torch.equal(lobe(None, features=lobe.features(x)), lobe.model(x).logits)
+
+
+@pytest.mark.parametrize("arch,cfg", [
+    ("sew", TINY), ("wav2vec2-conformer", TINY),
+    ("wav2vec2", dict(TINY, add_adapter=True, output_hidden_size=32, adapter_stride=2,
+                      adapter_kernel_size=3, num_adapter_layers=1)),
+    ("wav2vec2-bert", dict(TINY_BERT, add_adapter=True))])
+def test_lame_and_t3a_read_what_the_head_reads_on_any_ctc_model(tmp_path, arch, cfg):
+    """LAME and T3A need only the frozen model's logits and the last hidden state its CTC head
+    reads: on models the partial forward does not cover (SEW, Conformer, filterbank input) and
+    behind a strided adapter (whose output, not the encoder's, the head reads: the encoder's has
+    twice the frames of the logits) they take them from the model's own forward."""
+    from transformers import AutoFeatureExtractor
+    d = save_random_ctc_model(str(tmp_path), 1, arch=arch, **cfg)
+    fe = AutoFeatureExtractor.from_pretrained(d)
+    ws = wavs(4)
+    lame_m, t3a_m = (build_method(n, model=HFCTCLobe(d)) for n in ("lame", "t3a"))
+    model = lame_m.lobe.model
+    V = model.config.vocab_size
+    for i, w in enumerate(ws):
+        inputs = fe(w.numpy(), sampling_rate=16000, return_tensors="pt")   # as transformers runs it
+        with torch.no_grad():
+            hidden = model.base_model(**inputs).last_hidden_state
+            logits = model(**inputs).logits
+            logits_, hidden_ = lame_m.prefix(lame_m.lobe.prepare(w))
+        assert hidden.shape[1] == logits.shape[1]
+        assert max_diff([logits_, hidden_], [logits, hidden]) < 1e-5     # waveform normalisation: rounding
+        want = lame.lame_posteriors(logits[0], hidden[0], lame_m.blank_id, **lame_m.opts)
+        assert lame_m.process(w) == lame_m.lobe.decode(want.clamp(min=1e-8).log()[None])[0]
+        t3a_m.process(w)
+        if i == 0:       # the supports T3A added (any, when a frame is not blank) are rows of
+            # the head's input for this utterance; the others are the head's own rows
+            dist = lambda a, b: torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist").min(-1).values
+            added = t3a_m.supports[dist(t3a_m.supports, t3a_m.W) > 1e-6]
+            assert len(added) == 0 or float(dist(added, hidden[0]).max()) < 1e-5
+    assert t3a_m.supports.shape[1] == model.lm_head.in_features
+    assert len(t3a_m.supports) > V, "no support was ever added: the test would prove nothing"
 
 
 # ----------------------------------------------------------------------------- LAME

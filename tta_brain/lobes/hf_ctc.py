@@ -8,7 +8,7 @@ and whether an attention mask is used; its tokenizer maps label ids back to text
 import logging
 import os
 import warnings
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -377,6 +377,19 @@ class HFCTCLobe(nn.Module):
             else:
                 logits = functional_call(self, params, (inputs,), kwargs)
         return logits if self.runtime.dtype is None else logits.float()
+
+    def head_input(self, inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A full pass of model ``inputs`` (:meth:`prepare`) -> (float32 logits ``[B, F, V]``, the
+        last hidden state ``[B, F, H]`` that the CTC head reads): ``lm_head(dropout(base_model(
+        inputs)[0]))``, the head of every ``*ForCTC`` of transformers with an ``lm_head``
+        (the wav2vec 2.0 family, SEW(-D), the Conformer, Wav2Vec2-BERT: after its adapter)."""
+        if not isinstance(getattr(self.model, "lm_head", None), nn.Linear):
+            raise ValueError(f"{type(self.model).__name__}: its CTC head is not a linear lm_head "
+                             f"on the base model's last hidden state")
+        mask = self.feature_mask(inputs) if self.filterbank else None
+        hidden = self.model.base_model(inputs, **({} if mask is None else
+                                                  {"attention_mask": mask}))[0]
+        return self.model.lm_head(self.model.dropout(hidden)).float(), hidden
 
     def feature_cache_blocker(self, params, train_mode: bool = False) -> Optional[str]:
         """Why the CNN features of an utterance cannot be computed once for every pass of it

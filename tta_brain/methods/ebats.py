@@ -15,6 +15,7 @@ output as one batch ``[P, C, F]`` and the rest of the network runs once for the 
 import numpy as np
 import torch
 
+from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods import losses
 from tta_brain.methods.activation_stats import (confidence_weight, layer_means, load_stats,
                                                 mean_alignment, token_alignment)
@@ -48,6 +49,7 @@ class EBATS(FreeMethod):
                  entropy_coef: float = 1.0, stats_coef: float = 2.0, temperature: float = 2.0,
                  tokenwise: bool = True, loss_max: float = 5.0, ema_decay: float = 0.9,
                  cov_ratio: float = 1.0, cma_seed: int = 2024, **kwargs):
+        PartialForward(model)          # a model it cannot run: said before asking for statistics
         self.stats = load_stats(source_stats, data_root, model, ("hidden", "tokens"))
         self.popsize, self.sigma0 = int(popsize), float(sigma)
         self.generations, self.patience = int(generations), int(patience)

@@ -17,6 +17,7 @@ import math
 import numpy as np
 import torch
 
+from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods import losses
 from tta_brain.methods.activation_stats import layer_means, load_stats, mean_alignment
 from tta_brain.methods.free import FreeMethod, make_es
@@ -31,6 +32,7 @@ class FOA(FreeMethod):
                  popsize: int = 27, sigma: float = 0.1, fitness_coef: float = 0.2,
                  disc_div: float = 64.0, temperature: float = 2.5, shift_coef: float = 0.1,
                  hist_decay: float = 0.95, cma_seed: int = 2020, **kwargs):
+        PartialForward(model)          # a model it cannot run: said before asking for statistics
         self.stats = load_stats(source_stats, data_root, model, ("hidden",))
         self.n_prompts, self.popsize = int(n_prompts), int(popsize)
         self.sigma0, self.coef, self.disc_div = float(sigma), float(fitness_coef), float(disc_div)

@@ -87,7 +87,7 @@ class FreeMethod(TTAMethod):
         super().__init__(model, adapt_params=(), steps=kwargs.pop("steps", 1), episodic=episodic,
                          reset_policy=reset_policy, **kwargs)
         self.population_batch, self.shared_prefix = int(population_batch), bool(shared_prefix)
-        self.pf = PartialForward(model)
+        self.pf = self.partial_forward(model)
         self._held = None          # (x, prefix(x)) of the utterance whose LII losses came first
         self.load_free_state(self.initial_state())
 
@@ -95,8 +95,17 @@ class FreeMethod(TTAMethod):
         """Run on ``lobe`` (the same source model, e.g. a batched sweep's one copy) instead of
         the model it was built with."""
         self.lobe, self.net, self.runtime = lobe, lobe.model, lobe.runtime
-        self.pf = PartialForward(lobe)
+        self.pf = self.partial_forward(lobe)
         self.features = self.runtime.feature_cache(lobe, lobe.feature_cache_blocker([], False))
+
+    #: whether the method inserts candidates inside the network (FOA, E-BATS: the stages of a
+    #: :class:`PartialForward`, wav2vec 2.0-style models only); LAME and T3A read the frozen
+    #: model's logits and last hidden state (``lobe.head_input``) and run on any CTC model
+    needs_partial = True
+
+    def partial_forward(self, lobe) -> Optional[PartialForward]:
+        """The stages of ``lobe``'s model for a method that needs them (else None)."""
+        return PartialForward(lobe) if self.needs_partial else None
 
     def describe(self) -> str:
         population = "" if type(self).candidates_forward is FreeMethod.candidates_forward else (

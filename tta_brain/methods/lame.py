@@ -75,11 +75,13 @@ class LAME(FreeMethod):
                          tol=float(tol), blank_threshold=float(blank_threshold))
         super().__init__(model, **kwargs)
 
+    needs_partial = False
+
     def prefix(self, x):
-        return self.pf.hidden(x)                # the frozen network, once per utterance
+        return self.lobe.head_input(x)         # the frozen network, once per utterance
 
     def adapt(self, x, ctx):
         self.counts["infer_forward"] += 1
-        logits, _, _, last = ctx
+        logits, last = ctx
         Y = lame_posteriors(logits[0], last[0], self.blank_id, **self.opts)
         return Y.clamp(min=1e-8).log()[None]

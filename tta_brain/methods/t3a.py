@@ -66,12 +66,14 @@ class T3A(FreeMethod):
     def classify(self, hidden, protos):
         return hidden @ protos.T + self.bias
 
+    needs_partial = False
+
     def prefix(self, x):
-        return self.pf.hidden(x)                # the frozen network, once per utterance
+        return self.lobe.head_input(x)         # the frozen network, once per utterance
 
     def adapt(self, x, ctx):
         self.counts["infer_forward"] += 1
-        logits, _, _, hidden = ctx
+        logits, hidden = ctx
         path = logits[0].argmax(-1)
         if (path != self.blank_id).any():
             self.supports = torch.cat([self.supports, hidden[0]])
@@ -85,6 +87,6 @@ class T3A(FreeMethod):
     def loss_at(self, ctx, values):
         """SUTA loss of the utterance (its full pass ``ctx``) under the prototypes ``values``
         (None: the head's own rows)."""
-        logits = self.classify(ctx[3], self.W if values is None else values[0])
+        logits = self.classify(ctx[1], self.W if values is None else values[0])
         return losses.suta_loss(logits, alpha=self.em_coef, temperature=self.temperature,
                                 blank_id=self.blank_id).mean()
