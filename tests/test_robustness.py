@@ -686,6 +686,7 @@ def test_run_options_do_what_they_say_and_help_lists_the_keys(tmp_path, ok_strea
     log = (out / "log.txt").read_text()
     assert "dsuta: continual, 1 step(s) per utterance; adapts" in log
     assert "layernorm (lr x1):" in log and "cnn (lr x1):" in log     # the groups, in log.txt
+    assert "evaluation precision: `--eval_precision=bf16`" in log      # SpeechBrain's line, true
     # a stream shorter than K: the reset cannot act; said in the log and the summary
     assert any("reset_K = 4 on a stream of 1 utterances" in w for w in summary.warnings)
     assert "its construction stage (K utterances) does not end" in log

@@ -301,8 +301,10 @@ def _run(p: Plan, argv):
     except hp_files.HparamsError as e:
         _fail(str(e))
     checkpointer = open_folder(p, argv, status, hparams, held)
+    # the run's one precision (the method's passes); SpeechBrain would log its eval default
+    run_opts = dict(p.args.run_opts, eval_precision=hparams.get("precision", "fp32"))
     brain = TTABrain(modules={"model": hparams["model"]}, hparams=hparams,
-                     run_opts=p.args.run_opts, checkpointer=checkpointer,
+                     run_opts=run_opts, checkpointer=checkpointer,
                      fingerprint=p.fingerprint, record_hparams=p.record)
     try:
         summary = brain.evaluate(p.stream_csv, rows=p.rows)
