@@ -319,6 +319,29 @@ def test_dry_run_writes_nothing_and_prints_every_stage(recipe, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("recipe", ["librispeech_c", "chime3"])
+def test_statistics_stage_uses_the_decodes_source_model(recipe, tmp_path):
+    """Without --model the statistics are $W2V2's (db.sh: the hub's wav2vec2-base-960h unless
+    set), the model the decode stage uses (the stage ran before the default was read:
+    ``--source ''``)."""
+    env = {"LIBRISPEECH": str(tmp_path / "LS"), "CHIME3": str(tmp_path / "C3"),
+           "W2V2": str(tmp_path / "w2v2")}
+    argv = [REPO / "recipes" / recipe / "run.sh", "--stage", 3, "--stop_stage", 3, "--methods",
+            "eata", "--stats_csv", tmp_path / "clean.csv", "--data_dir", tmp_path / "data",
+            "--exp_dir", tmp_path / "exp", "--dry_run", "true"]
+    res = run(*argv, env=env)
+    assert res.returncode == 0, res.stderr
+    cmds = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+            if x.startswith("DRY-RUN:")]
+    stats = [c for c in cmds if "tta_brain.stats" in c]
+    assert stats and stats[0][stats[0].index("--source") + 1] == env["W2V2"]
+    decodes = [c for c in cmds if "tta_brain.decode" in c]
+    assert decodes and all(f"--source={env['W2V2']}" in c for c in decodes)
+    env.pop("W2V2")
+    res = run(*argv, env=env)
+    assert res.returncode == 0 and "--source facebook/wav2vec2-base-960h" in res.stdout
+
+
 def test_methods_all_decodes_every_packaged_method(tmp_path):
     """--methods all: every packaged method, and the statistics stage for those that need it."""
     from tta_brain import hparams

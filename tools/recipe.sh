@@ -88,6 +88,15 @@ stats_kinds() {
   echo $(for m in $(stats_methods); do printf '%s\n' $(method_stats_kinds "${m}"); done | sort -u)
 }
 
+# resolve_model: the source model, --model or else $W2V2 (the recipe's db.sh); every stage
+# that reads it asks here (the statistics stage ran with an empty --source before)
+resolve_model() {
+  if [ -z "${model}" ]; then
+    db_require W2V2 "It must be a local CTC model directory or a hub name (or pass --model)."
+    model=${W2V2}
+  fi
+}
+
 # source_stats_stage STAGE CSV DATA_ROOT DIR: the statistics of each listed method that needs
 # them, of ${model} on the first ${stats_utts} utterances of CSV (clean, in no stream) ->
 # DIR/source_stats_<method>.pt (conf/<method>.opts names it). One file per method, so a method's
@@ -105,6 +114,7 @@ source_stats_stage() {
         "that is in no stream with --stats_csv CSV" >&2
       exit 1
     fi
+    resolve_model                      # the statistics are the source model's: the decode's
     log "Stage $1: source statistics of ${m} (${kinds}) of ${model} on ${stats_utts} utterances of $2 -> ${out}"
     run ${python} -m tta_brain.stats --source "${model}" --manifest "$2" --data_root "$3" \
       --kinds "${kinds}" --out "${out}" --max_utts "${stats_utts}" --reuse

@@ -96,10 +96,7 @@ fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
   db_require CHIME3 "The stream's audio paths are relative to it (\$data_root)."
-  if [ -z "${model}" ]; then
-    db_require W2V2 "It must be a local CTC model directory or a hub name (or pass --model)."
-    model=${W2V2}
-  fi
+  resolve_model
   log "Stage 3: decode [${methods}] x seeds [${seeds}] (${engine}) -> ${exp_dir}/${stream_name}"
   # CHiME-3 is the paper's Table 1 column: single-domain option set (N = 10), no md streams
   decode_grid "${exp_dir}" "${CHIME3}" "" "${stream_name}=${stream_csv}"

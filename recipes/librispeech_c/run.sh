@@ -108,10 +108,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; the
 fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
-  if [ -z "${model}" ]; then
-    db_require W2V2 "It must be a local CTC model directory or a hub name (or pass --model)."
-    model=${W2V2}
-  fi
+  resolve_model
   decode_snr_streams 3 "${data_dir}"
 fi
 
