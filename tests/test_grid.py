@@ -359,12 +359,21 @@ def test_an_empty_or_malformed_grid_list_is_one_line(extra, expected, capsys):
     (["lr=1e-4,0.0001"], "--sweep 'lr=1e-4,0.0001': 1e-4 and 0.0001 are the same value (its runs "
                          "would be one run decoded twice); list it once"),   # were 2 folders
     (["reset=fixed,dynamic,fixed"], "--sweep 'reset=fixed,dynamic,fixed': fixed and fixed are"),
+    (["source_stats=st/a.pt,st:a.pt"], "--sweep 'source_stats=st/a.pt,st:a.pt': st/a.pt and st:a.pt "
+                                       "name the same run folder (source_statsst-a.pt)"),  # was 1 run
+    (["lr=1e-4, 3e-4"], "--sweep 'lr=1e-4,': use key=v1,v2,..."),   # was lr-3e-4 (a negative lr?)
+    (["lr=1e-4,3e-4 steps=1,3", "steps=2"], "--sweep 'steps=1,3' 'steps=2': steps given twice"),
 ])
 def test_a_sweep_that_would_lose_values_is_refused(sweep, expected):
     from tta_brain.run.grid_plan import sweep_points
     with pytest.raises(SystemExit, match=re.escape(f"ERROR: {expected}")):
         sweep_points(sweep)
     assert sweep_points(["lr=1,2", "steps=3"]) == [["--lr=1", "--steps=3"], ["--lr=2", "--steps=3"]]
+    # several axes in one argument (a recipe's quoted --sweep): each its own axis (the second
+    # key was read as part of a value: runs with --lr='3e-4 steps=1' and --lr=3)
+    assert sweep_points(["lr=1e-4,3e-4  steps=1,3"]) == [
+        ["--lr=1e-4", "--steps=1"], ["--lr=1e-4", "--steps=3"],
+        ["--lr=3e-4", "--steps=1"], ["--lr=3e-4", "--steps=3"]]
 
 
 def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):

@@ -87,7 +87,9 @@ def inference_tag(opts: List[str]) -> str:
 def sweep_points(specs: List[str]) -> List[List[str]]:
     """``["lr=1e-4,3e-4", "steps=5,10"]`` -> the cartesian product as ``--key=value`` lists."""
     axes, keys = [], {}
-    for spec in specs:
+    # one argument may hold several axes ("lr=1e-4,3e-4 steps=1,3", as a recipe's --sweep gives
+    # them): split on whitespace, so no axis reads another's key as a value
+    for spec in (token for arg in specs for token in arg.split()):
         key, _, values = spec.partition("=")
         if not key or not values or "" in values.split(","):
             raise SystemExit(f"ERROR: --sweep {spec!r}: use key=v1,v2,...")
@@ -107,6 +109,13 @@ def sweep_points(specs: List[str]) -> List[List[str]]:
                                  f"are the same value (its runs would be one run decoded "
                                  f"twice); list it once")
             seen[_number_or_text(v)] = v
+        tags = {}
+        for v in values.split(","):        # one folder for two runs: the second would be lost
+            tag = inference_tag([f"--{key}={v}"])
+            if tag in tags:
+                raise SystemExit(f"ERROR: --sweep {spec!r}: {tags[tag]} and {v} name the same run "
+                                 f"folder ({tag}); give one of them otherwise")
+            tags[tag] = v
         axes.append([f"--{key}={v}" for v in values.split(",")])
     return [list(p) for p in itertools.product(*axes)] or [[]]
 
