@@ -17,7 +17,7 @@ def _refused(main, argv, capsys):
 @pytest.mark.parametrize("argv,named", [
     (["--runs", "0"], "argument --runs: 0 is not > 0"),
     (["--n_utts", "0"], "argument --n_utts: 0 is not > 0"),
-    (["--seconds", "-1"], "argument --seconds: -1 is not > 0"),
+    (["--seconds", "0.01"], "argument --seconds: 0.01 is not >= 0.1"),   # was torch's conv error
     (["--threads", "x"], "argument --threads: 'x' is not a int"),
     (["--json", "/no/such/dir/x.json"], "argument --json: /no/such/dir/x.json: folder /no/such/dir "
                                         "does not exist"),
@@ -37,6 +37,9 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--two_lengths", "3"], "argument --two_lengths: '3': 2 values, comma-separated"),
     (["--stream", "/no/such.csv"], "--stream /no/such.csv: no such file"),
     (["--json", "/no/such/dir/x.json"], "folder /no/such/dir does not exist"),
+    (["--warmup", "-1"], "argument --warmup: -1 is not >= 0"),            # was a ZeroDivisionError
+    (["--model", "/no/model"], "--model /no/model: not a save_pretrained CTC model folder"),
+    (["--model", "/"], "--model /: not a save_pretrained CTC model folder (no config.json)"),
 ] + ([] if CUDA_HERE else [(["--device", "cuda:0"], "--device=cuda:0: no CUDA device here")]))
 def test_bench_speed_refuses_bad_arguments_in_one_line(argv, named, capsys):
     import bench_speed
@@ -46,6 +49,10 @@ def test_bench_speed_refuses_bad_arguments_in_one_line(argv, named, capsys):
 @pytest.mark.parametrize("argv,named", [
     (["--lengths", "10", "0"], "argument --lengths: 0 is not > 0"),   # was an IndexError
     (["--seconds", "2", "1"], "--seconds 2 1: min, then max"),
+    (["--hidden", "0"], "argument --hidden: 0 is not > 0"),             # these were tracebacks
+    (["--n_lengths", "-1"], "argument --n_lengths: -1 is not >= 0"),
+    (["--window", "0"], "argument --window: 0 is not > 0"),
+    (["--lengths", "2", "--workdir", __file__], f"--workdir {__file__}: a file, not a folder"),
     (["--json", "/no/such/dir/x.json"], "folder /no/such/dir does not exist"),
 ] + ([] if CUDA_HERE else [(["--device", "cuda:0"], "--device=cuda:0: no CUDA device here")]))
 def test_bench_memory_refuses_bad_arguments_in_one_line(argv, named, capsys):
@@ -76,3 +83,16 @@ def test_bench_sweep_oracle_resets_fire_at_its_blocks():
     res = bench_sweep.cpu_bench(2, 6, 1, 0.6, method="csuta", reset="oracle")
     assert res["resets_separate"] == res["resets_batched"] == [2, 2]    # blocks of 2: 0|1|2
     assert res["same_transcripts"]
+
+
+def test_bench_speed_says_a_bad_stream_in_one_line(tmp_path):
+    """A manifest that needs --data_root (or names a missing file) was ManifestError's traceback."""
+    import bench_speed
+    csv = tmp_path / "s.csv"
+    csv.write_text("ID,duration,wav,wrd\nu1,1.0,$data_root/u1.wav,A\n")
+    with pytest.raises(SystemExit) as e:
+        bench_speed.csv_stream(str(csv), "", 1)
+    assert str(e.value).startswith(f"ERROR: --stream {csv}: ") and "data_root" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        bench_speed.csv_stream(str(csv), str(tmp_path), 1)
+    assert str(e.value) == f"ERROR: --stream {csv}: {tmp_path / 'u1.wav'}: file not found"

@@ -127,6 +127,11 @@ def test_compare_runs_never_reads_nothing_as_the_same(tmp_path, capsys):
     assert compare_runs.main([str(a), str(b)]) == 1
     out = capsys.readouterr().out
     assert f"{a / 's' / 'suta' / 'summary.json'}: not a summary of this tta_brain version" in out
+    (a / "s" / "suta" / "transcripts.csv").write_bytes(b"ID,hyp\nu1,\xff\xfe\n")  # was a traceback
+    (b / "s" / "suta" / "transcripts.csv").write_text("ID,hyp\nu1,A\n")
+    assert compare_runs.main([str(a), str(b)]) == 1
+    assert f"transcripts.csv: {a / 's' / 'suta' / 'transcripts.csv'} is not a UTF-8 CSV" in (
+        capsys.readouterr().out)
 
 
 @pytest.mark.slow

@@ -18,6 +18,20 @@ def positive(kind):
     return parse
 
 
+def at_least(kind, low):
+    """``type=at_least(int, 0)``: a number >= ``low``."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"{text} is not >= {low:g}")
+        return value
+    parse.__name__ = f"{kind.__name__} >= {low:g}"
+    return parse
+
+
 def output_file(text):
     """``type=output_file``: a file whose folder exists (checked before the benchmark runs, not
     after: its figures would be lost)."""

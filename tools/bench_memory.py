@@ -59,7 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench_args import device, output_file, positive  # noqa: E402
+from bench_args import at_least, device, output_file, positive  # noqa: E402
 from tta_brain.lobes.testing import save_random_ctc_model  # noqa: E402
 WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL")
 SR = 16000
@@ -354,11 +354,11 @@ def main(argv=None):
     p.add_argument("--lengths", type=positive(int), nargs="+", default=[50, 100, 200, 400])
     p.add_argument("--device", default="cpu", type=device)
     p.add_argument("--source", help="CTC model dir or hub name (default: a generated tiny one)")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=positive(int), default=64)
+    p.add_argument("--layers", type=positive(int), default=2)
     p.add_argument("--seconds", type=positive(float), nargs=2, default=(0.5, 1.0),
                    help="utterance durations: uniform in [min, max] s")
-    p.add_argument("--n_lengths", type=int, default=0,
+    p.add_argument("--n_lengths", type=at_least(int, 0), default=0,
                    help="distinct utterance lengths (0: every utterance its own random length)")
     p.add_argument("--block", type=positive(int), default=25, help="utterances per domain block")
     p.add_argument("--hparams", default="dsuta", help="method name or yaml (default: dsuta)")
@@ -369,7 +369,7 @@ def main(argv=None):
     p.add_argument("--workdir", help="keep inputs and outputs here (default: a temporary folder, "
                    "removed at the end)")
     p.add_argument("--tolerance_mb", type=float, default=20.0)
-    p.add_argument("--window", type=int, default=200,
+    p.add_argument("--window", type=positive(int), default=200,
                    help="utterances per window of the windowed RSS (median per window)")
     p.add_argument("--slope_tolerance", type=float, default=0.5,
                    help="MiB per 100 utterances: a larger tail slope of the longest run is growth")
@@ -397,6 +397,8 @@ def main(argv=None):
     if args.seconds[0] > args.seconds[1]:
         p.error(f"--seconds {args.seconds[0]:g} {args.seconds[1]:g}: min, then max")
     if args.workdir:
+        if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+            p.error(f"--workdir {args.workdir}: a file, not a folder")
         os.makedirs(args.workdir, exist_ok=True)
         return measure(args, args.workdir)
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as work:

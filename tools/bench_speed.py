@@ -82,7 +82,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench_args import device, output_file, positive, positives  # noqa: E402
+from bench_args import at_least, device, output_file, positive, positives  # noqa: E402
 from tta_brain.methods import losses  # noqa: E402
 from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
@@ -150,15 +150,19 @@ def generated_stream(n_utts, seconds, seed=0):
 def csv_stream(path, data_root, n_utts, max_duration=20.0):
     from tta_brain.data.audio import load_audio
     from tta_brain.data.manifest import read_manifest
+    from tta_brain.data.manifest import ManifestError
     out = []
-    for row in read_manifest(path, replacements={"data_root": data_root or ""}):
-        if float(row.get("duration") or 0) > max_duration:
-            continue
-        info = UttInfo(id=row["ID"], position=len(out), domain=row.get("domain", ""),
-                       segment=int(row.get("segment") or 0))
-        out.append((info, load_audio(row["wav"])))
-        if n_utts and len(out) >= n_utts:
-            break
+    try:
+        for row in read_manifest(path, replacements={"data_root": data_root or ""}):
+            if float(row.get("duration") or 0) > max_duration:
+                continue
+            info = UttInfo(id=row["ID"], position=len(out), domain=row.get("domain", ""),
+                           segment=int(row.get("segment") or 0))
+            out.append((info, load_audio(row["wav"])))
+            if n_utts and len(out) >= n_utts:
+                break
+    except (ManifestError, OSError, ValueError) as e:     # a bad manifest or audio file (AudioError)
+        raise SystemExit(f"ERROR: --stream {path}: {' '.join(str(e).split())}") from None
     return out
 
 
@@ -396,7 +400,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=positive(int), default=1, help="torch.set_num_threads (CPU); 1 is the "
                    "most stable on a shared machine")
     p.add_argument("--repeats", type=positive(int), default=3, help="rounds")
-    p.add_argument("--warmup", type=int, default=6, help="utterances each entry processes first "
+    p.add_argument("--warmup", type=at_least(int, 0), default=6, help="utterances each entry processes first "
                    "(>= reset_K/2 + 1, so DSUTA + dynamic reset is timed in its detection stage)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapt", default="layernorm,cnn", help="parameter selectors (paper: layernorm,cnn)")
@@ -439,6 +443,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.stream and not os.path.isfile(args.stream):
         p.error(f"--stream {args.stream}: no such file")
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        p.error(f"--model {args.model}: not a save_pretrained CTC model folder (no config.json)")
     from tta_brain.methods import METHODS
     for token in (m.strip() for m in args.methods.split(",") if m.strip()):
         base, plus, reset = token.partition("+")

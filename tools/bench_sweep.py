@@ -36,7 +36,7 @@ for _p in (ROOT, TOOLS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_args import output_file, positive  # noqa: E402  (after the path set-up)
+from bench_args import at_least, output_file, positive  # noqa: E402  (after the path set-up)
 from tta_brain.run.summary import read_summary  # noqa: E402
 
 
@@ -205,8 +205,9 @@ def main(argv=None):
                    help="utterances of the stream (default 6)")
     p.add_argument("--steps", type=positive(int), default=10,
                    help="steps per utterance of the gradient methods (default 10)")
-    p.add_argument("--seconds", type=positive(float), default=2.0,
-                   help="mean utterance length in seconds (each 0.9-1.1x; default 2)")
+    p.add_argument("--seconds", type=at_least(float, 0.1), default=2.0,
+                   help="mean utterance length in seconds (each 0.9-1.1x; >= 0.1, shorter gives "
+                        "the model no frame; default 2)")
     p.add_argument("--threads", type=positive(int), default=1,
                    help="torch CPU threads (default 1)")
     p.add_argument("--method", default="suta",

@@ -33,15 +33,22 @@ def runs(root: Path):
 def _rows(path: Path):
     if not path.is_file():
         return None
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.reader(f))
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return list(csv.reader(f))
+    except (UnicodeDecodeError, csv.Error) as e:       # a corrupt record
+        raise ValueError(f"{path} is not a UTF-8 CSV ({e})") from None
 
 
 def compare(a: Path, b: Path):
     """Differences between two experiment folders (empty: the same results)."""
     diffs = []
     for name in RECORDS:
-        ra, rb = _rows(a / name), _rows(b / name)
+        try:
+            ra, rb = _rows(a / name), _rows(b / name)
+        except ValueError as e:                          # a difference, named
+            diffs.append(f"{name}: {e}")
+            continue
         if ra != rb:
             if ra is None or rb is None:
                 diffs.append(f"{name}: missing on one side")
