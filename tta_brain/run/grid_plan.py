@@ -109,8 +109,8 @@ def sweep_points(specs: List[str]) -> List[List[str]]:
                                  f"are the same value (its runs would be one run decoded "
                                  f"twice); list it once")
             seen[_number_or_text(v)] = v
-        tags = {}
-        for v in values.split(","):        # one folder for two runs: the second would be lost
+        tags = {}                 # one folder for two runs: the second would be lost (an
+        for v in values.split(",") if key not in UNTAGGED else ():   # untagged key: refused below)
             tag = inference_tag([f"--{key}={v}"])
             if tag in tags:
                 raise SystemExit(f"ERROR: --sweep {spec!r}: {tags[tag]} and {v} name the same run "
