@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -721,14 +722,29 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
     assert torch.equal(as_mono_float(((pcm[:, 0] >> 8) + 128).astype(np.uint8)),
                        torch.from_numpy((pcm[:, 0] >> 8).astype(np.float32) / 128))
     assert not torch.equal(torch.as_tensor(pcm[:, 0], dtype=torch.float32), left)   # scaling matters
+    # the buffers of the ``wave`` module and pyaudio keep int16 (were widened to int64, refused)
+    import array
+    assert torch.equal(as_mono_float(array.array("h", pcm[:, 0].tobytes())), left)
+    assert torch.equal(as_mono_float(memoryview(pcm[:, 0].copy())), left)
 
     tta = TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"steps": 1})
     hyps = [tta.transcribe(x) for x in (want, pcm, pcm.T.copy())]
     assert hyps[1:] == hyps[:1] * 2 and tta.position == 3
+    # a differentiable front end's output (requires_grad): samples; was torch's "backward
+    # through the graph a second time" with steps >= 2 (a half-counted utterance)
+    two, plain = (TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"steps": 2})
+                  for _ in range(2))
+    assert two.transcribe(want.clone().requires_grad_()) == plain.transcribe(want)
+    assert two.position == 1 and two.counts == plain.counts and two.counts["adapt_backward"] == 2
     for bad, why in ((np.zeros(100, np.float32), "100 samples at 16000 Hz are too short for the model"),
                      (np.zeros(0, np.float32), "expected a non-empty 1-D waveform, got shape (0,)"),
                      (np.zeros((2, 3, 4), np.float32), "got shape (2, 3, 4)"),
-                     (np.ones(800, bool), "expected float or integer PCM samples, got torch.bool"),
+                     (np.ones(800, bool), "expected float samples or integer PCM (int8, uint8, "
+                                          "int16, int32), got torch.bool"),
+                     (pcm[:, 0].tolist(), "got torch.int64 (integer samples: give their width, "
+                                          "e.g. numpy.asarray(samples, dtype=numpy.int16))"),
+                     (pcm.tobytes(), "got bytes (raw bytes: give their samples, e.g. "
+                                     "numpy.frombuffer(data, dtype=numpy.int16))"),
                      (np.full(800, np.nan, np.float32), "contains NaN or inf"),
                      (str(path), "expected the samples (a numpy array, torch tensor or list of "
                                  "numbers), got str"),        # a path: was torch's 'new()'
@@ -759,6 +775,51 @@ def test_live_stream_oracle_reset_needs_the_segment(tiny_model_dir):
     plain = TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"steps": 1})
     plain.transcribe(wav)                     # other policies need no segment
     assert plain.position == 1
+
+
+def damage_a_tensor(src, dst):
+    """A copy of the ``torch.save`` file ``src`` with 8 bytes of its largest tensor overwritten."""
+    import zipfile
+    with zipfile.ZipFile(src) as z:
+        member = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(Path(src).read_bytes())
+    name_len, extra_len = (int.from_bytes(raw[member.header_offset + k:member.header_offset + k + 2],
+                                          "little") for k in (26, 28))
+    at = member.header_offset + 30 + name_len + extra_len + member.file_size // 2
+    raw[at:at + 8] = bytes(255 - b for b in raw[at:at + 8])
+    Path(dst).write_bytes(bytes(raw))
+
+
+def test_a_damaged_checkpoint_is_one_line_not_a_wrong_resume(tmp_path, tiny_model_dir, utterances):
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import build_method
+    from tta_brain.run.checkpoint import ResumeError, StreamState
+    method = build_method("suta", model=HFCTCLobe(tiny_model_dir), steps=1)
+    method.process(utterances[0])
+    folder = tmp_path / "exp" / "save" / "CKPT+1"
+    folder.mkdir(parents=True)
+    good, bad = folder / "stream.ckpt", folder / "damaged.ckpt"
+    StreamState(method, None)._save(good)
+    damage_a_tensor(good, bad)
+    fresh = StreamState(build_method("suta", model=HFCTCLobe(tiny_model_dir), steps=1), None)
+    fresh._load(good)                                       # the good one loads
+    assert fresh.cursor == 0
+    with pytest.raises(ResumeError, match=re.escape(f"{bad}: the checkpoint is damaged (member ")):
+        fresh._load(bad)
+
+
+def test_save_removes_what_a_killed_save_left(tmp_path):
+    """A kill -9 during a save leaves its temporary file (``<file>.tmp<pid>``); they piled up. The
+    next save of the same file removes those over an hour old (a live save's is kept)."""
+    from tta_brain.data.cache import save_torch
+    path = tmp_path / "state.pt"
+    old, live = tmp_path / "state.pt.tmp123", tmp_path / "state.pt.tmp456"
+    for f in (old, live):
+        f.write_bytes(b"partial")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    save_torch({"x": 1}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt", "state.pt.tmp456"]
+    assert torch.load(path) == {"x": 1}
 
 
 def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path, tiny_model_dir,
@@ -807,6 +868,16 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     garbage.write_text("not a state")
     for bad, why in ((tmp_path / "missing.pt", "no such state file"),
                      (garbage, "not a TTAStream state file")):
+        with pytest.raises(StreamStateError, match=re.escape(f"{bad}: {why}")):
+            again.load(bad)
+    # a damaged file (8 bytes of a saved tensor overwritten) loaded without a word: torch.load
+    # does not check the archive's CRCs; a file with the format but no identity: a KeyError
+    damaged, nameless = tmp_path / "damaged.pt", tmp_path / "nameless.pt"
+    damage_a_tensor(state, damaged)
+    torch.save({"format": "tta_brain.stream_state", "version": 1, "method": {}, "position": 0,
+                "resets": []}, nameless)
+    for bad, why in ((damaged, "damaged state file (member "),
+                     (nameless, "not a TTAStream state file")):
         with pytest.raises(StreamStateError, match=re.escape(f"{bad}: {why}")):
             again.load(bad)
     before = sorted(os.listdir(tmp_path))

@@ -10,6 +10,7 @@
 The method keeps its state across calls, so the slow meta-parameters, the reset detector and the
 optimiser moments carry over from one utterance to the next exactly as in a recipe run.
 """
+import array
 import logging
 import os
 from typing import Dict, List, Optional, Union
@@ -169,12 +170,17 @@ class TTAStream:
         path = str(path)
         if not os.path.isfile(path):
             raise StreamStateError(f"{path}: no such state file (TTAStream.load)")
+        from tta_brain.data.cache import damaged_zip
+        why = damaged_zip(path)
+        if why:
+            raise StreamStateError(f"{path}: damaged state file ({why})")
         try:
             sd = torch.load(path, map_location=self.method.lobe.device, weights_only=False)
         except Exception as e:      # pickle / zip errors of every kind: one line
             raise StreamStateError(f"{path}: not a TTAStream state file ({type(e).__name__}: "
                                    f"{' '.join(str(e).split())[:160]})") from None
-        if not isinstance(sd, dict) or "method" not in sd or "position" not in sd:
+        if (not isinstance(sd, dict) or "method" not in sd or "position" not in sd
+                or ("format" in sd and not isinstance(sd.get("identity"), dict))):
             raise StreamStateError(f"{path}: not a TTAStream state file (written by TTAStream.save)")
         if "format" not in sd:          # saved before states carried their identity
             logger.warning("%s: a state saved by an older tta_brain: its method and model are "
@@ -245,7 +251,17 @@ def as_mono_float(waveform) -> torch.Tensor:
     """One utterance as a 1-D float32 tensor: integer PCM scaled to [-1, 1), channels
     (``[C, T]`` or ``[T, C]``: the shorter side) averaged; anything else a one-line ValueError."""
     try:
-        wav = torch.as_tensor(waveform)
+        if isinstance(waveform, (bytes, bytearray)):
+            raise TypeError("raw bytes: give their samples, e.g. numpy.frombuffer(data, "
+                            "dtype=numpy.int16)")
+        if isinstance(waveform, (str, os.PathLike)):
+            raise TypeError("a path? read it with tta_brain.data.audio.load_audio")
+        if isinstance(waveform, torch.Tensor):  # a differentiable front end's output: samples
+            wav = waveform.detach()
+        elif isinstance(waveform, (array.array, memoryview)):   # buffers (``wave``, pyaudio):
+            wav = torch.as_tensor(np.asarray(waveform))          # their sample type, not int64
+        else:
+            wav = torch.as_tensor(waveform)
     except (TypeError, ValueError, RuntimeError) as e:     # a path, ragged lists, objects
         raise ValueError(f"transcribe: expected the samples (a numpy array, torch tensor or list "
                          f"of numbers), got {type(waveform).__name__} ({e})") from None
@@ -253,8 +269,10 @@ def as_mono_float(waveform) -> torch.Tensor:
     if wav.dtype in _PCM:
         scale, offset = _PCM[wav.dtype]
         wav = (wav.to(torch.float64) - offset) / scale
-    elif not wav.is_floating_point():
-        raise ValueError(f"transcribe: expected float or integer PCM samples, got {wav.dtype}")
+    elif not wav.is_floating_point():           # int64: a list of integers, whose PCM width
+        raise ValueError(f"transcribe: expected float samples or integer PCM (int8, uint8, "
+                         f"int16, int32), got {wav.dtype} (integer samples: give their width, "
+                         f"e.g. numpy.asarray(samples, dtype=numpy.int16))")   # is unknown
     wav = wav.to(torch.float32)
     if wav.dim() == 2 and wav.numel():
         wav = wav.mean(dim=0 if wav.shape[0] <= wav.shape[1] else 1)

@@ -66,6 +66,7 @@ def save_torch(obj, path) -> None:
     if not os.path.isdir(parent):
         raise FileNotFoundError(errno.ENOENT, f"no folder {parent}", path)
     tmp = f"{path}.tmp{os.getpid()}"
+    _remove_stale_temporaries(path)
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
@@ -74,6 +75,34 @@ def save_torch(obj, path) -> None:
             os.remove(tmp)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise OSError(getattr(e, "errno", None) or errno.EIO, why, path) from None
+
+
+def damaged_zip(path) -> Optional[str]:
+    """Why the ``torch.save`` file at ``path`` is damaged (None: every member's CRC-32 checks, or
+    it is no zip archive, which ``torch.load`` then says itself). ``torch.load`` reads a damaged
+    member's bytes as they are: a flipped byte in a saved tensor loaded without an error."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except zipfile.BadZipFile:
+        return None
+    except (OSError, EOFError, zipfile.LargeZipFile, RuntimeError) as e:
+        return f"unreadable archive ({type(e).__name__}: {e})"
+    return None if bad is None else f"member {bad} fails its CRC-32 check"
+
+
+def _remove_stale_temporaries(path: str, age_s: float = 3600.0) -> None:
+    """Temporary files of ``save_torch`` to ``path`` that a killed writer left (over an hour
+    old: no live save takes that long)."""
+    import glob
+    now = time.time()
+    for tmp in glob.glob(glob.escape(path) + ".tmp*"):
+        try:
+            if now - os.path.getmtime(tmp) > age_s:
+                os.remove(tmp)
+        except OSError:
+            pass
 
 
 #: Files of a model directory that decide its outputs (weights, config, processor).

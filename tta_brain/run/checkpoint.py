@@ -18,6 +18,8 @@ import torch
 from speechbrain.utils.checkpoints import (mark_as_loader, mark_as_saver,
                                           register_checkpoint_hooks)
 
+from tta_brain.data.cache import damaged_zip
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["StreamState", "ResumeError", "recover", "save", "get_rng_state", "set_rng_state",
@@ -79,6 +81,10 @@ class StreamState:
     def _load(self, path, end_of_epoch=False):
         # the method's tensors go straight to the model's device (phi_D, DSUTA's buffer)
         device = getattr(getattr(self.method, "lobe", None), "device", "cpu")
+        why = damaged_zip(path)           # torch.load would read a damaged tensor as it is
+        if why:
+            raise ResumeError(f"{path}: the checkpoint is damaged ({why}); delete "
+                              f"{Path(path).parent.parent} to start over")
         sd = torch.load(path, map_location=device, weights_only=False)
         old = sd.get("fingerprint")
         if self.fingerprint is not None and old is not None and old != self.fingerprint:
