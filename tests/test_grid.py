@@ -51,7 +51,8 @@ def data(tmp_path_factory, tiny_model_dir):
 
 def decode_argv(data, out, method="suta", *extra):
     return [method, f"--source={data['model']}", f"--stream_csv={data['csv']}",
-            f"--output_folder={out}", f"--data_root={data['root']}", *RUN, *METHOD[method],
+            f"--output_folder={out}", f"--data_root={data['root']}", *RUN,
+            *METHOD.get(method, METHOD["suta"]),
             *extra]
 
 
@@ -196,6 +197,39 @@ def test_labels_are_not_part_of_the_fingerprint(data, tmp_path):
     assert identity.differences(older, named.fingerprint) == []
     assert identity.differences(older, decode.plan(decode_argv(
         data, tmp_path / "x", "suta", "--steps=3")).fingerprint) == ["hparams.steps: 2 != 3"]
+
+
+def test_the_yamls_nested_values_are_part_of_the_fingerprint(data, tmp_path):
+    """A selector, an optimiser class or ``lr: !ref <lr> * 2`` in the method's block changed in
+    one's own yaml or by an override: another run (they were left out, and such a run was skipped
+    as "finished with the same settings"); a copy of the packaged yaml, reformatted and commented,
+    is the packaged run; a fingerprint recorded before the digests matches them; a batched sweep
+    refuses runs whose nested values differ."""
+    from tta_brain import hparams as hp_files
+    from tta_brain import sweep
+    packaged = decode.plan(decode_argv(data, tmp_path / "x"))
+    assert set(packaged.fingerprint["structure"]) >= {"model", "method", "adapt_params", "optimizer"}
+    text = hp_files.find("suta").read_text()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("# my copy\n" + text.replace("#", "  # ").replace("\n\n", "\n"))
+    assert decode.plan(decode_argv(data, tmp_path / "x", str(mine))).fingerprint == packaged.fingerprint
+    changed = {
+        "method": text.replace("    lr: !ref <lr>\n", "    lr: !ref <lr> * 2\n"),
+        "optimizer": text.replace("!name:torch.optim.AdamW", "!name:torch.optim.SGD"),
+    }
+    for key, body in changed.items():
+        assert body != text, key
+        mine.write_text(body)
+        other = decode.plan(decode_argv(data, tmp_path / "x", str(mine))).fingerprint
+        assert [d.split(":")[0] for d in identity.differences(packaged.fingerprint, other)] == [
+            f"structure.{key}"]
+    selected = decode.plan(decode_argv(data, tmp_path / "x", "suta", "--adapt_params=[{select: all}]"))
+    assert [d.split(":")[0] for d in identity.differences(packaged.fingerprint, selected.fingerprint)
+            ] == ["structure.adapt_params"]
+    older = {k: v for k, v in packaged.fingerprint.items() if k != "structure"}
+    assert identity.differences(older, selected.fingerprint) == []        # not known: as before
+    assert identity.differences(older, packaged.fingerprint, recorded=True) == []
+    assert "the yaml's adapt_params differs from run 1's" in sweep.refusal([packaged, selected])
 
 
 def test_auto_graph_defaults_keep_cpu_fingerprints(data, tmp_path):

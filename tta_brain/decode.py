@@ -149,7 +149,12 @@ def plan(argv, device_here: bool = True) -> Plan:
     except ManifestError as e:
         _fail(f"{e} (--stream_csv)")
     record = record_hparams(resolved)
-    fp = identity.fingerprint(record, stream_csv, len(rows))
+    nested = [k for k in resolved if k not in record and not str(k).startswith("__")]
+    try:
+        structure = hp_files.structure(hp.path, nested, args.overrides)
+    except hp_files.HparamsError as e:
+        _fail(str(e))
+    fp = identity.fingerprint(record, stream_csv, len(rows), structure)
     status, diffs = folder_status(out, fp)
     return Plan(hp, args, rows, record, stream_csv, out, fp, status, diffs, notes=notes.records)
 

@@ -113,6 +113,11 @@ def refusal(plans) -> Optional[str]:
             return f"{who}: yaml {p.hp.path} != run 1's {first.hp.path}"
         if p.rows != first.rows or p.fingerprint["stream_sha1"] != first.fingerprint["stream_sha1"]:
             return f"{who}: another stream than run 1's ({p.stream_csv} vs {first.stream_csv})"
+        sa, sb = (q.fingerprint.get("structure") or {} for q in (first, p))
+        nested = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
+        if nested:                  # one model, one parameter selection, one optimiser class
+            return (f"{who}: the yaml's {', '.join(nested)} differ{'s' if len(nested) == 1 else ''}"
+                    f" from run 1's (a batch's runs differ in plain options only)")
         a, b = first.fingerprint["hparams"], p.fingerprint["hparams"]
         for key in sorted(set(a) | set(b)):
             if key not in MAY_DIFFER and a.get(key) != b.get(key):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 import ruamel.yaml
+import ruamel.yaml.comments
 import ruamel.yaml.error
 import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
@@ -21,7 +22,8 @@ from tta_brain.hparams import rules
 from tta_brain.hparams.rules import RULES, HparamsError, check_device
 
 __all__ = ["HPARAMS_DIR", "BLOCKS", "HparamsError", "available", "find", "compose", "load",
-           "Resolved", "resolve", "describe", "keys", "check", "check_device", "RULES"]
+           "Resolved", "resolve", "describe", "keys", "check", "check_device", "RULES",
+           "structure"]
 
 HPARAMS_DIR = Path(__file__).resolve().parent
 BLOCKS = ("run", "reset")
@@ -100,6 +102,40 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
         values = ruamel.yaml.YAML().load(text)
     check(path, values, device_here)
     return Resolved(path, text, values)
+
+
+def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None) -> Dict[str, str]:
+    """A digest (sha1, 12 hex digits) of each of ``keys`` (a yaml's nested values: the method's and
+    model's blocks, lists of selectors) as written in the composed yaml or its override, the
+    references kept as ``!ref <key>`` and the tags as their names, comments and key order left out:
+    what a run's plain values do not say (another optimiser class, a selector, ``lr: !ref <lr> *
+    2`` inside the method's block), for its fingerprint. The references' targets are plain values
+    counted by themselves, so a copy of a packaged yaml digests as the packaged one."""
+    import hashlib
+    import json
+    rt = ruamel.yaml.YAML()
+    with _errors(path):
+        nodes = rt.load(compose(find(path))) or {}
+        if isinstance(overrides, str):
+            overrides = rt.load(overrides) if overrides.strip() else {}
+    nodes = {**nodes, **(overrides or {})}
+    return {k: hashlib.sha1(json.dumps(_canonical(nodes[k]), sort_keys=True).encode()).hexdigest()[:12]
+            for k in keys if k in nodes}
+
+
+def _canonical(node):
+    """A ruamel node as JSON-able values: ``{"!": tag, "=": value}`` where it is tagged."""
+    tag = getattr(getattr(node, "tag", None), "value", None)
+    tag = tag if isinstance(tag, str) and tag.startswith("!") else None
+    if isinstance(node, dict):
+        body = {str(k): _canonical(v) for k, v in node.items()}
+    elif isinstance(node, (list, tuple)):
+        body = [_canonical(v) for v in node]
+    elif isinstance(node, ruamel.yaml.comments.TaggedScalar):
+        body = str(node.value)
+    else:
+        body = next((t(node) for t in (bool, int, float, str) if isinstance(node, t)), node)
+    return {"!": tag, "=": body} if tag else body
 
 
 def load(name_or_path: PathLike, overrides=None) -> Dict:

@@ -4,7 +4,10 @@ one writer per experiment folder.
 The fingerprint holds the stream manifest's content (sha1), the source model's identity (sha1 of
 its files for a local directory, the name and cached commit for a hub model), the toolkit version
 and every resolved hyperparameter except where the run is written and how often it checkpoints
-(:data:`LOCATION_KEYS`); ``device`` counts by its type (cpu / cuda), not its index. It is stored in
+(:data:`LOCATION_KEYS`); ``device`` counts by its type (cpu / cuda), not its index. The yaml's
+nested values (the method's and model's blocks, the selectors, the optimiser) count by a digest
+of each as written (``structure``: a class, a selector or ``!ref <lr> * 2`` changed there is
+another run); a fingerprint recorded before digests were is taken to match them. It is stored in
 ``fingerprint.json`` when a run starts, in every checkpoint and in ``summary.json``; a folder is
 only resumed or skipped by a run with the same fingerprint.
 """
@@ -48,8 +51,10 @@ FINGERPRINT_FILE = "fingerprint.json"
 LOCK_FILE = ".lock"
 
 
-def fingerprint(hparams: Dict, stream_csv, n_rows: int) -> Dict:
-    """The fingerprint of a run from its resolved plain hparams and its stream manifest."""
+def fingerprint(hparams: Dict, stream_csv, n_rows: int,
+                structure: Optional[Dict[str, str]] = None) -> Dict:
+    """The fingerprint of a run from its resolved plain hparams, the digests of its yaml's nested
+    values (``structure``: ``tta_brain.hparams.structure``) and its stream manifest."""
     import tta_brain
     hp = {k: v for k, v in sorted(hparams.items()) if k not in LOCATION_KEYS + LABEL_KEYS}
     if "device" in hp:
@@ -62,8 +67,11 @@ def fingerprint(hparams: Dict, stream_csv, n_rows: int) -> Dict:
     for key in CONTENT_KEYS:       # an input file counts by its content, as the model does
         if hp.get(key):
             hp[key] = file_identity(expand_path(hp[key], hparams.get("data_root", "")))
-    return {"stream_sha1": file_sha1(stream_csv), "n_rows": n_rows,
-            "tta_brain": tta_brain.__version__, "hparams": hp}
+    out = {"stream_sha1": file_sha1(stream_csv), "n_rows": n_rows,
+           "tta_brain": tta_brain.__version__, "hparams": hp}
+    if structure:
+        out["structure"] = dict(structure)
+    return out
 
 
 def stream_fingerprint(stream_csv, n_rows: int, tag: str) -> Dict:
@@ -94,6 +102,10 @@ def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[
                 if isinstance(default, dict):
                     default = default.get(str(fp.get("hparams.device", "cpu")))
                 fp[f"hparams.{key}"] = default
+    for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
+        if not any(k.startswith("structure.") for k in old_fp):     # recorded before the yaml's
+            old_fp.update({k: v for k, v in new_fp.items()          # nested values were: not
+                           if k.startswith("structure.")})          # known, so not a difference
     for key in (f"hparams.{k}" for k in PATH_BEFORE):
         for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
             was = old_fp.get(key)
