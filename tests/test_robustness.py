@@ -377,6 +377,35 @@ def test_yaml_typos_name_the_file_and_key(tmp_path, ok_stream, tiny_model_dir, o
     assert "typo.yaml" in msg and expected in msg, msg
 
 
+def test_own_yaml_errors_name_its_lines_and_its_keys_win_over_its_blocks(tmp_path, ok_stream,
+                                                                        tiny_model_dir):
+    """A syntax error in one's own yaml was said at its line in the composed text (the blocks of
+    its ``include`` in front: line 42 for line 3) with run.yaml's lines as its own; a key of an
+    included block set in one's own yaml (``max_duration``) was a "duplicate key" there: the
+    file's value wins, recorded with the run."""
+    text = (REPO / "tta_brain/hparams/suta.yaml").read_text()
+    lines = text.splitlines(keepends=True)
+    n = next(i for i, x in enumerate(lines, 1) if x.startswith("steps: "))
+    bad = tmp_path / "mine.yaml"
+    bad.write_text(text.replace("steps: ", "steps:", 1))
+    argv = dsuta_args(tiny_model_dir, ok_stream, tmp_path / "exp")
+    argv[0] = str(bad)
+    msg = _error(argv)
+    assert f"yaml syntax error: while scanning a simple key at {bad}:{n}:" in msg, msg
+    assert "run.yaml" not in msg and "\n" not in msg
+    bad.write_text(text + "lr: 3e-5\n")                             # a key twice in one's file
+    msg = _error(argv)
+    assert f'found duplicate key "lr"' in msg and f"at {bad}:{len(lines) + 1}:" in msg, msg
+    own = tmp_path / "own.yaml"
+    own.write_text(text.replace("steps: ", "max_duration: 30.0\nsteps: ", 1))
+    out = tmp_path / "own_exp"
+    summary = decode.main([str(own), f"--source={tiny_model_dir}", f"--stream_csv={ok_stream}",
+                           f"--output_folder={out}", "--steps=1", "--noprogressbar"])
+    assert summary.hparams["max_duration"] == 30.0
+    hp = (out / "hyperparams.yaml").read_text()
+    assert len(re.findall(r"^max_duration: 30\.0", hp, re.M)) == 1 and "max_duration: 20" not in hp
+
+
 def test_command_line_error_is_one_line_not_a_traceback(tmp_path, ok_stream, tiny_model_dir):
     res = subprocess.run([sys.executable, "-m", "tta_brain.decode",
                           *dsuta_args(tiny_model_dir, ok_stream, tmp_path / "exp", "--reset=foo")],

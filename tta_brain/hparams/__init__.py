@@ -52,23 +52,57 @@ def find(name_or_path: PathLike) -> Path:
     raise HparamsError(f"hparams file not found: {name_or_path}{where}{', '.join(known)})")
 
 
-def compose(path: PathLike) -> str:
-    """The yaml text of ``path`` with the blocks of its ``include`` line in front."""
+_TOP_KEY = re.compile(r"^([A-Za-z_]\w*)[ \t]*:")
+
+
+def _entries(lines: List[str]) -> List[Tuple[Optional[str], List[int]]]:
+    """Top-level entries of yaml ``lines``: (key or None, its line indices); an entry runs on
+    over indented lines and column-0 list items (``key:`` then ``- a``)."""
+    out: List[Tuple[Optional[str], List[int]]] = []
+    for i, line in enumerate(lines):
+        m = _TOP_KEY.match(line)
+        if m:
+            out.append((m.group(1), [i]))
+        elif out and out[-1][0] is not None and (line[:1] in (" ", "\t") or line.startswith("- ")):
+            out[-1][1].append(i)
+        else:
+            out.append((None, [i]))
+    return out
+
+
+def composed_lines(path: PathLike) -> List[Tuple[str, Path, int]]:
+    """The lines of :func:`compose` as ``(text, file, line number in that file)``: the blocks of
+    the ``include`` line first, each without the keys ``path`` sets itself (the file's own value
+    wins over its block's), then the file without its ``include`` line."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     match = _INCLUDE.search(text)
+    own = [(t, path, n) for n, t in enumerate(text.splitlines(), 1)]
     if match is None:
-        return text
+        return own
+    include_line = text[:match.start()].count("\n") + 1
+    body = [x for x in own if x[2] != include_line]
+    mine = {k for k, _ in _entries([t for t, _, _ in body]) if k}
     names = [n.strip() for n in match.group(1).strip("[]").split(",") if n.strip()]
-    parts = []
+    out = []
     for name in names:
         block = HPARAMS_DIR / f"{name}.yaml" if not name.endswith(".yaml") else path.parent / name
         if not block.is_file():
             raise HparamsError(f"{path}: include '{name}' not found (blocks: {', '.join(BLOCKS)}, "
                                f"or a .yaml path relative to {path.parent})")
-        parts.append(f"# ---- {name} (from {block.name})\n{block.read_text(encoding='utf-8')}")
-    body = text[:match.start()] + text[match.end():]
-    return "\n".join(parts) + f"\n# ---- {path.name}\n" + body
+        lines = block.read_text(encoding="utf-8").splitlines()
+        out += [("", block, 0)] if out else []                  # a blank line between blocks
+        out.append((f"# ---- {name} (from {block.name})", block, 0))
+        out += [(lines[i], block, i + 1) for key, idx in _entries(lines) if key not in mine
+                for i in idx]
+    return out + [("", path, 0), (f"# ---- {path.name}", path, 0)] + body
+
+
+def compose(path: PathLike) -> str:
+    """The yaml text of ``path`` with the blocks of its ``include`` line in front (a key the file
+    sets itself is taken out of its block: the file's value wins)."""
+    text = "\n".join(t for t, _, _ in composed_lines(path))
+    return text + "\n" if Path(path).read_text(encoding="utf-8").endswith("\n") else text
 
 
 @dataclass
@@ -98,7 +132,20 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
     a Slurm job's node)."""
     path = find(name_or_path)
     with _errors(path):
-        text = resolve_references(compose(path), overrides, overrides_must_match=True).getvalue()
+        lines = composed_lines(path)
+        composed = compose(path)
+    try:                        # the file's own syntax first: its errors at its file:line
+        ruamel.yaml.YAML().load(composed)
+    except ruamel.yaml.error.YAMLError as e:
+        raise HparamsError(f"{path}: yaml syntax error: {_located(e, lines)}") from None
+    with _errors(path):
+        try:
+            text = resolve_references(composed, overrides, overrides_must_match=True).getvalue()
+        except (yaml.YAMLError, ruamel.yaml.error.YAMLError) as e:   # the file parsed: an override
+            msg = re.sub(r'(in "<unicode string>", )?line \d+, column \d+:?|\(line: \d+\)', "",
+                         " ".join(str(e).split()))
+            raise HparamsError(f"{path}: a --key=value override is not valid yaml: "
+                               f"{' '.join(msg.split())}") from None
         values = ruamel.yaml.YAML().load(text)
     check(path, values, device_here)
     return Resolved(path, text, values)
@@ -169,6 +216,18 @@ def describe(name_or_path: PathLike) -> List[Tuple[str, str, str]]:
 def check(path, values: Dict, device_here: bool = True) -> None:
     """:func:`tta_brain.hparams.rules.check` with the yaml's comments as the keys' meanings."""
     rules.check(path, values, lambda: {k: c for k, _, c in describe(path)}, device_here)
+
+
+def _located(err, lines: List[Tuple[str, Path, int]]) -> str:
+    """A yaml error on the composed text, one line, its places given as the ``file:line`` they
+    come from (an included block's line is the block's)."""
+    def where(m):
+        n = int(m.group(1)) - 1
+        _, file, line = lines[n] if 0 <= n < len(lines) else ("", None, 0)
+        return f"{file}:{line}" if file is not None and line else "(the composed yaml)"
+    text = re.sub(r"\(line: \d+\)|To suppress this check.*$", "", " ".join(str(err).split()))
+    return " ".join(re.sub(r'in "<unicode string>", line (\d+), column \d+',
+                           lambda m: f"at {where(m)}", text).split())
 
 
 class _errors:
