@@ -126,6 +126,15 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
         run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv",
                 "--out", tmp_path / "x.pt", "--max_duration", "0")
     assert "--max_duration 0.0: must be > 0 seconds" in capsys.readouterr().err
+    # a missing wav: the file alone was named; the manifest and the row are
+    rows = (clean / "stream.csv").read_text().splitlines()
+    broken = tmp_path / "broken.csv"
+    broken.write_text("\n".join(rows[:2] + [rows[2].replace(".wav", "_gone.wav")]) + "\n")
+    gone_id = rows[2].split(",")[0]
+    assert run_cli("--source", tiny_model_dir, "--manifest", broken, "--data_root", clean,
+                   "--out", tmp_path / "x.pt") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"ERROR: {broken}: utterance {gone_id}: ") and "file not found" in err
     assert not (tmp_path / "x.pt").exists()
     folder = tmp_path / "stats"          # was computed, then '[Errno 21]' and a .tmp file left
     folder.mkdir()
@@ -151,6 +160,8 @@ def test_module_entry_point_help():
     res = subprocess.run([sys.executable, "-m", "tta_brain.stats", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--kinds" in res.stdout and "--manifest" in res.stdout
+    assert "fisher (eata), hidden (foa; ebats with tokens), tokens (ebats)" in " ".join(
+        res.stdout.split())
 
 
 def test_reuse_keeps_a_current_file_and_recomputes_a_stale_one(clean, tiny_model_dir, tmp_path, capsys):

@@ -178,7 +178,7 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     of ``manifest`` not longer than ``max_duration`` seconds, in manifest order."""
     import tta_brain
     import tta_brain.methods  # noqa: F401  (every method module registers its kinds)
-    from tta_brain.data.audio import load_audio
+    from tta_brain.data.audio import AudioError, load_audio
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
@@ -197,7 +197,12 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     if not rows:
         raise SourceStatsError(f"{manifest}: no utterance of at most {max_duration} s (--manifest)")
     lobe = HFCTCLobe(source, device=device)
-    inputs = [lobe.prepare(load_audio(r["wav"])) for r in rows]
+    inputs = []
+    for r in rows:
+        try:
+            inputs.append(lobe.prepare(load_audio(r["wav"])))
+        except AudioError as e:                 # which row of which manifest, not only the file
+            raise SourceStatsError(f"{manifest}: utterance {r['ID']}: {e} (--manifest)") from None
     options = dict(options or {})
     stats = {k: KINDS[k](lobe, inputs, options) for k in kinds}
     return SourceStats(stats=stats, manifest=str(manifest), manifest_sha1=file_sha1(manifest),
