@@ -166,7 +166,8 @@ def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None
         if isinstance(overrides, str):
             overrides = rt.load(overrides) if overrides.strip() else {}
     nodes = {**nodes, **(overrides or {})}
-    return {k: hashlib.sha1(json.dumps(_canonical(nodes[k]), sort_keys=True).encode()).hexdigest()[:12]
+    return {k: hashlib.sha1(json.dumps(_canonical(nodes[k]), sort_keys=True, default=str)
+                            .encode()).hexdigest()[:12]
             for k in keys if k in nodes}
 
 
