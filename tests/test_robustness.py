@@ -365,6 +365,8 @@ def test_option_values_are_read_as_typed(tmp_path, ok_stream, tiny_model_dir):
      "tta_brain.methods.build_methd"),
     ("steps: !ref <steps>", "steps: !ref <stepz>", 'reference "stepz" is not valid'),
     ("steps: 10 ", "steps 10 ", "yaml syntax error"),
+    ("    weight_decay: 0.0", "    weight_decay: abc",        # (the optimizer's)
+     "a value of the wrong type among the arguments of a class"),   # was: check the spelling
 ])
 def test_yaml_typos_name_the_file_and_key(tmp_path, ok_stream, tiny_model_dir, old, new, expected):
     text = (REPO / "tta_brain/hparams/dsuta.yaml").read_text()

@@ -252,8 +252,10 @@ class _errors:
             raise HparamsError(f"{where}: yaml syntax error (in the file or a --key=value "
                                f"override): {msg}") from err
         if isinstance(err, TypeError):
-            raise HparamsError(f"{where}: {_describe(err)} (check the spelling of the keys "
-                               f"passed to that class in the yaml)") from err
+            hint = ("a value of the wrong type among the arguments of a class in the yaml (text "
+                    "where a number belongs?)" if "not supported between instances" in str(err)
+                    else "check the spelling of the keys passed to that class in the yaml")
+            raise HparamsError(f"{where}: {_describe(err)} ({hint})") from err
         if isinstance(err, ValueError):
             unset = re.fullmatch(r"'(\w+)' is a !PLACEHOLDER and must be replaced\.?", _describe(err))
             if unset:
