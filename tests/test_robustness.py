@@ -449,12 +449,24 @@ def test_command_line_error_is_one_line_not_a_traceback(tmp_path, ok_stream, tin
     (["--debug"], "--debug is a SpeechBrain training option; decoding does not use it"),
     (["--grad_accumulation_factor=2"], "--grad_accumulation_factor is a SpeechBrain training"),
     (["--compile=maybe"], "--compile takes true or false"),
+    (["--cpu_native_backward=maybe"], "cpu_native_backward = 'maybe' is not valid: "
+                                      "cpu_native_backward must be true or false"),
 ])
 def test_bad_values_and_options_name_the_key(tmp_path, ok_stream, tiny_model_dir, extra, expected):
     out = tmp_path / "exp"
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, *extra))
     assert expected in msg and "\n" not in msg, msg
     assert not out.exists()                          # nothing written
+
+
+def test_true_false_keys_read_yes_and_no_as_the_flags_do(tmp_path, ok_stream, tiny_model_dir):
+    """``--compile=no`` (a run option) was taken and ``--cpu_native_backward=no`` (a yaml key:
+    yaml 1.2 reads ``no`` as text) refused: every true/false key now reads them alike."""
+    from tta_brain import decode
+    for value, want in (("no", False), ("YES", True), ("off", False), ("1", True)):
+        p = decode.plan(dsuta_args(tiny_model_dir, ok_stream, tmp_path / "x",
+                                   f"--cpu_native_backward={value}", f"--compile={value}"))
+        assert p.record["cpu_native_backward"] is want and p.record["compile"] is want, value
 
 
 def test_a_cma_seed_numpy_cannot_take_is_one_line():

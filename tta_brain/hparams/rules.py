@@ -17,6 +17,7 @@ class HparamsError(ValueError):
 #: that fails is an error naming the key before anything is built.
 _INT, _FLOAT, _BOOL, _TEXT = "an integer", "a number", "true or false", "a string"
 TEXT = _TEXT        # the kind of the keys whose values are text (paths, names): run.cli quotes them
+BOOL = _BOOL        # the kind of the true/false keys: run.cli reads yes/no/on/off/1/0 as the flags do
 _AUTO_INT, _AUTO_FLOAT = "auto or an integer", "auto or a number"
 RULES = {
     # the run block (run.yaml): what is decoded, where, how

@@ -150,9 +150,14 @@ def _yaml_value(key: str, value: str) -> str:
     stream named ``2020`` stays a name (yaml: a number); any other value with `` #`` quoted too
     (then its key's rule says it is no number). A value the user quoted, a yaml tag (``!ref``)
     and a text key's "none" are left as typed."""
-    from tta_brain.hparams.rules import RULES, TEXT
+    from tta_brain.hparams.rules import BOOL, RULES, TEXT
     if value[:1] in ("'", '"', "!") or (value.strip() in _NONE):
         return value
+    if RULES.get(key, (None,))[0] == BOOL:      # as the run options' flags read them (--compile=no)
+        try:
+            return "true" if _bool(key, value) else "false"
+        except UsageError:
+            return value                        # the key's rule says what it takes
     if RULES.get(key, (None,))[0] == TEXT or " #" in value or value.startswith("#"):
         return json.dumps(value, ensure_ascii=False)    # a yaml double-quoted scalar
     return value
