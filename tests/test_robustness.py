@@ -849,6 +849,16 @@ def test_a_damaged_checkpoint_is_one_line_not_a_wrong_resume(tmp_path, tiny_mode
     assert fresh.cursor == 0
     with pytest.raises(ResumeError, match=re.escape(f"{bad}: the checkpoint is damaged (member ")):
         fresh._load(bad)
+    # a checkpoint of an older tta_brain (its fingerprint without the yaml's structure digests)
+    # resumes, as its folder does (it was compared key for key: "structure differ"); another
+    # setting is refused, naming it
+    older = {"stream_sha1": "s", "n_rows": 3, "tta_brain": "x", "hparams": {"lr": 0.1}}
+    StreamState(method, older)._save(good)
+    now = dict(older, structure={"method": "0123456789ab"})
+    StreamState(build_method("suta", model=HFCTCLobe(tiny_model_dir), steps=1), now)._load(good)
+    other = dict(now, hparams={"lr": 0.2})
+    with pytest.raises(ResumeError, match=re.escape("from another run (hparams.lr: 0.1 != 0.2)")):
+        StreamState(build_method("suta", model=HFCTCLobe(tiny_model_dir), steps=1), other)._load(good)
 
 
 def test_save_removes_what_a_killed_save_left(tmp_path):

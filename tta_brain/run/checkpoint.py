@@ -19,6 +19,7 @@ from speechbrain.utils.checkpoints import (mark_as_loader, mark_as_saver,
                                           register_checkpoint_hooks)
 
 from tta_brain.data.cache import damaged_zip
+from tta_brain.run import identity
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +88,14 @@ class StreamState:
                               f"{Path(path).parent.parent} to start over")
         sd = torch.load(path, map_location=device, weights_only=False)
         old = sd.get("fingerprint")
-        if self.fingerprint is not None and old is not None and old != self.fingerprint:
-            what = [k for k in self.fingerprint if old.get(k) != self.fingerprint[k]]
-            was = {k: old.get(k) for k in what}
-            now = {k: self.fingerprint[k] for k in what}
+        # the folder's rule (identity.differences): keys added since the checkpoint was written
+        # take the values it computed with, so a checkpoint of an older tta_brain resumes
+        diffs = (identity.differences(old, self.fingerprint)
+                 if self.fingerprint is not None and old is not None else [])
+        if diffs:
             raise ResumeError(
-                f"{path}: the checkpoint is from another run ({', '.join(what)} differ: {was} != "
-                f"{now}). Use another --output_folder, or delete {Path(path).parent.parent} to "
-                f"start over.")
+                f"{path}: the checkpoint is from another run ({'; '.join(diffs)}). Use another "
+                f"--output_folder, or delete {Path(path).parent.parent} to start over.")
         if "offsets" not in sd:
             raise ResumeError(f"{path}: checkpoint written by an older version (no record "
                               f"offsets); delete {Path(path).parent.parent} to start over")
