@@ -4,32 +4,28 @@ import argparse
 import os
 
 
-def positive(kind):
-    """``type=positive(int)``: a number > 0."""
+def _bounded(kind, ok, says: str, name: str):
+    """An argparse type: ``kind(text)`` for which ``ok(value)``, else "<text> is not <says>"."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {says}")
         return value
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = name
     return parse
+
+
+def positive(kind):
+    """``type=positive(int)``: a number > 0."""
+    return _bounded(kind, lambda v: v > 0, "> 0", f"positive {kind.__name__}")
 
 
 def at_least(kind, low):
     """``type=at_least(int, 0)``: a number >= ``low``."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"{text} is not >= {low:g}")
-        return value
-    parse.__name__ = f"{kind.__name__} >= {low:g}"
-    return parse
+    return _bounded(kind, lambda v: v >= low, f">= {low:g}", f"{kind.__name__} >= {low:g}")
 
 
 def output_file(text):

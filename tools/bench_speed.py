@@ -149,8 +149,7 @@ def generated_stream(n_utts, seconds, seed=0):
 
 def csv_stream(path, data_root, n_utts, max_duration=20.0):
     from tta_brain.data.audio import load_audio
-    from tta_brain.data.manifest import read_manifest
-    from tta_brain.data.manifest import ManifestError
+    from tta_brain.data.manifest import ManifestError, read_manifest
     out = []
     try:
         for row in read_manifest(path, replacements={"data_root": data_root or ""}):
