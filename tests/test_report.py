@@ -479,3 +479,28 @@ def test_empty_root(tmp_path, capsys):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "No experiment directory" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_damaged_bytes_in_a_record_name_the_file_and_a_damaged_memory_csv_keeps_the_run(
+        tmp_path, caplog):
+    """A record file that is not UTF-8 (a damaged copy) skips its run with one line naming the
+    file and line (it stopped the whole report with a traceback); a damaged ``memory.csv``, a
+    diagnostic, costs the run's memory figures, not its WER."""
+    bad = make_run(tmp_path, "suta", "md_easy", 0, 1)
+    kept = make_run(tmp_path, "source", "md_easy", 0, 2)
+    with open(bad / "transcripts.csv", "ab") as f:
+        f.write(b"\xff\xfe\n")
+    (kept / "memory.csv").write_text("position,rss_mb,cuda_mb\n49,\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING):
+        runs = report.collect_runs(tmp_path)
+    assert [r.name for r in runs] == ["md_easy/source/0"]
+    n = len((bad / "transcripts.csv").read_bytes().splitlines())
+    assert any(f"transcripts.csv:{n}: not UTF-8 text" in m for m in caplog.messages), caplog.messages
+    assert any("memory.csv:2: rss_mb '' is not float" in m and "memory figures left out" in m
+               for m in caplog.messages)
+    assert runs[0].memory == [] and "rss_mb" in runs[0].memory_error
+    from tta_brain.run.records import RecordError, read_transcripts
+    with pytest.raises(RecordError, match=f"transcripts.csv:{n}: not UTF-8"):
+        read_transcripts(bad)
+    text = long.write_long_report(runs, tmp_path, "md_easy", plots=False).read_text()
+    assert "samples in memory.csv): md_easy/source/0 (memory.csv unreadable)." in text

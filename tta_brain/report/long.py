@@ -140,6 +140,16 @@ def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
     return out
 
 
+def _unjudged(run: Run) -> str:
+    """Why a run's memory is not judged: its ``memory.csv`` is damaged, absent or short."""
+    if run.memory_error:
+        return "memory.csv unreadable"
+    if not run.memory:
+        return ("memory.csv holds no sample" if (Path(run.dir) / "memory.csv").is_file()
+                else "no memory.csv: a run written before it existed")
+    return f"{len(run.memory)} sample{'s' * (len(run.memory) != 1)}"
+
+
 def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: float = MARGIN,
                flat_mib: float = FLAT_MIB, metric: str = "wer") -> Tuple[str, List[str]]:
     """The Markdown table of ``stream``, the runs whose RSS is not flat and those with too few
@@ -282,8 +292,9 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
     elif not unknown:
         lines.append(f"Memory: flat in every run ({rule}).")
     if unknown:
+        why = {r.name: _unjudged(r) for r in sruns}
         lines.append(f"Memory not judged (fewer than {MIN_SAMPLES} samples in memory.csv): "
-                     f"{', '.join(unknown)}.")
+                     f"{', '.join(f'{name} ({why[name]})' for name in unknown)}.")
     from tta_brain.report.results import pooling_warnings
     pooled = pooling_warnings(sruns)
     if pooled:

@@ -1,5 +1,6 @@
 """An experiment folder as a whole: the typed :class:`Run` the report and the plots read (records +
 summary), and clearing a folder for ``--overwrite``."""
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,8 @@ from tta_brain.run.records import (CSV_FILES, Lii, Memory, RecordError, Transcri
 from tta_brain.run.summary import Summary, read_summary
 
 __all__ = ["Run", "load_run", "clear_run", "RUN_FILES"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -22,6 +25,8 @@ class Run:
     resets: List[int]
     lii: List[Lii]
     memory: List[Memory] = field(default_factory=list)
+    #: why ``memory.csv`` could not be read (a diagnostic: the run's results stand without it)
+    memory_error: Optional[str] = None
 
     @property
     def method(self) -> str:
@@ -59,11 +64,16 @@ def load_run(folder, root=None) -> Run:
                           f"{held[2]} errors, but summary.json says {said[0]}, {said[1]}, "
                           f"{said[2]} (cut short or changed after the run finished: copy the "
                           f"folder again, or delete it and rerun its decode command)")
+    try:        # memory.csv is a diagnostic: damaged, it costs the memory figures, not the run
+        memory, memory_error = sorted(read_memory(folder), key=lambda m: m.position), None
+    except RecordError as err:
+        memory, memory_error = [], str(err)
+        logger.warning("%s: memory figures left out: %s", folder, err)
     return Run(dir=folder, name=os.path.relpath(folder, root) if root is not None else folder.name,
                summary=summary, transcripts=transcripts,
                resets=sorted(r.position for r in read_resets(folder)),
                lii=sorted(read_lii(folder), key=lambda v: v.position),
-               memory=sorted(read_memory(folder), key=lambda m: m.position))
+               memory=memory, memory_error=memory_error)
 
 
 #: Everything a run writes into its folder besides the record CSVs (``save/``: checkpoints).

@@ -125,8 +125,25 @@ def _read(folder, name: str) -> list:
     if not path.is_file():
         raise RecordError(f"{path}: missing")
     cls = CSV_FILES[name]
-    with open(path, newline="", encoding="utf-8") as f:
-        return [_parse(cls, row, path, i) for i, row in enumerate(csv.DictReader(f), start=2)]
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            return [_parse(cls, row, path, i) for i, row in enumerate(reader, start=2)]
+    except UnicodeDecodeError:          # damaged bytes, or a file of another encoding
+        raise RecordError(f"{path}:{_first_bad_line(path)}: not UTF-8 text (damaged?)") from None
+    except csv.Error as err:            # NUL bytes, a quote left open by a cut
+        raise RecordError(f"{path}:{reader.line_num}: malformed CSV: {err}") from None
+
+
+def _first_bad_line(path) -> int:
+    """The number of the first line of ``path`` that is not UTF-8."""
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return i
+    return 1
 
 
 def read_transcripts(folder) -> List[Transcript]:
