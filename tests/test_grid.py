@@ -155,6 +155,33 @@ def test_rerun_with_other_settings_is_refused_overwrite_and_skip(data, tmp_path)
     assert s["hparams"]["steps"] == 3 and s["counts"]["adapt_forward"] == 3 * 24
 
 
+def test_the_audio_the_stream_names_is_part_of_the_fingerprint(data, tmp_path):
+    """A noisy set mixed again (another seed, another noise file) keeps the stream manifest's
+    paths: its finished runs were skipped as "the same settings" with the old audio's WER. The
+    audio's content is fingerprinted (hashed once, then known by its stat from the manifest
+    folder's hash cache); a run recorded before that matches."""
+    root = tmp_path / "data"
+    shutil.copytree(data["root"], root)
+    argv = decode_argv({**data, "root": root, "csv": root / "stream.csv"}, tmp_path / "exp",
+                       "source")
+    first = decode.main(argv)
+    assert first.fingerprint["audio_sha1"] and (root / ".sha1_cache.json").is_file()
+    wav = sorted(root.rglob("*.wav"))[3]
+    kept = wav.read_bytes()
+    import soundfile
+    audio, sr = soundfile.read(wav)
+    soundfile.write(wav, audio * 0.5, sr, subtype="PCM_16")
+    with pytest.raises(SystemExit) as e:
+        decode.main(argv)
+    assert "holds a run with other settings (audio_sha1: " in str(e.value)
+    assert "the audio files the stream names changed since that run" in str(e.value)
+    wav.write_bytes(kept)                                         # the same audio again
+    assert decode.main(argv).fingerprint == first.fingerprint     # skipped
+    older = {k: v for k, v in first.fingerprint.items() if k != "audio_sha1"}
+    now = decode.plan(argv).fingerprint
+    assert identity.differences(older, now) == [] == identity.differences(older, now, recorded=True)
+
+
 @pytest.mark.slow
 def test_an_interrupted_run_is_only_resumed_with_its_own_settings(data, tmp_path):
     out = tmp_path / "exp"

@@ -148,13 +148,14 @@ def plan(argv, device_here: bool = True) -> Plan:
             rows = load_stream(stream_csv, resolved.get("data_root"))
     except ManifestError as e:
         _fail(f"{e} (--stream_csv)")
+    audio = identity.audio_sha1(rows, stream_csv)   # console only: a cached rerun reads none
     record = record_hparams(resolved)
     nested = [k for k in resolved if k not in record and not str(k).startswith("__")]
     try:
         structure = hp_files.structure(hp.path, nested, args.overrides)
     except hp_files.HparamsError as e:
         _fail(str(e))
-    fp = identity.fingerprint(record, stream_csv, len(rows), structure)
+    fp = identity.fingerprint(record, stream_csv, len(rows), structure, audio)
     status, diffs = folder_status(out, fp)
     return Plan(hp, args, rows, record, stream_csv, out, fp, status, diffs, notes=notes.records)
 
@@ -203,6 +204,9 @@ def _refuse(out, diffs, status="differs"):
     if status == "damaged":
         _fail(f"{diffs[0]}; to decode this run again there, add --overwrite (it deletes the "
               f"folder's records first)")
+    if any(d.startswith("audio_sha1:") for d in diffs):
+        diffs = [d + (" (the audio files the stream names changed since that run: mixed again "
+                      "or replaced)" if d.startswith("audio_sha1:") else "") for d in diffs]
     _fail(f"{out} holds a run with other settings ({'; '.join(diffs)}); use another "
           f"--output_folder, or add --overwrite to delete its records and start over")
 

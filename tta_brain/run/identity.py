@@ -1,7 +1,8 @@
 """Run identity: the fingerprint of what determines a run's result, and the folder lock that keeps
 one writer per experiment folder.
 
-The fingerprint holds the stream manifest's content (sha1), the source model's identity (sha1 of
+The fingerprint holds the stream manifest's content (sha1), the content of the audio files it
+names (``audio_sha1``; a run recorded before it was is taken to match), the source model's identity (sha1 of
 its files for a local directory, the name and cached commit for a hub model), the toolkit version
 and every resolved hyperparameter except where the run is written and how often it checkpoints
 (:data:`LOCATION_KEYS`); ``device`` counts by its type (cpu / cuda), not its index. The yaml's
@@ -12,17 +13,20 @@ another run); a fingerprint recorded before digests were is taken to match them.
 only resumed or skipped by a run with the same fingerprint.
 """
 import fcntl
+import hashlib
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from tta_brain.data.cache import file_identity, file_sha1, same_source, source_identity
+from tta_brain.data.cache import (HASH_CACHE_NAME, HashCache, file_identity, file_sha1,
+                                  same_source, source_identity)
 from tta_brain.data.manifest import expand_path
 
-__all__ = ["LOCATION_KEYS", "CONTENT_KEYS", "fingerprint", "stream_fingerprint",
+__all__ = ["LOCATION_KEYS", "CONTENT_KEYS", "fingerprint", "audio_sha1", "stream_fingerprint",
            "differences", "FolderLock", "LockedError", "FINGERPRINT_FILE", "LOCK_FILE"]
 
 #: Keys that say where a run is written or read from and how often it checkpoints, not what it
@@ -48,13 +52,48 @@ CONTENT_KEYS = ("source_stats", "lm_path", "lm_unigrams")
 #: that the path holds now (all that can be known of what it read).
 PATH_BEFORE = ("lm_path", "lm_unigrams")
 FINGERPRINT_FILE = "fingerprint.json"
+logger = logging.getLogger(__name__)
 LOCK_FILE = ".lock"
 
 
+def audio_sha1(rows: List[Dict], stream_csv) -> str:
+    """One digest of the audio a stream's rows read, in stream order: the stream manifest names
+    its files, this is what they hold (a noisy set mixed again with another seed or noise keeps
+    its paths). Hashing is cached by :class:`~tta_brain.data.cache.HashCache` in the manifest's
+    folder (``.sha1_cache.json``; only in memory where that folder is not writable): a file is
+    read again only when its ``stat`` changed. A missing file counts as missing (the run
+    records it as a reject)."""
+    folder = Path(stream_csv).resolve().parent
+    cache = _HASH_CACHES.get(folder)
+    if cache is None:
+        cache = _HASH_CACHES[folder] = HashCache(folder / HASH_CACHE_NAME)
+    digest, seen = hashlib.sha1(), {}
+    for row in rows:
+        path = os.path.abspath(row["wav"])
+        if path not in seen:
+            try:
+                seen[path] = cache.sha1(path)
+            except OSError:         # missing or unreadable: the run says so when it reaches it
+                seen[path] = "missing"
+        digest.update(f"{seen[path]}\n".encode())
+    try:
+        cache.save()
+    except OSError as e:            # a read-only data folder: hashed again by the next run
+        logger.debug("hash cache %s not written: %s", cache.path, e)
+    if cache.n_read:
+        logger.info("%s: hashed its audio (%s)", stream_csv, cache.stats())
+    cache.n_read = cache.n_cached = 0
+    return digest.hexdigest()
+
+
+_HASH_CACHES: Dict[Path, HashCache] = {}
+
+
 def fingerprint(hparams: Dict, stream_csv, n_rows: int,
-                structure: Optional[Dict[str, str]] = None) -> Dict:
+                structure: Optional[Dict[str, str]] = None, audio: Optional[str] = None) -> Dict:
     """The fingerprint of a run from its resolved plain hparams, the digests of its yaml's nested
-    values (``structure``: ``tta_brain.hparams.structure``) and its stream manifest."""
+    values (``structure``: ``tta_brain.hparams.structure``), its stream manifest and the audio
+    the manifest names (``audio``: :func:`audio_sha1`)."""
     import tta_brain
     hp = {k: v for k, v in sorted(hparams.items()) if k not in LOCATION_KEYS + LABEL_KEYS}
     if "device" in hp:
@@ -69,6 +108,8 @@ def fingerprint(hparams: Dict, stream_csv, n_rows: int,
             hp[key] = file_identity(expand_path(hp[key], hparams.get("data_root", "")))
     out = {"stream_sha1": file_sha1(stream_csv), "n_rows": n_rows,
            "tta_brain": tta_brain.__version__, "hparams": hp}
+    if audio:
+        out["audio_sha1"] = audio
     if structure:
         out["structure"] = dict(structure)
     return out
@@ -103,6 +144,8 @@ def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[
                     default = default.get(str(fp.get("hparams.device", "cpu")))
                 fp[f"hparams.{key}"] = default
     for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
+        if "audio_sha1" not in old_fp and "audio_sha1" in new_fp:   # recorded before the audio
+            old_fp["audio_sha1"] = new_fp["audio_sha1"]              # was: not known either
         if not any(k.startswith("structure.") for k in old_fp):     # recorded before the yaml's
             old_fp.update({k: v for k, v in new_fp.items()          # nested values were: not
                            if k.startswith("structure.")})          # known, so not a difference
