@@ -308,6 +308,38 @@ def test_corrupt_names_a_silent_utterance(small_set, tmp_path):
         corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=noise_dir, snrs=[5])
 
 
+def test_corrupt_names_a_silent_noise_not_the_speech(small_set, tmp_path):
+    """An all-zero noise file was blamed on the first speech file ('.../x.flac (ID x, AC at
+    5 dB): cannot normalise a silent (all-zero) signal; remove it from the manifest'): removing
+    it blamed the next one, and so on."""
+    manifest, noise_dir = small_set
+    noise = Path(noise_dir) / "AirConditioner_6.wav"
+    data, sr = sf.read(noise)
+    sf.write(noise, np.zeros_like(data), sr)
+    with pytest.raises(ValueError) as err:
+        corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=noise_dir, snrs=[5])
+    assert str(err.value) == (f"{noise} (noise of domain AC): silent (all-zero), it cannot be "
+                              f"mixed at an SNR; replace the file, or leave AC out of --domains")
+    # silent only at its start, longer than every utterance: the segment mixed is silent
+    rows = list(csv.DictReader(open(manifest)))
+    longest = max(float(r["duration"]) for r in rows)
+    lead = int((longest + 0.5) * sr)
+    sf.write(noise, np.concatenate([np.zeros(lead), 0.1 * np.ones(sr)]), sr)
+    with pytest.raises(ValueError) as err:
+        corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=noise_dir, snrs=[5])
+    msg = str(err.value)
+    assert msg.startswith(f"{noise} (noise of domain AC): silent for its first "
+                          f"{lead / sr:.2f} s ({lead} samples), the part mixed into an utterance "
+                          f"no longer than that (noise is taken from offset 0; here {rows[0]['wav']}")
+    assert msg.endswith(f"{len(rows)} of the {len(rows)} utterances are that short by their "
+                        f"manifest duration), which then cannot be set to an SNR; trim the "
+                        f"silence from the start of the file, or leave AC out of --domains")
+    assert "remove it from the manifest" not in msg and "\n" not in msg
+    # a silent start shorter than the utterances: mixed as before
+    sf.write(noise, np.concatenate([np.zeros(100), 0.1 * np.ones(sr)]), sr)
+    corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=noise_dir, snrs=[5])
+
+
 def _mtimes(folder):
     return {f.name: f.stat().st_mtime_ns for f in sorted(Path(folder).iterdir())}
 
@@ -445,7 +477,7 @@ def test_corrupt_old_record_or_interrupted_run_redoes_with_a_log_line(small_set,
     caplog.clear()
     with caplog.at_level(logging.INFO):
         corrupt_manifest(manifest, out, codes=["GS"], seed=5)
-    assert ("GS_5dB: 4 utterance(s) left unfinished by an interrupted run, remixing all 4 "
+    assert ("GS_5dB: 4 utterance(s) pending in an interrupted run, remixing all 4 "
             "utterances") in caplog.text
     assert "pending" not in json.loads(rec.read_text())
     fresh = corrupt_manifest(manifest, tmp_path / "fresh", codes=["GS"], seed=5)

@@ -18,13 +18,18 @@ noise signal is used at every SNR.
 
 Reruns are content keyed (:func:`corrupt_manifest`): a domain is remixed when its noise file's
 content, a mixing option or the mixing code changed, one utterance when its speech file changed;
-everything else is kept, and the log says what was redone and why. After an interrupted run the
-files already written are kept.
+everything else is kept, and the log says what was redone and why. After an interrupted run,
+every utterance that run was to (re)mix is mixed again, including those it had written before the
+interruption: the cache record lists what was pending, not what got finished, and a file on disk
+may still be one made from the inputs before the change. Mixing is deterministic, so a file the
+interrupted run had finished is rewritten with the same bytes.
 """
 import logging
 import os
 import time
 from pathlib import Path
+
+import numpy as np
 
 from ..cache import (HASH_CACHE_NAME, HashCache, as_stored, load_record, option_changes,
                     record_path, save_record, short)
@@ -67,18 +72,42 @@ def domain_rows(rows, code, out_dir, snr, data_root=None):
     } for row in rows]
 
 
+def _silent_noise(noise, noise_file, code, rows, sample_rate, speech_file=None, n=None):
+    """The one-line error for a noise that is silent where it is mixed (see corrupt_domain)."""
+    where = f"{noise_file} (noise of domain {code})" if noise_file else f"the noise of domain {code}"
+    advice = f"or leave {code} out of --domains"
+    if not np.any(noise):
+        return ValueError(f"{where}: silent (all-zero), it cannot be mixed at an SNR; replace the "
+                          f"file, {advice}")
+    lead = int(np.flatnonzero(noise)[0])   # noise is taken from offset 0: only a silent start
+    short = sum(1 for r in rows if float(r.get("duration") or 0) * sample_rate <= lead)
+    return ValueError(f"{where}: silent for its first {lead / sample_rate:.2f} s ({lead} samples), "
+                      f"the part mixed into an utterance no longer than that (noise is taken from "
+                      f"offset 0; here {speech_file}, {n / sample_rate:.2f} s; {short} of the "
+                      f"{len(rows)} utterances are that short by their manifest duration), which "
+                      f"then cannot be set to an SNR; trim the silence from the start of the "
+                      f"file, {advice}")
+
+
 def corrupt_domain(rows, code, noise, out_dir, snr, seed=DEFAULT_SEED, data_root=None,
-                   sample_rate=16000, overwrite=False, only=None):
+                   sample_rate=16000, overwrite=False, only=None, noise_file=None):
     """Write the corrupted copies of ``rows`` for one domain and SNR; returns the manifest rows.
 
     ``rows`` have resolved ``wav`` paths. ``noise`` is a 1-D noise signal, or ``None`` for white
-    Gaussian noise. Which files are written: those whose source ID is in ``only`` when it is given,
-    else every file with ``overwrite``, else the missing ones.
+    Gaussian noise; ``noise_file`` names it in errors. Which files are written: those whose source
+    ID is in ``only`` when it is given, else every file with ``overwrite``, else the missing ones.
+
+    A silent (all-zero) speech file is an error naming it; so is a noise that is silent where it
+    is mixed (all of it, or, as the noise is taken from offset 0, a silent start at least as long
+    as the utterance): that error names the noise file, not the speech.
     """
     from tta_brain.data.prep.progress import progress
 
     from ..audio import load_audio, write_audio
-    from ..mixing import gaussian_noise, mix_at_snr, utterance_seed
+    from ..mixing import gaussian_noise, mix_at_snr, tile_or_cut, utterance_seed
+
+    if noise is not None and not np.any(noise):
+        raise _silent_noise(noise, noise_file, code, rows, sample_rate)
 
     def needed(row):
         if only is not None:
@@ -93,11 +122,14 @@ def corrupt_domain(rows, code, noise, out_dir, snr, seed=DEFAULT_SEED, data_root
             signal = gaussian_noise(speech.numel(), utterance_seed(seed, src_id))
         else:
             signal = noise
-        try:
-            mixed = mix_at_snr(speech.numpy(), signal, float(snr))
-        except ValueError as e:         # a silent utterance has no SNR: say which one
-            raise ValueError(f"{row['wav']} (ID {src_id}, {code} at {snr:g} dB): {e}; remove "
-                             f"it from the manifest") from None
+        speech = speech.numpy()
+        if not np.any(speech):          # a silent utterance has no SNR: say which one
+            raise ValueError(f"{row['wav']} (ID {src_id}, {code} at {snr:g} dB): cannot normalise "
+                             f"a silent (all-zero) signal; remove it from the manifest")
+        if noise is not None and not np.any(tile_or_cut(signal, speech.size)):
+            raise _silent_noise(noise, noise_file, code, rows, sample_rate, row["wav"],
+                                speech.size)
+        mixed = mix_at_snr(speech, signal, float(snr))
         write_audio(mixture_path(out_dir, code, snr, src_id), mixed, sample_rate)
         if (i + 1) % 500 == 0:
             logger.info("%s %s: %d/%d", code, snr_tag(snr), i + 1, len(work))
@@ -151,7 +183,7 @@ def _plan_domain(record, options, audio, speech, speech_paths, wav_of):
     if added:
         reasons.append(f"{len(added)} new utterance(s) (e.g. {added[0]})")
     if unfinished:
-        reasons.append(f"{len(unfinished)} utterance(s) left unfinished by an interrupted run")
+        reasons.append(f"{len(unfinished)} utterance(s) pending in an interrupted run")
     if missing:
         reasons.append(f"{len(missing)} mixture file(s) missing (e.g. {wav_of(missing[0])})")
     if removed:
@@ -288,7 +320,8 @@ def corrupt_manifest(manifest, out_dir, snrs=(5,), codes=None, noise_dir=None, t
 
                 noises[code] = load_audio(path, sample_rate).numpy()
             corrupt_domain(rows, code, noises.get(code), out_dir, snr, seed=seed,
-                           data_root=data_root, sample_rate=sample_rate, only=todo)
+                           data_root=data_root, sample_rate=sample_rate, only=todo,
+                           noise_file=path)
             if not manifest_same:
                 write_manifest(out_csv, new_rows)
             save_record(out_csv, "corrupt", options, audio=audio, speech=speech)
