@@ -619,6 +619,63 @@ def test_cli_streams_follow_source_manifest_content(clean_set, tmp_path, capsys,
     assert "FIXED" in gs.read_text()
 
 
+def test_cli_streams_refusal_names_every_differing_stream(clean_set, tmp_path, capsys):
+    """Only the first differing stream was named (delete, rerun, next one ...), and the advice
+    named the python CLI's options even when a recipe called it."""
+    root, noise_dir, manifest = clean_set
+    assert prepare.main(["corrupt", "--manifest", str(manifest), "--out", str(tmp_path / "c"),
+                         "--domains", "GS", "AC", "--noise_dir", str(noise_dir)]) == 0
+    out = tmp_path / "s"
+    args = ["streams", "--manifest_dir", str(tmp_path / "c" / "manifests"), "--out", str(out),
+            "--names", "AC", "GS", "--seed", "1"]
+    assert prepare.main(args) == 0
+    capsys.readouterr()
+    first = {n: (out / "streams" / f"{n}.csv").read_text() for n in ("AC", "GS")}
+    assert prepare.main(args[:-1] + ["2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"ERROR: 2 streams in {out / 'streams'} exist and a rebuild differs from them (AC, GS; "
+        f"e.g. AC.csv: ")
+    assert err.endswith("streams are written once (every method must decode the same stream): "
+                        "delete them, use another --out, or pass --force\n")
+    assert prepare.main(args[:-1] + ["2", "--names", "AC", "--rebuild_hint",
+                                     "or rerun run.sh with --force_streams true"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ERROR: {out / 'streams' / 'AC.csv'} exists and a rebuild differs")
+    assert err.endswith(": delete it, or rerun run.sh with --force_streams true\n")
+    assert {n: (out / "streams" / f"{n}.csv").read_text() for n in ("AC", "GS")} == first
+    assert prepare.main(args[:-1] + ["2", "--force"]) == 0
+    assert all((out / "streams" / f"{n}.csv").read_text() != first[n] for n in ("AC", "GS"))
+
+
+def test_cli_streams_size_errors_say_what_to_pass(clean_set, tmp_path, capsys):
+    """Every stream error ended with 'its noisy sets are made by `corrupt --domains`', also
+    those about sizes, where the domains are all there."""
+    root, noise_dir, manifest = clean_set
+    assert prepare.main(["corrupt", "--manifest", str(manifest), "--out", str(tmp_path / "c"),
+                         "--domains", "GS", "AC", "CM", "TP", "AA", "SD",
+                         "--noise_dir", str(noise_dir)]) == 0
+    n = len(read_manifest(manifest))
+    args = ["streams", "--manifest_dir", str(tmp_path / "c" / "manifests"), "--out",
+            str(tmp_path / "s")]
+    capsys.readouterr()
+    assert prepare.main(args + ["--names", "md_easy"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"ERROR: stream md_easy: domain 'AC' has {n} utterances, fewer than "
+                   f"per_domain=500; lower --per_domain to {n} or less\n")
+    assert prepare.main(args + ["--names", "x=md_easy_s100", "--max_duration", "20"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"ERROR: stream x: domain 'AC' has {n} utterances of at most 20 s "
+                   f"(--max_duration), fewer than per_domain=500; this stream needs at least 5 "
+                   f"utterances per domain (the 5 cycles through the order) and the smallest "
+                   f"domain has {n}: leave the stream out\n")
+    assert prepare.main(args + ["--names", "x=md_easy_s20", "--per_domain", "40"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("ERROR: stream x: stream 'md_easy_s20' cycles 25 times through its order: "
+                   "per_domain=40 must be a multiple of 25 (e.g. 25 or 50)\n")
+    assert "--domains" not in err
+
+
 def test_cli_missing_data_message(tmp_path, capsys):
     assert prepare.main(["librispeech", "--root", str(tmp_path / "none"),
                          "--out", str(tmp_path / "x.csv")]) == 1

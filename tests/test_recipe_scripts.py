@@ -413,3 +413,30 @@ def test_grid_options_that_cannot_go_together_stop_before_any_stage(recipe, tmp_
         res = run(script, "--data_dir", data, "--exp_dir", tmp_path / "exp", *args)
         assert res.returncode == 1 and named in res.stderr and len(res.stderr.splitlines()) == 1
         assert not data.exists() and not (tmp_path / "exp").exists()
+
+
+def test_lsc_stage2_refusal_advises_the_recipe_option_and_names_every_stream(tmp_path):
+    """A corrected transcript: stage 2 refused with the python CLI's advice ('use another --out,
+    or pass --force', which run.sh does not take), naming one stream of one SNR per run."""
+    make_librispeech(tmp_path / "corpus", speakers=(11, 12), chapters=(100,), utts=2)
+    make_ms_snsd(tmp_path / "MS-SNSD", names=("AirConditioner_6",))
+    env = {"LIBRISPEECH": str(tmp_path / "corpus"), "MS_SNSD": str(tmp_path / "MS-SNSD")}
+    data = tmp_path / "data"
+    opts = ["--stop_stage", 2, "--data_dir", data, "--snrs", "0 5", "--domains", "AC GS",
+            "--streams", "AC GS"]
+    res = run(LSC, *opts, env=env)
+    assert res.returncode == 0, res.stderr
+    trans = next((tmp_path / "corpus").rglob("*.trans.txt"))
+    trans.write_text(trans.read_text().replace(" ", " FIXED ", 1))
+    res = run(LSC, *opts, env=env)
+    assert res.returncode == 1
+    errors = [x for x in res.stderr.splitlines() if x.startswith("ERROR")]
+    assert len(errors) == 2, res.stderr                 # both SNRs in one run
+    for snr, err in zip((0, 5), errors):
+        assert err.startswith(f"ERROR: 2 streams in {data}/snr{snr}/streams exist and a rebuild "
+                              "differs from them (AC, GS; ")
+        assert err.endswith(f"delete them, or rerun {LSC} with --force_streams true")
+    res = run(LSC, *opts, "--force_streams", "true", env=env)
+    assert res.returncode == 0, res.stderr
+    assert "FIXED" in (data / "snr5" / "streams" / "GS.csv").read_text()
+    assert "--force_streams true|false" in run(LSC, "--help").stdout

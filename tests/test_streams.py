@@ -173,6 +173,25 @@ def test_errors_name_the_problem():
         multi_domain(doms, order=("AC",), per_domain=10, rate=3)
 
 
+def test_too_few_utterances_says_what_size_fits():
+    doms = make_domains(n=59)
+    with pytest.raises(streams.TooFewUtterances) as err:
+        build_stream("md_easy", doms)
+    assert str(err.value) == ("multi_domain: domain 'AC' has 59 utterances, fewer than "
+                              "per_domain=500; lower per_domain to 59 or less")
+    with pytest.raises(streams.TooFewUtterances, match="lower per_domain to 50 or less "
+                       r"\(a multiple of 25, the 25 cycles through the order\)"):
+        build_stream("md_easy_s20", doms)
+    with pytest.raises(streams.TooFewUtterances, match="to 50 or less .a multiple of 10, the "
+                       "transition rate"):
+        build_stream("md_easy_s20", doms, per_domain=60, rate=10)
+    with pytest.raises(streams.TooFewUtterances, match="needs at least 25 utterances per domain "
+                       r"\(the 25 cycles through the order\) and the smallest domain has 20"):
+        build_stream("md_easy_s20", make_domains(n=20))
+    with pytest.raises(streams.MissingDomain):
+        build_stream("md_easy", make_domains(n=600, domains=("AC",)))
+
+
 def test_filter_by_duration():
     rows = [{"ID": str(i), "duration": d} for i, d in enumerate((5.0, 20.0, 20.01, 35.0))]
     assert [r["ID"] for r in streams.filter_by_duration(rows, 20)] == ["0", "1"]

@@ -36,6 +36,19 @@ stats_utts=100        # its first N utterances (the EATA reference: 100)
 grid_help="${grid_help}
   --stats_csv CSV (clean speech in no stream: the source statistics of eata, foa, ebats)  --stats_utts N (${stats_utts})"
 
+# Streams are written once (every method must decode the same stream): a stream whose rebuild
+# would differ from its written file (e.g. a transcript corrected in the corpus) is refused,
+# naming every such stream, unless --force_streams true.
+force_streams=false
+streams_help="  --force_streams true|false (${force_streams}; true: rewrite the streams whose rebuild differs from the written file)"
+
+# set_stream_write_opts: stream_write_opts, the streams step's options for such streams (the
+# refusal's advice names this recipe's option, not the python CLI's --force / --out).
+set_stream_write_opts() {
+  stream_write_opts=(--rebuild_hint "or rerun $0 with --force_streams true")
+  if ${force_streams}; then stream_write_opts+=(--force); fi
+}
+
 # check_grid_options: the grid options that cannot go together, refused before any stage runs
 # (tta_brain.grid refuses them too, but only at the decode stage, after the data stages).
 check_grid_options() {

@@ -30,6 +30,7 @@ Options (default):
   --stage N (${stage})  --stop_stage N (${stop_stage})
   --include_ped_real true|false (${include_ped_real})  --keep_raw_text true|false (${keep_raw_text})
   --stream_name NAME (${stream_name})  --stream_seed N (${stream_seed})  --max_duration SEC
+${streams_help}
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
   --conf_dir DIR  --model DIR_OR_NAME
 ${grid_help}
@@ -84,8 +85,10 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   log "Stage 2: random-order stream -> ${stream_csv}"
   dur_opts=()
   [ -n "${max_duration}" ] && dur_opts+=(--max_duration "${max_duration}")
+  set_stream_write_opts
   run ${python} -m tta_brain.data.prep.prepare streams --manifest "${manifest}" --out "${data_dir}" \
-    --names "${stream_name}=random" --seed "${stream_seed}" ${dur_opts[@]+"${dur_opts[@]}"}
+    --names "${stream_name}=random" --seed "${stream_seed}" ${dur_opts[@]+"${dur_opts[@]}"} \
+    "${stream_write_opts[@]}"
 fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; then

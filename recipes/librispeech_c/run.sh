@@ -40,6 +40,7 @@ Options (default):
   --stream_seed N (${stream_seed})  --noise_seed N (${noise_seed})  --max_duration SEC (${max_duration})
   --stats_split NAME (LibriSpeech split in no stream for the source statistics; or --stats_csv)
   --per_domain N  --md_long_total N  --md_long_min N  --md_long_max N  (paper sizes if empty)
+${streams_help}
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
   --conf_dir DIR  --model DIR_OR_NAME
 ${grid_help}
@@ -85,13 +86,17 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   [ -n "${md_long_total}" ] && size_opts+=(--total "${md_long_total}")
   [ -n "${md_long_min}" ] && size_opts+=(--min_len "${md_long_min}")
   [ -n "${md_long_max}" ] && size_opts+=(--max_len "${md_long_max}")
+  set_stream_write_opts
+  failed=0              # every SNR is tried, so one rerun sees all the refusals
   for snr in ${snrs}; do
     log "Stage 2: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
     # shellcheck disable=SC2086
     run ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${lsc_dir}/manifests" \
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
-      --max_duration "${max_duration}" ${size_opts[@]+"${size_opts[@]}"}
+      --max_duration "${max_duration}" ${size_opts[@]+"${size_opts[@]}"} "${stream_write_opts[@]}" \
+      || failed=$?
   done
+  [ "${failed}" -eq 0 ] || exit "${failed}"
 fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; then

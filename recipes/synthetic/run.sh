@@ -60,6 +60,7 @@ Options (default):
                     --md_long_min ${md_long_min} to --long_max ${long_max}, from --n_long held-out
                     utterances, conf/long.methods)
   --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
+${streams_help}
   --methods "LIST" (${methods})
   --seeds "LIST" (${seeds})
   --conf_dir DIR  --noprogressbar true|false
@@ -149,14 +150,18 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
 fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
+  set_stream_write_opts
+  failed=0              # every SNR is tried, so one rerun sees all the refusals
   for snr in ${snrs}; do
     log "Stage 3: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
     # shellcheck disable=SC2086
     run ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${noisy_dir}/manifests" \
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
       --per_domain "${per_domain}" --total "${md_long_total}" --min_len "${md_long_min}" \
-      --max_len "${md_long_max}" --md_easy_order ${md_easy_order} --md_hard_order ${md_hard_order}
+      --max_len "${md_long_max}" --md_easy_order ${md_easy_order} --md_hard_order ${md_hard_order} \
+      "${stream_write_opts[@]}" || failed=$?
   done
+  [ "${failed}" -eq 0 ] || exit "${failed}"
 fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ] && [ -n "$(stats_kinds)" ]; then

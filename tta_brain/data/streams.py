@@ -52,6 +52,38 @@ PRESETS = {
 }
 
 
+class MissingDomain(ValueError):
+    """A stream needs a domain that the inputs do not have (its noisy set was not made)."""
+
+
+class TooFewUtterances(ValueError):
+    """A domain has fewer utterances than ``per_domain``.
+
+    ``smallest`` is the fewest utterances of any domain of the stream and ``step`` what
+    ``per_domain`` must be a multiple of, so ``fit`` is the largest size every domain has.
+    """
+
+    def __init__(self, domain, count, per_domain, smallest, step=1, why=""):
+        self.domain, self.count, self.per_domain = domain, count, per_domain
+        self.smallest, self.step, self.why = smallest, step, why
+        super().__init__(f"multi_domain: domain {domain!r} has {count} utterances, fewer than "
+                         f"per_domain={per_domain}; {self.advice('per_domain')}")
+
+    @property
+    def fit(self):
+        return self.smallest // self.step * self.step
+
+    def advice(self, option):
+        """What to do, naming the size option as ``option`` (e.g. ``--per_domain``)."""
+        why = f" ({self.why})" if self.why else ""
+        if not self.fit:
+            return (f"this stream needs at least {self.step} utterances per domain{why} and the "
+                    f"smallest domain has {self.smallest}: leave the stream out")
+        multiple = f" (a multiple of {self.step}{', ' + self.why if self.why else ''})" \
+            if self.step > 1 else ""
+        return f"lower {option} to {self.fit} or less{multiple}"
+
+
 def _rng(seed, *keys):
     """A generator seeded by ``seed`` and stable hashes of ``keys``."""
     entropy = [int(seed)] + [zlib.crc32(str(k).encode("utf-8")) for k in keys]
@@ -115,17 +147,20 @@ def multi_domain(domain_rows, order, per_domain=500, rate=None, seed=0):
         raise ValueError("multi_domain: per_domain and rate must be positive")
     if per_domain % rate:
         raise ValueError(f"multi_domain: per_domain={per_domain} is not a multiple of rate={rate}")
-    pools = {}
     for domain in order:
         if domain not in domain_rows:
-            raise ValueError(f"multi_domain: no utterances for domain {domain!r} "
-                             f"(have: {', '.join(sorted(domain_rows))}; this stream's domains: "
-                             f"{', '.join(order)})")
-        rows = domain_rows[domain]
-        if len(rows) < per_domain:
-            raise ValueError(f"multi_domain: domain {domain!r} has {len(rows)} utterances, "
-                             f"fewer than per_domain={per_domain}")
-        pools[domain] = _shuffled(rows, _rng(seed, domain))[:per_domain]
+            raise MissingDomain(f"multi_domain: no utterances for domain {domain!r} "
+                                f"(have: {', '.join(sorted(domain_rows))}; this stream's domains: "
+                                f"{', '.join(order)})")
+    short = [d for d in order if len(domain_rows[d]) < per_domain]
+    if short:
+        raise TooFewUtterances(short[0], len(domain_rows[short[0]]), per_domain,
+                               min(len(domain_rows[d]) for d in order),
+                               step=rate if rate < per_domain else 1,
+                               why="the transition rate" if rate < per_domain else "")
+    pools = {}
+    for domain in order:
+        pools[domain] = _shuffled(domain_rows[domain], _rng(seed, domain))[:per_domain]
     blocks = []
     for cycle in range(per_domain // rate):
         for domain in order:
@@ -148,9 +183,9 @@ def md_long(domain_rows, total=10000, min_len=20, max_len=500, seed=0, domains=N
         raise ValueError(f"md_long: total must be >= 1, got {total}")
     for domain in domains:
         if not domain_rows.get(domain):
-            raise ValueError(f"md_long: no utterances for domain {domain!r} (have: "
+            raise MissingDomain(f"md_long: no utterances for domain {domain!r} (have: "
                              f"{', '.join(sorted(d for d in domain_rows if domain_rows[d]))}; "
-                             f"this stream's domains: {', '.join(domains)})")
+                                f"this stream's domains: {', '.join(domains)})")
     rng = _rng(seed, "md_long")
     pools = {d: [] for d in domains}
     blocks, count, prev = [], 0, None
@@ -190,7 +225,9 @@ def build_stream(name, domain_rows, seed=0, **overrides):
 
     ``name`` is a preset (:data:`PRESETS`) or a domain of ``domain_rows`` (single-domain stream).
     ``overrides`` replace the preset's sizes (``per_domain``, ``rate``, ``order``, ``total``,
-    ``min_len``, ``max_len``, ``domains``); unknown keys raise ``TypeError``.
+    ``min_len``, ``max_len``, ``domains``); unknown keys raise ``TypeError``. A stream whose domain
+    is not in ``domain_rows`` raises :class:`MissingDomain`, one with too few utterances per domain
+    :class:`TooFewUtterances` (both are ``ValueError``).
     """
     if name in PRESETS:
         params = dict(PRESETS[name])
@@ -198,17 +235,28 @@ def build_stream(name, domain_rows, seed=0, **overrides):
         unknown = set(overrides) - allowed
         if unknown:
             raise TypeError(f"stream {name!r} does not take {', '.join(sorted(unknown))}")
-        if params.get("rate") and "per_domain" in overrides and "rate" not in overrides:
+        cycles = 1
+        if params.get("rate") and "rate" not in overrides:
             cycles = params["per_domain"] // params["rate"]
+        if cycles > 1 and "per_domain" in overrides:
             if overrides["per_domain"] % cycles:
+                below = overrides["per_domain"] // cycles * cycles
+                example = f"{below} or {below + cycles}" if below else f"{cycles}"
                 raise ValueError(f"stream {name!r} cycles {cycles} times through its order: "
                                  f"per_domain={overrides['per_domain']} must be a multiple of "
-                                 f"{cycles}")
+                                 f"{cycles} (e.g. {example})")
             params["rate"] = overrides["per_domain"] // cycles
         params.update(overrides)
         kind = params.pop("kind")
         if kind == "multi_domain":
-            return multi_domain(domain_rows, seed=seed, **params)
+            try:
+                return multi_domain(domain_rows, seed=seed, **params)
+            except TooFewUtterances as e:
+                if cycles == 1:
+                    raise
+                # a smaller per_domain keeps the cycles (the rate follows): a multiple of them
+                raise TooFewUtterances(e.domain, e.count, e.per_domain, e.smallest, step=cycles,
+                                       why=f"the {cycles} cycles through the order") from None
         if kind == "md_long":
             return md_long(domain_rows, seed=seed, **params)
         return random_order([r for d in sorted(domain_rows) for r in domain_rows[d]], seed=seed)
@@ -216,8 +264,8 @@ def build_stream(name, domain_rows, seed=0, **overrides):
         if overrides:
             raise TypeError(f"single-domain stream {name!r} takes no size options")
         return single_domain(domain_rows[name], seed=seed, domain=name)
-    raise ValueError(f"unknown stream {name!r}: use a domain ({', '.join(sorted(domain_rows))}) "
-                     f"or a preset ({', '.join(PRESETS)})")
+    raise MissingDomain(f"unknown stream {name!r}: use a domain ({', '.join(sorted(domain_rows))}) "
+                        f"or a preset ({', '.join(PRESETS)})")
 
 
 def group_by_domain(rows):

@@ -17,8 +17,9 @@ Every step skips work whose output exists with the same options and the same inp
 the log says what and only the outputs that depend on it are redone. Stream manifests are written
 once: when a stream's options or source manifests changed and a rebuild would differ from the
 existing file, rebuilding is refused unless ``--force`` is given, because experiments refer to
-streams by name. Errors about missing data exit with status 1 and a message
-saying what to set.
+streams by name (the other streams are still written; the refusal names every stream that would
+differ, and ``--rebuild_hint`` lets a caller such as a recipe give its own advice). Errors about
+missing data exit with status 1 and a message saying what to set.
 """
 import argparse
 import logging
@@ -29,6 +30,8 @@ logger = logging.getLogger("tta_brain.data.prep.prepare")
 
 DEFAULT_STREAMS = ("md_easy", "md_hard", "md_easy_s100", "md_easy_s20", "md_hard_s100",
                    "md_hard_s20", "md_long")
+#: What the refusal to overwrite differing streams advises (the recipes pass their own words).
+DEFAULT_REBUILD_HINT = "use another --out, or pass --force"
 
 
 def _librispeech(args):
@@ -118,7 +121,7 @@ def _domains_used(preset, domain_rows, overrides):
 def _streams(args):
     from ..cache import file_sha1, save_record, why_redo
     from ..manifest import manifest_text, write_manifest
-    from ..streams import build_stream, recurrence, runs
+    from ..streams import MissingDomain, TooFewUtterances, build_stream, recurrence, runs
 
     domain_rows, sources = _load_domains(args)
     if args.names:
@@ -129,6 +132,7 @@ def _streams(args):
         names = sorted(domain_rows) + list(DEFAULT_STREAMS)
     out_dir = Path(args.out) / "streams"
     digests = {}  # source manifest -> sha1
+    refused = []  # (out_csv, why): streams that exist and whose rebuild differs
     for spec in names:
         name, _, preset = spec.partition("=")
         preset = preset or name
@@ -147,9 +151,17 @@ def _streams(args):
             continue
         try:
             stream = build_stream(preset, domain_rows, seed=args.seed, **overrides)
-        except ValueError as e:        # which stream, and where its domains come from
+        except MissingDomain as e:     # which stream, and where its domains come from
             raise ValueError(f"stream {name}: {e}; its noisy sets are made by `corrupt "
                              f"--domains` (the recipes' --domains)") from None
+        except TooFewUtterances as e:  # what to pass instead
+            kept = f" of at most {args.max_duration:g} s (--max_duration)" \
+                if args.max_duration else ""
+            raise ValueError(f"stream {name}: domain {e.domain!r} has {e.count} utterances"
+                             f"{kept}, fewer than per_domain={e.per_domain}; "
+                             f"{e.advice('--per_domain')}") from None
+        except ValueError as e:        # which stream
+            raise ValueError(f"stream {name}: {e}") from None
         if out_csv.is_file():
             # Streams are written once; what matters is whether the stream itself would change.
             if out_csv.read_bytes() == manifest_text(stream).encode("utf-8"):
@@ -158,9 +170,8 @@ def _streams(args):
                             "skipping", out_csv, why)
                 continue
             if not args.force:
-                raise ValueError(f"{out_csv} exists and a rebuild differs from it ({why}); "
-                                 "streams are written once - delete it, use another --out, or "
-                                 "pass --force")
+                refused.append((out_csv, why))   # all of them are named at the end
+                continue
             logger.info("%s: %s; rebuilding (--force)", out_csv, why)
         write_manifest(out_csv, stream)
         save_record(out_csv, "streams", options, inputs=inputs)
@@ -170,6 +181,19 @@ def _streams(args):
         distinct, mean, most = recurrence(stream)
         logger.info("%s: %d distinct clean utterances, each %.1f times on average (at most %d)",
                     name, distinct, mean, most)
+    if refused:
+        first, why = refused[0]
+        if len(refused) == 1:
+            what = f"{first} exists and a rebuild differs from it ({why})"
+        else:
+            names = [p.stem for p, _ in refused]
+            shown = ", ".join(names) if len(names) <= 20 else \
+                ", ".join(names[:10]) + f", ... ({len(names) - 10} more)"
+            what = (f"{len(refused)} streams in {out_dir} exist and a rebuild differs from them "
+                    f"({shown}; e.g. {first.name}: {why})")
+        raise ValueError(f"{what}; streams are written once (every method must decode the same "
+                         f"stream): delete {'it' if len(refused) == 1 else 'them'}, "
+                         f"{args.rebuild_hint or DEFAULT_REBUILD_HINT}")
 
 
 def _validate(args):
@@ -233,7 +257,13 @@ def build_parser():
                    help="domain order of md_easy* (default: AC CM TP AA SD)")
     p.add_argument("--md_hard_order", nargs="+", default=None,
                    help="domain order of md_hard* (default: GS MU VC BA NB)")
-    p.add_argument("--force", action="store_true", help="rebuild streams with other options")
+    p.add_argument("--force", action="store_true",
+                   help="rewrite streams whose rebuild differs from the written file (refused "
+                        "otherwise, naming every such stream)")
+    p.add_argument("--rebuild_hint", default=None,
+                   help="the advice of that refusal, for a caller with other options (the "
+                        f"recipes pass theirs), after 'delete them, ' (default: "
+                        f"{DEFAULT_REBUILD_HINT})")
     p.set_defaults(func=_streams)
 
     p = sub.add_parser("chime3", help="CHiME-3 et05 enhanced audio -> manifest")
