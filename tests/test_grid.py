@@ -213,6 +213,28 @@ def test_plan_names_runs_by_their_overrides(data, tmp_path):
     assert grid.plan_runs(args)[0].name == "s/suta_temperature2_lr0.1/seed0"
 
 
+def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
+    """``suta+dynamic`` (suta has no reset block) and ``dsuta+bogus`` were planned (and printed
+    by --dry_run) and each of their runs failed at its start; now one line before anything."""
+    for token, said in (("suta+dynamic", "suta has no reset policy"),
+                        ("dsuta+bogus", "'bogus' is not a reset policy (one of none, fixed")):
+        with pytest.raises(SystemExit, match=re.escape(f"--methods {token}: {said}")):
+            grid.plan_runs(grid.parse_args(grid_argv(data, tmp_path, f"dsuta+dynamic {token}",
+                                                     "0", "--dry_run")))
+    own = tmp_path / "hp"                     # one's own yaml named with a '+': no tag
+    own.mkdir()
+    shutil.copy(hparams_find("suta"), own / "suta+mine.yaml")
+    runs = grid.plan_runs(grid.parse_args(grid_argv(data, tmp_path, "suta+mine", "0",
+                                                    "--hparams_dir", str(own))))
+    assert [r.name for r in runs] == ["s/suta+mine/seed0"]
+    assert not any(a.startswith("--reset") for a in runs[0].argv)
+
+
+def hparams_find(name):
+    from tta_brain import hparams
+    return hparams.find(name)
+
+
 def test_labels_are_not_part_of_the_fingerprint(data, tmp_path):
     """A run's report label (the grid's --method_tag for a tagged run, --stream_name) does not
     change what it computes: same fingerprint, also against one recorded with a label."""
@@ -519,7 +541,7 @@ def test_streams_and_sweeps_given_twice_and_paths_with_equals_signs(data, tmp_pa
     assert summary["stream"] == "2020" and summary["n_utts"] == 24
 
 
-def test_the_overwrite_the_grid_suggests_reruns_the_run_in_its_folder(data, tmp_path):
+def test_the_overwrite_the_grid_suggests_reruns_the_run_in_its_folder(data, tmp_path, capsys):
     """``--decode_opts=--overwrite``, what a refused run's message says to add, named the runs
     ``<method>_overwrite`` and decoded them there, beside the old ones, as another method."""
     exp = tmp_path / "exp"
@@ -533,6 +555,10 @@ def test_the_overwrite_the_grid_suggests_reruns_the_run_in_its_folder(data, tmp_
     grid.check_done(runs)
     assert runs[0].status == "failed" and runs[0].message.endswith(
         "use another --exp_dir or --decode_opts=--overwrite")
+    capsys.readouterr()
+    assert grid.main(other) == 1                 # said before the other runs, not only after
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("grid: s/source/seed0 will not run: holds a run with other settings")
     suggested = runs[0].message.rsplit(" or ", 1)[1]    # as typed: argparse takes it
     bare = [a for a in other if not a.startswith("--decode_opts=")]
     assert grid.parse_args(bare + [suggested]).decode_opts == "--overwrite"

@@ -511,6 +511,9 @@ def main(argv=None) -> int:
             print("DRY-RUN: " + shlex.join([sys.executable, "-m", "tta_brain.decode", *r.argv]))
         return 0
     check_done(runs, device_here=args.engine == "local")
+    for r in runs:              # said now, not after hours of the other runs (and at the end)
+        if r.status == "failed":
+            print(f"grid: {r.name} will not run: {r.message}", flush=True)
     print(_progress(runs), flush=True)
     # SIGTERM (kill, a batch system ending this job) ends the grid as Ctrl-C does: through
     # execute's clean-up, which cancels the local workers

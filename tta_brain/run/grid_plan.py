@@ -154,6 +154,24 @@ def method_yaml(token: str, hparams_dir: Optional[str]):
     return base, [f"--reset={reset}"] if reset else []
 
 
+def _check_reset_tags(tokens: List[str], rule: "OptionRule") -> None:
+    """A token's ``+<reset>`` (``dsuta+dynamic``) names a reset policy of a method that has one:
+    a typo or a method without the reset block is one line before anything runs (each of its
+    runs failed at its start)."""
+    from tta_brain.hparams.rules import RULES
+    policies = RULES["reset"][0]
+    for token in tokens:
+        base, plus, reset = token.partition("+")
+        if not plus:
+            continue
+        if "reset" not in rule.keys[token]:
+            raise SystemExit(f"ERROR: --methods {token}: {base} has no reset policy (no 'reset' "
+                             f"key in its yaml), so '+{reset}' cannot be applied")
+        if reset not in policies:
+            raise SystemExit(f"ERROR: --methods {token}: '{reset}' is not a reset policy (one of "
+                             f"{', '.join(policies)})")
+
+
 class OptionRule:
     """One rule for an option a method does not have, for every grid-wide option list
     (``--decode_opts``, ``--md_decode_opts``, ``--sweep``): a key that no method of the grid has
@@ -205,6 +223,7 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
         tokens = hparams.available()
     yamls = {token: method_yaml(token, args.hparams_dir) for token in tokens}
     rule = OptionRule({token: y for token, (y, _) in yamls.items()})
+    _check_reset_tags([t for t in tokens if yamls[t][1]], rule)   # own <token>.yaml: no tag
     rule.check("--decode_opts", user)
     rule.check("--md_decode_opts", md_opts)
     rule.check("--sweep", points[0])
