@@ -479,6 +479,12 @@ def test_empty_root(tmp_path, capsys):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "No experiment directory" in proc.stderr
     assert "Traceback" not in proc.stderr
+    (tmp_path / "RESULTS.md").write_text("# results of runs deleted since\n")
+    assert report.main(["--exp_dir", str(tmp_path), "--no_plots"]) == 1
+    err = capsys.readouterr().err                 # kept, but not passed off as current
+    assert f"{tmp_path / 'RESULTS.md'} is an earlier report (written " in err
+    assert "it does not describe the runs there now" in err
+    assert (tmp_path / "RESULTS.md").read_text() == "# results of runs deleted since\n"
 
 
 def test_damaged_bytes_in_a_record_name_the_file_and_a_damaged_memory_csv_keeps_the_run(

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import List, Sequence
@@ -236,6 +237,12 @@ def main(argv=None) -> int:
                            not args.no_plots, metric=args.metric)
     except NoRunsError as err:
         print(f"tta_brain.report.results: {err}; nothing to report.", file=sys.stderr)
+        old = Path(args.out) if args.out else Path(args.exp_dir) / (
+            "RESULTS.md" if args.metric == "wer" else f"RESULTS_{args.metric}.md")
+        if old.is_file():               # kept (nothing is deleted), but not taken for current
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(old.stat().st_mtime))
+            print(f"tta_brain.report.results: {old} is an earlier report (written {when}), "
+                  f"left as it was; it does not describe the runs there now.", file=sys.stderr)
         return 1
     except OSError as err:                  # RESULTS.md: a folder, no permission, a full disk
         print(f"ERROR: cannot write {err.filename or args.out}: {err.strerror or err} (--out)",
