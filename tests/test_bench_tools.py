@@ -19,6 +19,7 @@ def _refused(main, argv, capsys):
     (["--n_utts", "0"], "argument --n_utts: 0 is not > 0"),
     (["--seconds", "0.01"], "argument --seconds: 0.01 is not >= 0.1"),   # was torch's conv error
     (["--threads", "x"], "argument --threads: 'x' is not a int"),
+    (["--seconds", "inf"], "argument --seconds: inf is not a finite number"),
     (["--json", "/no/such/dir/x.json"], "argument --json: /no/such/dir/x.json: folder /no/such/dir "
                                         "does not exist"),
     # was accepted, recorded as "dynamic" in the JSON, and run without a reset policy
@@ -40,6 +41,23 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--warmup", "-1"], "argument --warmup: -1 is not >= 0"),            # was a ZeroDivisionError
     (["--model", "/no/model"], "--model /no/model: not a save_pretrained CTC model folder"),
     (["--model", "/"], "--model /: not a save_pretrained CTC model folder (no config.json)"),
+    # these were accepted: --lr nan ran with every step skipped and timings that looked valid
+    (["--lr", "nan"], "argument --lr: nan is not a finite number"),
+    (["--lr", "0"], "argument --lr: 0 is not > 0"),
+    (["--seconds", "inf"], "argument --seconds: inf is not a finite number"),
+    (["--suta_steps", "0"], "argument --suta_steps: 0 is not > 0"),
+    (["--dsuta_steps", "-1"], "argument --dsuta_steps: -1 is not > 0"),
+    (["--buffer_size", "0"], "argument --buffer_size: 0 is not > 0"),
+    (["--reset_K", "1"], "argument --reset_K: 1 is not >= 4"),
+    (["--reset_K", "8"], "--reset_K 8 with --buffer_size 5: dsuta+dynamic saves phi_D after K/2 "
+                         "utterances, before its first meta-update, and never resets; use "
+                         "--reset_K >= 10"),
+    (["--reset_patience", "0"], "argument --reset_patience: 0 is not > 0"),
+    (["--reset_threshold", "nan"], "argument --reset_threshold: nan is not a finite number"),
+    (["--cuda_graph_warmup", "-1"], "argument --cuda_graph_warmup: -1 is not >= 0"),
+    (["--cuda_graph_buckets", "-0.5"], "argument --cuda_graph_buckets: -0.5 is not >= 0"),
+    (["--cuda_graph_cache", "-2"], "argument --cuda_graph_cache: -2 is not > 0"),
+    (["--cuda_graph_cache", "x"], "argument --cuda_graph_cache: 'x' is not a int"),
 ] + ([] if CUDA_HERE else [(["--device", "cuda:0"], "--device=cuda:0: no CUDA device here")]))
 def test_bench_speed_refuses_bad_arguments_in_one_line(argv, named, capsys):
     import bench_speed
@@ -54,10 +72,27 @@ def test_bench_speed_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--window", "0"], "argument --window: 0 is not > 0"),
     (["--lengths", "2", "--workdir", __file__], f"--workdir {__file__}: a file, not a folder"),
     (["--json", "/no/such/dir/x.json"], "folder /no/such/dir does not exist"),
+    (["--tolerance_mb", "nan"], "argument --tolerance_mb: nan is not a finite number"),  # all GREW
+    (["--slope_tolerance", "-1"], "argument --slope_tolerance: -1 is not >= 0"),
+    (["--trim_every", "-5"], "argument --trim_every: -5 is not >= 0"),
+    (["--prefetch", "-1"], "argument --prefetch: -1 is not >= 0"),
 ] + ([] if CUDA_HERE else [(["--device", "cuda:0"], "--device=cuda:0: no CUDA device here")]))
 def test_bench_memory_refuses_bad_arguments_in_one_line(argv, named, capsys):
     import bench_memory
     assert named in _refused(bench_memory.main, argv, capsys)
+
+
+def test_bench_speed_takes_the_values_the_runs_take():
+    """The refusals above stop at what the runs refuse: K only against dsuta+dynamic's buffer,
+    auto or a number for the graph options, any finite reset threshold."""
+    import bench_speed
+    a = bench_speed.parse_args(["--reset_K", "8", "--methods", "source,suta+dynamic",
+                                "--cuda_graph_cache", "auto", "--cuda_graph_buckets", "0",
+                                "--cuda_graph_warmup", "0", "--reset_threshold", "-1.5"])
+    assert (a.reset_K, a.cuda_graph_cache, a.cuda_graph_buckets) == (8, "auto", 0.0)
+    assert (a.cuda_graph_warmup, a.reset_threshold) == (0, -1.5)
+    a = bench_speed.parse_args(["--reset_K", "12", "--buffer_size", "6", "--cuda_graph_cache", "3"])
+    assert (a.reset_K, a.buffer_size, a.cuda_graph_cache) == (12, 6, 3)
 
 
 def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):

@@ -1,16 +1,21 @@
 """Argument types of the benchmark tools (bench_speed, bench_memory, bench_sweep): a bad value is
-one argparse line naming the option, before any model is built or run."""
+one argparse line naming the option, before any model is built or run. Every number is
+finite: ``nan`` and ``inf`` are refused too (``--lr nan`` ran with every step skipped)."""
 import argparse
+import math
 import os
 
 
 def _bounded(kind, ok, says: str, name: str):
-    """An argparse type: ``kind(text)`` for which ``ok(value)``, else "<text> is not <says>"."""
+    """An argparse type: a finite ``kind(text)`` for which ``ok(value)``, else "<text> is not
+    <says>"."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if not ok(value):
             raise argparse.ArgumentTypeError(f"{text} is not {says}")
         return value
@@ -26,6 +31,20 @@ def positive(kind):
 def at_least(kind, low):
     """``type=at_least(int, 0)``: a number >= ``low``."""
     return _bounded(kind, lambda v: v >= low, f">= {low:g}", f"{kind.__name__} >= {low:g}")
+
+
+def finite(kind):
+    """``type=finite(float)``: any number but nan and inf (a threshold that may be negative)."""
+    return _bounded(kind, lambda v: True, "", f"finite {kind.__name__}")
+
+
+def auto_or(one):
+    """``type=auto_or(at_least(int, 1))``: ``auto``, or what the type ``one`` takes (the run
+    block's graph options)."""
+    def parse(text):
+        return "auto" if text == "auto" else one(text)
+    parse.__name__ = f"auto or {one.__name__}"
+    return parse
 
 
 def output_file(text):

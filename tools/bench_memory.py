@@ -368,20 +368,21 @@ def main(argv=None):
     p.add_argument("--threads", type=positive(int), default=1, help="OMP_NUM_THREADS of the runs")
     p.add_argument("--workdir", help="keep inputs and outputs here (default: a temporary folder, "
                    "removed at the end)")
-    p.add_argument("--tolerance_mb", type=float, default=20.0)
+    p.add_argument("--tolerance_mb", type=at_least(float, 0), default=20.0)
     p.add_argument("--window", type=positive(int), default=200,
                    help="utterances per window of the windowed RSS (median per window)")
-    p.add_argument("--slope_tolerance", type=float, default=0.5,
+    p.add_argument("--slope_tolerance", type=at_least(float, 0), default=0.5,
                    help="MiB per 100 utterances: a larger tail slope of the longest run is growth")
     p.add_argument("--control", action="store_true",
                    help="the control: a plain forward/SUTA loss/backward/AdamW loop on the same "
                         "model and inputs, without tta-brain (steps and lr from --decode_opts)")
     p.add_argument("--py_heap", action="store_true",
                    help="also trace the Python heap (tracemalloc; slower) and glibc's (mallinfo2)")
-    p.add_argument("--trim_every", type=int,
+    p.add_argument("--trim_every", type=at_least(int, 0),
                    help="bisecting: utterances between malloc_trim calls (TTABrain.TRIM_EVERY; "
                         "0: never; the control trims only with it)")
-    p.add_argument("--prefetch", type=int, help="bisecting: TTABrain.PREFETCH (0: no thread)")
+    p.add_argument("--prefetch", type=at_least(int, 0),
+                   help="bisecting: TTABrain.PREFETCH (0: no thread)")
     p.add_argument("--mkldnn", choices=("on", "off"), default="on",
                    help="bisecting: off = torch.backends.mkldnn.enabled False for the whole run")
     p.add_argument("--json", type=output_file, help="write the measurements here")

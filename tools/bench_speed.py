@@ -82,7 +82,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench_args import at_least, device, output_file, positive, positives  # noqa: E402
+from bench_args import (at_least, auto_or, device, finite, output_file, positive,  # noqa: E402
+                        positives)
 from tta_brain.methods import losses  # noqa: E402
 from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
@@ -370,14 +371,6 @@ def two_lengths(args, model_dir, device):
 
 
 # ------------------------------------------------------------------------------ main
-def _auto(kind):
-    """argparse type: ``auto`` or a ``kind`` value (the run block's graph options)."""
-    def parse(text):
-        return "auto" if text == "auto" else kind(text)
-    parse.__name__ = f"auto or {kind.__name__}"
-    return parse
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -403,15 +396,15 @@ def parse_args(argv=None):
                    "(>= reset_K/2 + 1, so DSUTA + dynamic reset is timed in its detection stage)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapt", default="layernorm,cnn", help="parameter selectors (paper: layernorm,cnn)")
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--suta_steps", type=int, default=10)
-    p.add_argument("--dsuta_steps", type=int, default=5)
-    p.add_argument("--buffer_size", type=int, default=5)
-    p.add_argument("--reset_K", type=int, default=10, help="dynamic reset K (small, so that the "
-                   "timed stream is in the detection stage: 2 LII forwards per utterance; at least "
-                   "2 x --buffer_size)")
-    p.add_argument("--reset_patience", type=int, default=2)
-    p.add_argument("--reset_threshold", type=float, default=2.0)
+    p.add_argument("--lr", type=positive(float), default=2e-5)
+    p.add_argument("--suta_steps", type=positive(int), default=10)
+    p.add_argument("--dsuta_steps", type=positive(int), default=5)
+    p.add_argument("--buffer_size", type=positive(int), default=5)
+    p.add_argument("--reset_K", type=at_least(int, 4), default=10, help="reset K (dynamic: small, "
+                   "so that the timed stream is in the detection stage: 2 LII forwards per "
+                   "utterance; >= 4, with dsuta+dynamic at least 2 x --buffer_size)")
+    p.add_argument("--reset_patience", type=positive(int), default=2)
+    p.add_argument("--reset_threshold", type=finite(float), default=2.0)
     p.add_argument("--slow_grad", default="reuse", choices=("reuse", "recompute"))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
@@ -420,12 +413,12 @@ def parse_args(argv=None):
                    help="CPU: keep oneDNN in the backward (cpu_native_backward=False)")
     p.add_argument("--cuda_graphs", default="auto", choices=("auto", "on", "off"),
                    help="CUDA: replay the adaptation steps from captured graphs (Runtime.cuda_graphs)")
-    p.add_argument("--cuda_graph_warmup", type=int, default=1,
+    p.add_argument("--cuda_graph_warmup", type=at_least(int, 0), default=1,
                    help="eager steps of a new length before its capture (0: none once warm)")
-    p.add_argument("--cuda_graph_buckets", type=_auto(float), default="auto",
+    p.add_argument("--cuda_graph_buckets", type=auto_or(at_least(float, 0)), default="auto",
                    help="length buckets of the captured steps (Runtime.cuda_graph_buckets; "
                         "auto: 0.1 on CUDA where exact, as decode; 0: off)")
-    p.add_argument("--cuda_graph_cache", type=_auto(int), default="auto",
+    p.add_argument("--cuda_graph_cache", type=auto_or(positive(int)), default="auto",
                    help="captured graphs kept (Runtime.cuda_graph_cache; auto: as decode)")
     p.add_argument("--deterministic", default="true", choices=("true", "false"),
                    help="CUDA: deterministic kernels, as decode's run option (default true)")
@@ -450,6 +443,10 @@ def parse_args(argv=None):
         if base not in METHODS or (plus and reset not in ("dynamic", "fixed", "oracle")):
             p.error(f"--methods: unknown method token {token!r} (methods: "
                     f"{', '.join(sorted(METHODS))}; resets: +dynamic, +fixed, +oracle)")
+        if token == "dsuta+dynamic" and args.reset_K // 2 < args.buffer_size:   # the runs' rule
+            p.error(f"--reset_K {args.reset_K} with --buffer_size {args.buffer_size}: dsuta+dynamic "
+                    f"saves phi_D after K/2 utterances, before its first meta-update, and never "
+                    f"resets; use --reset_K >= {2 * args.buffer_size}")
     return args
 
 
