@@ -36,6 +36,10 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--repeats", "0"], "argument --repeats: 0 is not > 0"),
     (["--two_lengths", "abc"], "argument --two_lengths: 'abc' is not a float"),
     (["--two_lengths", "3"], "argument --two_lengths: '3': 2 values, comma-separated"),
+    # these ran: a fixed cost of 10^8 s from a slope over max(A - B, 1e-9); --repeats unused
+    (["--two_lengths", "8,3"], "--two_lengths 8,3: A must be shorter than B"),
+    (["--two_lengths", "3,3"], "--two_lengths 3,3: A must be shorter than B"),
+    (["--two_lengths", "3,8", "--repeats", "2"], "--repeats: not with --two_lengths"),
     (["--stream", "/no/such.csv"], "--stream /no/such.csv: no such file"),
     (["--json", "/no/such/dir/x.json"], "folder /no/such/dir does not exist"),
     (["--warmup", "-1"], "argument --warmup: -1 is not >= 0"),            # was a ZeroDivisionError
@@ -93,6 +97,50 @@ def test_bench_speed_takes_the_values_the_runs_take():
     assert (a.cuda_graph_warmup, a.reset_threshold) == (0, -1.5)
     a = bench_speed.parse_args(["--reset_K", "12", "--buffer_size", "6", "--cuda_graph_cache", "3"])
     assert (a.reset_K, a.buffer_size, a.cuda_graph_cache) == (12, 6, 3)
+
+
+def test_bench_speed_fixed_cost_is_the_line_through_the_points():
+    """The slope's denominator was max(a2 - a1, 1e-9): points given longest first (whose mean
+    lengths can also come out so) made a slope of 10^8; equal lengths have no line."""
+    import math
+    import bench_speed
+    assert bench_speed.fixed_cost((8.0, 0.18), (3.0, 0.13)) == pytest.approx((0.1, 0.01))
+    assert all(math.isnan(v) for v in bench_speed.fixed_cost((3.0, 0.1), (3.0, 0.2)))
+
+
+def test_bench_speed_two_lengths_writes_json_and_keeps_columns_apart(tmp_path, monkeypatch,
+                                                                    capsys):
+    """--json was ignored with --two_lengths (no file); wide or negative figures ran together
+    ('0.0153375142615.9265-45962622.5020')."""
+    import json
+    import bench_speed
+
+    class Entry:
+        def process(self, wav, info):
+            return ""
+
+    walls = iter([2e8, 1.0])       # one utterance per length: a huge slope and intercept
+    monkeypatch.setattr(bench_speed, "make_entry", lambda *a: Entry())
+    monkeypatch.setattr(bench_speed, "timed", lambda *a: (next(walls), 0.0))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "two.json"
+    res = bench_speed.main(["--two_lengths", "3,8", "--methods", "suta", "--n_utts", "1",
+                            "--warmup", "0", "--model", str(model), "--device", "cpu",
+                            "--json", str(out)])
+    r = res["suta"]
+    assert r["fixed_s_per_utt"] > 1e8 and r["s_per_audio_s"] < -1e7
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("suta"))
+    assert row.split() == ["suta", "200000000.0000", "1.0000", f"{r['fixed_s_per_utt']:.4f}",
+                           f"{r['s_per_audio_s']:.4f}"]
+    data = json.loads(out.read_text())
+    assert data["mode"] == "two_lengths" and data["lengths_s"] == [3.0, 8.0]
+    assert data["n_utts_per_length"] == 1 and data["options"]["repeats"] is None
+    assert data["methods"]["suta"] == {
+        "points": [{"audio_s_per_utt": a, "s_per_utt": t} for a, t in r["points"]],
+        "fixed_s_per_utt": r["fixed_s_per_utt"], "s_per_audio_s": r["s_per_audio_s"]}
+    assert [p["s_per_utt"] for p in data["methods"]["suta"]["points"]] == [2e8, 1.0]
 
 
 def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):

@@ -57,6 +57,10 @@ Usage::
     python tools/bench_speed.py --device cuda:0 --precision bf16 --compile
     python tools/bench_speed.py --w2v2_base --device cuda:0 --cuda_graphs off   # eager steps
     python tools/bench_speed.py --population --n_utts 6 --seconds 2   # E-BATS/FOA: batched population
+    python tools/bench_speed.py --two_lengths 3,8 --json fixed.json   # fixed cost per utterance
+
+``--two_lengths A,B`` (A < B) times one pass of ``--n_utts`` utterances per length (no rounds:
+``--repeats`` is refused) and writes its figures to ``--json`` as well (``two_lengths_json``).
 
 Runtime options (``--precision``, ``--compile``, ``--cache_features``, ``--onednn_backward``,
 ``--cuda_graphs``) go to every entry's lobe (``tta_brain.lobes.runtime.Runtime``), ``--slow_grad`` to
@@ -337,10 +341,20 @@ def population_speed(args, model_dir, device):
 
 # ------------------------------------------------------------------------------ two lengths
 def fixed_cost(short, long):
-    """``(fixed s per utterance, s per audio s)`` of the line through two (audio s, s) points."""
+    """``(fixed s per utterance, s per audio s)`` of the line through two (audio s, s) points;
+    nan, nan where both have the same audio length (no line)."""
     (a1, t1), (a2, t2) = short, long
-    slope = (t2 - t1) / max(a2 - a1, 1e-9)
+    if a2 == a1:
+        return float("nan"), float("nan")
+    slope = (t2 - t1) / (a2 - a1)
     return t1 - slope * a1, slope
+
+
+def _cells(*values, width=12):
+    """Right-aligned table cells, each after a space: a wide value widens its cell, it never
+    runs into its neighbour."""
+    return "".join(f" {v:>{width}.4f}" if isinstance(v, float) else f" {v:>{width}}"
+                   for v in values)
 
 
 def two_lengths(args, model_dir, device):
@@ -350,8 +364,8 @@ def two_lengths(args, model_dir, device):
     per-utterance fixed cost: the intercept of time = fixed + slope x audio seconds through the
     two."""
     secs = list(args.two_lengths)
-    print(f"{'method':<16}{f's/utt {secs[0]:g} s':>12}{f's/utt {secs[1]:g} s':>12}"
-          f"{'fixed s/utt':>13}{'s/audio s':>11}", flush=True)
+    print(f"{'method':<16}" + _cells(f"s/utt {secs[0]:g} s", f"s/utt {secs[1]:g} s",
+                                     "fixed s/utt", "s/audio s"), flush=True)
     res = {}
     for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
         e = make_entry(name, args, model_dir, device)
@@ -365,9 +379,26 @@ def two_lengths(args, model_dir, device):
             points.append((sum(w.numel() for _, w in utts) / 16000 / len(utts), wall / len(utts)))
         fixed, per_s = fixed_cost(*points)
         res[name] = dict(points=points, fixed_s_per_utt=fixed, s_per_audio_s=per_s)
-        print(f"{name:<16}{points[0][1]:>12.4f}{points[1][1]:>12.4f}{fixed:>13.4f}{per_s:>11.4f}",
-              flush=True)
+        print(f"{name:<16}" + _cells(points[0][1], points[1][1], fixed, per_s), flush=True)
     return res
+
+
+def two_lengths_json(res, args, model_desc, device):
+    """What ``--two_lengths`` writes to ``--json``: the run (model, device, threads, torch,
+    options), ``lengths_s`` (A, B) and per method ``points`` (one per length: the mean audio
+    seconds per timed utterance and the wall seconds per utterance), ``fixed_s_per_utt`` and
+    ``s_per_audio_s`` (null where there is no line: both points of the same audio length)."""
+    def number(x):
+        return x if x == x else None            # nan is not JSON
+    return dict(mode="two_lengths", model=model_desc, device=str(device),
+                threads=torch.get_num_threads(), torch=torch.__version__,
+                lengths_s=list(args.two_lengths), n_utts_per_length=args.n_utts,
+                warmup_per_length=args.warmup, options=vars(args),
+                methods={m: dict(points=[dict(audio_s_per_utt=a, s_per_utt=t)
+                                         for a, t in r["points"]],
+                                 fixed_s_per_utt=number(r["fixed_s_per_utt"]),
+                                 s_per_audio_s=number(r["s_per_audio_s"]))
+                         for m, r in res.items()})
 
 
 # ------------------------------------------------------------------------------ main
@@ -391,7 +422,8 @@ def parse_args(argv=None):
                    "tent, eata, sar, cotta, cea, ...")
     p.add_argument("--threads", type=positive(int), default=1, help="torch.set_num_threads (CPU); 1 is the "
                    "most stable on a shared machine")
-    p.add_argument("--repeats", type=positive(int), default=3, help="rounds")
+    p.add_argument("--repeats", type=positive(int), default=None, help="rounds (default 3; "
+                   "not with --two_lengths, which times one pass of --n_utts per length)")
     p.add_argument("--warmup", type=at_least(int, 0), default=6, help="utterances each entry processes first "
                    "(>= reset_K/2 + 1, so DSUTA + dynamic reset is timed in its detection stage)")
     p.add_argument("--seed", type=int, default=0)
@@ -424,15 +456,27 @@ def parse_args(argv=None):
                    help="CUDA: deterministic kernels, as decode's run option (default true)")
     p.add_argument("--tf32", default="torch", choices=("torch", "off", "on"),
                    help="CUDA: TF32 use, as decode's run option (default torch: fp32 matmuls)")
-    p.add_argument("--json", default=None, type=output_file, help="write the results here")
+    p.add_argument("--json", default=None, type=output_file, help="write the results here "
+                   "(with --two_lengths: lengths_s [A, B] and per method its points [{audio_s_per_"
+                   "utt, s_per_utt} at A, at B], fixed_s_per_utt and s_per_audio_s)")
     p.add_argument("--profile", default=None, help="cProfile this entry over the first round")
     p.add_argument("--two_lengths", default=None, type=positives(float, 2), metavar="A,B",
                    help="instead of the table: s per utterance of each method at about A and B "
-                   "seconds and the fixed cost per utterance (the intercept), e.g. 3,8")
+                   "seconds (A < B) and the fixed cost per utterance (the intercept), e.g. 3,8; "
+                   "--n_utts utterances per length after --warmup, one pass (no --repeats)")
     p.add_argument("--population", action="store_true", help="only E-BATS and FOA: the CMA-ES "
                    "population in one batch vs one candidate at a time (same transcripts?); on the "
                    "tests' tiny model unless --model")
     args = p.parse_args(argv)
+    if args.two_lengths:
+        if args.two_lengths[0] >= args.two_lengths[1]:
+            p.error(f"--two_lengths {args.two_lengths[0]:g},{args.two_lengths[1]:g}: A must be "
+                    f"shorter than B")
+        if args.repeats is not None:
+            p.error("--repeats: not with --two_lengths (one timed pass of --n_utts utterances "
+                    "per length)")
+    elif args.repeats is None:
+        args.repeats = 3
     if args.stream and not os.path.isfile(args.stream):
         p.error(f"--stream {args.stream}: no such file")
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -506,7 +550,12 @@ def main(argv=None):
               f"{args.n_utts} utterances per length after {args.warmup} warm-up; cuda_graphs: "
               f"{args.cuda_graphs}", flush=True)
         try:
-            return two_lengths(args, model_dir, device)
+            res = two_lengths(args, model_dir, device)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(two_lengths_json(res, args, model_desc, device), f, indent=1)
+                print(f"wrote {args.json}")
+            return res
         finally:
             if tmp is not None:
                 tmp.cleanup()
