@@ -1157,6 +1157,53 @@ def test_gpu_check_arguments():
         ".whl/*.whl" in gc.__doc__ and "bash tools/gpu_wheels.sh" in gc.__doc__
 
 
+def test_gpu_check_cpu_smoke_keeps_the_sizes_given():
+    """--cpu_smoke replaced every size silently (--n_utts 7 ran 3); now it sets only those not
+    given, and a CUDA --device is refused rather than swapped for cpu."""
+    gc = _gpu_check()
+    given = dict(n_utts=7, decode_utts=5, memory_utts=50, sweep_utts=9, seconds=2.0,
+                 long_seconds=5.0)
+    a = gc.parse_args(["--out", "x", "--cpu_smoke", "--device", "cpu"]
+                      + [x for k, v in given.items() for x in (f"--{k}", str(v))])
+    assert {k: getattr(a, k) for k in given} == given and a.device == "cpu"
+    a = gc.parse_args(["--out", "x", "--cpu_smoke", "--n_utts", "7", "--seconds", "2"])
+    assert (a.n_utts, a.seconds, a.long_seconds) == (7, 2.0, 4.0)      # long: 2 x --seconds
+    assert (a.decode_utts, a.memory_utts, a.sweep_utts) == (3, 12, 3)  # the smoke's own
+    assert {k: getattr(gc.parse_args(["--out", "x", "--cpu_smoke"]), k)
+            for k in gc.SMOKE_DEFAULTS} == gc.SMOKE_DEFAULTS
+    assert {k: getattr(gc.parse_args(["--out", "x"]), k)
+            for k in gc.GPU_DEFAULTS} == gc.GPU_DEFAULTS
+    assert gc.parse_args(["--out", "x", "--n_utts", "7"]).n_utts == 7
+
+
+@pytest.mark.parametrize("argv,named", [
+    # these were accepted and would only have failed on the GPU, in scarce device time
+    (["--n_utts", "-3"], "argument --n_utts: -3 is not > 0"),
+    (["--decode_utts", "0"], "argument --decode_utts: 0 is not > 0"),
+    (["--memory_utts", "0"], "argument --memory_utts: 0 is not > 0"),
+    (["--sweep_utts", "x"], "argument --sweep_utts: 'x' is not a int"),
+    (["--seconds", "nan"], "argument --seconds: nan is not a finite number"),
+    (["--seconds", "0.01"], "argument --seconds: 0.01 is not >= 0.1"),
+    (["--long_seconds", "inf"], "argument --long_seconds: inf is not a finite number"),
+    (["--long_stream_s", "-1"], "argument --long_stream_s: -1 is not > 0"),
+    (["--budget_s", "-5"], "argument --budget_s: -5 is not > 0"),
+    (["--budget_s", "nan"], "argument --budget_s: nan is not a finite number"),
+    (["--seconds", "9"], "--long_seconds 8: the second length must be longer than --seconds 9"),
+    (["--cpu_smoke", "--long_seconds", "0.5"], "--long_seconds 0.5: the second length must be "
+                                               "longer than --seconds 0.6"),
+    (["--cpu_smoke", "--device", "cuda:0"], "--device cuda:0: --cpu_smoke runs on the CPU"),
+])
+def test_gpu_check_refuses_bad_numbers_in_one_line(argv, named, capsys):
+    gc = _gpu_check()
+    with pytest.raises(SystemExit) as e:
+        gc.parse_args(["--out", "x", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert named in err.strip().splitlines()[-1]
+    # the two lengths matter only to the sections that use both
+    assert gc.parse_args(["--out", "x", "--seconds", "9", "--sections", "step"]).seconds == 9
+
+
 WHEELS = os.path.join(ROOT, "tools", "gpu_wheels.sh")
 
 

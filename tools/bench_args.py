@@ -1,6 +1,7 @@
-"""Argument types of the benchmark tools (bench_speed, bench_memory, bench_sweep): a bad value is
-one argparse line naming the option, before any model is built or run. Every number is
-finite: ``nan`` and ``inf`` are refused too (``--lr nan`` ran with every step skipped)."""
+"""Argument types of the benchmark tools (bench_speed, bench_memory, bench_sweep) and gpu_check:
+a bad value is one argparse line naming the option, before any model is built or run. Every
+number is finite: ``nan`` and ``inf`` are refused too (``--lr nan`` ran with every step
+skipped)."""
 import argparse
 import math
 import os

@@ -94,7 +94,9 @@ H200, is on request since 2026-11-27). Each section is skipped
 under 8 minutes on one GPU; a failing section is reported and the next runs (``COST``: the seconds
 the default sections took on an H200 on 2026-11-27, the others on an H100 on 2026-11-26, a guess
 for ``profile``; ``gpu_check.json`` records each section's seconds). ``--cpu_smoke`` runs every section on CPU
-with a tiny model and a few utterances (no figures: the script's own test, tests/test_gpu.py).
+with a tiny model and a few utterances (no figures: the script's own test, tests/test_gpu.py); a
+size given (``--n_utts``, ``--seconds``, ...: ``SMOKE_DEFAULTS``) is kept. A bad number is one
+line at parse time (``bench_args``' types), not a failure on the GPU.
 
 Recipe for a fresh GPU machine with torch 2.11 + CUDA but none of our other packages and no
 network. Here (with network), put the wheels into ``.whl/``: ``bash tools/gpu_wheels.sh`` downloads
@@ -139,6 +141,8 @@ for _p in (ROOT, TOOLS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from bench_args import at_least, positive  # noqa: E402  (the bench tools' types: one line, no GPU)
+
 SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memory", "bench",
             "decode", "official", "field", "sweep")
 #: seconds of each section on one GPU, for the budget: as an H200 took them on 2026-11-27
@@ -181,6 +185,13 @@ DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off"
 NEEDED = ("numpy", "yaml", "ruamel.yaml", "hyperpyyaml", "speechbrain", "transformers",
           "tokenizers", "huggingface_hub", "safetensors", "soundfile", "jiwer", "rapidfuzz",
           "tqdm")
+#: the options the run sizes itself by: their defaults on a GPU and under ``--cpu_smoke``, which
+#: sets only those not given (a given one is honoured; ``--long_seconds`` then defaults to twice
+#: ``--seconds``, as 0.6 and 1.2)
+GPU_DEFAULTS = dict(device="cuda:0", n_utts=20, decode_utts=16, memory_utts=1000, sweep_utts=24,
+                    seconds=3.0, long_seconds=8.0)
+SMOKE_DEFAULTS = dict(device="cpu", n_utts=3, decode_utts=3, memory_utts=12, sweep_utts=3,
+                      seconds=0.6, long_seconds=1.2)
 EARLIER = ("earlier H200 measurement (hand-written capture, wav2vec2-base size, 3 s, fp32, "
            "not this code): one SUTA step 22 ms eager, 8.3 ms replayed; 10 s: 29 vs 13.5 ms")
 
@@ -189,27 +200,35 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for the report and the runs")
-    p.add_argument("--device", default="cuda:0", help="a CUDA device (default cuda:0)")
+    p.add_argument("--device", default=None, help="a CUDA device (default cuda:0; "
+                   "--cpu_smoke: cpu, the only one it takes)")
     p.add_argument("--sections", default="",
                    help=f"comma-separated, in this order, from {','.join(SECTIONS)} (default: "
                         f"{','.join(DEFAULT_SECTIONS)}; the CPU smoke test: all)")
-    p.add_argument("--budget_s", type=float, default=480.0,
+    p.add_argument("--budget_s", type=positive(float), default=480.0,
                    help="skip the sections that would start after this many seconds")
     p.add_argument("--memory_runtime", default="buckets", choices=("buckets", "unbucketed"),
                    help="memory: dsuta on length buckets (BUCKETS: the default on CUDA, also "
                         "on CPU) or without (UNBUCKETED; measured flat on an H100 on 2026-11-26)")
-    p.add_argument("--n_utts", type=int, default=20, help="utterances per method (transcripts)")
-    p.add_argument("--decode_utts", type=int, default=16, help="utterances of the decode stream")
-    p.add_argument("--memory_utts", type=int, default=1000, help="utterances of the memory stream")
-    p.add_argument("--seconds", type=float, default=3.0, help="utterance length of step/bench")
-    p.add_argument("--long_seconds", type=float, default=8.0, help="the second length (lengths)")
+    p.add_argument("--n_utts", type=positive(int), default=None,
+                   help="utterances per method (transcripts; default 20, --cpu_smoke: 3)")
+    p.add_argument("--decode_utts", type=positive(int), default=None,
+                   help="utterances of the decode stream (default 16, --cpu_smoke: 3)")
+    p.add_argument("--memory_utts", type=positive(int), default=None,
+                   help="utterances of the memory stream (default 1000, --cpu_smoke: 12)")
+    p.add_argument("--seconds", type=at_least(float, 0.1), default=None,
+                   help="utterance length of step/bench (default 3, --cpu_smoke: 0.6)")
+    p.add_argument("--long_seconds", type=at_least(float, 0.1), default=None,
+                   help="the second length (lengths, official), longer than --seconds (default "
+                        "8, --cpu_smoke: 2 x --seconds)")
     p.add_argument("--official_dir", default=os.path.join(ROOT, ".official", "Dynamic-SUTA"),
                    help="a checkout of the official code (hhhaaahhhaa/Dynamic-SUTA: its src/, "
                         "config/ and vocab.json) for the section official; not shipped")
-    p.add_argument("--long_stream_s", type=float, default=300.0,
+    p.add_argument("--long_stream_s", type=positive(float), default=300.0,
                    help="official: audio seconds of the long stream at each length (ours only)")
-    p.add_argument("--sweep_utts", type=int, default=24,
-                   help="utterances of the sweep stream (8 until 2026-11-27, when 8 utterances "
+    p.add_argument("--sweep_utts", type=positive(int), default=None,
+                   help="utterances of the sweep stream (default 24, --cpu_smoke: 3; 8 until "
+                        "2026-11-27, when 8 utterances "
                         "of 2-4 s spent much of the batch's time on captures: 2.2x, against 2.98x "
                         "for a warm batch of 8 in profile)")
     p.add_argument("--sweep_method", default="suta",
@@ -220,12 +239,16 @@ def parse_args(argv=None):
                    help="the sweep section without length buckets ("
                         + " ".join(DECODE_UNBUCKETED_OPTS) + ") in every run of every arm")
     p.add_argument("--cpu_smoke", action="store_true",
-                   help="every section on CPU with a tiny model and a few utterances (no figures)")
+                   help="every section on CPU with a tiny model and a few utterances (no "
+                        "figures); the sizes given are kept")
     args = p.parse_args(argv)
-    if args.cpu_smoke:
-        args.device, args.n_utts, args.decode_utts, args.memory_utts = "cpu", 3, 3, 12
-        args.sweep_utts = 3
-        args.seconds, args.long_seconds = 0.6, 1.2
+    if args.cpu_smoke and args.device not in (None, "cpu"):
+        p.error(f"--device {args.device}: --cpu_smoke runs on the CPU (leave --device out)")
+    if args.cpu_smoke and args.long_seconds is None and args.seconds is not None:
+        args.long_seconds = 2 * args.seconds
+    for key, value in (SMOKE_DEFAULTS if args.cpu_smoke else GPU_DEFAULTS).items():
+        if getattr(args, key) is None:                 # given: honoured, under --cpu_smoke too
+            setattr(args, key, value)
     args.sections = ([s.strip() for s in args.sections.split(",") if s.strip()] or
                      list(SECTIONS if args.cpu_smoke else DEFAULT_SECTIONS))
     bad = [s for s in args.sections if s not in SECTIONS]
@@ -233,6 +256,9 @@ def parse_args(argv=None):
         p.error(f"unknown section(s) {', '.join(bad)} (choose from {', '.join(SECTIONS)})")
     if not args.device.startswith("cuda") and not args.cpu_smoke:
         p.error(f"--device must be a CUDA device, not {args.device!r}")
+    if {"lengths", "official"} & set(args.sections) and args.seconds >= args.long_seconds:
+        p.error(f"--long_seconds {args.long_seconds:g}: the second length must be longer than "
+                f"--seconds {args.seconds:g}")
     return args
 
 
@@ -1076,7 +1102,7 @@ def section_official(args, rep, work):
         audio = sum(w.numel() for w in wavs) / 16000
         # the long stream: ours alone (the official code's eager step costs the same at every
         # utterance, so its rate above stands); there our graphs' captures are paid off
-        n_long = 3 if args.cpu_smoke else round(args.long_stream_s / sec)
+        n_long = 3 if args.cpu_smoke else max(1, round(args.long_stream_s / sec))
         long_data = os.path.join(work, f"official_long_{li}")
         long_rows = bench_memory.make_audio(long_data, n_long, (0.9 * sec, 1.1 * sec),
                                             block=n_long, n_lengths=0, seed=20 + li)
@@ -1270,6 +1296,8 @@ def main(argv=None):
     rep.say(f"gpu_check: {name}, torch {torch.__version__}, "
             f"CUDA {torch.version.cuda}; sections {', '.join(args.sections)}; budget "
             f"{args.budget_s:.0f} s")
+    rep.say("sizes: " + ", ".join(f"{k} {getattr(args, k):g}" for k in GPU_DEFAULTS if k != "device")
+            + (" (--cpu_smoke set those not given)" if args.cpu_smoke else ""))
     rep.say("All figures below are from this run; nothing here is the earlier H200 measurement "
             f"unless labelled so. Kernels as decode's defaults: deterministic {kernels}.")
     rep.data["device"] = name
