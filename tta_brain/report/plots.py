@@ -117,13 +117,17 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
         plt.close(fig)
         return None
     _draw_boundaries(ax, sruns[0].boundaries)
+    longest = max(len(r.transcripts) for r in sruns)
+    # a window as long as the stream or longer never fills: every point is the cumulative rate
+    smooth = f"window {window} utts" if window < longest else "cumulative: the stream is " \
+        f"shorter than the {window}-utt window"
     if base is not None:
         ax.axhline(0, color="k", linewidth=0.8)
         ax.set_ylabel(f"{M} difference to {baseline} (% abs.)")
-        ax.set_title(f"{stream}: {M} difference to {baseline} over time (window {window} utts)")
+        ax.set_title(f"{stream}: {M} difference to {baseline} over time ({smooth})")
     else:
         ax.set_ylabel(f"{M} (%)")
-        ax.set_title(f"{stream}: {M} over time (window {window} utts; no {baseline} run)")
+        ax.set_title(f"{stream}: {M} over time ({smooth}; no {baseline} run)")
     ax.set_xlabel("stream position (utterances)")
     ax.grid(alpha=0.3)
     # outside the axes: with many methods an inner legend hides curves
