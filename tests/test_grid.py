@@ -718,6 +718,8 @@ def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slur
     os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 1 and "FAILED s/dsuta+dynamic/seed1" in out, out[-3000:]
+    said = next(ln for ln in out.splitlines() if ln.startswith("FAILED s/dsuta+dynamic/seed1"))
+    assert "the job ended without a result (Slurm state: CANCELLED" in said, said  # not "Error stream produced:"
     wait_for(lambda: holder_pid_alive(victim) is False, "the cancelled job's exit", 120)
     rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
@@ -726,6 +728,49 @@ def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slur
 
 
 @pytest.mark.slow
+def test_a_failed_jobs_line_says_why():
+    """decode's own ERROR line; a job that ended without a result: its Slurm state (submitit's
+    "Error stream produced:" header was taken as the reason); else the last error line."""
+    lost = ("Job 14 (task: 0) with path /x/14_0_result.pkl\nhas not produced any output "
+            "(state: CANCELLED by 0)\nError stream produced:\n----\nsubmitit WARNING bypassing")
+    assert grid.failure_line(lost) == ("the job ended without a result (Slurm state: "
+                                       "CANCELLED by 0)")
+    own = lost + "\nRuntimeError: ERROR: /x/stream.csv: missing (--stream_csv)"
+    assert grid.failure_line(own) == "ERROR: /x/stream.csv: missing (--stream_csv)"
+    assert grid.failure_line("Traceback\n  ...\nValueError: bad\n") == "ValueError: bad"
+    assert grid.failure_line("", "UncompletedJobError") == "UncompletedJobError"
+
+
+@pytest.mark.slow
+def test_a_preempted_slurm_job_is_followed_to_its_end_not_failed(data, tmp_path, slurm_cluster):
+    """Slurm's USR2 (preemption, or the time limit near): submitit checkpoints the run, requeues
+    the job and exits (``sys.exit(-1)``). The job turned that exit into a failure, so the grid
+    said ``FAILED ...: RuntimeError: -1`` and ended while the requeued job went on to finish.
+    Now the grid follows the requeued job, which resumes and ends as an uninterrupted run."""
+    ref, exp = tmp_path / "ref", tmp_path / "exp"
+    serial(data, ref, "dsuta+dynamic", seeds=("0",))
+    conf = tmp_path / "slurm.yaml"
+    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 1\nmem_gb: 2\n"
+                    "slurm_signal_delay_s: 60\nslurm_max_num_timeout: 5\n")
+    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, exp, "dsuta+dynamic", "0", "--engine", "slurm", "--nj", "1", "--slurm_conf",
+        str(conf))]
+    env = {**ENV, "SLURM_CONF": slurm_cluster}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    victim = exp / "s" / "dsuta+dynamic" / "seed0"
+    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
+             "a checkpoint of the run", 300)
+    pid = freeze_mid_run(victim)
+    subprocess.run(["scancel", "--signal=USR2", slurm_job_of(pid)], check=True, env=env)
+    os.kill(pid, signal.SIGCONT)                 # it takes the USR2 now, mid-run
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "FAILED" not in out, out[-3000:]
+    assert "grid finished: 1 done, 0 running, 0 failed" in out, out[-3000:]
+    assert "Resuming" in (victim / "log.txt").read_text()          # the requeued job's
+    assert compare_runs.main([str(ref), str(exp)]) == 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a Slurm node without CUDA")
 def test_slurm_run_checks_its_device_on_its_node(data, tmp_path, slurm_cluster):
     """--device=cuda from a machine without CUDA: the grid submits the job (the submitting machine

@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -65,8 +66,16 @@ class DecodeJob(submitit.helpers.Checkpointable):
         try:
             summary = decode.main(self.argv)
         except SystemExit as e:          # decode's one-line errors: a failed job, not a crash
-            raise RuntimeError(str(e)) from None
+            raise _failed(e) from None
         return None if summary is None else {"wer": summary.wer, "n_utts": summary.n_utts}
+
+
+def _failed(e: SystemExit) -> BaseException:
+    """What a job raises for a ``SystemExit`` in it: decode's one-line error (a text) as a
+    failure; any other exit as it is: submitit's ``sys.exit(-1)`` after it requeued the job on
+    Slurm's USR2 (preemption, the time limit near) must leave the process without a result, or
+    the grid reads the requeued job as failed (``RuntimeError: -1``) while it goes on."""
+    return RuntimeError(str(e)) if isinstance(e.code, str) else e
 
 
 class SweepJob(DecodeJob):
@@ -91,7 +100,7 @@ class SweepJob(DecodeJob):
             print(f"grid: not batched ({e}); the {len(self.argvs)} runs run one after another",
                   flush=True)
         except SystemExit as e:
-            raise RuntimeError(str(e)) from None
+            raise _failed(e) from None
         except Exception as e:          # noqa: BLE001 - e.g. out of memory with R states, a kernel
             why = (str(e).strip().splitlines() or [""])[0][:300]      # without a batching rule
             print(f"grid: the batched sweep failed ({type(e).__name__}: {why}); the "
@@ -106,6 +115,8 @@ class SweepJob(DecodeJob):
                 decode.main(argv)
                 out.append(None)
             except SystemExit as e:
+                if not isinstance(e.code, str):     # requeued (see _failed): the job ends here
+                    raise
                 out.append(str(e))
         return out
 
@@ -367,14 +378,25 @@ def _collect(unit: List[Run], job) -> None:
         for run, error in zip(unit, errors):
             run.status, run.message = ("failed", error) if error else ("done", run.message)
     except Exception as e:       # FailedJobError (with the job's stderr), UncompletedJobError
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "ERROR:" in ln or "Error" in ln]
-        line = errors[-1] if errors else lines[0] if lines else type(e).__name__
-        if "ERROR:" in line:        # decode's own one-line error, without the job's wrapping
-            line = line[line.index("ERROR:"):]
+        line = failure_line(str(e), type(e).__name__)
         for run in unit:
             run.status = "failed"
             run.message = line[:300]
+
+
+def failure_line(text: str, kind: str = "") -> str:
+    """The line of a failed job's exception that says why: decode's own ``ERROR:`` line; else,
+    for a job that ended without a result (cancelled, killed by Slurm), its Slurm state (the
+    line after it is submitit's "Error stream produced:" header); else the last error line."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    own = [ln for ln in lines if "ERROR:" in ln]
+    if own:                     # decode's own one-line error, without the job's wrapping
+        return own[-1][own[-1].index("ERROR:"):]
+    state = re.search(r"has not produced any output \(state: ([^)]*)\)", text)
+    if state:
+        return f"the job ended without a result (Slurm state: {state.group(1)})"
+    errors = [ln for ln in lines if "Error" in ln and ln.strip() != "Error stream produced:"]
+    return errors[-1] if errors else lines[0] if lines else kind
 
 
 def rate_since(seen: Optional[tuple], rows: int, now: float):
