@@ -719,7 +719,8 @@ def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slur
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 1 and "FAILED s/dsuta+dynamic/seed1" in out, out[-3000:]
     said = next(ln for ln in out.splitlines() if ln.startswith("FAILED s/dsuta+dynamic/seed1"))
-    assert "the job ended without a result (Slurm state: CANCELLED" in said, said  # not "Error stream produced:"
+    # its Slurm state, not submitit's "Error stream produced:" header
+    assert "the job ended without a result (Slurm state: CANCELLED" in said, said
     wait_for(lambda: holder_pid_alive(victim) is False, "the cancelled job's exit", 120)
     rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
