@@ -743,6 +743,35 @@ def test_a_failed_jobs_line_says_why():
 
 
 @pytest.mark.slow
+def test_a_job_slurm_cannot_start_is_said_pending_with_its_reason(data, tmp_path, slurm_cluster):
+    """More CPUs than the node has: sbatch takes the job, which stays pending for ever
+    (PartitionConfig) while the progress said "1 running"; now a line names the run, its job
+    and Slurm's reason, and says it will not start."""
+    conf = tmp_path / "slurm.yaml"
+    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 64\nmem_gb: 1\n")
+    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, tmp_path / "exp", "source", "0", "--engine", "slurm", "--slurm_conf", str(conf))]
+    env = {**ENV, "SLURM_CONF": slurm_cluster}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, job = [], None
+    import threading
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        said = lambda: [ln for ln in list(lines)       # noqa: E731
+                        if ln.startswith("grid: pending on Slurm: s/source/seed0 (job ")]
+        wait_for(lambda: said() or proc.poll() is not None, "a pending line", 120)
+        assert said(), "".join(lines)[-3000:]
+        line = said()[0]
+        job = line.split("(job ", 1)[1].split(":", 1)[0]
+        assert "it will not start" in line and any(r in line for r in grid.NEVER_STARTS), line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        subprocess.run(["scancel", job] if job else ["scancel", "--name=submitit"], env=env)
+
+
+@pytest.mark.slow
 def test_a_preempted_slurm_job_is_followed_to_its_end_not_failed(data, tmp_path, slurm_cluster):
     """Slurm's USR2 (preemption, or the time limit near): submitit checkpoints the run, requeues
     the job and exits (``sys.exit(-1)``). The job turned that exit into a failure, so the grid

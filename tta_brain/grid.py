@@ -24,10 +24,11 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import submitit
 
@@ -344,6 +345,7 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
     free = _slots(args)
     threads = max(1, (os.cpu_count() or 1) // max(1, len(free))) if args.engine == "local" else 0
     last, printed = None, 0.0
+    asked, said = -PENDING_EVERY, ""              # Slurm's pending jobs: last asked, last said
     waiting = [u for u in units if args.engine == "local"]
     while True:
         while free and waiting:
@@ -363,9 +365,52 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
         if head != last or (line != head and time.monotonic() - printed >= PROGRESS_EVERY):
             print(line, flush=True)
             last, printed = head, time.monotonic()
+        if args.engine == "slurm" and time.monotonic() - asked >= PENDING_EVERY:
+            said, asked = _say_pending(jobs, said), time.monotonic()
         if not any(r.status in ("queued", "running") for u in units for r in u):
             return
         time.sleep(args.poll)
+
+
+#: Seconds between two questions to Slurm about the grid's pending jobs.
+PENDING_EVERY = 30.0
+#: Slurm's pending reasons that no wait resolves: the job asks what its partition cannot give.
+NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+                "QOSMaxCpuPerJobLimit", "QOSMaxMemoryPerJob", "QOSMaxGRESPerJob")
+
+
+def slurm_pending(job_ids: List[str]) -> Dict[str, str]:
+    """``{job id: Slurm's reason}`` of those of ``job_ids`` that are pending (``squeue``); empty
+    when squeue cannot tell (it is a courtesy of the progress, not a state the grid acts on)."""
+    if not job_ids:
+        return {}
+    try:
+        out = subprocess.run(["squeue", "-h", "-t", "PD", "-o", "%i|%r", "-j", ",".join(job_ids)],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    pairs = (ln.split("|", 1) for ln in out.splitlines() if "|" in ln)
+    return {i.strip(): r.strip() for i, r in pairs if i.strip() in job_ids}
+
+
+def pending_line(runs_of: Dict[str, List[Run]], reasons: Dict[str, str]) -> str:
+    """One line naming the grid's runs whose Slurm jobs are pending and why ("" when none); a
+    reason no wait resolves is said to be one (the progress said them "running" for ever)."""
+    parts = []
+    for job_id, reason in sorted(reasons.items()):
+        never = reason in NEVER_STARTS
+        parts.append(f"{', '.join(r.name for r in runs_of[job_id])} (job {job_id}: {reason}"
+                     + ("; it will not start: its partition cannot give what --slurm_conf asks"
+                        if never else "") + ")")
+    return f"grid: pending on Slurm: {'; '.join(parts)}" if parts else ""
+
+
+def _say_pending(jobs, said: str) -> str:
+    runs_of = {str(j.job_id): u for u, j, _ in jobs.values() if u[0].status == "running"}
+    line = pending_line(runs_of, slurm_pending(list(runs_of)))
+    if line and line != said:
+        print(line, flush=True)
+    return line
 
 
 def _collect(unit: List[Run], job) -> None:
