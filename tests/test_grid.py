@@ -605,6 +605,12 @@ def test_the_recipes_slurm_conf_makes_an_executor(recipe, tmp_path):
     ("- slurm_partition\n", "expected key: value lines (submitit parameters), got a list"),
     ("timeout_min: 2\n", "timeout_min 2 leaves 30 s before Slurm's USR2 (slurm_signal_delay_s 90)"),
     ("timeout_min: 4\nslurm_signal_delay_s: 180\n", "timeout_min 4 leaves 60 s before"),
+    # sbatch's own forms were not read (no check); the message names the key the conf sets
+    ("slurm_time: '00:01:00'\n", "slurm_time '00:01:00' (1 min) leaves -30 s before Slurm's "
+                                   "USR2 (slurm_signal_delay_s 90), which Slurm may send up to "
+                                   "60 s early: raise slurm_time"),
+    ("slurm_time: 1\n", "slurm_time 1 leaves -30 s before"),
+    ("slurm_time: '0-0:02'\n", "slurm_time '0-0:02' (2 min) leaves 30 s before"),
 ])
 def test_a_bad_slurm_conf_is_one_line_before_anything_runs(text, expected, tmp_path, data):
     conf = tmp_path / "slurm.yaml"

@@ -190,7 +190,7 @@ def slurm_executor(args, folder, submit: bool = True) -> "submitit.AutoExecutor"
     machine without ``srun`` is one line too."""
     import yaml
     params = {"slurm_array_parallelism": args.nj or 64}
-    path = args.slurm_conf
+    path, conf = args.slurm_conf, None
     if path:
         try:
             conf = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
@@ -217,22 +217,47 @@ def slurm_executor(args, folder, submit: bool = True) -> "submitit.AutoExecutor"
         raise SystemExit(f"ERROR: --slurm_conf {path or '(none)'}: {first} (keys: submitit's "
                          f"AutoExecutor parameters, e.g. slurm_partition, timeout_min, mem_gb, "
                          f"cpus_per_task, gpus_per_node, slurm_max_num_timeout)") from None
-    _check_signal_time(ex._executor.parameters, path)
+    _check_signal_time(ex._executor.parameters, path, conf if path else None)
     return ex
 
 
-def _check_signal_time(params: dict, path) -> None:
+def slurm_minutes(value) -> Optional[float]:
+    """A Slurm time limit in minutes: a number of minutes, or sbatch's forms ``MM:SS``,
+    ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS`` (None: not one of them; sbatch says)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = re.fullmatch(r"\s*(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?\s*", str(value))
+    if not m:
+        return None
+    days, a, b, c = (int(x) if x is not None else None for x in m.groups())
+    if days is not None:                       # D-HH[:MM[:SS]]
+        return days * 1440 + a * 60 + (b or 0) + (c or 0) / 60
+    if c is not None:                          # HH:MM:SS
+        return a * 60 + b + c / 60
+    if b is not None:                          # MM:SS
+        return a + b / 60
+    return float(a)                            # MM
+
+
+def _check_signal_time(params: dict, path, conf=None) -> None:
     """Refuse a time limit that leaves no run time before Slurm's USR2. submitit asks for USR2
     ``signal_delay_s`` (default 90) before the limit (``time``, default 5 min), and Slurm may send
     it up to 60 s earlier than asked (sbatch(1), --signal): a job would be signalled as it starts,
-    then requeued (a checkpointable run) or killed, again and again."""
-    limit, delay = params.get("time", 5), params.get("signal_delay_s", 90)
-    if not (isinstance(limit, int) and isinstance(delay, int)):
+    then requeued (a checkpointable run) or killed, again and again. The limit is read in any of
+    sbatch's forms (``slurm_time: "00:01:00"`` was not checked); the message names the key the
+    conf sets."""
+    limit, delay = slurm_minutes(params.get("time", 5)), params.get("signal_delay_s", 90)
+    if limit is None or not isinstance(delay, int):
         return
     if limit * 60 - delay <= 60:
-        raise SystemExit(f"ERROR: --slurm_conf {path or '(none)'}: timeout_min {limit} leaves "
-                         f"{limit * 60 - delay} s before Slurm's USR2 (slurm_signal_delay_s "
-                         f"{delay}), which Slurm may send up to 60 s early: raise timeout_min or "
+        key = next((k for k in ("slurm_time", "timeout_min") if k in (conf or {})), "timeout_min")
+        given = (conf or {}).get(key, 5)
+        said = f"{given}" if isinstance(given, int) else f"{given!r} ({limit:g} min)"
+        raise SystemExit(f"ERROR: --slurm_conf {path or '(none)'}: {key} {said} leaves "
+                         f"{limit * 60 - delay:g} s before Slurm's USR2 (slurm_signal_delay_s "
+                         f"{delay}), which Slurm may send up to 60 s early: raise {key} or "
                          f"lower slurm_signal_delay_s")
 
 
