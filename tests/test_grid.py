@@ -771,8 +771,12 @@ def test_a_job_slurm_cannot_start_is_said_pending_with_its_reason(data, tmp_path
         line = said()[0]
         job = line.split("(job ", 1)[1].split(":", 1)[0]
         assert "it will not start" in line and any(r in line for r in grid.NEVER_STARTS), line
+        proc.terminate()                     # the grid stops; its job goes on, and it says so
+        proc.wait(timeout=60)
+        wait_for(lambda: any(ln.startswith("grid: stopped") for ln in list(lines)), "the end", 30)
+        assert f"grid: stopped; its 1 Slurm job(s) go on: {job} (scancel" in "".join(lines)
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(timeout=60)
         subprocess.run(["scancel", job] if job else ["scancel", "--name=submitit"], env=env)
 

@@ -336,6 +336,18 @@ def execute(runs: List[Run], args) -> None:
     finally:
         if args.engine == "local":
             _stop_workers(jobs)
+        else:
+            _left_on_slurm(jobs)
+
+
+def _left_on_slurm(jobs) -> None:
+    """The grid ends early (Ctrl-C, SIGTERM, an error): its Slurm jobs go on (they checkpoint and
+    a rerun of the grid skips or resumes their runs); say which, so they can be cancelled."""
+    going = sorted(str(j.job_id) for u, j, _ in jobs.values()
+                   if u[0].status == "running" and not j.done())
+    if going:
+        print(f"grid: stopped; its {len(going)} Slurm job(s) go on: {' '.join(going)} (scancel "
+              f"them to stop them; rerun the same command once they have left squeue)", flush=True)
 
 
 def sbatch_error(e: Exception) -> str:
