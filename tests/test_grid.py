@@ -704,18 +704,9 @@ def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slur
     methods = "source suta dsuta+dynamic"
     ref, exp = tmp_path / "ref", tmp_path / "exp"
     serial(data, ref, methods)
-    conf = tmp_path / "slurm.yaml"
-    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 1\nmem_gb: 2\n"
-                    "slurm_signal_delay_s: 60\nslurm_max_num_timeout: 5\n")  # as the recipes' conf
-    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
-        data, exp, methods, "0 1", "--engine", "slurm", "--nj", "2", "--slurm_conf", str(conf))]
-    env = {**ENV, "SLURM_CONF": slurm_cluster}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd, env, proc = start_slurm_grid(data, tmp_path, exp, methods, "0 1", slurm_cluster)
     victim = exp / "s" / "dsuta+dynamic" / "seed1"
-    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
-             "a checkpoint of the victim", 300)
-    pid = freeze_mid_run(victim)
+    pid = freeze_after_a_checkpoint(victim, proc)
     assert proc.poll() is None, "the grid ended before a job could be cancelled"
     job = slurm_job_of(pid)                      # the job whose process holds the folder lock
     subprocess.run(["scancel", job], check=True, env=env)
@@ -789,19 +780,9 @@ def test_a_preempted_slurm_job_is_followed_to_its_end_not_failed(data, tmp_path,
     Now the grid follows the requeued job, which resumes and ends as an uninterrupted run."""
     ref, exp = tmp_path / "ref", tmp_path / "exp"
     serial(data, ref, "dsuta+dynamic", seeds=("0",))
-    conf = tmp_path / "slurm.yaml"
-    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 1\nmem_gb: 2\n"
-                    "slurm_signal_delay_s: 60\nslurm_max_num_timeout: 5\n")
-    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
-        data, exp, "dsuta+dynamic", "0", "--engine", "slurm", "--nj", "1", "--slurm_conf",
-        str(conf))]
-    env = {**ENV, "SLURM_CONF": slurm_cluster}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    _, env, proc = start_slurm_grid(data, tmp_path, exp, "dsuta+dynamic", "0", slurm_cluster)
     victim = exp / "s" / "dsuta+dynamic" / "seed0"
-    wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
-             "a checkpoint of the run", 300)
-    pid = freeze_mid_run(victim)
+    pid = freeze_after_a_checkpoint(victim, proc)
     subprocess.run(["scancel", "--signal=USR2", slurm_job_of(pid)], check=True, env=env)
     os.kill(pid, signal.SIGCONT)                 # it takes the USR2 now, mid-run
     out, _ = proc.communicate(timeout=600)
@@ -827,6 +808,25 @@ def test_slurm_run_checks_its_device_on_its_node(data, tmp_path, slurm_cluster):
     assert "0 failed, 1 queued" in res.stdout                      # not refused before submission
     assert "FAILED s/suta/seed0: ERROR: --device=cuda: no CUDA device here" in res.stdout
     assert "seed0/log.txt" not in res.stdout and "_log.err" in res.stdout   # the files there are
+
+
+def start_slurm_grid(data, tmp_path, exp, methods, seeds, slurm_conf_env):
+    """``(command, environment, process)`` of a Slurm grid started with the recipes' conf (two
+    array tasks at once, a 10-minute limit, requeues allowed)."""
+    conf = tmp_path / "slurm.yaml"
+    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 1\nmem_gb: 2\n"
+                    "slurm_signal_delay_s: 60\nslurm_max_num_timeout: 5\n")  # as the recipes' conf
+    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, exp, methods, seeds, "--engine", "slurm", "--nj", "2", "--slurm_conf", str(conf))]
+    env = {**ENV, "SLURM_CONF": slurm_conf_env}
+    return cmd, env, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+
+
+def freeze_after_a_checkpoint(folder, proc):
+    wait_for(lambda: list((folder / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
+             f"a checkpoint of {folder}", 300)
+    return freeze_mid_run(folder)
 
 
 def freeze_mid_run(folder):
