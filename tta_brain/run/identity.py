@@ -2,10 +2,10 @@
 one writer per experiment folder.
 
 The fingerprint holds the stream manifest's content (sha1), the content of the audio files it
-names (``audio_sha1``; a run recorded before it was is taken to match), the source model's identity (sha1 of
-its files for a local directory, the name and cached commit for a hub model), the toolkit version
-and every resolved hyperparameter except where the run is written and how often it checkpoints
-(:data:`LOCATION_KEYS`); ``device`` counts by its type (cpu / cuda), not its index. The yaml's
+names (``audio_sha1``; a run recorded before it was is taken to match), the source model's
+identity (sha1 of its files for a local directory, the name and cached commit for a hub model),
+the toolkit version and every resolved hyperparameter except where the run is written and how
+often it checkpoints (:data:`LOCATION_KEYS`); ``device`` counts by its type (cpu / cuda), not its index. The yaml's
 nested values (the method's and model's blocks, the selectors, the optimiser) count by a digest
 of each as written (``structure``: a class, a selector or ``!ref <lr> * 2`` changed there is
 another run); a fingerprint recorded before digests were is taken to match them. It is stored in
@@ -52,8 +52,8 @@ CONTENT_KEYS = ("source_stats", "lm_path", "lm_unigrams")
 #: that the path holds now (all that can be known of what it read).
 PATH_BEFORE = ("lm_path", "lm_unigrams")
 FINGERPRINT_FILE = "fingerprint.json"
-logger = logging.getLogger(__name__)
 LOCK_FILE = ".lock"
+logger = logging.getLogger(__name__)
 
 
 def audio_sha1(rows: List[Dict], stream_csv) -> str:
