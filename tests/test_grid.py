@@ -726,6 +726,18 @@ def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slur
 
 
 @pytest.mark.slow
+def test_the_pending_line_names_jobs_that_never_start_and_counts_the_others():
+    from tta_brain.run.grid_plan import Run
+    runs = {j: [Run(f"s/{m}/seed0", Path(m), [])] for j, m in
+            (("7_0", "source"), ("7_1", "suta"), ("7_2", "tent"))}
+    line = grid.pending_line(runs, {"7_0": "Resources", "7_1": "PartitionConfig",
+                                    "7_2": "Resources"})
+    assert line == ("grid: pending on Slurm: s/suta/seed0 (job 7_1: PartitionConfig; it will not "
+                    "start: its partition cannot give what --slurm_conf asks); 2 job(s) waiting "
+                    "(Resources: 2)")
+    assert grid.pending_line(runs, {}) == ""
+
+
 def test_a_failed_jobs_line_says_why():
     """decode's own ERROR line; a job that ended without a result: its Slurm state (submitit's
     "Error stream produced:" header was taken as the reason); else the last error line."""

@@ -422,8 +422,9 @@ def slurm_pending(job_ids: List[str]) -> Dict[str, str]:
     if not job_ids:
         return {}
     try:
-        out = subprocess.run(["squeue", "-h", "-t", "PD", "-o", "%i|%r", "-j", ",".join(job_ids)],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(["squeue", "-h", "-r", "-t", "PD", "-o", "%i|%r", "-j",
+                              ",".join(job_ids)], capture_output=True, text=True,
+                             timeout=30).stdout      # -r: an array's tasks one a line
     except (OSError, subprocess.SubprocessError):
         return {}
     pairs = (ln.split("|", 1) for ln in out.splitlines() if "|" in ln)
@@ -431,14 +432,19 @@ def slurm_pending(job_ids: List[str]) -> Dict[str, str]:
 
 
 def pending_line(runs_of: Dict[str, List[Run]], reasons: Dict[str, str]) -> str:
-    """One line naming the grid's runs whose Slurm jobs are pending and why ("" when none); a
-    reason no wait resolves is said to be one (the progress said them "running" for ever)."""
-    parts = []
+    """One line on the grid's pending Slurm jobs ("" when none): those whose reason no wait
+    resolves by run and job, said never to start (the progress said them "running" for ever);
+    the others (waiting for resources, priority) counted by reason."""
+    parts, waiting = [], {}
     for job_id, reason in sorted(reasons.items()):
-        never = reason in NEVER_STARTS
-        parts.append(f"{', '.join(r.name for r in runs_of[job_id])} (job {job_id}: {reason}"
-                     + ("; it will not start: its partition cannot give what --slurm_conf asks"
-                        if never else "") + ")")
+        if reason in NEVER_STARTS:
+            parts.append(f"{', '.join(r.name for r in runs_of[job_id])} (job {job_id}: {reason}; "
+                         f"it will not start: its partition cannot give what --slurm_conf asks)")
+        else:
+            waiting[reason] = waiting.get(reason, 0) + 1
+    if waiting:
+        parts.append(f"{sum(waiting.values())} job(s) waiting ("
+                     + ", ".join(f"{r}: {n}" for r, n in sorted(waiting.items())) + ")")
     return f"grid: pending on Slurm: {'; '.join(parts)}" if parts else ""
 
 
