@@ -238,14 +238,14 @@ def build_stream(name, domain_rows, seed=0, **overrides):
         cycles = 1
         if params.get("rate") and "rate" not in overrides:
             cycles = params["per_domain"] // params["rate"]
-        if cycles > 1 and "per_domain" in overrides:
-            if overrides["per_domain"] % cycles:
+            if "per_domain" in overrides and overrides["per_domain"] % cycles:
                 below = overrides["per_domain"] // cycles * cycles
                 example = f"{below} or {below + cycles}" if below else f"{cycles}"
                 raise ValueError(f"stream {name!r} cycles {cycles} times through its order: "
                                  f"per_domain={overrides['per_domain']} must be a multiple of "
                                  f"{cycles} (e.g. {example})")
-            params["rate"] = overrides["per_domain"] // cycles
+            if "per_domain" in overrides:
+                params["rate"] = overrides["per_domain"] // cycles
         params.update(overrides)
         kind = params.pop("kind")
         if kind == "multi_domain":

@@ -72,14 +72,14 @@ def domain_rows(rows, code, out_dir, snr, data_root=None):
     } for row in rows]
 
 
-def _silent_noise(noise, noise_file, code, rows, sample_rate, speech_file=None, n=None):
-    """The one-line error for a noise that is silent where it is mixed (see corrupt_domain)."""
+def _silent_noise(lead, noise_file, code, rows, sample_rate, speech_file=None, n=None):
+    """The one-line error for a noise that is silent where it is mixed (see corrupt_domain);
+    ``lead``: its silent samples at the start (None: silent throughout)."""
     where = f"{noise_file} (noise of domain {code})" if noise_file else f"the noise of domain {code}"
     advice = f"or leave {code} out of --domains"
-    if not np.any(noise):
+    if lead is None:
         return ValueError(f"{where}: silent (all-zero), it cannot be mixed at an SNR; replace the "
                           f"file, {advice}")
-    lead = int(np.flatnonzero(noise)[0])   # noise is taken from offset 0: only a silent start
     short = sum(1 for r in rows if float(r.get("duration") or 0) * sample_rate <= lead)
     return ValueError(f"{where}: silent for its first {lead / sample_rate:.2f} s ({lead} samples), "
                       f"the part mixed into an utterance no longer than that (noise is taken from "
@@ -104,10 +104,13 @@ def corrupt_domain(rows, code, noise, out_dir, snr, seed=DEFAULT_SEED, data_root
     from tta_brain.data.prep.progress import progress
 
     from ..audio import load_audio, write_audio
-    from ..mixing import gaussian_noise, mix_at_snr, tile_or_cut, utterance_seed
+    from ..mixing import gaussian_noise, mix_at_snr, utterance_seed
 
-    if noise is not None and not np.any(noise):
-        raise _silent_noise(noise, noise_file, code, rows, sample_rate)
+    # the noise is tiled from offset 0: an utterance of n samples gets a silent noise iff n is at
+    # most the noise's silent start (``lead``)
+    lead = None if noise is None or not np.any(noise) else int(np.flatnonzero(noise)[0])
+    if noise is not None and lead is None:
+        raise _silent_noise(None, noise_file, code, rows, sample_rate)
 
     def needed(row):
         if only is not None:
@@ -126,9 +129,8 @@ def corrupt_domain(rows, code, noise, out_dir, snr, seed=DEFAULT_SEED, data_root
         if not np.any(speech):          # a silent utterance has no SNR: say which one
             raise ValueError(f"{row['wav']} (ID {src_id}, {code} at {snr:g} dB): cannot normalise "
                              f"a silent (all-zero) signal; remove it from the manifest")
-        if noise is not None and not np.any(tile_or_cut(signal, speech.size)):
-            raise _silent_noise(noise, noise_file, code, rows, sample_rate, row["wav"],
-                                speech.size)
+        if lead is not None and speech.size <= lead:
+            raise _silent_noise(lead, noise_file, code, rows, sample_rate, row["wav"], speech.size)
         mixed = mix_at_snr(speech, signal, float(snr))
         write_audio(mixture_path(out_dir, code, snr, src_id), mixed, sample_rate)
         if (i + 1) % 500 == 0:
