@@ -53,9 +53,10 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--dsuta_steps", "-1"], "argument --dsuta_steps: -1 is not > 0"),
     (["--buffer_size", "0"], "argument --buffer_size: 0 is not > 0"),
     (["--reset_K", "1"], "argument --reset_K: 1 is not >= 4"),
-    (["--reset_K", "8"], "--reset_K 8 with --buffer_size 5: dsuta+dynamic saves phi_D after K/2 "
-                         "utterances, before its first meta-update, and never resets; use "
-                         "--reset_K >= 10"),
+    (["--reset_K", "8"], "dsuta+dynamic: reset_K = 8 with buffer_size = 5: phi_D is saved after "
+                         "K/2 = 4 utterances, before the first meta-update (every 5), so it is "
+                         "the source model, every LII is 0 and the reset never fires; use "
+                         "reset_K >= 10 (--reset_K, --buffer_size)"),
     (["--reset_patience", "0"], "argument --reset_patience: 0 is not > 0"),
     (["--reset_threshold", "nan"], "argument --reset_threshold: nan is not a finite number"),
     (["--cuda_graph_warmup", "-1"], "argument --cuda_graph_warmup: -1 is not >= 0"),

@@ -88,6 +88,8 @@ if ROOT not in sys.path:
 
 from bench_args import (at_least, auto_or, device, finite, output_file, positive,  # noqa: E402
                         positives)
+from tta_brain.hparams import rules  # noqa: E402
+from tta_brain.hparams.rules import HparamsError  # noqa: E402
 from tta_brain.methods import losses  # noqa: E402
 from tta_brain.lobes.hf_ctc import HFCTCLobe  # noqa: E402
 from tta_brain.methods import UttInfo, build_method  # noqa: E402
@@ -487,10 +489,12 @@ def parse_args(argv=None):
         if base not in METHODS or (plus and reset not in ("dynamic", "fixed", "oracle")):
             p.error(f"--methods: unknown method token {token!r} (methods: "
                     f"{', '.join(sorted(METHODS))}; resets: +dynamic, +fixed, +oracle)")
-        if token == "dsuta+dynamic" and args.reset_K // 2 < args.buffer_size:   # the runs' rule
-            p.error(f"--reset_K {args.reset_K} with --buffer_size {args.buffer_size}: dsuta+dynamic "
-                    f"saves phi_D after K/2 utterances, before its first meta-update, and never "
-                    f"resets; use --reset_K >= {2 * args.buffer_size}")
+        if token == "dsuta+dynamic":                      # the runs' rule, as decode says it
+            try:
+                rules.check_dynamic_reset("dsuta+dynamic", {"reset_K": args.reset_K,
+                                                            "buffer_size": args.buffer_size})
+            except HparamsError as e:
+                p.error(f"{e} (--reset_K, --buffer_size)")
     return args
 
 

@@ -114,7 +114,7 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
             raise HparamsError(f"{path}: {key} = {values[key]!r} is not valid: {key} must be "
                                f"{_expected(kind, rng)}{what}")
     if values.get("reset") == "dynamic":
-        _check_dynamic_reset(path, values)
+        check_dynamic_reset(path, values)
     _check_lm(path, values)
     if "device" in values:
         check_device(values["device"], here=device_here)
@@ -123,7 +123,7 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
                            f"(--device=cuda); on cpu use bf16 or fp32")
 
 
-def _check_dynamic_reset(path, values: Dict) -> None:
+def check_dynamic_reset(path, values: Dict) -> None:
     """The dynamic reset's K against the LII count and the meta-update period (buffer_size)."""
     K, M = values.get("reset_K"), values.get("buffer_size")
     if K is None:
