@@ -63,6 +63,16 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--cuda_graph_buckets", "-0.5"], "argument --cuda_graph_buckets: -0.5 is not >= 0"),
     (["--cuda_graph_cache", "-2"], "argument --cuda_graph_cache: -2 is not > 0"),
     (["--cuda_graph_cache", "x"], "argument --cuda_graph_cache: 'x' is not a int"),
+    # these failed only after the model was built (a seed numpy refuses, a profile of no entry)
+    # or were silently unused (--lengths and --profile with a mode that times otherwise)
+    (["--seed", str(2 ** 64)], f"argument --seed: {2 ** 64} is not between 0 and 4294967295"),
+    (["--seed", "-1"], "argument --seed: -1 is not between 0 and 4294967295"),
+    (["--profile", "sutaa"], "--profile sutaa: not an entry of this run (entries: unit_fb, "
+                             "unit_f, "),
+    (["--methods", "suta", "--profile", "dsuta"], "--profile dsuta: not an entry of this run"),
+    (["--two_lengths", "3,8", "--lengths", "repeat"], "--lengths: not with --two_lengths"),
+    (["--two_lengths", "3,8", "--profile", "suta"], "--profile: not with --two_lengths"),
+    (["--population", "--lengths", "fresh"], "--lengths: not with --population"),
 ] + ([] if CUDA_HERE else [(["--device", "cuda:0"], "--device=cuda:0: no CUDA device here")]))
 def test_bench_speed_refuses_bad_arguments_in_one_line(argv, named, capsys):
     import bench_speed
@@ -98,6 +108,12 @@ def test_bench_speed_takes_the_values_the_runs_take():
     assert (a.cuda_graph_warmup, a.reset_threshold) == (0, -1.5)
     a = bench_speed.parse_args(["--reset_K", "12", "--buffer_size", "6", "--cuda_graph_cache", "3"])
     assert (a.reset_K, a.buffer_size, a.cuda_graph_cache) == (12, 6, 3)
+    a = bench_speed.parse_args(["--seed", str(2 ** 32 - 1), "--methods", "suta,dsuta",
+                                "--profile", "dsuta"])
+    assert (a.seed, a.profile, a.lengths) == (2 ** 32 - 1, "dsuta", "fresh")
+    assert bench_speed.parse_args(["--profile", "unit_fb_train", "--lengths", "repeat"]).lengths \
+        == "repeat"
+    assert bench_speed.parse_args(["--two_lengths", "3,8"]).lengths == "fresh"
 
 
 def test_bench_speed_fixed_cost_is_the_line_through_the_points():

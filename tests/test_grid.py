@@ -230,6 +230,24 @@ def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
     assert not any(a.startswith("--reset") for a in runs[0].argv)
 
 
+def test_a_dry_run_says_which_runs_will_not_run_and_fails(data, tmp_path, capsys):
+    """``--sweep "steps=-1,abc"`` was printed by --dry_run as two good runs (rc 0); each failed
+    at its start in the real grid. Now the dry run checks every run's settings as its start
+    would, names each bad run with the key, and exits 1; good runs are still listed."""
+    exp = tmp_path / "exp"
+    rc = grid.main(grid_argv(data, exp, "suta dsuta+dynamic", "0", "--sweep", "steps=-1,abc,2",
+                             "--dry_run"))
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert out.count("DRY-RUN: ") == 6
+    bad = [line for line in out.splitlines() if "will not run" in line]
+    assert len(bad) == 4 and all("steps must be an integer >= 0" in line for line in bad)
+    assert "grid: s/suta_steps-1/seed0 will not run: ERROR: " in out
+    assert "s/suta_steps2/seed0 will not run" not in out
+    assert not exp.exists()                                     # a dry run writes nothing
+    assert grid.main(grid_argv(data, exp, "suta", "0", "--sweep", "steps=1,2", "--dry_run")) == 0
+
+
 def hparams_find(name):
     from tta_brain import hparams
     return hparams.find(name)

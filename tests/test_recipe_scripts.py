@@ -110,8 +110,9 @@ def test_lsc_stage3_4_dry_run_commands(lsc, tmp_path):
     hp, conf = tmp_path / "hparams", tmp_path / "conf"
     hp.mkdir()
     conf.mkdir()
-    (hp / "suta.yaml").write_text("seed: 0\nsteps: 10\n")
-    (hp / "dsuta.yaml").write_text("seed: 0\nsteps: 10\nreset: none\n")
+    from tta_brain import hparams      # own yamls: the dry run checks each run's settings
+    for name in ("suta", "dsuta"):
+        (hp / f"{name}.yaml").write_text(hparams.compose(hparams.find(name)))
     (conf / "dsuta+dynamic.opts").write_text("# dynamic reset\n--reset=dynamic\n")
     exp = tmp_path / "exp"
     res = run(LSC, "--stage", 3, "--data_dir", data, "--exp_dir", exp, "--hparams_dir", hp,
@@ -196,7 +197,8 @@ def test_chime3_stages_0_to_2_and_decode_dry_run(tmp_path):
     # stage 3 as the issue asks: `run.sh --stage 3` decodes (dry run here) and reports
     hp = tmp_path / "hp"
     hp.mkdir()
-    (hp / "dsuta.yaml").write_text("seed: 0\nsteps: 10\n")
+    from tta_brain import hparams      # an own yaml: the dry run checks each run's settings
+    (hp / "dsuta.yaml").write_text(hparams.compose(hparams.find("dsuta")))
     res = run(CHIME, "--stage", 3, "--data_dir", data, "--exp_dir", exp, "--hparams_dir", hp,
               "--methods", "dsuta", "--seeds", "0 1 2", "--dry_run", "true", env=env)
     assert res.returncode == 0, res.stderr
@@ -283,7 +285,7 @@ def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
     # --md_recipe_opts given: it, not the rule (was ignored)
     for extra, want in ((["--per_domain", 3], ["--reset_K=10", "--reset_every=1"]),
                         (["--per_domain", 6], ["--reset_K=10", "--reset_every=1"]),
-                        (["--md_recipe_opts", "--reset_K=7"], ["--reset_K=7"])):
+                        (["--md_recipe_opts", "--reset_K=12"], ["--reset_K=12"])):
         for method in ("dsuta+fixed", "dsuta+dynamic"):
             res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
                       "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",

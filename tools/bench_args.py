@@ -39,6 +39,13 @@ def finite(kind):
     return _bounded(kind, lambda v: True, "", f"finite {kind.__name__}")
 
 
+def seed(text):
+    """``type=seed``: a seed the runs take (``rules``' range: numpy's, 0 .. 2**32 - 1)."""
+    from tta_brain.hparams.rules import RANGES
+    ok, says = RANGES["seed"]
+    return _bounded(int, ok, says.strip(), "seed")(text)
+
+
 def auto_or(one):
     """``type=auto_or(at_least(int, 1))``: ``auto``, or what the type ``one`` takes (the run
     block's graph options)."""

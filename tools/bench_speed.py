@@ -86,7 +86,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench_args import (at_least, auto_or, device, finite, output_file, positive,  # noqa: E402
+from bench_args import (at_least, auto_or, device, finite, output_file, positive, seed,  # noqa: E402
                         positives)
 from tta_brain.hparams import rules  # noqa: E402
 from tta_brain.hparams.rules import HparamsError  # noqa: E402
@@ -415,8 +415,9 @@ def parse_args(argv=None):
     p.add_argument("--data_root", default="", help="replaces $data_root in --stream")
     p.add_argument("--n_utts", type=positive(int), default=10, help="utterances per round")
     p.add_argument("--seconds", type=positive(float), default=3.0, help="mean length of generated utterances")
-    p.add_argument("--lengths", default="fresh", choices=("fresh", "repeat"),
-                   help="fresh: every pass meets a new input length, as on a real stream")
+    p.add_argument("--lengths", default=None, choices=("fresh", "repeat"),
+                   help="fresh (default): every pass meets a new input length, as on a real "
+                   "stream; repeat: the rounds reuse the same utterances")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
                    type=device)
     p.add_argument("--methods", default=",".join(ALL_METHODS),
@@ -428,7 +429,7 @@ def parse_args(argv=None):
                    "not with --two_lengths, which times one pass of --n_utts per length)")
     p.add_argument("--warmup", type=at_least(int, 0), default=6, help="utterances each entry processes first "
                    "(>= reset_K/2 + 1, so DSUTA + dynamic reset is timed in its detection stage)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--adapt", default="layernorm,cnn", help="parameter selectors (paper: layernorm,cnn)")
     p.add_argument("--lr", type=positive(float), default=2e-5)
     p.add_argument("--suta_steps", type=positive(int), default=10)
@@ -479,12 +480,22 @@ def parse_args(argv=None):
                     "per length)")
     elif args.repeats is None:
         args.repeats = 3
+    for opt, mode in (("lengths", "two_lengths"), ("lengths", "population"),
+                      ("profile", "two_lengths"), ("profile", "population")):
+        if getattr(args, opt) is not None and getattr(args, mode):      # else silently unused
+            p.error(f"--{opt}: not with --{mode}, which does not use it")
+    args.lengths = args.lengths or "fresh"
     if args.stream and not os.path.isfile(args.stream):
         p.error(f"--stream {args.stream}: no such file")
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
         p.error(f"--model {args.model}: not a save_pretrained CTC model folder (no config.json)")
     from tta_brain.methods import METHODS
-    for token in (m.strip() for m in args.methods.split(",") if m.strip()):
+    tokens = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.profile is not None and args.profile not in (*UNITS, TRAIN_UNIT, *tokens):
+        p.error(f"--profile {args.profile}: not an entry of this run (entries: "
+                f"{', '.join((*UNITS, *tokens))}; {TRAIN_UNIT} when a method adapts in train "
+                f"mode)")
+    for token in tokens:
         base, plus, reset = token.partition("+")
         if base not in METHODS or (plus and reset not in ("dynamic", "fixed", "oracle")):
             p.error(f"--methods: unknown method token {token!r} (methods: "

@@ -125,18 +125,27 @@ def folder_status(out, fp):
     return "new", []
 
 
+def settings(argv, device_here: bool = True):
+    """The parsed command and its resolved, checked yaml (``hp`` None for ``--help``): what a run
+    computes, known before its stream is read (a grid's ``--dry_run`` checks every run so).
+    Raises SystemExit with one ``ERROR:`` line for a bad command or value."""
+    try:
+        args = parse_arguments(list(argv))
+        if args.help:
+            return args, None
+        return args, hp_files.resolve(args.method, args.overrides, device_here=device_here)
+    except (UsageError, hp_files.HparamsError) as e:
+        _fail(str(e))
+
+
 def plan(argv, device_here: bool = True) -> Plan:
     """Parse a decode command, resolve its yaml, fingerprint the run and look at its folder.
     Raises SystemExit with one ``ERROR:`` line for a bad command, yaml or manifest.
     ``device_here=False``: the run will decode on another machine (a Slurm node), so ``--device``
     is checked for its form only; the run checks it again where it starts."""
-    try:
-        args = parse_arguments(list(argv))
-        if args.help:
-            return Plan(None, args, [], {}, "", "", {}, "help", [])
-        hp = hp_files.resolve(args.method, args.overrides, device_here=device_here)
-    except (UsageError, hp_files.HparamsError) as e:
-        _fail(str(e))
+    args, hp = settings(argv, device_here)
+    if args.help:
+        return Plan(None, args, [], {}, "", "", {}, "help", [])
     resolved = hp.values
     for key in ("model", "method", "stream_csv", "output_folder"):
         if key not in resolved:

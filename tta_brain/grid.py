@@ -616,10 +616,17 @@ def main(argv=None) -> int:
             "%s asks for GPUs: the runs decode on cuda (--decode_opts=--device=cpu to override)",
             args.slurm_conf)
     runs = plan_runs(args, cuda=cuda)
-    if args.dry_run:
+    if args.dry_run:     # each run's settings checked as its start would (not its stream, which
+        from tta_brain import decode     # an earlier stage may not have written yet)
+        refused = 0
         for r in runs:
             print("DRY-RUN: " + shlex.join([sys.executable, "-m", "tta_brain.decode", *r.argv]))
-        return 0
+            try:
+                decode.settings(r.argv, device_here=False)
+            except SystemExit as e:
+                refused += 1
+                print(f"grid: {r.name} will not run: {e}", flush=True)
+        return 1 if refused else 0
     check_done(runs, device_here=args.engine == "local")
     for r in runs:              # said now, not after hours of the other runs (and at the end)
         if r.status == "failed":
