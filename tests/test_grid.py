@@ -792,6 +792,9 @@ def test_a_job_slurm_cannot_start_is_said_pending_with_its_reason(data, tmp_path
         line = said()[0]
         job = line.split("(job ", 1)[1].split(":", 1)[0]
         assert "it will not start" in line and any(r in line for r in grid.NEVER_STARTS), line
+        # and the progress counts it pending, not running (said after the pending line)
+        wait_for(lambda: any("1 pending on Slurm" in ln for ln in list(lines)), "progress", 30)
+        assert not any("grid: 0 done, 1 running" in ln for ln in lines[lines.index(said()[0]):])
         proc.terminate()                     # the grid stops; its job goes on, and it says so
         proc.wait(timeout=60)
         wait_for(lambda: any(ln.startswith("grid: stopped") for ln in list(lines)), "the end", 30)

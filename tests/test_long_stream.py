@@ -106,6 +106,12 @@ def test_progress_line_says_how_far_each_long_run_is(tmp_path):
     assert "\n" not in line
     short = [grid.Run("md_hard/suta/seed0", tmp_path / "s", [], status="running", total=400)]
     assert grid._progress(short, now=5.0) == grid._progress(short)   # short runs: as before
+    # a Slurm job not started yet is counted pending, not running, and its rows are all left
+    pending = grid._progress(runs, now=200.0, pending={"md_long/m1/seed0"})
+    head, per_run, total = pending.split(" | ")
+    assert head == ("grid: 0 done, 1 running, 1 pending on Slurm, 0 failed, 1 queued (3 runs, 0 "
+                    "already finished)")
+    assert per_run.startswith("md_long/m0/seed0 400/3000") and "m1" not in per_run
 
 
 # ------------------------------------------------------------------------- the memory record

@@ -383,6 +383,7 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
     threads = max(1, (os.cpu_count() or 1) // max(1, len(free))) if args.engine == "local" else 0
     last, printed = None, 0.0
     asked, said = -PENDING_EVERY, ""              # Slurm's pending jobs: last asked, last said
+    pending = set()                               # ... and their runs, as Slurm said last
     waiting = [u for u in units if args.engine == "local"]
     while True:
         while free and waiting:
@@ -397,13 +398,14 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
                 _collect(u, j)
                 if args.engine == "local":
                     free.append(gpu)
-        line = _progress(runs, time.monotonic())
+        if args.engine == "slurm" and time.monotonic() - asked >= PENDING_EVERY:
+            said, pending = _say_pending(jobs, said)
+            asked = time.monotonic()
+        line = _progress(runs, time.monotonic(), pending)
         head = line.split(" | ")[0]
         if head != last or (line != head and time.monotonic() - printed >= PROGRESS_EVERY):
             print(line, flush=True)
             last, printed = head, time.monotonic()
-        if args.engine == "slurm" and time.monotonic() - asked >= PENDING_EVERY:
-            said, asked = _say_pending(jobs, said), time.monotonic()
         if not any(r.status in ("queued", "running") for u in units for r in u):
             return
         time.sleep(args.poll)
@@ -448,12 +450,14 @@ def pending_line(runs_of: Dict[str, List[Run]], reasons: Dict[str, str]) -> str:
     return f"grid: pending on Slurm: {'; '.join(parts)}" if parts else ""
 
 
-def _say_pending(jobs, said: str) -> str:
+def _say_pending(jobs, said: str):
+    """Print the pending line when it changed; (that line, the names of the pending runs)."""
     runs_of = {str(j.job_id): u for u, j, _ in jobs.values() if u[0].status == "running"}
-    line = pending_line(runs_of, slurm_pending(list(runs_of)))
+    reasons = slurm_pending(list(runs_of))
+    line = pending_line(runs_of, reasons)
     if line and line != said:
         print(line, flush=True)
-    return line
+    return line, {r.name for job_id in reasons for r in runs_of[job_id]}
 
 
 def _collect(unit: List[Run], job) -> None:
@@ -508,12 +512,17 @@ def fmt_duration(seconds: Optional[float]) -> str:
     return f"{seconds // 60}m" if seconds >= 60 else f"{seconds}s"
 
 
-def _progress(runs: List[Run], now: Optional[float] = None) -> str:
+def _progress(runs: List[Run], now: Optional[float] = None, pending=frozenset()) -> str:
+    """The grid's one progress line; ``pending``: the names of submitted runs whose Slurm job
+    has not started (as squeue said last), counted apart from the running ones."""
     n = {s: sum(r.status == s for r in runs) for s in ("done", "running", "failed", "queued",
                                                       "skipped")}
-    line = (f"grid: {n['done']} done, {n['running']} running, {n['failed']} failed, "
+    waits = sum(r.status == "running" and r.name in pending for r in runs)
+    line = (f"grid: {n['done']} done, {n['running'] - waits} running, "
+            + (f"{waits} pending on Slurm, " if waits else "")
+            + f"{n['failed']} failed, "
             f"{n['queued']} queued ({len(runs)} runs, {n['skipped']} already finished)")
-    running = [r for r in runs if r.status == "running"]
+    running = [r for r in runs if r.status == "running" and r.name not in pending]
     if now is None or not any(r.total >= LONG_RUN for r in running):
         return line
     # long runs: how far each running one is, its time left, and the grid's (rows left over the
@@ -527,7 +536,8 @@ def _progress(runs: List[Run], now: Optional[float] = None) -> str:
         left += r.total - rows
         parts.append(f"{r.name} {rows}/{r.total} "
                      f"{fmt_duration((r.total - rows) / rate if rate else None)} left")
-    left += sum(r.total for r in runs if r.status == "queued")
+    left += sum(r.total for r in runs if r.status == "queued"
+                or (r.status == "running" and r.name in pending))
     return f"{line} | {', '.join(parts)} | grid ETA {fmt_duration(left / speed if speed else None)}"
 
 
