@@ -156,6 +156,53 @@ def test_a_finished_run_with_damaged_records_is_not_skipped(data, tmp_path):
     assert decode.plan(run).status == "done"
 
 
+def test_a_checkpoint_cut_short_is_one_line_and_the_records_are_kept(data, reference, tmp_path,
+                                                                    monkeypatch):
+    """A checkpoint file cut short by hand, a copy or a full disk (a kill cannot: each file is
+    written whole, then renamed) stopped the rerun with a traceback (stream.ckpt: torch's zip
+    reader, or ``EOFError``; CKPT.yaml and brain.ckpt: SpeechBrain's ``TypeError``). Now each is
+    one line naming the file, the records are left as they were, and once the checkpoint is
+    whole again the run resumes exactly. A finished run's records line cut in the middle is
+    said cut short (it was said to be a record of another tta_brain version)."""
+    import shutil
+    out = tmp_path / "exp"
+    run = args(data, out, *DSUTA, "--ckpt_every=3")
+    orig = TTABrain.evaluate_batch
+
+    def boom(self, batch, stage=None):
+        if batch[1].position == 10:
+            raise RuntimeError("simulated crash")
+        return orig(self, batch)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        decode.main(run)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    ckpt = next((out / "save").glob("CKPT+*"))
+    whole = tmp_path / "whole"
+    shutil.copytree(ckpt, whole)
+    part = lambda: {f: (out / f).read_bytes() for f in RECORDS[:-1]}   # noqa: E731 (no wer.txt)
+    kept = part()
+    for name, size, said in (("stream.ckpt", 100, "the checkpoint cannot be read (RuntimeError"),
+                             ("stream.ckpt", 0, "the checkpoint cannot be read (EOFError"),
+                             ("CKPT.yaml", 10, "the checkpoint cannot be read (no key: value"),
+                             ("brain.ckpt", 5, "the checkpoint cannot be read (no key: value")):
+        os.truncate(ckpt / name, size)
+        with pytest.raises(SystemExit) as e:
+            decode.main(run)
+        line = str(e.value)
+        assert line.startswith(f"ERROR: {ckpt / name}: {said}"), line
+        assert "\n" not in line and "to start over" in line
+        assert part() == kept
+        shutil.copy(whole / name, ckpt / name)
+    decode.main(run)
+    assert records(out) == records(reference)
+    text = (out / "transcripts.csv").read_text()
+    (out / "transcripts.csv").write_text(text[:-20])           # the last line cut in the middle
+    with pytest.raises(SystemExit, match=r"transcripts\.csv:21: \d+ of the header's \d+ "
+                                         r"fields, no '\w+' \(the line is cut short\)"):
+        decode.main(run)
+
+
 def test_same_seed_same_transcripts_awmc_with_dropout(data, tmp_path):
     """AWMC adapts in train mode (dropout on): the seed decides the dropout masks."""
     common = ["--steps=2", "--lr=0.05", "--ckpt_every=0", "--train_mode=true"]

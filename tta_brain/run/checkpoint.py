@@ -86,7 +86,14 @@ class StreamState:
         if why:
             raise ResumeError(f"{path}: the checkpoint is damaged ({why}); delete "
                               f"{Path(path).parent.parent} to start over")
-        sd = torch.load(path, map_location=device, weights_only=False)
+        try:        # cut short (no zip archive any more), empty, or not torch.save's
+            sd = torch.load(path, map_location=device, weights_only=False)
+        except Exception as e:
+            raise ResumeError(f"{path}: the checkpoint cannot be read ({_said(e)}); delete "
+                              f"{Path(path).parent.parent} to start over") from None
+        if not isinstance(sd, dict) or "cursor" not in sd:
+            raise ResumeError(f"{path}: not a checkpoint of a tta_brain run; delete "
+                              f"{Path(path).parent.parent} to start over")
         old = sd.get("fingerprint")
         # the folder's rule (identity.differences): keys added since the checkpoint was written
         # take the values it computed with, so a checkpoint of an older tta_brain resumes
@@ -115,9 +122,48 @@ def recover(checkpointer) -> bool:
             if d.is_dir() and not (d / STATE_FILE).is_file():
                 logger.warning("Removing incomplete checkpoint %s (interrupted while saving)", d)
                 shutil.rmtree(d, ignore_errors=True)
-    ckpt = checkpointer.recover_if_possible(
-        ckpt_predicate=lambda c: (Path(c.path) / STATE_FILE).is_file())
+        for d in sorted(ckpt_dir.glob("CKPT+*")):
+            why = _unreadable_yaml(d)
+            if why:
+                raise ResumeError(f"{why}; delete {ckpt_dir} to start over")
+    try:
+        ckpt = checkpointer.recover_if_possible(
+            ckpt_predicate=lambda c: (Path(c.path) / STATE_FILE).is_file())
+    except ResumeError:
+        raise
+    except Exception as e:       # one line, whatever part of it SpeechBrain could not read
+        raise ResumeError(f"{ckpt_dir}: the newest checkpoint cannot be read ({_said(e)}); "
+                          f"delete {ckpt_dir} to start over") from e
     return ckpt is not None
+
+
+#: SpeechBrain's yaml files in a checkpoint directory: its meta and the Brain's counters.
+YAML_FILES = ("CKPT.yaml", "brain.ckpt")
+
+
+def _unreadable_yaml(d: Path) -> Optional[str]:
+    """Why one of a complete checkpoint's :data:`YAML_FILES` cannot be read (None: they can):
+    SpeechBrain read a cut one with a traceback."""
+    import yaml
+    if not (d / STATE_FILE).is_file():
+        return None
+    for name in YAML_FILES:
+        path = d / name
+        if not path.is_file():
+            continue
+        try:
+            value = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            return f"{path}: the checkpoint cannot be read ({_said(e)})"
+        if not isinstance(value, dict):
+            return f"{path}: the checkpoint cannot be read (no key: value mapping; cut short?)"
+    return None
+
+
+def _said(e: BaseException) -> str:
+    """An exception as a short part of one line."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
 
 
 def save(checkpointer, state: StreamState, writer) -> None:

@@ -106,10 +106,14 @@ def _columns(cls) -> List[str]:
     return [f.name for f in fields(cls)]
 
 
-def _parse(cls, row: Dict[str, str], path, line: int):
+def _parse(cls, row: Dict[str, str], path, line: int, header=()):
     out = {}
     for f in fields(cls):
         value = row.get(f.name)
+        if value is None and f.name in header:      # the header has it, the row stops before it
+            given = sum(v is not None for k, v in row.items() if k is not None)
+            raise RecordError(f"{path}:{line}: {given} of the header's {len(header)} fields, "
+                              f"no '{f.name}' (the line is cut short)")
         if value is None:
             raise RecordError(f"{path}:{line}: no '{f.name}' (not a {cls.__name__} record of "
                               f"this tta_brain version)")
@@ -128,7 +132,8 @@ def _read(folder, name: str) -> list:
     try:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
-            return [_parse(cls, row, path, i) for i, row in enumerate(reader, start=2)]
+            return [_parse(cls, row, path, i, reader.fieldnames or ())
+                    for i, row in enumerate(reader, start=2)]
     except UnicodeDecodeError:          # damaged bytes, or a file of another encoding
         raise RecordError(f"{path}:{_first_bad_line(path)}: not UTF-8 text (damaged?)") from None
     except csv.Error as err:            # NUL bytes, a quote left open by a cut

@@ -70,11 +70,14 @@ def percent(value) -> str:
 
 
 def write_summary(folder, summary: Summary) -> None:
-    """``summary.json``, written atomically (temporary file + rename)."""
+    """``summary.json``, written atomically (temporary file, fsync, rename: as the checkpoints,
+    so a power loss does not leave an empty summary that marks the run finished)."""
     path = Path(folder) / "summary.json"
     tmp = path.with_name(".summary.json.tmp")
-    tmp.write_text(json.dumps({k: _json_safe(v) for k, v in asdict(summary).items()}, indent=2),
-                   encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({k: _json_safe(v) for k, v in asdict(summary).items()}, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
