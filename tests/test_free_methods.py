@@ -96,7 +96,10 @@ def test_partial_forward_is_the_models_forward(tmp_path, arch, cfg):
 
 
 @pytest.mark.parametrize("arch,why", [
-    ("sew", "SEWForCTC: a partial forward needs a wav2vec 2.0-style model"),
+    # the reason: SEW has the parts that were listed (feature_extractor, feature_projection,
+    # encoder, lm_head); its forward after the CNN is another one
+    ("sew", "SEWForCTC: a partial forward needs a wav2vec 2.0-style model whose forward after "
+            "the CNN it reproduces (base model one of Wav2Vec2Model, "),
     ("wav2vec2-conformer", "Wav2Vec2ConformerForCTC: its encoder (Wav2Vec2ConformerEncoder) is "
                            "not one the partial forward runs layer by layer"),
 ])

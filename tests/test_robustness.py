@@ -545,6 +545,22 @@ def test_a_damaged_source_directory_is_one_line(tmp_path, ok_stream, tiny_model_
     assert "\n" not in msg and not (tmp_path / "exp").exists()
 
 
+def test_a_model_without_its_ctc_head_is_refused_alone(tmp_path, ok_stream, tiny_model_dir):
+    """transformers' own warning about the missing head ("Some weights of Wav2Vec2ForCTC were
+    not initialized ... You should probably TRAIN this model ...") came before the refusal; now
+    the one ERROR line stands alone (a real process: pytest holds transformers' stream)."""
+    from transformers import AutoModelForCTC
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, src)
+    AutoModelForCTC.from_pretrained(src).base_model.save_pretrained(src)
+    res = subprocess.run([sys.executable, "-m", "tta_brain.decode", "dsuta", f"--source={src}",
+                          f"--stream_csv={ok_stream}", f"--output_folder={tmp_path / 'exp'}",
+                          *FAST], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1
+    said = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(said) == 1 and "the checkpoint has no CTC output layer" in said[0], res.stderr
+
+
 def test_a_vocabulary_that_does_not_name_every_output_is_refused(tmp_path, ok_stream,
                                                                   tiny_model_dir):
     """vocab.json of another model (fewer tokens than the model's outputs): the frames of the

@@ -31,6 +31,25 @@ def run_cli(*argv):
     return stats.main([str(a) for a in argv])
 
 
+def test_a_kind_the_model_cannot_give_is_named_with_the_kinds_it_can(clean, tmp_path, capsys):
+    """On a SEW model (no partial forward) ``--kinds fisher,hidden,tokens`` failed as a whole
+    with the partial forward's message, naming no kind, so EATA's Fisher (which needs none)
+    looked impossible too. Now the line names the kinds and says which ones can be computed,
+    before any kind is computed, and those alone are."""
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
+    sew = save_random_ctc_model(str(tmp_path / "sew"), 1, arch="sew", **TINY)
+    out = tmp_path / "s.pt"
+    base = ["--source", sew, "--manifest", clean / "stream.csv", "--data_root", clean, "--out",
+            out, "--max_utts", 2]
+    assert run_cli(*base, "--kinds", "fisher,hidden,tokens") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ERROR: --kinds hidden,tokens: SEWForCTC: a partial forward needs ")
+    assert err.endswith("; --kinds fisher alone can be computed for it") and "\n" not in err
+    assert not out.exists()
+    assert run_cli(*base, "--kinds", "fisher") == 0
+    assert ss.load(out).kinds == ["fisher"]
+
+
 def test_cli_writes_fisher_with_provenance(clean, tiny_model_dir, tmp_path):
     out = tmp_path / "s" / "fisher.pt"
     assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",

@@ -161,12 +161,27 @@ def _weights_at_fault(source: str) -> str:
     return ", ".join(bad)
 
 
+class _HeldRecords(logging.Filter):
+    """A logging filter that holds the records it sees (to be handled later, or dropped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def filter(self, record):
+        self.records.append(record)
+        return False
+
+
 def _load_checkpoint(source: str, kwargs: dict):
     """The model, feature extractor and tokenizer of a CTC checkpoint (``from_pretrained(source,
     **kwargs)``); a failure is one RuntimeError (:func:`_load_part`)."""
     from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
 
     def model():
+        held = _HeldRecords()        # transformers' own warnings, said unless we refuse the model
+        loading = logging.getLogger("transformers.modeling_utils")
+        loading.addFilter(held)
         try:
             loaded, info = AutoModelForCTC.from_pretrained(source, output_loading_info=True,
                                                            **kwargs)
@@ -177,12 +192,16 @@ def _load_checkpoint(source: str, kwargs: dict):
                 raise ValueError(f"cannot read the weights in {weights} "
                                  f"({type(e).__name__}: {why})") from e
             raise
+        finally:
+            loading.removeFilter(held)
         head = sorted(k for k in info.get("missing_keys") or () if k.startswith("lm_head."))
         if head:       # transformers only warns, and the run decodes with a random output layer
             raise ValueError(
                 f"the checkpoint has no CTC output layer ({', '.join(head)} would be random): a "
                 f"pretrained-only model (e.g. facebook/wav2vec2-base) is no recogniser; use a "
                 f"CTC fine-tuned one (e.g. facebook/wav2vec2-base-960h)")
+        for record in held.records:
+            loading.handle(record)
         return loaded
 
     return (_load_part(source, "model", ("config.json",), "config.json, the weights", model),

@@ -86,9 +86,12 @@ class PartialForward:
     """The stages of ``lobe.model`` (an ``HFCTCLobe``'s model); see the module docstring."""
 
     def __init__(self, lobe):
-        if not lobe.supports_features:
-            raise ValueError(f"{type(lobe.model).__name__}: a partial forward needs a wav2vec 2.0-style "
-                             f"model (feature_extractor, feature_projection, encoder, lm_head)")
+        if not lobe.supports_features:       # the reason, not a list of parts SEW also has
+            from tta_brain.lobes.hf_ctc import FEATURE_MODELS
+            base = type(getattr(lobe.model, "base_model", lobe.model)).__name__
+            raise ValueError(f"{type(lobe.model).__name__}: a partial forward needs a wav2vec "
+                             f"2.0-style model whose forward after the CNN it reproduces (base "
+                             f"model one of {', '.join(FEATURE_MODELS)}; this one's is {base})")
         encoder = type(lobe.model.base_model.encoder).__name__
         if encoder not in PARTIAL_ENCODERS:
             raise ValueError(f"{type(lobe.model).__name__}: its encoder ({encoder}) is not one the "

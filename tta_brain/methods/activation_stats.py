@@ -28,7 +28,7 @@ def layer_means(states) -> torch.Tensor:
     return torch.cat([h.float().mean(dim=1) for h in states], dim=1)
 
 
-@stats_file.register_kind("hidden")
+@stats_file.register_kind("hidden", partial_forward=True)
 @torch.no_grad()
 def hidden_stats(lobe, inputs: Iterable[torch.Tensor], options=None) -> Dict[str, torch.Tensor]:
     """The ``hidden`` statistics of ``inputs`` (normalised ``[1, T]`` model inputs)."""
@@ -45,7 +45,7 @@ def hidden_stats(lobe, inputs: Iterable[torch.Tensor], options=None) -> Dict[str
             "layers_std": std.cpu(), "n_utts": torch.tensor(len(cnn))}
 
 
-@stats_file.register_kind("tokens")
+@stats_file.register_kind("tokens", partial_forward=True)
 @torch.no_grad()
 def token_stats(lobe, inputs: Iterable[torch.Tensor], options=None) -> Dict[str, torch.Tensor]:
     """The ``tokens`` statistics of ``inputs``: per-label mean/std of all-layer states (running

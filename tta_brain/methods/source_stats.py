@@ -55,15 +55,22 @@ class SourceStatsError(ValueError):
     """A statistics file that cannot be used; the message is one line naming the file."""
 
 
-def register_kind(name: str, options: Sequence[str] = ()):
+#: The kinds computed through ``lobes.partial`` (wav2vec 2.0-style models only: FOA, E-BATS).
+PARTIAL_KINDS = set()
+
+
+def register_kind(name: str, options: Sequence[str] = (), partial_forward: bool = False):
     """Decorator: make ``fn(lobe, inputs, options) -> {name: tensor}`` the statistics kind ``name``;
-    ``options``: the ``--key=value`` keys it reads (any other key is refused, not ignored)."""
+    ``options``: the ``--key=value`` keys it reads (any other key is refused, not ignored);
+    ``partial_forward``: it runs the model through ``lobes.partial`` (not every model can)."""
     def deco(fn):
         old = KINDS.get(name)
         if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
             raise ValueError(f"statistics kind '{name}' is taken by {old.__module__}.{old.__qualname__}")
         KINDS[name] = fn
         KIND_OPTIONS[name] = tuple(options)
+        if partial_forward:
+            PARTIAL_KINDS.add(name)
         return fn
     return deco
 
@@ -204,7 +211,21 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
         except AudioError as e:                 # which row of which manifest, not only the file
             raise SourceStatsError(f"{manifest}: utterance {r['ID']}: {e} (--manifest)") from None
     options = dict(options or {})
-    stats = {k: KINDS[k](lobe, inputs, options) for k in kinds}
+    partial = [k for k in kinds if k in PARTIAL_KINDS]
+    if partial:                 # said before any kind is computed, with the kinds it can give
+        from tta_brain.lobes.partial import PartialForward
+        try:
+            PartialForward(lobe)
+        except ValueError as e:
+            others = [k for k in kinds if k not in PARTIAL_KINDS]
+            hint = f"; --kinds {','.join(others)} alone can be computed for it" if others else ""
+            raise SourceStatsError(f"--kinds {','.join(partial)}: {e}{hint}") from None
+    stats = {}
+    for k in kinds:
+        try:
+            stats[k] = KINDS[k](lobe, inputs, options)
+        except ValueError as e:               # which kind said it
+            raise SourceStatsError(f"--kinds {k}: {' '.join(str(e).split())}") from e
     return SourceStats(stats=stats, manifest=str(manifest), manifest_sha1=file_sha1(manifest),
                        model=source_identity(str(source)), model_params_sha1=params_sha1(lobe.model),
                        n_utts=len(inputs), options=options, created=time.strftime("%Y-%m-%d %H:%M:%S"),
