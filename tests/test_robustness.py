@@ -819,6 +819,76 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
     assert hyp == tta.transcribe(want, sample_rate=16000.0) == hyps[0]
 
 
+def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_model_dir,
+                                                               utterances):
+    """An application's habits broke the stream: two threads at once (autograd's "modified by
+    an inplace operation" in one thread, a half-counted utterance left), the app's
+    ``torch.inference_mode()`` (an autograd error, counts changed), an utterance over
+    ``max_duration`` (decoded here, skipped by a recipe run: every later transcript differed),
+    ``segment="0"`` (another block than 0), a user reset missing from ``resets``. Now calls
+    are taken one at a time, inference mode adapts as no_grad does, the long utterance and a
+    text segment are one ValueError with the state unchanged, and the reset is listed."""
+    import threading
+    from tta_brain.stream import StreamStateError, TTAStream
+
+    def stream(**ov):
+        return TTAStream.from_hparams("suta", source=tiny_model_dir,
+                                      overrides={"steps": 2, "lr": 0.05, **ov})
+    serial = stream()
+    ref = [serial.transcribe(w) for w in utterances]
+    shared, errors = stream(), []
+
+    def feed():
+        try:
+            for w in utterances:
+                shared.transcribe(w)
+        except Exception as e:              # noqa: BLE001 (the test says which)
+            errors.append(e)
+    threads = [threading.Thread(target=feed) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and shared.position == 2 * len(utterances)
+    again = stream()
+    for w in utterances + utterances:
+        again.transcribe(w)
+    assert shared.counts == again.counts                # whole utterances only
+    inner = stream()
+    with torch.inference_mode():
+        assert [inner.transcribe(w) for w in utterances] == ref
+    assert inner.counts == serial.counts
+    long = torch.cat([utterances[1]] * 18)              # 21.6 s
+    before = (serial.position, serial.counts)
+    with pytest.raises(ValueError, match=r"transcribe: 21\.6 s is longer than max_duration "
+                                         r"\(20\.0 s\), which a recipe run skips too"):
+        serial.transcribe(long)
+    for bad in ("0", 1.5, True):
+        with pytest.raises(ValueError, match="transcribe: segment must be an integer"):
+            serial.transcribe(utterances[0], segment=bad)
+    with pytest.raises(ValueError, match="transcribe: expected real samples"):
+        serial.transcribe(utterances[0].to(torch.complex64))
+    assert (serial.position, serial.counts) == before
+    unlimited = stream(max_duration=0)
+    unlimited.transcribe(long)                          # no limit: decoded
+    assert unlimited.position == 1
+    assert serial.transcribe(utterances[0], segment=np.int64(3)) is not None
+    continual = TTAStream.from_hparams("dsuta", source=tiny_model_dir,
+                                       overrides={"steps": 1, "buffer_size": 1})
+    continual.transcribe(utterances[0])
+    continual.reset()                                   # the user's, as a policy's is listed
+    assert continual.resets == [1]
+    serial.save(tmp_path / "s.pt")
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes((tmp_path / "s.pt").read_bytes()[:4000])
+    for path, said in ((cut, "cannot be read: cut short or damaged (RuntimeError: "),
+                       (tmp_path, "a folder, not a state file")):
+        with pytest.raises(StreamStateError, match=re.escape(f"{path}: {said}")):
+            serial.load(path)
+    with pytest.raises(StreamStateError, match="TTAStream.save: the path is empty"):
+        serial.save("")
+
+
 def test_live_stream_oracle_reset_needs_the_segment(tiny_model_dir):
     """Without segment= the oracle policy saw one block and never reset, silently."""
     from tta_brain.stream import TTAStream

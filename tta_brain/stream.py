@@ -9,10 +9,17 @@
 
 The method keeps its state across calls, so the slow meta-parameters, the reset detector and the
 optimiser moments carry over from one utterance to the next exactly as in a recipe run.
+
+One stream is one sequence: calls from several threads are taken one at a time (a lock), in the
+order they get it. As ``tta_brain.decode`` does, :meth:`TTAStream.from_hparams` seeds the
+process's random number generators (torch, numpy, ``random``) with the yaml's ``seed``, and
+:meth:`TTAStream.load` sets them to the saved ones; an application that draws its own numbers
+seeds them after those calls.
 """
 import array
 import logging
 import os
+import threading
 from typing import Dict, List, Optional, Union
 
 import numpy as np
@@ -52,6 +59,7 @@ class TTAStream:
         self.position = 0
         self.resets: List[int] = []
         self.lii: List[tuple] = []
+        self._lock = threading.RLock()      # one utterance at a time: the state is one sequence
 
     @classmethod
     def from_hparams(cls, hparams: str = "dsuta", source: Optional[str] = None,
@@ -83,14 +91,26 @@ class TTAStream:
         from a sound card, int32, uint8) is scaled as ``soundfile`` scales it when it reads a file.
         Several channels, ``[C, T]`` or ``[T, C]`` (``soundfile.read``'s layout; the channels are
         the shorter side), are averaged; other sample rates are resampled. A waveform that cannot
-        be used (empty, NaN/inf, too short for the model) is a one-line ``ValueError`` and leaves
-        the state and the stream position unchanged.
+        be used (empty, NaN/inf, too short for the model, longer than the yaml's
+        ``max_duration``, which a recipe run skips too) is a one-line ``ValueError`` and leaves
+        the state and the stream position unchanged. It adapts under the caller's
+        ``torch.no_grad()`` or ``torch.inference_mode()`` as well.
         """
+        # the caller's inference mode would make the samples (and every pass) inference tensors,
+        # which autograd refuses half-way through a step
+        with self._lock, torch.inference_mode(False):
+            return self._transcribe(waveform, sample_rate, domain, segment, utt_id)
+
+    def _transcribe(self, waveform, sample_rate, domain, segment, utt_id) -> str:
         policy = getattr(self.method, "reset_policy", None)
         if segment is None and getattr(policy, "name", None) == "oracle":   # it never fired
             raise ValueError("transcribe: the oracle reset policy needs segment= (the domain "
                              "block of this utterance: it resets where the label changes)")
-        wav = as_mono_float(waveform)
+        if segment is not None and (isinstance(segment, bool)
+                                    or not isinstance(segment, (int, np.integer))):
+            raise ValueError(f"transcribe: segment must be an integer (the domain block's "
+                             f"label), got {segment!r}")     # "0" and 0 were two blocks
+        wav = as_mono_float(waveform).clone()     # (a normal tensor, made in inference mode)
         if not torch.isfinite(wav).all():
             raise ValueError("transcribe: the waveform contains NaN or inf")
         sr = self.sample_rate if sample_rate is None else sample_rate
@@ -102,13 +122,19 @@ class TTAStream:
         if sr != self.sample_rate:
             import torchaudio
             wav = torchaudio.functional.resample(wav, sr, self.sample_rate)
+        limit = float(self.settings.get("max_duration") or 0)
+        if limit and wav.numel() / self.sample_rate > limit:
+            raise ValueError(f"transcribe: {wav.numel() / self.sample_rate:.1f} s is longer than "
+                             f"max_duration ({limit:.1f} s), which a recipe run skips too; split "
+                             f"the audio, or build the stream with overrides={{'max_duration': 0}} "
+                             f"(no limit)")
         check = too_short(self.method)
         why = check(wav.numel()) if check is not None else None
         if why:
             raise ValueError(f"transcribe: {wav.numel()} samples at {self.sample_rate} Hz are too "
                              f"short for the model ({why})")
         info = UttInfo(id=utt_id or str(self.position), position=self.position, domain=domain,
-                       segment=segment or 0)
+                       segment=int(segment or 0))
         hyp = self.method.process(wav, info)
         for ev in self.method.events:
             if ev.kind == "reset":
@@ -126,9 +152,14 @@ class TTAStream:
 
     def reset(self):
         """Back to the source model (the detector and meta-parameters too)."""
+        with self._lock:
+            self._reset()
+
+    def _reset(self):
         m = self.method
         if not m.episodic:
             m.reset_meta(m.t, self.position, "user")
+            self.resets += [ev.position for ev in m.events if ev.kind == "reset"]   # as a policy's
             m.events.clear()
         else:
             m.reset()
@@ -150,6 +181,12 @@ class TTAStream:
         rename)."""
         from tta_brain.data.cache import save_torch
         from tta_brain.run.checkpoint import get_rng_state
+        if not str(path).strip():
+            raise StreamStateError("TTAStream.save: the path is empty")
+        with self._lock:
+            self._save(path, save_torch, get_rng_state)
+
+    def _save(self, path, save_torch, get_rng_state):
         try:
             save_torch({"format": STATE_FORMAT, "version": STATE_VERSION,
                         "identity": self.identity(), "settings": self.settings,
@@ -167,7 +204,12 @@ class TTAStream:
         hyperparameters (the file's moments and step counts are loaded, not its ``lr``). The
         random number generators continue from the file's (a state saved before they were
         recorded: from where they are)."""
-        path = str(path)
+        with self._lock:
+            self._load(str(path))
+
+    def _load(self, path: str):
+        if os.path.isdir(path):
+            raise StreamStateError(f"{path}: a folder, not a state file (TTAStream.load)")
         if not os.path.isfile(path):
             raise StreamStateError(f"{path}: no such state file (TTAStream.load)")
         from tta_brain.data.cache import damaged_zip
@@ -177,8 +219,14 @@ class TTAStream:
         try:
             sd = torch.load(path, map_location=self.method.lobe.device, weights_only=False)
         except Exception as e:      # pickle / zip errors of every kind: one line
-            raise StreamStateError(f"{path}: not a TTAStream state file ({type(e).__name__}: "
-                                   f"{' '.join(str(e).split())[:160]})") from None
+            import zipfile
+            with open(path, "rb") as f:
+                zipped = f.read(4) == b"PK\x03\x04"
+            what = ("cannot be read: cut short or damaged" if zipped and not zipfile.is_zipfile(path)
+                    else "not a TTAStream state file")    # torch.save's archive without its end
+            said = " ".join(str(e).split())
+            raise StreamStateError(f"{path}: {what} ({type(e).__name__}: "
+                                   f"{said if len(said) <= 160 else said[:157] + '...'})") from None
         if (not isinstance(sd, dict) or "method" not in sd or "position" not in sd
                 or ("format" in sd and not isinstance(sd.get("identity"), dict))):
             raise StreamStateError(f"{path}: not a TTAStream state file (written by TTAStream.save)")
@@ -266,6 +314,9 @@ def as_mono_float(waveform) -> torch.Tensor:
         raise ValueError(f"transcribe: expected the samples (a numpy array, torch tensor or list "
                          f"of numbers), got {type(waveform).__name__} ({e})") from None
     shape = tuple(wav.shape)
+    if wav.device.type == "meta" or wav.is_complex():       # (no samples; not a signal)
+        raise ValueError(f"transcribe: expected real samples, got a {wav.dtype} tensor on "
+                         f"{wav.device}")
     if wav.dtype in _PCM:
         scale, offset = _PCM[wav.dtype]
         wav = (wav.to(torch.float64) - offset) / scale
