@@ -10,6 +10,7 @@ below is 1e-3. The dynamic reset's LII is a difference of two nearly equal losse
 last bits show in its 3rd or 4th digit (measured: at most 2.4e-7, on values of 1e-4 to 6e-4);
 LII values and a dynamic reset's z are compared within LII_TOL and Z_TOL, their positions,
 stages and the reset decisions exactly."""
+import logging
 import math
 import os
 import re
@@ -314,6 +315,29 @@ def test_help_is_help(data, tmp_path, capsys):
         sweep.main([])
 
 
+def test_a_bad_run_is_named_an_empty_one_refused_a_twin_said(data, tmp_path, capsys, caplog):
+    """A bad value in one run of several was one line without the run (which of three suta runs
+    had ``--lr=abc``?); a stray ``--`` (an empty run) and two runs of the same settings were
+    taken silently. Now the bad run is named by number and folder, an empty run is refused,
+    both before anything is written, and twins are said (two folders may be meant)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for bad, said in (("--lr=abc", "lr = 'abc' is not valid: lr must be a number > 0"),
+                      ("--steps=-1", "steps = -1 is not valid"),
+                      ("--lrr=1", "Override 'lrr' not found")):
+        with pytest.raises(SystemExit) as e:
+            sweep.main([*args(data, a), "--", *args(data, b, bad)])
+        assert str(e.value).startswith(f"ERROR: run 2 ({b}): ") and said in str(e.value), e.value
+    for argv, n in (([*args(data, a), "--", "--", *args(data, b)], 2),
+                    ([*args(data, a), "--"], 2), (["--", *args(data, a)], 1)):
+        with pytest.raises(SystemExit, match=rf"ERROR: run {n} of \d is empty \('--' twice"):
+            sweep.main(argv)
+    assert not a.exists() and not b.exists()
+    with caplog.at_level(logging.WARNING, logger="tta_brain.sweep"):
+        assert sweep.main([*args(data, a, "--lr=1e-3"), "--", *args(data, b, "--lr=1e-3")]) == 0
+    assert f"{b} has the same settings as {a}: the same run, decoded twice" in caplog.text
+    assert (a / "summary.json").is_file() and (b / "summary.json").is_file()
+
+
 def test_sweep_logs_each_run_as_a_separate_run_logs_it(data, tmp_path):
     """Each process's first run folder once got SpeechBrain's pip freeze in its log.txt and the
     others did not; now every log.txt opens alike (a sweep's two runs and a separate decode, each a
@@ -441,6 +465,20 @@ def test_grid_groups_runs_into_batches(data, tmp_path):
     runs = grid.plan_runs(bad)
     grid.check_done(runs)
     assert all(len(u) == 1 for u in grid.batches(runs, 3))
+
+
+
+def test_a_grid_dry_run_shows_its_batches(data, tmp_path, capsys):
+    """--dry_run printed each run's decode and nothing of --batch_runs: which runs would share a
+    process was not to be seen. Now each batch of more than one run is a line naming them."""
+    assert grid.main(grid_args(data, tmp_path, "--batch_runs", "3", "--dry_run")) == 0
+    out = capsys.readouterr().out
+    assert out.count("DRY-RUN: ") == 6 and out.count("DRY-RUN: batch of 2 ") == 2
+    assert ("DRY-RUN: batch of 2 (one python -m tta_brain.sweep, or separate runs where it cannot "
+            "batch them): s/suta_lr1e-3/seed0, s/suta_lr1e-2/seed0") in out
+    assert grid.main(grid_args(data, tmp_path, "--dry_run")) == 0
+    assert "batch of" not in capsys.readouterr().out
+    assert not (tmp_path / "s").exists()
 
 
 def walk(b, lo, hi, wavs, info):

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 
 import submitit
 
+from tta_brain.run import identity
 from tta_brain.run.grid_plan import Run, plan_runs
 
 logger = logging.getLogger("tta_brain.grid")
@@ -134,7 +135,10 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
             run.status, run.message = "failed", str(e)
             continue
         run.plan = p
-        if p.status == "done":
+        who = p.status != "done" and identity.FolderLock(run.folder).busy()
+        if who:                  # another grid's worker (one killed with -9 goes on) or a decode
+            run.status, run.message = "busy", f"being written by {who}"
+        elif p.status == "done":
             run.status, run.message = "skipped", "finished with the same settings"
         elif p.status == "differs" and not p.args.overwrite:
             run.status = "failed"
@@ -154,23 +158,27 @@ def batches(runs: List[Run], size: int) -> List[List[Run]]:
         return [[r] for r in queued]
     from tta_brain import decode
     from tta_brain import sweep
+    units = []
+    for chunk in chunks(queued, size):
+        why = len(chunk) > 1 and sweep.refusal([r.plan or decode.plan(r.argv) for r in chunk])
+        if why:
+            logger.info("--batch_runs: %s run separately: %s",
+                        ", ".join(r.name for r in chunk), why)
+            units += [[r] for r in chunk]
+        else:
+            units.append(chunk)
+    return sorted(units, key=lambda u: queued.index(u[0]))
+
+
+def chunks(runs: List[Run], size: int) -> List[List[Run]]:
+    """``runs`` in groups of at most ``size`` of one (method yaml, source, stream, data root): the
+    batches ``--batch_runs`` asks for, before ``tta_brain.sweep`` says whether each can be one."""
     where = ("--source=", "--stream_csv=", "--data_root=")
     groups = {}
-    for r in queued:
+    for r in runs:
         key = (r.argv[0],) + tuple(a for a in r.argv if a.startswith(where))
         groups.setdefault(key, []).append(r)
-    units = []
-    for group in groups.values():
-        for i in range(0, len(group), size):
-            chunk = group[i:i + size]
-            why = len(chunk) > 1 and sweep.refusal([r.plan or decode.plan(r.argv) for r in chunk])
-            if why:
-                logger.info("--batch_runs: %s run separately: %s",
-                            ", ".join(r.name for r in chunk), why)
-                units += [[r] for r in chunk]
-            else:
-                units.append(chunk)
-    return sorted(units, key=lambda u: queued.index(u[0]))
+    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 
 def _slurm_constructor_keys() -> tuple:
@@ -516,12 +524,13 @@ def _progress(runs: List[Run], now: Optional[float] = None, pending=frozenset())
     """The grid's one progress line; ``pending``: the names of submitted runs whose Slurm job
     has not started (as squeue said last), counted apart from the running ones."""
     n = {s: sum(r.status == s for r in runs) for s in ("done", "running", "failed", "queued",
-                                                      "skipped")}
+                                                      "skipped", "busy")}
     waits = sum(r.status == "running" and r.name in pending for r in runs)
     line = (f"grid: {n['done']} done, {n['running'] - waits} running, "
             + (f"{waits} pending on Slurm, " if waits else "")
             + f"{n['failed']} failed, "
-            f"{n['queued']} queued ({len(runs)} runs, {n['skipped']} already finished)")
+            f"{n['queued']} queued ({len(runs)} runs, {n['skipped']} already finished"
+            + (f", {n['busy']} being written by another process" if n["busy"] else "") + ")")
     running = [r for r in runs if r.status == "running" and r.name not in pending]
     if now is None or not any(r.total >= LONG_RUN for r in running):
         return line
@@ -636,11 +645,18 @@ def main(argv=None) -> int:
             except SystemExit as e:
                 refused += 1
                 print(f"grid: {r.name} will not run: {e}", flush=True)
+        for chunk in chunks(runs, args.batch_runs) if args.batch_runs > 1 else ():
+            if len(chunk) > 1:      # checked when it runs: a batch the sweep refuses is split
+                print(f"DRY-RUN: batch of {len(chunk)} (one python -m tta_brain.sweep, or separate "
+                      f"runs where it cannot batch them): {', '.join(r.name for r in chunk)}",
+                      flush=True)
         return 1 if refused else 0
     check_done(runs, device_here=args.engine == "local")
     for r in runs:              # said now, not after hours of the other runs (and at the end)
         if r.status == "failed":
             print(f"grid: {r.name} will not run: {r.message}", flush=True)
+        elif r.status == "busy":
+            print(f"grid: {r.name} is not run here: it is {r.message}", flush=True)
     print(_progress(runs), flush=True)
     # SIGTERM (kill, a batch system ending this job) ends the grid as Ctrl-C does: through
     # execute's clean-up, which cancels the local workers
@@ -656,8 +672,11 @@ def main(argv=None) -> int:
     for r in failed:
         print(f"FAILED {r.name}: {r.message}" + (f"\n  logs: {', '.join(r.logs)}" if r.logs else ""),
               flush=True)
+    busy = [r for r in runs if r.status == "busy"]
+    for r in busy:               # not failed, not finished here: the grid is not complete
+        print(f"NOT RUN {r.name}: {r.message}; rerun this grid once it has finished", flush=True)
     print(_progress(runs).replace("grid:", "grid finished:"), flush=True)
-    return 1 if failed else 0
+    return 1 if failed or busy else 0
 
 
 if __name__ == "__main__":

@@ -183,7 +183,15 @@ def run(argvs: List[List[str]]):
     """Run the decodes ``argvs`` (``tta_brain.decode`` arguments) as one batch; their summaries
     (None for a run skipped as finished). Raises :class:`Refused` before writing anything when
     they cannot be batched; ``SystemExit`` (one ``ERROR:`` line) as decode does."""
-    plans = [decode.plan(a) for a in argvs]
+    plans = []
+    for i, a in enumerate(argvs):          # which run of the batch a bad value is in
+        try:
+            plans.append(decode.plan(a))
+        except SystemExit as e:
+            out = next((x.partition("=")[2] for x in reversed(a)
+                        if x.startswith("--output_folder=")), None)
+            raise SystemExit(f"ERROR: run {i + 1}{f' ({out})' if out else ''}: "
+                             f"{str(e).removeprefix('ERROR: ')}") from None
     for p in plans:
         if p.status == "help":
             raise Refused("--help is not a run")
@@ -198,6 +206,11 @@ def run(argvs: List[List[str]]):
     why = refusal([p for p, _ in todo])
     if why:
         raise Refused(why)
+    for j, (p, _) in enumerate(todo):      # two folders are allowed: said, not refused
+        same = next((q for q, _ in todo[:j] if q.fingerprint == p.fingerprint), None)
+        if same is not None:
+            logger.warning("%s has the same settings as %s: the same run, decoded twice",
+                           p.out, same.out)
     outs = [os.path.realpath(p.out) for p, _ in todo]      # a/ and a//. are a too
     if len(set(outs)) != len(outs):
         raise Refused("two runs of the batch write the same --output_folder")
@@ -315,17 +328,21 @@ def main(argv=None) -> int:
     groups, cur = [], []
     for a in argv + ["--"]:
         if a == "--":
-            if cur:
-                groups.append(cur)
+            groups.append(cur)
             cur = []
         else:
             cur.append(a)
     if [a for a in argv if a != "--"] in (["-h"], ["--help"]):
         print(__doc__.strip())
         return 0
-    if not groups:
-        raise SystemExit("usage: python -m tta_brain.sweep <decode args> -- <decode args> ... "
-                         "(--help: what a sweep does; <method> --help: the method's options)")
+    usage = ("usage: python -m tta_brain.sweep <decode args> -- <decode args> ... (--help: what "
+             "a sweep does; <method> --help: the method's options)")
+    if not any(groups):
+        raise SystemExit(usage)
+    empty = [i + 1 for i, g in enumerate(groups) if not g]
+    if empty:                       # a stray separator may hide a run the user meant to give
+        raise SystemExit(f"ERROR: run {empty[0]} of {len(groups)} is empty ('--' twice in a "
+                         f"row, or at an end); give each run's arguments between two '--'")
     asked = [g for g in groups if "-h" in g or "--help" in g]
     if asked:                       # a run's arguments are decode's: its help for that method
         decode.main(asked[0])

@@ -210,6 +210,22 @@ class FolderLock:
         self.fd = fd
         return self
 
+    def busy(self) -> Optional[str]:
+        """Who holds the lock now (:meth:`holder`), or None: nobody (the folder or its lock file
+        not there, or free). Takes nothing and creates nothing."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        except BlockingIOError:
+            return self.holder()
+        finally:
+            os.close(fd)
+
     def holder(self) -> str:
         try:
             info = json.loads(self.path.read_text(encoding="utf-8"))
