@@ -111,6 +111,21 @@ def test_second_writer_stops_at_once_and_the_first_finishes_intact(data, tmp_pat
     assert compare_runs.compare(ref, out) == []
 
 
+def test_compare_runs_follows_run_folders_gathered_by_links(tmp_path):
+    """Runs gathered into a folder by symlinks were not found ("nothing to compare"); now a
+    linked folder is followed, and a link loop ends."""
+    real, linked = tmp_path / "real" / "s" / "suta", tmp_path / "linked" / "s"
+    real.mkdir(parents=True)
+    (real / "summary.json").write_text("{}")
+    linked.mkdir(parents=True)
+    (linked / "suta").symlink_to(real)
+    (linked / "loop").symlink_to(tmp_path / "linked")
+    assert list(compare_runs.runs(tmp_path / "linked")) == ["s/suta"]
+    from tta_brain.run.folder import walk              # the report's walk is the same one
+    assert [os.path.relpath(d, tmp_path / "linked") for d, files in walk(tmp_path / "linked")
+            if "summary.json" in files] == ["s/suta"]
+
+
 def test_compare_runs_never_reads_nothing_as_the_same(tmp_path, capsys):
     """A mistyped or empty root used to print '0 same, 0 different' and exit 0."""
     a, b = tmp_path / "a", tmp_path / "b"
@@ -588,6 +603,37 @@ def test_the_overwrite_the_grid_suggests_reruns_the_run_in_its_folder(data, tmp_
     assert sorted(p.name for p in (exp / "s").iterdir()) == ["source"]
     assert json.loads((exp / "s" / "source" / "seed0" / "summary.json").read_text())[
         "hparams"]["max_duration"] == 10
+
+
+def test_a_run_another_process_is_writing_is_said_so_not_failed(data, tmp_path, capsys):
+    """A rerun while another writer holds a run's folder (the worker of a grid killed with -9
+    goes on) listed that run as failed ("2 failed"), for a run that was fine. Now it is said
+    being written, with the writer, is not run, and the grid exits 1 (not complete); once the
+    writer is gone the same command runs it."""
+    exp = tmp_path / "exp"
+    folder = exp / "s" / "source" / "seed1"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from tta_brain.run.identity import FolderLock; "
+         "FolderLock(sys.argv[1]).acquire('another writer'); print('held', flush=True); "
+         "time.sleep(600)", str(folder)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        assert grid.main(grid_argv(data, exp, "source", "0 1", "--nj", "1")) == 1
+        out = capsys.readouterr().out
+        assert (f"grid: s/source/seed1 is not run here: it is being written by pid {holder.pid} "
+                f"on ") in out and "(since " in out and ": another writer)" in out
+        assert "NOT RUN s/source/seed1: being written by pid" in out
+        assert "FAILED" not in out and "will not run" not in out
+        assert ("grid finished: 1 done, 0 running, 0 failed, 0 queued (2 runs, 0 already "
+                "finished, 1 being written by another process)") in out
+        assert sorted(p.name for p in folder.iterdir()) == [LOCK_FILE]     # untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    assert grid.main(grid_argv(data, exp, "source", "0 1", "--nj", "1")) == 0
+    assert "grid finished: 1 done, 0 running, 0 failed, 0 queued (2 runs, 1 already finished)" \
+        in capsys.readouterr().out
 
 
 def test_an_exp_dir_that_cannot_be_made_is_one_line(data, tmp_path, capsys):

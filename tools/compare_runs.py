@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from tta_brain.run.folder import walk
 from tta_brain.run.records import RecordError
 from tta_brain.run.summary import read_summary
 
@@ -26,7 +27,9 @@ SUMMARY_KEYS = ("method", "stream", "seed", "wer", "wer_per_domain", "n_utts", "
 
 
 def runs(root: Path):
-    return {os.path.relpath(d, root): Path(d) for d, _, files in os.walk(root)
+    """The run folders under ``root`` (a ``summary.json``) by relative path, found as the report
+    finds them (``run.folder.walk``: linked folders followed)."""
+    return {os.path.relpath(d, root): Path(d) for d, files in walk(root)
             if "summary.json" in files}
 
 

@@ -31,14 +31,11 @@ from typing import List, Sequence
 
 from tta_brain.report import tables, tags
 from tta_brain.run.envinfo import environment
-from tta_brain.run.folder import Run, load_run
+from tta_brain.run.folder import Run, load_run, walk
 from tta_brain.run.identity import differences
 from tta_brain.run.records import RecordError
 
 logger = logging.getLogger("tta_brain.report.results")  # same name under python -m
-
-SKIP_DIRS = {"save", "plots", "__pycache__"}
-
 
 class NoRunsError(ValueError):
     """Raised when a results root holds no readable experiment directory."""
@@ -51,8 +48,7 @@ def collect_runs(root) -> List[Run]:
         logger.warning("Results root %s does not exist", root)
         return []
     runs = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+    for dirpath, filenames in walk(root):
         if "summary.json" in filenames:
             try:
                 runs.append(load_run(dirpath, root))

@@ -10,7 +10,7 @@ from tta_brain.run.records import (CSV_FILES, Lii, Memory, RecordError, Transcri
                                    read_memory, read_resets, read_transcripts)
 from tta_brain.run.summary import Summary, read_summary
 
-__all__ = ["Run", "load_run", "clear_run", "RUN_FILES"]
+__all__ = ["Run", "load_run", "clear_run", "walk", "RUN_FILES"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,25 @@ class Run:
     @property
     def boundaries(self) -> List[int]:
         return self.summary.boundaries
+
+
+#: Folders under a results root that hold no run: checkpoints, plots.
+SKIP_DIRS = {"save", "plots", "__pycache__"}
+
+
+def walk(root):
+    """``(folder, its file names)`` of every folder under ``root``, in name order: linked folders
+    followed (runs gathered by symlinks), each real folder once (a link loop ends), checkpoint,
+    plot and hidden folders left out. The one walk of a results root (report, compare_runs)."""
+    seen = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+        yield dirpath, filenames
 
 
 def load_run(folder, root=None) -> Run:
