@@ -155,7 +155,9 @@ def test_runs_pooled_as_seeds_that_are_not_are_named(tmp_path, caplog):
     expected = ("suta on md_easy: seed 0 more than once and settings other than the seed differ "
                 "(hparams.lr, stream_sha1) across its 3 runs (snr20/md_easy/suta/0, "
                 "snr5/md_easy/suta/0, snr20/md_easy/suta/1), pooled as seeds of one experiment")
-    assert [m[:len(expected)] for m in caplog.messages] == [expected]
+    assert [m[:len(expected)] for m in caplog.messages][:1] == [expected]
+    assert caplog.messages[1].startswith("stream md_easy: its runs decoded 2 different stream "
+                                         "files (None rows, sha1 snr20: snr20/md_easy/suta/0, ")
     assert f"## Warnings\n\n- {expected}" in report.build_markdown(runs)
     one = report.collect_runs(tmp_path / "snr20")          # seeds of one stream: one lr apart
     assert report.pooling_warnings(one) == [
@@ -165,6 +167,52 @@ def test_runs_pooled_as_seeds_that_are_not_are_named(tmp_path, caplog):
         "report each experiment's folder (--exp_dir)"]
     assert report.pooling_warnings(report.collect_runs(tmp_path / "snr5")) == []
     assert "## Warnings" not in report.build_markdown(report.collect_runs(tmp_path / "snr5"))
+
+
+def test_methods_decoded_on_different_files_of_one_stream_are_named(tmp_path, caplog):
+    """A stream written again (``--force_streams``) and only some of its runs decoded again:
+    RESULTS.md put source on the new 40-row file beside suta on the old 30-row one, one column,
+    no warning (each cell alone was consistent). Now the column is named with its files."""
+    import dataclasses
+    for method, sha, rows in (("source", "new", 40), ("suta", "old", 30), ("dsuta", "old", 30)):
+        d = make_run(tmp_path, method, "md_easy", 0, 1)
+        summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint={
+            "stream_sha1": sha * 4, "n_rows": rows, "hparams": {"seed": 0}}))
+    other = make_run(tmp_path, "source", "md_hard", 0, 1)       # another stream: its own column
+    summary.write_summary(other, dataclasses.replace(summary.read_summary(other), fingerprint={
+        "stream_sha1": "hard", "n_rows": 40, "hparams": {"seed": 0}}))
+    with caplog.at_level(logging.WARNING, logger="tta_brain.report.results"):
+        runs = report.collect_runs(tmp_path)
+    said = ("stream md_easy: its runs decoded 2 different stream files (40 rows, sha1 newnewnewn: "
+            "md_easy/source/0; 30 rows, sha1 oldoldoldo: md_easy/suta/0, md_easy/dsuta/0), "
+            "compared side by side as one stream: decode the older runs again on the current "
+            "file (--decode_opts=--overwrite) or report each file's runs apart (--exp_dir)")
+    assert caplog.messages == [said]
+    assert f"## Warnings\n\n- {said}" in report.build_markdown(runs)
+    assert report.stream_warnings([r for r in runs if r.method != "source"]) == []
+
+
+def test_run_folders_left_out_are_listed_in_results_md(results, written, tmp_path):
+    """Unfinished, unreadable and never-started runs were only warned about on stderr: RESULTS.md
+    just lacked them, as if never run. Now they are listed, with why, under "Not reported"."""
+    _, text = written
+    listed = section(text, "Not reported")
+    for rel, why in (("md_easy/broken/1", "summary.json"),
+                     ("md_easy/unfinished", "transcripts.csv but no summary.json"),
+                     ("cut/md_easy/suta/9", "cut short")):
+        line = next(ln for ln in listed.splitlines() if ln.startswith(f"- `{rel}`: "))
+        assert why in line, line
+    started = tmp_path / "exp" / "md_hard" / "sgem" / "0"      # failed at its start: no records
+    started.mkdir(parents=True)
+    (started / "fingerprint.json").write_text("{}")
+    (started / "log.txt").write_text("ERROR: ...\n")
+    make_run(tmp_path / "exp", "source", "md_hard", 0, 1)
+    md = report.write_results(tmp_path / "exp", make_plots=False).read_text()
+    assert ("- `md_hard/sgem/0`: no records yet: running, or stopped before its first utterance "
+            "(its log.txt says why)") in section(md, "Not reported")
+    fine = tmp_path / "fine"
+    make_run(fine, "source", "md_hard", 0, 1)
+    assert "## Not reported" not in report.write_results(fine, make_plots=False).read_text()
 
 
 def test_collect_runs_skips_bad_dirs(results, caplog):

@@ -27,7 +27,7 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from tta_brain.report import tables, tags
 from tta_brain.run.envinfo import environment
@@ -41,22 +41,32 @@ class NoRunsError(ValueError):
     """Raised when a results root holds no readable experiment directory."""
 
 
-def collect_runs(root) -> List[Run]:
-    """All finished experiment folders under ``root`` (any depth), sorted by stream, method, seed."""
+def collect_runs(root, skipped: Optional[list] = None) -> List[Run]:
+    """All finished experiment folders under ``root`` (any depth), sorted by stream, method, seed.
+    The run folders left out (unreadable, unfinished, or started and stopped before any
+    utterance: a ``fingerprint.json`` and no record) are logged and, given a list ``skipped``,
+    added to it as ``(folder relative to root, why)``."""
     root = Path(root)
     if not root.is_dir():
         logger.warning("Results root %s does not exist", root)
         return []
     runs = []
+
+    def skip(dirpath, why):
+        logger.warning("Skipping %s: %s", dirpath, why)
+        if skipped is not None:
+            skipped.append((os.path.relpath(dirpath, root), why))
     for dirpath, filenames in walk(root):
         if "summary.json" in filenames:
             try:
                 runs.append(load_run(dirpath, root))
             except RecordError as err:
-                logger.warning("Skipping %s: %s", dirpath, err)
+                skip(dirpath, str(err))
         elif "transcripts.csv" in filenames:
-            logger.warning("Skipping %s: transcripts.csv but no summary.json (unfinished run?)",
-                           dirpath)
+            skip(dirpath, "transcripts.csv but no summary.json (unfinished run?)")
+        elif "fingerprint.json" in filenames:
+            skip(dirpath, "no records yet: running, or stopped before its first utterance "
+                          "(its log.txt says why)")
     runs.sort(key=lambda r: (r.stream, tags.sort_key(r.method), _seed_key(r.seed), r.name))
     for line in pooling_warnings(runs):
         logger.warning("%s", line)
@@ -67,7 +77,37 @@ def pooling_warnings(runs: Sequence[Run]) -> List[str]:
     """The (method, stream) cells whose runs are not seeds of one experiment, though the tables
     pool them as such: a seed given twice (a copy, or another SNR's folder of the same stream
     name) or fingerprints that differ in more than the seed (another stream file, model or
-    setting). One line each, naming the differing keys and the runs."""
+    setting). One line each, naming the differing keys and the runs. Then
+    :func:`stream_warnings`."""
+    return _cell_warnings(runs) + stream_warnings(runs)
+
+
+def stream_warnings(runs: Sequence[Run]) -> List[str]:
+    """The stream columns whose runs decoded different stream files though the tables compare
+    them side by side (a stream written again after some runs, e.g. ``--force_streams``, and
+    only some decoded again; another SNR's folder of the same name): one line each, naming the
+    files (rows, sha1) and the methods on each."""
+    files = OrderedDict()
+    for r in runs:
+        fp = r.summary.fingerprint or {}
+        if fp.get("stream_sha1"):
+            files.setdefault(r.stream, OrderedDict()).setdefault(
+                (fp["stream_sha1"], fp.get("n_rows")), []).append(r)
+    lines = []
+    for stream, found in files.items():
+        if len(found) < 2:
+            continue
+        parts = [f"{rows} rows, sha1 {sha[:10]}: " + ", ".join(OrderedDict.fromkeys(
+                 r.name for r in group[:4])) + (", ..." if len(group) > 4 else "")
+                 for (sha, rows), group in found.items()]
+        lines.append(f"stream {stream}: its runs decoded {len(found)} different stream files "
+                     f"({'; '.join(parts)}), compared side by side as one stream: decode the "
+                     f"older runs again on the current file (--decode_opts=--overwrite) or report "
+                     f"each file's runs apart (--exp_dir)")
+    return lines
+
+
+def _cell_warnings(runs: Sequence[Run]) -> List[str]:
     groups = OrderedDict()
     for r in runs:
         groups.setdefault((r.method, r.steps, r.stream), []).append(r)
@@ -119,8 +159,9 @@ DEFINITIONS = {"wer": "WER (%) = 100 * errors / reference words",
 
 
 def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None, window: int = 100,
-                   digits: int = 1, repo_dir=None, metric: str = "wer") -> str:
-    """The whole RESULTS.md text; ``metric="cer"``: of runs from :func:`tables.in_metric`."""
+                   digits: int = 1, repo_dir=None, metric: str = "wer", skipped=()) -> str:
+    """The whole RESULTS.md text; ``metric="cer"``: of runs from :func:`tables.in_metric`;
+    ``skipped``: the run folders :func:`collect_runs` left out, listed under "Not reported"."""
     M = metric.upper()
     notes = (f"{DEFINITIONS[metric]}, pooled over a run's utterances. Cells: "
              "mean ± sample std over runs (seeds), n = number of runs.")
@@ -128,6 +169,9 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
     parts = ["# RESULTS", environment_block(runs, repo_dir)]
     if warnings:
         parts += ["## Warnings", "\n".join(f"- {w}" for w in warnings)]
+    if skipped:                  # (were only on stderr: the tables just lacked those runs)
+        parts += ["## Not reported", "Run folders left out of every table:\n\n"
+                  + "\n".join(f"- `{rel}`: {why}" for rel, why in skipped)]
     parts += [f"## {M} (%) per method and stream", notes, tables.table_main(runs, digits)]
     domains = tables.table_domains(runs, digits)
     if domains:
@@ -164,7 +208,8 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
 
 def write_report(runs: Sequence[Run], root, out=None, plots_dir=None, smooth: int = 100,
                  baseline: str = "source", window: int = 100, digits: int = 1,
-                 make_plots: bool = True, repo_dir=None, metric: str = "wer") -> Path:
+                 make_plots: bool = True, repo_dir=None, metric: str = "wer",
+                 skipped=()) -> Path:
     """Write plots and RESULTS.md (``metric="cer"``: RESULTS_cer.md and ``cer_*`` plots, of
     character error rates) for already collected ``runs``; returns the RESULTS.md path."""
     if not runs:
@@ -181,8 +226,8 @@ def write_report(runs: Sequence[Run], root, out=None, plots_dir=None, smooth: in
         written = plots.make_all_plots(runs, plots_dir or Path(root) / "plots", smooth=smooth,
                                        baseline=baseline, metric=metric)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_markdown(runs, written, out.parent, window, digits, repo_dir, metric),
-                   encoding="utf-8")
+    out.write_text(build_markdown(runs, written, out.parent, window, digits, repo_dir, metric,
+                                  skipped), encoding="utf-8")
     logger.info("Wrote %s (%d runs, %d plots)", out, len(runs), len(written))
     return out
 
@@ -190,7 +235,8 @@ def write_report(runs: Sequence[Run], root, out=None, plots_dir=None, smooth: in
 def write_results(root, out=None, **kwargs) -> Path:
     """Collect the runs under ``root``, write plots and RESULTS.md; returns the RESULTS.md path.
     Raises :class:`NoRunsError` when no readable experiment directory is found."""
-    return write_report(collect_runs(root), root, out, **kwargs)
+    skipped = []
+    return write_report(collect_runs(root, skipped), root, out, skipped=skipped, **kwargs)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -221,7 +267,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    runs = collect_runs(args.exp_dir)
+    skipped = []
+    runs = collect_runs(args.exp_dir, skipped)
     tags = sorted({r.method for r in runs})
     if args.baseline is not None and runs and args.baseline not in tags and not args.no_plots:
         logger.warning("--baseline %r: no run has that tag (tags: %s); the %s-over-time plots "
@@ -230,7 +277,7 @@ def main(argv=None) -> int:
     try:
         out = write_report(runs, args.exp_dir, args.out, args.plots_dir, args.smooth,
                            args.baseline or "source", args.window, args.digits,
-                           not args.no_plots, metric=args.metric)
+                           not args.no_plots, metric=args.metric, skipped=skipped)
     except NoRunsError as err:
         print(f"tta_brain.report.results: {err}; nothing to report.", file=sys.stderr)
         old = Path(args.out) if args.out else Path(args.exp_dir) / (
