@@ -321,6 +321,29 @@ def test_dry_run_writes_nothing_and_prints_every_stage(recipe, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
+def test_bad_decode_settings_stop_the_recipe_before_its_data_stages(recipe, tmp_path):
+    """``--methods "source bogus"`` or a sweep value no run takes were found at the decode stage,
+    after the data stages (a failure per run); now the recipe checks them first and runs
+    nothing."""
+    env = {"LIBRISPEECH": str(tmp_path / "LS"), "MS_SNSD": str(tmp_path / "MS"),
+           "CHIME3": str(tmp_path / "C3"), "W2V2": str(tmp_path / "w2v2")}
+    script = REPO / "recipes" / recipe / "run.sh"
+    base = ["--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp"]
+    for extra, said in ((["--methods", "source bogus"], "ERROR: method 'bogus': no packaged "
+                                                        "method 'bogus'"),
+                        (["--methods", "suta", "--sweep", "lr=1e-4,abc"],
+                         "each_stream/suta_lrabc/seed0 will not run: ERROR: ")):
+        res = run(script, *base, *extra, env=env)
+        assert res.returncode == 1 and said in res.stdout + res.stderr, res.stderr
+        assert "(decode) would refuse the runs above; nothing was run" in res.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # the decode stage not asked for: no check (and no cost)
+    res = run(script, *base, "--methods", "source bogus", "--stage", 99, "--stop_stage", 99,
+              env=env)
+    assert "would refuse" not in res.stderr
+
+
 @pytest.mark.parametrize("recipe", ["librispeech_c", "chime3"])
 def test_statistics_stage_uses_the_decodes_source_model(recipe, tmp_path):
     """Without --model the statistics are $W2V2's (db.sh: the hub's wav2vec2-base-960h unless

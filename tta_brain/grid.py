@@ -589,6 +589,8 @@ def parse_args(argv=None):
                    "(slurm_partition, timeout_min, mem_gb, cpus_per_task, gpus_per_node, ...)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between progress checks")
     p.add_argument("--dry_run", action="store_true", help="print the decode commands and stop")
+    p.add_argument("--check", action="store_true", help="as --dry_run, printing only the runs "
+                   "that would not run (exit 1 if any): a recipe asks before its data stages")
     args = p.parse_args(argv)
     for name in ("methods", "seeds"):         # an empty list is a grid of no runs, not a success
         if not getattr(args, name).split():
@@ -626,32 +628,41 @@ def _terminate(signum, frame):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING if args.check else logging.INFO,
+                        format="%(asctime)s %(name)s: %(message)s")
     # a mistyped --slurm_conf stops here; jobs that ask for GPUs decode on them
     cuda = args.engine == "slurm" and slurm_gpus(slurm_executor(
-        args, Path(args.exp_dir) / ".grid", submit=not args.dry_run))
+        args, Path(args.exp_dir) / ".grid", submit=not (args.dry_run or args.check)))
     if cuda:
         logging.getLogger("tta_brain.grid").info(
             "%s asks for GPUs: the runs decode on cuda (--decode_opts=--device=cpu to override)",
             args.slurm_conf)
     runs = plan_runs(args, cuda=cuda)
-    if args.dry_run:     # each run's settings checked as its start would (not its stream, which
-        from tta_brain import decode     # an earlier stage may not have written yet)
+    if args.dry_run or args.check:     # each run's settings checked as its start would (not
+        from tta_brain import decode     # its stream, which an earlier stage may not have written)
         refused = 0
         for r in runs:
-            print("DRY-RUN: " + shlex.join([sys.executable, "-m", "tta_brain.decode", *r.argv]))
+            if args.dry_run:
+                print("DRY-RUN: " + shlex.join([sys.executable, "-m", "tta_brain.decode",
+                                                *r.argv]))
             try:
                 decode.settings(r.argv, device_here=False)
             except SystemExit as e:
                 refused += 1
                 print(f"grid: {r.name} will not run: {e}", flush=True)
-        for chunk in chunks(runs, args.batch_runs) if args.batch_runs > 1 else ():
+        for chunk in chunks(runs, args.batch_runs) if args.dry_run else ():
             if len(chunk) > 1:      # checked when it runs: a batch the sweep refuses is split
                 print(f"DRY-RUN: batch of {len(chunk)} (one python -m tta_brain.sweep, or separate "
                       f"runs where it cannot batch them): {', '.join(r.name for r in chunk)}",
                       flush=True)
         return 1 if refused else 0
     check_done(runs, device_here=args.engine == "local")
+    if args.engine == "local" and any(r.status == "queued" for r in runs):
+        from tta_brain.lobes.hf_ctc import source_problem   # once, not a failure per run (a
+        why = source_problem(args.source)                   # Slurm node may see other files)
+        if why:
+            raise SystemExit(f"ERROR: --source {args.source}: {why} (every run would fail; "
+                             f"none was started)")
     for r in runs:              # said now, not after hours of the other runs (and at the end)
         if r.status == "failed":
             print(f"grid: {r.name} will not run: {r.message}", flush=True)

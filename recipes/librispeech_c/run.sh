@@ -60,6 +60,7 @@ case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
 
 clean_csv=${data_dir}/librispeech_${split//-/_}.csv
 lsc_dir=${data_dir}/ls_c
+check_decode 3
 
 
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then

@@ -73,6 +73,32 @@ FEATURE_MODELS = ("Wav2Vec2Model", "HubertModel", "Data2VecAudioModel", "WavLMMo
                   "UniSpeechModel", "UniSpeechSatModel", "Wav2Vec2ConformerModel")
 
 
+def _not_found(source: str) -> str:
+    return (f"source model directory not found: {source} (a local directory written by "
+            f"save_pretrained; a hub model is given by its name, e.g. "
+            f"facebook/wav2vec2-base-960h, and must be in the local HF cache without network)")
+
+
+def _not_cached(source: str, why: str) -> str:
+    return (f"it is not in the local Hugging Face cache and {why}.\n`source` must be a local "
+            f"directory written by save_pretrained or a hub name already in the HF cache "
+            f"(`huggingface-cli download {source}` on a machine with network, into HF_HOME)")
+
+
+def source_problem(source: str) -> Optional[str]:
+    """Why no run could load ``source``, found without loading it (None: it may load): a path
+    that is not there, a folder without ``config.json``, a hub name neither cached nor
+    reachable. A grid asks once, before its runs (each one would fail the same way)."""
+    source = str(source)
+    if os.path.isdir(source):
+        return (None if os.path.isfile(os.path.join(source, "config.json")) else
+                f"{source} holds no config.json: not a model folder written by save_pretrained")
+    if _looks_like_a_path(source):
+        return _not_found(source)
+    why = not hub_snapshot(source, None) and hub_unreachable()
+    return " ".join(_not_cached(source, why).split()) if why else None
+
+
 def _looks_like_a_path(source: str) -> bool:
     """A local path rather than a hub name (``org/name``): absolute, relative with ``./`` or
     ``../``, ``~``, more than one ``/``, or an existing parent folder."""
@@ -239,10 +265,7 @@ class HFCTCLobe(nn.Module):
                  device: str = "cpu", runtime: Optional[Runtime] = None):
         super().__init__()
         if not os.path.isdir(source) and _looks_like_a_path(source):
-            raise FileNotFoundError(
-                f"source model directory not found: {source} (a local directory written by "
-                f"save_pretrained; a hub model is given by its name, e.g. "
-                f"facebook/wav2vec2-base-960h, and must be in the local HF cache without network)")
+            raise FileNotFoundError(_not_found(source))
         snapshot = (hub_snapshot(source, savedir) if not os.path.isdir(source)
                     and local_files_only is not False else None)
         parts = None
@@ -260,11 +283,8 @@ class HFCTCLobe(nn.Module):
                 local_files_only = os.path.isdir(source)
             why = not local_files_only and not snapshot and hub_unreachable()
             if why:                # else minutes of retries before every run of a grid
-                raise RuntimeError(
-                    f"Cannot load the CTC source model '{source}': it is not in the local Hugging "
-                    f"Face cache and {why}.\n`source` must be a local directory written by "
-                    f"save_pretrained or a hub name already in the HF cache (`huggingface-cli "
-                    f"download {source}` on a machine with network, into HF_HOME)")
+                raise RuntimeError(f"Cannot load the CTC source model '{source}': "
+                                   + _not_cached(source, why))
             parts = _load_checkpoint(source, dict(cache_dir=savedir,
                                                   local_files_only=local_files_only))
         self.model, self.feature_extractor, self.tokenizer = parts

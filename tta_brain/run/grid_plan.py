@@ -236,7 +236,7 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             raise SystemExit(f"ERROR: --streams: the name {name!r} is given to {named[name]} and "
                              f"{csv} (their runs would share {Path(args.exp_dir) / name}); name "
                              f"them apart: NAME=CSV")
-        if not Path(csv).is_file() and not args.dry_run:
+        if not Path(csv).is_file() and not (args.dry_run or getattr(args, "check", False)):
             raise SystemExit(f"ERROR: stream {csv} not found; run the earlier stages first")
         kind = "_md" if Path(name).name in md else ""
         total = _stream_rows(csv)
