@@ -321,6 +321,35 @@ def test_dry_run_writes_nothing_and_prints_every_stage(recipe, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("recipe,var", [("librispeech_c", "LIBRISPEECH"), ("chime3", "CHIME3")])
+def test_a_dry_run_needs_no_corpus(recipe, var, tmp_path):
+    """``--dry_run true`` stopped at stage 0 without the corpus path (db.sh), so the commands
+    could not be seen before the download; now they name the unset variable as <VAR>."""
+    res = run(REPO / "recipes" / recipe / "run.sh", "--data_dir", tmp_path / "data", "--exp_dir",
+              tmp_path / "exp", "--dry_run", "true")
+    assert res.returncode == 0, res.stderr
+    assert f"dry run: {var} is not set; the commands say <{var}> (a real run stops here: " \
+        in res.stderr
+    first = next(x for x in res.stdout.splitlines() if x.startswith("DRY-RUN:"))
+    assert f"<{var}>" in shlex.split(first[len("DRY-RUN:"):])
+    assert any("-m tta_brain.decode" in x for x in res.stdout.splitlines())
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    real = run(REPO / "recipes" / recipe / "run.sh", "--data_dir", tmp_path / "data")
+    assert real.returncode == 1 and f"ERROR: {var} is not set." in real.stderr
+
+
+@pytest.mark.parametrize("opt,value", [("--per_domain", "abc"), ("--n_test", "8x"),
+                                       ("--nj", "two"), ("--stats_utts", "1.5")])
+def test_count_options_take_integers_only(opt, value, tmp_path):
+    """``--per_domain abc`` ended in bash's "abc: unbound variable" at the line that used it."""
+    res = run(REPO / "recipes" / "synthetic" / "run.sh", "--data_dir", tmp_path / "d", opt, value)
+    assert res.returncode == 1
+    assert res.stderr.strip() == (f"{REPO / 'recipes' / 'synthetic' / 'run.sh'}: option "
+                                  f"--{opt[2:].replace('_', '-')} expects an integer, got "
+                                  f"'{value}'")
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
 def test_bad_decode_settings_stop_the_recipe_before_its_data_stages(recipe, tmp_path):
     """``--methods "source bogus"`` or a sweep value no run takes were found at the decode stage,

@@ -10,8 +10,8 @@
 #
 # Accepted forms: --foo-bar VALUE, --foo_bar VALUE, --foo-bar=VALUE. Each sets the variable
 # foo_bar, which must already be defined; anything else is an "invalid option" error (exit 1).
-# A variable whose default is true/false only accepts true or false; --stage and --stop_stage
-# only an integer, and --stage no later than --stop_stage.
+# A variable whose default is true/false only accepts true or false; --stage and --stop_stage,
+# and the options named in $int_options, only an integer; --stage no later than --stop_stage.
 # --config FILE sources FILE (shell assignments of known options) before the remaining options.
 # --help / -h prints $help_message and exits 0.
 # Parsing stops at "--" or at the first argument that does not start with "--"; those arguments
@@ -67,8 +67,9 @@ while [ $# -gt 0 ]; do
   shift "${_po_shift}"
 done
 # Stage numbers are compared with [ -le ]: anything but an integer is an error here, not a
-# shell complaint per stage and a run that silently does nothing.
-for _po_name in stage stop_stage; do
+# shell complaint per stage and a run that silently does nothing; so are the recipe's counts
+# and seeds ($int_options: bash arithmetic read "abc" as an unset variable's name).
+for _po_name in stage stop_stage ${int_options:-}; do
   if [ -n "${!_po_name+set}" ] && ! [[ ${!_po_name} =~ ^-?[0-9]+$ ]]; then
     echo "$0: option --${_po_name//_/-} expects an integer, got '${!_po_name}'" >&2
     exit 1

@@ -27,12 +27,16 @@ per_gpu=2             # local: decodes per GPU
 batch_runs=1          # suta/csuta/dsuta/tent/eata/sar/cotta/cea runs of one stream differing only in settings: batched sweeps of N
 slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of one Slurm job
 slurm_conf_default=${slurm_conf}
-grid_help="  --engine local|slurm  --nj N  --gpus \"LIST\"  --per_gpu N  --batch_runs N  --slurm_conf YAML
+grid_help="  --engine local|slurm (${engine})  --nj N (${nj}: one per core; slurm 64)  --gpus \"LIST\"  --per_gpu N (${per_gpu})
+  --batch_runs N (${batch_runs})  --slurm_conf YAML (conf/slurm.yaml)
   --decode_opts \"OPTS\"  --md_decode_opts \"OPTS\"  --md_recipe_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"
   --hparams_dir DIR  --python BIN (${python})"
 # Source statistics of the methods that need them (eata: Fisher information), before decoding.
 stats_csv=            # clean manifest of speech that is in no stream (synthetic: rendered if empty)
 stats_utts=100        # its first N utterances (the EATA reference: 100)
+# the options that take an integer (tools/parse_options.sh refuses anything else); a recipe adds
+# its own
+int_options="nj per_gpu batch_runs stats_utts"
 grid_help="${grid_help}
   --stats_csv CSV (clean speech in no stream: the source statistics of eata, foa, ebats)  --stats_utts N (${stats_utts})"
 

@@ -38,6 +38,7 @@ ${grid_help}
 Stages: 0 manifest, 1 data check, 2 stream, 3 decode, 4 report.
 EOM
 )
+int_options+=" stream_seed"
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2

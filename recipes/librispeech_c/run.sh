@@ -48,6 +48,7 @@ ${grid_help}
 Stages: 0 manifest, 1 corrupt, 2 streams, 3 decode, 4 report.
 EOM
 )
+int_options+=" noise_seed stream_seed"
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2

@@ -65,11 +65,12 @@ ${streams_help}
   --seeds "LIST" (${seeds})
   --conf_dir DIR  --noprogressbar true|false
 ${grid_help}
-  --data_dir DIR  --exp_dir DIR  --dry_run true|false
+  --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false (${dry_run})
 Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
 EOM
 )
 quick_streams=${streams} quick_methods=${methods}
+int_options+=" corpus_seed n_train n_test noise_seed train_minutes train_seed stream_seed per_domain md_long_total md_long_min md_long_max long_total long_max"
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
@@ -142,6 +143,11 @@ fi
 
 if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   log "Stage 2: noisy sets [${domains}] at [${snrs}] dB -> ${noisy_dir}"
+  if ! ${dry_run} && [ ! -d "${corpus}/LibriSpeech/${test_split}" ]; then   # (the reader's
+    echo "ERROR: no rendered corpus ${corpus}/LibriSpeech/${test_split}: run stage 0 first" \
+      "(--stage 0)" >&2                                       # hint is LibriSpeech's download)
+    exit 1
+  fi
   run ${python} -m tta_brain.data.prep.prepare librispeech --root "${corpus}" --split "${test_split}" \
     --out "${test_csv}"
   # shellcheck disable=SC2086
