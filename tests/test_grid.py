@@ -634,6 +634,14 @@ def test_grid_check_prints_only_the_runs_that_would_not_run(data, tmp_path, caps
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("grid: s/suta_lrabc/seed0 will not run: ERROR: ")
     assert not exp.exists()
+    import torch
+    if not torch.cuda.is_available():    # this machine's devices, as its local runs meet them
+        argv = grid_argv(data, exp, "suta", "0", "--check")
+        argv[argv.index(next(a for a in argv if a.startswith("--decode_opts=")))] += \
+            " --device=cuda:3"
+        assert grid.main(argv) == 1
+        assert "no CUDA device here" in capsys.readouterr().out
+        assert grid.main(argv[:-1] + ["--dry_run"]) == 0     # commands for another machine
 
 
 def test_a_run_another_process_is_writing_is_said_so_not_failed(data, tmp_path, capsys):

@@ -362,7 +362,7 @@ def test_bad_decode_settings_stop_the_recipe_before_its_data_stages(recipe, tmp_
     for extra, said in ((["--methods", "source bogus"], "ERROR: method 'bogus': no packaged "
                                                         "method 'bogus'"),
                         (["--methods", "suta", "--sweep", "lr=1e-4,abc"],
-                         "each_stream/suta_lrabc/seed0 will not run: ERROR: ")):
+                         "/suta_lrabc/seed0 will not run: ERROR: ")):
         res = run(script, *base, *extra, env=env)
         assert res.returncode == 1 and said in res.stdout + res.stderr, res.stderr
         assert "(decode) would refuse the runs above; nothing was run" in res.stderr
@@ -371,6 +371,26 @@ def test_bad_decode_settings_stop_the_recipe_before_its_data_stages(recipe, tmp_
     res = run(script, *base, "--methods", "source bogus", "--stage", 99, "--stop_stage", 99,
               env=env)
     assert "would refuse" not in res.stderr
+    if recipe != "synthetic":
+        return
+    # the runs the stage will decode, not stand-ins: a buffer of 30 fits the single-domain
+    # stream's K (the yaml's 100), not md_easy's (the recipe's K 40 for blocks of 80)
+    dyn = ["--methods", "dsuta+dynamic", "--decode_opts=--buffer_size=30", "--stage", 4]
+    res = run(script, *base, *dyn, "--streams", "GS", env=env)
+    assert "would refuse" not in res.stderr and "stream" in res.stderr    # (none written yet)
+    res = run(script, *base, *dyn, "--streams", "md_easy", env=env)
+    assert "md_easy/dsuta+dynamic_buffer_size30/seed0 will not run: ERROR: " in res.stdout
+    assert "reset_K = 40 with buffer_size = 30" in res.stdout
+    # and this machine's devices, as the decode stage will meet them
+    if not torch_cuda():
+        res = run(script, *base, "--methods", "source", "--decode_opts=--device=cuda", env=env)
+        assert res.returncode == 1 and "no CUDA device here" in res.stdout
+        assert "(decode) would refuse the runs above" in res.stderr
+
+
+def torch_cuda():
+    import torch
+    return torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("recipe", ["librispeech_c", "chime3"])

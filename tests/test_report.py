@@ -157,7 +157,7 @@ def test_runs_pooled_as_seeds_that_are_not_are_named(tmp_path, caplog):
                 "snr5/md_easy/suta/0, snr20/md_easy/suta/1), pooled as seeds of one experiment")
     assert [m[:len(expected)] for m in caplog.messages][:1] == [expected]
     assert caplog.messages[1].startswith("stream md_easy: its runs decoded 2 different stream "
-                                         "files (None rows, sha1 snr20: snr20/md_easy/suta/0, ")
+                                         "files (sha1 snr20: snr20/md_easy/suta/0, ")
     assert f"## Warnings\n\n- {expected}" in report.build_markdown(runs)
     one = report.collect_runs(tmp_path / "snr20")          # seeds of one stream: one lr apart
     assert report.pooling_warnings(one) == [
@@ -185,8 +185,9 @@ def test_methods_decoded_on_different_files_of_one_stream_are_named(tmp_path, ca
         runs = report.collect_runs(tmp_path)
     said = ("stream md_easy: its runs decoded 2 different stream files (40 rows, sha1 newnewnewn: "
             "md_easy/source/0; 30 rows, sha1 oldoldoldo: md_easy/suta/0, md_easy/dsuta/0), "
-            "compared side by side as one stream: decode the older runs again on the current "
-            "file (--decode_opts=--overwrite) or report each file's runs apart (--exp_dir)")
+            "compared side by side as one stream: decode the runs of the stale file again on "
+            "the current one (--decode_opts=--overwrite) or report each file's runs apart "
+            "(--exp_dir)")
     assert caplog.messages == [said]
     assert f"## Warnings\n\n- {said}" in report.build_markdown(runs)
     assert report.stream_warnings([r for r in runs if r.method != "source"]) == []

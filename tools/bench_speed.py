@@ -581,6 +581,9 @@ def main(argv=None):
     train_mode = {m: bool(getattr(e, "train_mode", False)) for m, e in built.items()}
     unit_names = list(UNITS) + ([TRAIN_UNIT] if any(train_mode.values()) else [])
     names = unit_names + methods
+    if args.profile is not None and args.profile not in names:    # (no method adapts in train mode)
+        raise SystemExit(f"--profile {args.profile}: not an entry of this run (entries: "
+                         f"{', '.join(names)})")
     entries = {n: built[n] if n in built else make_entry(n, args, model_dir, device)
                for n in names}
     n_adapted = max((getattr(e, "num_adapted", 0) for e in entries.values()), default=0)

@@ -72,19 +72,21 @@ check_grid_options() {
   fi
 }
 
-# check_decode STAGE: when the decode stage STAGE is to run, every one of its runs' settings is
-# checked now (method tokens, reset tags, option values of --decode_opts / --sweep / conf, --nj,
-# --slurm_conf), before the data stages: a bad value was found only after them, a failure per run.
-# The streams are stand-ins (one single-domain, one multi-domain name): they are not read.
+# check_decode STAGE MD_STREAMS STREAM_ARG...: when the decode stage STAGE is to run, its runs
+# (the streams decode_grid will get, not read yet) have their settings checked now (method tokens,
+# reset tags, option values of --decode_opts / --sweep / conf, --nj, --slurm_conf, the device),
+# before the data stages: a bad value was found only after them, a failure per run.
 check_decode() {
   ${dry_run} && return 0                  # the dry run's grid checks them, printing its commands
   if [ "${stage}" -gt "$1" ] || [ "${stop_stage}" -lt "$1" ]; then return 0; fi
+  local md=$2
+  shift 2
   local opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}" --check)
   [ "${batch_runs}" != 1 ] && opts+=(--batch_runs "${batch_runs}")
   [ "${engine}" = slurm ] && opts+=(--slurm_conf "${slurm_conf}")
   # shellcheck disable=SC2086
   if ! ${python} -m tta_brain.grid --exp_dir "${exp_dir}" --source "${model:-${W2V2:-model}}" \
-      --streams each_stream=- each_md_stream=- --md_streams each_md_stream --methods "${methods}" \
+      --streams "$@" --md_streams "${md}" --methods "${methods}" \
       --seeds "${seeds}" --hparams_dir "${hparams_dir}" --conf_dir "${conf_dir}" \
       --md_decode_opts="${md_decode_opts}" --md_recipe_opts="${md_recipe_opts}" \
       --decode_opts="${decode_opts}" ${sweep:+--sweep ${sweep}} "${opts[@]}"; then

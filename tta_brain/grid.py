@@ -640,16 +640,26 @@ def main(argv=None) -> int:
     runs = plan_runs(args, cuda=cuda)
     if args.dry_run or args.check:     # each run's settings checked as its start would (not
         from tta_brain import decode     # its stream, which an earlier stage may not have written)
-        refused = 0
+        refused, said = 0, {}
+        # --check (a recipe, before it decodes here) knows this machine's devices; a dry run may
+        # prepare commands for another. The stream's own options do not change what is checked.
+        here = args.check and not args.dry_run and args.engine == "local"
+        where = ("--stream_csv=", "--output_folder=", "--stream_name=", "--data_root=",
+                 "--method_tag=")
         for r in runs:
             if args.dry_run:
                 print("DRY-RUN: " + shlex.join([sys.executable, "-m", "tta_brain.decode",
                                                 *r.argv]))
-            try:
-                decode.settings(r.argv, device_here=False)
-            except SystemExit as e:
+            key = tuple(a for a in r.argv if not a.startswith(where))
+            if key not in said:
+                try:
+                    decode.settings(r.argv, device_here=here)
+                    said[key] = None
+                except SystemExit as e:
+                    said[key] = str(e)
+            if said[key]:
                 refused += 1
-                print(f"grid: {r.name} will not run: {e}", flush=True)
+                print(f"grid: {r.name} will not run: {said[key]}", flush=True)
         for chunk in chunks(runs, args.batch_runs) if args.dry_run else ():
             if len(chunk) > 1:      # checked when it runs: a batch the sweep refuses is split
                 print(f"DRY-RUN: batch of {len(chunk)} (one python -m tta_brain.sweep, or separate "
@@ -657,7 +667,8 @@ def main(argv=None) -> int:
                       flush=True)
         return 1 if refused else 0
     check_done(runs, device_here=args.engine == "local")
-    if args.engine == "local" and any(r.status == "queued" for r in runs):
+    if args.engine == "local" and not args.hparams_dir and any(r.status == "queued" for r in runs):
+        # (own yamls may load the model otherwise: a savedir of their own)
         from tta_brain.lobes.hf_ctc import source_problem   # once, not a failure per run (a
         why = source_problem(args.source)                   # Slurm node may see other files)
         if why:

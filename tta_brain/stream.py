@@ -148,7 +148,8 @@ class TTAStream:
     @property
     def counts(self) -> Dict[str, int]:
         """Forward / backward passes so far (adaptation, inference, auxiliary)."""
-        return dict(self.method.counts)
+        with self._lock:                    # whole utterances, not one half counted
+            return dict(self.method.counts)
 
     def reset(self):
         """Back to the source model (the detector and meta-parameters too)."""

@@ -58,7 +58,7 @@ case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
 
 manifest=${data_dir}/chime3_et05.csv
 stream_csv=${data_dir}/streams/${stream_name}.csv
-check_decode 3
+check_decode 3 "" "${stream_name}=${stream_csv}"
 
 
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then

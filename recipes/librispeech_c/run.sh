@@ -61,7 +61,8 @@ case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
 
 clean_csv=${data_dir}/librispeech_${split//-/_}.csv
 lsc_dir=${data_dir}/ls_c
-check_decode 3
+grid_streams "${data_dir}" "${snrs}" "${streams}"   # (decode_snr_streams' own)
+check_decode 3 "${md_streams}" "${stream_args[@]}"
 
 
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then

@@ -105,7 +105,8 @@ if [ -z "${md_decode_opts}" ] && [ -z "${md_recipe_opts}" ]; then
   md_recipe_opts="--reset_K=$(( per_domain / 2 > 10 ? per_domain / 2 : 10 ))"
   md_recipe_opts+=" --reset_every=$(( per_domain / 4 > 1 ? per_domain / 4 : 1 ))"
 fi
-check_decode 4
+grid_streams "${data_dir}" "${snrs}" "${streams}"   # (decode_snr_streams' own)
+check_decode 4 "${md_streams}" "${stream_args[@]}"
 
 corpus=${data_dir}/corpus
 noise_dir=${data_dir}/noises

@@ -89,9 +89,11 @@ class PartialForward:
         if not lobe.supports_features:       # the reason, not a list of parts SEW also has
             from tta_brain.lobes.hf_ctc import FEATURE_MODELS
             base = type(getattr(lobe.model, "base_model", lobe.model)).__name__
+            # (a Conformer's encoder is refused below: its layers need relative positions)
+            ok = [m for m in FEATURE_MODELS if m != "Wav2Vec2ConformerModel"]
             raise ValueError(f"{type(lobe.model).__name__}: a partial forward needs a wav2vec "
                              f"2.0-style model whose forward after the CNN it reproduces (base "
-                             f"model one of {', '.join(FEATURE_MODELS)}; this one's is {base})")
+                             f"model one of {', '.join(ok)}; this one's is {base})")
         encoder = type(lobe.model.base_model.encoder).__name__
         if encoder not in PARTIAL_ENCODERS:
             raise ValueError(f"{type(lobe.model).__name__}: its encoder ({encoder}) is not one the "

@@ -97,13 +97,13 @@ def stream_warnings(runs: Sequence[Run]) -> List[str]:
     for stream, found in files.items():
         if len(found) < 2:
             continue
-        parts = [f"{rows} rows, sha1 {sha[:10]}: " + ", ".join(OrderedDict.fromkeys(
-                 r.name for r in group[:4])) + (", ..." if len(group) > 4 else "")
+        parts = [(f"{rows} rows, " if rows is not None else "") + f"sha1 {sha[:10]}: "
+                 + ", ".join(r.name for r in group[:4]) + (", ..." if len(group) > 4 else "")
                  for (sha, rows), group in found.items()]
         lines.append(f"stream {stream}: its runs decoded {len(found)} different stream files "
                      f"({'; '.join(parts)}), compared side by side as one stream: decode the "
-                     f"older runs again on the current file (--decode_opts=--overwrite) or report "
-                     f"each file's runs apart (--exp_dir)")
+                     f"runs of the stale file again on the current one (--decode_opts="
+                     f"--overwrite) or report each file's runs apart (--exp_dir)")
     return lines
 
 

@@ -196,9 +196,14 @@ class FolderLock:
     def acquire(self, command: str = "") -> "FolderLock":
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        for attempt in range(5):       # a probe (:meth:`busy`) holds it for microseconds
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt < 4:
+                    time.sleep(0.05)
+        else:
             os.close(fd)
             raise LockedError(f"{self.folder} is being written by {self.holder()}; wait for it to "
                               f"finish or use another --output_folder") from None
@@ -223,6 +228,8 @@ class FolderLock:
             return None
         except BlockingIOError:
             return self.holder()
+        except OSError:                # no locks on this file system (ENOLCK): not known
+            return None
         finally:
             os.close(fd)
 
