@@ -110,7 +110,7 @@ class TTAStream:
                                     or not isinstance(segment, (int, np.integer))):
             raise ValueError(f"transcribe: segment must be an integer (the domain block's "
                              f"label), got {segment!r}")     # "0" and 0 were two blocks
-        wav = as_mono_float(waveform).clone()     # (a normal tensor, made in inference mode)
+        wav = as_mono_float(waveform)
         if not torch.isfinite(wav).all():
             raise ValueError("transcribe: the waveform contains NaN or inf")
         sr = self.sample_rate if sample_rate is None else sample_rate
