@@ -222,22 +222,93 @@ def test_parse_options_standalone(tmp_path):
     script.write_text(f"""set -euo pipefail
 foo_bar=1
 flag=false
-help_message="usage: s.sh"
+count=
+internal=/somewhere
+stop_stage=3
+stage=0
+int_options="count"
+help_message="usage: s.sh --foo-bar X --flag true|false --count N --stage N --stop_stage N"
 . {REPO}/tools/parse_options.sh
-echo "foo_bar=$foo_bar flag=$flag rest=$*"
+echo "foo_bar=$foo_bar flag=$flag count=$count stage=$stage rest=$*"
 """)
-    out = subprocess.run(["bash", str(script), "--foo-bar", "x y", "--flag=true", "pos1", "--z"],
-                         capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "foo_bar=x y flag=true rest=pos1 --z"
-    out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "usage: s.sh"
-    out = subprocess.run(["bash", str(script), "--foo-bar"], capture_output=True, text=True)
+
+    def sh(*args):
+        return subprocess.run(["bash", str(script), *map(str, args)], capture_output=True,
+                              text=True)
+    out = sh("--foo-bar", "x y", "--flag=true", "pos1", "--z")
+    assert out.returncode == 0 and out.stdout.strip() == \
+        "foo_bar=x y flag=true count= stage=0 rest=pos1 --z"
+    out = sh("--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: s.sh --foo-bar X")
+    assert "--config FILE" in out.stdout
+    out = sh("--foo-bar")
     assert out.returncode == 1 and "needs a value" in out.stderr
-    cfg = tmp_path / "c.sh"
-    cfg.write_text("foo_bar=from_config\n")
-    out = subprocess.run(["bash", str(script), "--config", str(cfg)], capture_output=True,
-                         text=True)
-    assert out.stdout.startswith("foo_bar=from_config")
+    # a defined variable that the help does not list is no option
+    out = sh("--internal", "/x")
+    assert out.returncode == 1 and "invalid option --internal (see --help)" in out.stderr
+    assert out.stdout == ""
+    # an integer option with an empty default: empty or an integer
+    assert sh("--count", "").returncode == 0
+    out = sh("--count", "abc")
+    assert out.returncode == 1 and "option --count expects an integer, got 'abc'" in out.stderr
+    # a stage after the script's last one (the default --stop_stage) would run nothing
+    out = sh("--stage", 7, "--stop_stage", 9)
+    assert out.returncode == 1 and "--stage 7: this script's last stage is 3" in out.stderr
+    assert sh("--stage", 3, "--stop_stage", 9).returncode == 0
+    # --config: NAME=VALUE lines checked as the options are, in their place
+    cfg = tmp_path / "c.conf"
+    cfg.write_text("# a comment\r\n\nfoo_bar=\"from config\"  # why\r\nflag='true'\ncount=4")
+    out = sh("--foo-bar", "first", "--config", cfg, "pos")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "foo_bar=from config flag=true count=4 stage=0 rest=pos"
+    assert sh("--config", cfg, "--foo-bar", "last").stdout.startswith("foo_bar=last ")
+    for text, message in [("flag=maybe\n", "c.conf:1: option --flag expects true or false"),
+                          ("\ninternal=/x\n", "c.conf:2: invalid option --internal"),
+                          ("foo_bar=a b\n", "c.conf:1: foo_bar: quote a value with spaces"),
+                          ("echo hi\n", "c.conf:1: expected NAME=VALUE"),
+                          ("count=$(touch pwned)\n", "c.conf:1: count: quote a value")]:
+        cfg.write_text(text)
+        out = sh("--config", cfg)
+        assert out.returncode == 1 and message in out.stderr, (text, out.stderr)
+        assert out.stdout == "" and not (tmp_path / "pwned").exists()
+    cfg.write_text("count=abc\n")
+    assert "option --count expects an integer, got 'abc'" in sh("--config", cfg).stderr
+    assert "config file nothere.conf not found" in sh("--config", "nothere.conf").stderr
+    # a help that lists an option the script does not have is a script error
+    script.write_text(script.read_text().replace("--stop_stage N", "--stop_stage N --ghost X"))
+    out = sh("--help")
+    assert out.returncode == 1 and "the help lists --ghost, which is no option" in out.stderr
+
+
+@pytest.mark.parametrize("script", [LSC, CHIME, REPO / "recipes" / "synthetic" / "run.sh"])
+def test_recipe_options_are_what_the_help_lists(script, tmp_path):
+    """Every --name of a recipe's --help is an option (--help exits 0 only then), its own
+    variables are not, --config is read as options, and a stage after the last is refused."""
+    res = run(script, "--help")
+    assert res.returncode == 0, res.stderr
+    assert "--config FILE" in res.stdout
+    for internal in ("repo_root", "recipe_dir", "help_message", "int_options", "grid_help"):
+        res = run(script, f"--{internal}", "/x")
+        assert res.returncode == 1 and f"invalid option --{internal.replace('_', '-')}" in \
+            res.stderr, internal
+    last = {"chime3": 4, "librispeech_c": 4, "synthetic": 5}[script.parent.name]
+    res = run(script, "--stage", last + 1, "--stop_stage", last + 3)
+    assert res.returncode == 1 and f"this script's last stage is {last}" in res.stderr
+    assert "Stage" not in res.stderr
+    cfg = tmp_path / "opts.conf"
+    cfg.write_text('methods="suta dsuta"\nnj=nine\n')
+    res = run(script, "--config", cfg)
+    assert res.returncode == 1 and "option --nj expects an integer, got 'nine'" in res.stderr
+    assert "Stage" not in res.stderr
+    cfg.write_text("repo_root=/x\n")
+    res = run(script, "--config", cfg)
+    assert res.returncode == 1 and f"{cfg}:1: invalid option --repo-root" in res.stderr
+    md = run(script, "--md_decode_opts", "--steps=2", "--stage", last + 1, "--stop_stage", last + 1)
+    if script == CHIME:    # one stream, no multi-domain option set: not in its help, no option
+        assert "--md_decode_opts" not in run(script, "--help").stdout
+        assert md.returncode == 1 and "invalid option --md-decode-opts" in md.stderr
+    else:
+        assert "invalid option" not in md.stderr and "last stage" in md.stderr
 
 
 def test_a_stream_of_your_own_name_gets_the_multi_domain_options(lsc, tmp_path):

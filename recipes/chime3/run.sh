@@ -45,11 +45,6 @@ if [ $# -gt 0 ]; then
   exit 1
 fi
 check_grid_options
-if [ -n "${md_decode_opts}${md_recipe_opts}" ]; then
-  echo "$0: --md_decode_opts / --md_recipe_opts: the CHiME-3 stream is decoded with the" \
-       "single-domain option set" >&2
-  exit 1
-fi
 # absolute paths: manifests and decode commands must not depend on the working directory
 case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
 # the source statistics' folder (conf/<method>.opts: the decodes' data root is the corpus)

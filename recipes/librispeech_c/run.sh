@@ -44,11 +44,12 @@ ${streams_help}
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
   --conf_dir DIR  --model DIR_OR_NAME
 ${grid_help}
+${md_opts_help}
   --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false
 Stages: 0 manifest, 1 corrupt, 2 streams, 3 decode, 4 report.
 EOM
 )
-int_options+=" noise_seed stream_seed"
+int_options+=" noise_seed stream_seed per_domain md_long_total md_long_min md_long_max"
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2

@@ -65,12 +65,13 @@ ${streams_help}
   --seeds "LIST" (${seeds})
   --conf_dir DIR  --noprogressbar true|false
 ${grid_help}
+${md_opts_help}
   --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false (${dry_run})
 Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
 EOM
 )
 quick_streams=${streams} quick_methods=${methods}
-int_options+=" corpus_seed n_train n_test noise_seed train_minutes train_seed stream_seed per_domain md_long_total md_long_min md_long_max long_total long_max"
+int_options+=" corpus_seed n_train n_test noise_seed train_minutes train_seed stream_seed per_domain md_long_total md_long_min md_long_max long_total long_max n_long"
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
