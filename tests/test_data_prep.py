@@ -701,3 +701,130 @@ def test_cli_a_corpus_file_that_is_no_audio_is_one_line_naming_it(tmp_path, caps
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"ERROR: {wav}: no audio in it (0 frames); a corpus file: extract it again")
     assert not (tmp_path / "ls.csv").exists() and not (tmp_path / "c.csv").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A user's own corpus: what was silently dropped, relabelled or a traceback (probed)
+# ----------------------------------------------------------------------------------------------
+def test_librispeech_one_utterance_twice_is_refused_naming_both(tmp_path, capsys):
+    """A copy of a flac in another chapter folder (or a second transcript line of one ID) kept
+    one of them and its text silently: 4 of 5 utterances written, one relabelled."""
+    utts = make_librispeech(tmp_path / "ls", speakers=(11,), chapters=(100, 200), utts=2)
+    first = tmp_path / "ls" / "LibriSpeech" / "test-other" / "11" / "100"
+    trans = first / "11-100.trans.txt"
+    trans.write_text(trans.read_text() + "11-100-0001 SECOND VERSION\n")
+    out = tmp_path / "o.csv"
+    assert prepare.main(["librispeech", "--root", str(tmp_path / "ls"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"ERROR: {trans}:3: a second transcript of 11-100-0001 (the first: "
+                   f"{trans}:2)")
+    trans.write_text("\n".join(trans.read_text().splitlines()[:2]) + "\n")
+    other = tmp_path / "ls" / "LibriSpeech" / "test-other" / "11" / "200"
+    copy = other / "11-100-0000.flac"
+    copy.write_bytes(utts["11-100-0000"][0].read_bytes())
+    assert prepare.main(["librispeech", "--root", str(tmp_path / "ls"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"ERROR: two audio files of utterance 11-100-0000: {first}/11-100-0000.flac "
+                   f"and {copy}; remove one")
+    assert not out.exists()
+    copy.unlink()
+    trans.write_bytes(trans.read_bytes().replace(b"11-100-0000 ", b"11-100-0000 CAF\xe9 "))
+    assert prepare.main(["librispeech", "--root", str(tmp_path / "ls"), "--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip().startswith(f"ERROR: {trans}: not UTF-8 text (")
+    trans.write_text(trans.read_bytes().decode("latin-1").replace("CAF\xe9 ", ""))
+    assert prepare.main(["librispeech", "--root", str(tmp_path / "ls"), "--out", str(out)]) == 0
+    assert len(read_manifest(out)) == 4
+
+
+def test_chime3_damaged_text_two_files_of_one_id_and_empty_transcripts(tmp_path, caplog):
+    """A Latin-1 byte became U+FFFD (a space at scoring) silently; X.wav beside X.CH5.wav gave
+    one ID twice; a transcript of markers only was written empty without a word."""
+    refs = make_chime3(tmp_path / "c", splits=("bus_real",), per_split=2)
+    trn_dir = tmp_path / "c" / "data" / "transcriptions" / "et05_bus_real"
+    wav_dir = tmp_path / "c" / "data" / "audio" / "16kHz" / "enhanced" / "et05_bus_real"
+    trn = sorted(trn_dir.glob("*.trn"))[0]
+    good = trn.read_bytes()
+    trn.write_bytes(good.replace(b"\n", b" CAF\xe9\n"))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(trn))}: not UTF-8 text \("):
+        prepare_chime3(tmp_path / "c", tmp_path / "m.csv", splits=["bus_real"])
+    trn.write_bytes(good)
+    wav = sorted(wav_dir.glob("*.wav"))[0]
+    ch5 = wav.with_name(wav.stem + ".CH5.wav")
+    ch5.write_bytes(wav.read_bytes())
+    with pytest.raises(ValueError, match=rf"two audio files of utterance {wav.stem}_REAL: "
+                                         rf"{re.escape(str(ch5))} and {re.escape(str(wav))}"):
+        prepare_chime3(tmp_path / "c", tmp_path / "m.csv", splits=["bus_real"])
+    assert not (tmp_path / "m.csv").exists()
+    ch5.unlink()
+    trn.write_text(f"{wav.stem} <NOISE> .PERIOD\n")
+    with caplog.at_level(logging.WARNING, logger="tta_brain.data.prep.chime3"):
+        rows = read_manifest(prepare_chime3(tmp_path / "c", tmp_path / "m.csv",
+                                            splits=["bus_real"]))
+    assert [r["wrd"] for r in rows if r["ID"] == f"{wav.stem}_REAL"] == [""]
+    assert f"1 utterance(s) with an empty transcript once markers are dropped (decode skips " \
+        f"them, listed in its rejects.csv): {wav.stem}_REAL" in caplog.text
+    assert len(rows) == len(refs)
+
+
+def test_corrupt_refuses_ids_that_are_no_file_names_and_missing_columns(small_set, tmp_path,
+                                                                        capsys):
+    """An ID '../x' wrote every domain's mixture to one file outside its domain folder (the GS
+    manifest named audio mixed with another noise); a manifest without wav/duration was a
+    KeyError traceback; a placeholder's advice named no option."""
+    manifest, noise_dir = small_set
+    rows = read_manifest(manifest)
+    args = ["corrupt", "--out", str(tmp_path / "c"), "--domains", "GS", "AC",
+            "--noise_dir", str(noise_dir), "--manifest"]
+    bad = tmp_path / "bad.csv"
+    write_manifest(bad, [dict(rows[0], ID="../x")] + rows[1:])
+    assert prepare.main(args + [str(bad)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"ERROR: {bad}:2: ID '../x': a mixture is the file <ID>.wav in its domain's folder, so "
+        "an ID must be a plain file name (no / or \\, not . or ..)")
+    assert not (tmp_path / "c").exists()
+    write_manifest(bad, [{k: v for k, v in r.items() if k != "wav"} for r in rows])
+    assert prepare.main(args + [str(bad)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"ERROR: {bad}: missing required column(s) wav (found: ID, duration, spk_id, wrd)")
+    write_manifest(bad, [dict(r, wav="$data_root/" + Path(r["wav"]).name) for r in rows])
+    assert prepare.main(args + [str(bad)]) == 1
+    assert "uses a placeholder; pass the folder it stands for (--source_data_root)" in \
+        capsys.readouterr().err
+    for snr in ("1e6", "-7000", "151"):
+        with pytest.raises(SystemExit):
+            prepare.main(args + [str(manifest), "--snrs", snr])
+        assert "must be a number of dB from -150 to 150" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()          # no record left behind either
+    assert prepare.main(args + [str(manifest), "--snrs", "150", "-150"]) == 0
+
+
+def test_streams_duration_problems_and_unused_size_options(clean_set, tmp_path, capsys, caplog):
+    """--max_duration on a manifest without durations was a KeyError traceback (or 'could not
+    convert string to float' naming nothing); --per_domain with only single-domain streams was
+    silently unused; validate asked for spk_id, which decode does not need."""
+    root, _, manifest = clean_set
+    rows = read_manifest(manifest)
+    own = tmp_path / "own.csv"
+    write_manifest(own, [dict({k: r[k] for k in ("ID", "wav", "wrd")}, duration="",
+                              domain="A" if i % 2 else "B") for i, r in enumerate(rows)])
+    base = ["streams", "--manifest", str(own), "--out", str(tmp_path / "s")]
+    assert prepare.main(base + ["--max_duration", "20"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"ERROR: utterance {rows[0]['ID']}: duration '' is no number of seconds, which "
+        "max_duration needs (a manifest without durations: leave max_duration out)")
+    with caplog.at_level(logging.WARNING, logger="tta_brain.data.prep.prepare"):
+        assert prepare.main(base + ["--names", "A", "B", "--per_domain", "3"]) == 0
+    assert "--per_domain: no stream of A B takes it (per_domain: md_easy/md_hard streams" in \
+        caplog.text
+    assert len(read_manifest(tmp_path / "s" / "streams" / "A.csv")) == len(rows) // 2
+    # validate: a stream as decode reads it (no spk_id), every file checked
+    mine = tmp_path / "mine.csv"
+    write_manifest(mine, [{k: r[k] for k in ("ID", "duration", "wav", "wrd")} for r in rows])
+    capsys.readouterr()
+    assert prepare.main(["validate", "--stream", str(mine)]) == 0
+    assert capsys.readouterr().out == f"{mine}: OK, {len(rows)} rows\n"
+    assert prepare.main(["validate", str(tmp_path / "none.csv"), str(mine), str(manifest)]) == 1
+    out, err = capsys.readouterr()
+    assert out == f"{manifest}: OK, {len(rows)} rows\n"
+    assert f"none.csv" in err.splitlines()[0] and "missing required column(s) spk_id" in \
+        err.splitlines()[1] and err.splitlines()[2] == "ERROR: 2 of 3 manifest(s) failed the check"

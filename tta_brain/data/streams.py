@@ -284,7 +284,17 @@ def filter_by_duration(rows, max_duration=None):
     """
     if not max_duration:
         return list(rows)
-    return [r for r in rows if float(r["duration"]) <= float(max_duration)]
+    kept = []
+    for r in rows:
+        try:
+            seconds = float(r["duration"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"utterance {r.get('ID', '?')}: duration {r.get('duration')!r} is "
+                             "no number of seconds, which max_duration needs (a manifest "
+                             "without durations: leave max_duration out)") from None
+        if seconds <= float(max_duration):
+            kept.append(r)
+    return kept
 
 
 def runs(stream):

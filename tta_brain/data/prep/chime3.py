@@ -74,7 +74,12 @@ def find_root(root):
 def _read_id_text(path):
     """``{ID: text}`` from a file of ``<ID> <TEXT>`` lines."""
     out = {}
-    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:   # a replaced byte would become a space at scoring
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); the "
+                         "CHiME-3 transcripts are ASCII: is the file damaged?") from None
+    for line in text.splitlines():
         utt, _, text = line.strip().partition(" ")
         if utt:
             out[utt] = text.strip()
@@ -117,7 +122,7 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
     if not redo:
         return out_csv
     pooled = {}  # {"real"/"simu": {ID: text}} from *.trn_all, read on first need
-    rows = []
+    rows, wav_of, no_text = [], {}, []
     for split in splits:
         folder = audio_root / f"{set_name}_{split}"
         wavs = sorted(folder.glob("*.wav"))
@@ -139,14 +144,26 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
                 text = pooled[kind][name]
             if clean_text:
                 text = clean_transcript(text)
+            utt = f"{name}_{kind}"
+            if utt in wav_of:    # e.g. X.wav and X.CH5.wav: one ID, two recordings
+                raise ValueError(f"two audio files of utterance {utt}: {wav_of[utt]} and {wav}; "
+                                 f"keep one (the ID is the file name up to its first dot)")
+            wav_of[utt] = wav
+            if not text:
+                no_text.append(utt)
             rows.append({
-                "ID": f"{name}_{kind}",
+                "ID": utt,
                 "duration": round(audio_duration(wav), 4),
                 "wav": to_placeholder(wav, data_root),
                 "spk_id": name.split("_")[0],
                 "wrd": text,
                 "domain": split,
             })
+    if no_text:
+        logger.warning("%d utterance(s) with an empty transcript%s (decode skips them, listed in "
+                       "its rejects.csv): %s", len(no_text),
+                       " once markers are dropped" if clean_text else "",
+                       ", ".join(no_text[:5]) + (" ..." if len(no_text) > 5 else ""))
     write_manifest(out_csv, rows)
     save_record(out_csv, "chime3", options, inputs=inputs)
     logger.info("wrote %d CHiME-3 %s utterances (%s) to %s", len(rows), set_name,

@@ -47,17 +47,39 @@ def find_split_dir(root, split=DEFAULT_SPLIT):
 
 def read_transcripts(split_dir):
     """``{utterance id: transcript}`` from all ``*.trans.txt`` files under ``split_dir``."""
-    texts = {}
+    texts, where = {}, {}
     for trans in sorted(Path(split_dir).glob("*/*/*.trans.txt")):
-        for line_no, line in enumerate(trans.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            lines = trans.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{trans}: not UTF-8 text ({err.reason} at byte {err.start}); "
+                             "LibriSpeech transcripts are ASCII: is the file damaged?") from None
+        for line_no, line in enumerate(lines, 1):
             line = line.strip()
             if not line:
                 continue
             utt, _, text = line.partition(" ")
             if not text.strip():
-                raise ValueError(f"{trans}:{line_no}: no transcript for {utt}")
+                hint = " (the ID and its text are separated by one space)" if "\t" in line else ""
+                raise ValueError(f"{trans}:{line_no}: no transcript for {utt}{hint}")
+            if utt in texts:     # the last one would silently win
+                raise ValueError(f"{trans}:{line_no}: a second transcript of {utt} "
+                                 f"(the first: {where[utt]})")
             texts[utt] = " ".join(text.split())
+            where[utt] = f"{trans}:{line_no}"
     return texts
+
+
+def audio_by_id(audio_files):
+    """``{utterance id: flac path}``; two files of one ID (e.g. a copy in another chapter
+    folder) are refused, naming both, rather than one of them silently kept."""
+    audio = {}
+    for path in audio_files:
+        if path.stem in audio:
+            raise ValueError(f"two audio files of utterance {path.stem}: {audio[path.stem]} and "
+                             f"{path}; remove one")
+        audio[path.stem] = path
+    return audio
 
 
 def prepare_librispeech(root, out_csv, split=DEFAULT_SPLIT, data_root=None, skip_existing=True):
@@ -78,7 +100,7 @@ def prepare_librispeech(root, out_csv, split=DEFAULT_SPLIT, data_root=None, skip
     if not redo:
         return out_csv
     texts = read_transcripts(split_dir)
-    audio = {p.stem: p for p in audio_files}
+    audio = audio_by_id(audio_files)
     if not audio:
         raise FileNotFoundError(f"no .flac files under {split_dir}")
     no_text = sorted(set(audio) - set(texts))

@@ -33,7 +33,8 @@ import numpy as np
 
 from ..cache import (HASH_CACHE_NAME, HashCache, as_stored, load_record, option_changes,
                     record_path, save_record, short)
-from ..manifest import manifest_text, read_manifest, to_placeholder, write_manifest
+from ..manifest import (ManifestError, manifest_text, read_header, read_manifest, to_placeholder,
+                        write_manifest)
 from .noise_table import GAUSSIAN_NAMES, find_noise_dir, load_domain_table, noise_path, snr_tag
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,10 @@ MIX_VERSION = 1
 def manifest_path(out_dir, code, snr):
     """``<out>/manifests/<code>_<snr>dB.csv``."""
     return Path(out_dir) / "manifests" / f"{code}_{snr_tag(snr)}.csv"
+
+
+#: The columns a manifest to corrupt needs (spk_id and others are copied when present).
+MIX_COLUMNS = ("ID", "duration", "wav", "wrd")
 
 
 def mixture_path(out_dir, code, snr, source_id):
@@ -225,14 +230,24 @@ def corrupt_manifest(manifest, out_dir, snrs=(5,), codes=None, noise_dir=None, t
     unknown = [c for c in codes if c not in table]
     if unknown:
         raise ValueError(f"unknown domain code(s) {unknown}; the table has {sorted(table)}")
+    header = read_header(manifest)
+    missing = [c for c in MIX_COLUMNS if c not in header]
+    if missing:
+        raise ManifestError(f"{manifest}: missing required column(s) {', '.join(missing)} "
+                            f"(found: {', '.join(header)})")
     rows = read_manifest(manifest, replacements={"data_root": source_data_root}
                          if source_data_root else None)
     seen = set()
-    for row in rows:
+    for line, row in enumerate(rows, 2):
         if row["wav"].startswith("$"):
-            raise ValueError(f"{manifest}: {row['wav']!r} uses a placeholder; pass its data root")
+            raise ValueError(f"{manifest}: {row['wav']!r} uses a placeholder; pass the folder it "
+                             "stands for (--source_data_root)")
         if row["ID"] in seen:
             raise ValueError(f"{manifest}: duplicate ID {row['ID']!r} (mixtures are named by ID)")
+        if not row["ID"] or row["ID"] in (".", "..") or "/" in row["ID"] or "\\" in row["ID"]:
+            raise ValueError(f"{manifest}:{line}: ID {row['ID']!r}: a mixture is the file "
+                             "<ID>.wav in its domain's folder, so an ID must be a plain file name "
+                             "(no / or \\, not . or ..)")
         seen.add(row["ID"])
     needs_files = [c for c in codes if table[c] not in GAUSSIAN_NAMES]
     if needs_files:

@@ -133,10 +133,12 @@ def _streams(args):
     out_dir = Path(args.out) / "streams"
     digests = {}  # source manifest -> sha1
     refused = []  # (out_csv, why): streams that exist and whose rebuild differs
+    sized = set()  # the size options some stream of --names takes
     for spec in names:
         name, _, preset = spec.partition("=")
         preset = preset or name
         overrides = _stream_overrides(args, preset)
+        sized.update(overrides)
         used = _domains_used(preset, domain_rows, overrides)
         options = {"preset": preset, "seed": args.seed, "max_duration": args.max_duration,
                    "overrides": overrides, "sources": {d: sources.get(d) for d in used}}
@@ -181,6 +183,12 @@ def _streams(args):
         distinct, mean, most = recurrence(stream)
         logger.info("%s: %d distinct clean utterances, each %.1f times on average (at most %d)",
                     name, distinct, mean, most)
+    unused = [k for k in ("per_domain", "total", "min_len", "max_len")
+              if getattr(args, k) is not None and k not in sized]
+    if unused:      # e.g. --per_domain with only single-domain or random-order streams
+        logger.warning("--%s: no stream of %s takes it (per_domain: md_easy/md_hard streams; "
+                       "total, min_len, max_len: md_long); those streams are written without it",
+                       " --".join(unused), " ".join(names))
     if refused:
         first, why = refused[0]
         if len(refused) == 1:
@@ -197,11 +205,23 @@ def _streams(args):
 
 
 def _validate(args):
-    from ..manifest import STREAM_COLUMNS, UTT_COLUMNS, validate_manifest
+    from ..loader import load_stream
+    from ..manifest import UTT_COLUMNS, validate_manifest
 
-    for path in args.manifests:
-        rows = validate_manifest(path, required=STREAM_COLUMNS if args.stream else UTT_COLUMNS)
+    failed = []
+    for path in args.manifests:     # each one checked, all problems reported
+        try:
+            if args.stream:         # what decode reads: ID,duration,wav,wrd (+ stream order)
+                rows = load_stream(path)
+            else:                   # a corpus manifest (the prep steps' output)
+                rows = validate_manifest(path, required=UTT_COLUMNS)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"ERROR: {err}", file=sys.stderr)
+            failed.append(path)
+            continue
         print(f"{path}: OK, {len(rows)} rows")
+    if failed:
+        raise ValueError(f"{len(failed)} of {len(args.manifests)} manifest(s) failed the check")
 
 
 def build_parser():
@@ -279,9 +299,17 @@ def build_parser():
 
     p = sub.add_parser("validate", help="check manifests")
     p.add_argument("manifests", nargs="+")
-    p.add_argument("--stream", action="store_true", help="require stream columns and order")
+    p.add_argument("--stream", action="store_true",
+                   help="check as decode reads a stream (ID,duration,wav,wrd; the order of "
+                        "position/segment where present); without: a corpus manifest "
+                        "(ID,duration,wav,spk_id,wrd, unique IDs)")
     p.set_defaults(func=_validate)
     return parser
+
+
+#: The widest SNR (dB) ``corrupt`` takes: float32 keeps about 144 dB between a sample and the
+#: smallest change to it, so a mixture beyond that holds nothing of the weaker signal.
+MAX_ABS_SNR = 150
 
 
 def main(argv=None):
@@ -289,9 +317,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if getattr(args, "seed", 0) < 0:         # numpy's generators take none (after work began)
         parser.error(f"{args.command} --seed {args.seed}: must be an integer >= 0")
-    bad = [x for x in getattr(args, "snrs", None) or () if not abs(x) < float("inf")]
-    if bad:                                   # nan: every mixture NaN, each utterance rejected
-        parser.error(f"corrupt --snrs {bad[0]}: must be a finite number of dB")
+    bad = [x for x in getattr(args, "snrs", None) or () if not abs(x) <= MAX_ABS_SNR]
+    if bad:           # nan: every mixture NaN; 1e6: an overflow; beyond 150: float32 rounding
+        parser.error(f"corrupt --snrs {bad[0]:g}: must be a number of dB from -{MAX_ABS_SNR} to "
+                     f"{MAX_ABS_SNR} (beyond, the weaker signal is lost in float32 rounding)")
     limit = getattr(args, "max_duration", None)
     if limit is not None and not 0 <= limit < float("inf"):   # -1 left out every utterance
         parser.error(f"{args.command} --max_duration {limit}: must be a number of seconds >= 0 "
