@@ -541,6 +541,9 @@ def test_prepare_chime3_trn_all_raw_text_and_errors(tmp_path):
     next((tmp_path / "d" / "data" / "transcriptions" / "et05_bus_real").glob("*.trn")).unlink()
     with pytest.raises(FileNotFoundError, match="no transcript"):
         prepare_chime3(tmp_path / "d", tmp_path / "m3.csv", splits=["bus_real"])
+    with pytest.raises(FileNotFoundError, match="no split 'bus_rael': .*enhanced has bus_real$"):
+        prepare_chime3(tmp_path / "d", tmp_path / "m4.csv", splits=["bus_rael"])
+    (tmp_path / "d" / "data" / "audio" / "16kHz" / "enhanced" / "et05_caf_real").mkdir()
     with pytest.raises(FileNotFoundError, match="no .wav files"):
         prepare_chime3(tmp_path / "d", tmp_path / "m4.csv", splits=["caf_real"])
 

@@ -127,6 +127,11 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
         folder = audio_root / f"{set_name}_{split}"
         wavs = sorted(folder.glob("*.wav"))
         if not wavs:
+            there = sorted(p.name[len(set_name) + 1:] for p in audio_root.glob(f"{set_name}_*")
+                           if p.is_dir() and any(p.glob("*.wav")))
+            if not folder.is_dir() and there:     # a misspelt split
+                raise FileNotFoundError(f"no split {split!r}: {audio_root} has "
+                                        f"{', '.join(there)}")
             raise FileNotFoundError(f"no .wav files in {folder}; is CHIME3 the CHiME-3 root and "
                                     f"does it hold the enhanced audio ({audio_subdir})?")
         kind = split.rsplit("_", 1)[-1].upper()
