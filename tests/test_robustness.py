@@ -819,6 +819,34 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
     assert hyp == tta.transcribe(want, sample_rate=16000.0) == hyps[0]
 
 
+def test_live_stream_built_loaded_or_reset_in_inference_mode(tmp_path, tiny_model_dir,
+                                                             utterances):
+    """A server that builds its stream, loads a saved state or resets under its own
+    ``torch.inference_mode()`` got inference tensors in the weights, the optimiser or the loaded
+    state: the next transcribe failed ("Inplace update to inference tensor outside
+    InferenceMode", "Inference tensors cannot be saved for backward"). Each now leaves
+    inference mode, as transcribe does: the transcripts are those of a stream made outside it."""
+    from tta_brain.stream import TTAStream
+    for method, ov in (("csuta", {"lr": 0.05}), ("dsuta", {"steps": 1, "buffer_size": 1})):
+        def stream():
+            return TTAStream.from_hparams(method, source=tiny_model_dir, overrides=ov)
+        plain = stream()
+        ref = [plain.transcribe(w) for w in utterances[:4]]
+        first = stream()
+        first.transcribe(utterances[0])
+        first.save(tmp_path / f"{method}.pt")
+        with torch.inference_mode():
+            built = stream()
+        assert [built.transcribe(w) for w in utterances[:4]] == ref, method
+        loaded = stream()
+        with torch.inference_mode():
+            loaded.load(tmp_path / f"{method}.pt")
+        assert [loaded.transcribe(w) for w in utterances[1:4]] == ref[1:], method
+        with torch.inference_mode():
+            loaded.reset()
+        assert [loaded.transcribe(w) for w in utterances[:2]] == ref[:2], method
+
+
 def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_model_dir,
                                                                utterances):
     """An application's habits broke the stream: two threads at once (autograd's "modified by

@@ -61,6 +61,11 @@ class TTAStream:
         self.lii: List[tuple] = []
         self._lock = threading.RLock()      # one utterance at a time: the state is one sequence
 
+    # _NORMAL_TENSORS: building, loading and resetting under the caller's torch.inference_mode()
+    # made the weights, optimiser moments or loaded state inference tensors, which the next
+    # adaptation step (outside it) may not update in place or save for backward: each of them
+    # leaves inference mode, as transcribe does.
+
     @classmethod
     def from_hparams(cls, hparams: str = "dsuta", source: Optional[str] = None,
                      overrides: Optional[Dict] = None, device: str = "cpu") -> "TTAStream":
@@ -74,7 +79,8 @@ class TTAStream:
             ov["source"] = str(source)
         ov.update(overrides or {})
         resolved = hp_files.resolve(hparams, ov)
-        hp = resolved.build()
+        with torch.inference_mode(False):    # see _NORMAL_TENSORS
+            hp = resolved.build()
         process_settings(ov["device"], hp.get("deterministic", True), hp.get("tf32", "torch"))
         settings = {k: v for k, v in resolved.values.items() if k not in _NOT_SETTINGS
                     and not k.startswith("__") and isinstance(v, (str, int, float, bool, type(None)))}
@@ -153,7 +159,7 @@ class TTAStream:
 
     def reset(self):
         """Back to the source model (the detector and meta-parameters too)."""
-        with self._lock:
+        with self._lock, torch.inference_mode(False):     # see _NORMAL_TENSORS
             self._reset()
 
     def _reset(self):
@@ -205,7 +211,7 @@ class TTAStream:
         hyperparameters (the file's moments and step counts are loaded, not its ``lr``). The
         random number generators continue from the file's (a state saved before they were
         recorded: from where they are)."""
-        with self._lock:
+        with self._lock, torch.inference_mode(False):     # see _NORMAL_TENSORS
             self._load(str(path))
 
     def _load(self, path: str):
