@@ -675,6 +675,31 @@ def test_a_run_another_process_is_writing_is_said_so_not_failed(data, tmp_path, 
         in capsys.readouterr().out
 
 
+def test_a_dry_run_says_which_runs_the_grid_would_skip_or_refuse(data, tmp_path, capsys):
+    """A dry run listed a finished run's command like any other, though the grid skips it (or
+    refuses it, when its folder holds other settings or is damaged): now it says which."""
+    exp = tmp_path / "exp"
+    assert grid.main(grid_argv(data, exp, "source", "0 1", "--nj", "1")) == 0
+    capsys.readouterr()
+    dry = grid_argv(data, exp, "source", "0 1 2", "--dry_run")
+    assert grid.main(dry) == 0
+    out = capsys.readouterr().out
+    assert out.count("DRY-RUN: ") == 3
+    for seed in (0, 1):
+        assert f"grid: s/source/seed{seed} is finished with the same settings: the grid " \
+            f"skips it" in out
+    assert "seed2 is finished" not in out and "will not run" not in out
+    summary = exp / "s" / "source" / "seed1" / "summary.json"
+    summary.write_text(summary.read_text()[:40])
+    assert grid.main(dry) == 1
+    out = capsys.readouterr().out
+    assert "grid: s/source/seed0 is finished with the same settings" in out
+    line = next(x for x in out.splitlines() if "seed1" in x and x.startswith("grid:"))
+    assert line.startswith("grid: s/source/seed1 will not run: it ") and \
+        "--decode_opts=--overwrite" in line
+    assert summary.read_text() == summary.read_text()[:40]          # nothing written
+
+
 def test_an_exp_dir_that_cannot_be_made_is_one_line(data, tmp_path, capsys):
     blocker = tmp_path / "results"             # a file where the results folder should be
     blocker.write_text("")

@@ -149,6 +149,21 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
                                                    f"there, add --decode_opts=--overwrite")
 
 
+def _say_finished(run: Run, device_here: bool) -> bool:
+    """A dry run's line on a run whose folder holds a finished run: the grid skips it (same
+    settings) or refuses it (other settings, a damaged folder: True). Said only when its stream
+    can be read (an earlier stage may write it); nothing is written."""
+    check_done([run], device_here=device_here)
+    refused = run.status == "failed" and run.plan is not None
+    if run.status == "skipped":
+        print(f"grid: {run.name} is finished with the same settings: the grid skips it",
+              flush=True)
+    elif refused:
+        print(f"grid: {run.name} will not run: it {run.message}", flush=True)
+    run.status, run.message, run.plan = "queued", "", None
+    return refused
+
+
 def batches(runs: List[Run], size: int) -> List[List[Run]]:
     """The queued runs as jobs: one run each (``size`` 1), or batches of at most ``size`` runs of
     one (method yaml, source, stream, data root), each one batched sweep (``--batch_runs``). A
@@ -660,6 +675,8 @@ def main(argv=None) -> int:
             if said[key]:
                 refused += 1
                 print(f"grid: {r.name} will not run: {said[key]}", flush=True)
+            elif args.dry_run and (r.folder / "summary.json").is_file():
+                refused += _say_finished(r, here)
         for chunk in chunks(runs, args.batch_runs) if args.dry_run else ():
             if len(chunk) > 1:      # checked when it runs: a batch the sweep refuses is split
                 print(f"DRY-RUN: batch of {len(chunk)} (one python -m tta_brain.sweep, or separate "
