@@ -336,6 +336,47 @@ def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     assert not out.exists()
 
 
+def test_overrides_that_replace_objects_select_nothing_or_change_nothing(tmp_path, ok_stream,
+                                                                         tiny_model_dir):
+    """Probed: ``--adapt_params=[]`` was a traceback at the first step ('NoneType' object has no
+    attribute 'zero_grad') with a run folder left behind; a text was read letter by letter
+    ("Unknown parameter selector 'n'"); ``--method=foo`` a traceback opening the folder;
+    ``--__set_seed=[1]`` replaced the yaml's seeding step (records said seed 0, the transcripts
+    were another seed's, and a finished seed-0 folder was "the same settings"); ``--lm_weight``
+    without an LM decoded exactly as without it, under another fingerprint. Each is one line
+    naming the key now, before any folder."""
+    out = tmp_path / "exp"
+    for opt, want in (
+            ("--adapt_params=[]", "adapt_params = [] selects nothing"),
+            ("--adapt_params=[{param_collection: official}]", "selects nothing"),
+            ("--adapt_params=notalist", "adapt_params = 'notalist' is not valid: adapt_params "
+                                        "must be a list of selector groups"),
+            ("--adapt_params=5", "adapt_params = 5 is not valid"),
+            ("--adapt_params=[layernrom]", "adapt_params entry 'layernrom': no selector "
+                                           "'layernrom'; selectors: layernorm,"),
+            ("--adapt_params=[{select: layernorm, lr_mult: abc}]",
+             "lr_mult = 'abc' must be a number >= 0"),
+            ("--adapt_params=[{select: layernorm, lr: 2}]", "use {select: <selector>, lr_mult"),
+            ("--method=foo", "--method=foo: 'method' is an object the yaml builds"),
+            ("--model=x", "--model=x: 'model' is an object the yaml builds"),
+            ("--runtime=1", "--runtime=1: 'runtime' is an object the yaml builds"),
+            ("--__set_seed=[1]", "--__set_seed: an internal key of")):
+        msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, opt))
+        assert want in msg, (opt, msg)
+        assert "\n" not in msg.strip()
+    sgem = ["sgem", f"--source={tiny_model_dir}", f"--stream_csv={ok_stream}",
+            f"--output_folder={out}", "--noprogressbar"]
+    for opt in ("--lm_weight=2", "--word_bonus=0"):
+        key = opt[2:].split("=")[0]
+        assert f"{key} = {opt.split('=')[1]} (an override) without lm_path: it is only used " \
+            f"with lm_path set" in _error(sgem + [opt])
+    assert not out.exists()
+    # what stays allowed: selector groups with multipliers
+    decode.main(dsuta_args(tiny_model_dir, ok_stream, out,
+                           "--adapt_params=[layernorm, {select: cnn, lr_mult: 2}]"))
+    assert (out / "summary.json").is_file()
+
+
 def test_option_values_are_read_as_typed(tmp_path, ok_stream, tiny_model_dir):
     """Overrides become yaml lines: an output folder ``run #1`` was written to ``run`` (yaml read
     `` #1`` as a comment), a stream named ``2020`` was refused as no string (the grid names

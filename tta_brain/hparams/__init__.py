@@ -147,8 +147,35 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
             raise HparamsError(f"{path}: a --key=value override is not valid yaml: "
                                f"{' '.join(msg.split())}") from None
         values = ruamel.yaml.YAML().load(text)
+    _check_override_keys(path, values, overrides)
     check(path, values, device_here)
     return Resolved(path, text, values)
+
+
+#: The objects a run is made of: an override of one must build another (a ``!new:`` /
+#: ``!apply:`` / ``!ref`` value), not replace it by a plain value (``--method=foo`` failed
+#: half-way through opening the run folder, ``--model=x`` with "'str' object has no attribute").
+BUILT_KEYS = ("model", "method", "runtime")
+
+
+def _check_override_keys(path, values: Dict, overrides) -> None:
+    """Refuse an override of an internal key (``__set_seed``: replacing the yaml's seeding step
+    left a run unseeded whose records said seed 0) or a plain value for one of
+    :data:`BUILT_KEYS`."""
+    if not overrides:
+        return
+    given = ruamel.yaml.YAML().load(overrides) if isinstance(overrides, str) else overrides
+    rules.check_overrides(path, values, list(given or {}))
+    for key, value in (given or {}).items():
+        if str(key).startswith("__"):
+            raise HparamsError(f"--{key}: an internal key of {path} (a step the yaml runs when "
+                               f"it is built), not an option")
+        tag = getattr(getattr(value, "tag", None), "value", None)
+        if key in BUILT_KEYS and not (isinstance(tag, str) and tag.startswith("!")):
+            raise HparamsError(f"--{key}={value}: '{key}' is an object the yaml builds (see "
+                               f"{path}), not a value; change its arguments (python -m "
+                               f"tta_brain.decode <method> --help) or build another in a yaml "
+                               f"of your own")
 
 
 def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None) -> Dict[str, str]:
