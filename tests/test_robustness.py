@@ -377,6 +377,27 @@ def test_overrides_that_replace_objects_select_nothing_or_change_nothing(tmp_pat
     assert (out / "summary.json").is_file()
 
 
+def test_a_finished_run_asked_for_under_another_label_says_it_keeps_its_own(
+        tmp_path, ok_stream, tiny_model_dir, capsys):
+    """``--method_tag`` / ``--stream_name`` are labels, not settings: a finished run asked for
+    under another one was "finished with the same settings, skipping", the label silently not
+    applied. It is still skipped (its records are not rewritten), and now says so."""
+    out = tmp_path / "exp"
+    argv = dsuta_args(tiny_model_dir, ok_stream, out)
+    decode.main(argv)
+    capsys.readouterr()
+    before = (out / "summary.json").read_bytes()
+    decode.main(argv + ["--method_tag=renamed", "--stream_name=other"])
+    said = capsys.readouterr().out
+    assert said.strip().endswith("skipping; it stays labelled method 'dsuta' (not "
+                                 "--method_tag=renamed) and stream 'ok' (not "
+                                 "--stream_name=other): a finished run is not relabelled "
+                                 "(--overwrite decodes it again)"), said
+    assert (out / "summary.json").read_bytes() == before
+    decode.main(argv + ["--method_tag=dsuta"])
+    assert capsys.readouterr().out.strip().endswith("), skipping")
+
+
 def test_option_values_are_read_as_typed(tmp_path, ok_stream, tiny_model_dir):
     """Overrides become yaml lines: an output folder ``run #1`` was written to ``run`` (yaml read
     `` #1`` as a comment), a stream named ``2020`` was refused as no string (the grid names

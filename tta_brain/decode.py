@@ -179,7 +179,7 @@ def main(argv=None):
             _fail(str(e))
         return None
     if p.status == "done":
-        return _skip(p.out)
+        return _skip(p.out, p.resolved)
     if p.status in ("differs", "damaged") and not p.args.overwrite:
         _refuse(p.out, p.diffs, p.status)
     created = not os.path.exists(p.out)
@@ -203,9 +203,18 @@ def main(argv=None):
         free_run_memory()           # the run's model and graphs, before the process goes on
 
 
-def _skip(out):
+def _skip(out, resolved=None):
+    """The finished run's summary, said skipped; a label asked for (``--method_tag``,
+    ``--stream_name``: not part of the settings) other than the run's is said kept."""
     summary = read_summary(out)
-    print(f"{out}: finished with the same settings (WER {percent(summary.wer)}), skipping")
+    kept = [f"{what} '{had}' (not --{key}={want})"
+            for key, what, had in (("method_tag", "method", summary.method),
+                                   ("stream_name", "stream", summary.stream))
+            for want in [(resolved or {}).get(key)] if isinstance(want, str) and want
+            and want != had]
+    note = (f"; it stays labelled {' and '.join(kept)}: a finished run is not relabelled "
+            f"(--overwrite decodes it again)") if kept else ""
+    print(f"{out}: finished with the same settings (WER {percent(summary.wer)}), skipping{note}")
     return summary
 
 
@@ -312,7 +321,7 @@ def open_folder(p: Plan, argv, status: str, hparams, held: "HeldLogs" = None
 def _run(p: Plan, argv):
     status = prepare(p)
     if status == "done":
-        return _skip(p.out)
+        return _skip(p.out, p.resolved)
     try:
         with HeldLogs() as held:
             hparams = p.hp.build()

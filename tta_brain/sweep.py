@@ -200,7 +200,7 @@ def run(argvs: List[List[str]]):
     todo = [(p, a) for p, a in zip(plans, argvs) if p.status != "done"]
     for p in plans:
         if p.status == "done":
-            decode._skip(p.out)
+            decode._skip(p.out, p.resolved)
     if not todo:
         return [None] * len(plans)
     why = refusal([p for p, _ in todo])
