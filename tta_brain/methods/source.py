@@ -9,5 +9,9 @@ class Source(TTAMethod):
         kwargs.setdefault("adapt_params", ())
         super().__init__(model, **kwargs)
 
+    def describe(self) -> str:
+        total = sum(p.numel() for p in self.net.parameters())
+        return f"{self.name}: no adaptation, greedy CTC of the {total / 1e6:.2f}M-parameter model"
+
     def forward_and_adapt(self, x, info):
         return self.predict(x)
