@@ -172,6 +172,7 @@ class DynamicReset(ResetPolicy):
         self.stats, self.recent = [], []
         self.mu = self.sigma = None
         self.counter = 0
+        self.diverged = False
 
     def needs_lii(self, t):
         return self.have_phi_D and t > self.last + self.k
@@ -180,9 +181,19 @@ class DynamicReset(ResetPolicy):
         if not self.needs_lii(t):
             return
         m = self.method
-        lii = m.loss_with(self.phi_D, x) - m.loss_with(None, x)
+        with_phi_D, source = m.loss_with(self.phi_D, x), m.loss_with(None, x)
+        lii = with_phi_D - source
         if not math.isfinite(lii):
-            logger.warning("dynamic reset: non-finite LII at utterance %d ignored", t)
+            if math.isfinite(source) and not self.diverged:
+                # phi_D (the adapted model at r + K/2) has no finite loss where the source has:
+                # the adaptation diverged (a learning rate too high), skipped steps leave it so,
+                # and no LII test can fire on it; every later utterance would be decoded from
+                # it (empty transcripts): reset at the next meta-update
+                logger.warning("dynamic reset: the adapted model's loss is non-finite at "
+                               "utterance %d (it diverged): reset at the next meta-update", t)
+                self.diverged = True
+            elif not self.diverged:
+                logger.warning("dynamic reset: non-finite LII at utterance %d ignored", t)
             return
         construction = t < self.last + self.K or (t == self.last + self.K
                                                   and self.lii_count == "paper")
@@ -194,6 +205,8 @@ class DynamicReset(ResetPolicy):
 
     def at_update(self, t):
         values, self.recent = self.recent, []
+        if self.diverged:
+            return "dynamic (non-finite loss: the adapted model diverged)"
         if t <= self.last + self.K or self.mu is None or not values:
             return None
         z = z_score(values, self.mu, self.sigma)
@@ -231,12 +244,14 @@ class DynamicReset(ResetPolicy):
 
     def state_dict(self):
         return {k: getattr(self, k) for k in
-                ("last", "have_phi_D", "stats", "recent", "mu", "sigma", "counter")} | {
+                ("last", "have_phi_D", "stats", "recent", "mu", "sigma", "counter",
+                 "diverged")} | {
             "phi_D": [p.clone() for p in self.phi_D] if self.phi_D is not None else None}
 
     def load_state_dict(self, sd):
         for k in ("last", "have_phi_D", "stats", "recent", "mu", "sigma", "counter"):
             setattr(self, k, sd[k])
+        self.diverged = sd.get("diverged", False)     # (a state saved before it was kept)
         if sd["phi_D"] is not None:
             self.phi_D = [p.clone() for p in sd["phi_D"]]
 

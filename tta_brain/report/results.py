@@ -107,6 +107,13 @@ def stream_warnings(runs: Sequence[Run]) -> List[str]:
     return lines
 
 
+def run_warnings(runs: Sequence[Run]) -> List[str]:
+    """Each run's own ``warnings`` (summary.json: a reset that cannot fire, adaptation steps
+    skipped for non-finite values, many empty hypotheses), one line each naming the run: its
+    cell in the tables is a number like any other."""
+    return [f"{r.name}: {w}" for r in runs for w in (r.summary.warnings or [])]
+
+
 def _cell_warnings(runs: Sequence[Run]) -> List[str]:
     groups = OrderedDict()
     for r in runs:
@@ -165,7 +172,7 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
     M = metric.upper()
     notes = (f"{DEFINITIONS[metric]}, pooled over a run's utterances. Cells: "
              "mean ± sample std over runs (seeds), n = number of runs.")
-    warnings = pooling_warnings(runs)
+    warnings = pooling_warnings(runs) + run_warnings(runs)
     parts = ["# RESULTS", environment_block(runs, repo_dir)]
     if warnings:
         parts += ["## Warnings", "\n".join(f"- {w}" for w in warnings)]

@@ -97,6 +97,30 @@ def read_summary(folder) -> Summary:
     return Summary(**{k: v for k, v in data.items() if k in names})
 
 
+#: A run with at least this share of empty hypotheses (and two of them) gets a warning.
+EMPTY_SHARE = 0.1
+
+
+def health_warnings(transcripts, counts: Dict) -> List[str]:
+    """What a finished run's records say about a model that went wrong, for ``summary.json``'s
+    ``warnings`` and the report: skipped adaptation steps (a non-finite loss or gradient: a
+    learning rate too high) and many empty hypotheses (a model collapsed to blank, or one whose
+    outputs are NaN, decodes every utterance as nothing: a WER near 100 % that is no result of
+    the method at its intended settings)."""
+    out = []
+    skipped = int(counts.get("skipped_steps", 0) or 0)
+    if skipped:
+        done = int(counts.get("adapt_backward", 0) or 0)
+        out.append(f"{skipped} adaptation step(s) skipped for a non-finite loss or gradient "
+                   f"({done} backward passes done): the adapted model may have diverged (a "
+                   f"learning rate too high?); log.txt says at which utterances")
+    empty = sum(1 for t in transcripts if not t.hyp.strip())
+    if empty >= 2 and empty >= EMPTY_SHARE * len(transcripts):
+        out.append(f"{empty} of {len(transcripts)} hypotheses are empty: a model that collapsed "
+                   f"to blank outputs (or diverged to NaN) decodes every utterance as nothing")
+    return out
+
+
 def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, seed,
               hparams: Dict, device: str, fingerprint: Dict = None,
               warnings: List[str] = ()) -> Summary:
@@ -122,6 +146,9 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
     n_err = sum(t.n_err for t in transcripts)
     n_words = sum(t.n_words for t in transcripts)
     wall, audio = state.wall_time, state.audio_time
+    health = health_warnings(transcripts, method.counts)
+    for line in health:
+        logger.warning("%s on %s: %s", tag, stream, line)
     summary = Summary(
         method=tag, stream=stream, seed=seed, wer=error_rate(n_err, n_words),
         wer_per_domain={d: error_rate(e, w) for d, (e, w, _, _) in per_dom.items()},
@@ -131,7 +158,7 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
         counts=dict(method.counts), wall_time_s=wall, audio_s=audio,
         time_per_audio_s=wall / max(audio, 1e-9), num_adapted_params=method.num_adapted,
         hparams=dict(hparams), device=describe_device(device), versions=versions(),
-        fingerprint=dict(fingerprint or {}), warnings=list(warnings),
+        fingerprint=dict(fingerprint or {}), warnings=list(warnings) + health,
         cer=error_rate(sum(e[2] for e in per_dom.values()), sum(e[3] for e in per_dom.values())),
         cer_per_domain={d: error_rate(ce, cr) for d, (_, _, ce, cr) in per_dom.items()})
     write_summary(folder, summary)
