@@ -172,9 +172,10 @@ class TTABrain(sb.Brain):
         events, self.method.events = self.method.events, []
         skips = [ev.reason for ev in events if ev.kind == "skip"]
         if skips:   # the method logged each one; name the utterance once
-            logger.warning("%s (position %d): %d adaptation step(s) skipped (%s); the parameters "
-                           "were left unchanged by them", info.id, info.position, len(skips),
-                           "; ".join(sorted(set(skips))))
+            logger.warning("%s (position %d): %d adaptation step(s) skipped (%s); the skipped "
+                           "steps did not change the parameters (a model whose every step is "
+                           "skipped has diverged: the run's warnings say so)", info.id,
+                           info.position, len(skips), "; ".join(sorted(set(skips))))
         for ev in events:
             if ev.kind == "reset":
                 rid = rows[ev.position]["ID"] if 0 <= ev.position < len(rows) else ""
