@@ -311,7 +311,9 @@ def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--reset=foo"))
     assert "dsuta.yaml" in msg and "reset = 'foo' is not valid" in msg and "dynamic" in msg
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--stepz=3"))
-    assert "Override 'stepz' not found" in msg and "steps" in msg
+    assert "Override 'stepz' not found: --stepz is no key of this yaml (did you mean --steps? " \
+        "python -m tta_brain.decode dsuta --help lists them)" in msg
+    assert "__set_seed" not in msg                  # (hyperpyyaml's list named every key)
     argv = dsuta_args(tiny_model_dir, ok_stream, out)
     argv[0] = "dsutaa"
     msg = _error(argv)

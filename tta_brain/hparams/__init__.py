@@ -272,6 +272,11 @@ class _errors:
             return False
         where = str(self.path)
         if isinstance(err, KeyError):
+            unknown = re.fullmatch(r"Override '(.+)' not found in: \[(.*)\]", str(err.args[0]))
+            if unknown:     # hyperpyyaml's list had the internal keys; the closest is enough
+                raise HparamsError(_unknown_key(self.path, unknown.group(1),
+                                                re.findall(r"'(\w+)'", unknown.group(2)))
+                                   ) from err
             raise HparamsError(f"{where}: {err.args[0]} (check the spelling of the keys and of "
                                f"the --key=value overrides)") from err
         if isinstance(err, (yaml.YAMLError, ruamel.yaml.error.YAMLError)):
@@ -290,6 +295,18 @@ class _errors:
         if isinstance(err, (ValueError, ImportError, AttributeError, RuntimeError, OSError)):
             raise HparamsError(f"{where}: {_describe(err)}") from err
         return False
+
+
+def _unknown_key(path, key: str, known: List[str]) -> str:
+    """The one line for an override of a key the yaml lacks: the closest keys and where the
+    whole list is."""
+    import difflib
+    options = [k for k in known if not k.startswith("__")]
+    close = difflib.get_close_matches(key, options, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join('--' + c for c in close)}? " if close else ""
+    name = Path(path).stem if Path(path).parent == HPARAMS_DIR else str(path)
+    return (f"{path}: Override '{key}' not found: --{key} is no key of this yaml ({hint}python -m "
+            f"tta_brain.decode {name} --help lists them)")
 
 
 def _required(path, key: str) -> str:
