@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tta_brain.asr import metrics
-from tta_brain.report import long, plots, results as report, tables
+from tta_brain.report import long, plots, results as report, tables, tags
 from tta_brain.run import records, summary
 
 WORDS = 10  # reference words per utterance
@@ -559,3 +559,70 @@ def test_damaged_bytes_in_a_record_name_the_file_and_a_damaged_memory_csv_keeps_
         read_transcripts(bad)
     text = long.write_long_report(runs, tmp_path, "md_easy", plots=False).read_text()
     assert "samples in memory.csv): md_easy/source/0 (memory.csv unreadable)." in text
+
+
+def test_a_grids_steps_sweep_gets_its_steps_table_and_reference(tmp_path):
+    """The grid names a steps sweep's runs suta_steps1 / suta_steps10: they were two methods, so
+    RESULTS.md had no "WER vs adaptation steps" table and every efficiency ratio was '-'."""
+    make_run(tmp_path, "suta_steps1", "lsc_AA", 0, 2, time_per_audio=0.02, hparams={"steps": 1})
+    make_run(tmp_path, "suta_steps10", "lsc_AA", 0, 3, time_per_audio=0.08,
+             hparams={"steps": 10})
+    make_run(tmp_path, "dsuta_steps1", "lsc_AA", 0, 2, time_per_audio=0.04,
+             hparams={"steps": 1})
+    runs = report.collect_runs(tmp_path)
+    rows = table_rows(tables.table_steps(runs).split("\n\n", 1)[1])
+    assert rows == [["Method", "N=1", "N=10"], ["suta", "20.0 (n=1)", "30.0 (n=1)"]]
+    eff = tables.table_efficiency(runs, "lsc_AA")
+    assert "Time x SUTA_STEPS10" in eff
+    assert {r[0]: r[7] for r in table_rows(eff)[1:]} == {
+        "dsuta_steps1": "0.50", "suta_steps1": "0.25", "suta_steps10": "1.00"}
+    assert tags.without_steps("suta_steps10_lr0.1") == "suta_lr0.1"
+    assert tags.without_steps("suta_stepsize") == "suta_stepsize"
+
+
+def test_pooled_runs_are_checked_though_the_first_has_no_fingerprint(tmp_path):
+    """The check compared every run with the first one only, and skipped the cell when that
+    one had no fingerprint: three suta runs at three learning rates were one cell, unwarned."""
+    import dataclasses
+    for seed, fp in ((0, {}), (1, {"hparams": {"seed": 1, "lr": 3e-4}}),
+                     (2, {"hparams": {"seed": 2, "lr": 1e-2}})):
+        d = make_run(tmp_path, "suta", "md_easy", seed, 1)
+        summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint=fp))
+    said = report.pooling_warnings(report.collect_runs(tmp_path))
+    assert len(said) == 1 and said[0].startswith(
+        "suta on md_easy: settings other than the seed differ (hparams.lr) and 1 run(s) record "
+        "no settings to compare (md_easy/suta/0: no fingerprint in summary.json) across its 3 "
+        "runs"), said
+
+
+def test_a_summary_that_is_no_object_and_long_md_lists_what_it_left_out(tmp_path, capsys):
+    """summary.json holding ``null`` or ``5`` was a TypeError traceback (report and
+    compare_runs); LONG.md left unreadable runs out without a word (RESULTS.md lists them)."""
+    make_run(tmp_path, "source", "md_easy", 0, 2)
+    for i, text in enumerate(("null", "5")):
+        bad = make_run(tmp_path, "suta", "md_easy", i, 2)
+        (bad / "summary.json").write_text(text)
+    skipped = []
+    runs = report.collect_runs(tmp_path, skipped)
+    assert [r.name for r in runs] == ["md_easy/source/0"]
+    assert sorted(skipped) == [
+        ("md_easy/suta/0", f"{tmp_path}/md_easy/suta/0/summary.json: not a summary (a JSON "
+                           "NoneType, not an object)"),
+        ("md_easy/suta/1", f"{tmp_path}/md_easy/suta/1/summary.json: not a summary (a JSON "
+                           "int, not an object)")]
+    assert long.main(["--exp_dir", str(tmp_path), "--stream", "md_easy", "--no_plots"]) == 0
+    text = (tmp_path / "LONG.md").read_text()
+    assert "## Not reported" in text and "- `md_easy/suta/1`: " in text
+    sys.path.insert(0, str(REPO / "tools"))
+    import compare_runs
+    assert compare_runs.main([str(tmp_path), str(tmp_path)]) == 1
+    assert "not a summary (a JSON NoneType" in capsys.readouterr().out
+
+
+def test_a_long_method_tag_gets_a_file_name_that_fits():
+    """A 260-character tag was 'File name too long' for its LII plot (a traceback)."""
+    long_tag = "dsuta+dynamic_" + "x" * 250
+    name = plots.safe_name(long_tag)
+    assert len(name.encode()) <= plots.MAX_PART and name.startswith("dsuta_dynamic_xxx")
+    assert name != plots.safe_name(long_tag + "y")          # still one file per tag
+    assert plots.safe_name("md_easy") == "md_easy"

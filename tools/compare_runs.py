@@ -65,7 +65,7 @@ def compare(a: Path, b: Path):
         return diffs + [str(e)]
     for key in SUMMARY_KEYS:
         if getattr(sa, key) != getattr(sb, key):
-            diffs.append(f"summary {key}: {getattr(sa, key)} != {getattr(sb, key)}")
+            diffs.append(f"summary {key}: {getattr(sa, key)!r} != {getattr(sb, key)!r}")
     return diffs
 
 

@@ -262,9 +262,10 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
 
 def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=None,
                       window: int = WINDOW, margin: float = MARGIN, flat_mib: float = FLAT_MIB,
-                      plots: bool = True, metric: str = "wer") -> Path:
+                      plots: bool = True, metric: str = "wer", skipped=()) -> Path:
     """``LONG.md`` (table + memory verdict + plot link) for ``stream``; returns its path.
-    ``metric="cer"``: of character error rates, ``LONG_cer.md`` by default."""
+    ``metric="cer"``: of character error rates, ``LONG_cer.md`` by default; ``skipped``: the
+    run folders ``collect_runs`` left out (listed under "Not reported", as RESULTS.md does)."""
     root = Path(root)
     out = Path(out) if out else root / ("LONG.md" if metric == "wer" else f"LONG_{metric}.md")
     runs = in_metric(runs, metric)
@@ -295,10 +296,13 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
         why = {r.name: _unjudged(r) for r in sruns}
         lines.append(f"Memory not judged (fewer than {MIN_SAMPLES} samples in memory.csv): "
                      f"{', '.join(f'{name} ({why[name]})' for name in unknown)}.")
-    from tta_brain.report.results import pooling_warnings
-    pooled = pooling_warnings(sruns)
+    from tta_brain.report.results import pooling_warnings, run_warnings
+    pooled = pooling_warnings(sruns) + run_warnings(sruns)
     if pooled:
         lines += ["", "## Warnings", "\n".join(f"- {w}" for w in pooled)]
+    if skipped:               # (only on stderr before: the table just had fewer runs)
+        lines += ["", "## Not reported", "Run folders left out of the table:", ""] + \
+                 [f"- `{rel}`: {why}" for rel, why in skipped]
     if plots:
         from tta_brain.report.plots import safe_name
         name = (f"long_{safe_name(stream)}.png" if metric == "wer"
@@ -334,9 +338,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tta_brain.report.results import collect_runs
     try:
-        out = write_long_report(collect_runs(args.exp_dir), args.exp_dir, args.stream, args.out,
-                                args.window, args.margin, args.flat_mib, not args.no_plots,
-                                args.metric)
+        skipped = []
+        out = write_long_report(collect_runs(args.exp_dir, skipped), args.exp_dir, args.stream,
+                                args.out, args.window, args.margin, args.flat_mib,
+                                not args.no_plots, args.metric, skipped=skipped)
     except ValueError as err:
         print(f"ERROR: {err}", file=sys.stderr)
         return 1

@@ -26,9 +26,20 @@ logger = logging.getLogger(__name__)
 DPI = 120
 
 
+#: The longest file-name part (file systems take 255 bytes per name; a plot's name has a
+#: prefix and two parts): a longer one is cut, with a short hash of the whole text.
+MAX_PART = 80
+
+
 def safe_name(text: str) -> str:
-    """A file-name part of ``text``: letters (of any script), digits, ``.``, ``-``; others ``_``."""
-    return re.sub(r"[^\w.-]+", "_", str(text)).strip("_") or "unnamed"
+    """A file-name part of ``text``: letters (of any script), digits, ``.``, ``-``; others
+    ``_``; at most :data:`MAX_PART` bytes (a long method tag was 'File name too long')."""
+    name = re.sub(r"[^\w.-]+", "_", str(text)).strip("_") or "unnamed"
+    if len(name.encode("utf-8")) > MAX_PART:
+        digest = hashlib.sha1(str(text).encode("utf-8")).hexdigest()[:8]
+        cut = name.encode("utf-8")[:MAX_PART - 9].decode("utf-8", "ignore")
+        name = f"{cut}-{digest}"
+    return name
 
 
 def file_names(texts) -> Dict[str, str]:

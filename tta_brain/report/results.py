@@ -63,7 +63,9 @@ def collect_runs(root, skipped: Optional[list] = None) -> List[Run]:
             except RecordError as err:
                 skip(dirpath, str(err))
         elif "transcripts.csv" in filenames:
-            skip(dirpath, "transcripts.csv but no summary.json (unfinished run?)")
+            skip(dirpath, "transcripts.csv but no summary.json: running or stopped (its "
+                          "log.txt says), or none of its utterances could be decoded (its "
+                          "rejects.csv says why)")
         elif "fingerprint.json" in filenames:
             skip(dirpath, "no records yet: running, or stopped before its first utterance "
                           "(its log.txt says why)")
@@ -122,13 +124,17 @@ def _cell_warnings(runs: Sequence[Run]) -> List[str]:
     for (method, _, stream), group in groups.items():
         seeds = [str(r.seed) for r in group]
         twice = sorted({s for s in seeds if seeds.count(s) > 1}, key=_seed_key)
-        base = group[0].summary.fingerprint
-        keys = sorted({d.partition(": ")[0] for r in group[1:]
-                       if base and r.summary.fingerprint
+        known = [r for r in group if r.summary.fingerprint]     # (the first may have none)
+        base = known[0].summary.fingerprint if known else None
+        keys = sorted({d.partition(": ")[0] for r in known[1:]
                        for d in differences(base, r.summary.fingerprint, recorded=True)} - {"hparams.seed"})
+        unknown = [r.name for r in group if not r.summary.fingerprint] if known else []
         why = ([f"seed{'s' if len(twice) > 1 else ''} {', '.join(twice)} more than once"] if twice
                else []) + \
-              ([f"settings other than the seed differ ({', '.join(keys)})"] if keys else [])
+              ([f"settings other than the seed differ ({', '.join(keys)})"] if keys else []) + \
+              ([f"{len(unknown)} run(s) record no settings to compare ({', '.join(unknown[:4])}"
+                f"{', ...' if len(unknown) > 4 else ''}: no fingerprint in summary.json)"]
+               if unknown else [])
         if why:
             names = [r.name for r in group]
             lines.append(f"{method} on {stream}: {' and '.join(why)} across its {len(group)} runs "

@@ -114,13 +114,14 @@ def aggregate(values: Iterable[float]) -> Tuple[float, float, int]:
 
 
 def steps_groups(runs: Sequence[Run]) -> Dict[str, Dict[str, Dict[int, List[Run]]]]:
-    """stream -> method -> steps -> runs, for methods run with >= 2 step counts on a stream."""
+    """stream -> method -> steps -> runs, for methods run with >= 2 step counts on a stream (a
+    grid's steps sweep, ``suta_steps1`` ... ``suta_steps10``, is one method: ``suta``)."""
     out = {}
     for stream in streams_of(runs):
         by_method = defaultdict(lambda: defaultdict(list))
         for r in runs:
             if r.stream == stream and r.steps is not None:
-                by_method[r.method][r.steps].append(r)
+                by_method[tags.without_steps(r.method)][r.steps].append(r)
         kept = {m: dict(v) for m, v in by_method.items() if len(v) >= 2}
         if kept:
             out[stream] = kept
@@ -298,9 +299,12 @@ def table_efficiency(runs: Sequence[Run], stream: str, reference: str = "suta") 
     # several step counts, its packaged default (SUTA's N=10)
     refs = [(k, s) for k, s in stats.items() if k[0] == reference] or \
         [(k, s) for k, s in stats.items() if k[0].startswith(reference + "_")]
-    if len(refs) > 1:
+    if len(refs) > 1:             # the variant that ran the packaged step count, by its runs
         steps = packaged_steps(reference)
-        refs = [(k, s) for k, s in refs if k[1] is not None and k[1] == steps]
+        by_label = group_runs(sruns)
+        refs = [(k, s) for k, s in refs
+                if {r.steps for r in by_label[k][stream]} == {steps} and steps is not None
+                and (k[0] == reference or tags.without_steps(k[0]) == reference)]
     ref_label, ref = refs[0] if len(refs) == 1 else ((reference, None), None)
     rows = []
     for label, s in stats.items():

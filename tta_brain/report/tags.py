@@ -1,5 +1,6 @@
 """Method tags (``<method>[+<reset policy>]``), their paper order and plot colours: the one list the
 registry, the report and the plots share (no torch import, so the report stays light)."""
+import re
 from typing import Tuple
 
 #: Tags in the paper's table order; a tag not listed sorts after these, alphabetically.
@@ -22,6 +23,12 @@ OTHER_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"
 def method_tag(name: str, reset: str = "none") -> str:
     """Results tag of a method + reset policy, e.g. ``dsuta+dynamic`` (``suta`` without one)."""
     return name if reset in (None, "", "none") else f"{name}+{reset}"
+
+
+def without_steps(tag: str) -> str:
+    """A grid's tag without its steps option (``suta_steps10_lr0.1`` -> ``suta_lr0.1``): the
+    runs of a steps sweep are one method at several step counts."""
+    return re.sub(r"_steps\d+(?=_|$)", "", tag)
 
 
 def sort_key(tag: str) -> Tuple[int, str]:

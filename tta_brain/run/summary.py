@@ -90,8 +90,10 @@ def read_summary(folder) -> Summary:
     names = {f.name for f in fields(Summary)}
     required = {f.name for f in fields(Summary)
                 if f.default is MISSING and f.default_factory is MISSING}
+    if not isinstance(data, dict):           # (null or 5 was a TypeError below)
+        raise RecordError(f"{path}: not a summary (a JSON {type(data).__name__}, not an object)")
     missing = sorted(n for n in required if n not in data)
-    if not isinstance(data, dict) or missing:
+    if missing:
         raise RecordError(f"{path}: not a summary of this tta_brain version (missing: "
                           f"{', '.join(missing)})")
     return Summary(**{k: v for k, v in data.items() if k in names})
