@@ -400,6 +400,23 @@ def test_a_finished_run_asked_for_under_another_label_says_it_keeps_its_own(
     assert capsys.readouterr().out.strip().endswith("), skipping")
 
 
+def test_a_run_stopped_before_its_first_checkpoint_says_what_it_decodes_again(
+        tmp_path, one_wav, tiny_model_dir):
+    """Killed before its first checkpoint, a rerun started over, throwing its transcripts away,
+    with only SpeechBrain's "Would load a checkpoint here, but none found yet" in the log."""
+    stream = write_manifest(tmp_path / "s.csv", [row(f"u{i}", one_wav, 0.4) for i in range(3)])
+    out = tmp_path / "exp"
+    argv = dsuta_args(tiny_model_dir, stream, out)
+    first = decode.main(argv)
+    (out / "summary.json").unlink()                 # as if killed after its last transcript
+    shutil.rmtree(out / "save", ignore_errors=True)
+    again = decode.main(argv)
+    assert f"{out}: no checkpoint yet (the first is saved after ckpt_every = 0 utterances): the " \
+        f"3 utterance(s) decoded before it stopped are decoded again from the start" in \
+        (out / "log.txt").read_text()
+    assert again.wer == first.wer and again.n_utts == 3
+
+
 def test_option_values_are_read_as_typed(tmp_path, ok_stream, tiny_model_dir):
     """Overrides become yaml lines: an output folder ``run #1`` was written to ``run`` (yaml read
     `` #1`` as a comment), a stream named ``2020`` was refused as no string (the grid names

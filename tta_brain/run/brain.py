@@ -102,6 +102,14 @@ class TTABrain(sb.Brain):
         if resumed:
             logger.info("Resuming %s at stream row %d / %d", self.out, self.state.cursor, len(rows))
         cursor = self.state.cursor if resumed else 0
+        before = self.out / "transcripts.csv"
+        if not resumed and before.is_file():     # stopped before its first checkpoint
+            n = max(before.read_bytes().count(b"\n") - 1, 0)
+            if n:
+                logger.warning("%s: no checkpoint yet (the first is saved after ckpt_every = %s "
+                               "utterances): the %d utterance(s) decoded before it stopped are "
+                               "decoded again from the start", self.out,
+                               self._hp("ckpt_every", 200), n)
         self._test_set, self._rows = test_set, rows
         self._writer = RecordWriter(self.out, self.state.offsets if resumed else None, cursor)
         self.stream_loader = StreamLoader(rows, float(self._hp("max_duration", 20.0) or 0),
