@@ -854,6 +854,48 @@ def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slur
 
 
 @pytest.mark.slow
+def test_a_job_cancelled_while_pending_fails_its_run_not_the_wait(data, tmp_path, slurm_cluster):
+    """An array task cancelled before it started leaves no trace in squeue or sacct and
+    submitit's state stays UNKNOWN: the grid waited for it for ever (and, stopped, named it as
+    a job that goes on). Now it fails that run, naming the job; a rerun completes it."""
+    conf = tmp_path / "slurm.yaml"       # two CPUs a task on the two-CPU node: one at a time
+    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 2\nmem_gb: 1\n")
+    exp = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, exp, "source", "0 1 2", "--engine", "slurm", "--nj", "3", "--slurm_conf",
+        str(conf))]
+    env = {**ENV, "SLURM_CONF": slurm_cluster, "TTA_GRID_PENDING_EVERY": "2"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        def pending():         # one task running, two waiting for its CPUs (still one
+            states = dict(ln.split("|") for ln in subprocess.run(    # record: 7_[1-2])
+                ["squeue", "-h", "-r", "-o", "%i|%T"], env=env, capture_output=True,
+                text=True).stdout.split())
+            waiting = sorted(i for i, st in states.items() if st == "PENDING")
+            if "RUNNING" in states.values() and len(waiting) == 2:
+                return waiting[-1:]
+            return proc.poll() is not None
+        wait_for(pending, "one array task running, two pending", 120)
+        task = pending()
+        assert task is not True, "the grid ended before a task could be cancelled"
+        subprocess.run(["scancel", task[0]], check=True, env=env)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", "-u", os.environ.get("USER", "root")], env=env)
+    assert proc.returncode == 1, out[-3000:]
+    failed = [ln for ln in out.splitlines() if ln.startswith("FAILED s/source/seed")]
+    assert len(failed) == 1 and f"Slurm job {task[0]} left the queue without a result, and " \
+        "Slurm keeps no record of it (cancelled before it started?)" in failed[0], out[-3000:]
+    assert "go on:" not in out
+    rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0 and "(3 runs, 2 already finished)" in rerun.stdout, \
+        rerun.stdout[-3000:]
+
+
+@pytest.mark.slow
 def test_the_pending_line_names_jobs_that_never_start_and_counts_the_others():
     from tta_brain.run.grid_plan import Run
     runs = {j: [Run(f"s/{m}/seed0", Path(m), [])] for j, m in

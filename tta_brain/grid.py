@@ -407,6 +407,7 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
     last, printed = None, 0.0
     asked, said = -PENDING_EVERY, ""              # Slurm's pending jobs: last asked, last said
     pending = set()                               # ... and their runs, as Slurm said last
+    unlisted: Dict[int, int] = {}                 # Slurm jobs squeue no longer lists: times seen
     waiting = [u for u in units if args.engine == "local"]
     while True:
         while free and waiting:
@@ -423,6 +424,7 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
                     free.append(gpu)
         if args.engine == "slurm" and time.monotonic() - asked >= PENDING_EVERY:
             said, pending = _say_pending(jobs, said)
+            _fail_unlisted(jobs, unlisted)
             asked = time.monotonic()
         line = _progress(runs, time.monotonic(), pending)
         head = line.split(" | ")[0]
@@ -435,7 +437,42 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
 
 
 #: Seconds between two questions to Slurm about the grid's pending jobs.
-PENDING_EVERY = 30.0
+PENDING_EVERY = float(os.environ.get("TTA_GRID_PENDING_EVERY", 30.0))
+
+
+def slurm_listed() -> Optional[set]:
+    """The ids of this user's Slurm jobs that ``squeue`` lists (an array's tasks one each), in
+    any state; None when squeue cannot tell."""
+    import getpass
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return {ln.strip() for ln in out.stdout.splitlines() if ln.strip()}
+
+
+def _fail_unlisted(jobs, unlisted: Dict[int, int]) -> None:
+    """Jobs the grid waits for that squeue no longer lists and submitit has no result of, at two
+    questions in a row: failed, naming the job (an array task cancelled while pending leaves no
+    trace in squeue or sacct, and submitit's state stays UNKNOWN: the grid waited for ever)."""
+    listed = slurm_listed()
+    if listed is None:
+        return
+    for key, (u, j, _) in list(jobs.items()):
+        if u[0].status != "running" or j.done() or str(j.job_id) in listed:
+            unlisted.pop(key, None)
+            continue
+        unlisted[key] = unlisted.get(key, 0) + 1
+        if unlisted[key] >= 2 and not j.done():
+            for run in u:
+                run.status = "failed"
+                run.message = (f"Slurm job {j.job_id} left the queue without a result, and "
+                               f"Slurm keeps no record of it (cancelled before it started?)")
+                run.logs = [str(p) for p in (j.paths.stdout, j.paths.stderr,
+                                             run.folder / "log.txt") if os.path.exists(p)]
 #: Slurm's pending reasons that no wait resolves: the job asks what its partition cannot give.
 NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
                 "QOSMaxCpuPerJobLimit", "QOSMaxMemoryPerJob", "QOSMaxGRESPerJob")
