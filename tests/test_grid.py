@@ -665,7 +665,7 @@ def test_a_run_another_process_is_writing_is_said_so_not_failed(data, tmp_path, 
         assert "NOT RUN s/source/seed1: being written by pid" in out
         assert "FAILED" not in out and "will not run" not in out
         assert ("grid finished: 1 done, 0 running, 0 failed, 0 queued (2 runs, 0 already "
-                "finished, 1 being written by another process)") in out
+                "finished, 1 being written or queued by another process)") in out
         assert sorted(p.name for p in folder.iterdir()) == [LOCK_FILE]     # untouched
     finally:
         holder.kill()
@@ -893,6 +893,53 @@ def test_a_job_cancelled_while_pending_fails_its_run_not_the_wait(data, tmp_path
     rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0 and "(3 runs, 2 already finished)" in rerun.stdout, \
         rerun.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rerun_does_not_submit_again_what_an_earlier_grid_left_pending(data, tmp_path,
+                                                                         slurm_cluster):
+    """A grid stopped (Ctrl-C, SIGTERM) leaves its Slurm jobs going; rerun at once, it submitted
+    the still-pending runs again (they hold no folder lock yet): duplicates, and a run that
+    finished said FAILED. Now they are said queued by the earlier grid, as running ones are
+    said being written; once those jobs are done, a rerun finds everything finished."""
+    conf = tmp_path / "slurm.yaml"       # two CPUs a task on the two-CPU node: one at a time
+    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 2\nmem_gb: 1\n")
+    exp = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, exp, "suta", "0 1 2", "--engine", "slurm", "--nj", "3", "--slurm_conf",
+        str(conf))]
+    env = {**ENV, "SLURM_CONF": slurm_cluster, "TTA_GRID_PENDING_EVERY": "2"}
+
+    def states():
+        return dict(ln.split("|") for ln in subprocess.run(
+            ["squeue", "-h", "-r", "-o", "%i|%T"], env=env, capture_output=True,
+            text=True).stdout.split())
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: list(states().values()).count("PENDING") == 2 or proc.poll() is not None,
+                 "one task running, two pending", 120)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "go on:" in out, out[-2000:]
+        before = states()
+        rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=600)
+        said = rerun.stdout
+        assert rerun.returncode == 1, said[-3000:]
+        queued = [ln for ln in said.splitlines() if "queued on Slurm as job" in ln
+                  and ln.startswith("grid: s/suta/seed")]
+        assert queued, said[-3000:]
+        assert not [ln for ln in said.splitlines() if ln.startswith("FAILED")], said[-3000:]
+        assert set(states()) <= set(before)               # nothing submitted again
+        wait_for(lambda: not states(), "the earlier grid's jobs", 300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["scancel", "-u", os.environ.get("USER", "root")], env=env)
+    final = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0 and "(3 runs, 3 already finished)" in final.stdout, \
+        final.stdout[-3000:]
 
 
 @pytest.mark.slow

@@ -123,11 +123,35 @@ class SweepJob(DecodeJob):
         return out
 
 
+#: In a run folder: the Slurm job a grid submitted for it (the job id, one line).
+SUBMITTED_FILE = ".slurm_job"
+
+
+def mark_submitted(folder: Path, job_id) -> None:
+    """Remember in ``folder`` the Slurm job submitted for its run (a rerun of the grid while
+    that job still waits in the queue must not submit the run again)."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / SUBMITTED_FILE).write_text(f"{job_id}\n")
+    except OSError:          # (a folder this machine cannot write: the job's own check stays)
+        pass
+
+
+def submitted_job(folder: Path) -> Optional[str]:
+    """The Slurm job :func:`mark_submitted` noted for ``folder``'s run (None: none)."""
+    try:
+        return (Path(folder) / SUBMITTED_FILE).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def check_done(runs: List[Run], device_here: bool = True) -> None:
-    """Mark runs finished with the same fingerprint as skipped, and refused ones as failed
+    """Mark runs finished with the same fingerprint as skipped, refused ones as failed, and
+    those being written, or still queued on Slurm by an earlier grid, as busy
     (``device_here=False``: the runs decode on Slurm nodes, whose GPUs this machine, a login
     node, need not have; each run checks its device where it starts)."""
     from tta_brain import decode
+    queued = None                  # squeue's jobs, asked once (only if a run was submitted)
     for run in runs:
         try:
             p = decode.plan(run.argv, device_here=device_here)
@@ -136,8 +160,14 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
             continue
         run.plan = p
         who = p.status != "done" and identity.FolderLock(run.folder).busy()
+        job = p.status != "done" and not who and submitted_job(run.folder)
+        if job and queued is None:
+            queued = slurm_listed() or set()
         if who:                  # another grid's worker (one killed with -9 goes on) or a decode
             run.status, run.message = "busy", f"being written by {who}"
+        elif job and job in queued:    # an earlier grid's job, pending (it holds no lock yet)
+            run.status, run.message = "busy", (f"queued on Slurm as job {job} by an earlier "
+                                               f"grid (scancel {job} to run it here)")
         elif p.status == "done":
             run.status, run.message = "skipped", "finished with the same settings"
         elif p.status == "differs" and not p.args.overwrite:
@@ -351,9 +381,10 @@ def execute(runs: List[Run], args) -> None:
             raise SystemExit(f"ERROR: --engine slurm: sbatch did not take the {len(units)} "
                              f"job(s), nothing was submitted: {sbatch_error(e)} (check "
                              f"--slurm_conf {conf} and the cluster)") from None
-        for u in units:
+        for u, j, _ in jobs.values():
             for r in u:
                 r.status = "running"
+                mark_submitted(r.folder, j.job_id)
     try:
         _follow(runs, units, args, ex, jobs, job)
     finally:
@@ -582,7 +613,8 @@ def _progress(runs: List[Run], now: Optional[float] = None, pending=frozenset())
             + (f"{waits} pending on Slurm, " if waits else "")
             + f"{n['failed']} failed, "
             f"{n['queued']} queued ({len(runs)} runs, {n['skipped']} already finished"
-            + (f", {n['busy']} being written by another process" if n["busy"] else "") + ")")
+            + (f", {n['busy']} being written or queued by another process" if n["busy"] else "")
+            + ")")
     running = [r for r in runs if r.status == "running" and r.name not in pending]
     if now is None or not any(r.total >= LONG_RUN for r in running):
         return line
