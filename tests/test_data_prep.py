@@ -826,6 +826,14 @@ def test_streams_duration_problems_and_unused_size_options(clean_set, tmp_path, 
     capsys.readouterr()
     assert prepare.main(["validate", "--stream", str(mine)]) == 0
     assert capsys.readouterr().out == f"{mine}: OK, {len(rows)} rows\n"
+    # a recipe's stream names its audio under $data_root: kept, or replaced with --data_root
+    held = tmp_path / "held.csv"
+    write_manifest(held, [dict({k: r[k] for k in ("ID", "duration", "wrd")}, position=i,
+                               wav="$data_root/" + Path(r["wav"]).name)
+                          for i, r in enumerate(rows)])
+    assert prepare.main(["validate", "--stream", str(held)]) == 0
+    assert prepare.main(["validate", "--stream", str(held), "--data_root", "/x"]) == 0
+    capsys.readouterr()
     assert prepare.main(["validate", str(tmp_path / "none.csv"), str(mine), str(manifest)]) == 1
     out, err = capsys.readouterr()
     assert out == f"{manifest}: OK, {len(rows)} rows\n"

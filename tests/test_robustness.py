@@ -411,8 +411,8 @@ def test_a_run_stopped_before_its_first_checkpoint_says_what_it_decodes_again(
     (out / "summary.json").unlink()                 # as if killed after its last transcript
     shutil.rmtree(out / "save", ignore_errors=True)
     again = decode.main(argv)
-    assert f"{out}: no checkpoint yet (the first is saved after ckpt_every = 0 utterances): the " \
-        f"3 utterance(s) decoded before it stopped are decoded again from the start" in \
+    assert f"{out}: no checkpoint yet (ckpt_every = 0: only the end of the stream is saved): " \
+        f"the 3 utterance(s) decoded before it stopped are decoded again from the start" in \
         (out / "log.txt").read_text()
     assert again.wer == first.wer and again.n_utts == 3
 

@@ -22,7 +22,8 @@
 # whole with '' or "") as if they were options, in the place of --config: a line that is no
 # such assignment, or names no option, is an error naming FILE:LINE. It is not sourced.
 # --help / -h prints $help_message and exits 0 (exit 1 if it lists an option that is no
-# variable: the help would promise what the script cannot take).
+# variable: the help would promise what the script cannot take; so every --word in the help is
+# an option of this script: quote another tool's flags without their dashes).
 # Parsing stops at "--" or at the first argument that does not start with "--"; those arguments
 # stay in "$@" for the caller (this file is sourced, so it shifts the caller's arguments).
 
@@ -35,10 +36,10 @@ while [[ ${_po_rest} =~ --([A-Za-z][A-Za-z0-9_-]*)(.*) ]]; do
   case "${_po_listed}" in *" ${_po_name} "*) ;; *) _po_listed+="${_po_name} " ;; esac
 done
 _po_last_stage=${stop_stage:-}
-declare -A _po_default_empty=()
+_po_default_empty=" "          # the int options whose default is empty (bash 3: no arrays)
 for _po_name in ${int_options:-}; do
   if [ -n "${!_po_name+set}" ] && [ -z "${!_po_name}" ]; then
-    _po_default_empty[${_po_name}]=1
+    _po_default_empty+="${_po_name} "
   fi
 done
 
@@ -134,7 +135,7 @@ done
 # and seeds ($int_options: bash arithmetic read "abc" as an unset variable's name).
 for _po_name in stage stop_stage ${int_options:-}; do
   if [ -n "${!_po_name+set}" ] && ! [[ ${!_po_name} =~ ^-?[0-9]+$ ]] \
-      && ! { [ -z "${!_po_name}" ] && [ -n "${_po_default_empty[${_po_name}]+set}" ]; }; then
+      && ! { [ -z "${!_po_name}" ] && [[ ${_po_default_empty} == *" ${_po_name} "* ]]; }; then
     echo "$0: option --${_po_name//_/-} expects an integer, got '${!_po_name}'" >&2
     exit 1
   fi

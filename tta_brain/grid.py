@@ -474,9 +474,10 @@ PENDING_EVERY = float(os.environ.get("TTA_GRID_PENDING_EVERY", 30.0))
 def slurm_listed() -> Optional[set]:
     """The ids of this user's Slurm jobs that ``squeue`` lists (an array's tasks one each), in
     any state; None when squeue cannot tell."""
-    import getpass
+    import pwd                 # the process's own user ($USER may name another one)
     try:
-        out = subprocess.run(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i"],
+        out = subprocess.run(["squeue", "-h", "-r", "-u", pwd.getpwuid(os.getuid()).pw_name,
+                              "-o", "%i"],
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -497,7 +498,9 @@ def _fail_unlisted(jobs, unlisted: Dict[int, int]) -> None:
             unlisted.pop(key, None)
             continue
         unlisted[key] = unlisted.get(key, 0) + 1
-        if unlisted[key] >= 2 and not j.done():
+        # sacct asked now (submitit's own view may be minutes old): a job that ended with a
+        # state there (cancelled while running, killed, finished) is _collect's, with its state
+        if unlisted[key] >= 2 and not j.done(force_check=True) and j.state == "UNKNOWN":
             for run in u:
                 run.status = "failed"
                 run.message = (f"Slurm job {j.job_id} left the queue without a result, and "

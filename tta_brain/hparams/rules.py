@@ -115,10 +115,6 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
                                f"{_expected(kind, rng)}{what}")
     if values.get("reset") == "dynamic":
         check_dynamic_reset(path, values)
-    if isinstance(values.get("lr_min"), (int, float)) and isinstance(values.get("lr"), (int, float)) \
-            and values["lr_min"] > values["lr"]:
-        raise HparamsError(f"{path}: lr_min = {values['lr_min']!r} above lr = {values['lr']!r}: "
-                           f"the cosine schedule anneals from lr down to lr_min")
     _check_lm(path, values)
     if "adapt_params" in values:
         check_adapt_params(path, values["adapt_params"])

@@ -172,7 +172,7 @@ class DynamicReset(ResetPolicy):
         self.stats, self.recent = [], []
         self.mu = self.sigma = None
         self.counter = 0
-        self.diverged = False
+        self.diverged, self.nonfinite = False, 0
 
     def needs_lii(self, t):
         return self.have_phi_D and t > self.last + self.k
@@ -184,17 +184,21 @@ class DynamicReset(ResetPolicy):
         with_phi_D, source = m.loss_with(self.phi_D, x), m.loss_with(None, x)
         lii = with_phi_D - source
         if not math.isfinite(lii):
-            if math.isfinite(source) and not self.diverged:
-                # phi_D (the adapted model at r + K/2) has no finite loss where the source has:
-                # the adaptation diverged (a learning rate too high), skipped steps leave it so,
-                # and no LII test can fire on it; every later utterance would be decoded from
-                # it (empty transcripts): reset at the next meta-update
+            self.nonfinite = self.nonfinite + 1 if math.isfinite(source) else 0
+            if self.nonfinite >= self.patience and not self.diverged:
+                # phi_D (the adapted model at r + K/2) has no finite loss where the source has,
+                # on `patience` utterances in a row (not one overflow at fp16): the adaptation
+                # diverged (a learning rate too high), skipped steps leave it so, and no LII
+                # test can fire on it; every later utterance would be decoded from it (empty
+                # transcripts): reset at the next meta-update
                 logger.warning("dynamic reset: the adapted model's loss is non-finite at "
-                               "utterance %d (it diverged): reset at the next meta-update", t)
+                               "utterance %d (%d in a row: it diverged): reset at the next "
+                               "meta-update", t, self.nonfinite)
                 self.diverged = True
             elif not self.diverged:
                 logger.warning("dynamic reset: non-finite LII at utterance %d ignored", t)
             return
+        self.nonfinite = 0
         construction = t < self.last + self.K or (t == self.last + self.K
                                                   and self.lii_count == "paper")
         if construction:
@@ -245,13 +249,14 @@ class DynamicReset(ResetPolicy):
     def state_dict(self):
         return {k: getattr(self, k) for k in
                 ("last", "have_phi_D", "stats", "recent", "mu", "sigma", "counter",
-                 "diverged")} | {
+                 "diverged", "nonfinite")} | {
             "phi_D": [p.clone() for p in self.phi_D] if self.phi_D is not None else None}
 
     def load_state_dict(self, sd):
         for k in ("last", "have_phi_D", "stats", "recent", "mu", "sigma", "counter"):
             setattr(self, k, sd[k])
-        self.diverged = sd.get("diverged", False)     # (a state saved before it was kept)
+        self.diverged = sd.get("diverged", False)     # (a state saved before they were kept)
+        self.nonfinite = sd.get("nonfinite", 0)
         if sd["phi_D"] is not None:
             self.phi_D = [p.clone() for p in sd["phi_D"]]
 

@@ -30,8 +30,9 @@ def best_path(logits: torch.Tensor, beam_width: int, blank_id: int, lm_search=No
     if beam_width <= 1:
         return logits.argmax(-1)
     log_probs = logits[0].detach().float().log_softmax(-1).cpu()   # one host copy per step
-    if not torch.isfinite(log_probs).all():   # a diverged model: no beam survives NaN scores;
-        return logits.argmax(-1)               # the loss is non-finite and the step skipped
+    if torch.isnan(log_probs).any() or not torch.isfinite(log_probs.max(-1).values).all():
+        return logits.argmax(-1)    # a diverged model: no beam survives NaN scores (a -inf of
+                                    # a masked token is fine); the loss is NaN, the step skipped
     if lm_search is not None:
         best = lm_search(log_probs, beam_width)[0][0]
     else:

@@ -105,11 +105,13 @@ class TTABrain(sb.Brain):
         before = self.out / "transcripts.csv"
         if not resumed and before.is_file():     # stopped before its first checkpoint
             n = max(before.read_bytes().count(b"\n") - 1, 0)
+            every = int(self._hp("ckpt_every", 200) or 0)
             if n:
-                logger.warning("%s: no checkpoint yet (the first is saved after ckpt_every = %s "
-                               "utterances): the %d utterance(s) decoded before it stopped are "
-                               "decoded again from the start", self.out,
-                               self._hp("ckpt_every", 200), n)
+                logger.warning("%s: no checkpoint yet (%s): the %d utterance(s) decoded before "
+                               "it stopped are decoded again from the start", self.out,
+                               f"the first is saved after ckpt_every = {every} utterances"
+                               if every else "ckpt_every = 0: only the end of the stream is "
+                               "saved", n)
         self._test_set, self._rows = test_set, rows
         self._writer = RecordWriter(self.out, self.state.offsets if resumed else None, cursor)
         self.stream_loader = StreamLoader(rows, float(self._hp("max_duration", 20.0) or 0),

@@ -205,14 +205,17 @@ def _streams(args):
 
 
 def _validate(args):
-    from ..loader import load_stream
-    from ..manifest import UTT_COLUMNS, validate_manifest
+    from ..loader import STREAM_REQUIRED, load_stream
+    from ..manifest import UTT_COLUMNS, read_header, validate_manifest
 
     failed = []
     for path in args.manifests:     # each one checked, all problems reported
         try:
-            if args.stream:         # what decode reads: ID,duration,wav,wrd (+ stream order)
-                rows = load_stream(path)
+            if args.stream and args.data_root:   # as decode reads it, $data_root replaced
+                rows = load_stream(path, args.data_root)
+            elif args.stream:       # what decode needs: ID,duration,wav,wrd (+ stream order)
+                rows = validate_manifest(path, required=STREAM_REQUIRED + (
+                    ("position",) if "position" in read_header(path) else ()), stream=True)
             else:                   # a corpus manifest (the prep steps' output)
                 rows = validate_manifest(path, required=UTT_COLUMNS)
         except (FileNotFoundError, ValueError) as err:
@@ -303,6 +306,9 @@ def build_parser():
                    help="check as decode reads a stream (ID,duration,wav,wrd; the order of "
                         "position/segment where present); without: a corpus manifest "
                         "(ID,duration,wav,spk_id,wrd, unique IDs)")
+    p.add_argument("--data_root", default=None,
+                   help="with --stream: replace $data_root as decode's --data_root does "
+                        "(without: the placeholders are kept)")
     p.set_defaults(func=_validate)
     return parser
 
