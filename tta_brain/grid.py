@@ -499,8 +499,10 @@ def _fail_unlisted(jobs, unlisted: Dict[int, int]) -> None:
             continue
         unlisted[key] = unlisted.get(key, 0) + 1
         # sacct asked now (submitit's own view may be minutes old): a job that ended with a
-        # state there (cancelled while running, killed, finished) is _collect's, with its state
-        if unlisted[key] >= 2 and not j.done(force_check=True) and j.state == "UNKNOWN":
+        # state there (cancelled while running, killed, finished) is _collect's, with its state;
+        # one sacct still calls pending or running (an array task cancelled while pending can
+        # keep its array's PENDING record, or none) is gone: squeue has not listed it twice
+        if unlisted[key] >= 2 and not j.done(force_check=True):
             for run in u:
                 run.status = "failed"
                 run.message = (f"Slurm job {j.job_id} left the queue without a result, and "
