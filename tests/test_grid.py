@@ -854,18 +854,24 @@ def test_slurm_grid_equals_serial_runs_and_survives_scancel(data, tmp_path, slur
     assert compare_runs.main([str(ref), str(exp)]) == 0
 
 
+def one_task_at_a_time(data, tmp_path, method, slurm_conf_env):
+    """``(command, environment)`` of a Slurm grid of ``method`` x seeds 0 1 2 whose array tasks
+    ask two CPUs each, so the two-CPU node runs one while the others wait; Slurm's queue asked
+    every 2 s."""
+    conf = tmp_path / "slurm.yaml"
+    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 2\nmem_gb: 1\n")
+    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
+        data, tmp_path / "exp", method, "0 1 2", "--engine", "slurm", "--nj", "3",
+        "--slurm_conf", str(conf))]
+    return cmd, {**ENV, "SLURM_CONF": slurm_conf_env, "TTA_GRID_PENDING_EVERY": "2"}
+
+
 @pytest.mark.slow
 def test_a_job_cancelled_while_pending_fails_its_run_not_the_wait(data, tmp_path, slurm_cluster):
     """An array task cancelled before it started leaves no trace in squeue or sacct and
     submitit's state stays UNKNOWN: the grid waited for it for ever (and, stopped, named it as
     a job that goes on). Now it fails that run, naming the job; a rerun completes it."""
-    conf = tmp_path / "slurm.yaml"       # two CPUs a task on the two-CPU node: one at a time
-    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 2\nmem_gb: 1\n")
-    exp = tmp_path / "exp"
-    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
-        data, exp, "source", "0 1 2", "--engine", "slurm", "--nj", "3", "--slurm_conf",
-        str(conf))]
-    env = {**ENV, "SLURM_CONF": slurm_cluster, "TTA_GRID_PENDING_EVERY": "2"}
+    cmd, env = one_task_at_a_time(data, tmp_path, "source", slurm_cluster)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -903,13 +909,7 @@ def test_a_rerun_does_not_submit_again_what_an_earlier_grid_left_pending(data, t
     the still-pending runs again (they hold no folder lock yet): duplicates, and a run that
     finished said FAILED. Now they are said queued by the earlier grid, as running ones are
     said being written; once those jobs are done, a rerun finds everything finished."""
-    conf = tmp_path / "slurm.yaml"       # two CPUs a task on the two-CPU node: one at a time
-    conf.write_text("slurm_partition: debug\ntimeout_min: 10\ncpus_per_task: 2\nmem_gb: 1\n")
-    exp = tmp_path / "exp"
-    cmd = [sys.executable, "-m", "tta_brain.grid", *grid_argv(
-        data, exp, "suta", "0 1 2", "--engine", "slurm", "--nj", "3", "--slurm_conf",
-        str(conf))]
-    env = {**ENV, "SLURM_CONF": slurm_cluster, "TTA_GRID_PENDING_EVERY": "2"}
+    cmd, env = one_task_at_a_time(data, tmp_path, "suta", slurm_cluster)
 
     def states():
         return dict(ln.split("|") for ln in subprocess.run(
