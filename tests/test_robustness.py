@@ -349,16 +349,19 @@ def test_overrides_that_replace_objects_select_nothing_or_change_nothing(tmp_pat
     naming the key now, before any folder."""
     out = tmp_path / "exp"
     for opt, want in (
-            ("--adapt_params=[]", "adapt_params = [] selects nothing"),
-            ("--adapt_params=[{param_collection: official}]", "selects nothing"),
-            ("--adapt_params=notalist", "adapt_params = 'notalist' is not valid: adapt_params "
-                                        "must be a list of selector groups"),
-            ("--adapt_params=5", "adapt_params = 5 is not valid"),
-            ("--adapt_params=[layernrom]", "adapt_params entry 'layernrom': no selector "
-                                           "'layernrom'; selectors: layernorm,"),
+            ("--adapt_params=[]", "adapt_params is empty: select at least one parameter group"),
+            ("--adapt_params=[{param_collection: official}]", "adapt_params is empty"),
+            ("--adapt_params=notalist", "adapt_params = 'notalist' is not a list of selector "
+                                        "groups"),
+            ("--adapt_params=5", "adapt_params = 5 is not a list"),
+            ("--adapt_params=[layernrom]", "Unknown parameter selector 'layernrom'. Valid: "
+                                           "layernorm,"),
+            ("--adapt_params=['regex:(']", "Bad parameter selector 'regex:(': "),
             ("--adapt_params=[{select: layernorm, lr_mult: abc}]",
-             "lr_mult = 'abc' must be a number >= 0"),
-            ("--adapt_params=[{select: layernorm, lr: 2}]", "use {select: <selector>, lr_mult"),
+             "lr_mult 'abc' must be a number >= 0"),
+            ("--adapt_params=[{select: layernorm, lr: 2}]", "a selector name or {select: "
+                                                            "<selector>, lr_mult"),
+            ("--adapt_params=[5]", "Bad adapt_params entry 5: a selector name"),
             ("--method=foo", "--method=foo: 'method' is an object the yaml builds"),
             ("--model=x", "--model=x: 'model' is an object the yaml builds"),
             ("--runtime=1", "--runtime=1: 'runtime' is an object the yaml builds"),

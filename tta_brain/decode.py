@@ -44,7 +44,7 @@ from tta_brain.lobes.runtime import (KERNEL_CACHE_VARIABLES, bound_kernel_caches
                                     process_settings)
 
 logger = logging.getLogger("tta_brain.decode")     # one name, imported or run with -m
-# torch.compile's kernel cache takes a file lock per kernel: its DEBUG lines (172 for a tiny
+# torch.compile's kernel cache takes a file lock per kernel: its DEBUG lines (hundreds for a tiny
 # model) filled log.txt, which SpeechBrain writes at DEBUG
 logging.getLogger("filelock").setLevel(logging.WARNING)
 

@@ -154,36 +154,14 @@ def _check_lm(path, values: Dict) -> None:
 
 
 def check_adapt_params(path, groups) -> None:
-    """``adapt_params``: a non-empty list of selector groups, each a selector name, ``{select:
-    <selector>, lr_mult: <number >= 0>}`` or ``{param_collection: clean | official}`` (an empty
-    list adapted nothing and failed at the first step; a text was read letter by letter)."""
-    from tta_brain.methods.params import COLLECTIONS, SELECTORS
-    use = (f"a list of selector groups, e.g. [layernorm, {{select: cnn, lr_mult: 2}}]; "
-           f"selectors: {', '.join(SELECTORS)}, regex:<pattern>")
-    if not isinstance(groups, (list, tuple)):
-        raise HparamsError(f"{path}: adapt_params = {groups!r} is not valid: adapt_params must "
-                           f"be {use}")
-
-    def bad(entry, why):
-        return HparamsError(f"{path}: adapt_params entry {entry!r}: {why}")
-    selected = 0
-    for g in groups:
-        if isinstance(g, dict) and "param_collection" in g:
-            if set(g) != {"param_collection"} or g["param_collection"] not in COLLECTIONS:
-                raise bad(dict(g), f"use {{param_collection: {' | '.join(COLLECTIONS)}}} alone")
-            continue
-        spec = g.get("select") if isinstance(g, dict) else g
-        if isinstance(g, dict) and (set(g) - {"select", "lr_mult"} or "select" not in g):
-            raise bad(dict(g), "use {select: <selector>, lr_mult: <number>}")
-        if not isinstance(spec, str) or not (spec in SELECTORS or spec.startswith("regex:")):
-            raise bad(dict(g) if isinstance(g, dict) else g,
-                      f"no selector {spec!r}; selectors: {', '.join(SELECTORS)}, regex:<pattern>")
-        if isinstance(g, dict) and "lr_mult" in g and not _valid(g["lr_mult"], _FLOAT, ">=0"):
-            raise bad(dict(g), f"lr_mult = {g['lr_mult']!r} must be a number >= 0")
-        selected += 1
-    if not selected:
-        raise HparamsError(f"{path}: adapt_params = {list(groups)!r} selects nothing: the method "
-                           f"adapts the parameters it selects; adapt_params must be {use}")
+    """``adapt_params`` as the methods read it (:func:`tta_brain.methods.params.group_specs`):
+    an empty list adapted nothing and failed at the first step, a text was read letter by
+    letter; now one line naming the entry."""
+    from tta_brain.methods.params import group_specs
+    try:
+        group_specs(groups)
+    except ValueError as e:
+        raise HparamsError(f"{path}: {e}") from None
 
 
 #: Keys that only matter with another one set: an override of one without it decoded exactly as

@@ -82,7 +82,10 @@ SELECTORS = {
 
 def _selector(spec: str):
     if spec.startswith("regex:"):
-        pattern = re.compile(spec[len("regex:"):])
+        try:
+            pattern = re.compile(spec[len("regex:"):])
+        except re.error as e:
+            raise ValueError(f"Bad parameter selector '{spec}': {e}") from None
         return lambda name, ln: pattern.search(name) is not None
     if spec not in SELECTORS:
         raise ValueError(f"Unknown parameter selector '{spec}'. Valid: "
@@ -109,18 +112,35 @@ def _collection(groups: Sequence[GroupSpec]) -> Tuple[List[GroupSpec], str]:
     return rest, (found[0] if found else "clean")
 
 
-def _assign(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tuple[str, nn.Parameter, float, str]]:
-    """``[(name, parameter, lr_mult, selector)]`` in model order (first matching group wins)."""
+def group_specs(groups: Sequence[GroupSpec]) -> List[Tuple[str, object, float]]:
+    """``[(selector spec, selector, lr_mult)]`` of ``adapt_params`` (its ``param_collection``
+    entry left out), every entry checked: a ValueError saying which is wrong (the yaml check,
+    ``hparams.rules.check_adapt_params``, asks this before anything is built)."""
+    if not isinstance(groups, (list, tuple)):
+        raise ValueError(f"adapt_params = {groups!r} is not a list of selector groups, e.g. "
+                         f"[layernorm, {{select: cnn, lr_mult: 2}}]")
     groups, _ = _collection(groups)
     if not groups:
         raise ValueError("adapt_params is empty: select at least one parameter group")
     specs = []
     for g in groups:
-        g = {"select": g} if isinstance(g, str) else dict(g)
-        unknown = set(g) - {"select", "lr_mult"}
-        if "select" not in g or unknown:
-            raise ValueError(f"Bad adapt_params entry {g}: use {{select: <selector>, lr_mult: <float>}}")
-        specs.append((g["select"], _selector(g["select"]), float(g.get("lr_mult", 1.0))))
+        g = {"select": g} if isinstance(g, str) else g
+        if not isinstance(g, dict) or "select" not in g or set(g) - {"select", "lr_mult"} \
+                or not isinstance(g["select"], str):
+            raise ValueError(f"Bad adapt_params entry {g!r}: a selector name or {{select: "
+                             f"<selector>, lr_mult: <float>}}")
+        mult = g.get("lr_mult", 1.0)
+        if isinstance(mult, bool) or not isinstance(mult, (int, float)) \
+                or not 0 <= mult < float("inf"):
+            raise ValueError(f"Bad adapt_params entry {dict(g)}: lr_mult {mult!r} must be a "
+                             f"number >= 0")
+        specs.append((g["select"], _selector(g["select"]), float(mult)))
+    return specs
+
+
+def _assign(model: nn.Module, groups: Sequence[GroupSpec]) -> List[Tuple[str, nn.Parameter, float, str]]:
+    """``[(name, parameter, lr_mult, selector)]`` in model order (first matching group wins)."""
+    specs = group_specs(groups)
     ln = _layernorm_names(model)
     chosen = []
     for name, p in model.named_parameters():
