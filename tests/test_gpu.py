@@ -26,7 +26,7 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import ROOT, max_diff, rel_change
+from conftest import ROOT, max_diff, rel_change, transcript_agreement
 from fake_graphs import FakeBackend
 from tta_brain.gpu import DeviceStep, HostStep, graphs, guard, make_step, step_blocker
 from tta_brain.lobes.hf_ctc import HFCTCLobe
@@ -1348,8 +1348,14 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
     rows = report["official"]           # ours in every column, with or without the official code
     assert set(rows) == {"suta, 1 s", "dsuta+dynamic, 1 s"}
     assert all(r[k] > 0 for r in rows.values() for k in ("ours", "method_loop", "fresh_loop",
-                                                           "unbucketed", "long_stream", "warmup0",
+                                                           "gemm", "long_stream", "warmup0",
                                                            "official_list"))
+    assert all(r["gemm_same_transcripts"][1] == 2 for r in rows.values())
+    conv = report["convolutions"]       # GEMM convolutions beside cuDNN's: step, methods, batch
+    assert set(conv["step"]["0.6s"]) == {"native", "gemm", "gemm, tf32 on"}
+    assert conv["methods"]["suta gemm"]["stats"]["replays"] > 0
+    assert conv["methods"]["dsuta+dynamic same transcripts"][1] == 4
+    assert conv["batch"]["native"] > 0 and conv["batch"]["gemm"] > 0
     prof = report["profile"]            # the profiled utterances replay buckets met before
     assert prof["captures_while_profiled"] == 0 and prof["stats"]["replays"] > 0
     assert prof["weight_norms_while_profiled"] == 0     # computed once, before
@@ -1485,6 +1491,31 @@ def test_cuda_steps_do_not_sync(tiny_model_dir, utterances, graphs_on, buckets, 
     if graphs_on:
         assert m.step.stats["replays"] > 0
     assert m.step.buckets == (0.1 if buckets == "auto" else buckets)
+
+
+@cuda
+@pytest.mark.parametrize("name", ["suta", "dsuta+dynamic"])
+@pytest.mark.parametrize("buckets", [0.0, 0.25])
+def test_cuda_gemm_convolutions_give_the_native_transcripts(tiny_model_dir, utterances, name,
+                                                            buckets, cuda_determinism):
+    """``convolutions: gemm`` on CUDA (captured, unbucketed and on length buckets): the native
+    (cuDNN) convolutions' transcripts, the adapted state within rounding (TF32 convolutions
+    against the products' own precision), replayed steps, no host sync inside a step. Bounds set
+    without a GPU run (2026-12-01): the figures are printed."""
+    items = stream(utterances, 16, BUCKET_LENGTHS)
+    rt = {"cuda_graph_buckets": buckets, "cuda_graph_cache": 4}
+    a = build(tiny_model_dir, name, "graph", device="cuda", runtime=rt)
+    b = build(tiny_model_dir, name, "graph", device="cuda", runtime=dict(rt, convolutions="gemm"))
+    src = [p.detach().clone() for p in a.params]
+    same, cer = transcript_agreement([run(a, items)], [run(b, items)])
+    rel = rel_change(b.params, a.params, src)
+    print(f"{name} gemm convolutions, buckets {buckets}, on CUDA: {same:.0%} transcripts alike, "
+          f"CER {cer:.4f}, relative change {rel:.2e}")
+    assert same >= 0.9 and rel < 0.05
+    assert b.lobe.gemm_convs == 3 and b.step.graphs and b.step.stats["replays"] > 0
+    x = b.lobe.prepare(utterances[3])
+    steps_without_sync(b, x, 4)
+    b.predict(x)
 
 
 @cuda

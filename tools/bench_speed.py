@@ -230,7 +230,8 @@ def make_entry(name, args, model_dir, device):
                       cuda_graphs=getattr(args, "cuda_graphs", "auto"),
                       cuda_graph_warmup=getattr(args, "cuda_graph_warmup", 1),
                       cuda_graph_buckets=getattr(args, "cuda_graph_buckets", "auto"),
-                      cuda_graph_cache=getattr(args, "cuda_graph_cache", "auto"))
+                      cuda_graph_cache=getattr(args, "cuda_graph_cache", "auto"),
+                      convolutions=getattr(args, "convolutions", "native"))
     lobe = HFCTCLobe(model_dir, device=str(device), runtime=runtime)
     adapt = [{"select": s} for s in args.adapt.split(",")]
     if name in UNITS or name == TRAIN_UNIT:
@@ -455,6 +456,9 @@ def parse_args(argv=None):
                         "auto: 0.1 on CUDA where exact, as decode; 0: off)")
     p.add_argument("--cuda_graph_cache", type=auto_or(positive(int)), default="auto",
                    help="captured graphs kept (Runtime.cuda_graph_cache; auto: as decode)")
+    p.add_argument("--convolutions", default="native", choices=("native", "gemm"),
+                   help="the CNN's convolutions: native (cuDNN / oneDNN) or gemm (matrix "
+                        "products, Runtime.convolutions), as decode's run option")
     p.add_argument("--deterministic", default="true", choices=("true", "false"),
                    help="CUDA: deterministic kernels, as decode's run option (default true)")
     p.add_argument("--tf32", default="torch", choices=("torch", "off", "on"),
@@ -594,8 +598,8 @@ def main(argv=None):
           f"{args.repeats} rounds x {args.n_utts} utts (mean {mean_s:.2f} s; lengths: "
           f"{args.lengths}) after {len(warm)} warm-up; precision: {args.precision}, compile: {args.compile}, "
           f"cache_features: {args.cache_features}, slow_grad: {args.slow_grad}, "
-          f"cpu_native_backward: {not args.onednn_backward}, cuda_graphs: {args.cuda_graphs}",
-          flush=True)
+          f"cpu_native_backward: {not args.onednn_backward}, cuda_graphs: {args.cuda_graphs}, "
+          f"convolutions: {args.convolutions}", flush=True)
 
     for j, (name, e) in enumerate(entries.items()):      # warm-up (and reach a steady state)
         for info, wav in warm:

@@ -58,7 +58,9 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    ``--official_dir``, default ``.official/Dynamic-SUTA``; not shipped, never imported elsewhere)
    and ``decode`` side by side in this process: SUTA and DSUTA + dynamic reset on the same random
    base-sized model and utterances at ``--seconds`` and ``--long_seconds``, s per audio s and the
-   speed-up; ours also unbucketed (``DECODE_UNBUCKETED_OPTS``) and, with the defaults, on a
+   speed-up; ours also with the CNN's convolutions as matrix products (``DECODE_GEMM_OPTS``,
+   its transcripts against the default decode's; this column replaced the unbucketed one,
+   measured on two H200 sessions, on 2026-12-01) and, with the defaults, on a
    longer stream of the same lengths (``--long_stream_s`` audio seconds; ours only, against the
    official rate of the short stream), and with ``--cuda_graph_warmup=0`` (the candidate for a
    smaller cold start, ``DECODE_WARMUP0_OPTS``) and ``--param_collection=official`` (the
@@ -69,6 +71,12 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    CUDA), the one-step ones (tent, eata, sar) again without buckets (``UNBUCKETED_OPTS``: a new
    length then runs eagerly), and ``--population``: E-BATS and
    FOA with the CMA-ES population batched vs one candidate at a time vs the reference's loop.
+
+10. ``convolutions`` (on request): the CNN's convolutions as matrix products
+   (``convolutions: gemm``, ``tta_brain.lobes.gemm_conv``; cuDNN's convolution kernels took about
+   half of the H200's kernel time per SUTA utterance) against cuDNN's: one warm SUTA step at both
+   lengths (also with ``tf32: on``), SUTA and DSUTA + dynamic reset on length buckets (s per
+   audio s, transcripts alike), a warm batch of 8 SUTA runs (s per utterance).
 
 ``sweep`` (issue #22 item 6): a generated stream (``--sweep_utts`` utterances of 2-4 s) decoded by
 8 SUTA runs (10 steps, lr 1e-5 .. 8e-5; ``--sweep_method dsuta+dynamic``: DSUTA with the dynamic
@@ -144,17 +152,18 @@ for _p in (ROOT, TOOLS):
 from bench_args import at_least, positive  # noqa: E402  (the bench tools' types: one line, no GPU)
 
 SECTIONS = ("transcripts", "step", "lengths", "profile", "deterministic", "memory", "bench",
-            "decode", "official", "field", "sweep")
+            "decode", "official", "field", "sweep", "convolutions")
 #: seconds of each section on one GPU, for the budget: as an H200 took them on 2026-11-27
 #: (transcripts + 6 for the field methods' default rows, official + 10 for its fresh loop and
 #: + 40 for its warm-up 0 and official-list columns (8 decodes), transcripts + 8 for the
 #: official list's rows,
 #: profile + 10 for DSUTA's phases, + 16 for its tables by operator and + 10 for the official
 #: list's, deterministic + 14 for its autotuned rows (an estimate), added after that run;
-#: sweep: 66 s for 8 utterances, an estimate for 24), bench and decode as an H100 did on 2026-11-26
+#: sweep: 66 s for 8 utterances, an estimate for 24), bench and decode as an H100 did on 2026-11-26;
+#: convolutions an estimate (2026-12-01, never run on a GPU)
 COST = {"transcripts": 47, "step": 8, "lengths": 57, "deterministic": 36, "memory": 70,
         "bench": 110, "decode": 60, "official": 180, "field": 86, "sweep": 110,
-        "profile": 72}
+        "profile": 72, "convolutions": 50}
 #: What a GPU run checks by default, most wanted first; they add up to 464 s, within the budget
 #: (480 s, 8 minutes). ``field``, ``step``, ``profile``, ``bench``, ``decode`` and
 #: ``deterministic`` (its price measured twice: 1.12x on an H100, 1.2x on an H200) on request
@@ -178,6 +187,10 @@ DECODE_UNBUCKETED_OPTS = ["--cuda_graph_buckets=0", "--cuda_graph_cache=1"]
 DECODE_WARMUP0_OPTS = ["--cuda_graph_warmup=0"]
 #: the recipes' parameter list (``param_collection: official``), measured beside the default
 DECODE_OFFICIAL_LIST_OPTS = ["--param_collection=official"]
+#: the CNN's convolutions as matrix products (``convolutions: gemm``): the candidate for a faster
+#: step, measured beside the default by ``official`` and ``convolutions``
+DECODE_GEMM_OPTS = ["--convolutions=gemm"]
+GEMM = {"convolutions": "gemm"}
 #: runtime options of the three ways a step runs
 DEFAULT, EAGER, DEVICE_EAGER = {}, {"cuda_graphs": "off"}, {"cuda_graphs": "off",
                                                           "cuda_device_steps": True}
@@ -471,11 +484,31 @@ def section_transcripts(args, rep, work):
     rep.data["transcripts"] = dict(ok=ok, methods=res)
 
 
+def _warm_step(args, model, runtime, wav):
+    """One SUTA step on ``wav`` with ``runtime`` options, warm (4 steps first; captured: the
+    capture among them): ms per step over 20, and the step's counts."""
+    import torch
+    m = _method("suta", model, args.device, runtime, lr=2e-5, steps=10)
+    x = m.lobe.prepare(wav)
+    with torch.enable_grad():
+        for _ in range(4):
+            m.adapt_step(x)
+        _sync(args.device)
+        n, t0 = 20, time.perf_counter()
+        for _ in range(n):
+            m.adapt_step(x)
+        _sync(args.device)
+        wall = (time.perf_counter() - t0) / n * 1e3
+    m.predict(x)                                   # settles the step counters
+    out = dict(ms_per_step=wall, stats=_stats(m))
+    _release(m, args.device)
+    return out
+
+
 def section_step(args, rep, work):
     """One SUTA step, warm, at ``--seconds`` and ``--long_seconds``: eager, device eager and
     the default (captured on CUDA), ms per step. Whether a warm step's time grows with the audio
     tells a per-utterance fixed cost from a step that is bound by its kernels' count."""
-    import torch
     model = _base_model(work, args)
     cuda = args.device.startswith("cuda")
     res = {}
@@ -484,20 +517,7 @@ def section_step(args, rep, work):
         row = res[f"{seconds:g}s"] = {}
         for tag, runtime in (("eager", EAGER), ("device eager", DEVICE_EAGER),
                              ("default", DEFAULT)):
-            m = _method("suta", model, args.device, runtime, lr=2e-5, steps=10)
-            x = m.lobe.prepare(x_wav)
-            with torch.enable_grad():
-                for _ in range(4):                 # warm-up (and, captured: the capture)
-                    m.adapt_step(x)
-                _sync(args.device)
-                n, t0 = 20, time.perf_counter()
-                for _ in range(n):
-                    m.adapt_step(x)
-                _sync(args.device)
-                wall = (time.perf_counter() - t0) / n * 1e3
-            m.predict(x)                           # settles the step counters
-            row[tag] = dict(ms_per_step=wall, stats=_stats(m))
-            _release(m, args.device)
+            row[tag] = _warm_step(args, model, runtime, x_wav)
         size = "tiny" if args.cpu_smoke else "wav2vec2-base"
         ratio = row["eager"]["ms_per_step"] / max(row["default"]["ms_per_step"], 1e-9)
         rep.say(f"SUTA step, {seconds:.1f} s, random {size} model, fp32 (this run, "
@@ -848,6 +868,72 @@ def section_deterministic(args, rep, work):
     rep.data["deterministic_autotuned_graphs"] = graphs
 
 
+def section_convolutions(args, rep, work):
+    """The CNN's convolutions as matrix products (``convolutions: gemm``, lobes/gemm_conv.py)
+    against cuDNN's (``native``, the default), on the random base-sized model: one warm SUTA step
+    (default: captured) at ``--seconds`` and ``--long_seconds``, also with TF32 matmuls (``tf32:
+    on``: the products in TF32, as cuDNN's convolutions already run under the default ``torch``);
+    SUTA and DSUTA + dynamic reset on length buckets over utterances they have met, s per audio s
+    and how many transcripts equal the native run's; a warm batch of 8 SUTA runs (the batched
+    sweep: vmap makes each convolution one batched product, no layout conversions), s per
+    utterance."""
+    from tta_brain.lobes.runtime import tf32_kernels
+    model = _base_model(work, args)
+    res = {"step": {}, "methods": {}, "batch": {}}
+    arms = (("native", DEFAULT), ("gemm", GEMM))
+    try:
+        for seconds in (args.seconds, args.long_seconds):
+            wav = _wavs(1, seconds, seconds, seed=2)[0]
+            row = res["step"][f"{seconds:g}s"] = {}
+            for tag, runtime in arms:
+                row[tag] = _warm_step(args, model, runtime, wav)
+            tf32_kernels("on")
+            row["gemm, tf32 on"] = _warm_step(args, model, GEMM, wav)
+            tf32_kernels("torch")
+            rep.say(f"SUTA step, {seconds:.1f} s (default step), ms: "
+                    + ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in row.items())
+                    + f" (native / gemm x{row['native']['ms_per_step'] / max(row['gemm']['ms_per_step'], 1e-9):.2f})")
+        wavs = _wavs(2 if args.cpu_smoke else 8, 0.9 * args.seconds, 1.1 * args.seconds, seed=6)
+        audio = sum(w.numel() for w in wavs) / 16000
+        for name in ("suta", "dsuta+dynamic"):
+            kw = dict(lr=2e-5, steps=_steps(args, name.partition("+")[0]))
+            if name.startswith("dsuta"):
+                kw.update(buffer_size=5, reset_K=10)
+            hyps = {}
+            for tag, runtime in arms:
+                m = _method(name, model, args.device, dict(BUCKETS, **runtime),
+                            cache=BUCKET_CACHE, **kw)
+                first, _ = _process_all(m, wavs, args.device)       # every bucket met
+                again, t = _process_all(m, wavs, args.device)
+                hyps[tag] = first + again
+                res["methods"][f"{name} {tag}"] = dict(s_per_audio_s=t / audio, stats=_stats(m))
+                _release(m, args.device)
+            same = sum(a == b for a, b in zip(hyps["native"], hyps["gemm"]))
+            n, g = (res["methods"][f"{name} {t}"]["s_per_audio_s"] for t, _ in arms)
+            res["methods"][f"{name} same transcripts"] = [same, len(hyps["native"])]
+            rep.say(f"{name} on buckets, warm, s per audio s: native {n:.4f}, gemm {g:.4f} "
+                    f"(x{n / max(g, 1e-12):.2f}); {same}/{len(hyps['native'])} transcripts alike")
+        R = 2 if args.cpu_smoke else 8
+        for tag, runtime in arms:
+            batch = _suta_batch(model, args.device, dict(BUCKETS, **runtime), R,
+                                _steps(args, "suta"))
+            _batch_all(batch, wavs[:3], args.device)
+            res["batch"][tag] = _batch_all(batch, wavs[:3], args.device) / 3
+            if batch.graphs is not None:
+                batch.graphs.release()
+            batch = None                                   # noqa: F841 - freed for the next
+        n, g = res["batch"]["native"], res["batch"]["gemm"]
+        rep.say(f"a batch of {R} suta runs on buckets, warm, s per utterance: native {n:.4f}, "
+                f"gemm {g:.4f} (x{n / max(g, 1e-12):.2f})")
+    finally:
+        tf32_kernels("torch")                      # the check's default, as decode's
+    rep.say("native: cuDNN's convolutions (the default; TF32 under tf32: torch); gemm: "
+            "--convolutions=gemm (fp32 products under tf32: torch, TF32 under on); transcripts "
+            "alike: the same utterances' two passes, native against gemm (the same sums in "
+            "another order)")
+    rep.data["convolutions"] = res
+
+
 def section_bench(args, rep, work):
     import bench_speed
     common = ["--device", args.device, "--n_utts", "4", "--repeats", "2",
@@ -993,6 +1079,15 @@ class _NoCuda:
         torch.nn.Module.cuda = self.orig
 
 
+def _same_rows(work, a, b):
+    """(same, n): transcript rows of two of ``official``'s decodes that agree."""
+    rows = []
+    for tag in (a, b):
+        with open(os.path.join(work, "official_ours", tag, "transcripts.csv")) as f:
+            rows.append(f.read().splitlines()[1:])
+    return sum(x == y for x, y in zip(*rows)), len(rows[0])
+
+
 def _official_run(args, cls_name, module, strategy_files, extra, model, wavs):
     """Seconds of the official strategy's ``run`` over ``wavs`` (model loading not timed); the
     official code reads ``vocab.json`` from the working directory and runs PyTorch's default
@@ -1088,7 +1183,7 @@ def section_official(args, rep, work):
     lengths = (args.seconds,) if args.cpu_smoke else (args.seconds, args.long_seconds)
     rep.say(f"{'method, length':<26}{'official s/aud s':>17}{'ours s/aud s':>14}{'speed-up':>10}"
             f"{'loop s/aud s':>14}{'decode':>10}{'fresh loop':>12}{'decode':>10}"
-            f"{'unbucketed':>12}{'speed-up':>10}{'long stream':>13}{'speed-up':>10}"
+            f"{'gemm convs':>12}{'speed-up':>10}{'long stream':>13}{'speed-up':>10}"
             f"{'warm-up 0':>11}{'speed-up':>10}{'official list':>15}{'speed-up':>10}")
     for li, sec in enumerate(lengths):
         data = os.path.join(work, f"official_data_{li}")
@@ -1126,10 +1221,12 @@ def section_official(args, rep, work):
                                        stream, data)
             ours = meth / audio
             loop, fresh = (t / audio for t in _method_loop(args, tag, model, wavs))
-            # the captured steps without length buckets (the default until 2026-11-27)
-            uopts = ours_opts + steps + DECODE_UNBUCKETED_OPTS
-            umeth, _ = _ours_decode(args, work, f"{tag}_u{li}", hp, uopts, model, stream, data)
-            unb = umeth / audio
+            # the CNN's convolutions as matrix products (the candidate for a faster step: cuDNN's
+            # took about half of the H200's kernel time); its transcripts against the default's
+            gopts = ours_opts + steps + DECODE_GEMM_OPTS
+            gmeth, _ = _ours_decode(args, work, f"{tag}_g{li}", hp, gopts, model, stream, data)
+            gemm = gmeth / audio
+            gsame = _same_rows(work, f"{tag}_{li}", f"{tag}_g{li}")
             # the candidate for a smaller cold start: a new bucket captured without its own
             # eager warm-up step once the run is warm (cuda_graph_warmup 0)
             wmeth, _ = _ours_decode(args, work, f"{tag}_w{li}", hp,
@@ -1147,24 +1244,27 @@ def section_official(args, rep, work):
             key = f"{tag}, {sec:.0f} s"
             res[key] = dict(official=off, ours=ours, ours_run_s=run_s, audio_s=audio, n=n,
                             method_loop=loop, decode_over_loop=ours / loop,
-                            fresh_loop=fresh, decode_over_fresh_loop=ours / fresh, unbucketed=unb,
+                            fresh_loop=fresh, decode_over_fresh_loop=ours / fresh, gemm=gemm,
+                            gemm_same_transcripts=gsame,
                             warmup0=w0, official_list=olist,
                             long_stream=lng, long_n=n_long, long_audio_s=long_audio)
             ups = [f"{off / v:>9.2f}x" if off else f"{'-':>10}"
-                   for v in (ours, unb, lng, w0, olist)]
+                   for v in (ours, gemm, lng, w0, olist)]
             rep.say(f"{key:<26}{off if off else float('nan'):>17.4f}{ours:>14.4f}{ups[0]}"
                     f"{loop:>14.4f}{ours / loop - 1:>+10.0%}"
                     f"{fresh:>12.4f}{ours / fresh - 1:>+10.0%}"
-                    f"{unb:>12.4f}{ups[1]}{lng:>13.4f}{ups[2]}{w0:>11.4f}{ups[3]}"
-                    f"{olist:>15.4f}{ups[4]}")
+                    f"{gemm:>12.4f}{ups[1]}{lng:>13.4f}{ups[2]}{w0:>11.4f}{ups[3]}"
+                    f"{olist:>15.4f}{ups[4]}  gemm: {gsame[0]}/{gsame[1]} transcripts as ours")
     rep.say("official: its strategy's run() (model loading not timed), PyTorch's default kernels; "
             "ours: decode with its defaults (captured steps on length buckets on CUDA, "
             "--deterministic true); each side warmed up on its own first; loop: the same method "
             "object's process() over the same utterances in this process after two of them (what "
             "bench_speed times), and decode's time over it (issue #22: within 10 %); fresh loop: "
             "the same with a new method object, cold as decode's (decode over it: the decode "
-            "path's own cost); unbucketed: decode with "
-            + " ".join(DECODE_UNBUCKETED_OPTS) + "; long stream: decode with its defaults on "
+            "path's own cost); gemm convs: decode with its defaults and "
+            + " ".join(DECODE_GEMM_OPTS) + " (the CNN's convolutions as matrix products, "
+            "lobes/gemm_conv.py; its transcripts against ours: the same sums in another order); "
+            "long stream: decode with its defaults on "
             f"a stream of about {args.long_stream_s:.0f} audio s of the same lengths (each "
             "decode captures its own graphs; a long stream pays them off), its speed-up over the "
             "official rate of the short stream; warm-up 0: decode with its defaults and "

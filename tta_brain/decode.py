@@ -164,7 +164,8 @@ def plan(argv, device_here: bool = True) -> Plan:
     record = record_hparams(resolved)
     nested = [k for k in resolved if k not in record and not str(k).startswith("__")]
     try:
-        structure = hp_files.structure(hp.path, nested, args.overrides)
+        structure = hp_files.structure(hp.path, nested, args.overrides,
+                                       added=identity.ADDED_TO_BLOCKS)
     except hp_files.HparamsError as e:
         _fail(str(e))
     fp = identity.fingerprint(record, stream_csv, len(rows), structure, audio)

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import ruamel.yaml
 import ruamel.yaml.comments
@@ -178,13 +178,17 @@ def _check_override_keys(path, values: Dict, overrides) -> None:
                                f"of your own")
 
 
-def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None) -> Dict[str, str]:
+def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None,
+              added: Sequence[str] = ()) -> Dict[str, str]:
     """A digest (sha1, 12 hex digits) of each of ``keys`` (a yaml's nested values: the method's and
     model's blocks, lists of selectors) as written in the composed yaml or its override, the
     references kept as ``!ref <key>`` and the tags as their names, comments and key order left out:
     what a run's plain values do not say (another optimiser class, a selector, ``lr: !ref <lr> *
     2`` inside the method's block), for its fingerprint. The references' targets are plain values
-    counted by themselves, so a copy of a packaged yaml digests as the packaged one."""
+    counted by themselves, so a copy of a packaged yaml digests as the packaged one. An entry
+    ``name: !ref <name>`` of a key in ``added`` (keys added to the packaged yamls later, whose
+    plain value the fingerprint holds) is left out, so a block that gained one digests as it did
+    before."""
     import hashlib
     import json
     rt = ruamel.yaml.YAML()
@@ -193,19 +197,27 @@ def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None
         if isinstance(overrides, str):
             overrides = rt.load(overrides) if overrides.strip() else {}
     nodes = {**nodes, **(overrides or {})}
-    return {k: hashlib.sha1(json.dumps(_canonical(nodes[k]), sort_keys=True, default=str)
-                            .encode()).hexdigest()[:12]
+    return {k: hashlib.sha1(json.dumps(_canonical(nodes[k], frozenset(added)), sort_keys=True,
+                                       default=str).encode()).hexdigest()[:12]
             for k in keys if k in nodes}
 
 
-def _canonical(node):
-    """A ruamel node as JSON-able values: ``{"!": tag, "=": value}`` where it is tagged."""
+def _added_ref(key, node, added) -> bool:
+    """``key: !ref <key>`` for a key in ``added``."""
+    return (str(key) in added and isinstance(node, ruamel.yaml.comments.TaggedScalar)
+            and getattr(node.tag, "value", None) == "!ref" and str(node.value) == f"<{key}>")
+
+
+def _canonical(node, added=frozenset()):
+    """A ruamel node as JSON-able values: ``{"!": tag, "=": value}`` where it is tagged; the
+    entries ``k: !ref <k>`` of keys in ``added`` left out."""
     tag = getattr(getattr(node, "tag", None), "value", None)
     tag = tag if isinstance(tag, str) and tag.startswith("!") else None
     if isinstance(node, dict):
-        body = {str(k): _canonical(v) for k, v in node.items()}
+        body = {str(k): _canonical(v, added) for k, v in node.items()
+                if not _added_ref(k, v, added)}
     elif isinstance(node, (list, tuple)):
-        body = [_canonical(v) for v in node]
+        body = [_canonical(v, added) for v in node]
     elif isinstance(node, ruamel.yaml.comments.TaggedScalar):
         body = str(node.value)
     else:

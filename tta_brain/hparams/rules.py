@@ -30,7 +30,7 @@ RULES = {
     "tf32": (("torch", "off", "on"), None),
     "cuda_graphs": (("auto", "on", "off"), None), "cuda_device_steps": (_BOOL, None),
     "cuda_graph_cache": (_AUTO_INT, ">=1"), "cuda_graph_warmup": (_INT, ">=0"),
-    "cuda_graph_buckets": (_AUTO_FLOAT, ">=0"),
+    "cuda_graph_buckets": (_AUTO_FLOAT, ">=0"), "convolutions": (("native", "gemm"), None),
     # the reset block (reset.yaml)
     "reset": (("none", "fixed", "oracle", "dynamic"), None), "reset_every": (_INT, ">=1"),
     "reset_K": (_INT, ">=4"), "reset_patience": (_INT, ">=1"), "reset_threshold": (_FLOAT, None),

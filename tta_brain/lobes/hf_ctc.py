@@ -19,6 +19,7 @@ from tta_brain.asr.ctc import collapse
 from tta_brain.data.cache import hub_snapshot, hub_unreachable
 from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
+from tta_brain.lobes.gemm_conv import gemm_convolutions
 from tta_brain.lobes.weight_norm import cache_frozen_weight_norms
 
 logger = logging.getLogger(__name__)
@@ -319,6 +320,12 @@ class HFCTCLobe(nn.Module):
         self.cached_weight_norms = cache_frozen_weight_norms(self.model)
         self.to(device)
         self.runtime = runtime or Runtime()
+        #: the CNN's convolutions run as matrix products (``convolutions: gemm``), how many
+        self.gemm_convs = (gemm_convolutions(self.model) if self.runtime.convolutions == "gemm"
+                           else 0)
+        if self.gemm_convs:
+            logger.info("convolutions: gemm: %d CNN convolutions run as matrix products",
+                        self.gemm_convs)
         if self.runtime.compile:
             self.compile_forward()
 

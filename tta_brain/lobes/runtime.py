@@ -82,6 +82,15 @@ class Runtime:
         steps of the run have run eagerly, a new length is captured at once (no eager step per
         utterance; on an H100 faster for SUTA and slower for DSUTA + dynamic, so not the default;
         ``tools/gpu_check.py`` checks that it replays the eager transcripts).
+    convolutions : "native" | "gemm"
+        How the CNN feature encoder's convolutions run: ``native`` (default: torch's
+        ``conv1d``, cuDNN on CUDA, oneDNN or PyTorch's own kernels on CPU) or ``gemm``: each as
+        one matrix product of its input's windows and its weight (``tta_brain.lobes.gemm_conv``;
+        wav2vec 2.0-style models only). The same sums in another order: logits and gradients
+        equal to rounding, not bit for bit. A candidate for the GPU step, whose cuDNN
+        convolutions took about half its kernel time on an H200; its speed there is unmeasured
+        (``tools/gpu_check.py --sections convolutions``), on CPU it is slower. Under ``tf32:
+        torch`` (the default) its products run in fp32 where cuDNN's convolutions run in TF32.
     cuda_graph_buckets : "auto" | float
         Length buckets of the captured steps. ``auto`` (default): ratio 0.1 on CUDA where the
         padded pass is exact (below), off elsewhere and on CPU (:meth:`bucket_ratio`); 0: off.
@@ -110,6 +119,7 @@ class Runtime:
     cuda_graph_cache: Union[str, int] = "auto"
     cuda_graph_warmup: int = 1
     cuda_graph_buckets: Union[str, float] = "auto"
+    convolutions: str = "native"
 
     def __post_init__(self):
         self.dtype = PRECISIONS[self.precision]

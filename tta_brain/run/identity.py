@@ -40,7 +40,13 @@ LABEL_KEYS = ("method_tag", "stream_name")
 #: fingerprint without the key matches that value (a folder decoded before the key existed is
 #: resumed or skipped, not refused as different). ``tf32``: runs on CUDA ran with SpeechBrain's
 #: TF32 matmuls ("on"); on CPU it has no effect.
-ADDED_KEYS = {"cuda_graph_buckets": 0.0, "tf32": {"cpu": "torch", "cuda": "on"}}
+ADDED_KEYS = {"cuda_graph_buckets": 0.0, "tf32": {"cpu": "torch", "cuda": "on"},
+              "convolutions": "native"}
+#: Added keys that a packaged yaml's nested block references (``convolutions: !ref
+#: <convolutions>`` in the run block's ``runtime``) since the blocks' digests (``structure``)
+#: were fingerprinted: the digest leaves that reference out, so the block digests as before (the
+#: key's plain value counts by itself, above)
+ADDED_TO_BLOCKS = ("convolutions",)
 #: CUDA-only keys whose ``auto`` computes on CPU what the value here did before ``auto`` became
 #: their default (nothing is captured on CPU): a CPU run's fingerprint keeps that value, so CPU
 #: folders decoded before stay this run's. On CUDA ``auto`` is fingerprinted as ``auto``.
