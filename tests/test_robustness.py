@@ -94,7 +94,12 @@ def bad_stream(tmp_path_factory):
         add(kind, d / f"{kind}.wav", 0.4, f"{kind}.wav: audio contains NaN or infinite samples")
     add("empty_ref", d / "good0.wav", 0.4, "empty transcript (wrd)", wrd="")
     add("punct_ref", d / "good0.wav", 0.4, "empty transcript (wrd)", wrd=" ... ")
-    add("too_long", d / "good0.wav", 25.0, "longer than max_duration (25.0 s > 20.0 s)")
+    add("too_long", d / "good0.wav", 25.0, "longer than max_duration (25 s > 20 s)")
+    # just over the limit (said 20.0 s > 20.0 s), and audio longer than its manifest says
+    add("just_over", d / "good0.wav", 20.04, "longer than max_duration (20.04 s > 20 s)")
+    sf.write(d / "long.wav", np.tile(good, 53)[:21 * SR], SR, subtype="PCM_16")
+    add("long_audio", d / "long.wav", 19.5, "long.wav: longer than max_duration (21 s > 20 s; "
+        "the manifest says 19.5 s)")
     sf.write(d / "short.wav", good[:100], SR, subtype="PCM_16")
     add("too_short", d / "short.wav", 100 / SR, "short.wav: too short for the model (100 samples")
     # convertible: decoded, not rejected
@@ -154,14 +159,20 @@ def test_conversions_happen_on_read_and_are_logged(bad_run, bad_stream):
 
 
 def test_a_stream_of_only_unreadable_audio_is_one_line_and_reruns_once_fixed(tmp_path,
-                                                                            tiny_model_dir):
+                                                                            tiny_model_dir,
+                                                                            capfd):
     """Every utterance skipped (a wrong --data_root): SpeechBrain's WER summary divided by zero
     (a traceback). Now one line naming the first reason and rejects.csv, no summary.json (the
-    folder is not a finished run), and the rerun it asks for decodes once the audio is there."""
+    folder is not a finished run), and the rerun it asks for decodes once the audio is there.
+    The line is in log.txt and printed once (it was logged on the console too)."""
     wavs = [tmp_path / "audio" / f"u{i}.wav" for i in range(2)]
     stream = write_manifest(tmp_path / "s.csv", [row(w.stem, w, 0.4) for w in wavs])
     out = tmp_path / "exp"
+    capfd.readouterr()
     msg = _error(dsuta_args(tiny_model_dir, stream, out))
+    printed = capfd.readouterr()
+    assert "none of its 2 utterances" not in printed.out + printed.err   # only the SystemExit's
+    assert (out / "log.txt").read_text().count(msg[len("ERROR: "):]) == 1
     assert msg == (f"ERROR: s: none of its 2 utterances was decoded (first: u0: {wavs[0]}: file "
                    f"not found); every reason is in {out / 'rejects.csv'}: fix what they name "
                    f"(audio, --data_root, the manifest), delete {out} (it holds no transcript) "

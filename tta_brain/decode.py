@@ -56,6 +56,16 @@ def _fail(message):
     raise SystemExit(f"ERROR: {message}")
 
 
+def _fail_logged(message):
+    """:func:`_fail`, with ``message`` also in the run's log.txt: the root logger's file handlers
+    only (a logged error was printed on the console too, above the same ERROR line)."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    _fail(message)
+
+
 def _log_run(out, argv, seed, device, deterministic, source=None):
     """Seed, device, source model identity, versions and command in log.txt and env.log (after
     SpeechBrain's environment description: ``installed_packages``)."""
@@ -340,8 +350,7 @@ def _run(p: Plan, argv):
     try:
         summary = brain.evaluate(p.stream_csv, rows=p.rows)
     except (ManifestError, ResumeError, RecordError) as e:
-        logger.error("%s", e)
-        _fail(str(e))
+        _fail_logged(str(e))
     print(summary_line(summary))
     return summary
 

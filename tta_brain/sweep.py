@@ -272,8 +272,7 @@ def _run(todo):
     try:
         return _walk(brains, todo[0][0], logs)
     except (ManifestError, ResumeError, RecordError) as e:
-        logger.error("%s", e)
-        decode._fail(str(e))
+        decode._fail_logged(str(e))
     finally:
         logs.close()
 

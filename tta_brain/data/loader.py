@@ -211,15 +211,15 @@ class StreamLoader:
         except ValueError:
             return None, f"bad duration {row.get('duration')!r}"
         if max_dur and dur > max_dur:
-            return None, f"longer than max_duration ({dur:.1f} s > {max_dur:.1f} s)"
+            return None, f"longer than max_duration ({dur:g} s > {max_dur:g} s)"
         try:
             wav = load_audio(row["wav"], sr)
         except AudioError as e:
             return None, str(e)
         n = wav.shape[-1]
         if max_dur and n / sr > max_dur:
-            return None, (f"{row['wav']}: longer than max_duration ({n / sr:.1f} s > "
-                          f"{max_dur:.1f} s; the manifest says {dur:.1f} s)")
+            return None, (f"{row['wav']}: longer than max_duration ({n / sr:g} s > "
+                          f"{max_dur:g} s; the manifest says {dur:g} s)")
         if dur > 0 and abs(n / sr - dur) > max(0.1, 0.1 * dur):
             # libsndfile reads a truncated file without complaint; the manifest knows better
             return None, (f"{row['wav']}: {n / sr:.2f} s of audio but the manifest says "
