@@ -7,6 +7,7 @@ fake-captured on length buckets) and a batched sweep; a model without a CNN refu
 the run option checked, recorded and fingerprinted (a folder decoded before it is the native
 one's)."""
 import copy
+import io
 import json
 from functools import partial
 
@@ -48,9 +49,12 @@ def test_conv1d_gemm_is_conv1d(cin, cout, k, s, t, bias):
     inputs = [x, w] + ([b] if bias else [])
     for gw, gg in zip(torch.autograd.grad(want, inputs, up), torch.autograd.grad(got, inputs, up)):
         assert rel(gg, gw) < 1e-12
-    # float32: to rounding
+    # float32: to rounding; an unbatched input and a non-contiguous one as conv1d takes them
     x32, w32 = x.detach().float(), w.detach().float()
     assert rel(conv1d_gemm(x32, w32, None, s), F.conv1d(x32, w32, None, s)) < 1e-5
+    assert rel(conv1d_gemm(x32[0], w32, None, s), F.conv1d(x32[0], w32, None, s)) < 1e-5
+    xt = x32.transpose(0, 2).contiguous().transpose(0, 2)
+    assert rel(conv1d_gemm(xt, w32, None, s), F.conv1d(x32, w32, None, s)) < 1e-5
 
 
 def test_conv1d_gemm_under_vmap_and_autocast():
@@ -108,14 +112,21 @@ def test_every_cnn_model_gives_its_logits(models, arch):
             assert torch.equal(fg, fn)
             assert rel(lg[:, :int(fn)], ln[:, :int(fn)]) < 1e-4
     assert all(isinstance(c, GemmConv) for c in feature_encoder_convs(copy.deepcopy(gemm.model)))
+    buf = io.BytesIO()           # pickled as a module (models with a weight norm pickle only
+    torch.save(convs[1], buf)    # through their state dict, as torch says, gemm or not)
+    buf.seek(0)
+    again, h = torch.load(buf, weights_only=False), torch.randn(1, convs[1].in_channels, 40)
+    assert isinstance(again, GemmConv) and torch.equal(again(h), convs[1](h))
 
 
-def test_a_model_without_a_cnn_is_refused_in_one_line(tmp_path):
+def test_a_model_without_a_cnn_is_refused_in_one_line(tmp_path, tiny_model_dir):
     bert = save_random_ctc_model(str(tmp_path / "bert"), 0, arch="wav2vec2-bert")
     with pytest.raises(ValueError, match=r"^convolutions: gemm: Wav2Vec2BertForCTC has no "
                                          r"convolution .*no CNN feature encoder.*use "
                                          r"convolutions: native$"):
         HFCTCLobe(bert, runtime=Runtime(convolutions="gemm"))
+    with pytest.raises(ValueError, match=r"^convolutions: 'GEMM' is not one of native, gemm$"):
+        HFCTCLobe(tiny_model_dir, runtime=Runtime(convolutions="GEMM"))   # the Python API
 
 
 def items(utterances, n):
@@ -145,6 +156,7 @@ def test_methods_give_the_native_transcripts(tiny_model_dir, utterances, name):
     stand-in graphs on CPU tensors), gives them too."""
     stream = items(utterances, 10)
     native, gemm = method(tiny_model_dir, name, "native"), method(tiny_model_dir, name, "gemm")
+    assert gemm.lobe.gemm_convs == 3 and native.lobe.gemm_convs == 0
     want = [native.process(w, i) for w, i in stream]
     assert [gemm.process(w, i) for w, i in stream] == want
     assert max_diff(native.params, gemm.params) < 1e-4
@@ -162,10 +174,15 @@ def test_methods_give_the_native_transcripts(tiny_model_dir, utterances, name):
     assert max_diff(native.params, captured.params) < 1e-4
 
 
-def test_batched_sweep_gives_the_separate_transcripts(tiny_model_dir, utterances):
+def test_batched_sweep_gives_the_separate_transcripts(tiny_model_dir, utterances, monkeypatch):
     """A batched sweep of SUTA runs on GEMM convolutions (``vmap``: one batched matrix product a
     layer) gives each run's separate transcripts on the native convolutions."""
+    from tta_brain.lobes import gemm_conv
     from tta_brain.sweep import batch_for
+    calls = []
+    real = gemm_conv.conv1d_gemm
+    monkeypatch.setattr(gemm_conv, "conv1d_gemm",
+                        lambda x, w, *a: calls.append(w.shape) or real(x, w, *a))
     cfgs = [(1e-3, 3), (1e-2, 2), (3e-3, 3)]
 
     def build(conv, lr, steps):
@@ -180,6 +197,7 @@ def test_batched_sweep_gives_the_separate_transcripts(tiny_model_dir, utterances
         assert [v.process(w) for v in batch.views] == [m.process(w, info) for m in seps]
     for v, m in zip(batch.views, seps):
         assert max_diff(batch.values(v.r), m.params) < 1e-3
+    assert len(calls) >= 6 * 3 * 3          # the batch's passes ran on them: 6 utts, 3+ passes
 
 
 #: ``structure.runtime`` of every packaged yaml's fingerprint at 5bd7b42, before the option

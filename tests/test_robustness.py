@@ -984,8 +984,11 @@ def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_mod
     long = torch.cat([utterances[1]] * 18)              # 21.6 s
     before = (serial.position, serial.counts)
     with pytest.raises(ValueError, match=r"transcribe: 21\.6 s is longer than max_duration "
-                                         r"\(20\.0 s\), which a recipe run skips too"):
+                                         r"\(20 s\), which a recipe run skips too"):
         serial.transcribe(long)
+    with pytest.raises(ValueError, match=r"transcribe: 20\.04 s is longer than max_duration "
+                                         r"\(20 s\)"):     # was: 20.0 s > 20.0 s
+        serial.transcribe(torch.zeros(int(20.04 * 16000)))
     for bad in ("0", 1.5, True):
         with pytest.raises(ValueError, match="transcribe: segment must be an integer"):
             serial.transcribe(utterances[0], segment=bad)

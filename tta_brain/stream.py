@@ -130,8 +130,8 @@ class TTAStream:
             wav = torchaudio.functional.resample(wav, sr, self.sample_rate)
         limit = float(self.settings.get("max_duration") or 0)
         if limit and wav.numel() / self.sample_rate > limit:
-            raise ValueError(f"transcribe: {wav.numel() / self.sample_rate:.1f} s is longer than "
-                             f"max_duration ({limit:.1f} s), which a recipe run skips too; split "
+            raise ValueError(f"transcribe: {wav.numel() / self.sample_rate:g} s is longer than "
+                             f"max_duration ({limit:g} s), which a recipe run skips too; split "
                              f"the audio, or build the stream with overrides={{'max_duration': 0}} "
                              f"(no limit)")
         check = too_short(self.method)

@@ -37,10 +37,11 @@ CONVOLUTIONS = {"native": "cuDNN / oneDNN convolutions (torch's conv1d)",
 def conv1d_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 stride: int = 1) -> torch.Tensor:
     """``torch.nn.functional.conv1d(x, weight, bias, stride)`` (no padding, dilation 1, one group)
-    as one matrix product: ``x [B, C, T]``, ``weight [O, C, k]`` -> ``[B, O, (T - k) // s + 1]``."""
+    as one matrix product: ``x [B, C, T]`` (or ``[C, T]``), ``weight [O, C, k]`` ->
+    ``[B, O, (T - k) // s + 1]``."""
     out_ch, in_ch, k = weight.shape
     windows = x.unfold(-1, k, stride)                   # [B, C, F, k], a view
-    cols = windows.transpose(-1, -2).reshape(x.shape[0], in_ch * k, windows.shape[-2])
+    cols = windows.transpose(-1, -2).flatten(-3, -2)    # [B, C * k, F], one copy
     out = torch.matmul(weight.reshape(out_ch, in_ch * k), cols)       # [B, O, F]
     if bias is not None:
         out = out + bias.to(out.dtype)[:, None]
@@ -60,9 +61,13 @@ _CLASSES: Dict[type, type] = {}
 
 
 def _gemm_class(cls: type) -> type:
-    # one subclass per convolution class (nn.Conv1d, or a parametrised one), made once
+    # one subclass per convolution class (nn.Conv1d, or a parametrised one), made once and named
+    # in this module, so that a model holding one pickles (torch.save of a whole model)
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Gemm{cls.__name__}", (GemmConv, cls), {})
+        name = f"Gemm{cls.__name__}"
+        made = _CLASSES[cls] = type(name, (GemmConv, cls), {"__module__": __name__,
+                                                            "__qualname__": name})
+        globals().setdefault(name, made)
     return _CLASSES[cls]
 
 

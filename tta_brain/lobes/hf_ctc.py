@@ -19,7 +19,7 @@ from tta_brain.asr.ctc import collapse
 from tta_brain.data.cache import hub_snapshot, hub_unreachable
 from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
-from tta_brain.lobes.gemm_conv import gemm_convolutions
+from tta_brain.lobes.gemm_conv import CONVOLUTIONS, gemm_convolutions
 from tta_brain.lobes.weight_norm import cache_frozen_weight_norms
 
 logger = logging.getLogger(__name__)
@@ -321,6 +321,9 @@ class HFCTCLobe(nn.Module):
         self.to(device)
         self.runtime = runtime or Runtime()
         #: the CNN's convolutions run as matrix products (``convolutions: gemm``), how many
+        if self.runtime.convolutions not in CONVOLUTIONS:   # (yaml runs: checked by the rules)
+            raise ValueError(f"convolutions: {self.runtime.convolutions!r} is not one of "
+                             f"{', '.join(CONVOLUTIONS)}")
         self.gemm_convs = (gemm_convolutions(self.model) if self.runtime.convolutions == "gemm"
                            else 0)
         if self.gemm_convs:
