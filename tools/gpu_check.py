@@ -890,9 +890,10 @@ def section_convolutions(args, rep, work):
             tf32_kernels("on")
             row["gemm, tf32 on"] = _warm_step(args, model, GEMM, wav)
             tf32_kernels("torch")
+            ratio = row["native"]["ms_per_step"] / max(row["gemm"]["ms_per_step"], 1e-9)
             rep.say(f"SUTA step, {seconds:.1f} s (default step), ms: "
                     + ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in row.items())
-                    + f" (native / gemm x{row['native']['ms_per_step'] / max(row['gemm']['ms_per_step'], 1e-9):.2f})")
+                    + f" (native / gemm x{ratio:.2f})")
         wavs = _wavs(2 if args.cpu_smoke else 8, 0.9 * args.seconds, 1.1 * args.seconds, seed=6)
         audio = sum(w.numel() for w in wavs) / 16000
         for name in ("suta", "dsuta+dynamic"):
