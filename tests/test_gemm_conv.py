@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from conftest import max_diff
 from fake_graphs import FakeBackend
