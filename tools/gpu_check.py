@@ -44,7 +44,8 @@ the exact reference of the captured steps. Results go to stdout and ``<out>/gpu_
    deterministic convolutions as its heuristics pick them against the fastest ones its autotuner
    (``cudnn.benchmark``) finds.
 5. ``memory``: 1,000 utterances of distinct lengths through dsuta (default steps; on length
-   buckets as the default, ``BUCKETS``, unless ``--memory_runtime unbucketed``): CUDA memory
+   buckets as the default, ``BUCKETS``, unless ``--memory_runtime unbucketed``; ``gemm``: on
+   buckets with ``convolutions: gemm``): CUDA memory
    (allocated / reserved) every 50 utterances and the slope of the reserved memory over the last
    half (MB per 100 utterances; FLAT below 1 MB per 100), and the last half's s per audio s.
    Allocated memory counts what earlier sections of the process left alive too: for figures
@@ -220,9 +221,11 @@ def parse_args(argv=None):
                         f"{','.join(DEFAULT_SECTIONS)}; the CPU smoke test: all)")
     p.add_argument("--budget_s", type=positive(float), default=480.0,
                    help="skip the sections that would start after this many seconds")
-    p.add_argument("--memory_runtime", default="buckets", choices=("buckets", "unbucketed"),
+    p.add_argument("--memory_runtime", default="buckets",
+                   choices=("buckets", "unbucketed", "gemm"),
                    help="memory: dsuta on length buckets (BUCKETS: the default on CUDA, also "
-                        "on CPU) or without (UNBUCKETED; measured flat on an H100 on 2026-11-26)")
+                        "on CPU), without (UNBUCKETED; measured flat on an H100 on 2026-11-26) "
+                        "or on buckets with --convolutions=gemm (its window copies)")
     p.add_argument("--n_utts", type=positive(int), default=None,
                    help="utterances per method (transcripts; default 20, --cpu_smoke: 3)")
     p.add_argument("--decode_utts", type=positive(int), default=None,
@@ -1020,8 +1023,10 @@ def section_memory(args, rep, work):
     model = _base_model(work, args)
     n, every = args.memory_utts, max(1, args.memory_utts // 20)
     lo, hi = (0.5, 1.0) if args.cpu_smoke else (1.0, 3.0)
-    buckets = args.memory_runtime == "buckets"
-    m = _method("dsuta", model, args.device, BUCKETS if buckets else UNBUCKETED,
+    buckets = args.memory_runtime != "unbucketed"
+    runtime = dict(BUCKETS, **GEMM) if args.memory_runtime == "gemm" else (
+        BUCKETS if buckets else UNBUCKETED)
+    m = _method("dsuta", model, args.device, runtime,
                 cache=BUCKET_CACHE if buckets else 1, lr=2e-5, steps=_steps(args, "dsuta"),
                 buffer_size=5)
     marks, trace = {}, []
