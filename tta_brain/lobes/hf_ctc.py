@@ -17,9 +17,9 @@ from torch.func import functional_call
 
 from tta_brain.asr.ctc import collapse
 from tta_brain.data.cache import hub_snapshot, hub_unreachable
+from tta_brain.lobes.gemm_conv import CONVOLUTIONS, gemm_convolutions
 from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
-from tta_brain.lobes.gemm_conv import CONVOLUTIONS, gemm_convolutions
 from tta_brain.lobes.weight_norm import cache_frozen_weight_norms
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,9 @@
 """How the passes run: precision, ``torch.compile``, the per-utterance CNN feature cache and the CPU
 backward kernels. One small object, owned by the lobe; methods ask it, they do not configure it.
 
-Only ``precision`` changes the numbers; the other options are exact (tests compare them with the
-plain paths, ``tools/bench_speed.py`` measures them). ``cuda_graphs`` (CUDA only, ``auto`` by
+Only ``precision`` changes the numbers, and ``convolutions: gemm`` their last bits (the same sums
+in another order); the other options are exact (tests compare them with the plain paths,
+``tools/bench_speed.py`` measures them). ``cuda_graphs`` (CUDA only, ``auto`` by
 default; measured in the README's GPU section) runs the SUTA family's adaptation steps without
 host syncs, replayed from captured graphs (``tta_brain.gpu``).
 """
@@ -89,8 +90,9 @@ class Runtime:
         wav2vec 2.0-style models only). The same sums in another order: logits and gradients
         equal to rounding, not bit for bit. A candidate for the GPU step, whose cuDNN
         convolutions took about half its kernel time on an H200; its speed there is unmeasured
-        (``tools/gpu_check.py --sections convolutions``), on CPU it is slower. Under ``tf32:
-        torch`` (the default) its products run in fp32 where cuDNN's convolutions run in TF32.
+        (``tools/gpu_check.py``: ``official``, ``convolutions``), on CPU it is no faster. Under
+        ``tf32: torch`` (the default) its products run in fp32 where cuDNN's convolutions run in
+        TF32.
     cuda_graph_buckets : "auto" | float
         Length buckets of the captured steps. ``auto`` (default): ratio 0.1 on CUDA where the
         padded pass is exact (below), off elsewhere and on CPU (:meth:`bucket_ratio`); 0: off.
