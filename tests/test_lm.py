@@ -246,3 +246,40 @@ def test_a_gzipped_arpa_decodes_as_the_arpa_and_unreadable_lms_are_one_line(tmp_
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="lm_unigrams .*empty.txt: no words"):
         LMBeamSearch(TOKENS, path, unigrams=str(tmp_path / "empty.txt"))
+
+
+@needs_lm
+def test_kenlms_reading_bar_follows_noprogressbar(tmp_path, tiny_model_dir, capfd, monkeypatch):
+    """SGEM with an ARPA LM through ``decode``: KenLM's reading bar (its C++ stderr) was printed
+    whatever the run's ``--noprogressbar`` said; now only where progress bars are shown. The
+    transcripts are the same either way."""
+    import csv
+
+    import soundfile as sf
+
+    from fake_corpora import fake_speech
+    from tta_brain import decode
+    from tta_brain.data.prep import progress
+    monkeypatch.delenv(progress.ENV, raising=False)
+    arpa = write_bigram_arpa(SENTENCES, tmp_path / "lm.arpa")
+    sf.write(tmp_path / "a.wav", fake_speech(0.4, seed=0), 16000, subtype="PCM_16")
+    stream = tmp_path / "s.csv"
+    with open(stream, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["ID", "duration", "wav", "spk_id", "wrd", "domain", "segment", "position"])
+        w.writerow(["a", "0.400", str(tmp_path / "a.wav"), "s", "THE CAT", "d", 0, 0])
+    bar = "----5---10---15"
+    printed, hyps = {}, {}
+    for quiet in (True, False):
+        out = tmp_path / f"exp_{quiet}"
+        capfd.readouterr()
+        decode.main(["sgem", f"--source={tiny_model_dir}", f"--stream_csv={stream}",
+                     f"--output_folder={out}", f"--lm_path={arpa}", "--steps=1",
+                     "--ckpt_every=0"] + (["--noprogressbar"] if quiet else []))
+        got = capfd.readouterr()
+        printed[quiet] = got.out + got.err
+        assert progress.shown()                 # bars are off only while the run is built
+        hyps[quiet] = (out / "transcripts.csv").read_text()
+    assert bar in printed[False]
+    assert bar not in printed[True]
+    assert hyps[True] == hyps[False]

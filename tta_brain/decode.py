@@ -36,6 +36,7 @@ from tta_brain.run.checkpoint import ResumeError
 from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hparams
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
+from tta_brain.data.prep.progress import hidden as progress_hidden
 from tta_brain.run.envinfo import describe_device, installed_packages, versions
 from tta_brain.run.folder import clear_run, load_run
 from tta_brain.run.records import CSV_FILES, RecordError
@@ -332,13 +333,20 @@ def open_folder(p: Plan, argv, status: str, hparams, held: "HeldLogs" = None
     return sb.utils.checkpoints.Checkpointer(os.path.join(out, "save"))
 
 
+def build(p: Plan):
+    """The run's yaml built; what its components show while they load (KenLM's reading bar)
+    follows ``--noprogressbar``."""
+    with progress_hidden(bool(p.args.run_opts.get("noprogressbar"))):
+        return p.hp.build()
+
+
 def _run(p: Plan, argv):
     status = prepare(p)
     if status == "done":
         return _skip(p.out, p.resolved)
     try:
         with HeldLogs() as held:
-            hparams = p.hp.build()
+            hparams = build(p)
     except hp_files.HparamsError as e:
         _fail(str(e))
     checkpointer = open_folder(p, argv, status, hparams, held)

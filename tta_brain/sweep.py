@@ -245,7 +245,7 @@ def _run(todo):
     for p, _ in todo:                       # each run's own yaml; its own model is dropped
         try:
             with decode.HeldLogs() as logs:
-                hparams = p.hp.build()
+                hparams = decode.build(p)
         except decode.hp_files.HparamsError as e:
             decode._fail(str(e))
         built.append(hparams)

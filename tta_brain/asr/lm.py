@@ -6,6 +6,9 @@ words scored against the LM's unigrams (``unk_score_offset`` for a prefix of no 
 open vocabulary. Works offline with a local ARPA file (unigrams read from it) or a KenLM binary
 (then pass the word list as ``unigrams``, as pyctcdecode asks).
 
+KenLM's bar while it reads an ARPA file follows the run's ``--noprogressbar``
+(:func:`tta_brain.data.prep.progress.shown`).
+
 Install: ``pip install -e ".[lm]"`` (pyctcdecode, kenlm; kenlm builds from source: a C++
 compiler is needed).
 """
@@ -15,6 +18,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+
+from tta_brain.data.prep.progress import shown as progress_shown
 
 __all__ = ["LM_EXTRA_HINT", "require_lm_packages", "arpa_unigrams", "read_word_list",
            "LMBeamSearch"]
@@ -95,7 +100,9 @@ class LMBeamSearch:
                  unk_score_offset: float = -10.0, lowercase: Optional[bool] = None,
                  beam_prune_logp: float = -10.0, token_min_logp: float = -5.0):
         require_lm_packages()
-        from pyctcdecode import build_ctcdecoder
+        import kenlm
+        from pyctcdecode import Alphabet, BeamSearchDecoderCTC, LanguageModel
+        from pyctcdecode.alphabet import verify_alphabet_coverage
 
         if not os.path.isfile(lm_path):
             raise FileNotFoundError(f"LM file not found: {lm_path}")
@@ -128,10 +135,17 @@ class LMBeamSearch:
             raise ValueError(f"no word delimiter {word_delimiter!r} among the tokens")
         self.labels, self.lm_path = labels, lm_path
         self.beam_prune_logp, self.token_min_logp = float(beam_prune_logp), float(token_min_logp)
+        # pyctcdecode's build_ctcdecoder, with KenLM's reading bar only where bars are shown
+        config = kenlm.Config()
+        config.show_progress = progress_shown()
         try:
-            self._decoder = build_ctcdecoder(labels, kenlm_model_path=lm_path, unigrams=unigrams,
-                                             alpha=float(alpha), beta=float(beta),
-                                             unk_score_offset=float(unk_score_offset))
+            model = kenlm.Model(lm_path, config)
+            alphabet = Alphabet.build_alphabet(labels)
+            if unigrams is not None:
+                verify_alphabet_coverage(alphabet, unigrams)
+            self._decoder = BeamSearchDecoderCTC(alphabet, LanguageModel(
+                model, unigrams, alpha=float(alpha), beta=float(beta),
+                unk_score_offset=float(unk_score_offset)))
         except (OSError, RuntimeError, UnicodeError) as e:     # KenLM's reader: a C++ message
             why = "" if isinstance(e, UnicodeError) else f": {' '.join(str(e).split())[:200]}"
             raise ValueError(f"{lm_path}: KenLM cannot read this LM (it reads ARPA files, "
