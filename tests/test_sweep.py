@@ -405,6 +405,57 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     assert res.stderr.strip().splitlines()[-1].startswith("ERROR: not batched: run 1")
 
 
+def test_a_runs_error_is_said_in_its_own_log_naming_its_own_folder(data, tmp_path):
+    """A stream whose audio is all missing: every run of the batch stops at its summary. Each
+    run's log.txt said run 1's error (it names run 1's rejects.csv and folder to delete); now each
+    says its own, and the one ERROR line names the run and how many more stopped alike."""
+    import csv
+    stream = tmp_path / "gone.csv"
+    with open(stream, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["ID", "duration", "wav", "spk_id", "wrd", "domain", "segment", "position"])
+        for i in range(2):
+            w.writerow([f"u{i}", "0.400", str(tmp_path / f"u{i}.wav"), "s", "A B", "d", 0, i])
+    outs = [tmp_path / "r0", tmp_path / "r1", tmp_path / "r2"]
+    argvs = [args(data, o, f"--lr={lr}", f"--stream_csv={stream}")
+             for o, lr in zip(outs, ("1e-3", "2e-3", "3e-3"))]
+    with pytest.raises(SystemExit) as e:
+        sweep.run(argvs)
+    msg = str(e.value)
+    assert msg.startswith("ERROR: gone: none of its 2 utterances was decoded"), msg
+    assert msg.endswith("(run 1 of 3; 2 more stopped alike, each said in its own log.txt)"), msg
+    for o in outs:
+        log = (o / "log.txt").read_text()
+        said = [line for line in log.splitlines() if " - ERROR - " in line]
+        assert len(said) == 1, (o, said)
+        assert f"every reason is in {o / 'rejects.csv'}" in said[0], (o, said)
+        assert f"delete {o} (it holds no transcript)" in said[0], (o, said)
+        assert not (o / "summary.json").exists()
+
+
+def test_an_error_inside_one_run_is_in_that_runs_log_alone(data, tmp_path, monkeypatch):
+    """A record error while one run of the batch is served (here: run 2's third row, as a
+    damaged record file would raise it) names that run's file: it was written into every run's
+    log.txt; now into run 2's alone, and the ERROR line says which run it was."""
+    from tta_brain.run.brain import TTABrain
+    from tta_brain.run.records import RecordError
+    outs = [tmp_path / "r0", tmp_path / "r1"]
+    real = TTABrain.decode_row
+
+    def decode_row(self, utt):
+        if self.out == outs[1] and utt.index == 2:
+            raise RecordError(f"{self.out / 'transcripts.csv'}:3: damaged")
+        return real(self, utt)
+
+    monkeypatch.setattr(TTABrain, "decode_row", decode_row)
+    with pytest.raises(SystemExit) as e:
+        sweep.run([args(data, o, f"--lr={lr}") for o, lr in zip(outs, ("1e-3", "2e-3"))])
+    assert str(e.value) == f"ERROR: {outs[1] / 'transcripts.csv'}:3: damaged (run 2 of 2)"
+    errors = [[line for line in (o / "log.txt").read_text().splitlines() if " - ERROR - " in line]
+              for o in outs]
+    assert errors[0] == [] and len(errors[1]) == 1 and errors[1][0].endswith(":3: damaged")
+
+
 @pytest.mark.parametrize("method,cfgs", [("csuta", CSUTA[:3]), ("ebats", EBATS[:3])])
 def test_killed_sweep_resumes(data, tmp_path, method, cfgs):
     """kill -9 at the first checkpoint; the rerun (two runs by the sweep, one by a separate

@@ -57,13 +57,18 @@ def _fail(message):
     raise SystemExit(f"ERROR: {message}")
 
 
-def _fail_logged(message):
-    """:func:`_fail`, with ``message`` also in the run's log.txt: the root logger's file handlers
-    only (a logged error was printed on the console too, above the same ERROR line)."""
+def log_to_files(message):
+    """``message`` as an error in the run's log.txt: the root logger's file handlers only (a
+    logged error was printed on the console too, above the same ERROR line)."""
     record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (message,), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+
+
+def _fail_logged(message):
+    """:func:`_fail`, with ``message`` also in the run's log.txt (:func:`log_to_files`)."""
+    log_to_files(message)
     _fail(message)
 
 

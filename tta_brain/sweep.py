@@ -155,6 +155,7 @@ class _RunLogs:
             root.removeHandler(h)                   # the last folder's, from its set-up
             h.close()
         self.current: Optional[int] = None
+        self.failed: Optional[int] = None       # the run being served when an error arose
         self.handlers = []
         fmt = logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s")
         for i, folder in enumerate(folders):
@@ -169,6 +170,9 @@ class _RunLogs:
         self.current = i
         try:
             yield
+        except BaseException:
+            self.failed = i
+            raise
         finally:
             self.current = None
 
@@ -272,7 +276,11 @@ def _run(todo):
     try:
         return _walk(brains, todo[0][0], logs)
     except (ManifestError, ResumeError, RecordError) as e:
-        decode._fail_logged(str(e))
+        if logs.failed is None:                 # the batch's own: every run's log
+            decode._fail_logged(str(e))
+        with logs.run(logs.failed):             # one run's (it names that run's files)
+            decode.log_to_files(str(e))
+        decode._fail(f"{e}{_which(logs.failed, len(brains))}")
     finally:
         logs.close()
 
@@ -309,12 +317,28 @@ def _walk(brains, p, logs):
         utts.close()
         for b in brains:
             b.close_stream()
-    summaries = []
+    summaries, failed = [], []
     for i, b in enumerate(brains):
         with logs.run(i):
-            summaries.append(b.stream_summary())
+            try:
+                summaries.append(b.stream_summary())
+            except (ManifestError, RecordError) as e:     # in this run's log, naming its files
+                decode.log_to_files(str(e))
+                failed.append((i, str(e)))
+                continue
         print(decode.summary_line(summaries[-1]), flush=True)
+    if failed:
+        (i, first), more = failed[0], len(failed) - 1
+        decode._fail(first + _which(i, len(brains), more))
     return summaries
+
+
+def _which(i: int, n: int, more: int = 0) -> str:
+    """Which run of a batch of ``n`` an error is of (and how many more stopped alike)."""
+    if n == 1:
+        return ""
+    alike = f"; {more} more stopped alike, each said in its own log.txt" if more else ""
+    return f" (run {i + 1} of {n}{alike})"
 
 
 def _info(utt):
