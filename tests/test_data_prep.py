@@ -837,5 +837,5 @@ def test_streams_duration_problems_and_unused_size_options(clean_set, tmp_path, 
     assert prepare.main(["validate", str(tmp_path / "none.csv"), str(mine), str(manifest)]) == 1
     out, err = capsys.readouterr()
     assert out == f"{manifest}: OK, {len(rows)} rows\n"
-    assert f"none.csv" in err.splitlines()[0] and "missing required column(s) spk_id" in \
+    assert "none.csv" in err.splitlines()[0] and "missing required column(s) spk_id" in \
         err.splitlines()[1] and err.splitlines()[2] == "ERROR: 2 of 3 manifest(s) failed the check"

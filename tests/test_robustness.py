@@ -492,7 +492,7 @@ def test_own_yaml_errors_name_its_lines_and_its_keys_win_over_its_blocks(tmp_pat
     assert "run.yaml" not in msg and "\n" not in msg
     bad.write_text(text + "lr: 3e-5\n")                             # a key twice in one's file
     msg = _error(argv)
-    assert f'found duplicate key "lr"' in msg and f"at {bad}:{len(lines) + 1}:" in msg, msg
+    assert 'found duplicate key "lr"' in msg and f"at {bad}:{len(lines) + 1}:" in msg, msg
     own = tmp_path / "own.yaml"
     own.write_text(text.replace("steps: ", "max_duration: 30.0\nsteps: ", 1))
     out = tmp_path / "own_exp"

@@ -724,7 +724,7 @@ def section_profile(args, rep, work):
     _process_all(m, wavs, args.device)                    # every bucket met: replays from here
     _, wall = _process_all(m, wavs, args.device)
     phases = _phases(m, wavs, args.device)
-    rep.say(f"suta on buckets, warm, s per utterance by phase (a sync after each): "
+    rep.say("suta on buckets, warm, s per utterance by phase (a sync after each): "
             + ", ".join(f"{k} {v:.4f}" for k, v in phases.items()))
     # DSUTA + dynamic reset (5 steps, buffer 5, K 10: the LII forwards and slow steps too), warm
     dyn = _method("dsuta+dynamic", model, args.device, BUCKETS, cache=BUCKET_CACHE, lr=2e-5,
@@ -733,7 +733,7 @@ def section_profile(args, rep, work):
                   seed=8)
     _process_all(dyn, dwavs, args.device)                 # its buckets met, phi_D saved
     dyn_phases = _phases(dyn, dwavs, args.device)
-    rep.say(f"dsuta+dynamic on buckets, warm, s per utterance by phase: "
+    rep.say("dsuta+dynamic on buckets, warm, s per utterance by phase: "
             + ", ".join(f"{k} {v:.4f}" for k, v in dyn_phases.items()) + f"; {_stats(dyn)}")
     _release(dyn, args.device)
     before, norms = m.step.cache.stats["captures"], _weight_norms(m.lobe)
