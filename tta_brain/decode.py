@@ -58,8 +58,8 @@ def _fail(message):
 
 
 def log_to_files(message):
-    """``message`` as an error in the run's log.txt: the root logger's file handlers only (a
-    logged error was printed on the console too, above the same ERROR line)."""
+    """``message`` as an error in the run's log.txt: the root logger's file handlers only (on
+    the console it would stand twice: logged, then as the ERROR line that stops the run)."""
     record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (message,), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
