@@ -33,7 +33,8 @@ setup(
     python_requires=">=3.10",           # torch 2.11's floor (tests/test_packaging.py)
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        # pytest-xdist: the README's test command runs two workers (-n 2 --dist loadscope --no-loadscope-reorder, 3.8)
+        # pytest-xdist: the README's test command runs two workers (-n 2 --dist loadscope
+        # --no-loadscope-reorder: 3.8's options)
         "test": ["pytest>=7", "pytest-xdist>=3.8", "wheel"],
         # SGEM's word n-gram LM (tta_brain.asr.lm), as the official SGEM: pyctcdecode + KenLM. kenlm
         # builds from source (C++ compiler, ~2 min); pyctcdecode 0.5.0 pins numpy<2.

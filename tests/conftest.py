@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.append(os.path.join(ROOT, "tools"))      # the benchmark and check scripts
 
 #: The modules that take longest (``--durations`` on 2 cores), collected first: under the README's
-#: ``-n 2 --dist loadscope`` (pytest-xdist; one thread a process, above, so one process keeps one
-#: core busy) a worker takes a module whole, and the other worker runs the short ones meanwhile
-#: instead of one long module running alone at the end. The rest keep their order.
+#: ``-n 2 --dist loadscope --no-loadscope-reorder`` (pytest-xdist; one thread a process, above, so
+#: one process keeps one core busy) a worker takes a module whole, in this order, and the other
+#: worker runs the short ones meanwhile instead of one long module running alone at the end. The
+#: rest keep their order.
 LONGEST_FIRST = ("test_synthetic_recipe.py", "test_sweep.py", "test_grid.py",
                  "test_long_stream.py", "test_gpu.py", "test_recipe_decode.py")
 
