@@ -283,6 +283,7 @@ def test_long_switch_plans_its_own_trees_and_registered_methods(tmp_path):
     assert f"long_test --root {data}/corpus --n_test 1000" in out
     assert "--split test-synth-long" in out
     assert "--names md_long" in out and "--total 3000" in out and "--max_len 500" in out
+    assert "--per_domain" not in out.partition("prepare streams")[2].splitlines()[0]  # no block size
     for token in ("source", "suta", "dsuta+dynamic", "dsuta+oracle", "csuta+dynamic", "awmc"):
         assert f"{tmp_path}/exp/long3000/snr20/md_long/{token}/seed0" in out
     assert "tta_brain.report.long" in out
@@ -293,7 +294,15 @@ def test_long_switch_plans_its_own_trees_and_registered_methods(tmp_path):
     assert quick.returncode == 0 and "long_test" not in plan and "long3000" not in plan
     assert f"corpus --root {tmp_path}/data/corpus --n_train 0 --n_test 400" in plan
     assert "--split test-synth --out" in plan and "--names md_easy md_hard" in plan
-    assert "--total 800 --min_len 20 --max_len 100" in plan and "report.long" not in plan
+    streams = plan.partition("prepare streams")[2].splitlines()[0]
+    assert "--per_domain 80" in streams and "--total" not in streams     # the sizes md_easy takes
+    assert "report.long" not in plan
+    given = subprocess.run(["bash", str(REPO / "recipes/synthetic/run.sh"), "--long", "true",
+                            "--streams", "md_easy md_hard", "--dry_run", "true", "--data_dir",
+                            str(tmp_path / "data"), "--stop_stage", "3"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert given.returncode == 0, given.stderr[-2000:]        # --streams given: it, not md_long
+    assert "--names md_easy md_hard" in given.stdout + given.stderr
 
 
 # ------------------------------------------------------------------------- collapse regression

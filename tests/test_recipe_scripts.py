@@ -230,6 +230,7 @@ int_options="count"
 help_message="usage: s.sh --foo-bar X --flag true|false --count N --stage N --stop_stage N"
 . {REPO}/tools/parse_options.sh
 echo "foo_bar=$foo_bar flag=$flag count=$count stage=$stage rest=$*"
+echo "given=[$po_given]" >&2
 """)
 
     def sh(*args):
@@ -238,6 +239,7 @@ echo "foo_bar=$foo_bar flag=$flag count=$count stage=$stage rest=$*"
     out = sh("--foo-bar", "x y", "--flag=true", "pos1", "--z")
     assert out.returncode == 0 and out.stdout.strip() == \
         "foo_bar=x y flag=true count= stage=0 rest=pos1 --z"
+    assert out.stderr == "given=[ foo_bar flag ]\n"   # what was given, not what has a value
     out = sh("--help")
     assert out.returncode == 0 and out.stdout.startswith("usage: s.sh --foo-bar X")
     assert "--config FILE" in out.stdout
@@ -261,6 +263,7 @@ echo "foo_bar=$foo_bar flag=$flag count=$count stage=$stage rest=$*"
     out = sh("--foo-bar", "first", "--config", cfg, "pos")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "foo_bar=from config flag=true count=4 stage=0 rest=pos"
+    assert out.stderr == "given=[ foo_bar flag count ]\n"     # --config's lines are given too
     assert sh("--config", cfg, "--foo-bar", "last").stdout.startswith("foo_bar=last ")
     for text, message in [("flag=maybe\n", "c.conf:1: option --flag expects true or false"),
                           ("\ninternal=/x\n", "c.conf:2: invalid option --internal"),
@@ -375,6 +378,32 @@ def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
               "md_hard", "--methods", "tent sdpl", "--dry_run", "true")
     assert res.returncode == 0, res.stderr
     assert not any("--reset_K" in x for x in res.stdout.splitlines() if x.startswith("DRY-RUN:"))
+
+
+def test_synthetic_streams_stage_passes_only_the_sizes_its_streams_take(tmp_path):
+    """The quick start's stage 3 warned "--total --min_len --max_len: no stream of md_easy
+    md_hard takes it": the recipe passed its md_long defaults to every stream set. A size the
+    user gives in vain is still said."""
+    manifests = tmp_path / "data" / "noisy" / "manifests"
+    manifests.mkdir(parents=True)
+    for d in ("GS", "BA", "AC", "TP", "VC", "SD", "MU", "TR"):
+        rows = "".join(f"u{i}_{d},1.5,$data_root/noisy/20dB/{d}/u{i}.wav,1,WORD {i},{d},20,u{i}\n"
+                       for i in range(12))
+        (manifests / f"{d}_20dB.csv").write_text(
+            "ID,duration,wav,spk_id,wrd,domain,snr,source_id\n" + rows)
+    syn = REPO / "recipes" / "synthetic" / "run.sh"
+    base = ["--stage", 3, "--stop_stage", 3, "--data_dir", tmp_path / "data", "--per_domain", 4]
+    res = run(syn, *base)
+    assert res.returncode == 0, res.stderr
+    assert "takes it" not in res.stderr and "wrote stream md_hard: 20 utterances" in res.stderr
+    res = run(syn, *base, "--streams", "md_long", "--md_long_total", 30, "--md_long_min", 3,
+              "--md_long_max", 10)
+    assert res.returncode == 0, res.stderr
+    assert "wrote stream md_long: 30 utterances" in res.stderr
+    assert "--per_domain: no stream of md_long takes it" in res.stderr    # given, and unused
+    res = run(syn, *base, "--md_long_max", 10)
+    assert res.returncode == 0, res.stderr
+    assert "--max_len: no stream of md_easy md_hard takes it" in res.stderr
 
 
 @pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])

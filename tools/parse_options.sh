@@ -26,6 +26,9 @@
 # an option of this script: quote another tool's flags without their dashes).
 # Parsing stops at "--" or at the first argument that does not start with "--"; those arguments
 # stay in "$@" for the caller (this file is sourced, so it shifts the caller's arguments).
+# Afterwards $po_given is " name1 name2 " of the options that were given (on the command line or
+# by --config), so a script can tell a value the user chose from its own default:
+#     [[ ${po_given} == *" per_domain "* ]]
 
 # _po_listed: " name1 name2 ... " of the options $help_message lists (--foo-bar -> foo_bar).
 _po_listed=" "
@@ -36,6 +39,7 @@ while [[ ${_po_rest} =~ --([A-Za-z][A-Za-z0-9_-]*)(.*) ]]; do
   case "${_po_listed}" in *" ${_po_name} "*) ;; *) _po_listed+="${_po_name} " ;; esac
 done
 _po_last_stage=${stop_stage:-}
+po_given=" "
 _po_default_empty=" "          # the int options whose default is empty (bash 3: no arrays)
 for _po_name in ${int_options:-}; do
   if [ -n "${!_po_name+set}" ] && [ -z "${!_po_name}" ]; then
@@ -61,6 +65,7 @@ _po_set() {
       fi ;;
   esac
   printf -v "${_po_n}" '%s' "${_po_v}"
+  case "${po_given}" in *" ${_po_n} "*) ;; *) po_given+="${_po_n} " ;; esac
 }
 
 # _po_config FILE: the NAME=VALUE lines of FILE, each set as an option.

@@ -70,7 +70,6 @@ ${md_opts_help}
 Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
 EOM
 )
-quick_streams=${streams} quick_methods=${methods}
 int_options+=" corpus_seed n_train n_test noise_seed train_minutes train_seed stream_seed per_domain md_long_total md_long_min md_long_max long_total long_max n_long"
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
@@ -90,8 +89,8 @@ if ${long}; then   # own data and results trees; --streams / --methods given sti
   data_dir=${data_dir}/long${long_total} exp_dir=${exp_dir}/long${long_total}
   test_split=test-synth-long n_long=${n_long:-$((long_total / 3))}
   md_long_total=${long_total} md_long_max=${long_max}
-  [ "${streams}" = "${quick_streams}" ] && streams=md_long
-  [ "${methods}" = "${quick_methods}" ] && methods=$(${python} -c "import sys
+  [[ ${po_given} == *" streams "* ]] || streams=md_long
+  [[ ${po_given} == *" methods "* ]] || methods=$(${python} -c "import sys
 from tta_brain import hparams
 tokens = [t for ln in open(sys.argv[1]) for t in ln.partition('#')[0].split()]
 print(' '.join(t for t in tokens if t.partition('+')[0] in hparams.available()))" \
@@ -160,15 +159,29 @@ fi
 
 if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
   set_stream_write_opts
+  # A size option goes to prepare when some stream takes it (md_easy/md_hard and their
+  # variants: per_domain; md_long: the md_long ones) or when it was given: prepare warns about
+  # a size that no stream takes, which is for the user's options, not this recipe's defaults.
+  takes_blocks=false takes_long=false
+  for spec in ${streams}; do
+    case "${spec#*=}" in md_easy*|md_hard*) takes_blocks=true ;; md_long) takes_long=true ;; esac
+  done
+  size_opts=()
+  for pair in per_domain:per_domain md_long_total:total md_long_min:min_len md_long_max:max_len; do
+    var=${pair%%:*}
+    if { [ "${var}" = per_domain ] && ${takes_blocks}; } \
+        || { [ "${var}" != per_domain ] && ${takes_long}; } || [[ ${po_given} == *" ${var} "* ]]; then
+      size_opts+=("--${pair#*:}" "${!var}")
+    fi
+  done
   failed=0              # every SNR is tried, so one rerun sees all the refusals
   for snr in ${snrs}; do
     log "Stage 3: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
     # shellcheck disable=SC2086
     run ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${noisy_dir}/manifests" \
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
-      --per_domain "${per_domain}" --total "${md_long_total}" --min_len "${md_long_min}" \
-      --max_len "${md_long_max}" --md_easy_order ${md_easy_order} --md_hard_order ${md_hard_order} \
-      "${stream_write_opts[@]}" || failed=$?
+      ${size_opts[@]+"${size_opts[@]}"} --md_easy_order ${md_easy_order} \
+      --md_hard_order ${md_hard_order} "${stream_write_opts[@]}" || failed=$?
   done
   [ "${failed}" -eq 0 ] || exit "${failed}"
 fi
