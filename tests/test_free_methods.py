@@ -148,7 +148,9 @@ def test_lame_and_t3a_read_what_the_head_reads_on_any_ctc_model(tmp_path, arch, 
             logits_, hidden_ = lame_m.prefix(lame_m.lobe.prepare(w))
         assert hidden.shape[1] == logits.shape[1]
         assert max_diff([logits_, hidden_], [logits, hidden]) < 1e-5     # waveform normalisation: rounding
-        want = lame.lame_posteriors(logits[0], hidden[0], lame_m.blank_id, **lame_m.opts)
+        # LAME's own pass's posteriors: on an AMD EPYC the rounding above flipped a near-tied
+        # frame of SEW's ('OOZ GOAOOYOGOZXG' from transformers' pass, '...XGO' from LAME's)
+        want = lame.lame_posteriors(logits_[0], hidden_[0], lame_m.blank_id, **lame_m.opts)
         assert lame_m.process(w) == lame_m.lobe.decode(want.clamp(min=1e-8).log()[None])[0]
         t3a_m.process(w)
         if i == 0:       # the supports T3A added (any, when a frame is not blank) are rows of
