@@ -35,10 +35,14 @@ setup(
     extras_require={
         # pytest-xdist: the README's test command runs two workers (-n 2 --dist loadscope
         # --no-loadscope-reorder: 3.8's options)
-        "test": ["pytest>=7", "pytest-xdist>=3.8", "wheel"],
+        # librosa: Parakeet CTC's feature extractor (its tests; the parakeet extra below)
+        "test": ["pytest>=7", "pytest-xdist>=3.8", "wheel", "librosa>=0.10"],
         # SGEM's word n-gram LM (tta_brain.asr.lm), as the official SGEM: pyctcdecode + KenLM. kenlm
         # builds from source (C++ compiler, ~2 min); pyctcdecode 0.5.0 pins numpy<2.
         "lm": ["pyctcdecode==0.5.0", "kenlm>=0.2"],
+        # NVIDIA's Parakeet CTC checkpoints (nvidia/parakeet-ctc-*): transformers' feature
+        # extractor for them computes its mel filters with librosa
+        "parakeet": ["librosa>=0.10"],
     },
     entry_points={"console_scripts": ["tta-decode=tta_brain.decode:main"]},
 )

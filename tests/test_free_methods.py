@@ -20,7 +20,7 @@ from fake_corpora import fake_speech, write_stream
 from tta_brain import decode, stats as stats_cli
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.lobes.partial import PartialForward
-from tta_brain.lobes.testing import TINY, TINY_BERT, save_random_ctc_model
+from tta_brain.lobes.testing import TINY, TINY_BERT, TINY_SEWD, save_random_ctc_model
 from tta_brain.methods import activation_stats as act, build_method, lame, t3a
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.free import EarlyStop
@@ -124,7 +124,7 @@ def test_models_the_partial_forward_would_get_wrong_are_refused(tmp_path, arch, 
 
 
 @pytest.mark.parametrize("arch,cfg", [
-    ("sew", TINY), ("wav2vec2-conformer", TINY),
+    ("sew", TINY), ("sew-d", TINY_SEWD), ("wav2vec2-conformer", TINY),
     ("wav2vec2", dict(TINY, add_adapter=True, output_hidden_size=32, adapter_stride=2,
                       adapter_kernel_size=3, num_adapter_layers=1)),
     ("wav2vec2-bert", dict(TINY_BERT, add_adapter=True))])
@@ -143,7 +143,8 @@ def test_lame_and_t3a_read_what_the_head_reads_on_any_ctc_model(tmp_path, arch, 
     for i, w in enumerate(ws):
         inputs = fe(w.numpy(), sampling_rate=16000, return_tensors="pt")   # as transformers runs it
         with torch.no_grad():
-            hidden = model.base_model(**inputs).last_hidden_state
+            base = getattr(model, "sew_d", None) or model.base_model    # (SEW-D's is itself)
+            hidden = base(**inputs).last_hidden_state
             logits = model(**inputs).logits
             logits_, hidden_ = lame_m.prefix(lame_m.lobe.prepare(w))
         assert hidden.shape[1] == logits.shape[1]

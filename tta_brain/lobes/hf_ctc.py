@@ -5,8 +5,11 @@
 decides the input normalisation (zero mean / unit variance per utterance when ``do_normalize``)
 and whether an attention mask is used; its tokenizer maps label ids back to text.
 """
+import contextlib
+import io
 import logging
 import os
+import sys
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -24,8 +27,8 @@ from tta_brain.lobes.weight_norm import cache_frozen_weight_norms
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFCTCLobe", "module_draws", "W2V2_CHAR_VOCAB", "save_char_processor",
-           "normalize_waveforms"]
+__all__ = ["HFCTCLobe", "module_draws", "freeze_batch_norm_statistics", "W2V2_CHAR_VOCAB",
+           "save_char_processor", "normalize_waveforms"]
 
 # The character vocabulary of facebook/wav2vec2-base-960h (blank = <pad> = 0, word delimiter "|").
 W2V2_CHAR_VOCAB = ("<pad>", "<s>", "</s>", "<unk>", "|", "E", "T", "A", "O", "N", "I", "H", "S",
@@ -120,6 +123,19 @@ def module_draws(module: nn.Module) -> List[str]:
             or isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+def freeze_batch_norm_statistics(module: nn.Module) -> List[str]:
+    """Keep the running statistics of ``module``'s batch norms as they are (momentum 0): a
+    train-mode pass still normalises by the batch, and changes no buffer, so what a reset, an
+    episodic method's next utterance or a resumed run starts from is the source model's
+    statistics. Returns the batch norms' names."""
+    names = []
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            m.momentum = 0.0
+            names.append(name)
+    return names
+
+
 def _load_part(source: str, part: str, needs: Sequence[str], files: str, load):
     """``load()`` one part of a CTC checkpoint; any failure (a missing or malformed file, a
     truncated safetensors file, a tokenizer that wants a library this checkout lacks, no network)
@@ -209,9 +225,11 @@ def _load_checkpoint(source: str, kwargs: dict):
         held = _HeldRecords()        # transformers' own warnings, said unless we refuse the model
         loading = logging.getLogger("transformers.modeling_utils")
         loading.addFilter(held)
+        printed = io.StringIO()
         try:
-            loaded, info = AutoModelForCTC.from_pretrained(source, output_loading_info=True,
-                                                           **kwargs)
+            with contextlib.redirect_stdout(printed):
+                loaded, info = AutoModelForCTC.from_pretrained(source, output_loading_info=True,
+                                                               **kwargs)
         except Exception as e:
             weights = _weights_at_fault(source)
             if weights:    # e.g. a truncated model.safetensors: say which file
@@ -221,6 +239,11 @@ def _load_checkpoint(source: str, kwargs: dict):
             raise
         finally:
             loading.removeFilter(held)
+            # transformers 4.57 prints "Config not found for parakeet" (its docstring generator)
+            # three times when it first imports Parakeet's modelling code: not ours to show
+            for line in printed.getvalue().splitlines(keepends=True):
+                if not line.startswith("\U0001f6a8 Config not found for"):
+                    sys.stdout.write(line)
         head = sorted(k for k in info.get("missing_keys") or () if k.startswith("lm_head."))
         if head:       # transformers only warns, and the run decodes with a random output layer
             raise ValueError(
@@ -298,6 +321,16 @@ class HFCTCLobe(nn.Module):
         self.input_name = str(getattr(self.model, "main_input_name", "input_values"))
         self.filterbank = self.input_name != "input_values"
         self._fbank_frames = {}
+        #: Parakeet's extractor: its centred STFT has 1 + n // hop frames of n samples and its mask
+        #: ``(n + 2 (n_fft // 2) - n_fft) // hop`` valid ones, the last frame masked for an even
+        #: n_fft (its only setting: 512); an odd one depends on n, which the features do not hold
+        self.masked_tail = 0
+        if type(self.feature_extractor).__name__ == "ParakeetFeatureExtractor":
+            n_fft = int(self.feature_extractor.n_fft)
+            if n_fft % 2:
+                raise ValueError(f"{source}: a Parakeet feature extractor with an odd n_fft "
+                                 f"({n_fft}) masks frames by the audio's length, not its frames")
+            self.masked_tail = 1
         self.do_normalize = bool(getattr(self.feature_extractor, "do_normalize", True))
         self.use_attention_mask = bool(getattr(self.feature_extractor, "return_attention_mask", False))
         self.blank_id = int(self.model.config.pad_token_id if self.model.config.pad_token_id is not None
@@ -314,6 +347,8 @@ class HFCTCLobe(nn.Module):
                 f"{'s' if len(unnamed) > 1 else ''} {_id_ranges(unnamed)}): vocab.json does "
                 f"not belong to this model")
         self.word_delimiter_id = vocab.get(self.word_delimiter)
+        #: word pieces (SentencePiece's, Parakeet CTC's) rather than characters and a delimiter
+        self.word_pieces = self.word_delimiter_id is None
         self.special_ids = set(self.tokenizer.all_special_ids) - {self.blank_id}
         self.model.eval()
         # frozen weight norms (the positional convolution's) computed once, not on every pass
@@ -362,7 +397,14 @@ class HFCTCLobe(nn.Module):
         an extractor that stacks no frames): every frame but a last one whose stacked second half
         is the extractor's padding (every value ``padding_value``, which no normalised filterbank
         frame is), as the processor's own mask (the model's adapter and attention read it). No
-        host read and no branch on the values, so it runs under ``vmap``."""
+        host read and no branch on the values, so it runs under ``vmap``. Parakeet's extractor
+        (:attr:`masked_tail`): every frame but the last, the centred STFT's frame past the
+        audio, which its mask leaves out (and its features zero) for an utterance of any length."""
+        if self.masked_tail and inputs.dim() == 3 and inputs.shape[1] > 0:
+            mask = torch.ones(inputs.shape[0], inputs.shape[1], dtype=torch.long,
+                              device=inputs.device)
+            mask[:, -self.masked_tail:] = 0
+            return mask
         stride = int(getattr(self.feature_extractor, "stride", 1) or 1)
         if stride < 2 or inputs.dim() != 3 or inputs.shape[1] == 0 or inputs.shape[-1] % stride:
             return None
@@ -427,18 +469,50 @@ class HFCTCLobe(nn.Module):
                 logits = functional_call(self, params, (inputs,), kwargs)
         return logits if self.runtime.dtype is None else logits.float()
 
+    def _pointwise_head(self) -> Optional[nn.Conv1d]:
+        """Parakeet CTC's head: a kernel-1 ``Conv1d`` (``ctc_head``) on its encoder's output."""
+        head = getattr(self.model, "ctc_head", None)
+        return head if isinstance(head, nn.Conv1d) and tuple(head.kernel_size) == (1,) else None
+
+    def head_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The CTC head as a linear map of the last hidden state: (weight ``[V, H]``, bias
+        ``[V]``), detached: ``lm_head``'s, or Parakeet's kernel-1 convolution's."""
+        head = self._pointwise_head()
+        if head is not None:
+            return head.weight.detach()[:, :, 0], head.bias.detach()
+        self._linear_head()
+        return self.model.lm_head.weight.detach(), self.model.lm_head.bias.detach()
+
+    def _linear_head(self):
+        if not isinstance(getattr(self.model, "lm_head", None), nn.Linear):
+            raise ValueError(f"{type(self.model).__name__}: its CTC head is not a linear lm_head "
+                             f"on the base model's last hidden state")
+
     def head_input(self, inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """A full pass of model ``inputs`` (:meth:`prepare`) -> (float32 logits ``[B, F, V]``, the
         last hidden state ``[B, F, H]`` that the CTC head reads): ``lm_head(dropout(base_model(
         inputs)[0]))``, the head of every ``*ForCTC`` of transformers with an ``lm_head``
-        (the wav2vec 2.0 family, SEW(-D), the Conformer, Wav2Vec2-BERT: after its adapter)."""
-        if not isinstance(getattr(self.model, "lm_head", None), nn.Linear):
-            raise ValueError(f"{type(self.model).__name__}: its CTC head is not a linear lm_head "
-                             f"on the base model's last hidden state")
+        (the wav2vec 2.0 family, SEW(-D), the Conformer, Wav2Vec2-BERT: after its adapter);
+        Parakeet CTC: its ``ctc_head`` (a kernel-1 convolution) on its encoder's output."""
         mask = self.feature_mask(inputs) if self.filterbank else None
-        hidden = self.model.base_model(inputs, **({} if mask is None else
-                                                  {"attention_mask": mask}))[0]
+        extra = {} if mask is None else {"attention_mask": mask}
+        head = self._pointwise_head()
+        if head is not None:
+            hidden = self.model.encoder(inputs, **extra)[0]
+            return head(hidden.transpose(1, 2)).transpose(1, 2).float(), hidden
+        self._linear_head()
+        hidden = self.base_model(inputs, **extra)[0]
         return self.model.lm_head(self.model.dropout(hidden)).float(), hidden
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The CTC model's base model (the network below its head). SEW-D's ``base_model`` is
+        the CTC model itself: its ``base_model_prefix`` 'sew-d' names no attribute (the module
+        is ``sew_d``), so its last hidden state would be the logits."""
+        base = self.model.base_model
+        if base is self.model:
+            base = getattr(self.model, str(self.model.base_model_prefix).replace("-", "_"), base)
+        return base
 
     def feature_cache_blocker(self, params, train_mode: bool = False) -> Optional[str]:
         """Why the CNN features of an utterance cannot be computed once for every pass of it
@@ -580,10 +654,17 @@ class HFCTCLobe(nn.Module):
 
     # ------------------------------------------------------------------ decode
     def labels_to_text(self, labels: Sequence[int]) -> str:
-        """Collapsed label ids -> text (word delimiter -> space, special tokens dropped)."""
+        """Collapsed label ids -> text (special tokens dropped). A character vocabulary: the
+        word delimiter becomes a space. A vocabulary of word pieces (no word delimiter among its
+        tokens, e.g. SentencePiece's ``▁word`` of Parakeet CTC): the tokenizer's own
+        decoder joins the pieces, without the CTC grouping its ``decode`` applies (the labels are
+        collapsed already: a repeated piece here was two pieces)."""
         toks = [self.id_to_token.get(int(i), "") for i in labels
                 if int(i) not in self.special_ids and int(i) != self.blank_id]
-        text = "".join(toks).replace(self.word_delimiter, " ")
+        if self.word_pieces:
+            text = self.tokenizer.convert_tokens_to_string(toks) if toks else ""
+        else:
+            text = "".join(toks).replace(self.word_delimiter, " ")
         return " ".join(text.split())
 
     def decode(self, logits: torch.Tensor) -> List[str]:
@@ -601,4 +682,5 @@ class HFCTCLobe(nn.Module):
 
     def text_to_labels(self, text: str) -> List[int]:
         """Text -> label ids of the tokenizer (for pseudo-label checks and tests)."""
-        return self.tokenizer(text.upper()).input_ids
+        cased = text if self.word_pieces else text.upper()   # (the pieces' case is the model's)
+        return self.tokenizer(cased).input_ids

@@ -1,11 +1,13 @@
 """Randomly initialised Hugging Face CTC models with the wav2vec2-base-960h character processor
-(Wav2Vec2-BERT: its 80-bin filterbank feature extractor with that tokenizer), written with
+(Wav2Vec2-BERT: its 80-bin filterbank feature extractor with that tokenizer; Parakeet CTC: its
+mel feature extractor and a SentencePiece-style tokenizer, as NVIDIA's checkpoints), written with
 ``save_pretrained``: the tiny (and real-size) models of the tests and the benchmarks.
 Nothing is downloaded; a model is the same for the same seed and config."""
 import os
 from typing import Optional
 
-__all__ = ["save_random_ctc_model", "TINY", "TINY_BERT", "BASE_960H", "ARCHS"]
+__all__ = ["save_random_ctc_model", "TINY", "TINY_BERT", "TINY_SEWD", "TINY_PARAKEET",
+           "BASE_960H", "ARCHS", "PIECES"]
 
 #: A tiny wav2vec2 (31 k parameters): 3 CNN layers of 16 channels, 2 transformer layers of 32.
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -29,8 +31,10 @@ ARCHS = {"wav2vec2": ("Wav2Vec2Config", "Wav2Vec2ForCTC"),
          "wavlm": ("WavLMConfig", "WavLMForCTC"),
          "unispeech-sat": ("UniSpeechSatConfig", "UniSpeechSatForCTC"),
          "sew": ("SEWConfig", "SEWForCTC"),
+         "sew-d": ("SEWDConfig", "SEWDForCTC"),
          "wav2vec2-conformer": ("Wav2Vec2ConformerConfig", "Wav2Vec2ConformerForCTC"),
-         "wav2vec2-bert": ("Wav2Vec2BertConfig", "Wav2Vec2BertForCTC")}
+         "wav2vec2-bert": ("Wav2Vec2BertConfig", "Wav2Vec2BertForCTC"),
+         "parakeet": ("ParakeetCTCConfig", "ParakeetForCTC")}
 #: A tiny Wav2Vec2-BERT (filterbank input: 80 mel bins stacked in pairs, as w2v-BERT 2.0's
 #: SeamlessM4T processor), 2 conformer layers of 32; ``add_adapter=True`` adds w2v-BERT 2.0 CTC
 #: fine-tunes' strided adapter.
@@ -39,10 +43,43 @@ TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, int
                  num_adapter_layers=1, adapter_kernel_size=3, adapter_stride=2, layerdrop=0.0,
                  mask_time_prob=0.0)
 
+#: A tiny SEW-D (TINY's CNN; disentangled attention over 16 relative position buckets).
+TINY_SEWD = dict(TINY, squeeze_factor=1, max_position_embeddings=64, position_buckets=16)
+#: A tiny Parakeet CTC (FastConformer: 3 strided 2-D convolutions over 80 mel bins, 8x
+#: subsampling, 2 conformer layers of 32 with batch norm in their convolution modules), without
+#: dropout; its encoder config (``ParakeetCTCConfig(encoder_config=...)``).
+TINY_PARAKEET = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, subsampling_conv_channels=8, conv_kernel_size=9,
+                     dropout=0.0, dropout_positions=0.0, layerdrop=0.0, activation_dropout=0.0,
+                     attention_dropout=0.0)
+#: The tiny Parakeet's SentencePiece-style vocabulary (lower case, ``▁`` starts a word, a
+#: few pieces of two or more characters; ``<pad>``, the CTC blank, last, as in
+#: nvidia/parakeet-ctc-*) and the BPE merges that make its longer pieces.
+PIECES = (("<unk>", "\u2581") + tuple("abcdefghijklmnopqrstuvwxyz'")
+          + ("th", "\u2581th", "\u2581a", "er", "<pad>"))
+_MERGES = (("t", "h"), ("\u2581", "th"), ("\u2581", "a"), ("e", "r"))
+
+
+def _save_piece_processor(out_dir: str):
+    """A ``ParakeetProcessor`` (mel features; a fast BPE tokenizer over :data:`PIECES` with
+    SentencePiece's word marker, its CTC blank the pad token) saved into ``out_dir``."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {piece: i for i, piece in enumerate(PIECES)}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=list(_MERGES), unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    bpe.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer = transformers.ParakeetTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
+                                                   pad_token="<pad>")
+    transformers.ParakeetProcessor(feature_extractor=transformers.ParakeetFeatureExtractor(),
+                                   tokenizer=tokenizer).save_pretrained(out_dir)
+
 
 def save_random_ctc_model(out_dir: str, seed: int = 0, arch: str = "wav2vec2",
                           attention_mask: Optional[bool] = None, **config) -> str:
-    """``<arch>ForCTC`` with ``config`` (vocabulary of 32 characters, blank 0), initialised after
+    """``<arch>ForCTC`` with ``config`` (vocabulary of 32 characters, blank 0; ``parakeet``: the
+    pieces of :data:`PIECES`, blank last, ``config`` its encoder's), initialised after
     ``torch.manual_seed(seed)``, saved with its processor into ``out_dir``; returns ``out_dir``.
     The processor returns an attention mask for layer-norm feature encoders unless
     ``attention_mask`` says otherwise."""
@@ -53,6 +90,12 @@ def save_random_ctc_model(out_dir: str, seed: int = 0, arch: str = "wav2vec2",
     cfg_cls, model_cls = ARCHS[arch]
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(seed)
+    if arch == "parakeet":          # ``config``: the encoder's; the blank is the last class
+        cfg = transformers.ParakeetCTCConfig(vocab_size=len(PIECES), pad_token_id=len(PIECES) - 1,
+                                             encoder_config=config)
+        transformers.ParakeetForCTC(cfg).save_pretrained(out_dir)
+        _save_piece_processor(out_dir)
+        return out_dir
     cfg = dict(vocab_size=len(W2V2_CHAR_VOCAB), pad_token_id=0)
     cfg.update(config)
     model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**cfg))

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from tta_brain.gpu import make_step as default_step
+from tta_brain.lobes.hf_ctc import freeze_batch_norm_statistics
 from tta_brain.methods import losses
 from tta_brain.methods.events import Event, UttInfo
 from tta_brain.methods.optim import build_optimizer
@@ -123,11 +124,16 @@ class TTAMethod:
 
     # ------------------------------------------------------------- set-up
     def configure_model(self):
-        """Eval mode (no dropout / SpecAugment) and gradients only for the adapted parameters."""
+        """Eval mode (no dropout / SpecAugment) and gradients only for the adapted parameters.
+        ``train_mode``: the batch norms' running statistics stay the source's (their train-mode
+        passes normalise by the utterance and update nothing that a reset would not restore)."""
         self.net.eval()
         self.net.requires_grad_(False)
         for p in self.params:
             p.requires_grad_(True)
+        if self.train_mode and (norms := freeze_batch_norm_statistics(self.net)):
+            logger.info("%s: train_mode: %d batch norm(s) normalise by the utterance, their "
+                        "running statistics kept the source's", self.name, len(norms))
 
     def loss(self, logits: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The adaptation objective of one utterance (default: SUTA); ``lengths``: its valid

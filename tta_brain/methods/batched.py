@@ -130,6 +130,19 @@ def run_blocker(classes, m) -> Optional[str]:
             else "compile" if m.runtime.compile else None)
 
 
+#: Base models whose forward ``torch.func.vmap`` cannot map, and why (their runs go separately)
+UNMAPPED_MODELS = {"SEWDModel": "SEW-D's attention applies autograd Functions without "
+                                "setup_context (XSoftmax, XDropout), which torch.func cannot map"}
+
+
+def model_blocker(m) -> Optional[str]:
+    """Why the batched forward (``vmap`` over the runs' stacked parameters) cannot run the model
+    of method ``m`` (None: it can)."""
+    why = next((UNMAPPED_MODELS[type(x).__name__] for x in m.lobe.model.modules()
+                if type(x).__name__ in UNMAPPED_MODELS), None)   # (SEW-D's base_model is itself)
+    return f"the model ({why})" if why else None
+
+
 def train_mode_blocker(m) -> Optional[str]:
     """Why method ``m``'s ``train_mode`` cannot be batched (None: it is off, or the model's train
     mode draws nothing, so the batch's eval-mode passes are its passes): a batch cannot draw each
@@ -443,7 +456,7 @@ class BatchedSUTA:
     @classmethod
     def blocker(cls, m) -> Optional[str]:
         """Why a built method cannot be one run of this batch (None: it can)."""
-        return run_blocker(cls.methods, m) or train_mode_blocker(m) or (
+        return run_blocker(cls.methods, m) or model_blocker(m) or train_mode_blocker(m) or (
             "nothing adapts" if not m.params else optimizer_blocker(m.optimizer))
 
     def __init__(self, lobe, methods: Sequence):

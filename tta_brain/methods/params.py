@@ -10,10 +10,12 @@ multiplier, e.g. the paper's default (and the official SUTA code)::
 Selectors (a parameter belongs to the first group that selects it):
 
 * ``layernorm``: weight and bias of every ``nn.LayerNorm``
-* ``feature_extractor``: the convolutional feature encoder (with its GroupNorm / LayerNorms)
-* ``feature_projection``: the projection (LayerNorm + Linear) into the transformer
+* ``feature_extractor``: the convolutional feature encoder (with its GroupNorm / LayerNorms);
+  Parakeet CTC's (FastConformer): its convolutional subsampling (``encoder.subsampling.layers``)
+* ``feature_projection``: the projection (LayerNorm + Linear) into the transformer; Parakeet's:
+  the subsampling's Linear (``encoder.subsampling.linear``)
 * ``cnn``: ``feature_extractor`` + ``feature_projection``
-* ``encoder_bias``: every bias inside the transformer encoder
+* ``encoder_bias``: every bias inside the transformer encoder (Parakeet's: not its subsampling)
 * ``all``: every parameter
 * ``regex:<pattern>``: parameter names matching a regular expression
 
@@ -67,12 +69,23 @@ def _layernorm_names(model: nn.Module) -> set:
     return names
 
 
+#: The feature encoder and the projection by family: the wav2vec 2.0 family's modules, and
+#: Parakeet CTC's convolutional subsampling (inside its encoder) and its Linear.
+FEATURE_ENCODERS = ("feature_extractor", r"encoder\.subsampling\.layers")
+PROJECTIONS = ("feature_projection", r"encoder\.subsampling\.linear")
+
+
+def _in_any(name: str, module_names: Sequence[str]) -> bool:
+    return any(_in_module(name, m) for m in module_names)
+
+
 SELECTORS = {
     "layernorm": lambda name, ln: name in ln,
-    "feature_extractor": lambda name, ln: _in_module(name, "feature_extractor"),
-    "feature_projection": lambda name, ln: _in_module(name, "feature_projection"),
-    "cnn": lambda name, ln: _in_module(name, "feature_extractor") or _in_module(name, "feature_projection"),
-    "encoder_bias": lambda name, ln: _in_module(name, "encoder") and name.endswith(".bias"),
+    "feature_extractor": lambda name, ln: _in_any(name, FEATURE_ENCODERS),
+    "feature_projection": lambda name, ln: _in_any(name, PROJECTIONS),
+    "cnn": lambda name, ln: _in_any(name, FEATURE_ENCODERS + PROJECTIONS),
+    "encoder_bias": lambda name, ln: (_in_module(name, "encoder") and name.endswith(".bias")
+                                      and not _in_module(name, r"encoder\.subsampling")),
     # a module's own weight and bias (CoTTA's reference collect_params): not a weight norm's
     # g and v (parametrizations.weight.original0/1), nor wav2vec2's masked_spec_embed
     "weights_and_biases": lambda name, ln: name.rpartition(".")[2] in ("weight", "bias"),

@@ -45,8 +45,8 @@ class T3A(FreeMethod):
 
     def __init__(self, model, filter_K: int = 10, **kwargs):
         self.filter_K = int(filter_K)
-        head = model.model.lm_head
-        self.W, self.bias = head.weight.detach().clone(), head.bias.detach().clone()
+        weight, bias = model.head_weights()
+        self.W, self.bias = weight.clone(), bias.clone()
         super().__init__(model, **kwargs)
 
     def initial_state(self):
