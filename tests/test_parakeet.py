@@ -248,3 +248,26 @@ def test_a_train_mode_pass_keeps_the_batch_norms_statistics(tmp_path, family):
         awmc.process(w)
     awmc_norms = [m for m in awmc.net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     assert all(torch.equal(m.running_mean, mean) for m, (mean, _) in zip(awmc_norms, stats))
+
+
+@pytest.mark.parametrize("arch,cfg", [("sew", TINY), ("sew-d", TINY_SEWD)])
+def test_sews_cnn_runs_as_matrix_products(tmp_path, arch, cfg):
+    """``convolutions: gemm`` takes SEW's and SEW-D's CNN convolutions (SEW-D's were not found:
+    transformers' ``base_model`` of it is the CTC model) and gives the native logits;
+    Parakeet's 2-D subsampling is no CNN feature encoder: refused in one line."""
+    from tta_brain.lobes.runtime import Runtime
+    d = save_random_ctc_model(str(tmp_path), 0, arch=arch, **cfg)
+    native, gemm = HFCTCLobe(d), HFCTCLobe(d, runtime=Runtime(convolutions="gemm"))
+    assert gemm.gemm_convs == len(cfg["conv_kernel"])
+    x = native.prepare(wavs(1)[0])
+    with torch.no_grad():
+        a, b = native.logits(x), gemm.logits(x)
+    assert float((a - b).norm() / a.norm()) < 1e-4
+
+
+def test_parakeet_refuses_gemm_convolutions_in_one_line(models):
+    from tta_brain.lobes.runtime import Runtime
+    with pytest.raises(ValueError, match=r"^convolutions: gemm: ParakeetForCTC has no convolution"
+                                         r" .*no CNN feature encoder \(its input is "
+                                         r"input_features\); use convolutions: native$"):
+        HFCTCLobe(models["parakeet"], runtime=Runtime(convolutions="gemm"))

@@ -26,6 +26,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from tta_brain.lobes.families import base_model
+
 __all__ = ["conv1d_gemm", "GemmConv", "gemm_convolutions", "feature_encoder_convs",
            "CONVOLUTIONS"]
 
@@ -80,8 +82,8 @@ def _takes(conv: nn.Module) -> bool:
 def feature_encoder_convs(model: nn.Module):
     """The convolutions of ``model``'s CNN feature encoder (``feature_extractor.conv_layers``, the
     wav2vec 2.0 family's), in order; empty for a model without one."""
-    base = getattr(model, "base_model", model)
-    layers = getattr(getattr(base, "feature_extractor", None), "conv_layers", None) or []
+    layers = getattr(getattr(base_model(model), "feature_extractor", None), "conv_layers",
+                     None) or []
     return [layer.conv for layer in layers if isinstance(getattr(layer, "conv", None), nn.Conv1d)]
 
 

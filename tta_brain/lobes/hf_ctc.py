@@ -20,6 +20,7 @@ from torch.func import functional_call
 
 from tta_brain.asr.ctc import collapse
 from tta_brain.data.cache import hub_snapshot, hub_unreachable
+from tta_brain.lobes.families import base_model as base_of
 from tta_brain.lobes.gemm_conv import CONVOLUTIONS, gemm_convolutions
 from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
@@ -506,13 +507,9 @@ class HFCTCLobe(nn.Module):
 
     @property
     def base_model(self) -> nn.Module:
-        """The CTC model's base model (the network below its head). SEW-D's ``base_model`` is
-        the CTC model itself: its ``base_model_prefix`` 'sew-d' names no attribute (the module
-        is ``sew_d``), so its last hidden state would be the logits."""
-        base = self.model.base_model
-        if base is self.model:
-            base = getattr(self.model, str(self.model.base_model_prefix).replace("-", "_"), base)
-        return base
+        """The CTC model's base model, the network below its head (``families.base_model``:
+        SEW-D's, which transformers' ``base_model`` misses)."""
+        return base_of(self.model)
 
     def feature_cache_blocker(self, params, train_mode: bool = False) -> Optional[str]:
         """Why the CNN features of an utterance cannot be computed once for every pass of it
