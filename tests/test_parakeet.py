@@ -271,3 +271,18 @@ def test_parakeet_refuses_gemm_convolutions_in_one_line(models):
                                          r" .*no CNN feature encoder \(its input is "
                                          r"input_features\); use convolutions: native$"):
         HFCTCLobe(models["parakeet"], runtime=Runtime(convolutions="gemm"))
+
+
+@pytest.mark.parametrize("name,mode", [("dsuta+dynamic", "device"), ("dsuta+dynamic", "graph"),
+                                       ("suta", "graph"), ("tent", "graph")])
+def test_parakeets_device_step_and_captured_replays_give_the_host_transcripts(models, utterances,
+                                                                            name, mode):
+    """The device step and its captured replays (the fake graph backend on CPU) on Parakeet,
+    whose mask is made inside the step: the host path's transcripts, parameters to rounding."""
+    from test_gpu import build, run, stream
+    items = stream(utterances, 8)
+    a, b = (build(models["parakeet"], name, m) for m in ("host", mode))
+    assert run(a, items) == run(b, items)
+    assert max_diff(a.params, b.params) < 1e-5
+    if mode == "graph":
+        assert b.step.stats["replays"] > 0
