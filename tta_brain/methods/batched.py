@@ -40,6 +40,7 @@ from torch.func import functional_call, vmap
 from tta_brain.gpu import train_draws
 from tta_brain.gpu.batch_graphs import batch_graphs
 from tta_brain.gpu.graphs import bucket_length
+from tta_brain.lobes.families import base_model
 from tta_brain.lobes.runtime import native_cpu_kernels
 from tta_brain.methods import losses
 from tta_brain.methods.csuta import CSUTA
@@ -138,8 +139,7 @@ UNMAPPED_MODELS = {"SEWDModel": "SEW-D's attention applies autograd Functions wi
 def model_blocker(m) -> Optional[str]:
     """Why the batched forward (``vmap`` over the runs' stacked parameters) cannot run the model
     of method ``m`` (None: it can)."""
-    why = next((UNMAPPED_MODELS[type(x).__name__] for x in m.lobe.model.modules()
-                if type(x).__name__ in UNMAPPED_MODELS), None)   # (SEW-D's base_model is itself)
+    why = UNMAPPED_MODELS.get(type(base_model(m.lobe.model)).__name__)
     return f"the model ({why})" if why else None
 
 
