@@ -291,3 +291,23 @@ def test_a_finished_run_leaves_nothing_alive_in_the_process(data, tmp_path):
         if was:
             gc.enable()
     assert left == before
+
+
+def test_a_save_costs_the_same_at_the_first_run_of_a_process_and_the_tenth(data, tmp_path,
+                                                                         monkeypatch):
+    """Every checkpoint save deletes the older one by recency alone, in every run of a process
+    (SpeechBrain 1.1.2's save_and_keep_only appends its recency key to a default list shared by
+    all calls: each save then listed the folder twice per earlier save of the process, so a
+    sweep's 20th tiny run took 4.6 s against 2.1 s for its 2nd, and a stream saved every
+    utterance grew quadratically)."""
+    from speechbrain.utils.checkpoints import Checkpointer
+    keys, delete = [], Checkpointer.delete_checkpoints
+
+    def counted(self, **kwargs):
+        keys.append(len(kwargs["importance_keys"]))
+        return delete(self, **kwargs)
+    monkeypatch.setattr(Checkpointer, "delete_checkpoints", counted)
+    for run in ("a", "b"):
+        decode.main(args(data, tmp_path / run, "--steps=1", "--ckpt_every=3", method="suta"))
+    assert len(keys) >= 14 and set(keys) == {1}, keys
+    assert len(list((tmp_path / "b" / "save").glob("CKPT+*"))) == 1

@@ -169,5 +169,10 @@ def _said(e: BaseException) -> str:
 def save(checkpointer, state: StreamState, writer) -> None:
     """fsync the records, note their lengths in ``state`` and save one checkpoint (keep one)."""
     state.offsets = writer.sync()
+    # importance_keys: a fresh list each call. SpeechBrain 1.1.2 appends ckpt_recency to the
+    # list it is given, and its default is one list shared by every call in the process: each
+    # save then weighed every earlier save's key (2 listings of the folder each), so the n-th
+    # save of a process read its checkpoint's yaml ~4n times (a sweep's 20th tiny run: 4.6 s,
+    # its 2nd: 2.1 s; a live stream saving every utterance grew quadratically)
     checkpointer.save_and_keep_only(meta={"cursor": state.cursor}, num_to_keep=1,
-                                    verbosity=logging.DEBUG)
+                                    importance_keys=[], verbosity=logging.DEBUG)
