@@ -293,8 +293,8 @@ def test_a_finished_run_leaves_nothing_alive_in_the_process(data, tmp_path):
     assert left == before
 
 
-def test_a_save_costs_the_same_at_the_first_run_of_a_process_and_the_tenth(data, tmp_path,
-                                                                         monkeypatch):
+def test_every_save_of_every_run_in_a_process_weighs_recency_alone(data, tmp_path,
+                                                                     monkeypatch):
     """Every checkpoint save deletes the older one by recency alone, in every run of a process
     (SpeechBrain 1.1.2's save_and_keep_only appends its recency key to a default list shared by
     all calls: each save then listed the folder twice per earlier save of the process, so a
