@@ -168,7 +168,7 @@ def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys
     (tmp_path / "tmp").mkdir()
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)     # TMPDIR read again
-    opts = ["--lengths", "2", "3", "--seconds", "0.5", "0.6", "--decode_opts",
+    opts = ["--lengths", "3", "--seconds", "0.5", "0.6", "--decode_opts",   # one decode child
             "--steps=1 --reset_K=10"]
     assert bench_memory.main(opts) in (0, 1)
     assert "3 utts | peak RSS" in capsys.readouterr().out

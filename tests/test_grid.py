@@ -73,6 +73,14 @@ def serial(data, exp, methods, seeds=("0", "1")):
                                     "--stream_name=s"))
 
 
+def finished_grid(argv):
+    """The runs a grid of ``argv`` plans, decoded one after another in this process as its jobs
+    decode them (``grid.DecodeJob``: ``decode.main`` of the run's argv): a finished grid to
+    start a test from, without a job process per run."""
+    for run in grid.plan_runs(grid.parse_args(argv)):
+        decode.main(run.argv)
+
+
 def snapshot(folder):
     return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in Path(folder).iterdir()
             if p.is_file()}
@@ -679,7 +687,7 @@ def test_a_dry_run_says_which_runs_the_grid_would_skip_or_refuse(data, tmp_path,
     """A dry run listed a finished run's command like any other, though the grid skips it (or
     refuses it, when its folder holds other settings or is damaged): now it says which."""
     exp = tmp_path / "exp"
-    assert grid.main(grid_argv(data, exp, "source", "0 1", "--nj", "1")) == 0
+    finished_grid(grid_argv(data, exp, "source", "0 1", "--nj", "1"))
     capsys.readouterr()
     dry = grid_argv(data, exp, "source", "0 1 2", "--dry_run")
     assert grid.main(dry) == 0
