@@ -26,8 +26,8 @@ sys.path.append(os.path.join(ROOT, "tools"))      # the benchmark and check scri
 #: one process keeps one core busy) a worker takes a module whole, in this order, and the other
 #: worker runs the short ones meanwhile instead of one long module running alone at the end. The
 #: rest keep their order.
-LONGEST_FIRST = ("test_synthetic_recipe.py", "test_sweep.py", "test_grid.py",
-                 "test_long_stream.py", "test_gpu.py", "test_recipe_decode.py")
+LONGEST_FIRST = ("test_synthetic_recipe.py", "test_sweep.py", "test_grid.py", "test_gpu.py",
+                 "test_recipe_decode.py")
 
 
 def pytest_collection_modifyitems(config, items):

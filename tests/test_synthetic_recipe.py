@@ -4,7 +4,9 @@ Runs ``recipes/synthetic/run.sh`` stages 0-5 with the recipe's defaults on one s
 speech, noises, noisy sets at 20 dB, the MD-Hard-like stream of 5 x 80 utterances, source / SUTA /
 DSUTA + dynamic reset with the committed source model, two decodes at a time, report) and asserts
 the paper's orderings with margins measured over seeds 0-2 by ``recipes/synthetic/regression.py``
-(about 4 minutes on 2 idle CPU cores).
+(about 4 minutes on 2 idle CPU cores); then, on the same data, the collapse regression of long
+streams (issue #21): DSUTA without a reset collapses at a raised learning rate and the dynamic
+reset brings it back (``regression.STRESS``).
 """
 
 import importlib.util
@@ -86,3 +88,14 @@ def test_readme_api_example_runs_on_the_recipe_data(recipe):
     assert len(lines) == 101, lines[-3:]
     assert lines[0].startswith("9") and len(lines[0].split()) >= 2  # "<utt id> <transcript>"
     assert lines[-1].startswith("resets at [") and "adapt_forward" in lines[-1]
+
+
+def test_dsuta_collapses_without_reset_and_the_dynamic_reset_recovers(recipe):
+    """Stages 3-4 on this recipe run's data: an md_long of 300 utterances, source / DSUTA / DSUTA
+    + dynamic reset at lr 2e-3 (regression.STRESS; margins measured over seeds 0-2)."""
+    fig = regression.stress_figures(regression.run_stress(recipe["work"], SEED))
+    margins = regression.stress_margins(fig)
+    assert fig[regression.DSUTA]["first_above"] is not None, fig    # above the source + 5 somewhere
+    assert fig[regression.DYNAMIC]["resets"], fig
+    for key, least in regression.STRESS_MARGINS.items():
+        assert margins[key] > least, (key, margins, fig)
