@@ -88,6 +88,11 @@ def test_readme_api_example_runs_on_the_recipe_data(recipe):
     assert len(lines) == 101, lines[-3:]
     assert lines[0].startswith("9") and len(lines[0].split()) >= 2  # "<utt id> <transcript>"
     assert lines[-1].startswith("resets at [") and "adapt_forward" in lines[-1]
+    # its settings are the recipe's DSUTA + dynamic reset on md_hard (conf/dsuta*.opts, K 40):
+    # the API in a loop gives the recipe's decode's transcripts, utterance for utterance
+    from tta_brain.run.records import read_transcripts
+    decoded = read_transcripts(recipe["exp"] / "md_hard" / "dsuta+dynamic" / "seed0")[:100]
+    assert lines[:-1] == [f"{t.ID} {t.hyp}" for t in decoded]
 
 
 def test_dsuta_collapses_without_reset_and_the_dynamic_reset_recovers(recipe):
