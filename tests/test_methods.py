@@ -655,6 +655,36 @@ def test_registry_refuses_a_second_class_under_a_taken_name():
     assert METHODS["suta"].__module__ == "tta_brain.methods.suta"
 
 
+def test_the_readmes_own_method_decodes_from_its_own_module_and_yaml(tmp_path, tiny_model_dir):
+    """README "Your own method", as written: the module in a folder of the user's (on
+    PYTHONPATH, outside the package), its yaml, `python -m tta_brain.decode <yaml>` with an
+    override of the method's own key."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from fake_corpora import write_stream
+    section = open(os.path.join(ROOT, "README.md")).read().split("**Your own method.**", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    (tmp_path / "my_tta.py").write_text(re.search(r"```python\n(.*?)```", section, re.S)[1])
+    (tmp_path / "tent_renyi.yaml").write_text(re.search(r"```yaml\n(.*?)```", section, re.S)[1])
+    root, out = write_stream(tmp_path / "s", n=4), tmp_path / "exp"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    res = subprocess.run([sys.executable, "-m", "tta_brain.decode", str(tmp_path / "tent_renyi.yaml"),
+                          f"--source={tiny_model_dir}", f"--stream_csv={root / 'stream.csv'}",
+                          f"--data_root={root}", f"--output_folder={out}", "--alpha=2.0",
+                          "--noprogressbar"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == "tent_renyi" and summary["n_utts"] == 4
+    assert summary["counts"]["adapt_backward"] == 4           # one step an utterance, adapted
+    assert re.search(r"^alpha: 2.0\b", (out / "hyperparams.yaml").read_text(), re.M)
+
+
 def test_build_method_names_a_bad_option(tiny_model_dir):
     with pytest.raises(TypeError, match="method 'dsuta' has no option.*bufer_size.*buffer_size"):
         build_method("dsuta", model=HFCTCLobe(tiny_model_dir), bufer_size=3)
