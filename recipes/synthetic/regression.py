@@ -5,7 +5,8 @@
 asserts the paper's orderings on the MD-Hard-like stream with the margins in :data:`MARGINS`
 (seed 0 is the quick start's md_hard stream). Those margins were measured with this script over
 several seeds (the seed changes which utterances the stream takes and their order; the noisy
-speech is the recipe's, its default ``--noise_seed``, and so is the committed source model)::
+speech is the recipe's own, from its default ``--noise_seed``, as the source model is the
+committed one)::
 
     python recipes/synthetic/regression.py --work_dir /tmp/synth_reg --seeds 0 1 2
 
