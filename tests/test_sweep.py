@@ -508,10 +508,10 @@ def grid_args(data, exp, *extra):
 
 @pytest.mark.slow
 def test_grid_batch_runs_makes_the_same_folders(data, tmp_path):
-    # the plain grid's runs are its planned decodes (test_grid: a local grid's folders are those
-    # of its runs decoded one by one), here in this process: four job processes fewer
-    for run in grid.plan_runs(grid.parse_args(grid_args(data, tmp_path / "plain"))):
-        decode.main(run.argv)
+    # the plain grid's runs decoded in this process as its jobs decode them (test_grid: a local
+    # grid's folders are those of its runs decoded one by one): four job processes fewer
+    from test_grid import finished_grid
+    finished_grid(grid_args(data, tmp_path / "plain"))
     assert grid.main(grid_args(data, tmp_path / "batched", "--batch_runs", "4")) == 0
     plain = sorted(p.parent.relative_to(tmp_path / "plain")
                    for p in (tmp_path / "plain").rglob("summary.json"))
