@@ -274,8 +274,12 @@ echo "given=[$po_given]" >&2
         out = sh("--config", cfg)
         assert out.returncode == 1 and message in out.stderr, (text, out.stderr)
         assert out.stdout == "" and not (tmp_path / "pwned").exists()
-    cfg.write_text("count=abc\n")
-    assert "option --count expects an integer, got 'abc'" in sh("--config", cfg).stderr
+    cfg.write_text("\ncount=abc\n")            # an integer option's value names its line too
+    assert "c.conf:2: option --count expects an integer, got 'abc'" in sh("--config", cfg).stderr
+    assert sh("--config", cfg, "--count", "3").returncode == 0     # the command line's comes last
+    cfg.write_text("count=3\n")
+    out = sh("--config", cfg, "--count", "x")
+    assert out.returncode == 1 and "c.conf" not in out.stderr and "got 'x'" in out.stderr
     assert "config file nothere.conf not found" in sh("--config", "nothere.conf").stderr
     # a help that lists an option the script does not have is a script error
     script.write_text(script.read_text().replace("--stop_stage N", "--stop_stage N --ghost X"))

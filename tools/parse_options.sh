@@ -20,7 +20,8 @@
 # (the script's last stage).
 # --config FILE reads FILE's NAME=VALUE lines (# comments, blank lines; VALUE may be quoted
 # whole with '' or "") as if they were options, in the place of --config: a line that is no
-# such assignment, or names no option, is an error naming FILE:LINE. It is not sourced.
+# such assignment, names no option, or has a value the option does not take (true/false, an
+# integer), is an error naming FILE:LINE. It is not sourced.
 # --help / -h prints $help_message and exits 0 (exit 1 if it lists an option that is no
 # variable: the help would promise what the script cannot take; so every --word in the help is
 # an option of this script: quote another tool's flags without their dashes).
@@ -65,6 +66,7 @@ _po_set() {
       fi ;;
   esac
   printf -v "${_po_n}" '%s' "${_po_v}"
+  printf -v "_po_where_${_po_n}" '%s' "${_po_w}"     # where the value came from, for the checks below
   case "${po_given}" in *" ${_po_n} "*) ;; *) po_given+="${_po_n} " ;; esac
 }
 
@@ -141,7 +143,8 @@ done
 for _po_name in stage stop_stage ${int_options:-}; do
   if [ -n "${!_po_name+set}" ] && ! [[ ${!_po_name} =~ ^-?[0-9]+$ ]] \
       && ! { [ -z "${!_po_name}" ] && [[ ${_po_default_empty} == *" ${_po_name} "* ]]; }; then
-    echo "$0: option --${_po_name//_/-} expects an integer, got '${!_po_name}'" >&2
+    _po_where=_po_where_${_po_name}
+    echo "${!_po_where:-$0}: option --${_po_name//_/-} expects an integer, got '${!_po_name}'" >&2
     exit 1
   fi
 done
@@ -153,6 +156,7 @@ if [ -n "${stage+set}" ] && [ -n "${_po_last_stage}" ] && [ "${stage}" -gt "${_p
   echo "$0: --stage ${stage}: this script's last stage is ${_po_last_stage} (see --help)" >&2
   exit 1
 fi
-unset _po_name _po_value _po_shift _po_rest _po_listed _po_last_stage _po_default_empty
+for _po_name in ${po_given}; do unset "_po_where_${_po_name}"; done
+unset _po_name _po_value _po_shift _po_rest _po_listed _po_last_stage _po_default_empty _po_where
 unset -f _po_set _po_config
 true

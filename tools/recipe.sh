@@ -27,9 +27,9 @@ per_gpu=2             # local: decodes per GPU
 batch_runs=1          # suta/csuta/dsuta/tent/eata/sar/cotta/cea runs of one stream differing only in settings: batched sweeps of N
 slurm_conf=${recipe_dir}/conf/slurm.yaml   # partition, time, memory, GPUs of one Slurm job
 slurm_conf_default=${slurm_conf}
-grid_help="  --engine local|slurm (${engine})  --nj N (${nj}: one per core; slurm 64)  --gpus \"LIST\"  --per_gpu N (${per_gpu})
+grid_help="  --engine local|slurm (${engine})  --nj N (${nj}: one per core; slurm 64)  --gpus \"LIST\" (none: CPU)  --per_gpu N (${per_gpu})
   --batch_runs N (${batch_runs})  --slurm_conf YAML (conf/slurm.yaml)
-  --decode_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"  --hparams_dir DIR  --python BIN (${python})"
+  --decode_opts \"OPTS\"  --sweep \"K=V1,V2 ...\"  --hparams_dir DIR (packaged yamls)  --python BIN (${python})"
 # the recipes with multi-domain streams add these to their help (CHiME-3 has none: no such option)
 md_opts_help="  --md_decode_opts \"OPTS\"  --md_recipe_opts \"OPTS\" (multi-domain streams only)"
 # Source statistics of the methods that need them (eata: Fisher information), before decoding.

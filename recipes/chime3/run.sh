@@ -29,10 +29,10 @@ Usage: $0 [options]
 Options (default):
   --stage N (${stage})  --stop_stage N (${stop_stage})
   --include_ped_real true|false (${include_ped_real})  --keep_raw_text true|false (${keep_raw_text})
-  --stream_name NAME (${stream_name})  --stream_seed N (${stream_seed})  --max_duration SEC
+  --stream_name NAME (${stream_name})  --stream_seed N (${stream_seed})  --max_duration SEC (none: keep all)
 ${streams_help}
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
-  --conf_dir DIR  --model DIR_OR_NAME
+  --conf_dir DIR (conf/)  --model DIR_OR_NAME (W2V2 of db.sh)
 ${grid_help}
   --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false
 Stages: 0 manifest, 1 data check, 2 stream, 3 decode, 4 report.

@@ -42,7 +42,7 @@ Options (default):
   --per_domain N  --md_long_total N  --md_long_min N  --md_long_max N  (paper sizes if empty)
 ${streams_help}
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
-  --conf_dir DIR  --model DIR_OR_NAME
+  --conf_dir DIR (conf/)  --model DIR_OR_NAME (W2V2 of db.sh)
 ${grid_help}
 ${md_opts_help}
   --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false

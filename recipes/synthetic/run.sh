@@ -56,14 +56,14 @@ Options (default):
                     NAME=KIND for a stream of your own name, e.g. held_out=md_easy)
   --per_domain N (${per_domain})  --stream_seed N (${stream_seed})
   --md_long_total N (${md_long_total})  --md_long_min N (${md_long_min})  --md_long_max N (${md_long_max})
-  --long true|false (${long}: md_long of --long_total ${long_total} utterances, blocks
-                    --md_long_min ${md_long_min} to --long_max ${long_max}, from --n_long held-out
-                    utterances, conf/long.methods)
+  --long true|false (${long}: md_long of --long_total utterances, blocks --md_long_min to
+                    --long_max, from --n_long held-out utterances, conf/long.methods)
+  --long_total N (${long_total})  --long_max N (${long_max})  --n_long N (long_total / 3)
   --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
 ${streams_help}
   --methods "LIST" (${methods})
   --seeds "LIST" (${seeds})
-  --conf_dir DIR  --noprogressbar true|false
+  --conf_dir DIR (conf/)  --noprogressbar true|false (${noprogressbar})
 ${grid_help}
 ${md_opts_help}
   --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false (${dry_run})

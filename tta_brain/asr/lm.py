@@ -6,8 +6,8 @@ words scored against the LM's unigrams (``unk_score_offset`` for a prefix of no 
 open vocabulary. Works offline with a local ARPA file (unigrams read from it) or a KenLM binary
 (then pass the word list as ``unigrams``, as pyctcdecode asks).
 
-KenLM's bar while it reads an ARPA file follows the run's ``--noprogressbar``
-(:func:`tta_brain.data.prep.progress.shown`).
+KenLM's bar while it reads an ARPA file is ``show_progress``: SGEM passes the run's
+``--noprogressbar`` (:func:`tta_brain.data.prep.progress.shown`).
 
 Install: ``pip install -e ".[lm]"`` (pyctcdecode, kenlm; kenlm builds from source: a C++
 compiler is needed).
@@ -18,8 +18,6 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-
-from tta_brain.data.prep.progress import shown as progress_shown
 
 __all__ = ["LM_EXTRA_HINT", "require_lm_packages", "arpa_unigrams", "read_word_list",
            "LMBeamSearch"]
@@ -98,7 +96,8 @@ class LMBeamSearch:
                  word_delimiter: str = "|", alpha: float = 0.5, beta: float = 1.5,
                  unigrams: Optional[Union[str, Iterable[str]]] = None,
                  unk_score_offset: float = -10.0, lowercase: Optional[bool] = None,
-                 beam_prune_logp: float = -10.0, token_min_logp: float = -5.0):
+                 beam_prune_logp: float = -10.0, token_min_logp: float = -5.0,
+                 show_progress: bool = True):
         require_lm_packages()
         import kenlm
         from pyctcdecode import Alphabet, BeamSearchDecoderCTC, LanguageModel
@@ -137,7 +136,7 @@ class LMBeamSearch:
         self.beam_prune_logp, self.token_min_logp = float(beam_prune_logp), float(token_min_logp)
         # pyctcdecode's build_ctcdecoder, with KenLM's reading bar only where bars are shown
         config = kenlm.Config()
-        config.show_progress = progress_shown()
+        config.show_progress = bool(show_progress)
         try:
             model = kenlm.Model(lm_path, config)
             alphabet = Alphabet.build_alphabet(labels)

@@ -17,6 +17,7 @@ import torch
 
 from tta_brain.methods import losses
 from tta_brain.asr.ctc import prefix_beam_search, viterbi_align
+from tta_brain.data.prep.progress import shown as progress_shown
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.registry import register
 
@@ -83,7 +84,7 @@ class SGEM(TTAMethod):
             self.lm_search = LMBeamSearch(tokens, lm_path, blank_id=self.blank_id,
                                           word_delimiter=self.lobe.word_delimiter,
                                           alpha=float(lm_weight), beta=float(word_bonus),
-                                          unigrams=lm_unigrams)
+                                          unigrams=lm_unigrams, show_progress=progress_shown())
 
     def pseudo_path(self, logits: torch.Tensor) -> torch.Tensor:
         """Frame path ``[1, T]`` of the best beam (the greedy path when ``beam_width <= 1``)."""
