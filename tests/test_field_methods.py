@@ -171,8 +171,8 @@ def test_cotta_stochastic_restore_rate_and_mask(tiny_model_dir, mask):
 def test_cotta_adapts_and_pins_what_the_reference_does(tmp_path):
     """The reference's collect_params: every module's own weight and bias (``select: all`` also
     took the positional conv's weight-norm g and v, and masked_spec_embed); its fixed mask:
-    ``torch.manual_seed(42)`` before each tensor's ``torch.rand(shape) < p`` (ours reseeded with
-    the run's seed + 1: other weights pinned)."""
+    ``torch.manual_seed(42)`` before each tensor's ``torch.rand(shape) < p`` (an earlier version
+    drew it from the run's seed + 1: other weights pinned)."""
     from conftest import save_ctc_model
     model_dir = save_ctc_model(str(tmp_path / "m"), mask_time_prob=0.05)
     m = build_on(model_dir, "cotta", restore_prob=0.01, restore_mask="fixed")
@@ -185,6 +185,26 @@ def test_cotta_adapts_and_pins_what_the_reference_does(tmp_path):
         torch.manual_seed(42)
         want.append((torch.rand(p.shape) < 0.01).view(-1).nonzero().squeeze(1))
     assert all(torch.equal(a, b) for a, b in zip(m.restore_indices(), want))
+
+
+def test_cotta_steps_each_take_the_teacher_anew(tiny_model_dir, utterances):
+    """N steps on an utterance are the reference's N calls of its adaptation: the anchor and the
+    teacher's (augmented) output anew before each step, the transcript from the last one. So
+    CoTTA with 2 steps == CoTTA with 1 step run twice on the same utterance (the same draws of
+    both generators in the same order), its transcript the second run's."""
+    kw = dict(lr=1e-2, ap_threshold=1.0, n_augment=2, restore_prob=0.05, ema_decay=0.9)
+    two = build_on(tiny_model_dir, "cotta", steps=2, **kw)
+    one = build_on(tiny_model_dir, "cotta", steps=1, **kw)
+    for u in utterances[:2]:
+        hyp = two.process(u)
+        one.process(u)
+        want = one.forward_and_adapt(one.lobe.prepare(u), None)   # the same utterance again
+        assert hyp == want
+        assert dist(two.params, one.params) == 0 and dist(two.teacher, one.teacher) == 0
+    assert dist(two.params, two.source) > 0
+    # per utterance: 2 anchors + 2 x 2 teacher views, one of them the transcript's
+    assert two.counts["infer_forward"] == 2 and two.counts["aux_forward"] == 2 * (2 + 4 - 1)
+    assert two.counts["augmented"] == 4 and two.counts["adapt_backward"] == 4
 
 
 def test_cotta_augments_when_the_anchor_is_unsure(tiny_model_dir, utterances):

@@ -84,7 +84,7 @@ COTTA = [["--lr=1e-3", "--n_augment=3", "--ap_threshold=0.9", "--seed=1"],
          ["--lr=3e-3", "--steps=2", "--ap_threshold=0.0", "--restore_mask=fixed",
           "--restore_prob=0.05", "--ema_decay=0.9", "--reset=fixed", "--reset_every=6"],
          ["--lr=3e-3", "--n_augment=2", "--ap_threshold=0.9", "--reset=dynamic", "--reset_K=4",
-          "--reset_patience=1"]]
+          "--reset_patience=1", "--steps=2"]]
 
 # CEA (on a model whose CNN has LayerNorms: stage 2 adapts them, so its temporal-coherence term of
 # the run's own CNN features has a gradient): both stages, no stage 2, their own lrs and weights

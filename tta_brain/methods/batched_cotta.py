@@ -7,8 +7,8 @@ one batched pass) or the mean of ``n_augment`` views whose noise the run's own a
 generator draws, in its order (each view one batched pass over the augmenting runs, every row with
 its own input); per step the student's symmetric cross-entropy to its teacher, its AdamW step, the
 teacher's EMA where the step updated with a loss > 0 (masked on the device), and the stochastic
-restore, whose indices the run's own restore generator draws on the host. The transcript is the
-teacher's output from before the update. Each run's generators are in its checkpoint, as CoTTA's.
+restore, whose indices the run's own restore generator draws on the host; each step takes its
+teacher's output anew. The transcript is the teacher's output from before the last update. Each run's generators are in its checkpoint, as CoTTA's.
 """
 import logging
 import warnings
@@ -69,14 +69,15 @@ class BatchedCoTTA(BatchedSUTA):
 
     # ------------------------------------------------------------- the teacher
     @torch.no_grad()
-    def teach(self, runs: List[int], x: torch.Tensor) -> None:
-        """Each run's teacher output for ``x`` (``CoTTA.teacher_logits``), with its counts."""
+    def teach(self, runs: List[int], x: torch.Tensor, early=()) -> None:
+        """Each run's teacher output for ``x`` (``CoTTA.teacher_logits``), with its counts (the
+        runs in ``early`` take it for a step before their last: an auxiliary forward)."""
         anchor = self.logits(self.source[None], x)[0]
         confident = float(anchor.softmax(-1).max(-1).values.mean())      # the host read
         plain = [r for r in runs if confident >= self.ap_threshold[r] or self.n_augment[r] < 1]
         noisy = [r for r in runs if r not in plain]
         for r in runs:
-            self.views[r].counts["aux_forward"] += 1
+            self.views[r].counts["aux_forward"] += 2 if r in early else 1
         if plain:
             out = self.logits(self._rows(self.teacher, plain), x)
             self.targets.update((r, out[j]) for j, r in enumerate(plain))
@@ -98,11 +99,14 @@ class BatchedCoTTA(BatchedSUTA):
 
     # ------------------------------------------------------------- the student
     def adapt(self, runs: List[int], x: torch.Tensor) -> None:
-        self.teach(runs, x)
-        for n in range(max(self.views[r].steps for r in runs)):
-            now = [r for r in runs if n < self.views[r].steps]
-            done, _ = self.step(now, x)
-            self._follow(now, done)
+        last = {r: max(self.views[r].steps, 1) - 1 for r in runs}
+        for n in range(max(last.values()) + 1):
+            now = [r for r in runs if n <= last[r]]
+            self.teach(now, x, early=[r for r in now if n < last[r]])
+            now = [r for r in now if n < self.views[r].steps]
+            if now:
+                done, _ = self.step(now, x)
+                self._follow(now, done)
 
     def losses(self, runs, logits, leaf, lengths=None):
         loss = torch.stack([losses.symmetric_cross_entropy_loss(
@@ -134,7 +138,7 @@ class BatchedCoTTA(BatchedSUTA):
         return flat
 
     def prediction(self, runs: List[int], x: torch.Tensor) -> torch.Tensor:
-        """The teacher's outputs from before the update (CoTTA's transcript)."""
+        """The teacher's outputs from before the last update (CoTTA's transcript)."""
         return torch.stack([self.targets.pop(r) for r in runs])
 
     # ------------------------------------------------------------- state

@@ -9,7 +9,9 @@ Gaussian noise (each view noised with probability 0.5, amplitude uniform in [0.0
 raw waveform, as audiomentations' AddGaussianNoise; a seeded generator), else one plain teacher
 pass. Loss: symmetric cross-entropy teacher/student over the student's non-blank frames; one
 optimiser step; teacher <- EMA(``ema_decay``) of the student when the loss is > 0; stochastic
-restore. The transcript is the teacher's output from before the update (the reference's).
+restore. With N steps each step takes the teacher's output anew (the reference calls its
+adaptation once per step); the transcript is the teacher's output from before the last update
+(the reference's).
 
 Cost: every weight adapts, so the method holds the model, the source anchor, the teacher and
 AdamW's two moments (5 model-sized copies, plus the gradients), and each utterance runs the
@@ -63,11 +65,12 @@ class CoTTA(TTAMethod):
         return super().process(wav, info)
 
     @torch.no_grad()
-    def teacher_logits(self, x):
-        """The teacher's output (the transcript's: counted as the inference forward; the anchor
-        and the augmented views beyond the first are auxiliary forwards)."""
+    def teacher_logits(self, x, transcript: bool = True):
+        """The teacher's output (the transcript's: counted as the inference forward, an earlier
+        step's an auxiliary one; the anchor and the augmented views beyond the first are
+        auxiliary forwards)."""
         self.counts["aux_forward"] += 1
-        self.counts["infer_forward"] += 1
+        self.counts["infer_forward" if transcript else "aux_forward"] += 1
         anchor = self.logits(x, self.source).softmax(-1).max(-1).values.mean()
         if float(anchor) >= self.ap_threshold or self.n_augment < 1:
             return self.logits(x, self.teacher)
@@ -81,8 +84,11 @@ class CoTTA(TTAMethod):
         return torch.stack(views).mean(0)
 
     def forward_and_adapt(self, x, info):
-        teacher = self.teacher_logits(x)
-        for _ in range(self.steps):
+        last = max(self.steps, 1) - 1
+        for n in range(last + 1):
+            teacher = self.teacher_logits(x, transcript=n == last)
+            if n >= self.steps:                # steps 0: the teacher's output, no update
+                break
             value = self.adapt_step(x, loss_fn=lambda lg: losses.symmetric_cross_entropy_loss(
                 lg, teacher, blank_id=self.blank_id).mean())
             if value > 0:                      # nan (skipped step) is not > 0
