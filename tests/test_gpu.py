@@ -192,18 +192,22 @@ def test_where_restores_every_tensor_in_one_selection():
         guard.where_(torch.tensor(True), ts, torch.zeros(13))
 
 
-def test_repeated_adam_device_update_skips_on_found_inf():
+@pytest.mark.parametrize("sequential", [False, True])
+def test_repeated_adam_device_update_skips_on_found_inf(sequential):
     """What the guard relies on, for RepeatedAdam on the device: found_inf 1 leaves parameters,
     moments and counts exactly unchanged (also with a non-finite gradient); found_inf 0 is the
-    host update (bit-identical on CPU), the counts advanced k per step."""
+    host update (bit-identical on CPU), the counts advanced k per step; also in the sequential
+    mode (``param_collection: ebats``: k complete steps one after the other)."""
     from tta_brain.methods.optim import RepeatedAdam
     torch.manual_seed(0)
     start = [torch.randn(5), torch.randn(2, 3), torch.randn(4)]
     ks = [4, 2, 1]
     host = [torch.nn.Parameter(t.clone()) for t in start]
     dev = [torch.nn.Parameter(t.clone()) for t in start]
-    oh = RepeatedAdam([{"params": host, "repeats": ks}], lr=1e-2, weight_decay=0.01)
-    od = RepeatedAdam([{"params": dev, "repeats": ks}], lr=1e-2, weight_decay=0.01)
+    oh = RepeatedAdam([{"params": host, "repeats": ks}], sequential=sequential, lr=1e-2,
+                      weight_decay=0.01)
+    od = RepeatedAdam([{"params": dev, "repeats": ks}], sequential=sequential, lr=1e-2,
+                      weight_decay=0.01)
     for i in range(3):
         grads = [torch.randn_like(t) for t in start]
         for p, q, g in zip(host, dev, grads):
@@ -645,6 +649,28 @@ def test_cea_two_stages_run_on_the_device(tiny_model_dir, utterances, caplog):
                 g.adapt_step(x, optimizer=opt)
             assert st.stats["replays"] == replays + 2 and reads.seen == [], stage
     g._stage2 = False
+
+
+def test_cea_ebats_collection_runs_on_the_device(tiny_model_dir, utterances):
+    """CEA with ``param_collection: ebats`` (the E-BATS reference's first-stage list, its repeated
+    tensors' steps one after the other): stage 1's RepeatedAdam runs sequentially on the device,
+    captured == eager device steps bit for bit, the host step's transcripts, counts and
+    parameters to rounding (stage 2's fused AdamW against the host's foreach)."""
+    from tta_brain.methods.optim import RepeatedAdam
+    items = stream(utterances, 6, LENGTHS)
+    kw = dict(steps=3, steps2=3, lr=1e-2, lr2=1e-2,
+              adapt_params=[{"select": "layernorm"}, {"select": "cnn"},
+                            {"param_collection": "ebats"}])
+    h = build(tiny_model_dir, "cea", "host", **kw)
+    e = build(tiny_model_dir, "cea", "device", **kw)
+    g = build(tiny_model_dir, "cea", "graph", runtime={"cuda_graph_cache": 4}, **kw)
+    hh, he, hg = run(h, items), run(e, items), run(g, items)
+    assert hh == he == hg and h.counts == e.counts == g.counts
+    assert max_diff(h.params, e.params) < 1e-4 and max_diff(e.params, g.params) == 0.0
+    for m in (e, g):
+        assert isinstance(m.optimizer, RepeatedAdam) and m.optimizer.sequential
+        assert m.optimizer.on_device and 3 in m.optimizer.param_groups[0]["repeats"]
+    assert g.step.stats["replays"] > 0
 
 
 def test_step_filter_rows_travel_with_the_transcript():

@@ -66,6 +66,28 @@ def official_list(model):
     return params, names
 
 
+def ebats_list(model):
+    """The E-BATS reference's ``collect_params`` (TTAs-1/systems/GradientBasedSystem.py, its
+    CEA's first stage: train_LN and train_feature on, bias_only off), restated: the same walk,
+    but a LayerNorm's weight and bias are appended whenever the rule meets it."""
+    params, names = [], []
+    for nm, m in model.named_modules():
+        if isinstance(m, nn.LayerNorm):
+            for pn, p in m.named_parameters():
+                if pn in ("weight", "bias"):
+                    params.append(p)
+                    names.append(f"{nm}.{pn}")
+        parts = nm.split(".")
+        if len(parts) > 1 and parts[1] in ("feature_extractor", "feature_projection"):
+            for pn, p in m.named_parameters():
+                params.append(p)
+                names.append(f"{nm}.{pn}")
+    return params, names
+
+
+EBATS = ({"select": "layernorm"}, {"select": "cnn"}, {"param_collection": "ebats"})
+
+
 def official_adamw(params, lr):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*duplicate parameters.*")
@@ -108,6 +130,21 @@ def test_official_list_equals_the_official_collection(arch, arch_models):
     assert len(sel.order) == len(ref_names) > len(sel)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_ebats_list_equals_the_references_collection(arch, arch_models):
+    net = HFCTCLobe(arch_models[arch]).model
+    sel = select_parameters(net, EBATS)
+    _, ref_names = ebats_list(HFCTCLobe(arch_models[arch]).model)
+    assert [n for n, _, _ in sel.entries()] == ref_names and sel.collection == "ebats"
+    assert [p for _, p, _ in sel] == [p for _, p, _ in select_parameters(net, CLEAN)]
+    official = select_parameters(net, OFFICIAL)
+    ln = {n for n, _, _ in sel if "layer_norm" in n and ("feature_projection" in n
+                                                        or "feature_extractor" in n)}
+    for (n, _, _), k, ko in zip(sel, sel.repeats, official.repeats):
+        is_ln = isinstance(net.get_submodule(n.rpartition(".")[0]), nn.LayerNorm)
+        assert k == ko + (is_ln and n in ln), n      # a LayerNorm under feature_* once more
+
+
 def test_wav2vec2_group_norm_repeats_by_hand(arch_models):
     net = HFCTCLobe(arch_models["wav2vec2-group"]).model
     sel = select_parameters(net, OFFICIAL)
@@ -119,6 +156,13 @@ def test_wav2vec2_group_norm_repeats_by_hand(arch_models):
     assert rep["wav2vec2.feature_projection.projection.bias"] == 2
     assert rep["wav2vec2.encoder.layer_norm.weight"] == 1
     assert rep["wav2vec2.encoder.layers.1.final_layer_norm.bias"] == 1
+    # the E-BATS reference's list: its LayerNorm rule unguarded (GroupNorm is no LayerNorm)
+    sel = select_parameters(net, EBATS)
+    rep = {n: k for (n, _, _), k in zip(sel, sel.repeats)}
+    assert rep[f"{fe}.0.conv.weight"] == 4 and rep[f"{fe}.0.layer_norm.weight"] == 4
+    assert rep["wav2vec2.feature_projection.layer_norm.weight"] == 3
+    assert rep["wav2vec2.feature_projection.projection.bias"] == 2
+    assert rep["wav2vec2.encoder.layer_norm.weight"] == 1
 
 
 def test_collection_entry_is_validated_and_described(arch_models):
@@ -180,6 +224,25 @@ def test_repeated_adam_is_torch_foreach_over_the_repeated_list(cls, wd):
     assert float(o_ours.state[ours[0]]["step"]) == 6 * 4              # k steps per step
     assert torch.equal(ref[1], loop[1])                               # once: the same
     assert not torch.equal(ref[0], loop[0])                           # repeated: not the same
+    # sequential (param_collection: ebats): torch's per-tensor loop, bit for bit
+    o_seq = RepeatedAdam([{"params": (seq := [nn.Parameter(t.clone()) for t in start]),
+                           "repeats": ks}], sequential=True, lr=1e-2, weight_decay=wd,
+                         decoupled_weight_decay=cls is torch.optim.AdamW)
+    o_loop2 = None
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        o_loop2 = cls(rep(loop2 := [nn.Parameter(t.clone()) for t in start]), lr=1e-2,
+                      weight_decay=wd, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        grads = _grads(shapes, g)
+        for ps in (seq, loop2):
+            for p, gr in zip(ps, grads):
+                p.grad = gr.clone()
+        o_seq.step(), o_loop2.step()
+    assert all(torch.equal(a, b) for a, b in zip(loop2, seq))
+    for a, b in zip(loop2, seq):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(o_loop2.state[a][key], o_seq.state[b][key])
     # state_dict round trip keeps the repeats
     o2 = RepeatedAdam([{"params": [nn.Parameter(t.clone()) for t in start], "repeats": ks}],
                       lr=1e-2, weight_decay=wd, decoupled_weight_decay=cls is torch.optim.AdamW)
@@ -373,11 +436,34 @@ def test_sdpl_and_csuta_take_the_official_collection(tiny_model_dir, utterances)
         assert m.counts["skipped_steps"] == 0
 
 
+def test_cea_ebats_collection_is_the_references_optimiser(tiny_model_dir, utterances):
+    """CEA with ``param_collection: ebats`` == CEA whose first-stage optimiser is the reference's
+    own: ``torch.optim.AdamW(collect_params list, foreach=False)`` over the list with its repeats
+    (torch warns about them); bit for bit on CPU, over 3 episodic utterances; and not the clean
+    list's numbers."""
+    kw = dict(steps=2, steps2=2, lr=1e-2, lr2=1e-2)
+    ours = build_on(tiny_model_dir, "cea", adapt_params=EBATS, **kw)
+    ref = build_on(tiny_model_dir, "cea", adapt_params=CLEAN, **kw)
+    clean = build_on(tiny_model_dir, "cea", adapt_params=CLEAN, **kw)
+    assert isinstance(ours.optimizer, RepeatedAdam) and ours.optimizer.sequential
+    params, _ = ebats_list(ref.net)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        ref.optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0, foreach=False)
+    for i in range(3):
+        u = utterances[i % len(utterances)]
+        hyps = [m.process(u) for m in (ours, ref, clean)]
+        assert hyps[0] == hyps[1]
+        adapted = [dict(m.net.named_parameters()) for m in (ours, ref, clean)]
+        # the last utterance's adapted weights (episodic: restored at the next one's start)
+        assert all(torch.equal(adapted[0][n], adapted[1][n]) for n in adapted[0])
+    assert any(not torch.equal(adapted[0][n], adapted[2][n]) for n in adapted[0])
+
+
 def test_packaged_yamls_expose_param_collection():
     from tta_brain.hparams import __file__ as hp
     import os
     d = os.path.dirname(hp)
-    for name in ("suta", "csuta", "sdpl", "dsuta"):
+    for name in ("suta", "csuta", "sdpl", "dsuta", "cea"):
         text = open(os.path.join(d, f"{name}.yaml")).read()
         assert "\nparam_collection: clean " in text, name
         assert "- param_collection: !ref <param_collection>" in text, name

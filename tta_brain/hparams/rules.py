@@ -39,7 +39,7 @@ RULES = {
     "steps": (_INT, ">=0"), "lr": (_FLOAT, ">0"), "em_coef": (_FLOAT, "0..1"),
     "temperature": (_FLOAT, ">0"), "layernorm_lr_mult": (_FLOAT, ">=0"),
     "cnn_lr_mult": (_FLOAT, ">=0"), "train_mode": (_BOOL, None),
-    "param_collection": (("clean", "official"), None),
+    "param_collection": (("clean", "official", "ebats"), None),
     "buffer_size": (_INT, ">=1"), "slow_lr": (_FLOAT, ">0?"), "fast_moments": (("slow", "zero"), None),
     "slow_grad": (("reuse", "recompute"), None), "ema_decay": (_FLOAT, "0..1"),
     "lr_min": (_FLOAT, ">=0"), "renyi_alpha": (_FLOAT, ">0"), "ns_coef": (_FLOAT, ">=0"),

@@ -9,6 +9,8 @@ coherence`` of the CNN features (``losses.temporal_coherence_loss`` on the non-b
 The CNN features come from the same forward as the logits. With a group-norm feature encoder
 (wav2vec2-base) no LayerNorm sits inside the CNN, so the coherence term has no gradient there
 (as in the reference); a layer-norm encoder (``do_stable_layer_norm``) adapts through it.
+``param_collection: ebats`` gives stage 1 the reference's optimiser list (its CNN tensors
+repeated, a repeated tensor's AdamW steps one after the other: ``methods.params``).
 """
 from tta_brain.methods import losses
 from tta_brain.methods.base import TTAMethod

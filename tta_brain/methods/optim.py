@@ -20,7 +20,7 @@ def build_optimizer(factory: Optional[Callable], selected, lr: float):
     over the repeated CNN tensors, with the factory's class and hyperparameters)."""
     if not selected:
         return None
-    if getattr(selected, "collection", "clean") == "official":
+    if getattr(selected, "collection", "clean") in ("official", "ebats"):
         return official_optimizer(factory, selected, lr)
     opt = (factory or partial(torch.optim.AdamW, weight_decay=0.0))(param_groups(selected, lr))
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
@@ -56,7 +56,11 @@ class RepeatedAdam(torch.optim.Adam):
     operations in the same order: bit-identical to torch's foreach on CPU) and deterministic on
     every device, where torch's CUDA foreach kernels would update a repeated tensor from several
     thread blocks at once. torch's per-tensor loop (``foreach=False``, torch's CPU default) gives
-    other numbers for a repeated tensor: k complete Adam steps one after the other.
+    other numbers for a repeated tensor: k complete Adam steps one after the other. That is
+    ``sequential=True`` (``param_collection: ebats``: the E-BATS reference runs its AdamW with
+    ``foreach=False``): pass r = 1..max(k) is one complete Adam step of the tensors that appear
+    at least r times (each tensor's own steps in order; torch's loop interleaves other tensors'
+    steps between them, which changes nothing: a tensor's update reads only its own state).
 
     Only the official code's settings are supported: no amsgrad, maximize, capturable,
     differentiable or fused; a float lr.
@@ -70,7 +74,7 @@ class RepeatedAdam(torch.optim.Adam):
     and step counts unchanged. The same update as the host path to rounding.
     """
 
-    def __init__(self, params, **kwargs):
+    def __init__(self, params, sequential: bool = False, **kwargs):
         for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
             if kwargs.get(key):
                 raise ValueError(f"RepeatedAdam (param_collection: official) does not support "
@@ -78,6 +82,7 @@ class RepeatedAdam(torch.optim.Adam):
         kwargs["foreach"] = True
         kwargs.pop("fused", None)
         super().__init__(params, **kwargs)
+        self.sequential = bool(sequential)
         for group in self.param_groups:
             reps = group.setdefault("repeats", [1] * len(group["params"]))
             if len(reps) != len(group["params"]) or any(int(k) < 1 for k in reps):
@@ -152,9 +157,13 @@ class RepeatedAdam(torch.optim.Adam):
                 if group["capturable"]:
                     kept = (None if found_inf is None else
                             self._kept((gi, key), d_params + d_m + d_v))
+                    segments = (lambda r, ps, key=key, gi=gi: self._segments((gi, key, r), ps))
                     _repeated_adam_device_update(d_params, d_grads, d_m, d_v, d_steps, d_ks,
-                                                 group, self._segments((gi, key), d_params),
-                                                 found_inf, kept)
+                                                 group, segments, found_inf, kept,
+                                                 self.sequential)
+                elif self.sequential:
+                    for lists in _times(d_ks)(d_params, d_grads, d_m, d_v, d_steps):
+                        _repeated_adam_update(*lists, [1] * len(lists[0]), group)
                 else:
                     _repeated_adam_update(d_params, d_grads, d_m, d_v, d_steps, d_ks, group)
         return loss
@@ -220,7 +229,7 @@ def _repeated_adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group
 
 
 def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group,
-                                 segments, found_inf=None, kept=None):
+                                 segments, found_inf=None, kept=None, sequential=False):
     """:func:`_repeated_adam_update` with nothing read on the host (capturable): the counts are
     device tensors and the bias corrections are computed from them on the device, in float64
     and then rounded to float32 (as the host's Python floats are, by the kernels); with
@@ -228,15 +237,29 @@ def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks
     (the fused AdamW's skip, which the device guard relies on), restored from ``kept`` (a flat
     buffer and its views shaped like parameters and moments, in that order, kept across steps so
     a captured step writes the same memory) by one selection over all of them
-    (:func:`~tta_brain.gpu.guard.where_`: a few kernels, not three a tensor). ``segments``:
-    :func:`segment_index` of ``params`` (kept by the optimiser)."""
-    beta1, beta2 = group["betas"]
-    lr, eps = group["lr"], group["eps"]
-    times = _times(ks)
+    (:func:`~tta_brain.gpu.guard.where_`: a few kernels, not three a tensor). ``segments(r,
+    tensors)``: :func:`segment_index` of ``tensors`` (kept by the optimiser; ``r``: the pass).
+    ``sequential``: pass r of :class:`RepeatedAdam`'s sequential mode on the tensors that appear
+    at least r times, the restore over all of them after the last."""
     state = [*params, *exp_avgs, *exp_avg_sqs]
     if found_inf is not None:
         kept_flat, kept_views = kept
         torch._foreach_copy_(kept_views, state)
+    if sequential:
+        for r, lists in enumerate(_times(ks)(params, grads, exp_avgs, exp_avg_sqs, steps)):
+            _device_adam(*lists, [1] * len(lists[0]), group, segments(r, lists[0]))
+    else:
+        _device_adam(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group, segments(0, params))
+    if found_inf is not None:
+        where_(found_inf.reshape(()) != 0, state, kept_flat)
+        torch._foreach_sub_(steps, torch._foreach_mul([found_inf.reshape(())] * len(ks), ks))
+
+
+def _device_adam(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group, segments):
+    """The counts, moments and updates of :func:`_repeated_adam_device_update`."""
+    beta1, beta2 = group["betas"]
+    lr, eps = group["lr"], group["eps"]
+    times = _times(ks)
     _moments(params, grads, exp_avgs, exp_avg_sqs, steps, ks, group)
     counts = torch.stack(steps).to(torch.float64)
     step_size = ((lr / (1 - torch.pow(beta1, counts))) * -1).to(torch.float32)
@@ -260,20 +283,19 @@ def _repeated_adam_device_update(params, grads, exp_avgs, exp_avg_sqs, steps, ks
         quotient = torch._foreach_div(exp_avgs, denom)
         for p, q, ss in times(params, quotient, step_size):
             torch._foreach_addcmul_(p, q, ss)
-    if found_inf is not None:
-        where_(found_inf.reshape(()) != 0, state, kept_flat)
-        torch._foreach_sub_(steps, torch._foreach_mul([found_inf.reshape(())] * len(ks), ks))
 
 
 def official_optimizer(factory, selected: Selection, lr: float) -> RepeatedAdam:
-    """The optimiser of ``param_collection: official``: ``factory`` (default AdamW, no weight
-    decay) decides the class and hyperparameters; it must build an Adam or AdamW (the official
-    code's optimiser), which is then run as :class:`RepeatedAdam` over the official list."""
+    """The optimiser of ``param_collection: official`` (and ``ebats``): ``factory`` (default
+    AdamW, no weight decay) decides the class and hyperparameters; it must build an Adam or AdamW
+    (the official code's optimiser), which is then run as :class:`RepeatedAdam` over the official
+    list (``ebats``: its list, its steps one after the other)."""
     groups = param_groups(selected, lr)
     probe = (factory or partial(torch.optim.AdamW, weight_decay=0.0))(
         [{k: v for k, v in g.items() if k != "repeats"} for g in groups])
     if not isinstance(probe, torch.optim.Adam):
-        raise ValueError(f"param_collection: official reproduces the official code's Adam/AdamW; "
+        raise ValueError(f"param_collection: {selected.collection} reproduces the reference "
+                         f"code's Adam/AdamW; "
                          f"the optimizer factory built {type(probe).__name__}")
     defaults = dict(probe.defaults)
     defaults.setdefault("decoupled_weight_decay", isinstance(probe, torch.optim.AdamW))
@@ -281,4 +303,5 @@ def official_optimizer(factory, selected: Selection, lr: float) -> RepeatedAdam:
         g["lr"] = pg["lr"]
     keep = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "capturable",
             "differentiable", "fused", "decoupled_weight_decay")
-    return RepeatedAdam(groups, **{k: defaults[k] for k in keep if k in defaults})
+    return RepeatedAdam(groups, sequential=selected.collection == "ebats",
+                        **{k: defaults[k] for k in keep if k in defaults})

@@ -36,6 +36,12 @@ How the optimiser sees the selection is one more entry of the list, ``{param_col
   ``tta_brain.methods.optim.RepeatedAdam`` applies such a list exactly as
   ``torch.optim.AdamW(..., foreach=True)`` over the list with the repeats (what the official code
   runs on a GPU), without putting a tensor into torch's list twice.
+* ``ebats``: the list of the E-BATS reference benchmark's ``collect_params`` (its CEA's first
+  stage: LayerNorm + feature encoder + projection), which is the official list with the
+  LayerNorm rule unguarded (a LayerNorm at or below the projection is appended by that rule
+  too: wav2vec2-base's projection LayerNorm 3x), applied as its AdamW runs it, ``foreach=False``:
+  a tensor that appears ``k`` times takes ``k`` complete Adam steps one after the other
+  (``RepeatedAdam(sequential=True)``).
 """
 import logging
 import re
@@ -51,7 +57,7 @@ __all__ = ["select_parameters", "param_groups", "describe_selection", "SELECTORS
            "COLLECTIONS", "FEATURE_MODULES", "official_entries"]
 
 #: How the optimiser sees the selected tensors (``param_collection``).
-COLLECTIONS = ("clean", "official")
+COLLECTIONS = ("clean", "official", "ebats")
 #: The modules under which the official collection appends every module's parameters again.
 FEATURE_MODULES = ("feature_extractor", "feature_projection")
 
@@ -174,7 +180,7 @@ class Selection(list):
     """The selected ``(name, parameter, lr_mult)`` triples, each tensor once, in model order (what
     a method adapts, snapshots and restores), plus how its optimiser sees them:
 
-    * ``collection``: ``clean`` or ``official``;
+    * ``collection``: ``clean``, ``official`` or ``ebats``;
     * ``order``: indices into the selection, one per entry of the optimiser's list, in the
       official code's order with its repeats (``clean``: each index once, in model order);
     * ``repeats``: entries per tensor (aligned with the selection).
@@ -210,11 +216,13 @@ def _under_feature_module(module_name: str) -> bool:
     return any(part in FEATURE_MODULES for part in module_name.split("."))
 
 
-def official_entries(model: nn.Module, chosen: Sequence[nn.Parameter]) -> List[Tuple[str, nn.Parameter]]:
+def official_entries(model: nn.Module, chosen: Sequence[nn.Parameter],
+                     guard_layernorm: bool = True) -> List[Tuple[str, nn.Parameter]]:
     """The official code's optimiser list restricted to the ``chosen`` tensors: ``[(name,
     parameter)]`` with repeats, in its order. Walking ``named_modules()`` (pre-order):
 
-    1. a ``LayerNorm``'s ``weight`` / ``bias`` are appended if not in the list yet;
+    1. a ``LayerNorm``'s ``weight`` / ``bias`` are appended if not in the list yet (with
+       ``guard_layernorm=False``, the E-BATS reference's rule: whether in the list or not);
     2. a module at or below ``feature_extractor`` / ``feature_projection`` appends all its
        parameters (``named_parameters()``, recursive), whether in the list already or not;
     3. (beyond the official rules) a chosen tensor of another module, not in the list yet, is
@@ -234,7 +242,8 @@ def official_entries(model: nn.Module, chosen: Sequence[nn.Parameter]) -> List[T
         prefix = f"{mod_name}." if mod_name else ""
         if isinstance(mod, nn.LayerNorm):
             for pn, p in mod.named_parameters():
-                if pn in ("weight", "bias") and id(p) in want and id(p) not in seen:
+                if pn in ("weight", "bias") and id(p) in want \
+                        and not (guard_layernorm and id(p) in seen):
                     add(prefix + pn, p)
         if _under_feature_module(mod_name):
             for pn, p in mod.named_parameters():
@@ -253,13 +262,15 @@ def official_entries(model: nn.Module, chosen: Sequence[nn.Parameter]) -> List[T
 
 def select_parameters(model: nn.Module, groups: Sequence[GroupSpec]) -> Selection:
     """``[(name, parameter, lr_mult)]`` in model order for the given group specs (a
-    :class:`Selection`; an entry ``{param_collection: official}`` sets its optimiser order)."""
+    :class:`Selection`; an entry ``{param_collection: official | ebats}`` sets its optimiser
+    order)."""
     _, collection = _collection(groups)
     chosen = Selection([(n, p, m) for n, p, m, _ in _assign(model, groups)])
     if collection == "clean":
         return chosen
     index = {id(p): i for i, (_, p, _) in enumerate(chosen)}
-    order = [index[id(p)] for _, p in official_entries(model, [p for _, p, _ in chosen])]
+    order = [index[id(p)] for _, p in official_entries(model, [p for _, p, _ in chosen],
+                                                        guard_layernorm=collection != "ebats")]
     return Selection(chosen, collection, order)
 
 
