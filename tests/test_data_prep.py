@@ -125,8 +125,11 @@ def test_validate_manifest_errors(tmp_path):
     with pytest.raises(ManifestError, match=r"bad\.csv: missing required column\(s\) duration, "
                                             r"spk_id, wrd"):
         validate_manifest(p)
-    p.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a,s,A\nu1,1,/b,s,B\n")
-    with pytest.raises(ManifestError, match="duplicate ID 'u1'"):
+    p.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a,s,A\n\nu1,1,/b,s,B\n")
+    with pytest.raises(ManifestError, match=r"bad\.csv:4: duplicate ID 'u1' \(first at line 2\)"):
+        validate_manifest(p)               # errors name the file's line (a blank line counts)
+    p.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a,s,A\n,1,/b,s,B\n")
+    with pytest.raises(ManifestError, match=r"bad\.csv:3: empty ID"):
         validate_manifest(p)
     p.write_text("ID,duration,wav,spk_id,wrd\nu1,x,/a,s,A\n")
     with pytest.raises(ManifestError, match="not a number"):

@@ -143,3 +143,16 @@ def test_decode_with_prefetch_writes_the_same_records(tiny_model_dir, tmp_path, 
     assert with_prefetch == without
     assert "u005" in with_prefetch["rejects.csv"]
     assert not prefetch_threads()
+
+
+def test_an_empty_duration_is_the_audios_own_length(tmp_path):
+    """A manifest's empty ``duration`` cell was read as 0 s (transcripts.csv said 0.0, the rates
+    per audio second counted nothing); now the utterance's duration is its audio's length. A
+    written duration stays the manifest's."""
+    root = write_stream(tmp_path, n=3)
+    rows = load_stream(root / "stream.csv", str(root))
+    written = rows[1]["duration"]
+    rows[0]["duration"] = ""
+    got = list(StreamLoader(rows).iterate(0))
+    assert got[0].reason is None and got[0].duration == got[0].wav.shape[-1] / 16000 > 0
+    assert got[1].duration == float(written)

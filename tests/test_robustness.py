@@ -267,24 +267,24 @@ def test_manifest_other_mistakes(tmp_path, one_wav, tiny_model_dir):
     rows = [row("a", one_wav, 0.4), row("b", one_wav, 0.4)]
     rows[1]["position"] = 5
     stream = write_manifest(tmp_path / "order.csv", rows)
-    with pytest.raises(SystemExit, match=r"order\.csv: row 1 has position '5'"):
+    with pytest.raises(SystemExit, match=r"order\.csv:3: ID 'b' has position '5', its row's index is 1"):
         decode.main(dsuta_args(tiny_model_dir, stream, out))
     rows = [row("a", one_wav, 0.4), {**row("b", one_wav, 0.4), "segment": "x"}]
     stream = write_manifest(tmp_path / "seg.csv", rows)          # was int()'s traceback
-    with pytest.raises(SystemExit, match=r"seg\.csv: row 1 has segment 'x'; segments are "
+    with pytest.raises(SystemExit, match=r"seg\.csv:3: ID 'b' has segment 'x'; segments are "
                                          r"integers \(the domain block's index\) \(--stream_csv\)"):
         decode.main(dsuta_args(tiny_model_dir, stream, out))
     # the same without a position column: was the traceback, and its fingerprint.json left
     # behind refused the rerun of the corrected manifest as a run with other settings
     stream = write_manifest(tmp_path / "seg2.csv", rows, columns=("ID", "duration", "wav",
                                                                    "wrd", "domain", "segment"))
-    with pytest.raises(SystemExit, match=r"seg2\.csv: row 1 has segment 'x'; segments are "):
+    with pytest.raises(SystemExit, match=r"seg2\.csv:3: ID 'b' has segment 'x'; segments are "):
         decode.main(dsuta_args(tiny_model_dir, stream, out))
     assert not out.exists()
     rows[1]["segment"] = 3
     stream = write_manifest(tmp_path / "seg3.csv", rows, columns=("ID", "duration", "wav",
                                                                    "wrd", "domain", "segment"))
-    with pytest.raises(SystemExit, match=r"seg3\.csv: row 1 has segment 3 after 0; "):
+    with pytest.raises(SystemExit, match=r"seg3\.csv:3: ID 'b' has segment 3 after 0; "):
         decode.main(dsuta_args(tiny_model_dir, stream, out))
     stream = write_manifest(tmp_path / "root.csv", [row("a", "$data_root/a.wav", 0.4)])
     with pytest.raises(SystemExit, match=r"root\.csv:2: .*needs \$data_root.*--data_root"):

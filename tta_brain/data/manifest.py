@@ -106,7 +106,8 @@ def read_manifest(path, replacements=None):
         records.close()
 
 
-def _read_rows(path, records, replacements):
+def _read_rows(path, records, replacements, lines=None):
+    """The rows; with a list ``lines``, each row's line number appended to it."""
     header = _header(path, records)
     if len(set(header)) != len(header):
         dup = next(c for c in header if header.count(c) > 1)
@@ -133,6 +134,8 @@ def _read_rows(path, records, replacements):
                 raise ManifestError(f"{path}:{line_no}: duration {row['duration']!r} is not a "
                                     f"length in seconds (a number >= 0)")
         rows.append(row)
+        if lines is not None:
+            lines.append(line_no)
     return rows
 
 
@@ -207,36 +210,48 @@ def validate_manifest(path, required=UTT_COLUMNS, stream: Optional[bool] = None)
     if missing:
         raise ManifestError(f"{path}: missing required column(s) {', '.join(missing)} "
                             f"(found: {', '.join(header)})")
-    rows = read_manifest(path)
+    records, lines = _records(path), []
+    try:
+        rows = _read_rows(path, records, None, lines)
+    finally:
+        records.close()
     if not rows:
         raise ManifestError(f"{path}: manifest has a header but no rows")
     ids = [r.get("ID", "") for r in rows] if "ID" in header else []
     if any(not i for i in ids):
-        raise ManifestError(f"{path}: empty ID at row {ids.index('') + 1}")
+        raise ManifestError(f"{path}:{lines[ids.index('')]}: empty ID")
     is_stream = "position" in required if stream is None else stream
     if ids and not is_stream and len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ManifestError(f"{path}: duplicate ID {dup!r}")
+        first, seen = {}, None
+        for i, utt in enumerate(ids):
+            if utt in first:
+                seen = i
+                break
+            first[utt] = i
+        raise ManifestError(f"{path}:{lines[seen]}: duplicate ID {ids[seen]!r} (first at line "
+                            f"{lines[first[ids[seen]]]})")
     if is_stream:
-        _check_stream_order(path, rows)
+        _check_stream_order(path, rows, lines)
     return rows
 
 
-def _check_stream_order(path, rows):
+def _check_stream_order(path, rows, lines):
+    where = lambda i: f"{path}:{lines[i]}: ID {rows[i].get('ID', '')!r}"
     for i, row in enumerate(rows if "position" in rows[0] else ()):
         if str(row.get("position")) != str(i):
-            raise ManifestError(f"{path}: row {i} has position {row.get('position')!r}; "
-                                "stream rows must be in order with positions 0..n-1")
+            raise ManifestError(f"{where(i)} has position {row.get('position')!r}, its row's "
+                                f"index is {i}; stream rows must be in order with positions "
+                                f"0..n-1")
     if "segment" in rows[0]:
         prev = -1
         for i, row in enumerate(rows):
             try:
                 seg = int(row["segment"])
             except ValueError:               # was int()'s traceback
-                raise ManifestError(f"{path}: row {i} has segment {row['segment']!r}; segments "
+                raise ManifestError(f"{where(i)} has segment {row['segment']!r}; segments "
                                     f"are integers (the domain block's index)") from None
             if seg not in (prev, prev + 1) or (i == 0 and seg != 0):
-                raise ManifestError(f"{path}: row {i} has segment {seg} after {prev}; "
+                raise ManifestError(f"{where(i)} has segment {seg} after {prev}; "
                                     "segments must start at 0 and increase by 1 per block")
             prev = seg
 

@@ -240,7 +240,8 @@ class DynamicReset(ResetPolicy):
         if n_utts <= self.K:
             return [f"dynamic reset with reset_K = {self.K} on a stream of {n_utts} utterances: "
                     f"its construction stage (K utterances) does not end before the stream does, "
-                    f"so it never tests and never fires (use reset_K < {n_utts})"]
+                    f"so it never tests and never fires (use reset_K < {n_utts}; with DSUTA, "
+                    f"whose reset_K must be at least 2 x buffer_size, lower --buffer_size too)"]
         return []
 
     def on_reset(self, after):
