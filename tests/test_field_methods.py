@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_resumes_after_kill_9, build_on
+from conftest import assert_resumes_after_kill_9, build_on, max_diff
 from fake_corpora import write_stream
 from tta_brain.data.cache import file_identity
 from tta_brain import decode, stats
@@ -120,7 +120,30 @@ def test_sar_does_two_passes_per_step_and_rho_zero_is_a_plain_step(tiny_model_di
     sam = build_on(tiny_model_dir, "sar", lr=1e-2, rho=0.5, reset_constant=-1.0, **RELIABLE)
     sam.process(utterances[0])
     assert dist(sam.params, tent.params) > 1e-6       # the gradient at the perturbed point
-    assert sam.ascent.eps is None                      # and the step was taken from theta
+    # SAM by hand: g1 at theta, e = rho g1 / ||g1||, g2 at theta + e (pass 1's non-blank frames),
+    # AdamW's step with g2 taken from theta
+    ref = build_on(tiny_model_dir, "sar", lr=1e-2, rho=0.5, reset_constant=-1.0, **RELIABLE)
+    x = ref.lobe.prepare(utterances[0])
+
+    def grads(path=None):
+        with torch.enable_grad():
+            logits = ref.lobe.logits(x)
+            path = logits.detach().argmax(-1) if path is None else path
+            loss = losses.entropy_loss(logits, temperature=1.0, blank_id=ref.blank_id,
+                                       path=path).mean()
+            return torch.autograd.grad(loss, ref.params), path
+    g1, path = grads()
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in g1))
+    with torch.no_grad():
+        e = [0.5 * g / (norm + 1e-12) for g in g1]
+        for p, d in zip(ref.params, e):
+            p.add_(d)
+        g2, _ = grads(path)
+        for p, d, g in zip(ref.params, e, g2):
+            p.sub_(d)
+            p.grad = g.clone()
+    ref.optimizer.step()
+    assert max_diff(sam.params, ref.params) < 1e-6 < max_diff(tent.params, ref.params)
 
 
 def test_sar_filters_unreliable_passes(tiny_model_dir, utterances):
