@@ -400,6 +400,7 @@ def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_pa
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 1, out[-3000:]
     assert "FAILED s/dsuta+dynamic/seed0" in out and "logs:" in out
+    assert "Slurm state" not in out                  # a local worker: said as such
     assert "grid finished: 3 done, 0 running, 1 failed" in out
     rerun = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
@@ -971,6 +972,9 @@ def test_a_failed_jobs_line_says_why():
             "(state: CANCELLED by 0)\nError stream produced:\n----\nsubmitit WARNING bypassing")
     assert grid.failure_line(lost) == ("the job ended without a result (Slurm state: "
                                        "CANCELLED by 0)")
+    # a local worker killed (kill -9): submitit says FINISHED, which is no Slurm state
+    assert grid.failure_line(lost.replace("CANCELLED by 0", "FINISHED"), local=True) == \
+        "the local worker process ended without a result (killed?)"
     own = lost + "\nRuntimeError: ERROR: /x/stream.csv: missing (--stream_csv)"
     assert grid.failure_line(own) == "ERROR: /x/stream.csv: missing (--stream_csv)"
     assert grid.failure_line("Traceback\n  ...\nValueError: bad\n") == "ValueError: bad"

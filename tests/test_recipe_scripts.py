@@ -227,6 +227,7 @@ internal=/somewhere
 stop_stage=3
 stage=0
 int_options="count"
+append_options="foo_bar"
 help_message="usage: s.sh --foo-bar X --flag true|false --count N --stage N --stop_stage N"
 . {REPO}/tools/parse_options.sh
 echo "foo_bar=$foo_bar flag=$flag count=$count stage=$stage rest=$*"
@@ -265,6 +266,9 @@ echo "given=[$po_given]" >&2
     assert out.stdout.strip() == "foo_bar=from config flag=true count=4 stage=0 rest=pos"
     assert out.stderr == "given=[ foo_bar flag count ]\n"     # --config's lines are given too
     assert sh("--config", cfg, "--foo-bar", "last").stdout.startswith("foo_bar=last ")
+    # a list option given twice on the command line: both (it kept the last one, silently)
+    assert sh("--foo-bar", "a", "--foo_bar=b c").stdout.startswith("foo_bar=a b c ")
+    assert sh("--flag", "true", "--flag", "false").stdout.split()[1] == "flag=false"
     for text, message in [("flag=maybe\n", "c.conf:1: option --flag expects true or false"),
                           ("\ninternal=/x\n", "c.conf:2: invalid option --internal"),
                           ("foo_bar=a b\n", "c.conf:1: foo_bar: quote a value with spaces"),
@@ -469,7 +473,9 @@ def test_bad_decode_settings_stop_the_recipe_before_its_data_stages(recipe, tmp_
                          "/suta_lrabc/seed0 will not run: ERROR: ")):
         res = run(script, *base, *extra, env=env)
         assert res.returncode == 1 and said in res.stdout + res.stderr, res.stderr
-        assert "(decode) would refuse the runs above; nothing was run" in res.stderr
+        decode_stage = 4 if recipe == "synthetic" else 3      # was a stream's name there
+        assert f"stage {decode_stage} (decode) would refuse the runs above; nothing was run" \
+            in res.stderr, res.stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == []
     # the decode stage not asked for: no check (and no cost)
     res = run(script, *base, "--methods", "source bogus", "--stage", 99, "--stop_stage", 99,

@@ -14,6 +14,9 @@
 # foo_bar; an option is a variable that is defined AND listed in $help_message (so the script's
 # own variables, e.g. repo_root, are no options, and --help lists every option); anything else
 # is an "invalid option" error (exit 1).
+# An option named in $append_options (a list: --streams, --sweep) given twice on the command line
+# takes both values, space-separated (it kept the last one, silently); a --config line and then
+# the command line: the command line's value replaces the file's, as for every option.
 # A variable whose default is true/false only accepts true or false; --stage and --stop_stage,
 # and the options named in $int_options, only an integer (or, where the default is empty,
 # nothing); --stage no later than --stop_stage, and no later than the default --stop_stage
@@ -65,6 +68,11 @@ _po_set() {
         exit 1
       fi ;;
   esac
+  local _po_prev=_po_where_${_po_n}
+  if [[ " ${append_options:-} " == *" ${_po_n} "* ]] && [[ ${po_given} == *" ${_po_n} "* ]] \
+      && [ "${!_po_prev}" = "${_po_w}" ]; then
+    _po_v="${!_po_n} ${_po_v}"       # a list option given twice on the command line: both
+  fi
   printf -v "${_po_n}" '%s' "${_po_v}"
   printf -v "_po_where_${_po_n}" '%s' "${_po_w}"     # where the value came from, for the checks below
   case "${po_given}" in *" ${_po_n} "*) ;; *) po_given+="${_po_n} " ;; esac

@@ -38,6 +38,7 @@ stats_utts=100        # its first N utterances (the EATA reference: 100)
 # the options that take an integer (tools/parse_options.sh refuses anything else); a recipe adds
 # its own
 int_options="nj per_gpu batch_runs stats_utts"
+append_options="streams sweep"     # given twice: both lists (both sweep axes), as the grid takes them
 grid_help="${grid_help}
   --stats_csv CSV (clean speech in no stream: the source statistics of eata, foa, ebats)  --stats_utts N (${stats_utts})"
 
@@ -80,7 +81,7 @@ check_grid_options() {
 check_decode() {
   ${dry_run} && return 0                  # the dry run's grid checks them, printing its commands
   if [ "${stage}" -gt "$1" ] || [ "${stop_stage}" -lt "$1" ]; then return 0; fi
-  local md=$2
+  local md=$2 which=$1
   shift 2
   local opts=(--engine "${engine}" --nj "${nj}" --gpus "${gpus}" --per_gpu "${per_gpu}" --check)
   [ "${batch_runs}" != 1 ] && opts+=(--batch_runs "${batch_runs}")
@@ -91,7 +92,7 @@ check_decode() {
       --seeds "${seeds}" --hparams_dir "${hparams_dir}" --conf_dir "${conf_dir}" \
       --md_decode_opts="${md_decode_opts}" --md_recipe_opts="${md_recipe_opts}" \
       --decode_opts="${decode_opts}" ${sweep:+--sweep ${sweep}} "${opts[@]}"; then
-    echo "$0: stage $1 (decode) would refuse the runs above; nothing was run" >&2
+    echo "$0: stage ${which} (decode) would refuse the runs above; nothing was run" >&2
     exit 1
   fi
 }

@@ -566,21 +566,26 @@ def _collect(unit: List[Run], job) -> None:
         for run, error in zip(unit, errors):
             run.status, run.message = ("failed", error) if error else ("done", run.message)
     except Exception as e:       # FailedJobError (with the job's stderr), UncompletedJobError
-        line = failure_line(str(e), type(e).__name__)
+        line = failure_line(str(e), type(e).__name__,
+                            local="local" in type(job).__module__.split("."))
         for run in unit:
             run.status = "failed"
             run.message = line[:300]
 
 
-def failure_line(text: str, kind: str = "") -> str:
+def failure_line(text: str, kind: str = "", local: bool = False) -> str:
     """The line of a failed job's exception that says why: decode's own ``ERROR:`` line; else,
     for a job that ended without a result (cancelled, killed by Slurm), its Slurm state (the
-    line after it is submitit's "Error stream produced:" header); else the last error line."""
+    line after it is submitit's "Error stream produced:" header; ``local``: a local worker
+    process, whose state submitit reports as FINISHED however it died); else the last error
+    line."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
     own = [ln for ln in lines if "ERROR:" in ln]
     if own:                     # decode's own one-line error, without the job's wrapping
         return own[-1][own[-1].index("ERROR:"):]
     state = re.search(r"has not produced any output \(state: ([^)]*)\)", text)
+    if state and local:
+        return "the local worker process ended without a result (killed?)"
     if state:
         return f"the job ended without a result (Slurm state: {state.group(1)})"
     errors = [ln for ln in lines if "Error" in ln and ln.strip() != "Error stream produced:"]
@@ -639,8 +644,15 @@ def _progress(runs: List[Run], now: Optional[float] = None, pending=frozenset())
     return f"{line} | {', '.join(parts)} | grid ETA {fmt_duration(left / speed if speed else None)}"
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An option error is one line (argparse printed its whole usage above it)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tta_brain.grid", description=__doc__.split("\n\n")[0],
+    p = _OneLineParser(prog="python -m tta_brain.grid", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--exp_dir", required=True, help="results root of the grid")
     p.add_argument("--source", required=True, help="source model (local dir or hub name)")
