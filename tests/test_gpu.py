@@ -1058,7 +1058,21 @@ def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir, capsys):
                        (["--poll", "0"], "--poll 0.0: must be > 0")):
         with pytest.raises(SystemExit):
             _grid_args(tmp_path, tiny_model_dir, *extra)
-        assert why in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert why in err and "usage:" not in err               # one line, not argparse's usage
+    # a run's own --device against --gpus: it won, silently (decoded on the CPU); now one line
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "suta.opts").write_text("# mine\n--device=cpu\n")
+    for extra, said in ((["--decode_opts=--device=cpu"], "--decode_opts sets --device=cpu"),
+                        (["--conf_dir", str(conf)], f"{conf / 'suta.opts'} sets --device=cpu")):
+        with pytest.raises(SystemExit, match="and the grid has --gpus '0': every run would "
+                                             "decode on cpu") as e:
+            grid.plan_runs(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0", *extra))
+        assert said in str(e.value)
+        assert grid.plan_runs(_grid_args(tmp_path, tiny_model_dir, *extra))      # no --gpus: fine
+    assert grid.plan_runs(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0",
+                                     "--decode_opts=--device=cuda:0"))
     if not CUDA:
         grid.check_done(gpu)
         assert all(r.status == "failed" and "no CUDA device" in r.message for r in gpu)
@@ -1088,7 +1102,9 @@ def test_slurm_jobs_that_ask_for_gpus_decode_on_cuda(tmp_path, tiny_model_dir):
         grid.check_done(again)
         assert all(r.status == "failed" and "no CUDA device" in r.message for r in again)
     user = _grid_args(tmp_path, tiny_model_dir, "--engine", "slurm", "--decode_opts=--device=cpu")
-    assert all(r.argv[-1] == "--device=cpu" for r in grid.plan_runs(user, cuda=True))   # wins
+    with pytest.raises(SystemExit, match="sets --device=cpu and the grid has Slurm GPUs"):
+        grid.plan_runs(user, cuda=True)       # it won, silently: each job's GPU idle
+    assert all(r.argv[-1] == "--device=cpu" for r in grid.plan_runs(user))    # no GPUs: fine
 
 
 def test_device_description_names_the_machine_gpu():

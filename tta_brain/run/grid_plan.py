@@ -201,6 +201,16 @@ class OptionRule:
         return kept
 
 
+def _no_device_with_gpus(source: str, opts: List[str], gpu: List[str], args) -> None:
+    """A run's own ``--device`` after the grid's ``--device=cuda`` won (a grid given ``--gpus``
+    decoded on the CPU, its GPUs idle, without a word): one line instead."""
+    device = _keyvals(opts).get("device")
+    if gpu and device is not None and not device.startswith("cuda"):
+        asked = f"--gpus {args.gpus!r}" if args.gpus.split() else "Slurm GPUs (--slurm_conf)"
+        raise SystemExit(f"ERROR: {source} sets --device={device} and the grid has {asked}: "
+                         f"every run would decode on {device}; give one of them")
+
+
 def plan_runs(args, cuda: bool = False) -> List[Run]:
     """Every run of the grid, in order (streams, methods, seeds, sweep points). Its runs decode
     on CUDA (``--device=cuda`` before the user's options) with local ``--gpus`` or ``cuda``
@@ -229,6 +239,8 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
     rule.check("--sweep", points[0])
     # --gpus: each local run sees its one GPU (CUDA_VISIBLE_DEVICES) and decodes on it
     gpu = ["--device=cuda"] if cuda or (args.engine == "local" and args.gpus.split()) else []
+    for source, opts in (("--decode_opts", user), ("--md_decode_opts", md_opts)):
+        _no_device_with_gpus(source, opts, gpu, args)
     runs, named = [], {}
     for spec in args.streams:
         name, csv = stream_spec(spec)
@@ -248,6 +260,8 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             files = [f"{base}.opts"] + ([f"{base}{kind}.opts"] if kind else []) \
                 + ([f"{token}.opts"] if token != base else [])
             recipe = reset + [a for f in files for a in (_opts_file(conf / f) if conf else [])]
+            for f in files if conf else ():
+                _no_device_with_gpus(str(conf / f), _opts_file(conf / f), gpu, args)
             if kind:
                 recipe += (rule.kept(token, "--md_recipe_opts", md_recipe)
                            + rule.kept(token, "--md_decode_opts", md_opts))
