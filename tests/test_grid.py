@@ -542,6 +542,16 @@ def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
     swept = plan("--conf_dir", str(conf), "--sweep", "lr=3e-4")
     a = swept[0].argv                                    # the later (the sweep's) one wins
     assert a.index("--lr=2e-4") < a.index("--lr=3e-4") and "lr3e-4" in swept[0].name
+    # a refused value says where it was set (the yaml's error names only the packaged yaml)
+    from tta_brain import decode
+    (conf / "suta.opts").write_text("# mine\n--steps=2\n--lrr=2e-4\n")
+    for extra, where in ((["--conf_dir", str(conf)], f"(--lrr from {conf / 'suta.opts'}:3)"),
+                         (["--sweep", "steps=1,x"], "(--steps from --sweep)"),
+                         (["--decode_opts=--lr=abc"], "(--lr from --decode_opts)")):
+        bad = [r for r in plan(*extra) if "stepsx" in r.name or "--sweep" not in extra]
+        with pytest.raises(SystemExit) as e:
+            decode.settings(bad[0].argv)
+        assert bad[0].said(str(e.value)).endswith(where), (bad[0].said(str(e.value)), where)
 
 
 def test_two_streams_of_one_name_are_refused(data, tmp_path):

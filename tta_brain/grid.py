@@ -156,7 +156,7 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
         try:
             p = decode.plan(run.argv, device_here=device_here)
         except SystemExit as e:
-            run.status, run.message = "failed", str(e)
+            run.status, run.message = "failed", run.said(str(e))
             continue
         run.plan = p
         who = p.status != "done" and identity.FolderLock(run.folder).busy()
@@ -760,7 +760,7 @@ def main(argv=None) -> int:
                     said[key] = str(e)
             if said[key]:
                 refused += 1
-                print(f"grid: {r.name} will not run: {said[key]}", flush=True)
+                print(f"grid: {r.name} will not run: {r.said(said[key])}", flush=True)
             elif args.dry_run and (r.folder / "summary.json").is_file():
                 refused += _say_finished(r, here)
         for chunk in chunks(runs, args.batch_runs) if args.dry_run else ():

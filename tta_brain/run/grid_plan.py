@@ -42,6 +42,15 @@ class Run:
     total: int = 0                  # rows of its stream
     seen: Optional[tuple] = None    # what the progress rate is measured from (rate_since)
     plan: object = None             # its decode.plan, once the grid has looked at its folder
+    origins: Dict[str, str] = field(default_factory=dict)   # option key -> where it was set
+
+    def said(self, message: str) -> str:
+        """A refusal of this run's settings with where the option it names was set (a conf file's
+        line, --decode_opts, the sweep): the yaml's own error names only the packaged yaml."""
+        m = (re.search(r"Override '(\w+)'", message) or re.search(r": (\w+) = ", message)
+             or re.search(r"--(\w+)", message))
+        key = m.group(1) if m else None
+        return f"{message} (--{key} from {self.origins[key]})" if key in self.origins else message
 
 
 def _options(source: str, text: str) -> List[str]:
@@ -64,9 +73,14 @@ def _not_grid_set(source: str, opts: List[str]) -> None:
 
 
 def _opts_file(path: Path) -> List[str]:
+    return [a for _, a in _opts_lines(path)]
+
+
+def _opts_lines(path: Path) -> List[Tuple[str, str]]:
+    """``(path:line, option)`` of an ``.opts`` file's options (none when there is no file)."""
     if not path.is_file():
         return []
-    return [a for n, line in enumerate(path.read_text().splitlines(), 1)
+    return [(f"{path}:{n}", a) for n, line in enumerate(path.read_text().splitlines(), 1)
             if not line.strip().startswith("#") for a in _options(f"{path}:{n}", line)]
 
 
@@ -259,7 +273,8 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             base = token.partition("+")[0]
             files = [f"{base}.opts"] + ([f"{base}{kind}.opts"] if kind else []) \
                 + ([f"{token}.opts"] if token != base else [])
-            recipe = reset + [a for f in files for a in (_opts_file(conf / f) if conf else [])]
+            lines = [wa for f in files for wa in (_opts_lines(conf / f) if conf else [])]
+            recipe = reset + [a for _, a in lines]
             for f in files if conf else ():
                 _no_device_with_gpus(str(conf / f), _opts_file(conf / f), gpu, args)
             if kind:
@@ -279,7 +294,12 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                             f"--output_folder={folder}", f"--seed={seed}",
                             f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
                             *gpu, *recipe, *mine, *point, *label]
-                    runs.append(Run(rel, folder, argv, total=total))
+                    origins = {k: w for w, a in lines for k in _keyvals([a])}
+                    for where, opts in (("--md_recipe_opts", md_recipe if kind else []),
+                                        ("--md_decode_opts", md_opts if kind else []),
+                                        ("--decode_opts", mine), ("--sweep", point)):
+                        origins.update((k, where) for k in _keyvals(opts))
+                    runs.append(Run(rel, folder, argv, total=total, origins=origins))
     return _unique(runs)
 
 
