@@ -581,6 +581,13 @@ def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir
     for out, why in ((a_file, "it is a file"), (a_file / "sub", "Not a directory")):
         msg = _error(dsuta_args(tiny_model_dir, ok_stream, out))
         assert f"cannot write the output folder {out} (--output_folder): {why}" in msg, msg
+    # a folder of another program's (a hyperparams.yaml, no fingerprint): replaced without a word
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "hyperparams.yaml").write_text("lr: 1.0  # my own\n")
+    msg = _error(dsuta_args(tiny_model_dir, ok_stream, mine))
+    assert "no fingerprint recorded" in msg and "--overwrite" in msg, msg
+    assert (mine / "hyperparams.yaml").read_text() == "lr: 1.0  # my own\n"
 
 
 def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_model_dir):

@@ -139,7 +139,10 @@ def folder_status(out, fp):
     if old is not None:
         diffs = identity.differences(old, fp)
         return ("differs", diffs) if diffs else ("resume", [])
-    if any((folder / f"{n}.csv").exists() for n in CSV_FILES) or (folder / "save").exists():
+    # a run's files without its fingerprint (written first): another program's or an older
+    # tta_brain's; hyperparams.yaml and env.log would be replaced without a word
+    if any((folder / f"{n}.csv").exists() for n in CSV_FILES) or (folder / "save").exists() \
+            or any((folder / n).exists() for n in ("hyperparams.yaml", "env.log")):
         return "differs", identity.differences(None, fp)
     return "new", []
 
