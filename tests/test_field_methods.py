@@ -83,6 +83,52 @@ def test_eata_redundancy_filter_drops_what_matches_the_ema(tiny_model_dir, utter
     assert m2.model_probs is not None and abs(float(m2.model_probs.sum()) - 1) < 1e-5
 
 
+def test_eata_redundancy_is_the_cosine_with_the_ema_of_the_kept_mean_posteriors(tiny_model_dir,
+                                                                               utterances):
+    """The redundancy filter by hand: p = the mean posterior vector of an utterance (T = 1, the
+    current model), the first kept one starts m = p, a later one is dropped iff
+    |cos(p, m)| >= d_margin, a kept one updates m = 0.9 m + 0.1 p. d_margin is chosen between two
+    observed cosines: the more similar utterance (first) is dropped, the other kept."""
+    def mean_probs(m, w):
+        with torch.no_grad():
+            return m.logits(m.lobe.prepare(w)).softmax(-1).mean(dim=1)[0].double()
+
+    def cos(p, q):
+        return abs(float(p @ q / (p.norm() * q.norm())))
+
+    kw = dict(fisher_alpha=0.0, lr=1e-2, **RELIABLE)
+    probe = build_on(tiny_model_dir, "eata", d_margin=2.0, **kw)
+    p0 = mean_probs(probe, utterances[0])
+    probe.process(utterances[0], UttInfo(position=0))
+    assert float((probe.model_probs.double() - p0).abs().max()) < 1e-6   # the first starts m
+    sims = {i: cos(mean_probs(probe, utterances[i]), p0) for i in range(1, 5)}
+    hi, lo = max(sims, key=sims.get), min(sims, key=sims.get)
+    assert sims[hi] - sims[lo] > 1e-4, sims                 # a margin rounding cannot cross
+    d_margin = 0.5 * (sims[hi] + sims[lo])
+    rest = [i for i in range(1, 6) if i not in (hi, lo)]
+    order = [0, hi, lo] + rest[:2]
+
+    m = build_on(tiny_model_dir, "eata", d_margin=d_margin, **kw)
+    ema, dropped = None, []
+    for pos, i in enumerate(order):
+        p = mean_probs(m, utterances[i])
+        keep = ema is None or cos(p, ema) < d_margin
+        if ema is not None:                                 # the method's m is the hand one
+            assert float((m.model_probs.double() - ema).abs().max()) < 1e-6
+        before = [q.detach().clone() for q in m.params]
+        m.process(utterances[i], UttInfo(position=pos))
+        assert (dist(before, m.params) > 0) == keep, (pos, i)
+        if keep:
+            ema = p if ema is None else 0.9 * ema + 0.1 * p
+            assert float((m.model_probs.double() - ema).abs().max()) < 1e-6, pos
+        else:
+            dropped.append(pos)
+    assert dropped[:1] == [1] and 2 not in dropped          # hi dropped, lo kept
+    assert m.counts["filtered_redundant"] == len(dropped)
+    assert m.counts["adapt_backward"] == len(order) - len(dropped)
+    assert [e.position for e in m.events if e.kind == "filter"] == dropped
+
+
 def test_eata_fisher_term_pulls_towards_the_source(tiny_model_dir, utterances, tmp_path):
     path = fisher_file(tmp_path / "fisher.pt", tiny_model_dir)
     drift = {}
@@ -152,6 +198,44 @@ def test_sar_filters_unreliable_passes(tiny_model_dir, utterances):
     assert m.counts["filtered_first"] == 1 and m.counts["adapt_backward"] == 0
     assert m.counts["adapt_forward"] == 1 and dist(m.params, m.source) == 0
     assert m.ema is None
+
+
+def test_sar_second_pass_filter_stops_a_step_the_first_pass_let_through(tiny_model_dir,
+                                                                         utterances):
+    """An utterance reliable at theta but not at the SAM point theta + rho g / ||g|| (E0 chosen
+    between the two entropies, computed by hand): no update (the ascent undone), counted as
+    filtered_second, a filter event, no loss EMA. E0 just above the second entropy: it updates."""
+    rho = 0.5
+    ref = build_on(tiny_model_dir, "sar", rho=rho)
+    x = ref.lobe.prepare(utterances[0])
+    with torch.enable_grad():
+        logits = ref.lobe.logits(x)
+        path = logits.detach().argmax(-1)
+        h1 = losses.entropy_loss(logits, temperature=1.0, blank_id=ref.blank_id, path=path).mean()
+        g1 = torch.autograd.grad(h1, ref.params)
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in g1))
+    with torch.no_grad():
+        for p, g in zip(ref.params, g1):
+            p.add_(rho * g / norm)
+        h2 = losses.entropy_loss(ref.lobe.logits(x), temperature=1.0, blank_id=ref.blank_id,
+                                 path=path).mean()
+    h1, h2 = float(h1.detach()), float(h2)
+    assert h2 - h1 > 1e-4, (h1, h2)                  # the ascent raises the entropy
+    log_v = math.log(ref.lobe.vocab_size)
+    m = build_on(tiny_model_dir, "sar", lr=1e-2, rho=rho, reset_constant=-1.0,
+                 e_margin_factor=0.5 * (h1 + h2) / log_v)
+    m.process(utterances[0], UttInfo(id="u", position=3))
+    assert m.counts["filtered_first"] == 0 and m.counts["filtered_second"] == 1
+    assert m.counts["adapt_forward"] == 2 and m.counts["adapt_backward"] == 1   # pass 2: none
+    # no update, the ascent undone: theta itself (subtracting e again left float rounding)
+    assert dist(m.params, m.source) == 0 and m.ema is None
+    assert [(e.kind, e.position) for e in m.events] == [("filter", 3)]
+    assert "second pass" in m.events[0].reason
+    passed = build_on(tiny_model_dir, "sar", lr=1e-2, rho=rho, reset_constant=-1.0,
+                      e_margin_factor=(h2 + 1e-4) / log_v)
+    passed.process(utterances[0])
+    assert passed.counts["filtered_second"] == 0 and dist(passed.params, passed.source) > 1e-3
+    assert abs(passed.ema - h2) < 1e-5               # the EMA starts from the second-pass loss
 
 
 def test_sar_recovers_when_the_loss_ema_is_low(tiny_model_dir, utterances):

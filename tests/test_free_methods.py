@@ -253,6 +253,57 @@ def test_t3a_memory_stays_bounded_per_class(setup):
     assert m.meta_values()[0].shape == m.W.shape
 
 
+def test_t3a_logits_are_the_prototype_classifier_by_hand(setup):
+    """T3A's transcript logits after each utterance, by hand: supports = the head's rows (labelled
+    by their most cosine-similar row, entropy 1e-8) plus, for an utterance with a non-blank frame,
+    every frame's last hidden state (its argmax label, its entropy at T = 1); each class keeps its
+    filter_K lowest-entropy supports; prototype = the mean of its L2-normalised supports;
+    logits = hidden @ prototypes^T + the head's bias."""
+    K = 2
+    lobe = HFCTCLobe(setup["model"])
+    with torch.no_grad():            # a head bias to keep (the random one is zero), blank frames
+        bias = 0.05 * torch.randn(lobe.vocab_size, generator=torch.Generator().manual_seed(5))
+        bias[lobe.blank_id] += 0.1
+        lobe.model.lm_head.bias.copy_(bias)
+    m = build_method("t3a", model=lobe, filter_K=K)
+    got, adapt = [], m.adapt
+    m.adapt = lambda x, ctx: got.append(adapt(x, ctx)) or got[-1]
+    W, b = m.net.lm_head.weight.detach(), m.net.lm_head.bias.detach()
+    V = len(W)
+    Wn = W / W.norm(dim=1, keepdim=True)
+    pool = [(int(c), 1e-8, W[i]) for i, c in enumerate((Wn @ Wn.T).argmax(-1))]
+    filtered = False
+    for w in wavs(3):
+        x = m.lobe.prepare(w)
+        with torch.no_grad():
+            hidden = m.net.wav2vec2(x)[0][0]                     # [F, H]
+            logits = m.net.lm_head(hidden)
+        labels = logits.argmax(-1)
+        if (labels != m.blank_id).any():                         # every frame, blank ones too
+            p = logits.softmax(-1)
+            ent = -(p * p.log()).sum(-1)
+            pool += [(int(c), float(e), h) for c, e, h in zip(labels, ent, hidden)]
+        kept = []
+        for c in range(V):
+            mine = sorted((s for s in pool if s[0] == c), key=lambda s: s[1])
+            filtered |= len(mine) > K
+            kept += mine[:K]
+        pool = kept
+        protos = W.clone()
+        for c in range(V):
+            vs = [h / h.norm() for cc, _, h in pool if cc == c]
+            if vs:
+                protos[c] = torch.stack(vs).mean(0)
+        m.process(w)
+        want = hidden @ protos.T + b
+        assert torch.allclose(got[-1][0], want, atol=1e-5), float((got[-1][0] - want).abs().max())
+        assert torch.allclose(m.ent.sort().values, torch.tensor(sorted(e for _, e, _ in pool)),
+                              rtol=1e-5)             # the kept supports' entropies, at T = 1
+    assert any(c == m.blank_id and e > 1e-8 for c, e, _ in pool), "no blank frame kept"
+    assert filtered, "no class ever had more than filter_K supports: the filter was not tested"
+    assert len(pool) > V, "no frame was ever kept: the prototypes were the head's rows"
+
+
 # ----------------------------------------------------------------------------- statistics
 def test_hidden_and_token_stats_against_slow_references(setup):
     lobe = HFCTCLobe(setup["model"])
@@ -357,6 +408,115 @@ def test_ebats_tema_restarts_from_the_ema(setup):
     assert m.ema["sigma"] != m.sigma0
     m.reset()
     assert np.array_equal(m.ema["mean"], np.zeros(m.dim)) and m.best == math.inf
+
+
+@pytest.mark.parametrize("cov_ratio", [1.0, 0.5])
+def test_ebats_next_generation_is_sampled_from_the_tema_state(setup, cov_ratio):
+    """The restart before an utterance acts on what pycma samples the generation from: at the
+    first ``ask`` the strategy's mean and sigma are the T-EMA's, its covariance (``sm.C`` and the
+    ``B D^2 B^T`` the sampler draws with) ``r EMA_C + (1 - r) I``, its evolution paths (``pc``,
+    CSA's ``adapt_sigma.ps``) zero and no diagonal scaling (``sigma_vec``) left over."""
+    import copy
+    m = build(setup, "ebats", popsize=6, generations=2, ema_decay=0.5, cov_ratio=cov_ratio)
+    m.process(wavs(1)[0])
+    ema, es = copy.deepcopy(m.ema), m.es
+    # the state the search ended in is not the EMA's: a restart that did nothing would show
+    assert not np.allclose(es.mean, ema["mean"]) and es.sigma != ema["sigma"]
+    assert not np.allclose(es.sm.C, ema["C"])
+    assert np.abs(es.pc).max() > 0 and np.abs(es.adapt_sigma.ps).max() > 0
+    seen, ask = [], es.ask
+
+    def spy(*a, **k):
+        sm = es.sm
+        seen.append({"mean": es.mean.copy(), "sigma": es.sigma, "C": sm.C.copy(),
+                     "BD": (sm.B * sm.D ** 2) @ sm.B.T, "pc": es.pc.copy(),
+                     "ps": es.adapt_sigma.ps.copy(), "scaling": es.sigma_vec.scaling})
+        return ask(*a, **k)
+    es.ask = spy
+    m.process(wavs(2)[1])
+    first = seen[0]
+    want_C = cov_ratio * ema["C"] + (1 - cov_ratio) * np.eye(m.dim)
+    assert np.array_equal(first["mean"], ema["mean"]) and first["sigma"] == ema["sigma"]
+    assert np.allclose(first["C"], want_C, rtol=0, atol=1e-12)
+    assert np.allclose(first["BD"], want_C, rtol=0, atol=1e-10)     # what ask() draws with
+    assert not np.any(first["pc"]) and not np.any(first["ps"])
+    assert np.all(np.asarray(first["scaling"]) == 1.0)
+    assert len(seen) == 2 and not np.array_equal(seen[1]["mean"], ema["mean"])   # then it moves
+
+
+def test_ebats_fitness_blank_entropy_and_token_weight_by_hand(setup):
+    """E-BATS' fitness on crafted candidates, by hand: a candidate without a non-blank frame has
+    entropy 10 (not 0); L = H_nb(T = 2) + 2 [sum (mu_cnn - src)^2 + sum (mu_layers - src)^2 / H];
+    the token loss is added with weight w = 2 - clip(L / 5, 0, 2), L that sum: one candidate with
+    w in (1, 2), one in (0, 1), one clipped to 0, each with a token loss > 0."""
+    m = build(setup, "ebats", popsize=4, generations=1)
+    src, tokens = m.stats["hidden"], m.stats["tokens"]
+    H, C, V, blank = m.pf.hidden_size, m.dim, m.lobe.vocab_size, m.blank_id
+    n_states = len(src["layers_mean"]) // H
+    seen = [v for v in torch.nonzero(tokens["count"])[:, 0].tolist() if v != blank]
+    assert seen, "no label in the token statistics"
+    P, Fr = 4, 7
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(P, Fr, V, generator=g)
+    logits[0, :, blank] += 8                               # candidate 0: every frame blank
+    for p in range(1, P):
+        for f in range(Fr):
+            logits[p, f, blank if f % 2 else seen[(p + f) % len(seen)]] += 8
+    shift = [0.0, 0.0, 0.4, 1.0]                           # CNN means off the source's by this
+    feats = torch.stack([src["cnn_mean"][:, None] + s + 0.3 * torch.randn(C, Fr, generator=g)
+                         for s in shift])
+    states = [src["layers_mean"][i * H:(i + 1) * H] + 0.5 * torch.randn(P, Fr, H, generator=g)
+              for i in range(n_states)]
+    got = m.fitness(logits, feats, states)
+    tok = act.token_alignment(states, logits.argmax(-1), tokens, blank)
+    weights = []
+    for p in range(P):
+        q = (logits[p] / 2.0).softmax(-1)
+        ent_f = -(q * q.log()).sum(-1)
+        nb = logits[p].argmax(-1) != blank
+        ent = float(ent_f[nb].mean()) if nb.any() else 10.0
+        align = float(((feats[p].mean(1) - src["cnn_mean"]) ** 2).sum())
+        align += sum(float(((states[i][p].mean(0) - src["layers_mean"][i * H:(i + 1) * H]) ** 2)
+                           .sum()) for i in range(n_states)) / H
+        L = ent + 2.0 * align
+        w = 2.0 - min(max(L / 5.0, 0.0), 2.0)
+        weights.append(w)
+        want = L + w * float(tok[p])
+        assert abs(float(got[p]) - want) < 1e-5 * max(1.0, abs(want)), (p, float(got[p]), want)
+    assert float(got[0]) >= 10.0                           # the 10, not entropy_loss's 0
+    assert all(float(t) > 0 for t in tok[1:]), tok
+    assert 1 < weights[1] < 2 and 0 < weights[2] < 1 and weights[3] == 0.0, weights
+
+
+def test_foa_shifts_the_head_input_by_the_source_minus_an_ema_of_test_means(setup):
+    """FOA's activation shift by hand: no shift on the first utterance; after it
+    m = the population's mean (over candidates and frames) of the last hidden state, later
+    m <- 0.95 m + 0.05 m_t; the transcript's logits = lm_head(h_best + 0.1 (mu_src_last - m)),
+    m the EMA before the utterance, h_best the best candidate's last hidden state."""
+    from tta_brain.methods import source_stats
+    m = build(setup, "foa", popsize=6)
+    H = m.H
+    src_last = source_stats.load(str(setup["stats"])).stats["hidden"]["layers_mean"][-H:]
+    seen, got = [], []
+    forward, adapt = m.candidates_forward, m.adapt
+    m.candidates_forward = lambda h0, z: seen.append((z, forward(h0, z))) or seen[-1][1]
+    m.adapt = lambda x, ctx: got.append(adapt(x, ctx)) or got[-1]
+    hist = None
+    for i, w in enumerate(wavs(3)):
+        seen.clear()
+        m.process(w)
+        (z, (_, _, last)), = seen                          # one generation, one batch
+        kept = m.best_prompt.astype(np.float32)           # the best candidate, as evaluated
+        best = [j for j, c in enumerate(z.numpy()) if np.array_equal(c, kept)]
+        assert len(best) == 1
+        h = last[best[0]]
+        want = m.net.lm_head(h if hist is None else h + 0.1 * (src_last - hist))
+        assert torch.allclose(got[-1][0], want, atol=1e-5), i
+        if hist is not None:                               # the shift changed the logits
+            assert float((m.net.lm_head(h) - want).abs().max()) > 1e-4
+        mean = last.mean(dim=1).mean(dim=0)
+        hist = mean if hist is None else 0.95 * hist + 0.05 * mean
+        assert torch.allclose(m.hist, hist, atol=1e-6), i
 
 
 # ----------------------------------------------------------------------------- the decode command

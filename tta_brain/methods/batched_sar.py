@@ -86,7 +86,7 @@ class BatchedSAR(BatchedSUTA):
         g2 = self.backward(torch.where(ran2, h2, torch.zeros_like(h2)).sum(), leaf2)
         done = ran2 & g2.isfinite().all(dim=1)
         with torch.no_grad():
-            self._put_rows(self.fast.P, runs, shifted - eps)   # theta + eps - eps, as SAR's undo
+            self._put_rows(self.fast.P, runs, rows)     # theta itself, as SAR's SAM restores it
             if update:
                 self.apply(runs, g2, done)
             a, ema, on = (self._rows(t, runs) for t in (self.loss_ema, self.ema, self.ema_on))

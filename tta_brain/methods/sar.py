@@ -143,6 +143,8 @@ class SAR(TTAMethod):
         with torch.no_grad():
             eps = sam_ascent(grads, self.rho)
             where_(~ok1, eps, 0.0)                        # no ascent after a stopped pass 1
+            theta = [torch.empty_like(p) for p in params]
+            torch._foreach_copy_(theta, params)
             torch._foreach_add_(params, eps)
         optimizer.zero_grad(set_to_none=False)
         h2 = self._entropy(logits_fn()[0], path, lengths)
@@ -151,7 +153,7 @@ class SAR(TTAMethod):
         rt.backward_guarded(h2, params, step.device, f.found, f.inv_scale)
         bad2 = ok1 & ~out2 & f.found.bool()
         with torch.no_grad():
-            torch._foreach_sub_(params, eps)
+            torch._foreach_copy_(params, theta)           # theta itself, as SAR's SAM restores it
         update = ok1 & ~(out2 | bad2)
         value2 = v2.double()
         ema = torch.where(self._ema_on, self.loss_ema * self._ema_t + (1 - self.loss_ema) * value2,
@@ -223,11 +225,13 @@ def sam_ascent(grads, rho: float):
 
 class SAMAscent:
     """SAM's first half as an optimiser for the skeleton's step: ``step()`` moves the parameters
-    by ``rho g / ||g||_2`` (g their gradients, the norm over all of them), ``undo()`` moves them
-    back (once)."""
+    by ``rho g / ||g||_2`` (g their gradients, the norm over all of them), ``undo()`` puts them
+    back (once): their values from before the step, exactly, as SAR's SAM does (subtracting the
+    step again left float rounding: a filtered utterance moved the model)."""
 
     def __init__(self, params, rho: float):
         self.params, self.rho, self.eps = list(params), float(rho), None
+        self.theta = None
 
     def zero_grad(self, set_to_none: bool = False):
         for p in self.params:
@@ -237,10 +241,13 @@ class SAMAscent:
     @torch.no_grad()
     def step(self):
         self.eps = sam_ascent([p.grad for p in self.params], self.rho)
+        if self.theta is None:
+            self.theta = [torch.empty_like(p) for p in self.params]
+        torch._foreach_copy_(self.theta, self.params)
         torch._foreach_add_(self.params, self.eps)
 
     @torch.no_grad()
     def undo(self):
         if self.eps is not None:
-            torch._foreach_sub_(self.params, self.eps)
+            torch._foreach_copy_(self.params, self.theta)
             self.eps = None
