@@ -973,6 +973,9 @@ def test_the_pending_line_names_jobs_that_never_start_and_counts_the_others():
                     "start: its partition cannot give what --slurm_conf asks); 2 job(s) waiting "
                     "(Resources: 2)")
     assert grid.pending_line(runs, {}) == ""
+    # Slurm's reason of a job its scheduler has not looked at yet is "None" (it was printed so)
+    assert grid.pending_line(runs, {"7_0": "None", "7_2": "Priority"}).endswith(
+        "2 job(s) waiting (Priority: 1, not scheduled yet: 1)")
 
 
 def test_a_failed_jobs_line_says_why():

@@ -264,6 +264,9 @@ def test_manifest_other_mistakes(tmp_path, one_wav, tiny_model_dir):
     out = tmp_path / "exp"
     with pytest.raises(SystemExit, match=r"ERROR: manifest not found: .*nope\.csv"):
         decode.main(dsuta_args(tiny_model_dir, tmp_path / "nope.csv", out))
+    (tmp_path / "adir").mkdir()                          # was "manifest not found"
+    with pytest.raises(SystemExit, match=r"adir: a directory, not a manifest \(a CSV file\)"):
+        decode.main(dsuta_args(tiny_model_dir, tmp_path / "adir", out))
     rows = [row("a", one_wav, 0.4), row("b", one_wav, 0.4)]
     rows[1]["position"] = 5
     stream = write_manifest(tmp_path / "order.csv", rows)

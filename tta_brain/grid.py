@@ -538,7 +538,8 @@ def pending_line(runs_of: Dict[str, List[Run]], reasons: Dict[str, str]) -> str:
         if reason in NEVER_STARTS:
             parts.append(f"{', '.join(r.name for r in runs_of[job_id])} (job {job_id}: {reason}; "
                          f"it will not start: its partition cannot give what --slurm_conf asks)")
-        else:
+        else:           # Slurm's "None": submitted, not looked at by its scheduler yet
+            reason = "not scheduled yet" if reason in ("None", "") else reason
             waiting[reason] = waiting.get(reason, 0) + 1
     if waiting:
         parts.append(f"{sum(waiting.values())} job(s) waiting ("

@@ -146,6 +146,8 @@ def _records(path):
     UTF-8 with an optional byte order mark; strict quoting. Raises :class:`ManifestError` for a
     missing file, text that is not UTF-8 or malformed CSV (e.g. a quote left open by truncation).
     """
+    if path.is_dir():
+        raise ManifestError(f"{path}: a directory, not a manifest (a CSV file)")
     if not path.is_file():
         raise ManifestNotFoundError(f"manifest not found: {path}")
     with open(path, newline="", encoding="utf-8-sig") as f:
