@@ -214,7 +214,7 @@ def test_same_seed_same_transcripts_awmc_with_dropout(data, tmp_path):
     assert runs["a"] != runs["c"], "dropout had no effect: the test would prove nothing"
     s = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert s["seed"] == 3 and s["method"] == "awmc"
-    assert {"torch", "transformers", "speechbrain", "python", "tta_brain"} <= set(s["versions"])
+    assert {"torch", "transformers", "speechbrain", "python", "tta_brain", "cma"} <= set(s["versions"])
     log = (tmp_path / "a" / "log.txt").read_text()
     env = (tmp_path / "a" / "env.log").read_text()
     assert "Seed: 3" in log and f'"torch": "{torch.__version__}"' in log

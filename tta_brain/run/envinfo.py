@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence
 
 __all__ = ["versions", "environment", "git_hash", "describe_device", "installed_packages"]
 
-PACKAGES = ("torch", "torchaudio", "speechbrain", "transformers", "numpy", "soundfile")
+PACKAGES = ("torch", "torchaudio", "speechbrain", "transformers", "numpy", "soundfile", "cma")
 
 
 def _version(name: str) -> Optional[str]:
