@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 
 import jiwer
@@ -890,6 +891,20 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
     import array
     assert torch.equal(as_mono_float(array.array("h", pcm[:, 0].tobytes())), left)
     assert torch.equal(as_mono_float(memoryview(pcm[:, 0].copy())), left)
+    frames = pcm[:, 0].tobytes()           # what wave's readframes and pyaudio's read give
+    assert torch.equal(as_mono_float(memoryview(frames).cast("h")), left)
+    with warnings.catch_warnings():        # numpy.frombuffer's read-only array: torch warned
+        warnings.simplefilter("error")
+        assert torch.equal(as_mono_float(np.frombuffer(frames, dtype=np.int16)), left)
+        assert torch.equal(as_mono_float(memoryview(frames).cast("h")), left)
+    # a memoryview of those bytes (format 'B') was read as uint8 PCM, twice as long: refused
+    for raw in (memoryview(frames), memoryview(bytearray(frames))):
+        with pytest.raises(ValueError, match=re.escape("raw bytes (wave's readframes, pyaudio's "
+                                                       "read; a memoryview of them too)")):
+            as_mono_float(raw)
+    u8 = ((pcm[:, 0] >> 8) + 128).astype(np.uint8)        # a typed 8-bit buffer stays PCM
+    assert torch.equal(as_mono_float(memoryview(array.array("B", u8.tobytes()))),
+                       as_mono_float(u8))
 
     tta = TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"steps": 1})
     hyps = [tta.transcribe(x) for x in (want, pcm, pcm.T.copy())]
@@ -907,8 +922,11 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
                                           "int16, int32), got torch.bool"),
                      (pcm[:, 0].tolist(), "got torch.int64 (integer samples: give their width, "
                                           "e.g. numpy.asarray(samples, dtype=numpy.int16))"),
-                     (pcm.tobytes(), "got bytes (raw bytes: give their samples, e.g. "
-                                     "numpy.frombuffer(data, dtype=numpy.int16))"),
+                     (pcm.tobytes(), "got bytes (raw bytes (wave's readframes, pyaudio's "
+                                     "read; a memoryview of them too): their sample width is "
+                                     "unknown; give their samples, e.g. "
+                                     "memoryview(data).cast('h') or numpy.frombuffer(data, "
+                                     "dtype=numpy.int16))"),
                      (np.full(800, np.nan, np.float32), "contains NaN or inf"),
                      (str(path), "expected the samples (a numpy array, torch tensor or list of "
                                  "numbers), got str"),        # a path: was torch's 'new()'
@@ -920,6 +938,8 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
                 f"sample_rate must be a positive whole number of Hz, got {rate!r}")):
             tta.transcribe(want, sample_rate=rate)
     assert tta.position == 3 and tta.counts == tta.method.counts
+    tta.reset()                            # an episodic method's reset is listed too (was not)
+    assert tta.resets == [3]
     hyp = tta.transcribe(want, sample_rate=np.int64(16000))          # numpy and whole floats
     assert hyp == tta.transcribe(want, sample_rate=16000.0) == hyps[0]
 
@@ -1155,6 +1175,21 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
                      (nameless, "not a TTAStream state file")):
         with pytest.raises(StreamStateError, match=re.escape(f"{bad}: {why}")):
             again.load(bad)
+    # a file that fits but for its own fields: the method's state was loaded before they failed
+    # (a raw TypeError / KeyError, or position 'x' taken); now refused before anything is applied
+    saved = torch.load(state, weights_only=False)
+    fresh = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov)
+    params = [p.detach().clone() for p in fresh.method.params]
+    for field, value, why in (("resets", None, "resets None is not a list of positions"),
+                              ("position", "x", "position 'x' is not a count of utterances"),
+                              ("settings", None, "no settings recorded")):
+        odd = tmp_path / f"odd_{field}.pt"
+        torch.save({**saved, field: value}, odd)
+        with pytest.raises(StreamStateError, match=re.escape(f"{odd}: not a TTAStream state "
+                                                             f"file ({why})")):
+            fresh.load(odd)
+        assert fresh.position == 0 and fresh.counts["adapt_backward"] == 0
+        assert all(torch.equal(a, b) for a, b in zip(params, fresh.method.params))
     before = sorted(os.listdir(tmp_path))
     for bad, why in ((tmp_path, "cannot write the state file: is a folder, not a file name"),
                      (tmp_path / "no" / "s.pt", f"cannot write the state file: no folder "

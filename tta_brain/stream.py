@@ -170,6 +170,7 @@ class TTAStream:
             m.events.clear()
         else:
             m.reset()
+            self.resets.append(self.position)       # listed as a continual method's is
 
     def identity(self) -> Dict:
         """What a saved state must match to be loaded here: the method, its reset policy, the
@@ -253,12 +254,13 @@ class TTAStream:
                      and not (k == "source" and same_source(theirs[k], mine[k]))]
             if diffs:
                 raise StreamStateError(f"{path}: saved by another stream: {'; '.join(diffs)}")
-            other = sorted(k for k in set(self.settings) | set(sd.get("settings", {}))
-                           if self.settings.get(k) != sd["settings"].get(k))
-            if other:
-                logger.warning("%s: saved with other settings, continuing with this stream's: %s",
-                               path, ", ".join(f"{k} {sd['settings'].get(k)!r} -> "
-                                               f"{self.settings.get(k)!r}" for k in other))
+        bad = _bad_fields(sd)
+        if bad:
+            raise StreamStateError(f"{path}: not a TTAStream state file ({bad}); the stream is "
+                                   f"left as it was")
+        saved = sd.get("settings") or {}
+        other = sorted(k for k in set(self.settings) | set(saved)
+                       if "format" in sd and self.settings.get(k) != saved.get(k))
         before = self.method.state_dict()
         kept = _hyperparameters(self.method)
         try:
@@ -271,11 +273,33 @@ class TTAStream:
         for optimizer, groups in kept:              # load_state_dict made new group dicts
             for group, values in zip(optimizer.param_groups, groups):
                 group.update(values)
+        if other:                  # said once the state fits (a refused one was said as taken)
+            logger.warning("%s: saved with other settings, continuing with this stream's: %s",
+                           path, ", ".join(f"{k} {saved.get(k)!r} -> {self.settings.get(k)!r}"
+                                           for k in other))
         self.position, self.resets = sd["position"], list(sd["resets"])
         self.lii = list(sd.get("lii", []))
         if sd.get("rng") is not None:
             from tta_brain.run.checkpoint import set_rng_state
             set_rng_state(sd["rng"])
+
+
+def _bad_fields(sd: Dict) -> str:
+    """What is wrong with a state's own fields ("" when nothing): checked before any of it is
+    applied (a file with a bad ``resets`` had loaded the method's state, then failed)."""
+    pos = sd.get("position")
+    if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
+        return f"position {pos!r} is not a count of utterances"
+    resets = sd.get("resets")
+    if not isinstance(resets, (list, tuple)) or not all(
+            isinstance(r, int) and not isinstance(r, bool) for r in resets):
+        return f"resets {_short(resets) if isinstance(resets, list) else repr(resets)} is not a " \
+               f"list of positions"
+    if not isinstance(sd.get("lii", []), (list, tuple)):
+        return f"lii {type(sd.get('lii')).__name__} is not a list"
+    if "format" in sd and not isinstance(sd.get("settings"), dict):
+        return "no settings recorded"
+    return ""
 
 
 #: An optimiser group's settings (not its state): a loaded stream keeps its own.
@@ -306,15 +330,21 @@ def as_mono_float(waveform) -> torch.Tensor:
     """One utterance as a 1-D float32 tensor: integer PCM scaled to [-1, 1), channels
     (``[C, T]`` or ``[T, C]``: the shorter side) averaged; anything else a one-line ValueError."""
     try:
-        if isinstance(waveform, (bytes, bytearray)):
-            raise TypeError("raw bytes: give their samples, e.g. numpy.frombuffer(data, "
+        if isinstance(waveform, (bytes, bytearray)) or (
+                isinstance(waveform, memoryview) and waveform.format in ("B", "b", "c")
+                and isinstance(waveform.obj, (bytes, bytearray))):
+            raise TypeError("raw bytes (wave's readframes, pyaudio's read; a memoryview of them "
+                            "too): their sample width is unknown; give their samples, e.g. "
+                            "memoryview(data).cast('h') or numpy.frombuffer(data, "
                             "dtype=numpy.int16)")
         if isinstance(waveform, (str, os.PathLike)):
             raise TypeError("a path? read it with tta_brain.data.audio.load_audio")
         if isinstance(waveform, torch.Tensor):  # a differentiable front end's output: samples
             wav = waveform.detach()
-        elif isinstance(waveform, (array.array, memoryview)):   # buffers (``wave``, pyaudio):
-            wav = torch.as_tensor(np.asarray(waveform))          # their sample type, not int64
+        elif isinstance(waveform, (array.array, memoryview)):   # buffers: their sample type,
+            wav = torch.as_tensor(np.array(waveform))            # not int64 (a copy: writable)
+        elif isinstance(waveform, np.ndarray) and not waveform.flags.writeable:
+            wav = torch.as_tensor(waveform.copy())   # numpy.frombuffer's: torch warned of it
         else:
             wav = torch.as_tensor(waveform)
     except (TypeError, ValueError, RuntimeError) as e:     # a path, ragged lists, objects
