@@ -436,15 +436,16 @@ def test_sdpl_and_csuta_take_the_official_collection(tiny_model_dir, utterances)
         assert m.counts["skipped_steps"] == 0
 
 
-def test_cea_ebats_collection_is_the_references_optimiser(tiny_model_dir, utterances):
-    """CEA with ``param_collection: ebats`` == CEA whose first-stage optimiser is the reference's
-    own: ``torch.optim.AdamW(collect_params list, foreach=False)`` over the list with its repeats
-    (torch warns about them); bit for bit on CPU, over 3 episodic utterances; and not the clean
-    list's numbers."""
-    kw = dict(steps=2, steps2=2, lr=1e-2, lr2=1e-2)
-    ours = build_on(tiny_model_dir, "cea", adapt_params=EBATS, **kw)
-    ref = build_on(tiny_model_dir, "cea", adapt_params=CLEAN, **kw)
-    clean = build_on(tiny_model_dir, "cea", adapt_params=CLEAN, **kw)
+@pytest.mark.parametrize("name", ["cea", "suta"])
+def test_ebats_collection_is_the_references_optimiser(tiny_model_dir, utterances, name):
+    """CEA (and the E-BATS benchmark's SUTA) with ``param_collection: ebats`` == the method whose
+    (first-stage) optimiser is the reference's own: ``torch.optim.AdamW(collect_params list,
+    foreach=False)`` over the list with its repeats (torch warns about them); bit for bit on CPU,
+    over 3 episodic utterances; and not the clean list's numbers."""
+    kw = dict(steps=2, steps2=2, lr=1e-2, lr2=1e-2) if name == "cea" else dict(steps=3, lr=1e-2)
+    ours = build_on(tiny_model_dir, name, adapt_params=EBATS, **kw)
+    ref = build_on(tiny_model_dir, name, adapt_params=CLEAN, **kw)
+    clean = build_on(tiny_model_dir, name, adapt_params=CLEAN, **kw)
     assert isinstance(ours.optimizer, RepeatedAdam) and ours.optimizer.sequential
     params, _ = ebats_list(ref.net)
     with pytest.warns(UserWarning, match="duplicate parameters"):

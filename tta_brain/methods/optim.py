@@ -77,7 +77,7 @@ class RepeatedAdam(torch.optim.Adam):
     def __init__(self, params, sequential: bool = False, **kwargs):
         for key in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
             if kwargs.get(key):
-                raise ValueError(f"RepeatedAdam (param_collection: official) does not support "
+                raise ValueError(f"RepeatedAdam (param_collection: official, ebats) does not support "
                                  f"{key}=True")
         kwargs["foreach"] = True
         kwargs.pop("fused", None)
