@@ -1065,14 +1065,17 @@ def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir, capsys):
     conf.mkdir()
     (conf / "suta.opts").write_text("# mine\n--device=cpu\n")
     for extra, said in ((["--decode_opts=--device=cpu"], "--decode_opts sets --device=cpu"),
-                        (["--conf_dir", str(conf)], f"{conf / 'suta.opts'} sets --device=cpu")):
-        with pytest.raises(SystemExit, match="and the grid has --gpus '0': every run would "
-                                             "decode on cpu") as e:
+                        (["--conf_dir", str(conf)], f"{conf / 'suta.opts'}:2 sets --device=cpu")):
+        with pytest.raises(SystemExit, match=r"and the grid has --gpus '0': s/\w+/seed0 would "
+                                             r"decode on cpu") as e:
             grid.plan_runs(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0", *extra))
         assert said in str(e.value)
         assert grid.plan_runs(_grid_args(tmp_path, tiny_model_dir, *extra))      # no --gpus: fine
-    assert grid.plan_runs(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0",
-                                     "--decode_opts=--device=cuda:0"))
+    # what decides is the run's last --device (decode's): a later cuda one, or an option list
+    # that reaches no run (--md_decode_opts without multi-domain streams), leaves the GPU used
+    for extra in (["--conf_dir", str(conf), "--decode_opts=--device=cuda:0"],
+                  ["--md_decode_opts=--device=cpu"]):
+        assert grid.plan_runs(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0", *extra))
     if not CUDA:
         grid.check_done(gpu)
         assert all(r.status == "failed" and "no CUDA device" in r.message for r in gpu)
@@ -1102,7 +1105,8 @@ def test_slurm_jobs_that_ask_for_gpus_decode_on_cuda(tmp_path, tiny_model_dir):
         grid.check_done(again)
         assert all(r.status == "failed" and "no CUDA device" in r.message for r in again)
     user = _grid_args(tmp_path, tiny_model_dir, "--engine", "slurm", "--decode_opts=--device=cpu")
-    with pytest.raises(SystemExit, match="sets --device=cpu and the grid has Slurm GPUs"):
+    with pytest.raises(SystemExit, match="--decode_opts sets --device=cpu and the grid has "
+                                         "Slurm GPUs"):
         grid.plan_runs(user, cuda=True)       # it won, silently: each job's GPU idle
     assert all(r.argv[-1] == "--device=cpu" for r in grid.plan_runs(user))    # no GPUs: fine
 

@@ -70,7 +70,7 @@ _po_set() {
   esac
   local _po_prev=_po_where_${_po_n}
   if [[ " ${append_options:-} " == *" ${_po_n} "* ]] && [[ ${po_given} == *" ${_po_n} "* ]] \
-      && [ "${!_po_prev}" = "${_po_w}" ]; then
+      && [ "${!_po_prev}" = "${_po_w}" ] && [ "${_po_w}" = "$0" ]; then
     _po_v="${!_po_n} ${_po_v}"       # a list option given twice on the command line: both
   fi
   printf -v "${_po_n}" '%s' "${_po_v}"

@@ -737,7 +737,7 @@ def main(argv=None) -> int:
         args, Path(args.exp_dir) / ".grid", submit=not (args.dry_run or args.check)))
     if cuda:
         logging.getLogger("tta_brain.grid").info(
-            "%s asks for GPUs: the runs decode on cuda (--decode_opts=--device=cpu to override)",
+            "%s asks for GPUs: the runs decode on cuda (a slurm.yaml without GPUs for the CPU)",
             args.slurm_conf)
     runs = plan_runs(args, cuda=cuda)
     if args.dry_run or args.check:     # each run's settings checked as its start would (not

@@ -331,7 +331,7 @@ def as_mono_float(waveform) -> torch.Tensor:
     (``[C, T]`` or ``[T, C]``: the shorter side) averaged; anything else a one-line ValueError."""
     try:
         if isinstance(waveform, (bytes, bytearray)) or (
-                isinstance(waveform, memoryview) and waveform.format in ("B", "b", "c")
+                isinstance(waveform, memoryview) and waveform.format == "B"
                 and isinstance(waveform.obj, (bytes, bytearray))):
             raise TypeError("raw bytes (wave's readframes, pyaudio's read; a memoryview of them "
                             "too): their sample width is unknown; give their samples, e.g. "

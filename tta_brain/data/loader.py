@@ -227,6 +227,6 @@ class StreamLoader:
         why = self.too_short(n) if self.too_short is not None else None
         if why:
             return None, f"{row['wav']}: too short for the model ({why})"
-        if not dur:                  # an empty duration cell: the audio's own length (was 0)
+        if not dur:                  # an empty (or 0) duration cell: the audio's own length
             utt.duration = n / sr
         return wav, None

@@ -91,17 +91,18 @@ def _format_value(value):
     return value
 
 
-def read_manifest(path, replacements=None):
+def read_manifest(path, replacements=None, lines=None):
     """Read a manifest into a list of dicts (all values strings, ``duration`` as float).
 
     With ``replacements`` (e.g. ``{"data_root": "/data"}``) every ``$name`` in a value is replaced;
     a ``$name`` without a replacement raises :class:`ManifestError`. Without it values are left as
     written, which keeps ``$data_root`` placeholders when rows are copied into a new manifest.
+    With a list ``lines``, each row's line number in the file is appended to it.
     """
     path = Path(path)
     records = _records(path)
     try:
-        return _read_rows(path, records, replacements)
+        return _read_rows(path, records, replacements, lines)
     finally:
         records.close()
 
@@ -212,11 +213,8 @@ def validate_manifest(path, required=UTT_COLUMNS, stream: Optional[bool] = None)
     if missing:
         raise ManifestError(f"{path}: missing required column(s) {', '.join(missing)} "
                             f"(found: {', '.join(header)})")
-    records, lines = _records(path), []
-    try:
-        rows = _read_rows(path, records, None, lines)
-    finally:
-        records.close()
+    lines = []
+    rows = read_manifest(path, lines=lines)
     if not rows:
         raise ManifestError(f"{path}: manifest has a header but no rows")
     ids = [r.get("ID", "") for r in rows] if "ID" in header else []

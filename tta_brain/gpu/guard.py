@@ -40,7 +40,7 @@ class DeviceHook:
 
 # ------------------------------------------------------------------------------ optimiser
 def _repeated(opt) -> bool:
-    """``param_collection: official``'s optimiser (``methods.optim.RepeatedAdam``), which runs
+    """``param_collection: official``'s / ``ebats``' optimiser (``methods.optim.RepeatedAdam``), which runs
     on the device by its own ``to_device`` (not torch's fused kernels)."""
     return callable(getattr(opt, "to_device", None)) and hasattr(opt, "on_device")
 

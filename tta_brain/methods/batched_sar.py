@@ -2,8 +2,9 @@
 
 Per step, as ``SAR.device_body`` for each run: pass 1's entropy over its own non-blank frames,
 filtered with its E0; its gradient moves the run's row to ``theta + rho g / ||g||`` (no ascent
-after a stopped pass 1); pass 2 at those rows over pass 1's frames, filtered again; the rows back
-at ``theta`` (the ascent added and subtracted, as SAR does) and the runs whose passes were both
+after a stopped pass 1); pass 2 at those rows (a separate leaf: the runs' rows themselves never
+move, so they stay ``theta`` exactly, as SAR's SAM restores it) over pass 1's frames, filtered
+again; the runs whose passes were both
 kept take their AdamW step with pass 2's gradient; each run's loss EMA (float64, on the device)
 follows its updates. The verdicts (filter and skip records, pass counts) and the EMAs are read
 with the transcripts; a run whose EMA fell below its ``reset_constant`` recovers (model and
@@ -86,7 +87,6 @@ class BatchedSAR(BatchedSUTA):
         g2 = self.backward(torch.where(ran2, h2, torch.zeros_like(h2)).sum(), leaf2)
         done = ran2 & g2.isfinite().all(dim=1)
         with torch.no_grad():
-            self._put_rows(self.fast.P, runs, rows)     # theta itself, as SAR's SAM restores it
             if update:
                 self.apply(runs, g2, done)
             a, ema, on = (self._rows(t, runs) for t in (self.loss_ema, self.ema, self.ema_on))

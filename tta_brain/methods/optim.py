@@ -1,6 +1,7 @@
 """The optimisers of a parameter selection: :func:`build_optimizer` (any factory; Adam/AdamW run
-their ``foreach`` implementation) and, for ``param_collection: official``, :class:`RepeatedAdam`,
-which applies the official code's parameter list with its repeated tensors exactly."""
+their ``foreach`` implementation) and, for ``param_collection: official`` / ``ebats``,
+:class:`RepeatedAdam`, which applies a reference's parameter list with its repeated tensors
+exactly (as torch's foreach or, ``ebats``, its per-tensor loop runs such a list)."""
 from functools import partial
 from typing import Callable, Optional
 
@@ -16,7 +17,7 @@ def build_optimizer(factory: Optional[Callable], selected, lr: float):
     """``factory(param_groups)`` (default AdamW, no weight decay); an Adam/AdamW built with
     ``foreach=None`` runs its ``foreach`` implementation (PyTorch's GPU default; on CPU the same
     numbers as the per-tensor loop, with less Python overhead). A selection with
-    ``param_collection: official`` gets the official code's list (:class:`RepeatedAdam`
+    ``param_collection: official`` (or ``ebats``) gets that reference's list (:class:`RepeatedAdam`
     over the repeated CNN tensors, with the factory's class and hyperparameters)."""
     if not selected:
         return None

@@ -72,10 +72,6 @@ def _not_grid_set(source: str, opts: List[str]) -> None:
                              f"{GRID_SET[key]}); give it there")
 
 
-def _opts_file(path: Path) -> List[str]:
-    return [a for _, a in _opts_lines(path)]
-
-
 def _opts_lines(path: Path) -> List[Tuple[str, str]]:
     """``(path:line, option)`` of an ``.opts`` file's options (none when there is no file)."""
     if not path.is_file():
@@ -215,20 +211,22 @@ class OptionRule:
         return kept
 
 
-def _no_device_with_gpus(source: str, opts: List[str], gpu: List[str], args) -> None:
+def _no_device_with_gpus(run: Run, args) -> None:
     """A run's own ``--device`` after the grid's ``--device=cuda`` won (a grid given ``--gpus``
-    decoded on the CPU, its GPUs idle, without a word): one line instead."""
-    device = _keyvals(opts).get("device")
-    if gpu and device is not None and not device.startswith("cuda"):
+    decoded on the CPU, its GPUs idle, without a word): one line naming where it was set."""
+    device = _keyvals(run.argv).get("device", "cuda")          # the last one: what decode takes
+    if not device.startswith("cuda"):
         asked = f"--gpus {args.gpus!r}" if args.gpus.split() else "Slurm GPUs (--slurm_conf)"
-        raise SystemExit(f"ERROR: {source} sets --device={device} and the grid has {asked}: "
-                         f"every run would decode on {device}; give one of them")
+        raise SystemExit(f"ERROR: {run.origins.get('device', 'an option')} sets "
+                         f"--device={device} and the grid has {asked}: {run.name} would decode "
+                         f"on {device}; give one of them")
 
 
 def plan_runs(args, cuda: bool = False) -> List[Run]:
     """Every run of the grid, in order (streams, methods, seeds, sweep points). Its runs decode
-    on CUDA (``--device=cuda`` before the user's options) with local ``--gpus`` or ``cuda``
-    (Slurm jobs that ask for GPUs)."""
+    on CUDA with local ``--gpus`` or ``cuda`` (Slurm jobs that ask for GPUs): ``--device=cuda``
+    comes before the user's options, and a run whose options then set another device is refused
+    (its GPU would be idle)."""
     conf = Path(args.conf_dir) if args.conf_dir else None
     md = set(args.md_streams.split())
     user = _options("--decode_opts", args.decode_opts)
@@ -253,8 +251,6 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
     rule.check("--sweep", points[0])
     # --gpus: each local run sees its one GPU (CUDA_VISIBLE_DEVICES) and decodes on it
     gpu = ["--device=cuda"] if cuda or (args.engine == "local" and args.gpus.split()) else []
-    for source, opts in (("--decode_opts", user), ("--md_decode_opts", md_opts)):
-        _no_device_with_gpus(source, opts, gpu, args)
     runs, named = [], {}
     for spec in args.streams:
         name, csv = stream_spec(spec)
@@ -275,11 +271,11 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                 + ([f"{token}.opts"] if token != base else [])
             lines = [wa for f in files for wa in (_opts_lines(conf / f) if conf else [])]
             recipe = reset + [a for _, a in lines]
-            for f in files if conf else ():
-                _no_device_with_gpus(str(conf / f), _opts_file(conf / f), gpu, args)
-            if kind:
-                recipe += (rule.kept(token, "--md_recipe_opts", md_recipe)
-                           + rule.kept(token, "--md_decode_opts", md_opts))
+            md_lists = ((("--md_recipe_opts", rule.kept(token, "--md_recipe_opts", md_recipe)),
+                         ("--md_decode_opts", rule.kept(token, "--md_decode_opts", md_opts)))
+                        if kind else ())
+            for _, opts in md_lists:
+                recipe += opts
             mine = rule.kept(token, "--decode_opts", user)
             for point in points:
                 point = rule.kept(token, "--sweep", point)
@@ -295,11 +291,11 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                             f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
                             *gpu, *recipe, *mine, *point, *label]
                     origins = {k: w for w, a in lines for k in _keyvals([a])}
-                    for where, opts in (("--md_recipe_opts", md_recipe if kind else []),
-                                        ("--md_decode_opts", md_opts if kind else []),
-                                        ("--decode_opts", mine), ("--sweep", point)):
+                    for where, opts in (*md_lists, ("--decode_opts", mine), ("--sweep", point)):
                         origins.update((k, where) for k in _keyvals(opts))
                     runs.append(Run(rel, folder, argv, total=total, origins=origins))
+                    if gpu:
+                        _no_device_with_gpus(runs[-1], args)
     return _unique(runs)
 
 
