@@ -1302,3 +1302,18 @@ def test_domains_without_segments_are_the_oracles_blocks(tmp_path, tiny_model_di
     note = "no segment column: 3 domain blocks from its domain column"
     assert note in (tmp_path / "own" / "log.txt").read_text()
     assert note not in (tmp_path / "stream" / "log.txt").read_text()
+
+
+def test_live_stream_build_errors_speak_of_its_overrides(tiny_model_dir):
+    """``TTAStream.from_hparams`` errors named decode's command-line options (``--lrr``,
+    ``--source_stats``) to a Python caller who passed ``overrides={...}``; now its own words,
+    a suggested command left as it is."""
+    from tta_brain import hparams
+    from tta_brain.stream import TTAStream
+    for name, ov, said in (
+            ("suta", {"lrr": 1e-4}, "overrides['lrr'] is no key of this yaml (did you mean "
+                                    "overrides['lr']? python -m tta_brain.decode suta --help"),
+            ("eata", {}, "no source statistics file given (overrides['source_stats']); make one "
+                         "with python -m tta_brain.stats --source <model>")):
+        with pytest.raises(hparams.HparamsError, match=re.escape(said)):
+            TTAStream.from_hparams(name, source=tiny_model_dir, overrides=ov)

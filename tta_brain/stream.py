@@ -19,6 +19,7 @@ seeds them after those calls.
 import array
 import logging
 import os
+import re
 import threading
 from typing import Dict, List, Optional, Union
 
@@ -73,14 +74,18 @@ class TTAStream:
         The run block's process-wide CUDA settings (``deterministic``, ``tf32``) are applied as
         ``tta_brain.decode`` applies them.
 
-        Raises :class:`tta_brain.hparams.HparamsError` (one line naming the file and key)."""
+        Raises :class:`tta_brain.hparams.HparamsError` (one line naming the file and key, in
+        the words of this call: ``overrides['lr']``, not decode's ``--lr``)."""
         ov = {"stream_csv": "", "output_folder": "", "device": device}
         if source is not None:
             ov["source"] = str(source)
         ov.update(overrides or {})
-        resolved = hp_files.resolve(hparams, ov)
-        with torch.inference_mode(False):    # see _NORMAL_TENSORS
-            hp = resolved.build()
+        try:
+            resolved = hp_files.resolve(hparams, ov)
+            with torch.inference_mode(False):    # see _NORMAL_TENSORS
+                hp = resolved.build()
+        except hp_files.HparamsError as e:
+            raise hp_files.HparamsError(api_words(str(e))) from None
         process_settings(ov["device"], hp.get("deterministic", True), hp.get("tf32", "torch"))
         settings = {k: v for k, v in resolved.values.items() if k not in _NOT_SETTINGS
                     and not k.startswith("__") and isinstance(v, (str, int, float, bool, type(None)))}
@@ -282,6 +287,15 @@ class TTAStream:
         if sd.get("rng") is not None:
             from tta_brain.run.checkpoint import set_rng_state
             set_rng_state(sd["rng"])
+
+
+def api_words(message: str) -> str:
+    """A yaml error, said for decode's command line (``--lr=abc``), in the words of a
+    :meth:`TTAStream.from_hparams` call: ``overrides['lr']=abc`` (``device=`` its argument); a
+    command it suggests (``python -m tta_brain.stats --source ...``) stays as it is."""
+    said, command, rest = message.partition("python -m ")
+    said = re.sub(r"(?<![\w-])--device=", "device=", said)
+    return re.sub(r"(?<![\w-])--([A-Za-z_]\w*)", r"overrides['\1']", said) + command + rest
 
 
 def _bad_fields(sd: Dict) -> str:
