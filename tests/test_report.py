@@ -169,6 +169,27 @@ def test_runs_pooled_as_seeds_that_are_not_are_named(tmp_path, caplog):
     assert "## Warnings" not in report.build_markdown(report.collect_runs(tmp_path / "snr5"))
 
 
+def test_runs_that_scored_different_utterances_are_named(tmp_path):
+    """A run that skipped utterances the others decoded (too long for its max_duration) sat in
+    the stream table beside them without a word (its WER over other utterances); now a warning
+    names it. Runs with the same skips, or none, say nothing."""
+    import dataclasses
+    for method in ("source", "dsuta", "suta"):
+        make_run(tmp_path, method, "md_easy", 0, 1)
+    d = tmp_path / "md_easy" / "dsuta" / "0"
+    skips = [{"position": 3, "ID": "utt00003", "reason": "longer than max_duration"},
+             {"position": 9, "ID": "utt00009", "reason": "longer than max_duration"}]
+    summary.write_summary(d, dataclasses.replace(summary.read_summary(d), n_skipped=2,
+                                                 skipped=skips))
+    runs = report.collect_runs(tmp_path)
+    assert report.skip_warnings(runs) == [
+        "md_easy: the runs scored different utterances (md_easy/dsuta/0 skipped 2; the others "
+        "none or other ones): their md_easy WERs are over other sets of utterances (each run's "
+        "rejects.csv lists its skips)"]
+    assert report.skip_warnings(runs)[0] in section(report.build_markdown(runs), "Warnings")
+    assert report.skip_warnings([r for r in runs if r.method != "dsuta"]) == []
+
+
 def test_methods_decoded_on_different_files_of_one_stream_are_named(tmp_path, caplog):
     """A stream written again (``--force_streams``) and only some of its runs decoded again:
     RESULTS.md put source on the new 40-row file beside suta on the old 30-row one, one column,
@@ -351,6 +372,7 @@ def test_efficiency_ratios_to_the_default_steps_of_suta(tmp_path):
 def test_environment_block(written):
     _, text = written
     env = section(text, "Environments")
+    assert "Where this report was written (each run's own machine" in env
     for key in ("date", "python version", "torch version", "torchaudio version", "transformers version",
                 "speechbrain version", "Git hash", "CPU", "GPU"):
         assert f"- {key}: `" in env

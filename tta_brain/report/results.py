@@ -1,4 +1,4 @@
-"""RESULTS.md (tables of ``tta_brain.report.tables``, mean +- spread over seeds) and the plots of a tree
+"""RESULTS.md (tables of ``tta_brain.report.tables``, mean +- sample std over seeds) and the plots of a tree
 of finished runs.
 
 Usage::
@@ -116,6 +116,24 @@ def run_warnings(runs: Sequence[Run]) -> List[str]:
     return [f"{r.name}: {w}" for r in runs for w in (r.summary.warnings or [])]
 
 
+def skip_warnings(runs: Sequence[Run]) -> List[str]:
+    """One line per stream whose runs scored different utterances (a run skipped some the
+    others decoded: too long for its ``max_duration``, unreadable, too short for its model):
+    the tables set their WERs side by side, over other sets of utterances."""
+    lines = []
+    for stream in OrderedDict((r.stream, None) for r in runs):
+        sruns = [r for r in runs if r.stream == stream]
+        sets = {r.name: frozenset(s.get("position") for s in (r.summary.skipped or []))
+                for r in sruns}
+        if len(set(sets.values())) > 1:
+            said = [f"{name} skipped {len(pos)}" for name, pos in sets.items() if pos]
+            lines.append(f"{stream}: the runs scored different utterances ({', '.join(said[:4])}"
+                         f"{', ...' if len(said) > 4 else ''}; the others none or other ones): "
+                         f"their {stream} WERs are over other sets of utterances (each run's "
+                         f"rejects.csv lists its skips)")
+    return lines
+
+
 def _cell_warnings(runs: Sequence[Run]) -> List[str]:
     groups = OrderedDict()
     for r in runs:
@@ -154,7 +172,9 @@ def _seed_key(seed):
 
 
 def environment_block(runs: Sequence[Run], repo_dir=None) -> str:
-    lines = ["## Environments"] + [f"- {k}: `{v}`" for k, v in environment(repo_dir).items()]
+    lines = ["## Environments", "Where this report was written (each run's own machine, versions and "
+             "checkout are in its env.log):"] \
+        + [f"- {k}: `{v}`" for k, v in environment(repo_dir).items()]
     recorded = OrderedDict()
     for r in runs:
         if r.summary.versions:
@@ -178,7 +198,7 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
     M = metric.upper()
     notes = (f"{DEFINITIONS[metric]}, pooled over a run's utterances. Cells: "
              "mean ± sample std over runs (seeds), n = number of runs.")
-    warnings = pooling_warnings(runs) + run_warnings(runs)
+    warnings = pooling_warnings(runs) + run_warnings(runs) + skip_warnings(runs)
     parts = ["# RESULTS", environment_block(runs, repo_dir)]
     if warnings:
         parts += ["## Warnings", "\n".join(f"- {w}" for w in warnings)]
@@ -202,9 +222,13 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
         parts += [f"**{s}**\n\n{t}" for s, t in resets if t]
     eff = [(s, tables.table_efficiency(runs, s)) for s in tables.streams_of(runs)]
     if any(t for _, t in eff):
-        parts += ["## Efficiency", "Forward/backward passes per utterance (means over runs), wall "
-                  "time, and seconds of compute per second of audio; ratios are to SUTA on the same "
-                  "stream (its one tagged variant, e.g. suta_steps1, where no run is tagged suta)."]
+        parts += ["## Efficiency", "Forward/backward passes per utterance (means over runs; a "
+                  "pass is one forward or one backward of the model, auxiliary forwards such as "
+                  "AWMC's anchor or the dynamic reset's LII included), wall time of the decode "
+                  "loop (model loading left out; mean over runs), and seconds of compute per "
+                  "second of audio; ratios are to SUTA on the same stream (its one tagged "
+                  "variant, e.g. suta_steps1, where no run is tagged suta): time per audio "
+                  "second, and passes per utterance (the four columns' sum)."]
         parts += [f"**{s}**\n\n{t}" for s, t in eff if t]
     steps = tables.table_steps(runs, digits)
     if steps:
