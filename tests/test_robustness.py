@@ -1181,6 +1181,7 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     fresh = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov)
     params = [p.detach().clone() for p in fresh.method.params]
     for field, value, why in (("resets", None, "resets None is not a list of positions"),
+                              ("resets", [2, "x"], "resets [2, 'x'] is not a list of positions"),
                               ("position", "x", "position 'x' is not a count of utterances"),
                               ("settings", None, "no settings recorded")):
         odd = tmp_path / f"odd_{field}.pt"

@@ -307,8 +307,9 @@ def _bad_fields(sd: Dict) -> str:
     resets = sd.get("resets")
     if not isinstance(resets, (list, tuple)) or not all(
             isinstance(r, int) and not isinstance(r, bool) for r in resets):
-        return f"resets {_short(resets) if isinstance(resets, list) else repr(resets)} is not a " \
-               f"list of positions"
+        shown = repr(resets)
+        return f"resets {shown if len(shown) <= 60 else shown[:57] + '...'} is not a list of " \
+               f"positions"
     if not isinstance(sd.get("lii", []), (list, tuple)):
         return f"lii {type(sd.get('lii')).__name__} is not a list"
     if "format" in sd and not isinstance(sd.get("settings"), dict):
