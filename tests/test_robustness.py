@@ -939,6 +939,7 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
             tta.transcribe(want, sample_rate=rate)
     assert tta.position == 3 and tta.counts == tta.method.counts
     tta.reset()                            # an episodic method's reset is listed too (was not)
+    tta.reset()                            # and a second one at that position is the same reset
     assert tta.resets == [3]
     hyp = tta.transcribe(want, sample_rate=np.int64(16000))          # numpy and whole floats
     assert hyp == tta.transcribe(want, sample_rate=16000.0) == hyps[0]
@@ -1033,6 +1034,7 @@ def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_mod
                                        overrides={"steps": 1, "buffer_size": 1})
     continual.transcribe(utterances[0])
     continual.reset()                                   # the user's, as a policy's is listed
+    continual.reset()                                   # twice at one position: listed once
     assert continual.resets == [1]
     serial.save(tmp_path / "s.pt")
     cut = tmp_path / "cut.pt"

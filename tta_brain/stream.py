@@ -171,11 +171,14 @@ class TTAStream:
         m = self.method
         if not m.episodic:
             m.reset_meta(m.t, self.position, "user")
-            self.resets += [ev.position for ev in m.events if ev.kind == "reset"]   # as a policy's
+            done = [ev.position for ev in m.events if ev.kind == "reset"]   # as a policy's
             m.events.clear()
         else:
             m.reset()
-            self.resets.append(self.position)       # listed as a continual method's is
+            done = [self.position]                  # listed as a continual method's is
+        for at in done:         # a second reset at one position is the same reset: listed once
+            if not self.resets or self.resets[-1] != at:
+                self.resets.append(at)
 
     def identity(self) -> Dict:
         """What a saved state must match to be loaded here: the method, its reset policy, the
