@@ -219,7 +219,14 @@ def test_long_report_tells_runs_apart_and_keeps_its_warnings(decoded, tiny_model
     other, own = (next(r for r in runs if r.name == f"{d}/source/seed0")
                   for d in ("copy", "md_long"))
     other.summary.fingerprint["stream_sha1"] = "another stream file"
-    assert _source_for(next(r for r in runs if r.name == "md_long/dsuta/seed0"), runs) is own
+    dsuta = next(r for r in runs if r.name == "md_long/dsuta/seed0")
+    assert _source_for(dsuta, runs) is own
+    # and of the same source model: a source run of another model in the folder is not its own
+    other.summary.fingerprint["stream_sha1"] = own.summary.fingerprint["stream_sha1"]
+    assert _source_for(dsuta, [other, own]) is other           # (the first of the same model)
+    other.summary.fingerprint["hparams"]["source"] = "sha1:another model"
+    assert _source_for(dsuta, [other, own]) is own
+    assert _source_for(dsuta, [other]) is None
 
 
 def test_memory_verdict_covers_cuda_memory_on_a_gpu(decoded):

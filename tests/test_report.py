@@ -214,6 +214,29 @@ def test_methods_decoded_on_different_files_of_one_stream_are_named(tmp_path, ca
     assert report.stream_warnings([r for r in runs if r.method != "source"]) == []
 
 
+def test_runs_of_different_source_models_on_one_stream_are_named(tmp_path, caplog):
+    """Runs of two source models decoded into one experiment folder (``--model`` changed between
+    stage calls) sat in one stream column, each cell consistent, no warning: the table compared
+    suta on one model with the source row of another. Now the column is named with its models;
+    a hub model recorded without its commit is the same model as with one."""
+    import dataclasses
+    for method, model in (("source", "sha1:aaaa"), ("suta", "sha1:bbbb"), ("dsuta", "sha1:bbbb"),
+                          ("sgem", "hub:org/w2v2@0123abcd"), ("csuta", "hub:org/w2v2")):
+        d = make_run(tmp_path, method, "md_easy", 0, 1)
+        summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint={
+            "stream_sha1": "s", "hparams": {"seed": 0, "source": model}}))
+    with caplog.at_level(logging.WARNING, logger="tta_brain.report.results"):
+        runs = report.collect_runs(tmp_path)
+    said = ("stream md_easy: its runs adapted 3 different source models (sha1:aaaa: "
+            "md_easy/source/0; sha1:bbbb: md_easy/suta/0, md_easy/dsuta/0; hub:org/w2v2@0123abcd: "
+            "md_easy/sgem/0, md_easy/csuta/0), compared side by side as one experiment: give "
+            "each model its own experiment folder (--exp_dir) and report each apart")
+    assert caplog.messages == [said]
+    assert said in section(report.build_markdown(runs), "Warnings")
+    assert report.stream_warnings([r for r in runs if r.method in ("suta", "dsuta")]) == []
+    assert report.stream_warnings([r for r in runs if r.method in ("csuta", "sgem")]) == []
+
+
 def test_run_folders_left_out_are_listed_in_results_md(results, written, tmp_path):
     """Unfinished, unreadable and never-started runs were only warned about on stderr: RESULTS.md
     just lacked them, as if never run. Now they are listed, with why, under "Not reported"."""

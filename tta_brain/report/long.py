@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tta_brain.data.cache import same_source
 from tta_brain.report import tags
 from tta_brain.report.tables import (METRICS, _label_key, fmt, in_metric, label_text,
                                      md_table, method_labels, position_counts, run_wer)
@@ -107,12 +108,15 @@ def _stream_sha1(run: Run) -> Optional[str]:
 
 def _source_for(run: Run, runs: Sequence[Run]) -> Optional[Run]:
     """The ``source`` run of ``run``'s stream (same seed when there is one): of the same stream
-    file where the fingerprints say (two SNRs' folders hold streams of one name), else of the
-    same stream name."""
+    file and source model where the fingerprints say (two SNRs' folders hold streams of one name;
+    two models' runs in one folder), else of the same stream name."""
     same = [r for r in runs if r.stream == run.stream and r.method == "source"]
     sha = _stream_sha1(run)
     if sha:
         same = [r for r in same if _stream_sha1(r) in (sha, None)]
+    model = run.source_model
+    if model:                           # and of the same source model where both record it
+        same = [r for r in same if r.source_model is None or same_source(r.source_model, model)]
     return next((r for r in same if r.seed == run.seed), same[0] if same else None)
 
 

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from tta_brain.data.cache import same_source
 from tta_brain.report import tables, tags
 from tta_brain.run.envinfo import environment
 from tta_brain.run.folder import Run, load_run, walk
@@ -87,26 +88,43 @@ def pooling_warnings(runs: Sequence[Run]) -> List[str]:
 def stream_warnings(runs: Sequence[Run]) -> List[str]:
     """The stream columns whose runs decoded different stream files though the tables compare
     them side by side (a stream written again after some runs, e.g. ``--force_streams``, and
-    only some decoded again; another SNR's folder of the same name): one line each, naming the
-    files (rows, sha1) and the methods on each."""
-    files = OrderedDict()
+    only some decoded again; another SNR's folder of the same name), or adapted different source
+    models (another ``--model`` decoded into the same experiment folder): one line each, naming
+    the files (rows, sha1) or models and the runs on each."""
+    files, models = OrderedDict(), OrderedDict()
     for r in runs:
         fp = r.summary.fingerprint or {}
         if fp.get("stream_sha1"):
             files.setdefault(r.stream, OrderedDict()).setdefault(
                 (fp["stream_sha1"], fp.get("n_rows")), []).append(r)
+        model = r.source_model
+        if model:
+            known = models.setdefault(r.stream, OrderedDict())
+            model = next((m for m in known if same_source(m, model)), model)   # hub: w/o commit
+            known.setdefault(model, []).append(r)
     lines = []
     for stream, found in files.items():
         if len(found) < 2:
             continue
         parts = [(f"{rows} rows, " if rows is not None else "") + f"sha1 {sha[:10]}: "
-                 + ", ".join(r.name for r in group[:4]) + (", ..." if len(group) > 4 else "")
-                 for (sha, rows), group in found.items()]
+                 + _names(group) for (sha, rows), group in found.items()]
         lines.append(f"stream {stream}: its runs decoded {len(found)} different stream files "
                      f"({'; '.join(parts)}), compared side by side as one stream: decode the "
                      f"runs of the stale file again on the current one (--decode_opts="
                      f"--overwrite) or report each file's runs apart (--exp_dir)")
+    for stream, found in models.items():
+        if len(found) > 1:
+            parts = [f"{model if model.startswith('hub:') else model[:17]}: {_names(group)}"
+                     for model, group in found.items()]
+            lines.append(f"stream {stream}: its runs adapted {len(found)} different source "
+                         f"models ({'; '.join(parts)}), compared side by side as one experiment: "
+                         f"give each model its own experiment folder (--exp_dir) and report "
+                         f"each apart")
     return lines
+
+
+def _names(group: Sequence[Run]) -> str:
+    return ", ".join(r.name for r in group[:4]) + (", ..." if len(group) > 4 else "")
 
 
 def run_warnings(runs: Sequence[Run]) -> List[str]:

@@ -48,6 +48,13 @@ class Run:
     def boundaries(self) -> List[int]:
         return self.summary.boundaries
 
+    @property
+    def source_model(self) -> Optional[str]:
+        """The source model the run adapted, as its fingerprint identifies it (``sha1:`` of a
+        local folder's files, ``hub:<name>@<commit>``); ``None`` where it records none."""
+        source = ((self.summary.fingerprint or {}).get("hparams") or {}).get("source")
+        return str(source) if source else None
+
 
 #: Folders under a results root that hold no run: checkpoints, plots.
 SKIP_DIRS = {"save", "plots", "__pycache__"}
