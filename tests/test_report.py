@@ -1,4 +1,5 @@
 """Tests of tta_brain.report.results / tta_brain.report.plots on realistic experiment directories."""
+import dataclasses
 import json
 import logging
 import statistics
@@ -145,7 +146,6 @@ def png_size(path):
 def test_runs_pooled_as_seeds_that_are_not_are_named(tmp_path, caplog):
     """Reporting a root with two SNRs' folders of one stream name pooled their runs as seeds of
     one experiment (n=3 below); the report now names such cells, in the log and in RESULTS.md."""
-    import dataclasses
     for sub, seed, lr in (("snr5", 0, 1e-4), ("snr20", 0, 1e-4), ("snr20", 1, 2e-4)):
         d = make_run(tmp_path / sub, "suta", "md_easy", seed, 1)
         summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint={
@@ -173,7 +173,6 @@ def test_runs_that_scored_different_utterances_are_named(tmp_path):
     """A run that skipped utterances the others decoded (too long for its max_duration) sat in
     the stream table beside them without a word (its WER over other utterances); now a warning
     names it. Runs with the same skips, or none, say nothing."""
-    import dataclasses
     for method in ("source", "dsuta", "suta"):
         make_run(tmp_path, method, "md_easy", 0, 1)
     d = tmp_path / "md_easy" / "dsuta" / "0"
@@ -194,7 +193,6 @@ def test_methods_decoded_on_different_files_of_one_stream_are_named(tmp_path, ca
     """A stream written again (``--force_streams``) and only some of its runs decoded again:
     RESULTS.md put source on the new 40-row file beside suta on the old 30-row one, one column,
     no warning (each cell alone was consistent). Now the column is named with its files."""
-    import dataclasses
     for method, sha, rows in (("source", "new", 40), ("suta", "old", 30), ("dsuta", "old", 30)):
         d = make_run(tmp_path, method, "md_easy", 0, 1)
         summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint={
@@ -219,7 +217,6 @@ def test_runs_of_different_source_models_on_one_stream_are_named(tmp_path, caplo
     stage calls) sat in one stream column, each cell consistent, no warning: the table compared
     suta on one model with the source row of another. Now the column is named with its models;
     a hub model recorded without its commit is the same model as with one."""
-    import dataclasses
     for method, model in (("source", "sha1:aaaa"), ("suta", "sha1:bbbb"), ("dsuta", "sha1:bbbb"),
                           ("sgem", "hub:org/w2v2@0123abcd"), ("csuta", "hub:org/w2v2")):
         d = make_run(tmp_path, method, "md_easy", 0, 1)
@@ -528,6 +525,32 @@ def test_curves_are_drawn_at_stream_positions(tmp_path):
     assert len(curve) == 100 and np.isnan(curve[10]) and curve[49] == 0 and curve[50] == 100
 
 
+def test_difference_curves_compare_the_utterances_both_runs_scored(tmp_path):
+    """A run that skipped an utterance the baseline decoded: its windows lacked that utterance's
+    errors while the baseline's held them, so the difference curve dipped or rose near the skip
+    by the skipped utterance's WER, not the methods'. Now both count the utterances both scored;
+    runs with the same skips give the curves they gave before."""
+    make_run(tmp_path, "source", "lsc_AA", 0, lambda p, dom: 10 if p in (30, 31) else 2)
+    make_run(tmp_path, "suta", "lsc_AA", 0, 2)
+    runs = report.collect_runs(tmp_path)
+    has_base, [(label, curve, group)] = plots.difference_curves(runs, "lsc_AA", window=4)
+    assert has_base and label[0] == "suta" and [r.method for r in group] == ["suta"]
+    assert np.nanmax(np.abs(curve)) > 0          # the baseline's hard utterances, both scored
+    suta = next(r for r in runs if r.method == "suta")
+    suta.transcripts = [t for t in suta.transcripts if t.position not in (30, 31)]  # its skips
+    _, [(_, curve, _)] = plots.difference_curves(runs, "lsc_AA", window=4)
+    assert len(curve) == 100 and np.nanmax(np.abs(curve)) == 0
+    _, [(_, alone, _)] = plots.difference_curves([suta], "lsc_AA", window=4)    # no baseline:
+    assert np.nanmax(alone) == np.nanmin(alone) == 100.0 * 2 / WORDS          # absolute WER
+    from tta_brain.report.long import collapse_figures
+    source = next(r for r in runs if r.method == "source")
+    assert collapse_figures(suta, source, window=4, margin=0.0)["first_above"] is None
+    source.transcripts = [t for t in source.transcripts if t.position != 40]   # and its skip,
+    suta.transcripts = [dataclasses.replace(t, n_err=10) if t.position in (40, 60) else t
+                        for t in suta.transcripts]                # where suta erred: not counted
+    assert collapse_figures(suta, source, window=4, margin=0.0)["first_above"] == 60
+
+
 def test_cli_prints_main_table(results, tmp_path, capsys):
     out = tmp_path / "R.md"
     rc = report.main(["--exp_dir", str(results), "--out", str(out), "--no_plots"])
@@ -628,7 +651,6 @@ def test_a_grids_steps_sweep_gets_its_steps_table_and_reference(tmp_path):
 def test_pooled_runs_are_checked_though_the_first_has_no_fingerprint(tmp_path):
     """The check compared every run with the first one only, and skipped the cell when that
     one had no fingerprint: three suta runs at three learning rates were one cell, unwarned."""
-    import dataclasses
     for seed, fp in ((0, {}), (1, {"hparams": {"seed": 1, "lr": 3e-4}}),
                      (2, {"hparams": {"seed": 2, "lr": 1e-2}})):
         d = make_run(tmp_path, "suta", "md_easy", seed, 1)

@@ -34,8 +34,9 @@ import numpy as np
 
 from tta_brain.data.cache import same_source
 from tta_brain.report import tags
-from tta_brain.report.tables import (METRICS, _label_key, fmt, in_metric, label_text,
-                                     md_table, method_labels, position_counts, run_wer)
+from tta_brain.report.tables import (METRICS, _label_key, common_positions, fmt, in_metric,
+                                     label_text, md_table, method_labels, position_counts,
+                                     run_wer)
 from tta_brain.run.folder import Run
 
 logger = logging.getLogger("tta_brain.report.long")
@@ -95,11 +96,12 @@ def memory_slope(positions: Sequence[float], values: Sequence[float]) -> Optiona
 # ------------------------------------------------------------------------------------------------
 # runs -> figures, table, plot
 # ------------------------------------------------------------------------------------------------
-def run_curve(run: Run, window: int = WINDOW) -> np.ndarray:
-    """The run's windowed WER indexed by stream position (NaN at positions it did not decode)."""
+def run_curve(run: Run, window: int = WINDOW, only=None) -> np.ndarray:
+    """The run's windowed WER indexed by stream position (NaN at positions it did not decode);
+    ``only``: the positions counted (``tables.common_positions``)."""
     if not run.transcripts:
         return np.full(0, np.nan)
-    return windowed_wer(*position_counts(run), window)
+    return windowed_wer(*position_counts(run, only), window)
 
 
 def _stream_sha1(run: Run) -> Optional[str]:
@@ -128,12 +130,13 @@ def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
     out = {"wer": run_wer(run), "worst": worst, "worst_at": at, "first_above": None,
            "has_source": source is not None, "compared": False, "rss_slope": None, "rss": None,
            "cuda_slope": None}
-    if source is not None:
-        reference = run_curve(source, window)
-        n = min(len(curve), len(reference))
+    if source is not None:              # over the utterances both scored (a skip in neither)
+        both = common_positions([run, source])
+        mine, reference = run_curve(run, window, both), run_curve(source, window, both)
+        n = min(len(mine), len(reference))
         # "never" only where windows were compared: a stream shorter than a window has none
-        out["compared"] = bool((np.isfinite(curve[:n]) & np.isfinite(reference[:n])).any())
-        out["first_above"] = first_above(curve, reference, margin)
+        out["compared"] = bool((np.isfinite(mine[:n]) & np.isfinite(reference[:n])).any())
+        out["first_above"] = first_above(mine, reference, margin)
     if run.memory:
         out["rss_slope"] = memory_slope([m.position for m in run.memory],
                                         [m.rss_mb for m in run.memory])

@@ -19,8 +19,9 @@ import numpy as np  # noqa: E402
 
 from tta_brain.report import tags  # noqa: E402
 from tta_brain.run.folder import Run  # noqa: E402
-from tta_brain.report.tables import (aggregate, group_runs, has_resets, label_text,  # noqa: E402
-                                     position_counts, run_wer, steps_groups, streams_of)
+from tta_brain.report.tables import (Label, aggregate, group_runs, has_resets, label_text,  # noqa: E402
+                                     common_positions, position_counts, run_wer, steps_groups,
+                                     streams_of)
 
 logger = logging.getLogger(__name__)
 DPI = 120
@@ -81,10 +82,10 @@ def smoothed_wer(n_err: Sequence[float], n_words: Sequence[float], window: int =
         return np.where(words > 0, 100.0 * (ce[end] - ce[start]) / words, np.nan)
 
 
-def _mean_curve(runs: Sequence[Run], window: int) -> Optional[np.ndarray]:
+def _mean_curve(runs: Sequence[Run], window: int, only=None) -> Optional[np.ndarray]:
     """Mean over runs (seeds) of their smoothed WER curves by stream position, cut to the
-    shortest run."""
-    curves = [smoothed_wer(*position_counts(r), window) for r in runs if r.transcripts]
+    shortest run; ``only``: the positions counted (:func:`tables.common_positions`)."""
+    curves = [smoothed_wer(*position_counts(r, only), window) for r in runs if r.transcripts]
     if not curves:
         return None
     n = min(len(c) for c in curves)
@@ -93,33 +94,49 @@ def _mean_curve(runs: Sequence[Run], window: int) -> Optional[np.ndarray]:
         return np.nanmean(np.stack([c[:n] for c in curves]), axis=0)
 
 
+def difference_curves(runs: Sequence[Run], stream: str, window: int = 100,
+                      baseline: str = "source") -> Tuple[bool, List[Tuple[Label, np.ndarray,
+                                                                       List[Run]]]]:
+    """``(has_baseline, [(label, curve, its runs)])`` of ``stream``: each method's smoothed WER
+    minus the baseline's by stream position, both over the utterances every one of those runs
+    scored (a skip in either leaves that utterance out of both: the curves compare one set of
+    utterances); each method's absolute WER where the stream has no baseline run."""
+    sruns = [r for r in runs if r.stream == stream and r.transcripts]
+    base_runs = [r for r in sruns if r.method == baseline]
+    out = []
+    for label, by_stream in group_runs(sruns).items():
+        group = list(by_stream[stream])
+        if label[0] == baseline and base_runs:
+            continue
+        if base_runs:
+            both = common_positions(group + base_runs)
+            curve, ref = (_mean_curve(g, window, both) for g in (group, base_runs))
+            n = min(len(curve), len(ref))
+            curve = curve[:n] - ref[:n]
+        else:
+            curve = _mean_curve(group, window)
+        out.append((label, curve, group))
+    return bool(base_runs), out
+
+
 def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int = 100,
                         baseline: str = "source", metric: str = "wer") -> Optional[str]:
-    """Smoothed WER of each method minus the baseline's over stream position (absolute WER if the
-    stream has no baseline run); boundaries dashed, resets of dynamic-reset runs as markers.
-    ``metric="cer"``: of runs from ``tables.in_metric``, labelled CER."""
+    """Smoothed WER of each method minus the baseline's over stream position
+    (:func:`difference_curves`; absolute WER if the stream has no baseline run); boundaries
+    dashed, resets of dynamic-reset runs as markers. ``metric="cer"``: of runs from
+    ``tables.in_metric``, labelled CER."""
     M = metric.upper()
     sruns = [r for r in runs if r.stream == stream and r.transcripts]
-    groups = group_runs(sruns)
-    base = _mean_curve([r for r in sruns if r.method == baseline], window)
+    base, curves = difference_curves(sruns, stream, window, baseline)
     fig, ax = plt.subplots(figsize=(10, 4.5))
     drawn = 0
-    for label, by_stream in groups.items():
+    for label, curve, group in curves:
         method = label[0]
-        if method == baseline and base is not None:
-            continue
-        curve = _mean_curve(by_stream[stream], window)
-        if curve is None:
-            continue
-        if base is not None:
-            n = min(len(curve), len(base))
-            curve = curve[:n] - base[:n]
-        nruns = len(by_stream[stream])
         ax.plot(np.arange(len(curve)), curve, color=tags.color(method), linewidth=1.3,
-                label=f"{label_text(label)} (n={nruns})")
+                label=f"{label_text(label)} (n={len(group)})")
         drawn += 1
         if "dynamic" in method:
-            resets = sorted({p for r in by_stream[stream] for p in r.resets if 0 <= p < len(curve)})
+            resets = sorted({p for r in group for p in r.resets if 0 <= p < len(curve)})
             if resets:
                 ax.plot(resets, curve[resets], linestyle="none", marker="v", markersize=7,
                         color=tags.color(method), markeredgecolor="k",
@@ -132,7 +149,7 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
     # a window as long as the stream or longer never fills: every point is the cumulative rate
     smooth = f"window {window} utts" if window < longest else "cumulative: the stream is " \
         f"shorter than the {window}-utt window"
-    if base is not None:
+    if base:
         ax.axhline(0, color="k", linewidth=0.8)
         ax.set_ylabel(f"{M} difference to {baseline} (% abs.)")
         ax.set_title(f"{stream}: {M} difference to {baseline} over time ({smooth})")

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import statistics
 from collections import OrderedDict, defaultdict
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from tta_brain.report import tags
 from tta_brain.asr.metrics import char_errors, error_rate
@@ -48,16 +48,26 @@ def run_wer(run: Run) -> float:
     return error_rate(sum(t.n_err for t in run.transcripts), sum(t.n_words for t in run.transcripts))
 
 
-def position_counts(run: Run) -> Tuple["np.ndarray", "np.ndarray"]:
+def position_counts(run: Run, only: Optional[AbstractSet[int]] = None
+                    ) -> Tuple["np.ndarray", "np.ndarray"]:
     """(errors, reference words) indexed by stream position: 0 and 0 where an utterance was
-    skipped, so a curve's x is the stream position its boundaries and resets are drawn at."""
+    skipped, so a curve's x is the stream position its boundaries and resets are drawn at.
+    ``only``: the positions to count (others 0 and 0, as if skipped): see :func:`common_positions`."""
     import numpy as np
     n = max(t.position for t in run.transcripts) + 1 if run.transcripts else 0
     err, words = np.zeros(n), np.zeros(n)
     for t in run.transcripts:
-        err[t.position] += t.n_err
-        words[t.position] += t.n_words
+        if only is None or t.position in only:
+            err[t.position] += t.n_err
+            words[t.position] += t.n_words
     return err, words
+
+
+def common_positions(runs: Sequence[Run]) -> Set[int]:
+    """The stream positions every run scored: two runs' windowed WERs compared position by
+    position count the same utterances (one run's skips left out of the other's windows too)."""
+    sets = [{t.position for t in r.transcripts} for r in runs]
+    return set.intersection(*sets) if sets else set()
 
 
 def run_domain_wer(run: Run) -> "OrderedDict[str, float]":
