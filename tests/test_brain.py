@@ -67,6 +67,20 @@ def test_reference_run_has_resets_and_lii(reference):
     assert not list((reference / "save").glob("*.tmp"))
 
 
+def test_a_reset_after_the_last_utterance_is_not_recorded(data, tmp_path):
+    """A fixed reset due after the stream's last utterance was written to resets.csv (its ID
+    empty, its position past the stream), counted in the summary and by the report's boundary
+    detection, though no utterance was decoded from it and the run's warning said the policy
+    never fires on such a stream. Now it is logged, not recorded."""
+    out = tmp_path / "exp"
+    s = decode.main(args(data, out, "--reset=fixed", "--reset_every=10", "--steps=1",
+                         "--ckpt_every=0", method="csuta"))
+    assert s.n_utts == 20 and s.resets == [10] and summary(out)["resets"] == [10]
+    assert [r["position"] for r in csv.DictReader(open(out / "resets.csv"))] == ["10"]
+    assert "csuta+fixed reset after the last utterance (fixed (every 10)): not recorded" in \
+        (out / "log.txt").read_text()
+
+
 @pytest.mark.slow
 def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(data, reference, tmp_path):
     out = tmp_path / "exp"

@@ -188,8 +188,12 @@ class TTABrain(sb.Brain):
                            info.position, len(skips), "; ".join(sorted(set(skips))))
         for ev in events:
             if ev.kind == "reset":
-                rid = rows[ev.position]["ID"] if 0 <= ev.position < len(rows) else ""
-                writer.reset(Reset(ev.position, rid, ev.reason, info.position))
+                if ev.position >= len(rows):    # after the last utterance: none starts from it
+                    logger.info("%s reset after the last utterance (%s): not recorded, no "
+                                "utterance is decoded from it", self.tag, ev.reason)
+                    continue
+                writer.reset(Reset(ev.position, rows[ev.position]["ID"], ev.reason,
+                                   info.position))
             elif ev.kind == "lii":
                 writer.lii(ev.position, ev.value, ev.reason)
 
