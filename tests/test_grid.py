@@ -251,6 +251,33 @@ def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
                                                     "--hparams_dir", str(own))))
     assert [r.name for r in runs] == ["s/suta+mine/seed0"]
     assert not any(a.startswith("--reset") for a in runs[0].argv)
+    assert runs[0].argv[-1] == "--method_tag=suta+mine"       # its yaml says suta: see below
+
+
+def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
+    """A copy of a packaged yaml under another name (``mycsuta.yaml``: its method_tag says
+    csuta) had its folder named ``mycsuta`` while its runs were labelled csuta: the report pooled
+    them with csuta's as seeds of one method. Now the grid labels them by the token; packaged
+    tokens, and yamls whose label is their token, get no label of the grid's (as before)."""
+    own = tmp_path / "hp"
+    own.mkdir()
+    shutil.copy(hparams_find("csuta"), own / "mycsuta.yaml")
+    text = hparams_find("suta").read_text()
+    (own / "suta2.yaml").write_text(text.replace("method_tag: suta ", "method_tag: suta2 "))
+    argv = grid_argv(data, tmp_path, "csuta csuta+dynamic dsuta+dynamic mycsuta mycsuta+dynamic "
+                     "suta2", "0", "--hparams_dir", str(own))
+    runs = grid.plan_runs(grid.parse_args(argv))
+    labels = {r.name.split("/")[1]: [a for a in r.argv if a.startswith("--method_tag")]
+              for r in runs}
+    assert labels == {"csuta": [], "csuta+dynamic": [], "dsuta+dynamic": [], "suta2": [],
+                      "mycsuta": ["--method_tag=mycsuta"],
+                      "mycsuta+dynamic": ["--method_tag=mycsuta+dynamic"]}
+    swept = grid.plan_runs(grid.parse_args(argv + ["--sweep", "lr=0.1"]))
+    assert [a for a in swept[3].argv if a.startswith("--method_tag")] == \
+        ["--method_tag=mycsuta_lr0.1"]
+    mine = grid.plan_runs(grid.parse_args(argv + ["--decode_opts=--method_tag=x"]))
+    assert all(r.argv.count("--method_tag=x") == 1 and sum(a.startswith("--method_tag") for a in
+                                                           r.argv) == 1 for r in mine)
 
 
 def test_a_dry_run_says_which_runs_will_not_run_and_fails(data, tmp_path, capsys):

@@ -16,6 +16,9 @@ def test_every_key_of_every_packaged_yaml_has_a_rule_and_its_default_passes(meth
                         if line.split(":")[0] in hparams.keys(method))
     values = hparams.resolve(method, overrides).values
     assert values["method"] is not None
+    from tta_brain.run.identity import your_code            # all of it the package's or a
+    mods = hparams.imported_modules(values)                 # library's: no code in the
+    assert "tta_brain.methods" in mods and your_code(values) == {}      # fingerprint
 
 
 @pytest.mark.parametrize("key,value,expected", [

@@ -683,6 +683,43 @@ def test_the_readmes_own_method_decodes_from_its_own_module_and_yaml(tmp_path, t
     assert summary["method"] == "tent_renyi" and summary["n_utts"] == 4
     assert summary["counts"]["adapt_backward"] == 4           # one step an utterance, adapted
     assert re.search(r"^alpha: 2.0\b", (out / "hyperparams.yaml").read_text(), re.M)
+    assert re.search(r"Your own code: my_tta = .*my_tta.py \(sha1 \w{12}\), in the fingerprint",
+                     (out / "log.txt").read_text())
+
+    def again(yaml="tent_renyi.yaml", *extra):
+        folder = out if yaml == "tent_renyi.yaml" else tmp_path / f"exp_{yaml[:-5]}"
+        return subprocess.run([sys.executable, "-m", "tta_brain.decode", str(tmp_path / yaml),
+                               f"--source={tiny_model_dir}", f"--stream_csv={root / 'stream.csv'}",
+                               f"--data_root={root}", f"--output_folder={folder}", "--alpha=2.0",
+                               "--noprogressbar", *extra], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert "finished with the same settings" in again().stdout
+    # the method's code edited: the folder's run is not this one's (it was skipped as finished)
+    code = (tmp_path / "my_tta.py").read_text()
+    (tmp_path / "my_tta.py").write_text(code.replace("alpha=self.alpha", "alpha=2 * self.alpha"))
+    res = again()
+    assert res.returncode == 1 and "holds a run with other settings (code.my_tta: 'sha1:" in \
+        res.stderr, res.stderr[-2000:]
+    # a bug in one's own constructor: where it was raised, not a yaml hint
+    (tmp_path / "my_tta.py").write_text(code.replace(
+        "self.alpha = alpha", "self.alpha = alpha\n        len(alpha)"))
+    res = again("tent_renyi.yaml", "--overwrite")
+    assert res.returncode == 1 and re.search(
+        r"tent_renyi.yaml: object of type 'float' has no len\(\) \(TypeError raised at "
+        r".*my_tta.py:\d+ in __init__; TTA_DEBUG=1 prints the traceback\)$",
+        res.stderr.strip()), res.stderr[-2000:]
+    (tmp_path / "my_tta.py").write_text(code)
+    text = (tmp_path / "tent_renyi.yaml").read_text()     # the module's import left out
+    (tmp_path / "bare.yaml").write_text(text.replace("__module: !apply:importlib.import_module "
+                                                     "[my_tta]\n", ""))
+    res = again("bare.yaml")
+    assert res.returncode == 1 and "Unknown TTA method 'tent_renyi'" in res.stderr and \
+        "registered when its module is imported: the yaml's __module:" in res.stderr
+    # a continual variant that includes the reset block but does not pass the policy on
+    (tmp_path / "cont.yaml").write_text(text.replace("include: [run]", "include: [run, reset]"))
+    res = again("cont.yaml", "--reset=oracle")
+    assert res.returncode == 1 and "reset = 'oracle' builds a reset policy the method never " \
+        "gets: its method: entry has no reset_policy: !ref <reset_policy>" in res.stderr
 
 
 def test_build_method_names_a_bad_option(tiny_model_dir):

@@ -177,6 +177,10 @@ def plan(argv, device_here: bool = True) -> Plan:
     try:   # before the experiment folder exists: a bad manifest leaves nothing behind
         with HeldLogs() as notes:          # logged in the run's log once it has one
             rows = load_stream(stream_csv, resolved.get("data_root"))
+            code = identity.your_code(resolved)
+            for name, c in code.items():
+                logger.info("Your own code: %s = %s (sha1 %s), in the fingerprint", name,
+                            c["file"], c["sha1"][:12])
     except ManifestError as e:
         _fail(f"{e} (--stream_csv)")
     audio = identity.audio_sha1(rows, stream_csv)   # console only: a cached rerun reads none
@@ -187,7 +191,7 @@ def plan(argv, device_here: bool = True) -> Plan:
                                        added=identity.ADDED_TO_BLOCKS)
     except hp_files.HparamsError as e:
         _fail(str(e))
-    fp = identity.fingerprint(record, stream_csv, len(rows), structure, audio)
+    fp = identity.fingerprint(record, stream_csv, len(rows), structure, audio, code)
     status, diffs = folder_status(out, fp)
     return Plan(hp, args, rows, record, stream_csv, out, fp, status, diffs, notes=notes.records)
 

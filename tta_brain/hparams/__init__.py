@@ -295,6 +295,11 @@ class _errors:
             msg = " ".join(str(err).replace("<unicode string>", where).split())
             raise HparamsError(f"{where}: yaml syntax error (in the file or a --key=value "
                                f"override): {msg}") from err
+        raised = _raised_in_your_code(tb)
+        if raised:              # a method of the user's own: where in it, not a yaml hint
+            said = re.sub(r"^Invalid argument to callable [\w.]+: ", "", _describe(err))
+            raise HparamsError(f"{where}: {said} ({type(err).__name__} raised at {raised}; "
+                               f"TTA_DEBUG=1 prints the traceback)") from err
         if isinstance(err, TypeError):
             hint = ("a value of the wrong type among the arguments of a class in the yaml (text "
                     "where a number belongs?)" if "not supported between instances" in str(err)
@@ -307,6 +312,55 @@ class _errors:
         if isinstance(err, (ValueError, ImportError, AttributeError, RuntimeError, OSError)):
             raise HparamsError(f"{where}: {_describe(err)}") from err
         return False
+
+
+#: Where this package and the standard library live: files elsewhere (and outside installed
+#: packages) are the user's own code
+_NOT_YOURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+              os.path.dirname(os.__file__) + os.sep)
+
+
+def your_file(filename: str) -> bool:
+    """Whether ``filename`` is the user's own code (a module a yaml imports, e.g. a method of
+    one's own): not this package, the standard library or an installed package."""
+    path = os.path.abspath(filename)
+    return not (filename.startswith("<") or path.startswith(_NOT_YOURS)
+                or f"{os.sep}site-packages{os.sep}" in path
+                or f"{os.sep}dist-packages{os.sep}" in path)
+
+
+def _raised_in_your_code(tb) -> Optional[str]:
+    """``file:line in function`` of the innermost frame of ``tb`` in :func:`your_file` code;
+    ``None`` when no frame is."""
+    import traceback
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    for f in reversed(frames):
+        if your_file(f.filename):
+            return f"{os.path.abspath(f.filename)}:{f.lineno} in {f.name}"
+    return None
+
+
+def imported_modules(values) -> List[str]:
+    """The modules a resolved yaml's objects come from: ``!apply:importlib.import_module [m]``
+    and the module part of every ``!new:`` / ``!name:`` / ``!apply:`` tag, anywhere in it, in
+    order of appearance (each once)."""
+    found: List[str] = []
+
+    def walk(node):
+        tag = str(getattr(getattr(node, "tag", None), "value", None) or "")
+        m = re.match(r"!(?:new|name|apply):([\w.]+)$", tag)
+        if m:
+            target = m.group(1)
+            if target == "importlib.import_module" and isinstance(node, (list, tuple)) and node:
+                found.append(str(node[0]))
+            elif "." in target:
+                found.append(target.rsplit(".", 1)[0])
+        children = node.values() if isinstance(node, dict) else \
+            node if isinstance(node, (list, tuple)) else ()
+        for child in children:
+            walk(child)
+    walk(values)
+    return list(dict.fromkeys(found))
 
 
 def _unknown_key(path, key: str, known: List[str]) -> str:

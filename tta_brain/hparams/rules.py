@@ -115,6 +115,7 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
                                f"{_expected(kind, rng)}{what}")
     if values.get("reset") == "dynamic":
         check_dynamic_reset(path, values)
+    _check_reset_taken(path, values)
     _check_lm(path, values)
     if "adapt_params" in values:
         check_adapt_params(path, values["adapt_params"])
@@ -139,6 +140,20 @@ def check_dynamic_reset(path, values: Dict) -> None:
             f"{path}: reset_K = {K} with buffer_size = {M}: phi_D is saved after K/2 = {K // 2} "
             f"utterances, before the first meta-update (every {M}), so it is the source model, "
             f"every LII is 0 and the reset never fires; use reset_K >= {2 * M}")
+
+
+def _check_reset_taken(path, values: Dict) -> None:
+    """A reset policy the yaml builds (``reset`` other than none) reaches the method: a method
+    entry (``build_method``) without ``reset_policy`` ran as if ``reset`` were none, labelled
+    with the policy (a yaml of one's own that includes the reset block and forgot the line)."""
+    method, reset = values.get("method"), values.get("reset")
+    tag = str(getattr(getattr(method, "tag", None), "value", None) or "")
+    if reset in (None, "none") or not isinstance(method, dict) or not tag.endswith("build_method"):
+        return
+    if "reset_policy" not in method:
+        raise HparamsError(f"{path}: reset = {reset!r} builds a reset policy the method never "
+                           f"gets: its method: entry has no reset_policy: !ref <reset_policy> "
+                           f"(add it, as csuta.yaml does, or leave reset at none)")
 
 
 def _check_lm(path, values: Dict) -> None:

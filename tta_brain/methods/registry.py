@@ -26,7 +26,10 @@ def build_method(name: str, **kwargs):
     """The registered method ``name`` built with ``kwargs``; unknown names or options are errors
     naming them and listing what is valid."""
     if name not in METHODS:
-        raise ValueError(f"Unknown TTA method '{name}'. Valid: {', '.join(sorted(METHODS))}")
+        raise ValueError(f"Unknown TTA method '{name}'. Valid: {', '.join(sorted(METHODS))} (a "
+                         f"method of your own is registered when its module is imported: the "
+                         f"yaml's __module: !apply:importlib.import_module [your_module], above "
+                         f"method:, and the module on PYTHONPATH)")
     cls = METHODS[name]
     valid = _accepted(cls)
     bad = sorted(k for k in kwargs if valid is not None and k not in valid)

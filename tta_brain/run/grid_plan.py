@@ -280,9 +280,12 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             for point in points:
                 point = rule.kept(token, "--sweep", point)
                 tag = inference_tag(mine + point)
-                # a run with options of its own is named by its tag in reports, not pooled
-                label = rule.kept(token, "--method_tag", [f"--method_tag={token}_{tag}"] if tag
-                                  else [])
+                # a run with options of its own is named by its tag in reports, not pooled;
+                # so is a yaml of one's own whose method_tag is not its token (a copy of
+                # csuta.yaml as mycsuta.yaml says csuta: pooled with csuta's runs)
+                as_token = tag or own_label(yaml, recipe + mine + point) in (None, token)
+                label = rule.kept(token, "--method_tag", [] if as_token and not tag else
+                                  [f"--method_tag={token}{'_' + tag if tag else ''}"])
                 for seed in args.seeds.split():
                     rel = f"{name}/{token}{'_' + tag if tag else ''}/seed{seed}"
                     folder = Path(args.exp_dir) / rel
@@ -297,6 +300,30 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                     if gpu:
                         _no_device_with_gpus(runs[-1], args)
     return _unique(runs)
+
+
+def own_label(yaml: str, argv: List[str]) -> Optional[str]:
+    """The report label a run of ``yaml`` with the options ``argv`` gets from the yaml itself (a
+    plain ``method_tag``, or the packaged form ``!apply:...method_tag [name, !ref <reset>]``
+    with the run's ``--reset``); None where an option sets it (``--method_tag=``: the user's
+    label stands) or it cannot be told without building the yaml (the yaml's label stands)."""
+    from tta_brain import hparams
+    from tta_brain.report.tags import method_tag
+    if any(a.startswith("--method_tag=") for a in argv):
+        return None
+    try:
+        import ruamel.yaml
+        nodes = ruamel.yaml.YAML().load(hparams.compose(hparams.find(yaml))) or {}
+    except Exception:       # noqa: BLE001 - a broken yaml: its run says why where it starts
+        return None
+    node = nodes.get("method_tag") if isinstance(nodes, dict) else None
+    tag = str(getattr(getattr(node, "tag", None), "value", None) or "")
+    if isinstance(node, str) and not tag.startswith("!"):
+        return str(node)
+    if tag.endswith(".method_tag") and isinstance(node, list) and node:
+        resets = [a.split("=", 1)[1] for a in argv if a.startswith("--reset=")]
+        return method_tag(str(node[0]), resets[-1] if resets else str(nodes.get("reset", "none")))
+    return None
 
 
 def _stream_rows(csv: str) -> int:

@@ -95,11 +95,42 @@ def audio_sha1(rows: List[Dict], stream_csv) -> str:
 _HASH_CACHES: Dict[Path, HashCache] = {}
 
 
+def your_code(values) -> Dict[str, Dict[str, str]]:
+    """The user's own modules a resolved yaml's objects come from (``tta_brain.hparams.
+    imported_modules`` that are ``your_file``: a method of one's own, not this package or an
+    installed one): ``{module: {"file": its file, "sha1": of its text (a package: of every .py
+    file under it, with their relative paths)}}``. A run's fingerprint holds the digests: the
+    method's code edited, the same command decodes again instead of skipping as finished."""
+    import importlib.util
+    from tta_brain.hparams import imported_modules, your_file
+    out = {}
+    for name in imported_modules(values):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError, AttributeError):
+            continue
+        origin = getattr(spec, "origin", None)
+        if not origin or not os.path.isfile(origin) or not your_file(origin):
+            continue
+        files = [Path(origin)]
+        roots = list(spec.submodule_search_locations or [])
+        if roots:                               # a package: every module of it
+            files = sorted(p for d in roots for p in Path(d).rglob("*.py"))
+        digest = hashlib.sha1()
+        for f in files:
+            digest.update(os.path.relpath(f, roots[0] if roots else f.parent).encode() + b"\0")
+            digest.update(f.read_bytes() + b"\0")
+        out[name] = {"file": str(roots[0] if roots else origin), "sha1": digest.hexdigest()}
+    return out
+
+
 def fingerprint(hparams: Dict, stream_csv, n_rows: int,
-                structure: Optional[Dict[str, str]] = None, audio: Optional[str] = None) -> Dict:
+                structure: Optional[Dict[str, str]] = None, audio: Optional[str] = None,
+                code: Optional[Dict[str, Dict[str, str]]] = None) -> Dict:
     """The fingerprint of a run from its resolved plain hparams, the digests of its yaml's nested
-    values (``structure``: ``tta_brain.hparams.structure``), its stream manifest and the audio
-    the manifest names (``audio``: :func:`audio_sha1`)."""
+    values (``structure``: ``tta_brain.hparams.structure``), its stream manifest, the audio
+    the manifest names (``audio``: :func:`audio_sha1`) and the user's own code its yaml imports
+    (``code``: :func:`your_code`)."""
     import tta_brain
     hp = {k: v for k, v in sorted(hparams.items()) if k not in LOCATION_KEYS + LABEL_KEYS}
     if "device" in hp:
@@ -118,6 +149,8 @@ def fingerprint(hparams: Dict, stream_csv, n_rows: int,
         out["audio_sha1"] = audio
     if structure:
         out["structure"] = dict(structure)
+    if code:
+        out["code"] = {name: f"sha1:{c['sha1']}" for name, c in sorted(code.items())}
     return out
 
 
@@ -152,9 +185,12 @@ def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[
     for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
         if "audio_sha1" not in old_fp and "audio_sha1" in new_fp:   # recorded before the audio
             old_fp["audio_sha1"] = new_fp["audio_sha1"]              # was: not known either
-        if not any(k.startswith("structure.") for k in old_fp):     # recorded before the yaml's
-            old_fp.update({k: v for k, v in new_fp.items()          # nested values were: not
-                           if k.startswith("structure.")})          # known, so not a difference
+        for part in ("structure.", "code."):   # recorded before the yaml's nested values or
+            if not any(k.startswith(part) for k in old_fp):         # one's own code were: not
+                old_fp.update({k: v for k, v in new_fp.items()      # known, so not a difference
+                               if k.startswith(part)})
+    if not any(k.startswith("code.") for k in b):   # one's own code not found here (a grid's
+        b.update({k: v for k, v in a.items() if k.startswith("code.")})   # host): not known
     for key in (f"hparams.{k}" for k in PATH_BEFORE):
         for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
             was = old_fp.get(key)
