@@ -7,6 +7,7 @@ are written and resets happen (positions 8 and 16) across checkpoints.
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,8 +78,10 @@ def test_a_reset_after_the_last_utterance_is_not_recorded(data, tmp_path):
                          "--ckpt_every=0", method="csuta"))
     assert s.n_utts == 20 and s.resets == [10] and summary(out)["resets"] == [10]
     assert [r["position"] for r in csv.DictReader(open(out / "resets.csv"))] == ["10"]
-    assert "csuta+fixed reset after the last utterance (fixed (every 10)): not recorded" in \
-        (out / "log.txt").read_text()
+    log = (out / "log.txt").read_text()
+    assert "csuta+fixed reset after the last utterance (fixed (every 10)): not recorded" in log
+    assert re.search(r"csuta\+fixed reset: position 10 \(\S+\) starts from the source model "
+                     r"\(fixed \(every 10\)\)", log)
 
 
 @pytest.mark.slow

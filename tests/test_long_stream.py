@@ -170,6 +170,19 @@ def test_long_report_table_plot_and_memory_verdict(decoded, capsys):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "20" and "@" in cells[4]
     assert cells[5] == "never" or 4 <= int(cells[5]) < 20
+    from tta_brain.report.long import _resets, gap_to, run_curve
+    dsuta, source = (next(r for r in runs if r.method == m) for m in ("dsuta", "source"))
+    diff = run_curve(dsuta, 5)[4:] - run_curve(source, 5)[4:]       # the 16 full windows
+    assert len(diff) == 16 and np.isfinite(diff).all()
+    assert cells[6] == f"{round(float(diff.max()), 1) + 0.0:+.1f}"
+    assert cells[7] == f"{100.0 * (diff < 0).sum() / 16:.1f} %"
+    assert cells[8] == _resets(dsuta.resets)
+    assert [c.strip() for c in next(ln for ln in text.splitlines() if ln.startswith(
+        "|source|")).strip("|").split("|")][6:9] == ["-", "-", "0"]
+    assert gap_to([np.nan, 1.0, 5.0, 2.0], [np.nan, 2.0, 3.0, 2.0, 9.0]) == (2.0, pytest.approx(100 / 3))
+    assert gap_to([np.nan], [1.0]) == (None, None)
+    assert _resets([]) == "0" and _resets([3, 7]) == "2 (3, 7)"
+    assert _resets(list(range(10, 110, 10))) == "10 (10, 20, 30, 40, 50, 60, 70, 80, ...)"
     assert "Memory not judged (fewer than 10 samples" in text
     short = write_long_report(runs, decoded, "md_long", out=decoded / "SHORT.md", window=50,
                               plots=False)
@@ -184,6 +197,16 @@ def test_long_report_table_plot_and_memory_verdict(decoded, capsys):
     folder = decoded / "plots"                    # --out naming a folder was a traceback
     assert long.main(["--exp_dir", str(decoded), "--out", str(folder), "--no_plots"]) == 1
     assert f"ERROR: cannot write {folder}: is a folder (--out names the LONG.md file) (--out)" \
+        in capsys.readouterr().err
+    # some methods (the source, the reference, always): the committed figure's command
+    some = decoded / "some"
+    assert long.main(["--exp_dir", str(decoded), "--methods", "source", "--out",
+                      str(some / "LONG.md"), "--plots_dir", str(some / "plots")]) == 0
+    rows = [ln.split("|")[1] for ln in (some / "LONG.md").read_text().splitlines()
+            if ln.startswith("|") and not ln.startswith(("|method", "|-", "|:"))]
+    assert rows == ["source"] and (some / "plots" / "long_md_long.png").is_file()
+    assert long.main(["--exp_dir", str(decoded), "--methods", "dsuta suta", "--no_plots"]) == 1
+    assert "ERROR: --methods: no run of suta on stream 'md_long' (its methods: dsuta, source)" \
         in capsys.readouterr().err
 
 

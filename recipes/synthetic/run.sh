@@ -41,6 +41,7 @@ long=false             # true: the long-stream configuration (README "Long strea
 long_total=3000        # --long true: md_long length (paper: 10000; 10000 works too)
 long_max=500           # --long true: longest domain block (paper: 500; shortest: md_long_min)
 n_long=                # --long true: clean utterances of its split (default long_total / 3)
+long_window=100        # --long true: LONG.md's window (utterances) of the collapse figures and plot
 noprogressbar=false    # true: no progress bars (synthesis, corruption, training, decoding)
 
 help_message=$(cat <<EOM
@@ -59,6 +60,7 @@ Options (default):
   --long true|false (${long}: md_long of --long_total utterances, blocks --md_long_min to
                     --long_max, from --n_long held-out utterances, conf/long.methods)
   --long_total N (${long_total})  --long_max N (${long_max})  --n_long N (long_total / 3)
+  --long_window N (${long_window}: LONG.md's windowed WER; a short --long_total needs a shorter one)
   --md_easy_order "LIST" (${md_easy_order})  --md_hard_order "LIST" (${md_hard_order})
 ${streams_help}
   --methods "LIST" (${methods})
@@ -70,7 +72,7 @@ ${md_opts_help}
 Stages: 0 speech+noises, 1 source model, 2 noisy sets, 3 streams, 4 decode, 5 report.
 EOM
 )
-int_options+=" corpus_seed n_train n_test noise_seed train_minutes train_seed stream_seed per_domain md_long_total md_long_min md_long_max long_total long_max n_long"
+int_options+=" corpus_seed n_train n_test noise_seed train_minutes train_seed stream_seed per_domain md_long_total md_long_min md_long_max long_total long_max n_long long_window"
 . "${repo_root}/tools/parse_options.sh"
 if [ $# -gt 0 ]; then
   echo "$0: unexpected argument(s): $*" >&2
@@ -209,9 +211,9 @@ if [ ${stage} -le 5 ] && [ ${stop_stage} -ge 5 ]; then
     # smoothing and reset-detection window: half a domain block (= the dynamic reset's K)
     run ${python} -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
       --out "${exp_dir}/snr${snr}/RESULTS.md" --window $((per_domain / 2)) --smooth $((per_domain / 2))
-    if ${long}; then   # collapse figures, memory and the WER-over-position plot (windows of 100)
+    if ${long}; then   # collapse figures, memory and the WER-over-position plot
       run ${python} -m tta_brain.report.long --exp_dir "${exp_dir}/snr${snr}" --stream md_long \
-        --window 100 --margin 5
+        --window "${long_window}" --margin 5
     fi
   done
 fi

@@ -125,7 +125,7 @@ class OracleReset(ResetPolicy):
     def warnings(self, n_utts, boundaries=None):
         if boundaries is not None and not boundaries:
             return ["oracle reset on a stream with one domain block (its manifest's segment, or "
-                    "domain, never changes): it never fires"]
+                    "domain, never changes, or it has neither column): it never fires"]
         return []
 
     def before_utterance(self, info):

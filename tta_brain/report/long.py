@@ -2,13 +2,16 @@
 
     python -m tta_brain.report.long --exp_dir exp/long3000/snr20 [--stream md_long] [--window 100]
         [--margin 5] [--out exp/long3000/snr20/LONG.md] [--metric wer|cer]
+        [--methods "suta dsuta dsuta+dynamic"] [--plots_dir exp/long3000/snr20/plots]
 
 Per run (the paper's MD-Long table, one row per method and seed): the WER, and two collapse
 figures on the windowed WER (errors / reference words over the last ``window`` utterances, full
 windows only): the **worst window** (its WER and where it ends), and the **first position where
 the windowed WER exceeds the source model's by more than ``margin`` points** ("never" if it does
-not; "no full N-utt window" for a stream shorter than a window). The source curve is the
-``source`` run of the same stream file (same seed when there is one). Rows and curves are
+not; "no full N-utt window" for a stream shorter than a window); against the source, the
+**largest gap** (run minus source over the windows both have) and the **share of windows below
+it**; the **resets** with their positions. The source curve is the ``source`` run of the same
+stream file and model (same seed when there is one), both over the utterances both scored. Rows and curves are
 labelled as in RESULTS.md (``dsuta (N=1)`` for a method run with several step counts), each row
 names its folder, and runs pooled as seeds that are not are listed under ``## Warnings``.
 Memory: the process RSS sampled along the stream (``memory.csv``) and its least-squares slope over
@@ -80,6 +83,19 @@ def first_above(curve: Sequence[float], reference: Sequence[float],
     return int(hits[0]) if hits.size else None
 
 
+def gap_to(curve: Sequence[float], reference: Sequence[float]
+           ) -> Tuple[Optional[float], Optional[float]]:
+    """``(largest gap, share of windows below)``: the largest ``curve - reference`` over the
+    positions where both are defined (negative: always below the reference), and the percentage
+    of those windows where ``curve`` is below it; ``(None, None)`` where none is defined."""
+    n = min(len(curve), len(reference))
+    diff = np.asarray(curve[:n], dtype=float) - np.asarray(reference[:n], dtype=float)
+    diff = diff[np.isfinite(diff)]
+    if not diff.size:
+        return None, None
+    return float(diff.max()), 100.0 * float((diff < 0).mean())
+
+
 def memory_slope(positions: Sequence[float], values: Sequence[float]) -> Optional[float]:
     """Least-squares slope of ``values`` over the second half of the samples, per 1,000
     utterances (the first half holds the warm-up: RSS rises for the first ~250 utterances);
@@ -129,7 +145,7 @@ def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
     worst, at = worst_window(curve)
     out = {"wer": run_wer(run), "worst": worst, "worst_at": at, "first_above": None,
            "has_source": source is not None, "compared": False, "rss_slope": None, "rss": None,
-           "cuda_slope": None}
+           "cuda_slope": None, "gap": None, "below": None}
     if source is not None:              # over the utterances both scored (a skip in neither)
         both = common_positions([run, source])
         mine, reference = run_curve(run, window, both), run_curve(source, window, both)
@@ -137,6 +153,7 @@ def collapse_figures(run: Run, source: Optional[Run], window: int = WINDOW,
         # "never" only where windows were compared: a stream shorter than a window has none
         out["compared"] = bool((np.isfinite(mine[:n]) & np.isfinite(reference[:n])).any())
         out["first_above"] = first_above(mine, reference, margin)
+        out["gap"], out["below"] = gap_to(mine, reference)
     if run.memory:
         out["rss_slope"] = memory_slope([m.position for m in run.memory],
                                         [m.rss_mb for m in run.memory])
@@ -180,15 +197,27 @@ def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: f
         elif max(slope, cuda or 0.0) > flat_mib:
             not_flat.append(r.name)
         rss = "-" if f["rss"] is None else f"{f['rss'][0]:.0f} -> {f['rss'][1]:.0f}"
+        compared = r.method != "source" and f["gap"] is not None
         rows.append([label_text(labels[id(r)]), str(r.seed), str(len(r.transcripts)),
                      fmt(f["wer"]),
                      "-" if f["worst"] is None else f"{fmt(f['worst'])} @ {f['worst_at']}",
-                     above, str(len(r.resets)), rss, "-" if slope is None else _signed(slope)
+                     above, _signed(f["gap"]) if compared else "-",
+                     f"{f['below']:.1f} %" if compared else "-", _resets(r.resets), rss,
+                     "-" if slope is None else _signed(slope)
                      + ("" if cuda is None else f" (CUDA {_signed(cuda)})"), r.name])
     header = ["method", "seed", "utts", f"{metric.upper()} %", f"worst {window}-utt window (ends at)",
-              f"first position > source + {margin:g}", "resets", "RSS MiB (first -> last)",
+              f"first position > source + {margin:g}", "largest gap to source",
+              "windows below source", "resets (positions)", "RSS MiB (first -> last)",
               "RSS slope MiB / 1k utts", "run"]
     return md_table(header, rows), not_flat, unknown
+
+
+def _resets(positions: Sequence[int], shown: int = 8) -> str:
+    """``n (p1, p2, ...)``: the count and the first ``shown`` positions (``...`` for more)."""
+    if not positions:
+        return "0"
+    listed = ", ".join(map(str, positions[:shown])) + (", ..." if len(positions) > shown else "")
+    return f"{len(positions)} ({listed})"
 
 
 def _signed(value: float) -> str:
@@ -269,7 +298,8 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
 
 def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=None,
                       window: int = WINDOW, margin: float = MARGIN, flat_mib: float = FLAT_MIB,
-                      plots: bool = True, metric: str = "wer", skipped=()) -> Path:
+                      plots: bool = True, metric: str = "wer", skipped=(),
+                      plots_dir=None) -> Path:
     """``LONG.md`` (table + memory verdict + plot link) for ``stream``; returns its path.
     ``metric="cer"``: of character error rates, ``LONG_cer.md`` by default; ``skipped``: the
     run folders ``collect_runs`` left out (listed under "Not reported", as RESULTS.md does)."""
@@ -291,7 +321,10 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
     lines = [f"# {stream}: {n} utterances, {len(sruns)} runs", "",
              f"Windowed {M}: {units} over the last {window} utterances (full windows "
              f"only). Collapse figures: the worst window, and the first position where a run's "
-             f"windowed {M} exceeds the source model's by more than {margin:g} points.", "",
+             f"windowed {M} exceeds the source model's by more than {margin:g} points; "
+             f"against the source, the largest gap (a run's windowed {M} minus the source's, "
+             f"over the windows both have) and the share of those windows where the run is "
+             f"below it; the resets with their first positions.", "",
              table, ""]
     rule = (f"RSS (and CUDA memory) slope over the second half of the stream at most "
             f"{flat_mib:g} MiB per 1,000 utterances")
@@ -314,7 +347,7 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
         from tta_brain.report.plots import safe_name
         name = (f"long_{safe_name(stream)}.png" if metric == "wer"
                 else f"long_{metric}_{safe_name(stream)}.png")
-        png = plot_long(runs, stream, root / "plots" / name, window, metric)
+        png = plot_long(runs, stream, Path(plots_dir or root / "plots") / name, window, metric)
         if png:
             lines += ["", f"![{stream}]({os.path.relpath(png, out.parent)})"]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -336,6 +369,10 @@ def main(argv=None) -> int:
     p.add_argument("--flat_mib", type=float, default=FLAT_MIB,
                    help="largest RSS slope (MiB per 1,000 utterances) that counts as flat")
     p.add_argument("--no_plots", action="store_true")
+    p.add_argument("--plots_dir", default=None, help="default: <exp_dir>/plots")
+    p.add_argument("--methods", default=None,
+                   help="the method tags to report, e.g. \"suta dsuta dsuta+dynamic\" (default: "
+                        "all; the source runs, the reference, always)")
     args = p.parse_args(argv)
     if args.window < 1:
         p.error(f"--window {args.window}: must be an integer >= 1 (utterances)")
@@ -346,9 +383,18 @@ def main(argv=None) -> int:
     from tta_brain.report.results import collect_runs
     try:
         skipped = []
-        out = write_long_report(collect_runs(args.exp_dir, skipped), args.exp_dir, args.stream,
-                                args.out, args.window, args.margin, args.flat_mib,
-                                not args.no_plots, args.metric, skipped=skipped)
+        runs = collect_runs(args.exp_dir, skipped)
+        if args.methods is not None:
+            wanted = set(args.methods.split())
+            have = sorted({r.method for r in runs if r.stream == args.stream})
+            missing = sorted(wanted - set(have))
+            if missing:
+                raise ValueError(f"--methods: no run of {', '.join(missing)} on stream "
+                                 f"{args.stream!r} (its methods: {', '.join(have) or 'none'})")
+            runs = [r for r in runs if r.method in wanted or r.method == "source"]
+        out = write_long_report(runs, args.exp_dir, args.stream, args.out, args.window,
+                                args.margin, args.flat_mib, not args.no_plots, args.metric,
+                                skipped=skipped, plots_dir=args.plots_dir)
     except ValueError as err:
         print(f"ERROR: {err}", file=sys.stderr)
         return 1

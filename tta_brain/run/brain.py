@@ -192,8 +192,10 @@ class TTABrain(sb.Brain):
                     logger.info("%s reset after the last utterance (%s): not recorded, no "
                                 "utterance is decoded from it", self.tag, ev.reason)
                     continue
-                writer.reset(Reset(ev.position, rows[ev.position]["ID"], ev.reason,
-                                   info.position))
+                rid = rows[ev.position]["ID"]
+                logger.info("%s reset: position %d (%s) starts from the source model (%s)",
+                            self.tag, ev.position, rid, ev.reason)
+                writer.reset(Reset(ev.position, rid, ev.reason, info.position))
             elif ev.kind == "lii":
                 writer.lii(ev.position, ev.value, ev.reason)
 
