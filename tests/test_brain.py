@@ -7,6 +7,7 @@ are written and resets happen (positions 8 and 16) across checkpoints.
 import csv
 import json
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -153,6 +154,7 @@ def test_a_finished_run_with_damaged_records_is_not_skipped(data, tmp_path):
     out, run = tmp_path / "exp", args(data, tmp_path / "exp", *DSUTA, csv_path=short)
     decode.main(run)
     good = records(out)
+    raw = {name: (out / name).read_bytes() for name in RECORDS}    # (csv's \r\n line ends)
     lines = good["transcripts.csv"].splitlines(keepends=True)
     (out / "transcripts.csv").write_text("".join(lines[:-1]))
     with pytest.raises(SystemExit, match=r"transcripts\.csv: 5 utterances, .* but summary\.json "
@@ -163,14 +165,60 @@ def test_a_finished_run_with_damaged_records_is_not_skipped(data, tmp_path):
     grid.check_done([plan])
     assert plan.status == "failed" and plan.message.endswith(
         "; to decode this run again there, add --decode_opts=--overwrite")
-    (out / "transcripts.csv").write_text(good["transcripts.csv"])
+    (out / "transcripts.csv").write_bytes(raw["transcripts.csv"])
+    for name, cut, said in (("resets.csv", lambda t: "", r"resets\.csv: empty, without even "
+                             r"its header line"),                  # was: finished, 0 resets
+                            ("resets.csv", lambda t: t + "3,u003,lii,2\n",   # (it has none)
+                             r"resets\.csv: 1 resets at 3, but summary\.json says 0 \("),
+                            ("lii.csv", lambda t: t.rsplit("\n", 2)[0] + "\n",
+                             r"lii\.csv: \d+ LII values, but summary\.json says \d+")):
+        (out / name).write_text(cut(good[name]))
+        with pytest.raises(SystemExit, match=said + ".*; to decode this run again there, add "
+                                                    "--overwrite"):
+            decode.main(run)
+        (out / name).write_bytes(raw[name])
+    assert summary(out)["resets"] == [] and good["lii.csv"].count("\n") > 2
+    before = (out / "summary.json").read_text()
+    (out / "summary.json").write_text("{")      # the end of the stream was saved: written again
+    decode.main(run)
+    assert records(out) == good
+    assert {k: v for k, v in json.loads((out / "summary.json").read_text()).items()
+            if k not in ("wall_time_s", "time_per_audio_s")} == \
+        {k: v for k, v in json.loads(before).items() if k not in ("wall_time_s", "time_per_audio_s")}
     (out / "summary.json").write_text("{")
+    shutil.rmtree(out / "save")                 # and without a checkpoint: decoded again
     with pytest.raises(SystemExit, match=r"summary\.json: cannot read .*; to decode this run "
                                          r"again there, add --overwrite"):
         decode.main(run)
     decode.main(run + ["--overwrite"])
     assert records(out) == good
     assert decode.plan(run).status == "done"
+
+
+def test_an_unreadable_fingerprint_resumes_from_the_checkpoint(data, reference, tmp_path):
+    """An interrupted run whose fingerprint.json was cut short was "a run with other settings (no
+    fingerprint recorded)", and the only way offered, --overwrite, deleted its checkpoint and
+    records. The checkpoint holds the fingerprint too: the run resumes when it matches."""
+    out = tmp_path / "exp"
+    decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))
+    (out / "summary.json").unlink()          # as if stopped after its checkpoint at 20
+    fp = out / "fingerprint.json"
+    fp.write_text(fp.read_text()[:300])
+    assert decode.plan(args(data, out, *DSUTA, "--ckpt_every=5")).status == "resume"
+    decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))
+    assert records(out) == records(reference) and summary(out) == summary(reference)
+    assert "Resuming" in (out / "log.txt").read_text()
+    (out / "summary.json").unlink()
+    fp.write_text("")
+    with pytest.raises(SystemExit, match=r"the checkpoint is from another run .*hparams\.steps"):
+        decode.main(args(data, out, *DSUTA, "--ckpt_every=5", "--steps=3"))
+    shutil.rmtree(out / "save")
+    fp.write_text("")
+    with pytest.raises(SystemExit, match=r"fingerprint\.json: cannot be read \(cut short or "
+                                         r"damaged\), and no checkpoint tells which run the "
+                                         r"folder holds; to decode this run again there, add "
+                                         r"--overwrite"):
+        decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))
 
 
 def test_a_checkpoint_cut_short_is_one_line_and_the_records_are_kept(data, reference, tmp_path,

@@ -32,7 +32,7 @@ import speechbrain as sb
 from tta_brain import hparams as hp_files
 from tta_brain.run import identity
 from tta_brain.run.brain import TTABrain
-from tta_brain.run.checkpoint import ResumeError
+from tta_brain.run.checkpoint import STATE_FILE, ResumeError
 from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hparams
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
@@ -123,19 +123,31 @@ def folder_status(out, fp):
     from (cut short, changed) or the summary is unreadable: the difference is the reason."""
     folder = Path(out)
     if (folder / "summary.json").is_file():
+        unread = None
         try:
             old = read_summary(folder).fingerprint or identity.read_fingerprint(folder)
-        except RecordError:
-            old = identity.read_fingerprint(folder)
+        except RecordError as e:
+            old, unread = identity.read_fingerprint(folder), e
         diffs = identity.differences(old, fp)
         if diffs:
             return "differs", diffs
+        if unread is not None and _has_checkpoint(folder):  # the stream's end was saved: its
+            logger.warning("%s; the run resumes from its last checkpoint, which writes it "  # run
+                           "again (nothing is decoded twice)", unread)        # writes it again
+            return "resume", []
         try:
             load_run(folder)
         except RecordError as e:
             return "damaged", [str(e)]
         return "done", []
     old = identity.read_fingerprint(folder)
+    if old is None and (folder / identity.FINGERPRINT_FILE).is_file():
+        said = f"{folder / identity.FINGERPRINT_FILE}: cannot be read (cut short or damaged)"
+        if _has_checkpoint(folder):          # which checks its own copy of the fingerprint
+            logger.warning("%s; the checkpoint's own fingerprint decides whether this run "
+                           "resumes there", said)
+            return "resume", []
+        return "damaged", [f"{said}, and no checkpoint tells which run the folder holds"]
     if old is not None:
         diffs = identity.differences(old, fp)
         return ("differs", diffs) if diffs else ("resume", [])
@@ -145,6 +157,11 @@ def folder_status(out, fp):
             or any((folder / n).exists() for n in ("hyperparams.yaml", "env.log")):
         return "differs", identity.differences(None, fp)
     return "new", []
+
+
+def _has_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete checkpoint of a run (``save/CKPT+*/stream.ckpt``)."""
+    return any((folder / "save").glob(f"CKPT+*/{STATE_FILE}"))
 
 
 def settings(argv, device_here: bool = True):

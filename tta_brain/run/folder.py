@@ -88,18 +88,36 @@ def load_run(folder, root=None) -> Run:
     if held != said:
         raise RecordError(f"{folder / 'transcripts.csv'}: {held[0]} utterances, {held[1]} words, "
                           f"{held[2]} errors, but summary.json says {said[0]}, {said[1]}, "
-                          f"{said[2]} (cut short or changed after the run finished: copy the "
-                          f"folder again, or delete it and rerun its decode command)")
+                          f"{said[2]} ({AGAIN})")
     try:        # memory.csv is a diagnostic: damaged, it costs the memory figures, not the run
         memory, memory_error = sorted(read_memory(folder), key=lambda m: m.position), None
     except RecordError as err:
         memory, memory_error = [], str(err)
         logger.warning("%s: memory figures left out: %s", folder, err)
+    resets = sorted(r.position for r in read_resets(folder))
+    if resets != sorted(summary.resets):
+        raise RecordError(f"{folder / 'resets.csv'}: {len(resets)} resets"
+                          f"{_at(resets)}, but summary.json says {len(summary.resets)}"
+                          f"{_at(sorted(summary.resets))} ({AGAIN})")
+    lii = sorted(read_lii(folder), key=lambda v: v.position)
+    if summary.n_lii is not None and len(lii) != summary.n_lii:   # (older summaries: unknown)
+        raise RecordError(f"{folder / 'lii.csv'}: {len(lii)} LII values, but summary.json says "
+                          f"{summary.n_lii} ({AGAIN})")
     return Run(dir=folder, name=os.path.relpath(folder, root) if root is not None else folder.name,
-               summary=summary, transcripts=transcripts,
-               resets=sorted(r.position for r in read_resets(folder)),
-               lii=sorted(read_lii(folder), key=lambda v: v.position),
+               summary=summary, transcripts=transcripts, resets=resets, lii=lii,
                memory=memory, memory_error=memory_error)
+
+
+#: what to do with a finished run's records that are not those its summary counted
+AGAIN = "cut short or changed after the run finished: copy the folder again, or delete it and " \
+        "rerun its decode command"
+
+
+def _at(positions: List[int], shown: int = 6) -> str:
+    if not positions:
+        return ""
+    return " at " + ", ".join(map(str, positions[:shown])) + (", ..." if len(positions) > shown
+                                                               else "")
 
 
 #: Everything a run writes into its folder besides the record CSVs (``save/``: checkpoints).

@@ -132,6 +132,9 @@ def _read(folder, name: str) -> list:
     try:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
+            if reader.fieldnames is None:   # every writer starts with the header
+                raise RecordError(f"{path}: empty, without even its header line (cut short, "
+                                  f"or emptied after the run)")
             return [_parse(cls, row, path, i, reader.fieldnames or ())
                     for i, row in enumerate(reader, start=2)]
     except UnicodeDecodeError:          # damaged bytes, or a file of another encoding
@@ -226,6 +229,7 @@ class RecordWriter:
                 fh = open(path, "a", newline="", encoding="utf-8")
                 if size == 0:
                     csv.writer(fh).writerow(_columns(cls))
+                    fh.flush()
             else:
                 fh = open(path, "w", newline="", encoding="utf-8")
                 csv.writer(fh).writerow(_columns(cls))

@@ -13,8 +13,8 @@ from tta_brain.data.loader import boundaries
 from tta_brain.data.manifest import ManifestError
 from tta_brain.run.envinfo import describe_device, versions
 from tta_brain.asr.metrics import char_errors, error_rate
-from tta_brain.run.records import (RecordError, read_rejects, read_resets, read_transcripts,
-                                   write_wer_file)
+from tta_brain.run.records import (RecordError, read_lii, read_rejects, read_resets,
+                                   read_transcripts, write_wer_file)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class Summary:
     # character error rate (%), spaces counted (null in a summary written before it was added)
     cer: Optional[float] = None
     cer_per_domain: Dict[str, Optional[float]] = field(default_factory=dict)
+    # rows of lii.csv (null in a summary written before it was added): checked as resets are
+    n_lii: Optional[int] = None
 
     @property
     def steps(self) -> Optional[int]:
@@ -157,6 +159,7 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
         n_utts=len(transcripts), n_words=n_words, n_err=n_err, n_skipped=len(rejects),
         skipped=[{"position": r.position, "ID": r.ID, "reason": r.reason} for r in rejects],
         resets=[r.position for r in read_resets(folder)], boundaries=boundaries(rows),
+        n_lii=len(read_lii(folder)),
         counts=dict(method.counts), wall_time_s=wall, audio_s=audio,
         time_per_audio_s=wall / max(audio, 1e-9), num_adapted_params=method.num_adapted,
         hparams=dict(hparams), device=describe_device(device), versions=versions(),
