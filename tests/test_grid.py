@@ -278,6 +278,14 @@ def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
     mine = grid.plan_runs(grid.parse_args(argv + ["--decode_opts=--method_tag=x"]))
     assert all(r.argv.count("--method_tag=x") == 1 and sum(a.startswith("--method_tag") for a in
                                                            r.argv) == 1 for r in mine)
+    conf = tmp_path / "conf"                  # a recipe's own option sets the reset policy:
+    shutil.copytree(data["conf"], conf)       # the label says it, as the yaml's would
+    for name in ("mycsuta", "csuta"):
+        (conf / f"{name}.opts").write_text("--reset=fixed\n--reset_every=4\n")
+    runs = grid.plan_runs(grid.parse_args(argv + ["--conf_dir", str(conf)]))
+    labels = {r.name.split("/")[1]: [a for a in r.argv if a.startswith("--method_tag")]
+              for r in runs}
+    assert labels["mycsuta"] == ["--method_tag=mycsuta+fixed"] and labels["csuta"] == []
 
 
 def test_a_dry_run_says_which_runs_will_not_run_and_fails(data, tmp_path, capsys):

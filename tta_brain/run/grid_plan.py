@@ -283,9 +283,8 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                 # a run with options of its own is named by its tag in reports, not pooled;
                 # so is a yaml of one's own whose method_tag is not its token (a copy of
                 # csuta.yaml as mycsuta.yaml says csuta: pooled with csuta's runs)
-                as_token = tag or own_label(yaml, recipe + mine + point) in (None, token)
-                label = rule.kept(token, "--method_tag", [] if as_token and not tag else
-                                  [f"--method_tag={token}{'_' + tag if tag else ''}"])
+                label = rule.kept(token, "--method_tag", [f"--method_tag={token}_{tag}"] if tag
+                                  else _token_label(token, yaml, reset, recipe + mine + point))
                 for seed in args.seeds.split():
                     rel = f"{name}/{token}{'_' + tag if tag else ''}/seed{seed}"
                     folder = Path(args.exp_dir) / rel
@@ -300,6 +299,19 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                     if gpu:
                         _no_device_with_gpus(runs[-1], args)
     return _unique(runs)
+
+
+def _token_label(token: str, yaml: str, reset: List[str], argv: List[str]) -> List[str]:
+    """``[--method_tag=...]`` for a run of a yaml whose own label is not its token (``mycsuta``,
+    a copy of csuta.yaml, says csuta): the token, with the reset policy the run's options give
+    it (``--md_decode_opts=--reset=fixed``: ``mycsuta+fixed``); ``[]`` where the yaml names the
+    run as its token does (every packaged yaml) or an option sets the label."""
+    if own_label(yaml, reset) in (None, token) or own_label(yaml, argv) is None:
+        return []
+    said = [a.split("=", 1)[1] for a in argv if a.startswith("--reset=")]
+    from tta_brain.report.tags import method_tag
+    return [f"--method_tag={method_tag(token.partition('+')[0] if reset else token, said[-1])}"
+            if said else f"--method_tag={token}"]
 
 
 def own_label(yaml: str, argv: List[str]) -> Optional[str]:
