@@ -746,6 +746,10 @@ def test_a_dry_run_says_which_runs_the_grid_would_skip_or_refuse(data, tmp_path,
     summary = exp / "s" / "source" / "seed1" / "summary.json"
     summary.write_text(summary.read_text()[:40])
     cut = summary.read_bytes()
+    assert grid.main(dry) == 0              # beside its last checkpoint: it is written again
+    out = capsys.readouterr().out
+    assert "seed1 will not run" not in out and out.count("DRY-RUN: ") == 3
+    shutil.rmtree(summary.parent / "save")  # without one: decoded again only if asked
     assert grid.main(dry) == 1
     out = capsys.readouterr().out
     assert "grid: s/source/seed0 is finished with the same settings" in out
