@@ -405,6 +405,24 @@ def test_dynamic_reset_z_threshold_and_sqrt_M():
     assert resets == [12]
 
 
+def test_dynamic_reset_test_size_tests_the_mean_of_that_many_lii_values():
+    """A method that updates after every utterance (M = 1) was tested on each LII alone; with
+    ``test_size`` n the test waits for n values and takes their mean (z with sigma / sqrt(n)),
+    as DSUTA's on its buffer; 0 keeps the test of the values since the last update."""
+    K, M = 8, 1
+    stats = {5: 0.0, 6: 0.2, 7: 0.1, 8: 0.3}
+    mu, sd = statistics.mean(stats.values()), statistics.stdev(stats.values())
+    planted = {**stats, 9: mu + 3 * sd, 10: mu - sd, 11: mu - sd,         # one high value
+               12: mu + 2 * sd, 13: mu + 2 * sd, 14: mu + 2 * sd}          # three raised ones
+    alone = drive(DynamicReset(K=K, patience=1), FakeMethod(dict(planted)), 14, M)
+    assert alone[0] == 9                                # z = 3 on one LII: a reset
+    pol = DynamicReset(K=K, patience=1, test_size=3)
+    assert drive(pol, FakeMethod(dict(planted)), 14, M) == [14]   # 9-11: z = 0.58; 12-14: 3.46
+    assert make_reset_policy("dynamic", K=K, test_size=3).test_size == 3
+    same = drive(DynamicReset(K=K, patience=1, test_size=2), FakeMethod(dict(planted)), 14, 2)
+    assert same == drive(DynamicReset(K=K, patience=1), FakeMethod(dict(planted)), 14, 2)
+
+
 def test_dynamic_reset_odd_K_and_no_reset_during_construction():
     K, M = 5, 1                                              # k = 2
     planted = {3: 0.0, 4: 50.0, 5: 0.1, 6: 0.05}

@@ -186,7 +186,7 @@ def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None
     what a run's plain values do not say (another optimiser class, a selector, ``lr: !ref <lr> *
     2`` inside the method's block), for its fingerprint. The references' targets are plain values
     counted by themselves, so a copy of a packaged yaml digests as the packaged one. An entry
-    ``name: !ref <name>`` of a key in ``added`` (keys added to the packaged yamls later, whose
+    ``name: !ref <key>`` of a key in ``added`` (keys added to the packaged yamls later, whose
     plain value the fingerprint holds) is left out, so a block that gained one digests as it did
     before."""
     import hashlib
@@ -203,9 +203,11 @@ def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None
 
 
 def _added_ref(key, node, added) -> bool:
-    """``key: !ref <key>`` for a key in ``added``."""
-    return (str(key) in added and isinstance(node, ruamel.yaml.comments.TaggedScalar)
-            and getattr(node.tag, "value", None) == "!ref" and str(node.value) == f"<{key}>")
+    """``name: !ref <key>`` for a key in ``added`` (``convolutions: !ref <convolutions>``,
+    ``test_size: !ref <reset_test_size>``)."""
+    return (isinstance(node, ruamel.yaml.comments.TaggedScalar)
+            and getattr(node.tag, "value", None) == "!ref"
+            and str(node.value).startswith("<") and str(node.value)[1:-1] in added)
 
 
 def _canonical(node, added=frozenset()):

@@ -34,7 +34,7 @@ RULES = {
     # the reset block (reset.yaml)
     "reset": (("none", "fixed", "oracle", "dynamic"), None), "reset_every": (_INT, ">=1"),
     "reset_K": (_INT, ">=4"), "reset_patience": (_INT, ">=1"), "reset_threshold": (_FLOAT, None),
-    "reset_lii_count": (("paper", "official"), None),
+    "reset_lii_count": (("paper", "official"), None), "reset_test_size": (_INT, ">=0"),
     # the gradient methods
     "steps": (_INT, ">=0"), "lr": (_FLOAT, ">0"), "em_coef": (_FLOAT, "0..1"),
     "temperature": (_FLOAT, ">0"), "layernorm_lr_mult": (_FLOAT, ">=0"),

@@ -150,6 +150,9 @@ class DynamicReset(ResetPolicy):
     (mean, sample std) fitted at r + K. Afterwards, at each meta-update the mean LII of the
     utterances since the previous update is tested: z = (mean - mu) / (sigma / sqrt(n)); z >
     ``threshold`` is a detection, ``patience`` consecutive detections reset the model.
+    ``test_size`` > 0: a test waits for that many LII values (the meta-updates between go
+    untested), so a method that updates after every utterance (n = 1) is tested on the mean of
+    ``test_size``, as DSUTA on its buffer of M; 0: the values since the previous update.
 
     ``lii_count`` says which LII values make the Gaussian: ``paper`` (Algorithm 2: the K - K/2
     values of r + K/2 < t <= r + K) or ``official`` (the official code collects while
@@ -159,8 +162,9 @@ class DynamicReset(ResetPolicy):
     name = "dynamic"
 
     def __init__(self, K: int = 100, patience: int = 2, threshold: float = 2.0,
-                 lii_count: str = "paper"):
+                 lii_count: str = "paper", test_size: int = 0):
         self.lii_count = lii_count
+        self.test_size = int(test_size)
         self.K, self.k = int(K), int(K) // 2
         self.patience, self.threshold = int(patience), float(threshold)
         self.phi_D: Optional[List[torch.Tensor]] = None
@@ -208,11 +212,16 @@ class DynamicReset(ResetPolicy):
                               lii))
 
     def at_update(self, t):
-        values, self.recent = self.recent, []
+        values = self.recent
         if self.diverged:
+            self.recent = []
             return "dynamic (non-finite loss: the adapted model diverged)"
         if t <= self.last + self.K or self.mu is None or not values:
+            self.recent = []
             return None
+        if len(values) < self.test_size:        # a test of test_size values: gather on
+            return None
+        self.recent = []
         z = z_score(values, self.mu, self.sigma)
         self.counter = self.counter + 1 if z > self.threshold else 0
         if self.counter >= self.patience:
@@ -267,10 +276,11 @@ RESET_POLICIES = {"none": NoReset, "fixed": FixedReset, "oracle": OracleReset,
 
 
 def make_reset_policy(name: str = "none", every: int = 50, K: int = 100, patience: int = 2,
-                      threshold: float = 2.0, lii_count: str = "paper") -> ResetPolicy:
+                      threshold: float = 2.0, lii_count: str = "paper",
+                      test_size: int = 0) -> ResetPolicy:
     """Build a policy by name (used from yaml: ``reset: dynamic`` + its options)."""
     if name == "fixed":
         return FixedReset(every)
     if name == "dynamic":
-        return DynamicReset(K, patience, threshold, lii_count)
+        return DynamicReset(K, patience, threshold, lii_count, test_size)
     return RESET_POLICIES[name]()

@@ -41,12 +41,12 @@ LABEL_KEYS = ("method_tag", "stream_name")
 #: resumed or skipped, not refused as different). ``tf32``: runs on CUDA ran with SpeechBrain's
 #: TF32 matmuls ("on"); on CPU it has no effect.
 ADDED_KEYS = {"cuda_graph_buckets": 0.0, "tf32": {"cpu": "torch", "cuda": "on"},
-              "convolutions": "native"}
+              "convolutions": "native", "reset_test_size": 0}
 #: Added keys that a packaged yaml's nested block references (``convolutions: !ref
 #: <convolutions>`` in the run block's ``runtime``) since the blocks' digests (``structure``)
 #: were fingerprinted: the digest leaves that reference out, so the block digests as before (the
 #: key's plain value counts by itself, above)
-ADDED_TO_BLOCKS = ("convolutions",)
+ADDED_TO_BLOCKS = ("convolutions", "reset_test_size")
 #: CUDA-only keys whose ``auto`` computes on CPU what the value here did before ``auto`` became
 #: their default (nothing is captured on CPU): a CPU run's fingerprint keeps that value, so CPU
 #: folders decoded before stay this run's. On CUDA ``auto`` is fingerprinted as ``auto``.
@@ -177,8 +177,9 @@ def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[
     labels = {f"hparams.{k}" for k in LABEL_KEYS}
     a, b = ({k: v for k, v in _flat(fp).items() if k not in labels} for fp in (old, new))
     for fp in (a, b) if recorded else (a,):
-        for key, default in ADDED_KEYS.items():
-            if f"hparams.{key}" not in fp and "hparams.seed" in fp:    # an older run's
+        other = b if fp is a else a             # (a key of one block: only where the other
+        for key, default in ADDED_KEYS.items():   # run's yaml has it, e.g. the reset block)
+            if f"hparams.{key}" not in fp and "hparams.seed" in fp and f"hparams.{key}" in other:
                 if isinstance(default, dict):
                     default = default.get(str(fp.get("hparams.device", "cpu")))
                 fp[f"hparams.{key}"] = default
