@@ -209,10 +209,15 @@ def test_an_unreadable_fingerprint_resumes_from_the_checkpoint(data, reference, 
     assert records(out) == records(reference) and summary(out) == summary(reference)
     assert "Resuming" in (out / "log.txt").read_text()
     (out / "summary.json").unlink()
-    fp.write_text("")
-    with pytest.raises(SystemExit, match=r"the checkpoint is from another run .*hparams\.steps"):
+    fp.write_text("")          # another run's settings: refused before anything is written
+    with pytest.raises(SystemExit, match=r"holds a run with other settings \(hparams\.steps: "
+                                         r"2 != 3\)"):
         decode.main(args(data, out, *DSUTA, "--ckpt_every=5", "--steps=3"))
+    assert fp.read_text() == ""
+    decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))       # its own: resumed
+    assert records(out) == records(reference)
     shutil.rmtree(out / "save")
+    (out / "summary.json").unlink()
     fp.write_text("")
     with pytest.raises(SystemExit, match=r"fingerprint\.json: cannot be read \(cut short or "
                                          r"damaged\), and no checkpoint tells which run the "

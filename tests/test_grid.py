@@ -264,14 +264,16 @@ def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
     shutil.copy(hparams_find("csuta"), own / "mycsuta.yaml")
     text = hparams_find("suta").read_text()
     (own / "suta2.yaml").write_text(text.replace("method_tag: suta ", "method_tag: suta2 "))
+    (own / "dyn.yaml").write_text(hparams_find("csuta").read_text() + "reset: dynamic\n")
     argv = grid_argv(data, tmp_path, "csuta csuta+dynamic dsuta+dynamic mycsuta mycsuta+dynamic "
-                     "suta2", "0", "--hparams_dir", str(own))
+                     "suta2 dyn", "0", "--hparams_dir", str(own))
     runs = grid.plan_runs(grid.parse_args(argv))
     labels = {r.name.split("/")[1]: [a for a in r.argv if a.startswith("--method_tag")]
               for r in runs}
     assert labels == {"csuta": [], "csuta+dynamic": [], "dsuta+dynamic": [], "suta2": [],
                       "mycsuta": ["--method_tag=mycsuta"],
-                      "mycsuta+dynamic": ["--method_tag=mycsuta+dynamic"]}
+                      "mycsuta+dynamic": ["--method_tag=mycsuta+dynamic"],
+                      "dyn": ["--method_tag=dyn+dynamic"]}      # its own default reset
     swept = grid.plan_runs(grid.parse_args(argv + ["--sweep", "lr=0.1"]))
     assert [a for a in swept[3].argv if a.startswith("--method_tag")] == \
         ["--method_tag=mycsuta_lr0.1"]
@@ -280,12 +282,13 @@ def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
                                                            r.argv) == 1 for r in mine)
     conf = tmp_path / "conf"                  # a recipe's own option sets the reset policy:
     shutil.copytree(data["conf"], conf)       # the label says it, as the yaml's would
-    for name in ("mycsuta", "csuta"):
+    for name in ("mycsuta", "csuta", "dsuta"):
         (conf / f"{name}.opts").write_text("--reset=fixed\n--reset_every=4\n")
     runs = grid.plan_runs(grid.parse_args(argv + ["--conf_dir", str(conf)]))
     labels = {r.name.split("/")[1]: [a for a in r.argv if a.startswith("--method_tag")]
               for r in runs}
-    assert labels["mycsuta"] == ["--method_tag=mycsuta+fixed"] and labels["csuta"] == []
+    assert labels["mycsuta"] == ["--method_tag=mycsuta+fixed"]
+    assert labels["csuta"] == labels["dsuta+dynamic"] == []      # the yaml's csuta+fixed stands
 
 
 def test_a_dry_run_says_which_runs_will_not_run_and_fails(data, tmp_path, capsys):

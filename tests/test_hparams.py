@@ -47,3 +47,35 @@ def test_a_file_error_in_a_constructor_names_the_file():
     assert _describe(FileNotFoundError("lm_unigrams /x: no such file")) == \
         "lm_unigrams /x: no such file"
     assert _describe(ValueError("a", "b\n c")) == "a: b c"
+
+
+def test_your_code_is_your_own_top_level_modules_and_packages(tmp_path, monkeypatch):
+    """What a run fingerprints as your own code: the top-level package of a dotted import (an
+    edit of a sibling module counts), the dict form of import_module too; a package whose
+    import raises is hashed, not imported (find_spec of a dotted name imported it: a traceback
+    here, before the yaml's build could report it in one line); an installed
+    distribution's package (an editable SpeechBrain) is a version, not your code."""
+    import ruamel.yaml
+    from tta_brain.run import identity
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "methods.py").write_text("X = 1\n")
+    (tmp_path / "single.py").write_text("Y = 2\n")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "__init__.py").write_text("raise RuntimeError('needs CUDA 12')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    values = ruamel.yaml.YAML().load(
+        "a: !apply:importlib.import_module [mypkg.methods]\n"
+        "b: !apply:importlib.import_module {name: single}\n"
+        "c: !new:broken.thing.Class\n    x: 1\n"
+        "d: !name:torch.optim.AdamW\n")
+    assert hparams.imported_modules(values) == ["mypkg.methods", "single", "broken.thing",
+                                                "torch.optim"]
+    code = identity.your_code(values)         # (top-level names: nothing is imported)
+    assert sorted(code) == ["broken", "mypkg", "single"] and code["mypkg"]["file"] == str(pkg)
+    (pkg / "other.py").write_text("Z = 3\n")              # a sibling of the imported module
+    assert identity.your_code(values)["mypkg"]["sha1"] != code["mypkg"]["sha1"]
+    assert identity.your_code(values)["single"] == code["single"]
+    monkeypatch.setattr(identity, "_installed", lambda: {"mypkg": ["mypkg"]})
+    assert sorted(identity.your_code(values)) == ["broken", "single"]

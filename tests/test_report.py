@@ -232,6 +232,10 @@ def test_runs_of_different_source_models_on_one_stream_are_named(tmp_path, caplo
     assert said in section(report.build_markdown(runs), "Warnings")
     assert report.stream_warnings([r for r in runs if r.method in ("suta", "dsuta")]) == []
     assert report.stream_warnings([r for r in runs if r.method in ("csuta", "sgem")]) == []
+    other = next(r for r in runs if r.method == "suta")     # a second commit of the hub model:
+    other.summary.fingerprint["hparams"]["source"] = "hub:org/w2v2@99999999"  # two models, the
+    said = report.stream_warnings([r for r in runs if r.method in ("csuta", "sgem", "suta")])
+    assert len(said) == 1 and "adapted 3 different source models" in said[0]    # commitless one
 
 
 def test_run_folders_left_out_are_listed_in_results_md(results, written, tmp_path):

@@ -32,7 +32,7 @@ import speechbrain as sb
 from tta_brain import hparams as hp_files
 from tta_brain.run import identity
 from tta_brain.run.brain import TTABrain
-from tta_brain.run.checkpoint import STATE_FILE, ResumeError
+from tta_brain.run.checkpoint import STATE_FILE, ResumeError, saved_fingerprint
 from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hparams
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
@@ -132,9 +132,8 @@ def folder_status(out, fp):
         if diffs:
             return "differs", diffs
         if unread is not None and _has_checkpoint(folder):  # the stream's end was saved: its
-            logger.warning("%s; the run resumes from its last checkpoint, which writes it "  # run
-                           "again (nothing is decoded twice)", unread)        # writes it again
-            return "resume", []
+            return "resume", [f"{unread}; the run resumes from its last checkpoint, which "
+                              f"writes it again (nothing is decoded twice)"]
         try:
             load_run(folder)
         except RecordError as e:
@@ -143,11 +142,13 @@ def folder_status(out, fp):
     old = identity.read_fingerprint(folder)
     if old is None and (folder / identity.FINGERPRINT_FILE).is_file():
         said = f"{folder / identity.FINGERPRINT_FILE}: cannot be read (cut short or damaged)"
-        if _has_checkpoint(folder):          # which checks its own copy of the fingerprint
-            logger.warning("%s; the checkpoint's own fingerprint decides whether this run "
-                           "resumes there", said)
-            return "resume", []
-        return "damaged", [f"{said}, and no checkpoint tells which run the folder holds"]
+        saved = saved_fingerprint(folder)    # the checkpoint's own copy, asked before anything
+        if saved is None:                    # is written there
+            return "damaged", [f"{said}, and no checkpoint tells which run the folder holds"]
+        diffs = identity.differences(saved, fp)
+        return ("differs", diffs) if diffs else \
+            ("resume", [f"{said}; its checkpoint's copy of the fingerprint is this run's: it "
+                        f"resumes there"])
     if old is not None:
         diffs = identity.differences(old, fp)
         return ("differs", diffs) if diffs else ("resume", [])
@@ -279,6 +280,8 @@ def prepare(p: Plan) -> str:
     status, diffs = folder_status(p.out, p.fingerprint)
     if status == "done":
         return status
+    if status == "resume" and diffs:        # a damaged file that the checkpoint makes good
+        logger.warning("%s", diffs[0])
     if status in ("differs", "damaged") and not p.args.overwrite:
         _refuse(p.out, diffs, status)
     bound_kernel_caches()                                          # before the first forward

@@ -353,8 +353,11 @@ def imported_modules(values) -> List[str]:
         m = re.match(r"!(?:new|name|apply):([\w.]+)$", tag)
         if m:
             target = m.group(1)
-            if target == "importlib.import_module" and isinstance(node, (list, tuple)) and node:
-                found.append(str(node[0]))
+            if target == "importlib.import_module":
+                arg = node.get("name") if isinstance(node, dict) else \
+                    node[0] if isinstance(node, (list, tuple)) and node else None
+                if isinstance(arg, str):
+                    found.append(arg)
             elif "." in target:
                 found.append(target.rsplit(".", 1)[0])
         children = node.values() if isinstance(node, dict) else \

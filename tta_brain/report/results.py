@@ -97,11 +97,8 @@ def stream_warnings(runs: Sequence[Run]) -> List[str]:
         if fp.get("stream_sha1"):
             files.setdefault(r.stream, OrderedDict()).setdefault(
                 (fp["stream_sha1"], fp.get("n_rows")), []).append(r)
-        model = r.source_model
-        if model:
-            known = models.setdefault(r.stream, OrderedDict())
-            model = next((m for m in known if same_source(m, model)), model)   # hub: w/o commit
-            known.setdefault(model, []).append(r)
+        if r.source_model:
+            models.setdefault(r.stream, OrderedDict()).setdefault(r.source_model, []).append(r)
     lines = []
     for stream, found in files.items():
         if len(found) < 2:
@@ -113,6 +110,7 @@ def stream_warnings(runs: Sequence[Run]) -> List[str]:
                      f"runs of the stale file again on the current one (--decode_opts="
                      f"--overwrite) or report each file's runs apart (--exp_dir)")
     for stream, found in models.items():
+        found = _hub_names_joined(found)
         if len(found) > 1:
             parts = [f"{model if model.startswith('hub:') else model[:17]}: {_names(group)}"
                      for model, group in found.items()]
@@ -121,6 +119,18 @@ def stream_warnings(runs: Sequence[Run]) -> List[str]:
                          f"give each model its own experiment folder (--exp_dir) and report "
                          f"each apart")
     return lines
+
+
+def _hub_names_joined(found: "OrderedDict[str, List[Run]]") -> "OrderedDict[str, List[Run]]":
+    """Runs by source model, a hub model recorded without its commit joined to the one commit
+    of that name the others record (two commits: two models, it stays apart: which it ran on is
+    not known)."""
+    out = OrderedDict()
+    for model, group in found.items():
+        alike = [m for m in found if m != model and same_source(m, model) and "@" in m]
+        key = alike[0] if "@" not in model and len(alike) == 1 else model
+        out.setdefault(key, []).extend(group)
+    return out
 
 
 def _names(group: Sequence[Run]) -> str:

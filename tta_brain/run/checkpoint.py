@@ -141,6 +141,19 @@ def recover(checkpointer) -> bool:
 YAML_FILES = ("CKPT.yaml", "brain.ckpt")
 
 
+def saved_fingerprint(folder) -> Optional[Dict]:
+    """The fingerprint in ``folder``'s newest complete checkpoint (``save/CKPT+*/stream.ckpt``);
+    None without one, or when it cannot be read (its run says so when it recovers it)."""
+    found = sorted(Path(folder).glob(f"save/CKPT+*/{STATE_FILE}"))
+    if not found:
+        return None
+    try:
+        sd = torch.load(found[-1], map_location="cpu", weights_only=False)
+    except Exception:       # noqa: BLE001 - cut short or not torch's: recover() says which
+        return None
+    return sd.get("fingerprint") if isinstance(sd, dict) else None
+
+
 def _unreadable_yaml(d: Path) -> Optional[str]:
     """Why one of a complete checkpoint's :data:`YAML_FILES` cannot be read (None: they can):
     SpeechBrain read a cut one with a traceback."""

@@ -302,27 +302,31 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
 
 
 def _token_label(token: str, yaml: str, reset: List[str], argv: List[str]) -> List[str]:
-    """``[--method_tag=...]`` for a run of a yaml whose own label is not its token (``mycsuta``,
-    a copy of csuta.yaml, says csuta): the token, with the reset policy the run's options give
-    it (``--md_decode_opts=--reset=fixed``: ``mycsuta+fixed``); ``[]`` where the yaml names the
-    run as its token does (every packaged yaml) or an option sets the label."""
-    if own_label(yaml, reset) in (None, token) or own_label(yaml, argv) is None:
+    """``[--method_tag=...]`` for a run of a yaml whose label names another method than its
+    token (``mycsuta``, a copy of csuta.yaml, says csuta): the token's name with the reset policy
+    the run gets (the last ``--reset`` of its options, else the yaml's) where the yaml's label
+    carries one; ``[]`` where the yaml names the run as its token does (every packaged yaml, with
+    whatever reset its options give it), an option sets the label, or the label cannot be told
+    without building the yaml."""
+    from tta_brain.report.tags import method_tag
+    parts = yaml_label(yaml)
+    if parts is None or any(a.startswith("--method_tag=") for a in argv):
         return []
+    name, default = parts
+    base = token.partition("+")[0] if reset else token    # <base>.yaml + the token's '+reset'
+    if name == base:
+        return []
+    if default is None:                 # a plain label: no reset in it
+        return [f"--method_tag={token}"]
     said = [a.split("=", 1)[1] for a in argv if a.startswith("--reset=")]
-    from tta_brain.report.tags import method_tag
-    return [f"--method_tag={method_tag(token.partition('+')[0] if reset else token, said[-1])}"
-            if said else f"--method_tag={token}"]
+    return [f"--method_tag={method_tag(base, said[-1] if said else default)}"]
 
 
-def own_label(yaml: str, argv: List[str]) -> Optional[str]:
-    """The report label a run of ``yaml`` with the options ``argv`` gets from the yaml itself (a
-    plain ``method_tag``, or the packaged form ``!apply:...method_tag [name, !ref <reset>]``
-    with the run's ``--reset``); None where an option sets it (``--method_tag=``: the user's
-    label stands) or it cannot be told without building the yaml (the yaml's label stands)."""
+def yaml_label(yaml: str) -> Optional[Tuple[str, Optional[str]]]:
+    """``(name, default reset)`` of a yaml's ``method_tag``: a plain label (reset None), or the
+    packaged form ``!apply:...method_tag [name, !ref <reset>]`` with the yaml's ``reset``; None
+    when it is neither (the run keeps the label its yaml builds)."""
     from tta_brain import hparams
-    from tta_brain.report.tags import method_tag
-    if any(a.startswith("--method_tag=") for a in argv):
-        return None
     try:
         import ruamel.yaml
         nodes = ruamel.yaml.YAML().load(hparams.compose(hparams.find(yaml))) or {}
@@ -331,10 +335,9 @@ def own_label(yaml: str, argv: List[str]) -> Optional[str]:
     node = nodes.get("method_tag") if isinstance(nodes, dict) else None
     tag = str(getattr(getattr(node, "tag", None), "value", None) or "")
     if isinstance(node, str) and not tag.startswith("!"):
-        return str(node)
+        return str(node), None
     if tag.endswith(".method_tag") and isinstance(node, list) and node:
-        resets = [a.split("=", 1)[1] for a in argv if a.startswith("--reset=")]
-        return method_tag(str(node[0]), resets[-1] if resets else str(nodes.get("reset", "none")))
+        return str(node[0]), str(nodes.get("reset", "none"))
     return None
 
 

@@ -13,6 +13,7 @@ another run); a fingerprint recorded before digests were is taken to match them.
 only resumed or skipped by a run with the same fingerprint.
 """
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -95,19 +96,31 @@ def audio_sha1(rows: List[Dict], stream_csv) -> str:
 _HASH_CACHES: Dict[Path, HashCache] = {}
 
 
+@functools.lru_cache(maxsize=1)
+def _installed() -> Dict[str, List[str]]:
+    """Top-level import names of the installed distributions (asked once a process: 0.1 s)."""
+    import importlib.metadata
+    return importlib.metadata.packages_distributions()
+
+
 def your_code(values) -> Dict[str, Dict[str, str]]:
-    """The user's own modules a resolved yaml's objects come from (``tta_brain.hparams.
-    imported_modules`` that are ``your_file``: a method of one's own, not this package or an
-    installed one): ``{module: {"file": its file, "sha1": of its text (a package: of every .py
-    file under it, with their relative paths)}}``. A run's fingerprint holds the digests: the
-    method's code edited, the same command decodes again instead of skipping as finished."""
+    """The user's own code a resolved yaml's objects come from: the top-level modules and
+    packages of ``tta_brain.hparams.imported_modules`` that are ``your_file`` and no installed
+    distribution's (a method of one's own on ``PYTHONPATH``; not this package, the standard
+    library, or anything pip installed, editable installs included: those are versions):
+    ``{name: {"file": its file or folder, "sha1": of its text (a package: of every .py file under
+    it, with their relative paths)}}``. A run's fingerprint holds the digests: the method's code
+    edited, the same command decodes again instead of skipping as finished."""
     import importlib.util
     from tta_brain.hparams import imported_modules, your_file
+    installed = _installed()                    # versioned as distributions, editable ones too
     out = {}
-    for name in imported_modules(values):
-        try:
+    for name in dict.fromkeys(m.split(".")[0] for m in imported_modules(values)):
+        if name in installed:
+            continue
+        try:                     # a module the yaml's build cannot import says so itself
             spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError, AttributeError):
+        except Exception:       # noqa: BLE001 - a package whose import raises anything
             continue
         origin = getattr(spec, "origin", None)
         if not origin or not os.path.isfile(origin) or not your_file(origin):
