@@ -83,6 +83,18 @@ def test_a_reset_after_the_last_utterance_is_not_recorded(data, tmp_path):
     assert "csuta+fixed reset after the last utterance (fixed (every 10)): not recorded" in log
     assert re.search(r"csuta\+fixed reset: position 10 \(\S+\) starts from the source model "
                      r"\(fixed \(every 10\)\)", log)
+    # the last rows skipped (longer than max_duration): the last decoded utterance is the last
+    rows = list(csv.DictReader(open(data["csv"])))
+    for row in rows[15:]:
+        row["duration"] = "99"
+    cut = tmp_path / "cut.csv"
+    with open(cut, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    s = decode.main(args(data, tmp_path / "cut", "--reset=fixed", "--reset_every=5", "--steps=1",
+                         "--ckpt_every=0", method="csuta", csv_path=cut))
+    assert s.n_utts == 15 and s.n_skipped == 5 and s.resets == [5, 10]
 
 
 @pytest.mark.slow

@@ -200,18 +200,26 @@ class StreamLoader:
         utt.wav, utt.reason = self._audio(utt, row)
         return utt
 
+    def manifest_reason(self, row: Dict) -> Optional[str]:
+        """Why ``row`` is skipped on its manifest alone (before its audio is read), or None."""
+        if not normalize_text(row.get("wrd") or ""):
+            return "empty transcript (wrd)"
+        if not str(row.get("wav") or "").strip():
+            return "empty wav path"
+        try:
+            dur = float(row.get("duration") or 0)
+        except ValueError:
+            return f"bad duration {row.get('duration')!r}"
+        if self.max_duration and dur > self.max_duration:
+            return f"longer than max_duration ({dur:g} s > {self.max_duration:g} s)"
+        return None
+
     def _audio(self, utt, row):
         max_dur, sr = self.max_duration, self.sr
-        if not normalize_text(row.get("wrd") or ""):
-            return None, "empty transcript (wrd)"
-        if not str(row.get("wav") or "").strip():
-            return None, "empty wav path"
-        try:
-            utt.duration = dur = float(row.get("duration") or 0)
-        except ValueError:
-            return None, f"bad duration {row.get('duration')!r}"
-        if max_dur and dur > max_dur:
-            return None, f"longer than max_duration ({dur:g} s > {max_dur:g} s)"
+        why = self.manifest_reason(row)
+        if why:
+            return None, why
+        utt.duration = dur = float(row.get("duration") or 0)
         try:
             wav = load_audio(row["wav"], sr)
         except AudioError as e:

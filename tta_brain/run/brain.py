@@ -188,9 +188,10 @@ class TTABrain(sb.Brain):
                            info.position, len(skips), "; ".join(sorted(set(skips))))
         for ev in events:
             if ev.kind == "reset":
-                if ev.position >= len(rows):    # after the last utterance: none starts from it
-                    logger.info("%s reset after the last utterance (%s): not recorded, no "
-                                "utterance is decoded from it", self.tag, ev.reason)
+                if ev.position >= len(rows) or all(   # after the last utterance, or the
+                        self.stream_loader.manifest_reason(r) for r in rows[ev.position:]):
+                    logger.info("%s reset after the last utterance (%s): not recorded, no "   # rest
+                                "utterance is decoded from it", self.tag, ev.reason)  # skipped
                     continue
                 rid = rows[ev.position]["ID"]
                 logger.info("%s reset: position %d (%s) starts from the source model (%s)",
