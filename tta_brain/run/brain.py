@@ -13,6 +13,7 @@ from its cursor, so the output equals that of an uninterrupted run.
 """
 import logging
 import time
+from itertools import islice
 from pathlib import Path
 
 import speechbrain as sb
@@ -188,10 +189,11 @@ class TTABrain(sb.Brain):
                            info.position, len(skips), "; ".join(sorted(set(skips))))
         for ev in events:
             if ev.kind == "reset":
-                if ev.position >= len(rows) or all(   # after the last utterance, or the
-                        self.stream_loader.manifest_reason(r) for r in rows[ev.position:]):
-                    logger.info("%s reset after the last utterance (%s): not recorded, no "   # rest
-                                "utterance is decoded from it", self.tag, ev.reason)  # skipped
+                after = islice(rows, ev.position, None)    # (no copy of the rest a reset)
+                if ev.position >= len(rows) or all(      # after the last utterance, or the
+                        self.stream_loader.manifest_reason(r) for r in after):  # rest skipped
+                    logger.info("%s reset after the last utterance (%s): not recorded, no "
+                                "utterance is decoded from it", self.tag, ev.reason)
                     continue
                 rid = rows[ev.position]["ID"]
                 logger.info("%s reset: position %d (%s) starts from the source model (%s)",
