@@ -20,7 +20,7 @@ from torch.func import functional_call
 
 from tta_brain.asr.ctc import collapse
 from tta_brain.data.cache import hub_snapshot, hub_unreachable
-from tta_brain.lobes.families import base_model as base_of
+from tta_brain.lobes.families import FEATURE_MODELS, base_model as base_of
 from tta_brain.lobes.gemm_conv import CONVOLUTIONS, gemm_convolutions
 from tta_brain.lobes.partial import PartialForward, padding_blocker
 from tta_brain.lobes.runtime import Runtime
@@ -70,12 +70,6 @@ def normalize_waveforms(wavs: torch.Tensor, lengths: Optional[torch.Tensor] = No
     mean = (wavs * mask).sum(-1, keepdim=True) / n
     var = (((wavs - mean) * mask) ** 2).sum(-1, keepdim=True) / n
     return ((wavs - mean) / torch.sqrt(var + 1e-7)) * mask
-
-
-#: Base models whose forward is CNN -> projection -> encoder (-> adapter) -> CTC head, so the CNN
-#: features can be computed once and the rest run from them (tested: identical logits).
-FEATURE_MODELS = ("Wav2Vec2Model", "HubertModel", "Data2VecAudioModel", "WavLMModel",
-                  "UniSpeechModel", "UniSpeechSatModel", "Wav2Vec2ConformerModel")
 
 
 def _not_found(source: str) -> str:

@@ -34,6 +34,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from tta_brain.lobes.families import FEATURE_MODELS
+
 __all__ = ["PartialForward", "padding_blocker", "PADDABLE_ENCODERS", "PARTIAL_ENCODERS"]
 
 #: encoders whose padded frames a padded pass masks exactly (see the module docstring)
@@ -87,7 +89,6 @@ class PartialForward:
 
     def __init__(self, lobe):
         if not lobe.supports_features:       # the reason, not a list of parts SEW also has
-            from tta_brain.lobes.hf_ctc import FEATURE_MODELS
             base = type(getattr(lobe.model, "base_model", lobe.model)).__name__
             # (a Conformer's encoder is refused below: its layers need relative positions)
             ok = [m for m in FEATURE_MODELS if m != "Wav2Vec2ConformerModel"]
