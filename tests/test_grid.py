@@ -1156,3 +1156,24 @@ def holder_pid_alive(folder):
     except OSError:
         return False
     return True
+
+
+def test_the_grid_reads_each_stream_once_and_its_runs_share_its_rows(data, tmp_path, monkeypatch):
+    """Looking at its runs' folders (check_done: every run's decode.plan), the grid read and
+    digested a run's stream once per run and kept each run's own copy of its rows: for 500 runs
+    of 10,000-row streams, 4 GiB in the grid's process and minutes before the first run."""
+    from tta_brain import decode
+    reads = []
+    real = decode.load_stream
+
+    def counted(*a, **k):
+        reads.append(a[0])
+        return real(*a, **k)
+    monkeypatch.setattr(decode, "load_stream", counted)
+    runs = grid.plan_runs(grid.parse_args(grid_argv(data, tmp_path / "exp", "source suta", "0 1")))
+    grid.check_done(runs)
+    assert len(runs) == 4 and all(r.status == "queued" for r in runs)
+    assert len(reads) == 1
+    assert all(r.plan.rows is runs[0].plan.rows for r in runs)
+    alone = decode.plan(runs[1].argv)           # a plan of its own: the same rows, fingerprint
+    assert alone.rows == runs[1].plan.rows and alone.fingerprint == runs[1].plan.fingerprint

@@ -152,9 +152,10 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
     node, need not have; each run checks its device where it starts)."""
     from tta_brain import decode
     queued = None                  # squeue's jobs, asked once (only if a run was submitted)
+    streams = {}                   # each stream read (and its audio digested) once, rows shared
     for run in runs:
         try:
-            p = decode.plan(run.argv, device_here=device_here)
+            p = decode.plan(run.argv, device_here=device_here, streams=streams)
         except SystemExit as e:
             run.status, run.message = "failed", run.said(str(e))
             continue
