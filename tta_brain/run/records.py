@@ -12,6 +12,7 @@ only module that reads or writes them (the Brain writes, the report and the plot
 report reads, clearing it for ``--overwrite``) is :mod:`tta_brain.run.folder`'s.
 """
 import csv
+import functools
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -28,7 +29,7 @@ class RecordError(ValueError):
     """A record file that is missing, cut short or not in this version's format."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Transcript:
     position: int
     ID: str
@@ -45,7 +46,7 @@ class Transcript:
     reset: int = 0          # 1: the first utterance decoded after a reset
 
 
-@dataclass
+@dataclass(slots=True)
 class Reject:
     position: int
     ID: str
@@ -53,7 +54,7 @@ class Reject:
     reason: str
 
 
-@dataclass
+@dataclass(slots=True)
 class Reset:
     position: int           # first utterance decoded from the reset model
     ID: str
@@ -61,14 +62,14 @@ class Reset:
     trigger: int            # the utterance whose processing caused it
 
 
-@dataclass
+@dataclass(slots=True)
 class Lii:
     position: int
     lii: float
     stage: str              # construction | detection
 
 
-@dataclass
+@dataclass(slots=True)
 class Memory:
     position: int           # the last utterance decoded before the sample
     rss_mb: float           # resident set size of the process (MiB)
@@ -103,24 +104,30 @@ ADDED_LATER = ("memory",)
 
 
 def _columns(cls) -> List[str]:
-    return [f.name for f in fields(cls)]
+    return [name for name, _ in _spec(cls)]
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(cls):
+    """``(name, type)`` of each field of a record class (asked once per class, not per row)."""
+    return tuple((f.name, f.type) for f in fields(cls))
 
 
 def _parse(cls, row: Dict[str, str], path, line: int, header=()):
     out = {}
-    for f in fields(cls):
-        value = row.get(f.name)
-        if value is None and f.name in header:      # the header has it, the row stops before it
+    for name, kind in _spec(cls):
+        value = row.get(name)
+        if value is None and name in header:        # the header has it, the row stops before it
             given = sum(v is not None for k, v in row.items() if k is not None)
             raise RecordError(f"{path}:{line}: {given} of the header's {len(header)} fields, "
-                              f"no '{f.name}' (the line is cut short)")
+                              f"no '{name}' (the line is cut short)")
         if value is None:
-            raise RecordError(f"{path}:{line}: no '{f.name}' (not a {cls.__name__} record of "
+            raise RecordError(f"{path}:{line}: no '{name}' (not a {cls.__name__} record of "
                               f"this tta_brain version)")
         try:
-            out[f.name] = f.type(value) if f.type in (int, float) else value
+            out[name] = kind(value) if kind in (int, float) else value
         except ValueError:
-            raise RecordError(f"{path}:{line}: {f.name} {value!r} is not {f.type.__name__}") from None
+            raise RecordError(f"{path}:{line}: {name} {value!r} is not {kind.__name__}") from None
     return cls(**out)
 
 
