@@ -1177,3 +1177,16 @@ def test_the_grid_reads_each_stream_once_and_its_runs_share_its_rows(data, tmp_p
     assert all(r.plan.rows is runs[0].plan.rows for r in runs)
     alone = decode.plan(runs[1].argv)           # a plan of its own: the same rows, fingerprint
     assert alone.rows == runs[1].plan.rows and alone.fingerprint == runs[1].plan.fingerprint
+
+
+def test_a_dry_run_reads_the_stream_of_its_finished_runs_once(data, tmp_path, monkeypatch):
+    """A dry run looked at each finished run's folder with a plan of its own, each reading and
+    digesting the run's stream again (500 finished runs of one 10,000-row stream: 500 reads)."""
+    from tta_brain import decode
+    exp = tmp_path / "exp"
+    finished_grid(grid_argv(data, exp, "source", "0 1", "--nj", "1"))
+    reads = []
+    real = decode.load_stream
+    monkeypatch.setattr(decode, "load_stream", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    assert grid.main(grid_argv(data, exp, "source", "0 1", "--dry_run")) == 0
+    assert len(reads) == 1

@@ -145,14 +145,16 @@ def submitted_job(folder: Path) -> Optional[str]:
         return None
 
 
-def check_done(runs: List[Run], device_here: bool = True) -> None:
+def check_done(runs: List[Run], device_here: bool = True, streams: Optional[dict] = None) -> None:
     """Mark runs finished with the same fingerprint as skipped, refused ones as failed, and
     those being written, or still queued on Slurm by an earlier grid, as busy
     (``device_here=False``: the runs decode on Slurm nodes, whose GPUs this machine, a login
-    node, need not have; each run checks its device where it starts)."""
+    node, need not have; each run checks its device where it starts). ``streams``: the
+    streams read so far (``decode.plan``'s), kept by a caller that checks runs one by one."""
     from tta_brain import decode
     queued = None                  # squeue's jobs, asked once (only if a run was submitted)
-    streams = {}                   # each stream read (and its audio digested) once, rows shared
+    streams = {} if streams is None else streams   # each stream read (and its audio digested)
+                                                   # once, its rows shared
     for run in runs:
         try:
             p = decode.plan(run.argv, device_here=device_here, streams=streams)
@@ -180,11 +182,11 @@ def check_done(runs: List[Run], device_here: bool = True) -> None:
                                                    f"there, add --decode_opts=--overwrite")
 
 
-def _say_finished(run: Run, device_here: bool) -> bool:
+def _say_finished(run: Run, device_here: bool, streams: Optional[dict] = None) -> bool:
     """A dry run's line on a run whose folder holds a finished run: the grid skips it (same
     settings) or refuses it (other settings, a damaged folder: True). Said only when its stream
     can be read (an earlier stage may write it); nothing is written."""
-    check_done([run], device_here=device_here)
+    check_done([run], device_here=device_here, streams=streams)
     refused = run.status == "failed" and run.plan is not None
     if run.status == "skipped":
         print(f"grid: {run.name} is finished with the same settings: the grid skips it",
@@ -743,7 +745,7 @@ def main(argv=None) -> int:
     runs = plan_runs(args, cuda=cuda)
     if args.dry_run or args.check:     # each run's settings checked as its start would (not
         from tta_brain import decode     # its stream, which an earlier stage may not have written)
-        refused, said = 0, {}
+        refused, said, streams = 0, {}, {}
         # --check (a recipe, before it decodes here) knows this machine's devices; a dry run may
         # prepare commands for another. The stream's own options do not change what is checked.
         here = args.check and not args.dry_run and args.engine == "local"
@@ -764,7 +766,7 @@ def main(argv=None) -> int:
                 refused += 1
                 print(f"grid: {r.name} will not run: {r.said(said[key])}", flush=True)
             elif args.dry_run and (r.folder / "summary.json").is_file():
-                refused += _say_finished(r, here)
+                refused += _say_finished(r, here, streams)
         for chunk in chunks(runs, args.batch_runs) if args.dry_run else ():
             if len(chunk) > 1:      # checked when it runs: a batch the sweep refuses is split
                 print(f"DRY-RUN: batch of {len(chunk)} (one python -m tta_brain.sweep, or separate "
