@@ -175,6 +175,24 @@ def test_paths_and_identity(tmp_path):
     assert file_identity(expand_path("$data_root/s.pt", str(tmp_path))) == f"sha1:{file_sha1(f)}"
 
 
+def test_an_input_file_is_hashed_once_a_process_until_it_changes(tmp_path, monkeypatch):
+    """Every run's fingerprint hashes its input files (SGEM's lm_path: a KenLM binary of a few
+    GB); a grid plans all its runs in one process, and read the file again for each run."""
+    from tta_brain.data import cache
+    monkeypatch.setattr(cache, "RACY_MARGIN_NS", -10 ** 12)    # (written now: hashed each time)
+    f = tmp_path / "lm.bin"
+    f.write_bytes(b"abc")
+    reads = []
+    real = cache.file_sha1
+    monkeypatch.setattr(cache, "file_sha1", lambda p, *a: reads.append(p) or real(p, *a))
+    first = file_identity(str(f))
+    assert [file_identity(str(f)) for _ in range(5)] == [first] * 5 and len(reads) == 1
+    f.write_bytes(b"abcd")                      # changed: hashed again
+    assert file_identity(str(f)) == f"sha1:{real(f)}" != first and len(reads) == 2
+    f.unlink()
+    assert file_identity(str(f)) == f"missing:{f}"
+
+
 def test_module_entry_point_help():
     res = subprocess.run([sys.executable, "-m", "tta_brain.stats", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)

@@ -179,8 +179,25 @@ def same_source(recorded: str, current: str) -> bool:
 
 
 def file_identity(path) -> str:
-    """``sha1:<content>`` of a file, ``missing:<path>`` if there is none (a run's input file)."""
-    return f"sha1:{file_sha1(path)}" if os.path.isfile(path) else f"missing:{path}"
+    """``sha1:<content>`` of a file, ``missing:<path>`` if there is none (a run's input file).
+    Hashed once a process while its ``stat`` (size, modification and change times) stays the
+    same (a file changed in the last :data:`RACY_MARGIN_NS` is hashed each time): a grid plans
+    every run in one process, and SGEM's ``lm_path`` (a KenLM binary of a few GB) was read again
+    for each of them (500 runs of a 3 GB LM: an hour before the first ran)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return f"missing:{path}"
+    if not os.path.isfile(path):
+        return f"missing:{path}"
+    if max(st.st_mtime_ns, st.st_ctime_ns) >= time.time_ns() - RACY_MARGIN_NS:
+        return f"sha1:{file_sha1(path)}"     # just written: a change now could keep its stat
+    return f"sha1:{_stamped_sha1(os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns)}"
+
+
+@functools.lru_cache(maxsize=64)
+def _stamped_sha1(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str:
+    return file_sha1(path)
 
 
 def short(digest):
