@@ -277,6 +277,45 @@ def test_collect_runs_skips_bad_dirs(results, caplog):
     assert [t.reset for t in dyn.transcripts if t.reset] == [1, 1, 1]   # the writer marks them
 
 
+def test_rows_done_counts_what_was_appended_and_notices_a_rewrite(tmp_path):
+    """The grid's progress: each call reads only what the run appended since the last one (a
+    file cut back and written again, as a resumed run rewrites its rows after the checkpoint,
+    or replaced, is counted again from its start)."""
+    d = tmp_path / "run"
+    d.mkdir()
+    writer = records.RecordWriter(d)
+
+    def row(pos, hyp="a b"):
+        return records.Transcript(pos, f"u{pos}", "", 0, 1.0, "a b", hyp, 2, 0, 0, 0, 0)
+
+    for pos in range(3):
+        writer.transcript(row(pos))
+    writer.reject(records.Reject(3, "u3", "x.wav", "unreadable"))
+    writer.flush()
+    assert records.rows_done(d) == 4
+    path = str(d / "transcripts.csv")
+    counted = records._COUNTED[path][2]
+    for pos in range(4, 9):
+        writer.transcript(row(pos))
+    writer.close()
+    with open(path, "ab") as f:                 # a line being written is not counted yet
+        f.write(b"9,u9,")
+    assert records.rows_done(d) == 9
+    assert records._COUNTED[path][2] > counted
+    text = open(path, "rb").read()
+    with open(path, "r+b") as f:                # cut back to its header and two rows, then one
+        f.truncate(text.index(b"2,u2,"))        # long row written past where it was counted
+        f.seek(0, 2)
+        f.write(b"2,u2,," + b"x" * len(text) + b"\n")
+    assert records.rows_done(d) == 4
+    with open(path, "r+b") as f:                # cut back below what was counted
+        f.truncate(text.index(b"1,u1,"))
+    assert records.rows_done(d) == 2
+    (d / "transcripts.csv").unlink()
+    assert records.rows_done(d) == 1            # the reject alone
+    assert path not in records._COUNTED
+
+
 def test_aggregate_is_sample_std():
     mean, std, n = tables.aggregate([20.0, 30.0, 40.0])
     assert (mean, n) == (30.0, 3) and std == pytest.approx(10.0)  # population std would be 8.16

@@ -182,17 +182,45 @@ def read_memory(folder) -> List[Memory]:
     return _read(folder, "memory") if (Path(folder) / "memory.csv").is_file() else []
 
 
+#: ``rows_done``'s counts so far: path -> (device, inode, bytes counted, lines in them, the last
+#: bytes counted). A grid asks every few seconds for each running run; reading only what was
+#: appended since keeps that from reading every record file whole each time (500 Slurm runs of
+#: 10,000 rows: about 0.5 GB a poll over a network file system).
+_COUNTED: Dict[str, tuple] = {}
+_TAIL = 64
+
+
+def _lines(path: str) -> int:
+    """Complete lines of ``path`` (0 if it cannot be read), counting only what was appended
+    since the last call; a file replaced, cut short or rewritten before that point (a resumed
+    run drops the rows after its checkpoint) is counted again from its start."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            dev, ino, done, n, tail = _COUNTED.get(path, (None, None, 0, 0, b""))
+            if (dev, ino) != (st.st_dev, st.st_ino) or st.st_size < done or (
+                    done and (f.seek(done - len(tail)), f.read(len(tail)))[1] != tail):
+                done, n = 0, 0
+            f.seek(done)
+            new = f.read()
+            end = new.rfind(b"\n") + 1        # complete lines only: a line being written waits
+            n += new.count(b"\n", 0, end)
+            done += end
+            if done:
+                f.seek(max(done - _TAIL, 0))
+                tail = f.read(min(done, _TAIL))
+            _COUNTED[path] = (st.st_dev, st.st_ino, done, n, tail)
+            return n
+    except OSError:
+        _COUNTED.pop(path, None)
+        return 0
+
+
 def rows_done(folder) -> int:
     """Stream rows a run has recorded so far (transcripts + rejects), read while it runs: the
     grid's progress. Counts complete lines only; 0 for a folder with no records yet."""
-    n = 0
-    for name in ("transcripts", "rejects"):
-        try:
-            with open(Path(folder) / f"{name}.csv", "rb") as f:
-                n += max(f.read().count(b"\n") - 1, 0)
-        except OSError:
-            pass
-    return n
+    return sum(max(_lines(os.path.join(str(folder), f"{name}.csv")) - 1, 0)
+               for name in ("transcripts", "rejects"))
 
 
 def write_wer_file(folder, transcripts: Iterable[Transcript]) -> None:
