@@ -277,6 +277,29 @@ def test_collect_runs_skips_bad_dirs(results, caplog):
     assert [t.reset for t in dyn.transcripts if t.reset] == [1, 1, 1]   # the writer marks them
 
 
+def test_long_report_of_one_stream_reads_only_its_runs_records(tmp_path, capsys):
+    """report.long --stream X loads X's runs alone: another stream's records are not read (a
+    damaged one is not even noticed); a stream with no run names those there."""
+    make_run(tmp_path, "source", "st_long", 0, 2)
+    make_run(tmp_path, "suta", "st_long", 0, 1)
+    other = make_run(tmp_path, "suta", "st_other", 0, 3)
+    text = (other / "transcripts.csv").read_text()
+    (other / "transcripts.csv").write_text(text[: text.rindex("\n", 0, len(text) - 1) + 1])
+    skipped, others = [], set()
+    runs = report.collect_runs(tmp_path, skipped, stream="st_long", other_streams=others)
+    assert [(r.stream, r.method) for r in runs] == [("st_long", "source"), ("st_long", "suta")]
+    assert skipped == [] and others == {"st_other"}
+    assert long.main(["--exp_dir", str(tmp_path), "--stream", "st_long", "--window", "10",
+                      "--no_plots"]) == 0
+    assert "st_other" not in (tmp_path / "LONG.md").read_text()
+    assert long.main(["--exp_dir", str(tmp_path), "--stream", "st_x", "--no_plots"]) == 1
+    err = capsys.readouterr().err
+    assert "no finished run of stream 'st_x' under" in err
+    assert "(streams there: st_long, st_other; --stream)" in err
+    every = report.collect_runs(tmp_path, skipped)             # all streams: the damage is seen
+    assert len(every) == 2 and "utterances" in skipped[0][1]
+
+
 def test_rows_done_counts_what_was_appended_and_notices_a_rewrite(tmp_path):
     """The grid's progress: each call reads only what the run appended since the last one (a
     file cut back and written again, as a resumed run rewrites its rows after the checkpoint,

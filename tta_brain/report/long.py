@@ -382,8 +382,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tta_brain.report.results import collect_runs
     try:
-        skipped = []
-        runs = collect_runs(args.exp_dir, skipped)
+        skipped, others = [], set()
+        runs = collect_runs(args.exp_dir, skipped, stream=args.stream, other_streams=others)
+        if not runs and others:
+            raise ValueError(f"no finished run of stream {args.stream!r} under {args.exp_dir} "
+                             f"(streams there: {', '.join(sorted(others))}; --stream)")
         if args.methods is not None:
             wanted = set(args.methods.split())
             have = sorted({r.method for r in runs if r.stream == args.stream})

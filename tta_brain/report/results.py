@@ -35,6 +35,7 @@ from tta_brain.run.envinfo import environment
 from tta_brain.run.folder import Run, load_run, walk
 from tta_brain.run.identity import differences
 from tta_brain.run.records import RecordError
+from tta_brain.run.summary import read_summary
 
 logger = logging.getLogger("tta_brain.report.results")  # same name under python -m
 
@@ -42,11 +43,14 @@ class NoRunsError(ValueError):
     """Raised when a results root holds no readable experiment directory."""
 
 
-def collect_runs(root, skipped: Optional[list] = None) -> List[Run]:
+def collect_runs(root, skipped: Optional[list] = None, stream: Optional[str] = None,
+                 other_streams: Optional[set] = None) -> List[Run]:
     """All finished experiment folders under ``root`` (any depth), sorted by stream, method, seed.
     The run folders left out (unreadable, unfinished, or started and stopped before any
     utterance: a ``fingerprint.json`` and no record) are logged and, given a list ``skipped``,
-    added to it as ``(folder relative to root, why)``."""
+    added to it as ``(folder relative to root, why)``. ``stream``: only that stream's runs; the
+    others' records are not read (a long report of one stream among 200 runs of 3,000
+    utterances read them all: 1 GB), their stream names added to ``other_streams``."""
     root = Path(root)
     if not root.is_dir():
         logger.warning("Results root %s does not exist", root)
@@ -60,6 +64,12 @@ def collect_runs(root, skipped: Optional[list] = None) -> List[Run]:
     for dirpath, filenames in walk(root):
         if "summary.json" in filenames:
             try:
+                if stream is not None:
+                    name = read_summary(dirpath).stream
+                    if name != stream:
+                        if other_streams is not None:
+                            other_streams.add(name)
+                        continue
                 runs.append(load_run(dirpath, root))
             except RecordError as err:
                 skip(dirpath, str(err))
