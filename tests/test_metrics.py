@@ -76,3 +76,10 @@ def test_rates_print_as_percent_or_a_dash_when_there_is_none():
     from tta_brain.run.summary import percent
     assert percent(12.5) == "12.50%" and percent(0) == "0.00%"
     assert percent(None) == "-" and percent(float("nan")) == "-"    # no reference / empty domain
+
+
+@pytest.mark.parametrize("unit", ["wer", "cer", "words", "WORD", None])
+def test_corpus_error_rate_refuses_an_unknown_unit(unit):
+    """Any unit but "word" was scored as characters: unit="wer" gave the CER (9.1 here, not 50)."""
+    with pytest.raises(ValueError, match="unit must be 'word' or 'char'"):
+        corpus_error_rate([("hello world", "hello word")], unit=unit)

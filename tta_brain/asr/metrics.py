@@ -64,7 +64,10 @@ def error_rate(n_err: float, n_ref: float) -> float:
 
 def corpus_error_rate(pairs: Iterable[Tuple[str, str]], unit: str = "word") -> float:
     """Pooled WER (``unit="word"``) or CER (``"char"``, spaces kept as characters) in % of
-    normalised (reference, hypothesis) pairs."""
+    normalised (reference, hypothesis) pairs. Another ``unit`` is a one-line ValueError (any
+    other string was scored as characters: ``unit="wer"`` gave the CER)."""
+    if unit not in ("word", "char"):
+        raise ValueError(f"corpus_error_rate: unit must be 'word' or 'char', got {unit!r}")
     n_err = n_ref = 0
     for ref, hyp in pairs:
         ref, hyp = normalize_text(ref), normalize_text(hyp)
