@@ -743,3 +743,18 @@ def test_the_readmes_own_method_decodes_from_its_own_module_and_yaml(tmp_path, t
 def test_build_method_names_a_bad_option(tiny_model_dir):
     with pytest.raises(TypeError, match="method 'dsuta' has no option.*bufer_size.*buffer_size"):
         build_method("dsuta", model=HFCTCLobe(tiny_model_dir), bufer_size=3)
+
+
+@pytest.mark.parametrize("name", ["source", "suta"])
+def test_process_refuses_a_batch_in_one_line(make, utterances, name):
+    """``process`` adapts on one utterance and returns one transcript: a batch [B, T] returned the
+    first row's transcript and dropped the others (after adapting on all of them); numpy was an
+    AttributeError. [1, T] is one utterance, as the 1-D waveform."""
+    kwargs = {} if name == "source" else {"steps": 1}
+    m, w = make(name, **kwargs), utterances[0]
+    with pytest.raises(ValueError, match=r"process: wav must be one utterance.*shape \(2, "):
+        m.process(torch.stack([w, w]))
+    with pytest.raises(ValueError, match="got a ndarray"):
+        m.process(w.numpy())
+    assert m.t == 0
+    assert m.process(w[None]) == make(name, **kwargs).process(w)

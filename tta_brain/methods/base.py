@@ -238,7 +238,16 @@ class TTAMethod:
     # ------------------------------------------------------------- the skeleton
     @torch.enable_grad()
     def process(self, wav: torch.Tensor, info: Optional[UttInfo] = None) -> str:
-        """Adapt on one utterance (1-D waveform at 16 kHz) and return its transcript."""
+        """Adapt on one utterance (1-D waveform at 16 kHz, or ``[1, T]``) and return its
+        transcript. A batch ``[B, T]`` (B > 1) is a one-line ValueError: the skeleton adapts on one
+        utterance and returns one transcript (the first row's was returned, the others dropped)."""
+        if not torch.is_tensor(wav) or not (wav.dim() == 1 or (wav.dim() == 2
+                                                              and wav.shape[0] == 1)):
+            what = (f"shape {tuple(wav.shape)}" if torch.is_tensor(wav)
+                    else f"a {type(wav).__name__}")
+            raise ValueError(f"{self.name}.process: wav must be one utterance, a 1-D tensor of "
+                             f"samples (or [1, T]), got {what} (TTAStream.transcribe takes numpy, "
+                             f"integer PCM and channels)")
         x = self.begin(wav, info)
         try:
             hyp = self.forward_and_adapt(x, self.info)
