@@ -83,3 +83,30 @@ def test_corpus_error_rate_refuses_an_unknown_unit(unit):
     """Any unit but "word" was scored as characters: unit="wer" gave the CER (9.1 here, not 50)."""
     with pytest.raises(ValueError, match="unit must be 'word' or 'char'"):
         corpus_error_rate([("hello world", "hello word")], unit=unit)
+
+
+def test_importing_tta_brain_leaves_torchs_process_settings_as_they_were():
+    """SpeechBrain's import turns TF32 matmuls on and TorchScript's profiling off for the whole
+    process (its quirks); a user's script that imports tta-brain's scoring, stream or run modules
+    keeps its own settings (tta_brain.quirks)."""
+    import subprocess
+    import sys
+    code = """
+import torch
+def settings():
+    executor = torch._C._jit_set_profiling_executor(True)
+    torch._C._jit_set_profiling_executor(executor)
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision(), executor)
+torch.backends.cudnn.allow_tf32 = False                  # a user's own choices, unlike both
+torch.set_float32_matmul_precision("medium")             # PyTorch's and SpeechBrain's
+before = settings()
+import tta_brain.asr.metrics, tta_brain.run.records, tta_brain.stream, tta_brain.decode
+import tta_brain.report.results, tta_brain.hparams, tta_brain.run.envinfo
+import speechbrain.utils.quirks as q
+assert "allow_tf32" in q.applied_quirks                   # SpeechBrain did apply its quirks
+print(before == settings(), before, settings())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == "True", out.stdout

@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torch quirks)
 import speechbrain as sb
 
 from tta_brain import hparams as hp_files

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence, Tuple
 
 from rapidfuzz.distance import Levenshtein
+from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torch quirks)
 from speechbrain.utils.edit_distance import wer_details_for_batch
 
 __all__ = ["normalize_text", "Errors", "errors", "word_errors", "char_errors", "error_rate",

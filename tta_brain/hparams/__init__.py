@@ -18,6 +18,8 @@ import ruamel.yaml.error
 import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
 
+from tta_brain import quirks  # noqa: F401  (yamls import speechbrain: without its torch quirks)
+
 from tta_brain.hparams import rules
 from tta_brain.hparams.rules import RULES, HparamsError, check_device
 

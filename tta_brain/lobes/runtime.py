@@ -236,9 +236,9 @@ def tf32_kernels(mode: str = "torch") -> str:
     """Process-wide TF32 use on CUDA (the run option ``tf32``); returns the line logged with a run.
 
     Importing ``speechbrain`` turns TF32 on for matmuls and cuDNN convolutions (its
-    ``allow_tf32`` quirk), so without this a run's "fp32" matmuls ran in TF32 (10-bit mantissa)
-    while a script that never imports speechbrain (the official code, ``tools/bench_speed.py``)
-    ran them in fp32. ``torch`` (the run block's default) restores PyTorch's defaults: fp32
+    ``allow_tf32`` quirk; tta-brain's own modules import it without, :mod:`tta_brain.quirks`), so
+    a run's "fp32" matmuls could run in TF32 (10-bit mantissa) while a script that never imports
+    speechbrain (the official code, ``tools/bench_speed.py``) ran them in fp32. ``torch`` (the run block's default) restores PyTorch's defaults: fp32
     matmuls, TF32 cuDNN convolutions, as the official code runs; ``off``: no TF32 at all;
     ``on``: SpeechBrain's setting. No effect on CPU."""
     torch.backends.cuda.matmul.allow_tf32 = mode == "on"
@@ -250,8 +250,8 @@ def process_settings(device, deterministic: bool = True, tf32: str = "torch") ->
     """The run block's process-wide settings for a run on ``device`` (``tta_brain.decode`` and
     ``TTAStream.from_hparams`` call it before the first pass): on CUDA the cuBLAS workspace
     variable (read when cuBLAS starts) and :func:`deterministic_kernels`; everywhere
-    :func:`tf32_kernels` (loading a yaml imports speechbrain, which turned TF32 on). Returns the
-    line logged with the run."""
+    :func:`tf32_kernels` (a process that imported speechbrain itself has its TF32 quirk on;
+    :mod:`tta_brain.quirks`). Returns the line logged with the run."""
     if device is not None and str(device).startswith("cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         deterministic_kernels(bool(deterministic))

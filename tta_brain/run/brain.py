@@ -16,6 +16,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
+from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torch quirks)
 import speechbrain as sb
 from tqdm import tqdm
 

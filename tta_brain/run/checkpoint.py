@@ -15,6 +15,7 @@ from typing import Dict, Optional
 
 import numpy as np
 import torch
+from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torch quirks)
 from speechbrain.utils.checkpoints import (mark_as_loader, mark_as_saver,
                                           register_checkpoint_hooks)
 

@@ -34,6 +34,7 @@ def installed_packages() -> str:
     installed packages do not change under it)."""
     global _INSTALLED
     if _INSTALLED is None:
+        from tta_brain import quirks  # noqa: F401
         from speechbrain.utils.logger import get_environment_description
         # SpeechBrain's shell helper also logs the whole freeze at DEBUG: into the log.txt of
         # whichever run folder is open first, and of no other; env.log holds it for every run

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
+from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torch quirks)
 from speechbrain.utils.metric_stats import ErrorRateStats
 
 __all__ = ["Transcript", "Reject", "Reset", "Lii", "Memory", "RecordWriter", "RecordError",
