@@ -430,6 +430,31 @@ def test_dry_run_writes_nothing_and_prints_every_stage(recipe, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
+def test_a_recipe_runs_from_a_linked_folder_with_cdpath_and_a_python_path_with_a_space(
+        recipe, tmp_path):
+    """run.sh through a link to its folder (``..`` of the logical path was not the repo: "No
+    such file" for tools/log.sh), with CDPATH exported (``cd`` printed the folder into
+    recipe_dir), in a clone whose path holds "--" (the help's path was read as an option and
+    --help exited 1) and with a --python whose path has a space (word-split)."""
+    env = {"LIBRISPEECH": str(tmp_path / "LS"), "MS_SNSD": str(tmp_path / "MS"),
+           "CHIME3": str(tmp_path / "C3"), "W2V2": str(tmp_path / "w2v2"),
+           "CDPATH": f".:{tmp_path}"}
+    (tmp_path / "my recipe").symlink_to(REPO / "recipes" / recipe)
+    (tmp_path / "tta--old").symlink_to(REPO)
+    py = tmp_path / "py dir" / "python3"
+    py.parent.mkdir()
+    py.symlink_to(sys.executable)
+    for script in (tmp_path / "my recipe" / "run.sh", Path("recipes") / recipe / "run.sh",
+                   tmp_path / "tta--old" / "recipes" / recipe / "run.sh"):
+        res = run(script, "--help", env=env)
+        assert res.returncode == 0 and "Usage:" in res.stdout, res.stderr
+        res = run(script, "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp",
+                  "--python", py, "--dry_run", "true", env=env)
+        assert res.returncode == 0, res.stderr
+        assert any("-m tta_brain.decode" in x for x in res.stdout.splitlines()), res.stdout
+
+
 @pytest.mark.parametrize("recipe,var", [("librispeech_c", "LIBRISPEECH"), ("chime3", "CHIME3")])
 def test_a_dry_run_needs_no_corpus(recipe, var, tmp_path):
     """``--dry_run true`` stopped at stage 0 without the corpus path (db.sh), so the commands

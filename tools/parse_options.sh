@@ -37,9 +37,10 @@
 # _po_listed: " name1 name2 ... " of the options $help_message lists (--foo-bar -> foo_bar).
 _po_listed=" "
 _po_rest=${help_message:-}
-while [[ ${_po_rest} =~ --([A-Za-z][A-Za-z0-9_-]*)(.*) ]]; do
-  _po_name=${BASH_REMATCH[1]//-/_}
-  _po_rest=${BASH_REMATCH[2]}
+# (a "--" inside a word is none: the help's paths, e.g. a clone in /data/tta--old, name no option)
+while [[ ${_po_rest} =~ (^|[^A-Za-z0-9_./~-])--([A-Za-z][A-Za-z0-9_-]*)(.*) ]]; do
+  _po_name=${BASH_REMATCH[2]//-/_}
+  _po_rest=${BASH_REMATCH[3]}
   case "${_po_listed}" in *" ${_po_name} "*) ;; *) _po_listed+="${_po_name} " ;; esac
 done
 _po_last_stage=${stop_stage:-}

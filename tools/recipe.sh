@@ -2,7 +2,7 @@
 # Shared by the recipes' run.sh, sourced right after recipe_dir is set: repo_root, PYTHONPATH,
 # log() and run() (tools/log.sh), the grid options' defaults and the decode stage on
 # tta_brain.grid (python -m tta_brain.grid --help explains every option).
-repo_root=$(cd "${recipe_dir}/../.." && pwd)
+repo_root=$(CDPATH= cd -P -- "${recipe_dir}/../.." && pwd -P)
 export PYTHONPATH="${repo_root}${PYTHONPATH:+:${PYTHONPATH}}"
 . "${repo_root}/tools/log.sh"
 
@@ -87,7 +87,7 @@ check_decode() {
   [ "${batch_runs}" != 1 ] && opts+=(--batch_runs "${batch_runs}")
   [ "${engine}" = slurm ] && opts+=(--slurm_conf "${slurm_conf}")
   # shellcheck disable=SC2086
-  if ! ${python} -m tta_brain.grid --exp_dir "${exp_dir}" --source "${model:-${W2V2:-model}}" \
+  if ! "${python}" -m tta_brain.grid --exp_dir "${exp_dir}" --source "${model:-${W2V2:-model}}" \
       --streams "$@" --md_streams "${md}" --methods "${methods}" \
       --seeds "${seeds}" --hparams_dir "${hparams_dir}" --conf_dir "${conf_dir}" \
       --md_decode_opts="${md_decode_opts}" --md_recipe_opts="${md_recipe_opts}" \
@@ -100,7 +100,7 @@ check_decode() {
 # method_tokens: the method tokens of --methods ("all": every packaged method).
 method_tokens() {
   if [ "${methods}" = all ]; then
-    ${python} -c "from tta_brain import hparams; print(' '.join(hparams.available()))"
+    "${python}" -c "from tta_brain import hparams; print(' '.join(hparams.available()))"
   else
     echo "${methods}"
   fi
@@ -158,7 +158,7 @@ source_stats_stage() {
     fi
     resolve_model                      # the statistics are the source model's: the decode's
     log "Stage $1: source statistics of ${m} (${kinds}) of ${model} on ${stats_utts} utterances of $2 -> ${out}"
-    run ${python} -m tta_brain.stats --source "${model}" --manifest "$2" --data_root "$3" \
+    run "${python}" -m tta_brain.stats --source "${model}" --manifest "$2" --data_root "$3" \
       --kinds "${kinds}" --out "${out}" --max_utts "${stats_utts}" --reuse
   done
 }
@@ -194,7 +194,7 @@ decode_grid() {
   [ "${engine}" = slurm ] && opts+=(--slurm_conf "${slurm_conf}")
   ${dry_run} && opts+=(--dry_run)
   # shellcheck disable=SC2086
-  ${python} -m tta_brain.grid --exp_dir "${exp}" --source "${model}" --data_root "${data_root}" \
+  "${python}" -m tta_brain.grid --exp_dir "${exp}" --source "${model}" --data_root "${data_root}" \
     --streams "$@" --methods "${methods}" --seeds "${seeds}" --hparams_dir "${hparams_dir}" \
     --conf_dir "${conf_dir}" --md_streams "${md}" --md_decode_opts="${md_decode_opts}" \
     --md_recipe_opts="${md_recipe_opts}" \

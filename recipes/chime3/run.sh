@@ -9,7 +9,7 @@
 #   stage 4: RESULTS.md
 set -euo pipefail
 
-recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+recipe_dir=$(CDPATH= cd -P -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)  # physical: a linked recipe folder too
 . "${recipe_dir}/../../tools/recipe.sh"   # repo_root, log, run, the grid options and stage
 . "${recipe_dir}/db.sh"
 
@@ -62,15 +62,15 @@ if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   prep_opts=()
   ${include_ped_real} && prep_opts+=(--include_ped_real)
   ${keep_raw_text} && prep_opts+=(--keep_raw_text)
-  run ${python} -m tta_brain.data.prep.prepare chime3 --root "${CHIME3}" --out "${manifest}" \
+  run "${python}" -m tta_brain.data.prep.prepare chime3 --root "${CHIME3}" --out "${manifest}" \
     --data_root "${CHIME3}" ${prep_opts[@]+"${prep_opts[@]}"}
 fi
 
 if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
   log "Stage 1: data check of ${manifest} (CHiME-3 is noisy already: nothing to corrupt)"
-  run ${python} -m tta_brain.data.prep.prepare validate "${manifest}"
+  run "${python}" -m tta_brain.data.prep.prepare validate "${manifest}"
   # utterances per split (reads the manifest: not in a dry run)
-  ${dry_run} || ${python} - "${manifest}" <<'PY'
+  ${dry_run} || "${python}" - "${manifest}" <<'PY'
 import collections, csv, sys
 with open(sys.argv[1], newline="") as f:
     counts = collections.Counter(row["domain"] for row in csv.DictReader(f))
@@ -83,7 +83,7 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   dur_opts=()
   [ -n "${max_duration}" ] && dur_opts+=(--max_duration "${max_duration}")
   set_stream_write_opts
-  run ${python} -m tta_brain.data.prep.prepare streams --manifest "${manifest}" --out "${data_dir}" \
+  run "${python}" -m tta_brain.data.prep.prepare streams --manifest "${manifest}" --out "${data_dir}" \
     --names "${stream_name}=random" --seed "${stream_seed}" ${dur_opts[@]+"${dur_opts[@]}"} \
     "${stream_write_opts[@]}"
 fi
@@ -104,7 +104,7 @@ fi
 
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
   log "Stage 4: report ${exp_dir}/RESULTS.md"
-  run ${python} -m tta_brain.report --exp_dir "${exp_dir}" --out "${exp_dir}/RESULTS.md"
+  run "${python}" -m tta_brain.report --exp_dir "${exp_dir}" --out "${exp_dir}/RESULTS.md"
 fi
 
 log "Finished (stages ${stage}-${stop_stage})."

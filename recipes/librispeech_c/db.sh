@@ -10,5 +10,5 @@ MS_SNSD=${MS_SNSD:-}
 # (a hub name needs the files in the local Hugging Face cache when offline).
 W2V2=${W2V2:-facebook/wav2vec2-base-960h}
 
-db_file=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/db.sh
+db_file=$(CDPATH= cd -P -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)/db.sh
 . "$(dirname "${db_file}")/../../tools/db_require.sh"

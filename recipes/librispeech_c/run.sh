@@ -9,7 +9,7 @@
 #   stage 4: RESULTS.md per SNR
 set -euo pipefail
 
-recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+recipe_dir=$(CDPATH= cd -P -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)  # physical: a linked recipe folder too
 . "${recipe_dir}/../../tools/recipe.sh"   # repo_root, log, run, the grid options and stage
 . "${recipe_dir}/db.sh"
 
@@ -69,7 +69,7 @@ check_decode 3 "${md_streams}" "${stream_args[@]}"
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   log "Stage 0: LibriSpeech ${split} -> ${clean_csv}"
   db_require LIBRISPEECH "It must be the folder that contains LibriSpeech/${split} (openslr.org/12)."
-  run ${python} -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" --split "${split}" \
+  run "${python}" -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" --split "${split}" \
     --out "${clean_csv}"
 fi
 
@@ -79,7 +79,7 @@ if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
     db_require MS_SNSD "It must be a clone of https://github.com/microsoft/MS-SNSD (with noise_test/)."
   fi
   # shellcheck disable=SC2086
-  run ${python} -m tta_brain.data.prep.prepare corrupt --manifest "${clean_csv}" --out "${lsc_dir}" \
+  run "${python}" -m tta_brain.data.prep.prepare corrupt --manifest "${clean_csv}" --out "${lsc_dir}" \
     --noise_dir "${MS_SNSD:-}" --snrs ${snrs} --domains ${domains} --seed "${noise_seed}" \
     --data_root "${data_dir}"
 fi
@@ -95,7 +95,7 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
   for snr in ${snrs}; do
     log "Stage 2: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
     # shellcheck disable=SC2086
-    run ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${lsc_dir}/manifests" \
+    run "${python}" -m tta_brain.data.prep.prepare streams --manifest_dir "${lsc_dir}/manifests" \
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
       --max_duration "${max_duration}" ${size_opts[@]+"${size_opts[@]}"} "${stream_write_opts[@]}" \
       || failed=$?
@@ -110,7 +110,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; the
     [ "${stats_split}" = "${split}" ] && { echo "ERROR: --stats_split ${stats_split} is the test split" >&2; exit 1; }
     db_require LIBRISPEECH "It must be the folder that contains LibriSpeech/${stats_split}."
     stats_csv=${data_dir}/librispeech_${stats_split//-/_}.csv
-    run ${python} -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" \
+    run "${python}" -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" \
       --split "${stats_split}" --out "${stats_csv}"
   fi
   source_stats_stage 3 "${stats_csv}" "${data_dir}" "${data_dir}"  # conf/<method>.opts
@@ -124,7 +124,7 @@ fi
 if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ]; then
   for snr in ${snrs}; do
     log "Stage 4: report ${exp_dir}/snr${snr}/RESULTS.md"
-    run ${python} -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
+    run "${python}" -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
       --out "${exp_dir}/snr${snr}/RESULTS.md"
   done
 fi

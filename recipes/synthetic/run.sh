@@ -13,7 +13,7 @@
 #   stage 5: RESULTS.md + plots
 set -euo pipefail
 
-recipe_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+recipe_dir=$(CDPATH= cd -P -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)  # physical: a linked recipe folder too
 . "${recipe_dir}/../../tools/recipe.sh"   # repo_root, log, run, the grid options and stage
 
 # Options (each can be given as --name value).
@@ -92,7 +92,7 @@ if ${long}; then   # own data and results trees; --streams / --methods given sti
   test_split=test-synth-long n_long=${n_long:-$((long_total / 3))}
   md_long_total=${long_total} md_long_max=${long_max}
   [[ ${po_given} == *" streams "* ]] || streams=md_long
-  [[ ${po_given} == *" methods "* ]] || methods=$(${python} -c "import sys
+  [[ ${po_given} == *" methods "* ]] || methods=$("${python}" -c "import sys
 from tta_brain import hparams
 tokens = [t for ln in open(sys.argv[1]) for t in ln.partition('#')[0].split()]
 print(' '.join(t for t in tokens if t.partition('+')[0] in hparams.available()))" \
@@ -114,27 +114,27 @@ corpus=${data_dir}/corpus
 noise_dir=${data_dir}/noises
 test_csv=${data_dir}/test_synth.csv
 noisy_dir=${data_dir}/noisy
-domains=$(${python} -c "import yaml,sys; print(' '.join(yaml.safe_load(open(sys.argv[1]))))" "${noise_table}")
+domains=$("${python}" -c "import yaml,sys; print(' '.join(yaml.safe_load(open(sys.argv[1]))))" "${noise_table}")
 
 if [ ${stage} -le 0 ] && [ ${stop_stage} -ge 0 ]; then
   train_n=0
   if ${retrain}; then train_n=${n_train}; fi
   if ${long}; then
     log "Stage 0: long-stream speech (${n_long} test) -> ${corpus}; noises -> ${noise_dir}"
-    run ${python} -m tta_brain.data.prep.synthetic long_test --root "${corpus}" \
+    run "${python}" -m tta_brain.data.prep.synthetic long_test --root "${corpus}" \
       --n_test "${n_long}" --seed "${corpus_seed}" --n_train_ref "${n_train}" --n_test_ref "${n_test}"
   else
     log "Stage 0: speech (${n_test} test, ${train_n} train) -> ${corpus}; noises -> ${noise_dir}"
-    run ${python} -m tta_brain.data.prep.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
+    run "${python}" -m tta_brain.data.prep.synthetic corpus --root "${corpus}" --n_train "${train_n}" \
       --n_test "${n_test}" --seed "${corpus_seed}"
   fi
-  run ${python} -m tta_brain.data.prep.synthetic noises --noise_dir "${noise_dir}" --seed "${noise_seed}"
+  run "${python}" -m tta_brain.data.prep.synthetic noises --noise_dir "${noise_dir}" --seed "${noise_seed}"
 fi
 
 if [ ${stage} -le 1 ] && [ ${stop_stage} -ge 1 ]; then
   if ${retrain}; then
     log "Stage 1: train the source model (${train_minutes} min budget) -> ${model}"
-    run ${python} "${recipe_dir}/train_source.py" --data_root "${corpus}" --output_dir "${model}" \
+    run "${python}" "${recipe_dir}/train_source.py" --data_root "${corpus}" --output_dir "${model}" \
       --seed "${train_seed}" --max_minutes "${train_minutes}"
   elif [ -f "${model}/config.json" ]; then
     log "Stage 1: using the source model in ${model} (--retrain true to train it anew)"
@@ -151,10 +151,10 @@ if [ ${stage} -le 2 ] && [ ${stop_stage} -ge 2 ]; then
       "(--stage 0)" >&2                                       # hint is LibriSpeech's download)
     exit 1
   fi
-  run ${python} -m tta_brain.data.prep.prepare librispeech --root "${corpus}" --split "${test_split}" \
+  run "${python}" -m tta_brain.data.prep.prepare librispeech --root "${corpus}" --split "${test_split}" \
     --out "${test_csv}"
   # shellcheck disable=SC2086
-  run ${python} -m tta_brain.data.prep.prepare corrupt --manifest "${test_csv}" --out "${noisy_dir}" \
+  run "${python}" -m tta_brain.data.prep.prepare corrupt --manifest "${test_csv}" --out "${noisy_dir}" \
     --noise_dir "${noise_dir}" --domain_table "${noise_table}" --snrs ${snrs} \
     --domains ${domains} --seed "${noise_seed}" --data_root "${data_dir}"
 fi
@@ -180,7 +180,7 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ]; then
   for snr in ${snrs}; do
     log "Stage 3: streams [${streams}] at ${snr} dB -> ${data_dir}/snr${snr}/streams"
     # shellcheck disable=SC2086
-    run ${python} -m tta_brain.data.prep.prepare streams --manifest_dir "${noisy_dir}/manifests" \
+    run "${python}" -m tta_brain.data.prep.prepare streams --manifest_dir "${noisy_dir}/manifests" \
       --snr "${snr}" --out "${data_dir}/snr${snr}" --names ${streams} --seed "${stream_seed}" \
       ${size_opts[@]+"${size_opts[@]}"} --md_easy_order ${md_easy_order} \
       --md_hard_order ${md_hard_order} "${stream_write_opts[@]}" || failed=$?
@@ -193,9 +193,9 @@ if [ ${stage} -le 4 ] && [ ${stop_stage} -ge 4 ] && [ -n "$(stats_kinds)" ]; the
   # utterances rendered with other sentences and speaker draws (corpus seed + 1000), no noise
   if [ -z "${stats_csv}" ]; then
     stats_csv=${data_dir}/stats_synth.csv
-    run ${python} -m tta_brain.data.prep.synthetic corpus --root "${data_dir}/stats_corpus" \
+    run "${python}" -m tta_brain.data.prep.synthetic corpus --root "${data_dir}/stats_corpus" \
       --n_train 0 --n_test "${stats_utts}" --n_test_speakers 10 --seed $((corpus_seed + 1000))
-    run ${python} -m tta_brain.data.prep.prepare librispeech --root "${data_dir}/stats_corpus" \
+    run "${python}" -m tta_brain.data.prep.prepare librispeech --root "${data_dir}/stats_corpus" \
       --split test-synth --out "${stats_csv}"
   fi
   source_stats_stage 4 "${stats_csv}" "${data_dir}" "${data_dir}"  # conf/<method>.opts
@@ -209,10 +209,10 @@ if [ ${stage} -le 5 ] && [ ${stop_stage} -ge 5 ]; then
   for snr in ${snrs}; do
     log "Stage 5: report -> ${exp_dir}/snr${snr}/RESULTS.md"
     # smoothing and reset-detection window: half a domain block (= the dynamic reset's K)
-    run ${python} -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
+    run "${python}" -m tta_brain.report --exp_dir "${exp_dir}/snr${snr}" \
       --out "${exp_dir}/snr${snr}/RESULTS.md" --window $((per_domain / 2)) --smooth $((per_domain / 2))
     if ${long}; then   # collapse figures, memory and the WER-over-position plot
-      run ${python} -m tta_brain.report.long --exp_dir "${exp_dir}/snr${snr}" --stream md_long \
+      run "${python}" -m tta_brain.report.long --exp_dir "${exp_dir}/snr${snr}" --stream md_long \
         --window "${long_window}" --margin 5
     fi
   done
