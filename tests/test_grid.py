@@ -205,6 +205,26 @@ def test_the_audio_the_stream_names_is_part_of_the_fingerprint(data, tmp_path):
     assert identity.differences(older, now) == [] == identity.differences(older, now, recorded=True)
 
 
+def test_a_wrong_data_root_on_a_finished_run_is_said_as_missing_audio(data, tmp_path):
+    """A finished run's rerun with its audio not found (a wrong --data_root, a corpus moved, a
+    relative corpus path from another folder) was refused as audio "mixed again or replaced",
+    with --overwrite as the way out: that deleted the run's records and then decoded nothing.
+    The refusal now says how many files are missing and the first, in decode and the grid."""
+    argv = decode_argv(data, tmp_path / "exp", "source")
+    decode.main(argv)
+    wrong = [a if not a.startswith("--data_root=") else f"--data_root={tmp_path / 'nowhere'}"
+             for a in argv]
+    with pytest.raises(SystemExit) as e:
+        decode.main(wrong)
+    msg = str(e.value)
+    assert "audio_sha1: 24 of the 24 audio files the stream names are not found now (first: " \
+           f"{tmp_path / 'nowhere'}" in msg and "a wrong --data_root" in msg, msg
+    assert "mixed again or replaced" not in msg and "\n" not in msg
+    plan = decode.plan(wrong)
+    assert plan.status == "differs" and "not found now" in plan.diffs[0]   # the grid's words
+    assert decode.main(argv).n_utts == 24                                  # the run is kept
+
+
 @pytest.mark.slow
 def test_an_interrupted_run_is_only_resumed_with_its_own_settings(data, tmp_path):
     out = tmp_path / "exp"

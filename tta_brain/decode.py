@@ -225,6 +225,8 @@ def plan(argv, device_here: bool = True, streams: dict = None) -> Plan:
         _fail(str(e))
     fp = identity.fingerprint(record, stream_csv, len(rows), structure, audio, code)
     status, diffs = folder_status(out, fp)
+    if status == "differs":
+        diffs = identity.explain_missing_audio(diffs, rows)
     return Plan(hp, args, rows, record, stream_csv, out, fp, status, diffs, notes=notes.records)
 
 
@@ -283,7 +285,8 @@ def _refuse(out, diffs, status="differs"):
               f"folder's records first)")
     if any(d.startswith("audio_sha1:") for d in diffs):
         diffs = [d + (" (the audio files the stream names changed since that run: mixed again "
-                      "or replaced)" if d.startswith("audio_sha1:") else "") for d in diffs]
+                      "or replaced)" if d.startswith("audio_sha1:") and " != " in d else "")
+                 for d in diffs]
     _fail(f"{out} holds a run with other settings ({'; '.join(diffs)}); use another "
           f"--output_folder, or add --overwrite to delete its records and start over")
 
@@ -297,7 +300,7 @@ def prepare(p: Plan) -> str:
     if status == "resume" and diffs:        # a damaged file that the checkpoint makes good
         logger.warning("%s", diffs[0])
     if status in ("differs", "damaged") and not p.args.overwrite:
-        _refuse(p.out, diffs, status)
+        _refuse(p.out, identity.explain_missing_audio(diffs, p.rows), status)
     bound_kernel_caches()                                          # before the first forward
     p.determinism = process_settings(p.resolved.get("device"),
                                      p.resolved.get("deterministic", True),

@@ -96,6 +96,35 @@ def audio_sha1(rows: List[Dict], stream_csv) -> str:
 _HASH_CACHES: Dict[Path, HashCache] = {}
 
 
+def missing_audio(rows: List[Dict]) -> List[str]:
+    """The audio files the rows name that are no file now, each once, in stream order: an
+    ``audio_sha1`` that differs for these is a wrong ``data_root`` or a moved corpus (the run
+    would skip them), not audio mixed again."""
+    seen, out = set(), []
+    for row in rows:
+        path = row["wav"]
+        if path not in seen:
+            seen.add(path)
+            if not os.path.isfile(path):
+                out.append(path)
+    return out
+
+
+def explain_missing_audio(diffs: List[str], rows: List[Dict]) -> List[str]:
+    """``diffs`` with an ``audio_sha1`` difference said as the audio files now missing, where
+    some are (else as they were)."""
+    if not any(d.startswith("audio_sha1:") for d in diffs):
+        return diffs
+    missing = missing_audio(rows)
+    if not missing:
+        return diffs
+    n = len({row["wav"] for row in rows})
+    said = (f"{len(missing)} of the {n} audio files the stream names are not found now (first: "
+            f"{missing[0]}): a wrong --data_root or a moved corpus, not audio mixed again; fix "
+            f"the path (--overwrite would delete this run's records and skip those files)")
+    return [f"audio_sha1: {said}" if d.startswith("audio_sha1:") else d for d in diffs]
+
+
 @functools.lru_cache(maxsize=1)
 def _installed() -> Dict[str, List[str]]:
     """Top-level import names of the installed distributions (asked once a process: 0.1 s)."""
