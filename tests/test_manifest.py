@@ -154,3 +154,27 @@ def test_hash_cache_does_not_store_files_changed_just_before_hashing(tmp_path):
     again = HashCache(store)
     again.sha1(f)
     assert again.n_read == 1
+
+
+def test_a_dollar_that_is_no_placeholder_is_the_values_own_text(tmp_path, monkeypatch):
+    """A corpus under a folder with ``$`` in its name (manifests with absolute paths: the
+    LibriSpeech and statistics manifests the recipes write) and a transcript with ``$`` were
+    refused ("needs $HOME; pass a replacement for 'HOME' (e.g. --HOME=...)"): the statistics
+    stage of a recipe under such a folder could not run. ``$data_root`` is still the placeholder;
+    a path option's data root is not expanded a second time (``source_stats`` was looked for
+    under ``/root`` for a data root ``/x/$HOME``)."""
+    from tta_brain.data.manifest import expand_path
+    rows = [{"ID": "u1", "duration": 1.0, "wav": "/c/$5 set/$HOME/u1.wav", "wrd": "COSTS $5"},
+            {"ID": "u2", "duration": 1.0, "wav": "$data_root/u2.wav", "wrd": "A"}]
+    path = write_manifest(tmp_path / "m.csv", rows)
+    got = read_manifest(path, replacements={"data_root": "/d $x"})
+    assert [(r["wav"], r["wrd"]) for r in got] == [("/c/$5 set/$HOME/u1.wav", "COSTS $5"),
+                                                   ("/d $x/u2.wav", "A")]
+    with pytest.raises(ManifestError, match=r"m.csv:3: .*needs \$data_root"):
+        read_manifest(path, replacements={"data_root": ""})
+    monkeypatch.setenv("TTA_STATS_HOME", "/stats")
+    assert expand_path("$data_root/s.pt", "/x/$HOME run") == "/x/$HOME run/s.pt"
+    assert expand_path("${data_root}/s.pt", "/r") == "/r/s.pt"
+    assert expand_path("$TTA_STATS_HOME/s.pt") == expand_path("${TTA_STATS_HOME}/s.pt") == \
+        "/stats/s.pt"
+    assert expand_path("$NO_SUCH_VARIABLE_HERE/s.pt") == "$NO_SUCH_VARIABLE_HERE/s.pt"

@@ -94,8 +94,9 @@ def _format_value(value):
 def read_manifest(path, replacements=None, lines=None):
     """Read a manifest into a list of dicts (all values strings, ``duration`` as float).
 
-    With ``replacements`` (e.g. ``{"data_root": "/data"}``) every ``$name`` in a value is replaced;
-    a ``$name`` without a replacement raises :class:`ManifestError`. Without it values are left as
+    With ``replacements`` (e.g. ``{"data_root": "/data"}``) every ``$name`` of a replacement in a
+    value is replaced; ``$data_root`` without a value raises :class:`ManifestError`, and any other
+    ``$`` is the value's own text (a folder or a transcript with ``$`` in it). Without it values are left as
     written, which keeps ``$data_root`` placeholders when rows are copied into a new manifest.
     With a list ``lines``, each row's line number in the file is appended to it.
     """
@@ -174,12 +175,17 @@ def _header(path, records):
 
 
 def _substitute(value, replacements, path, line_no):
+    """``$name`` replaced where ``name`` is a replacement given or ``data_root`` (a manifest's
+    placeholder: without a value, an error); any other ``$`` is the value's own text (a corpus
+    folder named ``$5 set``, a transcript ``COSTS $5``: they were errors asking for ``--5=...``)."""
     if value is None or "$" not in value:
         return value
 
     def lookup(match):
         name = match.group(1)
-        if name not in replacements or replacements[name] in (None, ""):
+        if name not in replacements and name != PLACEHOLDER[1:]:
+            return match.group(0)
+        if replacements.get(name) in (None, ""):
             raise ManifestError(f"{path}:{line_no}: value {value!r} needs ${name}; "
                                 f"pass a replacement for {name!r} (e.g. --{name}=...)")
         return str(replacements[name])
@@ -285,12 +291,20 @@ def to_placeholder(path, data_root=None):
     return str(path)
 
 
+_PATH_VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
+
+
 def expand_path(value, data_root="") -> str:
     """A path option outside a manifest (e.g. ``source_stats``): ``$data_root`` / ``${data_root}``
-    replaced anywhere in it, then environment variables (``$TTA_SOURCE_STATS``)."""
+    and environment variables (``$TTA_SOURCE_STATS``) replaced, in one pass: a ``$`` in the data
+    root's own path (``/data/$HOME run``) is not expanded again; unknown ones stay as written."""
     root = str(data_root or "")
-    value = str(value or "").replace("${data_root}", root).replace("$data_root", root)
-    return os.path.expandvars(value)
+
+    def lookup(match):
+        name = match.group(1) or match.group(2)
+        return root if name == "data_root" else os.environ.get(name, match.group(0))
+
+    return _PATH_VARIABLE.sub(lookup, str(value or ""))
 
 
 def resolve_path(value, data_root=None):
