@@ -512,6 +512,16 @@ def test_steps_table_and_plot(tmp_path):
     png_size(tmp_path / "figs" / "wer_vs_steps_lsc_AA.png")
 
 
+def test_plot_links_to_a_folder_with_spaces_and_parentheses_are_whole(tmp_path):
+    """``--plots_dir "my figs (1)"``: the link was ``(my figs (1)/x.png)``, which Markdown cuts
+    at the first space; such a target is written in angle brackets (others as before)."""
+    make_run(tmp_path, "source", "lsc_AA", 0, 6)
+    make_run(tmp_path / "n5", "suta", "lsc_AA", 1, 4, hparams={"steps": 5})
+    make_run(tmp_path / "n10", "suta", "lsc_AA", 1, 3, hparams={"steps": 10})
+    out = report.write_results(tmp_path, plots_dir=tmp_path / "my figs (1)", repo_dir=REPO)
+    assert "- [wer_vs_steps_lsc_AA.png](<my figs (1)/wer_vs_steps_lsc_AA.png>)" in out.read_text()
+
+
 def _text_run(root, method, pairs):
     """A run of stream ``ja`` whose transcripts hold these (reference, hypothesis) texts."""
     d = Path(root) / method

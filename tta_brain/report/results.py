@@ -23,6 +23,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections import OrderedDict
@@ -273,12 +274,18 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
         parts += [f"## {M} (%) vs number of adaptation steps", steps]
     if plots:
         base = Path(out_dir) if out_dir else Path.cwd()
-        parts += ["## Plots", "\n".join(f"- [{Path(p).name}]({os.path.relpath(p, base)})"
+        parts += ["## Plots", "\n".join(f"- [{Path(p).name}]({_link(os.path.relpath(p, base))})"
                                         for p in plots)]
     parts += ["## Runs", tables.runs_inventory(runs, digits, metric),
               "## Per-experiment scores (ESPnet style)"]
     parts += [f"### {r.name}\n\n{tables.table_espnet(r, metric)}" for r in runs]
     return "\n\n".join(parts) + "\n"
+
+
+def _link(path: str) -> str:
+    """A Markdown link target: a path with spaces or parentheses (``--plots_dir "my figs (1)"``)
+    in angle brackets, where the link was cut at its first space."""
+    return f"<{path}>" if re.search(r"[\s()<>]", path) else path
 
 
 def write_report(runs: Sequence[Run], root, out=None, plots_dir=None, smooth: int = 100,
