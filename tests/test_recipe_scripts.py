@@ -286,6 +286,13 @@ echo "given=[$po_given]" >&2
     out = sh("--config", cfg, "--count", "x")
     assert out.returncode == 1 and "c.conf" not in out.stderr and "got 'x'" in out.stderr
     assert "config file nothere.conf not found" in sh("--config", "nothere.conf").stderr
+    # ~ in --name=~/x and in a --config line is the home folder (a folder named ~ was made)
+    home = os.path.expanduser("~")
+    assert sh("--foo-bar=~/x y").stdout.startswith(f"foo_bar={home}/x y ")
+    assert sh("--foo-bar=~").stdout.startswith(f"foo_bar={home} ")
+    assert sh("--foo-bar=a~/b").stdout.startswith("foo_bar=a~/b ")
+    cfg.write_text("foo_bar=~/from/config\n")
+    assert sh("--config", cfg).stdout.startswith(f"foo_bar={home}/from/config ")
     # a help that lists an option the script does not have is a script error
     script.write_text(script.read_text().replace("--stop_stage N", "--stop_stage N --ghost X"))
     out = sh("--help")

@@ -25,6 +25,8 @@
 # whole with '' or "") as if they were options, in the place of --config: a line that is no
 # such assignment, names no option, or has a value the option does not take (true/false, an
 # integer), is an error naming FILE:LINE. It is not sourced.
+# A value ~ or ~/... (--data_dir=~/data, a --config line) is the home folder, as the shell
+# expands it in "--data_dir ~/data".
 # --help / -h prints $help_message and exits 0 (exit 1 if it lists an option that is no
 # variable: the help would promise what the script cannot take; so every --word in the help is
 # an option of this script: quote another tool's flags without their dashes).
@@ -69,6 +71,9 @@ _po_set() {
         exit 1
       fi ;;
   esac
+  # ~ and ~/... are the home folder, as the shell expands them in "--name ~/x" but not in
+  # "--name=~/x" or a --config line (which made a folder named ~ in the working directory)
+  case "${_po_v}" in "~") _po_v=${HOME} ;; "~/"*) _po_v=${HOME}/${_po_v#"~/"} ;; esac
   local _po_prev=_po_where_${_po_n}
   if [[ " ${append_options:-} " == *" ${_po_n} "* ]] && [[ ${po_given} == *" ${_po_n} "* ]] \
       && [ "${!_po_prev}" = "${_po_w}" ] && [ "${_po_w}" = "$0" ]; then
