@@ -225,6 +225,29 @@ def test_a_wrong_data_root_on_a_finished_run_is_said_as_missing_audio(data, tmp_
     assert decode.main(argv).n_utts == 24                                  # the run is kept
 
 
+def test_a_path_option_written_key_equals_tilde_is_under_the_home_folder(data, tmp_path,
+                                                                        monkeypatch):
+    """``--output_folder=~/exp`` (the README's form: the shell expands no ~ there) wrote a folder
+    named ~ in the working directory; so did the grid's ``--exp_dir=~/g``, the statistics'
+    ``--out=~/s.pt`` and the report's ``--out`` / ``--plots_dir``."""
+    from tta_brain import stats
+    from tta_brain.report import results
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    argv = [a if not a.startswith("--output_folder=") else "--output_folder=~/exp"
+            for a in decode_argv(data, tmp_path / "unused", "source")]
+    assert decode.plan(argv).out == str(home / "exp")
+    assert decode.main(argv).n_utts == 24 and (home / "exp" / "summary.json").is_file()
+    assert not (tmp_path / "~").exists()
+    g = grid.parse_args(grid_argv(data, "~/g", "source", "0"))
+    assert g.exp_dir == str(home / "g")
+    assert stats.parse_args(["--source", "m", "--manifest", "c.csv", "--out=~/s.pt"])[0].out \
+        == str(home / "s.pt")
+    r = results.parse_args(["--exp_dir=~/exp", "--out=~/R.md", "--plots_dir=~/p"])
+    assert (r.exp_dir, r.out, r.plots_dir) == tuple(str(home / n) for n in ("exp", "R.md", "p"))
+
+
 @pytest.mark.slow
 def test_an_interrupted_run_is_only_resumed_with_its_own_settings(data, tmp_path):
     out = tmp_path / "exp"

@@ -658,7 +658,8 @@ class _OneLineParser(argparse.ArgumentParser):
 def parse_args(argv=None):
     p = _OneLineParser(prog="python -m tta_brain.grid", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--exp_dir", required=True, help="results root of the grid")
+    p.add_argument("--exp_dir", required=True, type=os.path.expanduser,
+                   help="results root of the grid")
     p.add_argument("--source", required=True, help="source model (local dir or hub name)")
     p.add_argument("--data_root", default="", help="replaces $data_root in the manifests")
     p.add_argument("--streams", nargs="+", action="extend", required=True,

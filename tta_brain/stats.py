@@ -22,7 +22,8 @@ def parse_args(argv=None):
     p.add_argument("--data_root", default="", help="replaces $data_root in the wav paths")
     p.add_argument("--kinds", default="fisher", help="comma/space separated kinds: fisher "
                    "(eata), hidden (foa; ebats with tokens), tokens (ebats)")
-    p.add_argument("--out", required=True, help="the statistics file to write")
+    p.add_argument("--out", required=True, type=os.path.expanduser,
+                   help="the statistics file to write")
     p.add_argument("--max_utts", type=int, default=0, help="first N utterances (0: all)")
     p.add_argument("--max_duration", type=float, default=20.0, help="longer ones are left out")
     p.add_argument("--device", default="cpu")

@@ -357,9 +357,10 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tta_brain.report.long",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--exp_dir", required=True, help="results root (e.g. exp/long3000/snr20)")
+    p.add_argument("--exp_dir", required=True, type=os.path.expanduser,
+                   help="results root (e.g. exp/long3000/snr20)")
     p.add_argument("--stream", default="md_long")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", default=None, type=os.path.expanduser,
                    help="default: <exp_dir>/LONG.md (--metric cer: <exp_dir>/LONG_cer.md)")
     p.add_argument("--metric", default="wer", choices=tuple(METRICS),
                    help="error rate of the table and the plot: wer or cer (characters)")
@@ -369,7 +370,8 @@ def main(argv=None) -> int:
     p.add_argument("--flat_mib", type=float, default=FLAT_MIB,
                    help="largest RSS slope (MiB per 1,000 utterances) that counts as flat")
     p.add_argument("--no_plots", action="store_true")
-    p.add_argument("--plots_dir", default=None, help="default: <exp_dir>/plots")
+    p.add_argument("--plots_dir", default=None, type=os.path.expanduser,
+                   help="default: <exp_dir>/plots")
     p.add_argument("--methods", default=None,
                    help="the method tags to report, e.g. \"suta dsuta dsuta+dynamic\" (default: "
                         "all; the source runs, the reference, always)")

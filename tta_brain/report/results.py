@@ -324,13 +324,16 @@ def write_results(root, out=None, **kwargs) -> Path:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tta_brain.report",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--exp_dir", required=True, help="results root holding experiment directories")
-    p.add_argument("--out", default=None, help="RESULTS.md path (default: <exp_dir>/RESULTS.md; "
+    p.add_argument("--exp_dir", required=True, type=os.path.expanduser,
+                   help="results root holding experiment directories")
+    p.add_argument("--out", default=None, type=os.path.expanduser,
+                   help="RESULTS.md path (default: <exp_dir>/RESULTS.md; "
                    "with --metric cer: <exp_dir>/RESULTS_cer.md)")
     p.add_argument("--metric", default="wer", choices=tuple(tables.METRICS),
                    help="error rate of every table and plot: wer (words) or cer (characters, "
                         "spaces counted: languages written without spaces)")
-    p.add_argument("--plots_dir", default=None, help="plot folder (default: <exp_dir>/plots)")
+    p.add_argument("--plots_dir", default=None, type=os.path.expanduser,
+                   help="plot folder (default: <exp_dir>/plots)")
     p.add_argument("--smooth", type=int, default=100,
                    help="smoothing window (utterances) of WER-over-time plots")
     p.add_argument("--baseline", default=None, help="tag the WER difference is taken against "

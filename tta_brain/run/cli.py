@@ -9,6 +9,7 @@ model and are recorded with the run. SpeechBrain's training options (``--debug``
 yaml key ``key``; a later one wins over an earlier one (recipes append ``.opts`` files).
 """
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -58,6 +59,11 @@ class Arguments:
     overwrite: bool = False
     run_opts: Dict = field(default_factory=dict)
     overrides: str = ""                     # yaml text, one `key: value` per line
+
+
+#: The keys whose value is a file or folder: ``~/...`` is the home folder's (``--key=~/x``).
+PATH_KEYS = ("output_folder", "stream_csv", "data_root", "source", "source_stats", "lm_path",
+             "lm_unigrams")
 
 
 def _bool(key: str, value: str) -> bool:
@@ -127,6 +133,8 @@ def parse_arguments(argv: List[str]) -> Arguments:
             value = str(_bool(key, value) if has_value else True).lower()
         if key == "device":
             args.run_opts["device"] = value
+        if key in PATH_KEYS and value.startswith("~/"):   # the shell leaves --key=~/x as it is
+            value = os.path.expanduser(value)             # (it was a folder named ~ here)
         overrides[key] = value               # a later one wins
     lines = []
     for key, value in overrides.items():
