@@ -8,6 +8,7 @@ non-finite skips, resume (state_dict round trip) and the registry.
 import io
 import math
 import statistics
+import re
 
 import pytest
 import torch
@@ -60,7 +61,9 @@ def test_one_suta_step_lowers_the_suta_loss(make, utterances, tiny_model_dir):
     # (the random tiny model's posteriors are nearly flat: the decrease is small but far above
     # float32 noise, and zero for a step with lr = 0)
     assert after < before - 1e-5, (before, after)
-    control = make("suta", steps=1, lr=0.0)
+    control = make("suta", steps=1, lr=1e-3)      # (lr = 0 is no option: set on its optimiser)
+    for group in control.optimizer.param_groups:
+        group["lr"] = 0.0
     control.process(wav)
     assert control.loss_with(control.params, x) == pytest.approx(before, abs=1e-7)
 
@@ -743,6 +746,61 @@ def test_the_readmes_own_method_decodes_from_its_own_module_and_yaml(tmp_path, t
 def test_build_method_names_a_bad_option(tiny_model_dir):
     with pytest.raises(TypeError, match="method 'dsuta' has no option.*bufer_size.*buffer_size"):
         build_method("dsuta", model=HFCTCLobe(tiny_model_dir), bufer_size=3)
+
+
+@pytest.mark.parametrize("name, option, expected", [
+    ("suta", {"episodic": "false"}, "episodic = 'false' is not valid: episodic must be true or "
+                                    "false"),                       # was silently episodic
+    ("suta", {"steps": 2.7}, "steps = 2.7 is not valid: steps must be an integer >= 0"),
+    ("suta", {"lr": -1.0}, "lr = -1.0 is not valid: lr must be a number > 0"),
+    ("suta", {"temperature": 0}, "temperature = 0 is not valid"),   # every step was NaN
+    ("dsuta", {"buffer_size": 0}, "buffer_size = 0 is not valid: buffer_size must be an integer"),
+    ("sar", {"rho": -1.0}, "rho = -1.0 is not valid"),
+    ("suta", {"adapt_params": [{"select": "layrnorm"}]}, "layrnorm"),
+    ("csuta", {"reset_policy": "dynamic"}, "reset_policy = 'dynamic' is not a reset policy: build "
+                                          "one with tta_brain.methods.resets.make_reset_policy"),
+])
+def test_build_method_checks_values_as_a_yaml_is_checked(tiny_lobe, name, option, expected):
+    """From Python, build_method's options are checked by the yamls' rules (one line naming the
+    option); they were accepted silently or failed deep inside."""
+    with pytest.raises(ValueError, match=re.escape(f"build_method('{name}'): ") + ".*"
+                       + re.escape(expected)):
+        build_method(name, model=tiny_lobe, **option)
+
+
+def test_build_method_refuses_what_is_no_model_and_an_unknown_policy(tiny_model_dir, tiny_lobe):
+    from tta_brain.methods.resets import make_reset_policy
+    from transformers import AutoModelForCTC
+    net = AutoModelForCTC.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match=r"build_method\('suta'\): model is a Wav2Vec2ForCTC, "
+                       r"which has no model, runtime, blank_id, .*: a method adapts an HFCTCLobe"):
+        build_method("suta", model=net)
+    with pytest.raises(ValueError, match="model is a str"):
+        build_method("suta", model=tiny_model_dir)
+    with pytest.raises(ValueError, match="unknown reset policy 'dynamc' \\(one of none, fixed, "
+                                         "oracle, dynamic\\)"):
+        make_reset_policy("dynamc")
+    m = build_method("csuta", model=tiny_lobe, reset_policy=make_reset_policy("fixed", every=2),
+                     episodic=False, steps=1)
+    assert m.reset_policy.name == "fixed" and not m.episodic
+
+
+def test_a_float64_default_dtype_is_one_line(tiny_model_dir, tiny_lobe, utterances):
+    """torch.set_default_dtype(torch.float64) in the caller's script loaded a float64 model and
+    made float64 buffers that float32 inputs then met: a traceback deep in a layer."""
+    m = build_method("suta", model=tiny_lobe, steps=1)
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(ValueError, match=r"HFCTCLobe\(.*\): torch's default dtype is "
+                           r"torch.float64 \(torch.set_default_dtype\): .*run in float32"):
+            HFCTCLobe(tiny_model_dir)
+        with pytest.raises(ValueError, match="^suta: torch's default dtype is torch.float64"):
+            build_method("suta", model=tiny_lobe)
+        with pytest.raises(ValueError, match="^suta.process: torch's default dtype"):
+            m.process(utterances[0])
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert m.t == 0 and isinstance(m.process(utterances[0]), str)
 
 
 @pytest.mark.parametrize("name", ["source", "suta"])

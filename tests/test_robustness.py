@@ -1320,3 +1320,21 @@ def test_live_stream_build_errors_speak_of_its_overrides(tiny_model_dir):
                          "with python -m tta_brain.stats --source <model>")):
         with pytest.raises(hparams.HparamsError, match=re.escape(said)):
             TTAStream.from_hparams(name, source=tiny_model_dir, overrides=ov)
+
+
+def test_live_stream_takes_the_models_rate_a_torch_device_and_names_source(tiny_model_dir,
+                                                                           utterances):
+    """TTAStream(method, sample_rate=8000) resampled 16 kHz input to 8 kHz and fed it to the
+    16 kHz model; from_hparams(device=torch.device(...)) was "cannot represent an object"; a
+    missing source named overrides['source'], though from_hparams has source=."""
+    from tta_brain import hparams
+    from tta_brain.stream import TTAStream
+    tta = TTAStream.from_hparams("suta", source=tiny_model_dir, device=torch.device("cpu"),
+                                 overrides={"steps": 1})
+    assert tta.sample_rate == 16000 and isinstance(tta.transcribe(utterances[0]), str)
+    with pytest.raises(ValueError, match=r"TTAStream: sample_rate=8000, but the model takes "
+                                         r"16000 Hz audio"):
+        TTAStream(tta.method, sample_rate=8000)
+    assert TTAStream(tta.method, sample_rate=16000).sample_rate == 16000
+    with pytest.raises(hparams.HparamsError, match=r"'source' is required: pass source=\.\.\."):
+        TTAStream.from_hparams("suta")

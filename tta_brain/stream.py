@@ -48,13 +48,21 @@ class StreamStateError(ValueError):
 class TTAStream:
     """Feed utterances one at a time; get transcripts back, adapting as you go."""
 
-    def __init__(self, method: TTAMethod, sample_rate: int = 16000, source: Optional[str] = None,
-                 settings: Optional[Dict] = None):
-        """``source`` (the model's directory or hub name) and ``settings`` (scalar hparams) are
-        what :meth:`save` records and :meth:`load` checks; :meth:`from_hparams` passes both."""
+    def __init__(self, method: TTAMethod, sample_rate: Optional[int] = None,
+                 source: Optional[str] = None, settings: Optional[Dict] = None):
+        """``sample_rate``: the model's (its processor's; 16 kHz for every packaged recipe),
+        which :meth:`transcribe` resamples other rates to; another is a ValueError (8 kHz here
+        fed resampled 8 kHz audio to a 16 kHz model). ``source`` (the model's directory or hub
+        name) and ``settings`` (scalar hparams) are what :meth:`save` records and :meth:`load`
+        checks; :meth:`from_hparams` passes both."""
+        model_rate = getattr(getattr(method, "lobe", None), "sample_rate", 16000)
+        if sample_rate is not None and sample_rate != model_rate:
+            raise ValueError(f"TTAStream: sample_rate={sample_rate!r}, but the model takes "
+                             f"{model_rate} Hz audio (leave it out: transcribe resamples what "
+                             f"it is given, transcribe(..., sample_rate=8000))")
         bound_kernel_caches()      # a live stream is long: every length is new (runtime.py)
         self.method = method
-        self.sample_rate = sample_rate
+        self.sample_rate = model_rate
         self.source = source
         self.settings = dict(settings or {})
         self.position = 0
@@ -76,7 +84,7 @@ class TTAStream:
 
         Raises :class:`tta_brain.hparams.HparamsError` (one line naming the file and key, in
         the words of this call: ``overrides['lr']``, not decode's ``--lr``)."""
-        ov = {"stream_csv": "", "output_folder": "", "device": device}
+        ov = {"stream_csv": "", "output_folder": "", "device": str(device)}   # torch.device too
         if source is not None:
             ov["source"] = str(source)
         ov.update(overrides or {})
@@ -89,8 +97,7 @@ class TTAStream:
         process_settings(ov["device"], hp.get("deterministic", True), hp.get("tf32", "torch"))
         settings = {k: v for k, v in resolved.values.items() if k not in _NOT_SETTINGS
                     and not k.startswith("__") and isinstance(v, (str, int, float, bool, type(None)))}
-        return cls(hp["method"], sample_rate=16000, source=str(hp.get("source") or "") or None,
-                   settings=settings)
+        return cls(hp["method"], source=str(hp.get("source") or "") or None, settings=settings)
 
     def transcribe(self, waveform: Union[torch.Tensor, np.ndarray], sample_rate: Optional[int] = None,
                    domain: str = "", segment: Optional[int] = None, utt_id: str = "") -> str:
@@ -297,7 +304,7 @@ def api_words(message: str) -> str:
     :meth:`TTAStream.from_hparams` call: ``overrides['lr']=abc`` (``device=`` its argument); a
     command it suggests (``python -m tta_brain.stats --source ...``) stays as it is."""
     said, command, rest = message.partition("python -m ")
-    said = re.sub(r"(?<![\w-])--device=", "device=", said)
+    said = re.sub(r"(?<![\w-])--(device|source)=", r"\1=", said)     # arguments of their own
     return re.sub(r"(?<![\w-])--([A-Za-z_]\w*)", r"overrides['\1']", said) + command + rest
 
 

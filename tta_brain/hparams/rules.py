@@ -74,7 +74,9 @@ RANGES = {None: (lambda v: True, ""), ">=0": (lambda v: v >= 0, " >= 0"),
           "seed": (lambda v: 0 <= v < 2 ** 32, " between 0 and 4294967295 (2**32 - 1)")}
 
 
-def _valid(value, kind, rng) -> bool:
+def valid_value(value, kind, rng) -> bool:
+    """Whether ``value`` has the type ``kind`` and lies in the range ``rng`` (a :data:`RULES`
+    entry)."""
     if kind == _TEXT:     # a path or a name; null where the yaml allows it; a yaml object (!apply)
         return value is None or isinstance(value, str) or bool(getattr(getattr(value, "tag", None),
                                                                           "value", None))
@@ -95,7 +97,8 @@ def _valid(value, kind, rng) -> bool:
     return math.isfinite(value) and RANGES[rng][0](value)
 
 
-def _expected(kind, rng) -> str:
+def expected(kind, rng) -> str:
+    """A :data:`RULES` entry in words."""
     if isinstance(kind, tuple):
         return "one of " + ", ".join(kind)
     return kind + RANGES[rng][1]
@@ -108,11 +111,11 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
     fp16 is asked for only on CUDA; else an :class:`HparamsError` naming the key, the value, what
     it must be and what the key means (``meanings()``: key -> the yaml's comment)."""
     for key, (kind, rng) in RULES.items():
-        if key in values and not _valid(values[key], kind, rng):
+        if key in values and not valid_value(values[key], kind, rng):
             meaning = meanings() if meanings is not None else {}
             what = f" ({meaning[key]})" if meaning.get(key) else ""
             raise HparamsError(f"{path}: {key} = {values[key]!r} is not valid: {key} must be "
-                               f"{_expected(kind, rng)}{what}")
+                               f"{expected(kind, rng)}{what}")
     if values.get("reset") == "dynamic":
         check_dynamic_reset(path, values)
     _check_reset_taken(path, values)

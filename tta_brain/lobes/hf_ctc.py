@@ -23,7 +23,7 @@ from tta_brain.data.cache import hub_snapshot, hub_unreachable
 from tta_brain.lobes.families import FEATURE_MODELS, base_model as base_of
 from tta_brain.lobes.gemm_conv import CONVOLUTIONS, gemm_convolutions
 from tta_brain.lobes.partial import PartialForward, padding_blocker
-from tta_brain.lobes.runtime import Runtime
+from tta_brain.lobes.runtime import Runtime, check_default_dtype
 from tta_brain.lobes.weight_norm import cache_frozen_weight_norms
 
 logger = logging.getLogger(__name__)
@@ -283,6 +283,7 @@ class HFCTCLobe(nn.Module):
                  local_files_only: Optional[bool] = None, sample_rate: int = 16000,
                  device: str = "cpu", runtime: Optional[Runtime] = None):
         super().__init__()
+        check_default_dtype(f"HFCTCLobe({source!r})")
         if not os.path.isdir(source) and _looks_like_a_path(source):
             raise FileNotFoundError(_not_found(source))
         snapshot = (hub_snapshot(source, savedir) if not os.path.isdir(source)

@@ -18,7 +18,19 @@ import torch
 
 __all__ = ["Runtime", "FeatureCache", "PRECISIONS", "AUTO_BUCKETS", "AUTO_BUCKET_CACHE",
            "native_cpu_kernels", "release_freed_memory", "free_run_memory",
-           "deterministic_kernels", "tf32_kernels", "TF32_MODES", "process_settings"]
+           "deterministic_kernels", "tf32_kernels", "TF32_MODES", "process_settings",
+           "check_default_dtype"]
+
+def check_default_dtype(where: str) -> None:
+    """A ValueError naming ``where`` unless torch's default dtype is float32: the models load and
+    the methods make their tensors in it (``torch.set_default_dtype(torch.float64)`` in a user's
+    script loaded a float64 model that float32 inputs then met: a traceback deep in a layer;
+    ``--precision`` is how a run chooses another)."""
+    if torch.get_default_dtype() != torch.float32:
+        raise ValueError(f"{where}: torch's default dtype is {torch.get_default_dtype()} "
+                         f"(torch.set_default_dtype): tta-brain's models and methods run in "
+                         f"float32; set it back with torch.set_default_dtype(torch.float32)")
+
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: ``cuda_graph_buckets: auto`` on CUDA: the ratio measured on an H200 (2026-11-27, two sessions:

@@ -22,6 +22,7 @@ import torch
 
 from tta_brain.gpu import make_step as default_step
 from tta_brain.lobes.hf_ctc import freeze_batch_norm_statistics
+from tta_brain.lobes.runtime import check_default_dtype
 from tta_brain.methods import losses
 from tta_brain.methods.events import Event, UttInfo
 from tta_brain.methods.optim import build_optimizer
@@ -73,6 +74,7 @@ class TTAMethod:
                  optimizer: Optional[Callable] = None, steps: int = 10, temperature: float = 2.5,
                  em_coef: float = 0.3, episodic: Optional[bool] = None, reset_policy=None,
                  train_mode: bool = False, make_step: Optional[Callable] = None):
+        check_default_dtype(self.name)
         self.lobe, self.net, self.runtime = model, model.model, model.runtime
         self.blank_id = model.blank_id
         self.steps, self.lr = int(steps), float(lr)
@@ -248,6 +250,7 @@ class TTAMethod:
             raise ValueError(f"{self.name}.process: wav must be one utterance, a 1-D tensor of "
                              f"samples (or [1, T]), got {what} (TTAStream.transcribe takes numpy, "
                              f"integer PCM and channels)")
+        check_default_dtype(f"{self.name}.process")
         x = self.begin(wav, info)
         try:
             hyp = self.forward_and_adapt(x, self.info)

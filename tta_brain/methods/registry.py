@@ -36,7 +36,46 @@ def build_method(name: str, **kwargs):
     if bad:
         raise TypeError(f"method '{name}' has no option(s) {', '.join(bad)}; "
                         f"valid: {', '.join(sorted(valid))}")
+    _check_values(name, kwargs)
     return cls(**kwargs)
+
+
+#: What a method uses of its ``model``: an ``HFCTCLobe`` (``tta_brain.lobes.hf_ctc``) has them
+#: all (a lobe of your own provides them as it does; ARCHITECTURE.md, "The model a method adapts").
+MODEL_MEMBERS = ("model", "runtime", "blank_id", "device", "prepare", "logits", "decode",
+                 "feature_cache_blocker", "train_draws", "padding_blocker")
+#: Options that are true or false in every method (a string "false" was truthy: episodic).
+_FLAGS = ("episodic", "train_mode")
+
+
+def _check_values(name: str, kwargs: dict) -> None:
+    """A Python caller's options, checked as a yaml's values are (``tta_brain.hparams.rules``;
+    a yaml's were checked when it was read, and pass again): one ValueError naming the option."""
+    from tta_brain.hparams import rules         # (the yamls' rules: read here, not imported above)
+    where = f"build_method('{name}')"
+    for key, value in kwargs.items():
+        kind, rng = rules.RULES.get(key) or ((rules.BOOL, None) if key in _FLAGS else (None, None))
+        if kind is not None and not rules.valid_value(value, kind, rng):
+            raise ValueError(f"{where}: {key} = {value!r} is not valid: {key} must be "
+                             f"{rules.expected(kind, rng)}")
+    if "adapt_params" in kwargs:
+        try:
+            rules.check_adapt_params(where, kwargs["adapt_params"])
+        except rules.HparamsError as e:
+            raise ValueError(str(e)) from None
+    policy = kwargs.get("reset_policy")
+    if policy is not None and not callable(getattr(policy, "bind", None)):
+        raise ValueError(f"{where}: reset_policy = {policy!r} is not a reset policy: build one "
+                         f"with tta_brain.methods.resets.make_reset_policy"
+                         f"({str(policy)!r} if a name, ...)")
+    model = kwargs.get("model")
+    if model is not None:
+        missing = [m for m in MODEL_MEMBERS if not hasattr(model, m)]
+        if missing:
+            raise ValueError(f"{where}: model is a {type(model).__name__}, which has no "
+                             f"{', '.join(missing)}: a method adapts an HFCTCLobe "
+                             f"(tta_brain.lobes.hf_ctc.HFCTCLobe(source): any transformers CTC "
+                             f"checkpoint, a folder or a hub name)")
 
 
 def _accepted(cls):

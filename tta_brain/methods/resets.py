@@ -283,4 +283,7 @@ def make_reset_policy(name: str = "none", every: int = 50, K: int = 100, patienc
         return FixedReset(every)
     if name == "dynamic":
         return DynamicReset(K, patience, threshold, lii_count, test_size)
+    if name not in RESET_POLICIES:
+        raise ValueError(f"make_reset_policy: unknown reset policy {name!r} (one of "
+                         f"{', '.join(RESET_POLICIES)})")
     return RESET_POLICIES[name]()
