@@ -99,6 +99,11 @@ def load_run(folder, root=None) -> Run:
         raise RecordError(f"{folder / 'resets.csv'}: {len(resets)} resets"
                           f"{_at(resets)}, but summary.json says {len(summary.resets)}"
                           f"{_at(sorted(summary.resets))} ({AGAIN})")
+    # a reset after the last decoded utterance (the stream's end, or rows all skipped on their
+    # manifest) decoded nothing: runs before 0ac67ac / 5a60a29 recorded it, today's do not; the
+    # report leaves it out of both (it was counted as a false detection)
+    last = max((t.position for t in transcripts), default=-1)
+    resets = [p for p in resets if p <= last]
     lii = sorted(read_lii(folder), key=lambda v: v.position)
     if summary.n_lii is not None and len(lii) != summary.n_lii:   # (older summaries: unknown)
         raise RecordError(f"{folder / 'lii.csv'}: {len(lii)} LII values, but summary.json says "
