@@ -31,3 +31,29 @@ def _old_folder(tmp_path, resets):
 def test_an_old_runs_reset_after_the_last_utterance_is_not_reported(tmp_path):
     run = load_run(_old_folder(tmp_path, [2, 4]))
     assert run.resets == [2]            # as today's decode records the same run
+
+
+def test_a_cea_run_fingerprinted_before_param_collection_is_the_same_run():
+    """cea.yaml gained ``param_collection: clean`` and the item ``- param_collection: !ref
+    <param_collection>`` in its adapt_params (11691bf): a finished CEA run fingerprinted before
+    (the key unset, the block's old digest) was refused as other settings, and --overwrite, the
+    way out the message gave, deleted it. ``clean`` is what it computed."""
+    from tta_brain import hparams
+    from tta_brain.run.identity import ADDED_TO_BLOCKS, differences
+    path = hparams.find("cea")
+    blocks = ["adapt_params", "stage2_params", "method", "model"]
+    now = {"hparams": {"seed": 0, "lr": 2e-4, "param_collection": "clean"},
+           "structure": hparams.structure(path, blocks, added=ADDED_TO_BLOCKS)}
+    assert now["structure"]["adapt_params"] == "05ffdd77049c"    # RENAMED_DIGESTS' new value
+    old = json.loads(json.dumps(now))
+    del old["hparams"]["param_collection"]
+    old["structure"]["adapt_params"] = "f7addc96ee81"             # cea.yaml before 11691bf
+    assert differences(old, now) == []
+    assert differences(old, now, recorded=True) == differences(now, old, recorded=True) == []
+    ebats = json.loads(json.dumps(now))                          # the reference's list is not
+    ebats["hparams"]["param_collection"] = "ebats"               # what an old run computed
+    assert differences(old, ebats) == ["hparams.param_collection: 'clean' != 'ebats'"]
+    other = json.loads(json.dumps(old))                          # another old block is no match
+    other["structure"]["adapt_params"] = "20c451e3693a"
+    assert differences(other, now) == [
+        "structure.adapt_params: '20c451e3693a' != '05ffdd77049c'"]

@@ -42,12 +42,19 @@ LABEL_KEYS = ("method_tag", "stream_name")
 #: resumed or skipped, not refused as different). ``tf32``: runs on CUDA ran with SpeechBrain's
 #: TF32 matmuls ("on"); on CPU it has no effect.
 ADDED_KEYS = {"cuda_graph_buckets": 0.0, "tf32": {"cpu": "torch", "cuda": "on"},
-              "convolutions": "native", "reset_test_size": 0}
+              "convolutions": "native", "reset_test_size": 0, "param_collection": "clean"}
 #: Added keys that a packaged yaml's nested block references (``convolutions: !ref
 #: <convolutions>`` in the run block's ``runtime``) since the blocks' digests (``structure``)
 #: were fingerprinted: the digest leaves that reference out, so the block digests as before (the
 #: key's plain value counts by itself, above)
 ADDED_TO_BLOCKS = ("convolutions", "reset_test_size")
+#: Block digests a packaged yaml had before a change that computes what it computed, as
+#: ``{structure key: {old digest: today's}}``: cea.yaml's ``adapt_params`` gained the item
+#: ``- param_collection: !ref <param_collection>`` (11691bf; its value ``clean``, what CEA ran
+#: before, is the ``param_collection`` of :data:`ADDED_KEYS`). The same item was in suta's,
+#: csuta's, dsuta's and sdpl's from the start, so it cannot be left out of every digest as
+#: :data:`ADDED_TO_BLOCKS` are.
+RENAMED_DIGESTS = {"structure.adapt_params": {"f7addc96ee81": "05ffdd77049c"}}
 #: CUDA-only keys whose ``auto`` computes on CPU what the value here did before ``auto`` became
 #: their default (nothing is captured on CPU): a CPU run's fingerprint keeps that value, so CPU
 #: folders decoded before stay this run's. On CUDA ``auto`` is fingerprinted as ``auto``.
@@ -232,6 +239,10 @@ def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[
             if not any(k.startswith(part) for k in old_fp):         # one's own code were: not
                 old_fp.update({k: v for k, v in new_fp.items()      # known, so not a difference
                                if k.startswith(part)})
+    for key, renamed in RENAMED_DIGESTS.items():
+        for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
+            if renamed.get(old_fp.get(key)) == new_fp.get(key):
+                old_fp[key] = new_fp[key]
     if not any(k.startswith("code.") for k in b):   # one's own code not found here (a grid's
         b.update({k: v for k, v in a.items() if k.startswith("code.")})   # host): not known
     for key in (f"hparams.{k}" for k in PATH_BEFORE):
