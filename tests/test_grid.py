@@ -26,7 +26,7 @@ import torch
 
 from fake_corpora import write_stream
 from tta_brain import decode, grid
-from tta_brain.run import identity
+from tta_brain.run import grid_plan, identity
 from tta_brain.run.identity import LOCK_FILE
 
 import compare_runs  # tools/, on the path from conftest.py
@@ -277,6 +277,25 @@ def test_plan_names_runs_by_their_overrides(data, tmp_path):
     assert "--reset_K=4" in runs[2].argv and "--reset_K=4" not in runs[0].argv   # conf/<method>
     args.decode_opts = "--ckpt_every=5 --temperature=2"      # run options stay out of names
     assert grid.plan_runs(args)[0].name == "s/suta_temperature2_lr0.1/seed0"
+
+
+def test_a_tag_too_long_for_a_folder_name_is_cut_with_a_digest(data, tmp_path):
+    """A path option in --decode_opts names the run folder whole: over 255 bytes the run failed
+    when it made its folder. Such a tag keeps its head and gets a digest of the whole; a tag that
+    fits (every folder a grid made) is as before."""
+    args = grid.parse_args(grid_argv(data, tmp_path, "eata", "0"))
+    names = []
+    for last in ("a", "b"):
+        args.decode_opts = f"--source_stats=/{'x' * 120}/{'y' * 120}/{last}.pt"
+        run = grid.plan_runs(args)[0]
+        folder = run.name.split("/")[1]
+        assert len(folder.encode()) == 255 and folder.startswith("eata_source_stats-xxx")
+        assert run.argv[-1] == f"--method_tag={folder}"
+        names.append(folder)
+    assert names[0] != names[1]
+    assert grid_plan.fit_tag("eata", "lr0.1") == "lr0.1"
+    tag = "k" * (255 - len("eata_"))
+    assert grid_plan.fit_tag("eata", tag) == tag and grid_plan.fit_tag("eata", tag + "k") != tag
 
 
 def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):

@@ -7,6 +7,7 @@ The tag names the ``--decode_opts`` and ``--sweep`` values that make a run diffe
 ``<conf_dir>/<token>.opts``, ``--md_decode_opts``, ``--decode_opts`` and the sweep point, later
 ones winning. One rule (:class:`OptionRule`) for a grid-wide option a method lacks.
 """
+import hashlib
 import itertools
 import logging
 import re
@@ -92,6 +93,22 @@ def inference_tag(opts: List[str]) -> str:
     """``lr1e-4_reset_K50`` from ``--lr=1e-4 --reset_K=50`` (run options left out)."""
     parts = [f"{k}{v}" for k, v in _keyvals(opts).items() if k not in UNTAGGED]
     return re.sub(r"[^A-Za-z0-9._=+-]+", "-", "_".join(parts))
+
+
+#: The longest file name most file systems take (bytes): a run folder ``<token>_<tag>`` longer
+#: than this could not be made (a path option in --decode_opts named it whole).
+NAME_MAX = 255
+
+
+def fit_tag(token: str, tag: str) -> str:
+    """``tag`` as it is where ``<token>_<tag>`` fits in :data:`NAME_MAX` bytes (every folder a
+    grid made is named so); else its head and a digest of the whole (such a run failed when it
+    made its folder: ``--decode_opts="--source_stats=/a/long/path/s.pt"``)."""
+    if len(f"{token}_{tag}".encode()) <= NAME_MAX:
+        return tag
+    digest = hashlib.sha1(tag.encode()).hexdigest()[:12]
+    head = tag.encode()[: NAME_MAX - len(token.encode()) - 1 - 1 - len(digest)]
+    return f"{head.decode(errors='ignore')}-{digest}"
 
 
 def sweep_points(specs: List[str]) -> List[List[str]]:
@@ -279,7 +296,7 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             mine = rule.kept(token, "--decode_opts", user)
             for point in points:
                 point = rule.kept(token, "--sweep", point)
-                tag = inference_tag(mine + point)
+                tag = fit_tag(token, inference_tag(mine + point))
                 # a run with options of its own is named by its tag in reports, not pooled;
                 # so is a yaml of one's own whose method_tag is not its token (a copy of
                 # csuta.yaml as mycsuta.yaml says csuta: pooled with csuta's runs)
