@@ -178,3 +178,19 @@ def test_a_dollar_that_is_no_placeholder_is_the_values_own_text(tmp_path, monkey
     assert expand_path("$TTA_STATS_HOME/s.pt") == expand_path("${TTA_STATS_HOME}/s.pt") == \
         "/stats/s.pt"
     assert expand_path("$NO_SUCH_VARIABLE_HERE/s.pt") == "$NO_SUCH_VARIABLE_HERE/s.pt"
+
+
+def test_a_name_that_is_not_utf8_is_one_line_naming_the_manifest(tmp_path):
+    """A corpus under a folder named in Latin-1 (os.listdir gives its byte as a surrogate): the
+    write failed with "'utf-8' codec can't encode character '\\udce9' ...", naming no file."""
+    from tta_brain.data.manifest import write_manifest
+    out = tmp_path / "test.csv"
+    rows = [{"ID": "u1", "duration": 1.0, "wav": "/data/a.wav", "spk_id": "s", "wrd": "A"},
+            {"ID": "u2", "duration": 1.0, "wav": "/data/caf\udce9/b.wav", "spk_id": "s",
+             "wrd": "B"}]
+    with pytest.raises(ValueError, match=re.escape(f"{out}: cannot write '/data/caf\\udce9/b.wav' "
+                                                   f"as UTF-8 text (a file or folder name")):
+        write_manifest(out, iter(rows))
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    write_manifest(out, rows[:1])
+    assert out.read_bytes().startswith(b"ID,duration,wav,spk_id,wrd\r\nu1,1,/data/a.wav,s,A")

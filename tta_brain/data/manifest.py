@@ -59,14 +59,29 @@ def _ordered_columns(rows, columns=None):
 def write_manifest(path, rows, columns=None):
     """Write ``rows`` (dicts) as CSV. Column order: the standard columns first, then the others in
     first-seen order (or exactly ``columns``). Written atomically (temporary file + rename)."""
-    path = Path(path)
+    path, rows = Path(path), list(rows)
     text = manifest_text(rows, columns)
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:    # a name read from a folder in another encoding (Latin-1 é)
+        bad = next((str(v) for row in rows for v in row.values() if isinstance(v, str)
+                    and not _is_utf8(v)), "?")
+        raise ValueError(f"{path}: cannot write {bad!r} as UTF-8 text (a file or folder name in "
+                         f"another encoding than UTF-8: rename it, e.g. with convmv)") from None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
     tmp.replace(path)
     return path
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def manifest_text(rows, columns=None):
