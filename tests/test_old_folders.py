@@ -53,6 +53,8 @@ def test_a_cea_run_fingerprinted_before_param_collection_is_the_same_run():
     ebats = json.loads(json.dumps(now))                          # the reference's list is not
     ebats["hparams"]["param_collection"] = "ebats"               # what an old run computed
     assert differences(old, ebats) == ["hparams.param_collection: 'clean' != 'ebats'"]
+    bare = {"hparams": {"seed": 0}}                              # no blocks (foa, ebats)
+    assert differences(bare, json.loads(json.dumps(bare)), recorded=True) == []
     other = json.loads(json.dumps(old))                          # another old block is no match
     other["structure"]["adapt_params"] = "20c451e3693a"
     assert differences(other, now) == [

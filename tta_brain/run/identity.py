@@ -241,7 +241,7 @@ def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[
                                if k.startswith(part)})
     for key, renamed in RENAMED_DIGESTS.items():
         for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
-            if renamed.get(old_fp.get(key)) == new_fp.get(key):
+            if key in new_fp and renamed.get(old_fp.get(key)) == new_fp[key]:
                 old_fp[key] = new_fp[key]
     if not any(k.startswith("code.") for k in b):   # one's own code not found here (a grid's
         b.update({k: v for k, v in a.items() if k.startswith("code.")})   # host): not known
