@@ -783,6 +783,9 @@ def test_build_method_refuses_what_is_no_model_and_an_unknown_policy(tiny_model_
     m = build_method("csuta", model=tiny_lobe, reset_policy=make_reset_policy("fixed", every=2),
                      episodic=False, steps=1)
     assert m.reset_policy.name == "fixed" and not m.episodic
+    import numpy as np                       # a numpy scalar from a loop over np.arange is its
+    m = build_method("suta", model=tiny_lobe, steps=np.int64(2), lr=np.float32(1e-4))   # value
+    assert m.steps == 2
 
 
 def test_a_float64_default_dtype_is_one_line(tiny_model_dir, tiny_lobe, utterances):

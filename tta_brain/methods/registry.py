@@ -1,6 +1,7 @@
 """The method registry: a name -> method class map that refuses a second class under a taken name;
 ``build_method`` is how yaml files and the API build a method."""
 import inspect
+import os
 from typing import Dict
 
 __all__ = ["METHODS", "register", "build_method"]
@@ -55,6 +56,10 @@ def _check_values(name: str, kwargs: dict) -> None:
     where = f"build_method('{name}')"
     for key, value in kwargs.items():
         kind, rng = rules.RULES.get(key) or ((rules.BOOL, None) if key in _FLAGS else (None, None))
+        if hasattr(value, "item") and getattr(value, "shape", None) == ():
+            value = value.item()       # a numpy or torch scalar (np.int64(3) from an arange)
+        if kind == rules.TEXT and isinstance(value, os.PathLike):
+            continue                   # a pathlib.Path is a path as its string is
         if kind is not None and not rules.valid_value(value, kind, rng):
             raise ValueError(f"{where}: {key} = {value!r} is not valid: {key} must be "
                              f"{rules.expected(kind, rng)}")
