@@ -819,3 +819,17 @@ def test_process_refuses_a_batch_in_one_line(make, utterances, name):
         m.process(w.numpy())
     assert m.t == 0
     assert m.process(w[None]) == make(name, **kwargs).process(w)
+
+
+def test_a_saved_tiny_model_leaves_the_callers_random_state(tmp_path):
+    """``save_random_ctc_model`` seeds its own initialisation: it used ``torch.manual_seed`` on
+    the global generator, so a script that saved a tiny model reseeded its own draws. The same
+    seed still gives the same weights."""
+    from conftest import save_ctc_model
+    torch.manual_seed(1234)
+    want = torch.rand(3)
+    torch.manual_seed(1234)
+    a = HFCTCLobe(save_ctc_model(str(tmp_path / "a"), seed=5)).model
+    assert torch.equal(torch.rand(3), want)
+    b = HFCTCLobe(save_ctc_model(str(tmp_path / "b"), seed=5)).model
+    assert same(list(a.state_dict().values()), list(b.state_dict().values()))

@@ -82,7 +82,14 @@ def save_random_ctc_model(out_dir: str, seed: int = 0, arch: str = "wav2vec2",
     pieces of :data:`PIECES`, blank last, ``config`` its encoder's), initialised after
     ``torch.manual_seed(seed)``, saved with its processor into ``out_dir``; returns ``out_dir``.
     The processor returns an attention mask for layer-norm feature encoders unless
-    ``attention_mask`` says otherwise."""
+    ``attention_mask`` says otherwise. The caller's random state is left as it was."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        return _save_random_ctc_model(out_dir, seed, arch, attention_mask, **config)
+
+
+def _save_random_ctc_model(out_dir, seed, arch, attention_mask, **config):
     import torch
     import transformers
 
