@@ -577,6 +577,31 @@ def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path):
         report.main(["--exp_dir", str(tmp_path), "--metric", "ter"])
 
 
+def test_the_official_codes_scoring_deletes_apostrophes(tmp_path):
+    """``--metric wer_official``: the words the official code's jiwer scoring counts (its
+    punctuation removal deletes the apostrophe: DONT is DON'T there; here one substitution), in
+    RESULTS_wer_official.md and LONG_wer_official.md, beside the WER report."""
+    _text_run(tmp_path, "source", [("I DON'T KNOW", "I DONT KNOW"), ("IT'S ME", "ITS ME")])
+    _text_run(tmp_path, "suta", [("I DON'T KNOW", "I DON'T NO"), ("IT'S ME", "IT S ME")])
+    assert metrics.official_words("it's  l'été-x") == ["ITS", "LÉTÉ", "X"]
+    assert report.main(["--exp_dir", str(tmp_path), "--no_plots"]) == 0
+    assert report.main(["--exp_dir", str(tmp_path), "--metric", "wer_official",
+                        "--no_plots"]) == 0
+    wer = (tmp_path / "RESULTS.md").read_text()
+    off = (tmp_path / "RESULTS_wer_official.md").read_text()
+    # WER: source 2 substitutions of 5 words; suta 1 + (IT S: 1 sub, 1 ins) = 3 of 5
+    assert table_rows(section(wer, "WER (%) per method and stream"))[1:] == [
+        ["source", "40.0 (n=1)"], ["suta", "60.0 (n=1)"]]
+    # official: source 0; suta: KNOW/NO 1, ITS/IT S 1 sub + 1 ins: 3 of 5
+    assert table_rows(section(off, "WER-official (%) per method and stream"))[1:] == [
+        ["source", "0.0 (n=1)"], ["suta", "60.0 (n=1)"]]
+    assert "apostrophes deleted" in off
+    assert long.main(["--exp_dir", str(tmp_path), "--stream", "ja", "--window", "1",
+                      "--metric", "wer_official", "--no_plots"]) == 0
+    rows = table_rows((tmp_path / "LONG_wer_official.md").read_text())
+    assert rows[0][3] == "WER-official %" and rows[1][:4] == ["source", "0", "2", "0.0"]
+
+
 @pytest.mark.filterwarnings("ignore:Glyph .* missing from font")   # no CJK font here
 def test_plot_files_of_streams_with_like_names_are_apart(tmp_path):
     """Stream names without ASCII letters all became ``unnamed`` (one plot file, drawn over by

@@ -10,8 +10,8 @@ from rapidfuzz.distance import Levenshtein
 from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torch quirks)
 from speechbrain.utils.edit_distance import wer_details_for_batch
 
-__all__ = ["normalize_text", "Errors", "errors", "word_errors", "char_errors", "error_rate",
-           "corpus_error_rate"]
+__all__ = ["normalize_text", "official_words", "Errors", "errors", "word_errors", "char_errors",
+           "error_rate", "corpus_error_rate"]
 
 
 #: Apostrophes other than ASCII's, read as it (``don’t`` is ``DON'T``).
@@ -25,6 +25,15 @@ def normalize_text(text: str) -> str:
     letters (they were removed: a Cyrillic reference was empty, so its utterance skipped)."""
     text = unicodedata.normalize("NFC", str(text)).translate(_APOSTROPHES).upper()
     return " ".join(re.sub(r"[^\w']+|_", " ", text).split())
+
+
+def official_words(text: str) -> list:
+    """The words the official Dynamic-SUTA code scores of a text that :func:`normalize_text`
+    gave: its jiwer pipeline deletes punctuation (``RemovePunctuation``: every Unicode P
+    character, the apostrophe included; ``DON'T`` is ``DONT``) before the words are split, where
+    :func:`normalize_text` keeps apostrophes. Exact for text whose only punctuation is the
+    apostrophe (LibriSpeech's); other punctuation (a hyphen) was already a word break."""
+    return normalize_text(text).replace("'", "").split()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Long streams at a glance: collapse figures per run, memory along the stream, one plot.
 
     python -m tta_brain.report.long --exp_dir exp/long3000/snr20 [--stream md_long] [--window 100]
-        [--margin 5] [--out exp/long3000/snr20/LONG.md] [--metric wer|cer]
+        [--margin 5] [--out exp/long3000/snr20/LONG.md] [--metric wer|cer|wer_official]
         [--methods "suta dsuta dsuta+dynamic"] [--plots_dir exp/long3000/snr20/plots]
 
 Per run (the paper's MD-Long table, one row per method and seed): the WER, and two collapse
@@ -22,7 +22,8 @@ the 0.5 MiB per 100 of ``tools/bench_memory.py``), judged from 10 samples (500 u
 The plot (``plots/long_<stream>.png``): windowed WER over stream position per method (mean over
 seeds), the domain blocks shaded and labelled, dynamic (detected) resets as markers on their
 curve; below it, RSS over position per run. ``--metric cer``: all of it of character error rates
-(``LONG_cer.md``, ``plots/long_cer_<stream>.png``; ``--margin`` in CER points).
+(``LONG_cer.md``, ``plots/long_cer_<stream>.png``; ``--margin`` in CER points); ``--metric
+wer_official``: of the official code's word scoring (apostrophes deleted).
 """
 import argparse
 import errno
@@ -37,7 +38,7 @@ import numpy as np
 
 from tta_brain.data.cache import same_source
 from tta_brain.report import tags
-from tta_brain.report.tables import (METRICS, _label_key, common_positions, fmt, in_metric,
+from tta_brain.report.tables import (METRICS, label as metric_label, _label_key, common_positions, fmt, in_metric,
                                      label_text, md_table, method_labels, position_counts,
                                      run_wer)
 from tta_brain.run.folder import Run
@@ -205,7 +206,7 @@ def table_long(runs: Sequence[Run], stream: str, window: int = WINDOW, margin: f
                      f"{f['below']:.1f} %" if compared else "-", _resets(r.resets), rss,
                      "-" if slope is None else _signed(slope)
                      + ("" if cuda is None else f" (CUDA {_signed(cuda)})"), r.name])
-    header = ["method", "seed", "utts", f"{metric.upper()} %", f"worst {window}-utt window (ends at)",
+    header = ["method", "seed", "utts", f"{metric_label(metric)} %", f"worst {window}-utt window (ends at)",
               f"first position > source + {margin:g}", "largest gap to source",
               "windows below source", "resets (positions)", "RSS MiB (first -> last)",
               "RSS slope MiB / 1k utts", "run"]
@@ -278,8 +279,8 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
             if ok:
                 ax.plot(ok, curve[ok], linestyle="none", marker="v", markersize=6,
                         color=tags.color(method), markeredgecolor="k")
-    ax.set_ylabel(f"{metric.upper()} % (last {window} utts)")
-    ax.set_title(f"{stream}: windowed {metric.upper()} over the stream (shaded: domain blocks; "
+    ax.set_ylabel(f"{metric_label(metric)} % (last {window} utts)")
+    ax.set_title(f"{stream}: windowed {metric_label(metric)} over the stream (shaded: domain blocks; "
                  f"v: resets detected by the method)", pad=18)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
@@ -316,7 +317,7 @@ def write_long_report(runs: Sequence[Run], root, stream: str = "md_long", out=No
                                 str(out))
     table, not_flat, unknown = table_long(runs, stream, window, margin, flat_mib, metric)
     n = max(len(r.transcripts) for r in sruns)
-    M, units = metric.upper(), ("errors / words" if metric == "wer"
+    M, units = metric_label(metric), ("errors / words" if metric != "cer"
                                 else "character edits / characters (spaces counted)")
     lines = [f"# {stream}: {n} utterances, {len(sruns)} runs", "",
              f"Windowed {M}: {units} over the last {window} utterances (full windows "
@@ -363,7 +364,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, type=os.path.expanduser,
                    help="default: <exp_dir>/LONG.md (--metric cer: <exp_dir>/LONG_cer.md)")
     p.add_argument("--metric", default="wer", choices=tuple(METRICS),
-                   help="error rate of the table and the plot: wer or cer (characters)")
+                   help="error rate of the table and the plot: wer, cer (characters) or "
+                        "wer_official (the official code's scoring: apostrophes deleted)")
     p.add_argument("--window", type=int, default=WINDOW, help="window of the WER (utterances)")
     p.add_argument("--margin", type=float, default=MARGIN,
                    help="WER (CER) points above the source")

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 from tta_brain.report import tags  # noqa: E402
 from tta_brain.run.folder import Run  # noqa: E402
-from tta_brain.report.tables import (Label, aggregate, group_runs, has_resets, label_text,  # noqa: E402
+from tta_brain.report.tables import (Label, label as metric_label, aggregate, group_runs, has_resets, label_text,  # noqa: E402
                                      common_positions, position_counts, run_wer, steps_groups,
                                      streams_of)
 
@@ -125,7 +125,7 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
     (:func:`difference_curves`; absolute WER if the stream has no baseline run); boundaries
     dashed, resets of dynamic-reset runs as markers. ``metric="cer"``: of runs from
     ``tables.in_metric``, labelled CER."""
-    M = metric.upper()
+    M = metric_label(metric)
     sruns = [r for r in runs if r.stream == stream and r.transcripts]
     base, curves = difference_curves(sruns, stream, window, baseline)
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -283,8 +283,8 @@ def plot_wer_vs_steps(runs: Sequence[Run], stream: str, out_png, baseline: str =
     if base:
         ax.axhline(aggregate(base)[0], color="0.3", linestyle=":", label=f"{baseline} (no adaptation)")
     ax.set_xlabel("adaptation steps per utterance (N)")
-    ax.set_ylabel(f"{metric.upper()} (%)")
-    ax.set_title(f"{stream}: {metric.upper()} vs number of adaptation steps")
+    ax.set_ylabel(f"{metric_label(metric)} (%)")
+    ax.set_title(f"{stream}: {metric_label(metric)} vs number of adaptation steps")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9)
     return _save(fig, Path(out_png))

@@ -5,7 +5,7 @@ Usage::
 
     python -m tta_brain.report --exp_dir results/ [--out results/RESULTS.md]
         [--plots_dir results/plots] [--smooth 100] [--baseline source] [--window 100]
-        [--metric wer|cer]
+        [--metric wer|cer|wer_official]
 
 Every folder (any depth) holding a ``summary.json`` is read with ``tta_brain.run.records``, the module
 that writes it; a folder it cannot read is skipped with a warning naming the file and why, and a
@@ -16,7 +16,9 @@ pair; a reset at position r detects the last true boundary b <= r when r - b <= 
 run with several step counts is split into rows ``method (N=steps)``. ``--metric cer``: every
 table and plot of character error rates instead (100 * character edits / reference characters,
 spaces counted; for languages written without spaces), into ``RESULTS_cer.md`` and ``cer_*`` plots
-by default, beside the WER report.
+by default, beside the WER report. ``--metric wer_official``: the WERs of the official code's
+scoring (apostrophes deleted, as its jiwer pipeline does; ``RESULTS_wer_official.md``), to set
+beside the paper's tables.
 """
 import argparse
 import errno
@@ -227,14 +229,17 @@ def environment_block(runs: Sequence[Run], repo_dir=None) -> str:
 #: what a cell of each metric is, for the notes of RESULTS.md
 DEFINITIONS = {"wer": "WER (%) = 100 * errors / reference words",
                "cer": "CER (%) = 100 * character edits / reference characters (spaces counted, "
-                      "after the same normalisation as the WER)"}
+                      "after the same normalisation as the WER)",
+               "wer_official": "WER-official (%) = 100 * errors / reference words, words as the "
+                              "official code's jiwer scoring splits them (apostrophes deleted: "
+                              "DON'T is DONT)"}
 
 
 def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None, window: int = 100,
                    digits: int = 1, repo_dir=None, metric: str = "wer", skipped=()) -> str:
     """The whole RESULTS.md text; ``metric="cer"``: of runs from :func:`tables.in_metric`;
     ``skipped``: the run folders :func:`collect_runs` left out, listed under "Not reported"."""
-    M = metric.upper()
+    M = tables.label(metric)
     notes = (f"{DEFINITIONS[metric]}, pooled over a run's utterances. Cells: "
              "mean ± sample std over runs (seeds), n = number of runs.")
     warnings = pooling_warnings(runs) + run_warnings(runs) + skip_warnings(runs)
@@ -331,7 +336,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "with --metric cer: <exp_dir>/RESULTS_cer.md)")
     p.add_argument("--metric", default="wer", choices=tuple(tables.METRICS),
                    help="error rate of every table and plot: wer (words) or cer (characters, "
-                        "spaces counted: languages written without spaces)")
+                        "spaces counted: languages written without spaces) or wer_official "
+                        "(words as the official code scores them: apostrophes deleted)")
     p.add_argument("--plots_dir", default=None, type=os.path.expanduser,
                    help="plot folder (default: <exp_dir>/plots)")
     p.add_argument("--smooth", type=int, default=100,
@@ -357,8 +363,8 @@ def main(argv=None) -> int:
     tags = sorted({r.method for r in runs})
     if args.baseline is not None and runs and args.baseline not in tags and not args.no_plots:
         logger.warning("--baseline %r: no run has that tag (tags: %s); the %s-over-time plots "
-                       "show absolute %s", args.baseline, ", ".join(tags), args.metric.upper(),
-                       args.metric.upper())
+                       "show absolute %s", args.baseline, ", ".join(tags), tables.label(args.metric),
+                       tables.label(args.metric))
     try:
         out = write_report(runs, args.exp_dir, args.out, args.plots_dir, args.smooth,
                            args.baseline or "source", args.window, args.digits,

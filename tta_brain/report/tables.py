@@ -9,7 +9,7 @@ from collections import OrderedDict, defaultdict
 from typing import AbstractSet, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from tta_brain.report import tags
-from tta_brain.asr.metrics import char_errors, error_rate
+from tta_brain.asr.metrics import char_errors, error_rate, errors, official_words
 from tta_brain.run.folder import Run
 
 COUNT_KEYS = ("adapt_forward", "adapt_backward", "infer_forward", "aux_forward")
@@ -17,7 +17,14 @@ Label = Tuple[str, Optional[int]]
 
 
 #: the error rates a report can show: name -> what its counts count
-METRICS = {"wer": "word", "cer": "char"}
+METRICS = {"wer": "word", "cer": "char", "wer_official": "word"}
+#: each metric's name in titles, axes and table headers
+LABELS = {"wer": "WER", "cer": "CER", "wer_official": "WER-official"}
+
+
+def label(metric: str) -> str:
+    """The name of ``metric`` in a report (``WER``, ``CER``, ``WER-official``)."""
+    return LABELS.get(metric, metric.upper())
 
 
 # ----------------------------------------------------------------------------- per run
@@ -27,7 +34,9 @@ def in_metric(runs: Sequence[Run], metric: str = "wer") -> List[Run]:
     the word-count fields (``n_words`` = reference characters, ``n_err``/``n_sub``/... the
     character edits), so every table, plot and score of the report is the CER one, as ESPnet's
     ``score_cer`` gives the ``score_wer`` tables of characters. For languages written without
-    spaces, where a word error rate counts whole sentences."""
+    spaces, where a word error rate counts whole sentences. ``wer_official``: the word counts
+    the official Dynamic-SUTA code's scoring gives (:func:`~tta_brain.asr.metrics.official_words`:
+    apostrophes deleted, not kept), to set beside the paper's tables."""
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: one of {', '.join(METRICS)}")
     if metric == "wer":
@@ -36,7 +45,8 @@ def in_metric(runs: Sequence[Run], metric: str = "wer") -> List[Run]:
     for r in runs:
         ts = []
         for t in r.transcripts:
-            e = char_errors(t.ref, t.hyp)
+            e = (char_errors(t.ref, t.hyp) if metric == "cer"
+                 else errors(official_words(t.ref), official_words(t.hyp)))
             ts.append(dataclasses.replace(t, n_words=e.n_ref, n_err=e.n_err, n_sub=e.n_sub,
                                           n_del=e.n_del, n_ins=e.n_ins))
         out.append(dataclasses.replace(r, transcripts=ts))
@@ -357,4 +367,4 @@ def runs_inventory(runs: Sequence[Run], digits: int = 1, metric: str = "wer") ->
     rows = [[r.name, r.method, r.stream, str(r.seed), "-" if r.steps is None else str(r.steps),
              str(r.summary.n_utts), fmt(run_wer(r), digits)] for r in runs]
     return md_table(["Experiment", "Method", "Stream", "Seed", "Steps", "Utts",
-                     f"{metric.upper()} (%)"], rows)
+                     f"{label(metric)} (%)"], rows)
