@@ -842,3 +842,18 @@ def test_streams_duration_problems_and_unused_size_options(clean_set, tmp_path, 
     assert out == f"{manifest}: OK, {len(rows)} rows\n"
     assert "none.csv" in err.splitlines()[0] and "missing required column(s) spk_id" in \
         err.splitlines()[1] and err.splitlines()[2] == "ERROR: 2 of 3 manifest(s) failed the check"
+
+
+def test_prepare_chime3_logs_the_tokens_clean_text_removes(tmp_path, caplog):
+    """The default clean-up is a difference from the official code (raw line scored): stage 0
+    says how many tokens it removed from how many references, and which."""
+    make_chime3(tmp_path / "c", splits=("bus_real", "bus_simu"), per_split=3)
+    with caplog.at_level(logging.INFO, logger="tta_brain.data.prep.chime3"):
+        prepare_chime3(tmp_path / "c", tmp_path / "m.csv", splits=["bus_real", "bus_simu"])
+    said = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert said and "removed 3 token(s) from 3 of 6 references (.PERIOD x3)" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tta_brain.data.prep.chime3"):
+        prepare_chime3(tmp_path / "c", tmp_path / "raw.csv", splits=["bus_real", "bus_simu"],
+                       clean_text=False)
+    assert not [r for r in caplog.records if "removed" in r.getMessage()]

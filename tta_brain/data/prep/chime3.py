@@ -31,6 +31,7 @@ so a changed transcript or audio file rewrites it (the log says which).
 """
 import logging
 import re
+from collections import Counter
 from pathlib import Path
 
 from ..cache import manifest_inputs, save_record
@@ -52,9 +53,16 @@ def default_splits(include_ped_real=False):
     return ALL_SPLITS if include_ped_real else DEFAULT_SPLITS
 
 
-def clean_transcript(text):
-    """Drop verbalised punctuation and bracketed markers; collapse whitespace."""
-    return " ".join(tok for tok in text.split() if not _NON_WORD.match(tok))
+def clean_transcript(text, dropped=None):
+    """Drop verbalised punctuation and bracketed markers; collapse whitespace. ``dropped`` (a
+    ``Counter``) counts the tokens removed."""
+    kept = []
+    for tok in text.split():
+        if not _NON_WORD.match(tok):
+            kept.append(tok)
+        elif dropped is not None:
+            dropped[tok] += 1
+    return " ".join(kept)
 
 
 def find_root(root):
@@ -123,6 +131,7 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
         return out_csv
     pooled = {}  # {"real"/"simu": {ID: text}} from *.trn_all, read on first need
     rows, wav_of, no_text = [], {}, []
+    dropped, touched = Counter(), 0   # tokens clean_text removed, references it changed
     for split in splits:
         folder = audio_root / f"{set_name}_{split}"
         wavs = sorted(folder.glob("*.wav"))
@@ -148,7 +157,9 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
                                             f"{name!r} in {trans_root}/*.trn_all")
                 text = pooled[kind][name]
             if clean_text:
-                text = clean_transcript(text)
+                before = sum(dropped.values())
+                text = clean_transcript(text, dropped)
+                touched += sum(dropped.values()) > before
             utt = f"{name}_{kind}"
             if utt in wav_of:    # e.g. X.wav and X.CH5.wav: one ID, two recordings
                 raise ValueError(f"two audio files of utterance {utt}: {wav_of[utt]} and {wav}; "
@@ -169,6 +180,11 @@ def prepare_chime3(root, out_csv, splits=None, include_ped_real=False, data_root
                        "its rejects.csv): %s", len(no_text),
                        " once markers are dropped" if clean_text else "",
                        ", ".join(no_text[:5]) + (" ..." if len(no_text) > 5 else ""))
+    if dropped:     # what the official code (raw line) would score and these references do not
+        logger.info("removed %d token(s) from %d of %d references (%s); --keep_raw_text keeps "
+                    "them, as the official code does", sum(dropped.values()), touched, len(rows),
+                    ", ".join(f"{tok} x{n}" for tok, n in dropped.most_common(8))
+                    + (" ..." if len(dropped) > 8 else ""))
     write_manifest(out_csv, rows)
     save_record(out_csv, "chime3", options, inputs=inputs)
     logger.info("wrote %d CHiME-3 %s utterances (%s) to %s", len(rows), set_name,
