@@ -13,8 +13,12 @@ gain without the square root, as here: the SNR measured on the written audio equ
 one.
 
 Clipping guard: if the mixture's peak exceeds 1 (full scale), speech and noise are scaled
-*together* by ``CLIP_HEADROOM / peak``. This changes the absolute level but keeps the SNR; with
--25 dBFS speech it only happens for extreme crest factors.
+*together* by ``CLIP_HEADROOM / peak``. This changes the absolute level but keeps the SNR (the
+models normalise each utterance, so the level itself does not matter). With -25 dBFS speech it
+needs a noise of high crest factor at a low SNR, but two LS-C noises are such: Munching_3 and
+CopyMachine_2 (peak/RMS about 35) exceed full scale at 5 dB in most utterances of MU and in some
+of CM (a few samples each), and at 0 dB in most of both. The official preprocessing writes
+``(x * 32767).astype(int16)`` without a guard, so there those samples wrap around (clicks).
 
 Every function accepts array-likes (numpy arrays, CPU torch tensors, lists) and returns float32
 numpy arrays; computations are done in float64.
