@@ -416,6 +416,7 @@ def test_synthetic_streams_stage_passes_only_the_sizes_its_streams_take(tmp_path
               "--md_long_max", 10)
     assert res.returncode == 0, res.stderr
     assert "wrote stream md_long: 30 utterances" in res.stderr
+    assert "of 8 domain(s) (AC BA GS MU SD TP TR VC)" in res.stderr   # the ones it draws from
     assert "--per_domain: no stream of md_long takes it" in res.stderr    # given, and unused
     res = run(syn, *base, "--md_long_max", 10)
     assert res.returncode == 0, res.stderr

@@ -178,8 +178,8 @@ def _streams(args):
         write_manifest(out_csv, stream)
         save_record(out_csv, "streams", options, inputs=inputs)
         segs = runs(stream)
-        logger.info("wrote stream %s: %d utterances, %d segment(s) -> %s", name, len(stream),
-                    len(segs), out_csv)
+        logger.info("wrote stream %s: %d utterances, %d segment(s) of %d domain(s) (%s) -> %s",
+                    name, len(stream), len(segs), len(used), " ".join(used), out_csv)
         distinct, mean, most = recurrence(stream)
         logger.info("%s: %d distinct clean utterances, each %.1f times on average (at most %d)",
                     name, distinct, mean, most)
