@@ -193,6 +193,28 @@ def test_an_input_file_is_hashed_once_a_process_until_it_changes(tmp_path, monke
     assert file_identity(str(f)) == f"missing:{f}"
 
 
+def test_a_model_folder_copied_over_with_its_mtime_kept_is_hashed_again(tmp_path):
+    """source_identity is cached a process by the files' stat: a same-size weights file copied
+    in with its old mtime (cp -p, rsync -t, tar x) kept the first model's identity in that
+    process (a notebook's second decode skipped as finished; a fresh process said it differs)."""
+    import os
+    import time
+    model = tmp_path / "m"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    (model / "config.json").write_text("{}")
+    old = time.time_ns() - 10 ** 10                  # written long ago: cacheable
+    for f in model.iterdir():
+        os.utime(f, ns=(old, old))
+    time.sleep(0.01)
+    first = source_identity(str(model))
+    before = weights.stat()
+    weights.write_bytes(b"b" * 64)                   # other weights, the same size and mtime
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert source_identity(str(model)) != first
+
+
 def test_module_entry_point_help():
     res = subprocess.run([sys.executable, "-m", "tta_brain.stats", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)

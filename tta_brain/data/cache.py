@@ -112,7 +112,7 @@ MODEL_FILES = (".json", ".safetensors", ".bin", ".txt", ".model", ".pt")
 @functools.lru_cache(maxsize=64)
 def _dir_sha1(path: str, stamp: tuple) -> str:
     h = hashlib.sha1()
-    for name, _, _ in stamp:
+    for name, *_ in stamp:
         h.update(name.encode())
         h.update(file_sha1(os.path.join(path, name)).encode())
     return h.hexdigest()
@@ -160,8 +160,15 @@ def source_identity(source: str) -> str:
     if os.path.isdir(source):
         names = sorted(n for n in os.listdir(source) if n.endswith(MODEL_FILES)
                        and os.path.isfile(os.path.join(source, n)))
-        stamp = tuple((n, os.path.getsize(os.path.join(source, n)),
-                       os.stat(os.path.join(source, n)).st_mtime_ns) for n in names)
+        # hashed once a process while every file's stat (size, modification and change times:
+        # a file copied in with its old mtime kept, cp -p or rsync -t, changes its ctime) stays
+        # the same; a file changed in the last RACY_MARGIN_NS is hashed each time (file_identity)
+        stats = [os.stat(os.path.join(source, n)) for n in names]
+        stamp = tuple((n, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                      for n, st in zip(names, stats))
+        recent = time.time_ns() - RACY_MARGIN_NS
+        if any(max(st.st_mtime_ns, st.st_ctime_ns) >= recent for st in stats):
+            return f"sha1:{_dir_sha1.__wrapped__(os.path.abspath(source), stamp)}"
         return f"sha1:{_dir_sha1(os.path.abspath(source), stamp)}"
     snapshot = hub_snapshot(source)
     return f"hub:{source}@{os.path.basename(snapshot)}" if snapshot else f"hub:{source}"
