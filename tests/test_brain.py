@@ -393,3 +393,19 @@ def test_every_save_of_every_run_in_a_process_weighs_recency_alone(data, tmp_pat
         decode.main(args(data, tmp_path / run, "--steps=1", "--ckpt_every=3", method="suta"))
     assert len(keys) >= 14 and set(keys) == {1}, keys
     assert len(list((tmp_path / "b" / "save").glob("CKPT+*"))) == 1
+
+
+def test_what_is_logged_after_a_run_stays_out_of_its_log(data, tmp_path):
+    """A notebook runs decode.main, then logs its own lines or runs a command that fails before
+    it has a folder: those went into the finished run's log.txt (SpeechBrain's file handler
+    stayed on the root logger)."""
+    import logging
+    out = tmp_path / "a"
+    decode.main(args(data, out, "--steps=1", "--ckpt_every=0", method="suta"))
+    logging.getLogger("my_notebook").warning("a line of the caller's own")
+    with pytest.raises(SystemExit, match="source model directory not found"):
+        decode.main(args(data, tmp_path / "b", method="suta") + [f"--source={tmp_path / 'none'}"])
+    log = (out / "log.txt").read_text()
+    assert "a line of the caller's own" not in log
+    assert log.count("Setting seed to") == 1, log
+    assert not [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]

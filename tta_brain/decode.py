@@ -67,6 +67,19 @@ def log_to_files(message):
             handler.handle(record)
 
 
+def close_run_log(out) -> None:
+    """Detach and close the root logger's handler of ``<out>/log.txt`` (SpeechBrain's
+    ``create_experiment_directory`` installs it and nothing removes it): in a process that goes
+    on (a notebook, a sweep script) what is logged after the run, the caller's own lines or a
+    next command that fails before it has a folder, went into this run's log.txt."""
+    path = os.path.abspath(os.path.join(out, "log.txt"))
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        if isinstance(handler, logging.FileHandler) and handler.baseFilename == path:
+            root.removeHandler(handler)
+            handler.close()
+
+
 def _fail_logged(message):
     """:func:`_fail`, with ``message`` also in the run's log.txt (:func:`log_to_files`)."""
     log_to_files(message)
@@ -257,6 +270,7 @@ def main(argv=None):
     try:
         return _run(p, argv)
     finally:
+        close_run_log(p.out)
         lock.release()
         if created and os.listdir(p.out) == [identity.LOCK_FILE]:   # failed before writing
             os.remove(os.path.join(p.out, identity.LOCK_FILE))
