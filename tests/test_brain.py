@@ -409,3 +409,23 @@ def test_what_is_logged_after_a_run_stays_out_of_its_log(data, tmp_path):
     assert "a line of the caller's own" not in log
     assert log.count("Setting seed to") == 1, log
     assert not [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+
+
+def test_a_crash_is_in_the_runs_log_once(data, tmp_path):
+    """The run's log.txt handler leaves the root logger when decode.main ends; a crash's
+    traceback, which SpeechBrain's excepthook logged there after main had returned, is written
+    there by main itself (once: the excepthook's copy goes to the console only)."""
+    out = tmp_path / "a"
+    code = ("import sys\n"
+            "from tta_brain import decode\n"
+            "from tta_brain.run.brain import TTABrain\n"
+            "def boom(self, batch, stage=None):\n"
+            "    raise RuntimeError('simulated crash')\n"
+            "TTABrain.evaluate_batch = boom\n"
+            "decode.main(sys.argv[1:])\n")
+    res = subprocess.run([sys.executable, "-c", code, *args(data, out, "--steps=1", method="suta")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "RuntimeError: simulated crash" in res.stdout + res.stderr
+    log = (out / "log.txt").read_text()
+    assert log.count("RuntimeError: simulated crash") == 1, log
+    assert "Traceback" in log and "in boom" in log

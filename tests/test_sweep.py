@@ -481,6 +481,27 @@ def test_an_error_inside_one_run_is_in_that_runs_log_alone(data, tmp_path, monke
     assert errors[0] == [] and len(errors[1]) == 1 and errors[1][0].endswith(":3: damaged")
 
 
+def test_a_crash_inside_one_run_is_in_that_runs_log_with_its_traceback(data, tmp_path,
+                                                                         monkeypatch):
+    """Any other exception (a bug, a CUDA error) while run 2 is served: its traceback in run 2's
+    log.txt, before the sweep's handlers are closed (nothing of it reached any log.txt)."""
+    from tta_brain.run.brain import TTABrain
+    outs = [tmp_path / "r0", tmp_path / "r1"]
+    real = TTABrain.decode_row
+
+    def decode_row(self, utt):
+        if self.out == outs[1] and utt.index == 2:
+            raise RuntimeError("simulated crash")
+        return real(self, utt)
+
+    monkeypatch.setattr(TTABrain, "decode_row", decode_row)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        sweep.run([args(data, o, f"--lr={lr}") for o, lr in zip(outs, ("1e-3", "2e-3"))])
+    logs = [(o / "log.txt").read_text() for o in outs]
+    assert "simulated crash" not in logs[0]
+    assert logs[1].count("RuntimeError: simulated crash") == 1 and "in decode_row" in logs[1]
+
+
 @pytest.mark.parametrize("method,cfgs", [("csuta", CSUTA[:3]), ("ebats", EBATS[:3])])
 def test_killed_sweep_resumes(data, tmp_path, method, cfgs):
     """kill -9 at the first checkpoint; the rerun (two runs by the sweep, one by a separate

@@ -58,10 +58,12 @@ def _fail(message):
     raise SystemExit(f"ERROR: {message}")
 
 
-def log_to_files(message):
+def log_to_files(message, exc_info=None):
     """``message`` as an error in the run's log.txt: the root logger's file handlers only (on
-    the console it would stand twice: logged, then as the ERROR line that stops the run)."""
-    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    the console it would stand twice: logged, then as the ERROR line that stops the run);
+    ``exc_info``: with that exception's traceback."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (message,),
+                               exc_info)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
@@ -269,6 +271,10 @@ def main(argv=None):
               f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
     try:
         return _run(p, argv)
+    except BaseException as e:   # a crash's traceback in log.txt: SpeechBrain's excepthook logs
+        if not isinstance(e, SystemExit):   # it there only while the run's handler is attached
+            log_to_files("Exception:", sys.exc_info())
+        raise
     finally:
         close_run_log(p.out)
         lock.release()
