@@ -780,11 +780,14 @@ def test_build_method_refuses_what_is_no_model_and_an_unknown_policy(tiny_model_
     with pytest.raises(ValueError, match="unknown reset policy 'dynamc' \\(one of none, fixed, "
                                          "oracle, dynamic\\)"):
         make_reset_policy("dynamc")
+    with pytest.raises(ValueError, match="'fixed' needs a continual method"):
+        build_method("suta", model=tiny_lobe, reset_policy=make_reset_policy("fixed", every=2))
     m = build_method("csuta", model=tiny_lobe, reset_policy=make_reset_policy("fixed", every=2),
-                     episodic=False, steps=1)
+                     episodic=False, steps=1)     # a build that failed did not take the model
     assert m.reset_policy.name == "fixed" and not m.episodic
     import numpy as np                       # a numpy scalar from a loop over np.arange is its
-    m = build_method("suta", model=tiny_lobe, steps=np.int64(2), lr=np.float32(1e-4))   # value
+    m = build_method("suta", model=HFCTCLobe(tiny_model_dir), steps=np.int64(2),     # value
+                     lr=np.float32(1e-4))
     assert m.steps == 2
 
 
@@ -833,3 +836,19 @@ def test_a_saved_tiny_model_leaves_the_callers_random_state(tmp_path):
     assert torch.equal(torch.rand(3), want)
     b = HFCTCLobe(save_ctc_model(str(tmp_path / "b"), seed=5)).model
     assert same(list(a.state_dict().values()), list(b.state_dict().values()))
+
+
+def test_a_model_adapted_by_one_method_is_refused_to_another(tiny_model_dir, utterances):
+    """Two methods on one loaded model: the second took the first's adapted weights for its
+    source (an episodic method leaves the model adapted after an utterance) and its
+    configure_model switched off gradients of the first's parameters (suta went on adapting
+    its LayerNorms alone, silently). Refused in one line; a model of its own works."""
+    lobe = HFCTCLobe(tiny_model_dir)
+    suta = build_method("suta", model=lobe, steps=2, lr=1e-2)
+    want = suta.process(utterances[0])
+    with pytest.raises(ValueError, match=r"^tent: this model was given to a suta method already "
+                                         r".*one model per method \(HFCTCLobe\(source\)\)$"):
+        build_method("tent", model=lobe)
+    assert all(p.requires_grad for p in suta.params)
+    assert suta.process(utterances[0]) == want
+    build_method("tent", model=HFCTCLobe(tiny_model_dir))

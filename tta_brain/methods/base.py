@@ -36,6 +36,27 @@ __all__ = ["TTAMethod", "DEFAULT_PARAMS"]
 DEFAULT_PARAMS = ({"select": "layernorm"}, {"select": "cnn"})
 
 
+def check_model_free(model, name: str) -> None:
+    """A model another method was built on (:func:`bind_model`) is refused in one line: its
+    weights are that method's (adapted, or left adapted after an episodic utterance: the new
+    method would take them for the source) and its gradient flags set for that method's
+    parameters (the new one's ``configure_model`` switched off some of the first method's: it
+    went on adapting fewer tensors, silently)."""
+    owner = getattr(model, "_tta_method", None)
+    if owner is not None:
+        raise ValueError(f"{name}: this model was given to a {owner} method already (its weights "
+                         f"and gradient flags are that method's): load the source model again, "
+                         f"one model per method (HFCTCLobe(source))")
+
+
+def bind_model(model, name: str) -> None:
+    """Mark ``model`` as the built method ``name``'s (see :func:`check_model_free`)."""
+    try:
+        model._tta_method = name
+    except AttributeError:          # a lobe of one's own with __slots__: not marked
+        pass
+
+
 class TTAMethod:
     """The skeleton. Subclasses set ``loss`` (default: SUTA), and where needed
     ``forward_and_adapt`` / ``update_due`` / ``meta_update`` / ``reset``.
@@ -75,6 +96,7 @@ class TTAMethod:
                  em_coef: float = 0.3, episodic: Optional[bool] = None, reset_policy=None,
                  train_mode: bool = False, make_step: Optional[Callable] = None):
         check_default_dtype(self.name)
+        check_model_free(model, self.name)
         self.lobe, self.net, self.runtime = model, model.model, model.runtime
         self.blank_id = model.blank_id
         self.steps, self.lr = int(steps), float(lr)
@@ -108,6 +130,7 @@ class TTAMethod:
                                  f"from the source model already")
             reset_policy.bind(self)
         self.step = (make_step or default_step)(self)
+        bind_model(model, self.name)        # built: a second method on it is refused
 
     def describe(self) -> str:
         """One line: what adapts, by group, and how (logged by the driver)."""
