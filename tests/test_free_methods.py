@@ -528,6 +528,17 @@ def args(setup, name, out, *extra):
 
 
 @pytest.mark.parametrize("name", ["lame", "t3a", "foa", "ebats"])
+def test_compile_is_refused_in_one_line(setup, tmp_path, name):
+    """Their passes (lobe.head_input, the partial forward's stages) are not the lobe's compiled
+    forward: ``--compile`` decoded uncompiled and recorded ``compile: true``."""
+    with pytest.raises(SystemExit, match=rf"ERROR: .*compile: true \(--compile\) is not "
+                                         rf"supported by {name}") as e:
+        decode.main(args(setup, name, tmp_path / "exp", "--compile"))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "exp" / "transcripts.csv").exists()
+
+
+@pytest.mark.parametrize("name", ["lame", "t3a", "foa", "ebats"])
 def test_decodes_20_utterances(setup, tmp_path, name):
     extra = ["--reset=fixed", "--reset_every=8"] if name != "lame" else []
     s = decode.main(args(setup, name, tmp_path / "exp", *extra))

@@ -1415,8 +1415,10 @@ def test_a_batch_names_the_runs_it_cannot_take(data):
     assert BatchedFree.blocker(suta).startswith("method suta (this batch: lame, t3a, foa, ebats")
     assert BatchedFree.blocker(build_method("t3a", model=lobe, shared_prefix=False)) \
         .startswith("shared_prefix false")
-    compiled = HFCTCLobe(data["model"], runtime=Runtime(compile=True))
-    assert BatchedFree.blocker(build_method("lame", model=compiled)) == "compile"
+    compiled = HFCTCLobe(data["model"], runtime=Runtime())
+    lame_run = build_method("lame", model=compiled)
+    compiled.runtime.compile = True          # (a backprop-free method refuses it when built)
+    assert BatchedFree.blocker(lame_run) == "compile"
     awmc = build_method("awmc", model=lobe, reset_policy=make_reset_policy("fixed", every=3))
     with pytest.raises(ValueError, match="run 2: method awmc"):
         BatchedFree(lobe, [ebats, awmc])

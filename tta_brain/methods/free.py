@@ -84,6 +84,12 @@ class FreeMethod(TTAMethod):
         if kwargs.pop("adapt_params", None):
             raise ValueError(f"{self.name} is backprop-free: it adapts no parameter by gradient "
                              f"(no adapt_params)")
+        if getattr(getattr(model, "runtime", None), "compile", False):
+            # its passes (lobe.head_input, the stages of lobes/partial.py, lobe.features) are not
+            # the lobe's compiled forward: compile would be recorded and change nothing
+            raise ValueError(f"compile: true (--compile) is not supported by {self.name}: its "
+                             f"passes do not run through the compiled model forward, so it "
+                             f"would decode uncompiled; use compile: false")
         super().__init__(model, adapt_params=(), steps=kwargs.pop("steps", 1), episodic=episodic,
                          reset_policy=reset_policy, **kwargs)
         self.population_batch, self.shared_prefix = int(population_batch), bool(shared_prefix)
