@@ -856,6 +856,9 @@ def test_run_options_do_what_they_say_and_help_lists_the_keys(tmp_path, ok_strea
     # a stream shorter than K: the reset cannot act; said in the log and the summary
     assert any("reset_K = 4 on a stream of 1 utterances" in w for w in summary.warnings)
     assert "its construction stage (K utterances) does not end" in log
+    # bf16: the LII (a difference of two bf16 losses) is of the size of their rounding
+    assert any(w.startswith("dynamic reset in bf16: the LII is a difference of two losses")
+               for w in summary.warnings) and "use --precision=fp32 for runs whose resets" in log
 
 
 def test_awmc_takes_the_reset_options(tmp_path, tiny_model_dir):

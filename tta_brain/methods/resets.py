@@ -246,12 +246,21 @@ class DynamicReset(ResetPolicy):
                                len(self.stats), t)
 
     def warnings(self, n_utts, boundaries=None):
+        out = []
         if n_utts <= self.K:
-            return [f"dynamic reset with reset_K = {self.K} on a stream of {n_utts} utterances: "
-                    f"its construction stage (K utterances) does not end before the stream does, "
-                    f"so it never tests and never fires (use reset_K < {n_utts}; with DSUTA, "
-                    f"whose reset_K must be at least 2 x buffer_size, lower --buffer_size too)"]
-        return []
+            out.append(f"dynamic reset with reset_K = {self.K} on a stream of {n_utts} "
+                       f"utterances: its construction stage (K utterances) does not end before "
+                       f"the stream does, so it never tests and never fires (use reset_K < "
+                       f"{n_utts}; with DSUTA, whose reset_K must be at least 2 x buffer_size, "
+                       f"lower --buffer_size too)")
+        precision = getattr(getattr(getattr(self, "method", None), "runtime", None),
+                            "precision", "fp32")
+        if precision != "fp32":     # measured: LII values 1e-4..1e-2 apart from fp32's, signs
+            out.append(f"dynamic reset in {precision}: the LII is a difference of two losses "
+                       f"of {precision} forwards, whose rounding is as large as the LII itself "
+                       f"(about 1e-4 to 1e-3), so its test decides partly on rounding; use "
+                       f"--precision=fp32 for runs whose resets you compare")
+        return out
 
     def on_reset(self, after):
         self._clear(after)
