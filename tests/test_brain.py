@@ -307,6 +307,31 @@ def test_same_seed_same_transcripts_awmc_with_dropout(data, tmp_path):
         env.split("tta-brain run")[0]
 
 
+def test_env_log_gives_the_git_revision_of_now(tmp_path, monkeypatch):
+    """The freeze is asked once a process, the working directory's git revision each time: a
+    notebook that committed or changed directory between runs wrote the first revision into
+    every later env.log."""
+    from tta_brain.run import envinfo
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(git[:5] + ["init", "-q", str(repo)], check=True)
+    commits = []
+    for i in range(2):
+        (repo / "f").write_text(str(i))
+        subprocess.run(git + ["add", "f"], check=True)
+        subprocess.run(git + ["commit", "-qm", str(i)], check=True)
+        commits.append(subprocess.run(git + ["rev-parse", "--short", "HEAD"], check=True,
+                                      capture_output=True, text=True).stdout.strip())
+        monkeypatch.chdir(repo)
+        assert f"Git revision:\n{commits[-1]}\n" in envinfo.installed_packages()
+    monkeypatch.chdir(tmp_path)                         # no repository here
+    text = envinfo.installed_packages()
+    assert "Could not get git revision" in text and "Git revision:" not in text
+    assert "Installed Python packages:" in text and text.endswith(
+        envinfo._environment_description().split("==============================\n")[-1])
+
+
 def test_non_finite_loss_skips_the_step_and_is_logged(data, tmp_path, monkeypatch):
     """A NaN loss on one utterance: its steps are skipped (logged with the utterance ID and
     counted), the parameters stay finite and the rest of the stream is decoded."""

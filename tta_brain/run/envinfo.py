@@ -27,11 +27,25 @@ def _version(name: str) -> Optional[str]:
 _INSTALLED: Optional[str] = None
 
 
+_RULE = "==============================\n"
+
+
 def installed_packages() -> str:
     """SpeechBrain's description of the environment (Python, ``pip freeze``, git, CUDA): the head
-    of every run's env.log (log.txt names env.log, not the freeze). Asked once per process (the
-    freeze takes about 0.5 s; a batched sweep or a grid worker opens many run folders, and the
-    installed packages do not change under it)."""
+    of every run's env.log (log.txt names env.log, not the freeze). The freeze is asked once per
+    process (about 0.5 s; a batched sweep or a grid worker opens many run folders, and the
+    installed packages do not change under it); the git revision (of the working directory, as
+    SpeechBrain asks it) each time: a notebook that commits, checks out or changes directory
+    between runs wrote the first run's revision into every later env.log."""
+    parts = _environment_description().split(_RULE)
+    for i, part in enumerate(parts):
+        if part.startswith(("Git revision:", "Could not get git revision")):
+            rev = _command(["git", "rev-parse", "--short", "HEAD"], cwd=os.getcwd())
+            parts[i] = f"Git revision:\n{rev}\n" if rev else "Could not get git revision"
+    return _RULE.join(parts)
+
+
+def _environment_description() -> str:
     global _INSTALLED
     if _INSTALLED is None:
         from tta_brain import quirks  # noqa: F401
