@@ -21,8 +21,9 @@ def base_dir(tmp_path_factory):
                                  **BASE_960H)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def lobe(base_dir):
+    """The model loaded for one test (one model per method: a second method is refused)."""
     return HFCTCLobe(base_dir)
 
 
@@ -57,7 +58,7 @@ def test_base_960h_architecture(lobe):
     assert int(lobe.output_lengths(torch.tensor(16000))) == 49
 
 
-def test_suta_and_dsuta_on_the_real_size_model(lobe):
+def test_suta_and_dsuta_on_the_real_size_model(lobe, base_dir):
     wav = one_second()
     net = lobe.model
     # ---- SUTA: one step
@@ -81,7 +82,8 @@ def test_suta_and_dsuta_on_the_real_size_model(lobe):
 
     # ---- DSUTA: M = 1, N = 1: the slow update happens after the first utterance
     suta.reset()                                 # back to the checkpoint values
-    dsuta = build_method("dsuta", model=lobe, steps=1, buffer_size=1, lr=2e-5)
+    assert all(torch.equal(p, s) for p, s in zip(suta.params, suta.source))
+    dsuta = build_method("dsuta", model=HFCTCLobe(base_dir), steps=1, buffer_size=1, lr=2e-5)
     assert dsuta.num_adapted == suta.num_adapted
     source = [m.clone() for m in dsuta.meta]
     assert all(torch.equal(a, b) for a, b in zip(source, suta.source))

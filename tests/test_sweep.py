@@ -1407,19 +1407,22 @@ def test_a_batch_names_the_runs_it_cannot_take(data):
     from tta_brain.methods.batched_free import BatchedFree
     from tta_brain.methods.resets import make_reset_policy
     lobe = HFCTCLobe(data["model"])
+
+    def fresh():                                 # one model per method
+        return HFCTCLobe(data["model"])
     ebats = build_method("ebats", model=lobe, source_stats=str(data["stats"]))
-    suta = build_method("suta", model=lobe)
+    suta = build_method("suta", model=fresh())
     assert sweep.batch_for(ebats) is BatchedFree and BatchedFree.blocker(ebats) is None
     assert sweep.batch_for(suta).blocker(suta) is None
     assert sweep.batch_for(suta).blocker(ebats).startswith("method ebats (this batch: suta")
     assert BatchedFree.blocker(suta).startswith("method suta (this batch: lame, t3a, foa, ebats")
-    assert BatchedFree.blocker(build_method("t3a", model=lobe, shared_prefix=False)) \
+    assert BatchedFree.blocker(build_method("t3a", model=fresh(), shared_prefix=False)) \
         .startswith("shared_prefix false")
     compiled = HFCTCLobe(data["model"], runtime=Runtime())
     lame_run = build_method("lame", model=compiled)
     compiled.runtime.compile = True          # (a backprop-free method refuses it when built)
     assert BatchedFree.blocker(lame_run) == "compile"
-    awmc = build_method("awmc", model=lobe, reset_policy=make_reset_policy("fixed", every=3))
+    awmc = build_method("awmc", model=fresh(), reset_policy=make_reset_policy("fixed", every=3))
     with pytest.raises(ValueError, match="run 2: method awmc"):
         BatchedFree(lobe, [ebats, awmc])
 

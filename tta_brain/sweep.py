@@ -281,9 +281,10 @@ def _run(todo):
         with logs.run(logs.failed):             # one run's (it names that run's files)
             decode.log_to_files(str(e))
         decode._fail(f"{e}{_which(logs.failed, len(brains))}")
-    except BaseException:      # a crash's traceback in the log.txt of the run it arose in (all
-        with logs.run(logs.failed):   # runs' outside one), before the handlers are closed
-            decode.log_to_files("Exception:", sys.exc_info())
+    except BaseException as e:  # a crash's traceback in the log.txt of the run it arose in (all
+        if not isinstance(e, SystemExit):   # runs' outside one), before the handlers close
+            with logs.run(logs.failed):
+                decode.log_to_files("Exception:", sys.exc_info())
         raise
     finally:
         logs.close()
