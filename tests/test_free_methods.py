@@ -410,6 +410,33 @@ def test_ebats_tema_restarts_from_the_ema(setup):
     assert np.array_equal(m.ema["mean"], np.zeros(m.dim)) and m.best == math.inf
 
 
+def test_ebats_says_when_its_step_size_diverges(setup, tmp_path, monkeypatch, caplog):
+    """The reference carries sigma forward unbounded: on the tiny model it grew 30,000,000x
+    over 2,000 utterances and every transcript went empty from about 950, with only the generic
+    empty-hypotheses warning. Passing SIGMA_GROWTH x its start is logged (with the utterance)
+    and the end state is a run warning, in the summary; a run below it says nothing."""
+    import logging
+    from tta_brain.methods import ebats as ebats_module
+    m = build(setup, "ebats", popsize=6, generations=2)
+    m.process(wavs(1)[0])
+    assert m.end_warnings() == []
+    real = ebats_module.ema_update
+
+    def runaway(ema, es, decay):             # as a search whose step size keeps growing
+        real(ema, es, decay)
+        ema["sigma"] *= 1000.0
+    monkeypatch.setattr(ebats_module, "ema_update", runaway)
+    with caplog.at_level(logging.WARNING, logger="tta_brain.methods.ebats"):
+        m.process(wavs(2)[1])
+        m.process(wavs(3)[2])
+    said = [r.getMessage() for r in caplog.records if "passed 100x its start" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("ebats: utterance 1: ")
+    assert m.end_warnings()[0].startswith("ebats: the T-EMA of CMA-ES' step size sigma ended at")
+    s = decode.main(args(setup, "ebats", tmp_path / "exp"))     # the summary keeps it
+    assert any(w.startswith("ebats: the T-EMA of CMA-ES' step size") for w in s.warnings)
+    assert "passed 100x its start" in (tmp_path / "exp" / "log.txt").read_text()
+
+
 @pytest.mark.parametrize("cov_ratio", [1.0, 0.5])
 def test_ebats_next_generation_is_sampled_from_the_tema_state(setup, cov_ratio):
     """The restart before an utterance acts on what pycma samples the generation from: at the

@@ -147,6 +147,11 @@ class TTAMethod:
         return (self.reset_policy.warnings(n_utts, boundaries) if self.reset_policy is not None
                 else [])
 
+    def end_warnings(self) -> List[str]:
+        """What the method's state says about the run when its stream ends (a search that
+        diverged: E-BATS); the driver keeps them with :meth:`warnings` in the summary."""
+        return []
+
     # ------------------------------------------------------------- set-up
     def configure_model(self):
         """Eval mode (no dropout / SpecAugment) and gradients only for the adapted parameters.

@@ -80,6 +80,9 @@ class FreeView:
     def warnings(self, n_utts: int, boundaries=None) -> List[str]:
         return self.method.warnings(n_utts, boundaries)
 
+    def end_warnings(self) -> List[str]:
+        return self.method.end_warnings()
+
     process = RunView.process          # the transcript the batch computed for this utterance
 
     def state_dict(self):

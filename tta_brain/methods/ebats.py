@@ -12,6 +12,8 @@ fitness; the transcript is the best candidate of the last generation. Fitness of
 The CNN up to the last conv runs once per utterance; the candidates' biases are added to its
 output as one batch ``[P, C, F]`` and the rest of the network runs once for the population.
 """
+import logging
+
 import numpy as np
 import torch
 
@@ -21,6 +23,13 @@ from tta_brain.methods.activation_stats import (confidence_weight, layer_means, 
                                                 mean_alignment, token_alignment)
 from tta_brain.methods.free import EarlyStop, FreeMethod, make_es
 from tta_brain.methods.registry import register
+
+logger = logging.getLogger(__name__)
+
+#: the T-EMA step size, as a multiple of its start, past which the search is said to diverge
+#: (measured on the tiny model of the tests over 2,000 utterances: 46x at 100, 1,500x at 300,
+#: transcripts all empty from about 950; on the synthetic source model it levelled at 26x)
+SIGMA_GROWTH = 100.0
 
 
 def tema_restart(es, ema, cov_ratio: float):
@@ -100,6 +109,16 @@ class EBATS(FreeMethod):
             loss = loss + confidence_weight(loss, self.loss_max) * tok
         return loss
 
+    def end_warnings(self):
+        grown = float(self.ema["sigma"]) / self.sigma0
+        if grown <= SIGMA_GROWTH:
+            return []
+        return [f"ebats: the T-EMA of CMA-ES' step size sigma ended at "
+                f"{float(self.ema['sigma']):.3g}, {grown:.3g}x its start ({self.sigma0:g}): the "
+                f"search diverged (the E-BATS reference bounds neither sigma nor the mean), its "
+                f"candidates' biases swamp the CNN's output and transcripts go empty; "
+                f"log.txt says at which utterance it passed {SIGMA_GROWTH:g}x"]
+
     # ------------------------------------------------------------- one utterance
     def search(self, x, conv_out):
         if self.t > 0:
@@ -114,5 +133,10 @@ class EBATS(FreeMethod):
             if stop(float(fit[best])):
                 break
         self.best = stop.previous
+        before = float(self.ema["sigma"])
         ema_update(self.ema, self.es, self.ema_decay)
+        if before <= SIGMA_GROWTH * self.sigma0 < float(self.ema["sigma"]):
+            logger.warning("ebats: utterance %d: the T-EMA of CMA-ES' step size sigma passed %gx "
+                           "its start (%.3g, from %g): the search is diverging", self.t,
+                           SIGMA_GROWTH, float(self.ema["sigma"]), self.sigma0)
         return logits

@@ -159,7 +159,8 @@ class TTABrain(sb.Brain):
         return summarise(self.out, self._rows, self.state, self.method, self.tag,
                          self._hp("stream_name") or Path(test_set).stem, self._hp("seed"),
                          self.record_hparams, self.device,
-                         self.state.fingerprint, self._warnings)
+                         self.state.fingerprint,
+                         self._warnings + list(getattr(self.method, "end_warnings", list)()))
 
     def _decode(self, utt, writer, rows, sr):
         """One row: a reject record, or adapt + predict and the transcript and event records."""
