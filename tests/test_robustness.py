@@ -1122,6 +1122,28 @@ def test_save_removes_what_a_killed_save_left(tmp_path):
     assert torch.load(path) == {"x": 1}
 
 
+def test_a_live_stream_keeps_its_latest_lii_values(tmp_path, tiny_model_dir, utterances):
+    """Every LII value of a stream was kept in memory and written by every save (a live stream
+    runs for ever: O(n) memory and save time); ``lii_history`` keeps the latest, the detector's
+    transcripts unchanged; a loaded state keeps its latest values within this stream's bound."""
+    from tta_brain.stream import LII_HISTORY, TTAStream
+    ov = {"reset": "dynamic", "steps": 1, "buffer_size": 2, "reset_K": 4, "reset_patience": 1,
+          "lr": 1e-3}
+    every = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov,
+                                   lii_history=None)
+    kept = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov, lii_history=2)
+    assert TTAStream.from_hparams("source", source=tiny_model_dir)._lii.maxlen == LII_HISTORY
+    for w in utterances + utterances:
+        assert every.transcribe(w) == kept.transcribe(w)
+    assert len(every.lii) >= 3 and kept.lii == every.lii[-2:]
+    every.save(tmp_path / "all.pt")
+    one = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov, lii_history=1)
+    one.load(tmp_path / "all.pt")
+    assert one.lii == every.lii[-1:] and one.position == every.position
+    with pytest.raises(ValueError, match="lii_history must be a whole number >= 0 or None"):
+        TTAStream(kept.method, lii_history=-1)
+
+
 def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path, tiny_model_dir,
                                                                        utterances, caplog):
     """save -> load continues as if never stopped (DSUTA + dynamic reset: meta-parameters, both

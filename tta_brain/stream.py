@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import threading
+from collections import deque
 from typing import Dict, List, Optional, Union
 
 import numpy as np
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: What :meth:`TTAStream.save` writes (``format``, ``version``); files saved before had neither.
 STATE_FORMAT, STATE_VERSION = "tta_brain.stream_state", 1
+#: the latest LII values a stream keeps by default (about 1 MiB of memory and 230 kB of state)
+LII_HISTORY = 10000
 #: Resolved yaml keys that say where things are, not what the adapted state means.
 _NOT_SETTINGS = ("stream_csv", "output_folder", "data_root", "ckpt_every", "method_tag",
                  "stream_name", "device", "source")
@@ -49,12 +52,16 @@ class TTAStream:
     """Feed utterances one at a time; get transcripts back, adapting as you go."""
 
     def __init__(self, method: TTAMethod, sample_rate: Optional[int] = None,
-                 source: Optional[str] = None, settings: Optional[Dict] = None):
+                 source: Optional[str] = None, settings: Optional[Dict] = None,
+                 lii_history: Optional[int] = LII_HISTORY):
         """``sample_rate``: the model's (its processor's; 16 kHz for every packaged recipe),
         which :meth:`transcribe` resamples other rates to; another is a ValueError (8 kHz here
         fed resampled 8 kHz audio to a 16 kHz model). ``source`` (the model's directory or hub
         name) and ``settings`` (scalar hparams) are what :meth:`save` records and :meth:`load`
-        checks; :meth:`from_hparams` passes both."""
+        checks; :meth:`from_hparams` passes both. ``lii_history``: how many of the latest LII
+        values :attr:`lii` keeps (and :meth:`save` writes; None: all): a live stream runs for
+        ever, and every value kept was memory and a longer save, each time (the detector keeps
+        what it needs itself)."""
         model_rate = getattr(getattr(method, "lobe", None), "sample_rate", 16000)
         if sample_rate is not None and sample_rate != model_rate:
             raise ValueError(f"TTAStream: sample_rate={sample_rate!r}, but the model takes "
@@ -67,7 +74,11 @@ class TTAStream:
         self.settings = dict(settings or {})
         self.position = 0
         self.resets: List[int] = []
-        self.lii: List[tuple] = []
+        if lii_history is not None and (isinstance(lii_history, bool)
+                                        or not isinstance(lii_history, int) or lii_history < 0):
+            raise ValueError(f"TTAStream: lii_history must be a whole number >= 0 or None, got "
+                             f"{lii_history!r}")
+        self._lii = deque(maxlen=lii_history)
         self._lock = threading.RLock()      # one utterance at a time: the state is one sequence
 
     # _NORMAL_TENSORS: building, loading and resetting under the caller's torch.inference_mode()
@@ -77,7 +88,8 @@ class TTAStream:
 
     @classmethod
     def from_hparams(cls, hparams: str = "dsuta", source: Optional[str] = None,
-                     overrides: Optional[Dict] = None, device: str = "cpu") -> "TTAStream":
+                     overrides: Optional[Dict] = None, device: str = "cpu",
+                     lii_history: Optional[int] = LII_HISTORY) -> "TTAStream":
         """Build from a method yaml: a packaged method name (``tta_brain/hparams``) or a path.
         The run block's process-wide CUDA settings (``deterministic``, ``tf32``) are applied as
         ``tta_brain.decode`` applies them.
@@ -97,7 +109,8 @@ class TTAStream:
         process_settings(ov["device"], hp.get("deterministic", True), hp.get("tf32", "torch"))
         settings = {k: v for k, v in resolved.values.items() if k not in _NOT_SETTINGS
                     and not k.startswith("__") and isinstance(v, (str, int, float, bool, type(None)))}
-        return cls(hp["method"], source=str(hp.get("source") or "") or None, settings=settings)
+        return cls(hp["method"], source=str(hp.get("source") or "") or None, settings=settings,
+                   lii_history=lii_history)
 
     def transcribe(self, waveform: Union[torch.Tensor, np.ndarray], sample_rate: Optional[int] = None,
                    domain: str = "", segment: Optional[int] = None, utt_id: str = "") -> str:
@@ -158,10 +171,20 @@ class TTAStream:
             if ev.kind == "reset":
                 self.resets.append(ev.position)
             elif ev.kind == "lii":
-                self.lii.append((ev.position, ev.value, ev.reason))
+                self._lii.append((ev.position, ev.value, ev.reason))
         self.method.events.clear()
         self.position += 1
         return hyp
+
+    @property
+    def lii(self) -> List[tuple]:
+        """``(position, LII, stage)`` of the latest ``lii_history`` LII values, oldest first."""
+        return list(self._lii)
+
+    @lii.setter
+    def lii(self, values):
+        self._lii.clear()
+        self._lii.extend(values)
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -214,7 +237,8 @@ class TTAStream:
             save_torch({"format": STATE_FORMAT, "version": STATE_VERSION,
                         "identity": self.identity(), "settings": self.settings,
                         "method": self.method.state_dict(), "position": self.position,
-                        "resets": self.resets, "lii": self.lii, "rng": get_rng_state()}, path)
+                        "resets": self.resets, "lii": list(self._lii), "rng": get_rng_state()},
+                       path)
         except OSError as e:             # a folder, no parent, not writable, a full disk
             raise StreamStateError(f"{path}: cannot write the state file: {e.strerror} "
                                    f"(TTAStream.save)") from None
