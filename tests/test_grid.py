@@ -794,6 +794,33 @@ def test_a_run_another_process_is_writing_is_said_so_not_failed(data, tmp_path, 
         in capsys.readouterr().out
 
 
+def test_a_grid_started_from_another_thread_runs(data, tmp_path, capsys):
+    """grid.main from a thread other than the main one (a notebook's, a server's) stopped with
+    ValueError (signal only works in main thread) where it sets its SIGTERM handler, even with
+    every run finished; now it runs (its SIGTERM left as it is) and says what it did."""
+    import threading
+    exp = tmp_path / "exp"
+    argv = grid_argv(data, exp, "source", "0", "--nj", "1")
+    finished_grid(argv)
+    capsys.readouterr()
+    before = signal.getsignal(signal.SIGTERM)
+    got = {}
+
+    def call():
+        try:
+            got["rc"] = grid.main(argv)
+        except BaseException as e:      # noqa: B902 (what the thread saw, for the assertion)
+            got["rc"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert got["rc"] == 0
+    assert "grid finished: 0 done, 0 running, 0 failed, 0 queued (1 runs, 1 already finished)" \
+        in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_dry_run_says_which_runs_the_grid_would_skip_or_refuse(data, tmp_path, capsys):
     """A dry run listed a finished run's command like any other, though the grid skips it (or
     refuses it, when its folder holds other settings or is damaged): now it says which."""

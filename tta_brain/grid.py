@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -789,15 +790,19 @@ def main(argv=None) -> int:
             print(f"grid: {r.name} is not run here: it is {r.message}", flush=True)
     print(_progress(runs), flush=True)
     # SIGTERM (kill, a batch system ending this job) ends the grid as Ctrl-C does: through
-    # execute's clean-up, which cancels the local workers
-    old = signal.signal(signal.SIGTERM, _terminate)
+    # execute's clean-up, which cancels the local workers. Only the main thread may set a
+    # handler: a grid started from another thread (a notebook's, a server's) leaves SIGTERM as
+    # it is (it had stopped with ValueError: signal only works in main thread).
+    in_main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         execute(runs, args)
     except KeyboardInterrupt:
         print("grid: interrupted", flush=True)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, old)
+        if in_main:
+            signal.signal(signal.SIGTERM, old)
     failed = [r for r in runs if r.status == "failed"]
     for r in failed:
         print(f"FAILED {r.name}: {r.message}" + (f"\n  logs: {', '.join(r.logs)}" if r.logs else ""),
