@@ -512,6 +512,32 @@ def test_steps_table_and_plot(tmp_path):
     png_size(tmp_path / "figs" / "wer_vs_steps_lsc_AA.png")
 
 
+def test_a_report_leaves_the_callers_backend_and_figures_as_they_were(tmp_path, caplog):
+    """In a notebook: a report (plots.py's import) set the process's matplotlib backend to Agg,
+    so the notebook's inline figures were no longer shown, and a plot that failed closed every
+    figure the notebook had open (``pyplot.close("all")``). Now the report draws figures of its
+    own: the caller's backend and figures are as they were, and a failed plot is one warning."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    make_run(tmp_path, "source", "lsc_AA", 0, 6)
+    make_run(tmp_path, "suta", "lsc_AA", 1, 4)
+    before = matplotlib.get_backend()
+    plt.switch_backend("svg")                  # not Agg: a backend of the caller's
+    try:
+        mine = plt.figure()
+        (tmp_path / "figs" / "wer_diff_lsc_AA.png").mkdir(parents=True)   # that plot fails
+        with caplog.at_level(logging.WARNING):
+            report.write_results(tmp_path, plots_dir=tmp_path / "figs", repo_dir=REPO)
+        assert "Plot plot_wer_difference failed" in caplog.text
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [mine.number]
+        report.write_results(tmp_path, repo_dir=REPO)          # plots drawn: none left open
+        assert (tmp_path / "plots" / "wer_diff_lsc_AA.png").stat().st_size > 10_000
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [mine.number]
+    finally:
+        plt.close("all")
+        plt.switch_backend(before)
+
+
 def test_plot_links_to_a_folder_with_spaces_and_parentheses_are_whole(tmp_path):
     """``--plots_dir "my figs (1)"``: the link was ``(my figs (1)/x.png)``, which Markdown cuts
     at the first space; such a target is written in angle brackets (others as before)."""

@@ -247,18 +247,18 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
               metric: str = "wer") -> Optional[str]:
     """Windowed WER over position per method with shaded, labelled domain blocks and reset
     markers; RSS per run below."""
-    from tta_brain.report.plots import _save, _segments, plt
+    from tta_brain.report.plots import _save, _segments, colormap, subplots
     sruns = [r for r in runs if r.stream == stream and r.transcripts]
     if not sruns:
         return None
     has_mem = any(r.memory for r in sruns)
-    fig, axes = plt.subplots(2 if has_mem else 1, 1, figsize=(13, 6.5 if has_mem else 4.8),
+    fig, axes = subplots(2 if has_mem else 1, 1, figsize=(13, 6.5 if has_mem else 4.8),
                              sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1] if has_mem else [1]})
     ax = axes[0][0]
     segs = _segments(max(sruns, key=lambda r: len(r.transcripts)))
     domains = sorted({d for _, _, d in segs})
-    shade = {d: plt.cm.Pastel1(i % 9) if i < 9 else plt.cm.Pastel2(i % 8)
+    shade = {d: colormap("Pastel1")(i % 9) if i < 9 else colormap("Pastel2")(i % 8)
              for i, d in enumerate(domains)}
     end = segs[-1][1]
     for start, stop, domain in segs:

@@ -1,6 +1,8 @@
-"""Plots of finished runs (matplotlib, Agg backend): WER difference over time, reset timelines,
-LII distributions and WER vs number of adaptation steps. Runs are :class:`tta_brain.run.folder.Run`
-objects; every ``plot_*`` returns the PNG path written, or None when there is nothing to draw."""
+"""Plots of finished runs: WER difference over time, reset timelines, LII distributions and WER vs
+number of adaptation steps. Runs are :class:`tta_brain.run.folder.Run` objects; every ``plot_*``
+returns the PNG path written, or None when there is nothing to draw. The figures are matplotlib's
+``Figure`` objects drawn by Agg, not pyplot's: a report leaves the process's backend (a notebook's
+inline one) and the caller's open figures as they were."""
 from __future__ import annotations
 
 import bisect
@@ -12,10 +14,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+import numpy as np
 
 from tta_brain.report import tags  # noqa: E402
 from tta_brain.run.folder import Run  # noqa: E402
@@ -54,11 +55,23 @@ def file_names(texts) -> Dict[str, str]:
             for t, n in names.items()}
 
 
+def subplots(nrows: int = 1, ncols: int = 1, figsize=None, **kwargs):
+    """``pyplot.subplots`` without pyplot: a figure with an Agg canvas of its own, which no
+    backend switch and no ``close`` concerns (a report made in a notebook had set the process's
+    backend to Agg, and a failed plot closed every figure the notebook had open)."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, **kwargs)
+
+
+def colormap(name: str):
+    return matplotlib.colormaps[name]
+
+
 def _save(fig, path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    plt.close(fig)
     return str(path)
 
 
@@ -128,7 +141,7 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
     M = metric_label(metric)
     sruns = [r for r in runs if r.stream == stream and r.transcripts]
     base, curves = difference_curves(sruns, stream, window, baseline)
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = subplots(figsize=(10, 4.5))
     drawn = 0
     for label, curve, group in curves:
         method = label[0]
@@ -142,7 +155,6 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
                         color=tags.color(method), markeredgecolor="k",
                         label=f"resets of {label_text(label)} (all seeds)")
     if not drawn:
-        plt.close(fig)
         return None
     _draw_boundaries(ax, sruns[0].boundaries)
     longest = max(len(r.transcripts) for r in sruns)
@@ -182,7 +194,7 @@ def plot_reset_timeline(runs: Sequence[Run], stream: str, out_png) -> Optional[s
     sruns = [r for r in runs if r.stream == stream and has_resets(r)]
     if not sruns:
         return None
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(sruns)))
+    fig, ax = subplots(figsize=(10, 1.2 + 0.45 * len(sruns)))
     labels = []
     for y, r in enumerate(sruns):
         labels.append(f"{r.method} seed {r.seed}")
@@ -250,7 +262,7 @@ def plot_lii_histogram(runs: Sequence[Run], out_png, title: str = "") -> Optiona
     if not inside and not outside:
         return None
     bins = np.histogram_bin_edges(np.asarray(inside + outside), bins=40)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     if inside:
         ax.hist(inside, bins=bins, density=True, alpha=0.6, color="tab:blue", label=f"in-domain (n={len(inside)})")
     if outside:
@@ -273,7 +285,7 @@ def plot_wer_vs_steps(runs: Sequence[Run], stream: str, out_png, baseline: str =
     by_method = steps_groups(runs).get(stream)
     if not by_method:
         return None
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = subplots(figsize=(6.5, 4.5))
     for method in sorted(by_method, key=tags.sort_key):
         steps = sorted(by_method[method])
         stats = [aggregate(run_wer(r) for r in by_method[method][s]) for s in steps]
@@ -327,7 +339,6 @@ def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: 
         except Exception:  # one bad plot must not lose the report
             logger.warning("Plot %s failed for %s", fn.__name__, args[-1] if fn is plot_lii_histogram else args[1],
                            exc_info=True)
-            plt.close("all")
             continue
         if path:
             written.append(path)
