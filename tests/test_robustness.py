@@ -1148,7 +1148,8 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
                                                                        utterances, caplog):
     """save -> load continues as if never stopped (DSUTA + dynamic reset: meta-parameters, both
     optimisers, the detector); a state of another method, reset policy, model or parameter set is
-    a one-line error that leaves the stream untouched; other settings are taken and logged."""
+    a one-line error that leaves the stream untouched, as is another dynamic-reset schedule
+    (reset_K); other settings are taken and logged."""
     from tta_brain.stream import StreamStateError, TTAStream
     from conftest import save_ctc_model
     ov = {"reset": "dynamic", "steps": 2, "buffer_size": 2, "reset_K": 4, "reset_patience": 1,
@@ -1170,6 +1171,9 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     for name, over, why in (
             ("suta", {"steps": 2}, "method 'dsuta' (file) != 'suta' (this stream)"),
             ("dsuta", {**ov, "reset": "fixed"}, "reset 'dynamic' (file) != 'fixed'"),
+            # another K: the construction stage's fit position was passed, no test ever again
+            ("dsuta", {**ov, "reset_K": 6}, "reset_schedule 'K 4, lii_count paper' (file) != "
+                                            "'K 6, lii_count paper' (this stream)"),
             ("tent", {}, "!= 'none' (this stream); adapted "),
             ("dsuta", {**ov, "source": str(other_model)}, "source 'sha1:")):
         stream = TTAStream.from_hparams(name, source=tiny_model_dir, overrides=over)

@@ -211,12 +211,18 @@ class TTAStream:
                 self.resets.append(at)
 
     def identity(self) -> Dict:
-        """What a saved state must match to be loaded here: the method, its reset policy, the
-        source model (by content, ``None`` when unknown) and the adapted tensors' shapes."""
+        """What a saved state must match to be loaded here: the method, its reset policy (the
+        dynamic one's schedule too: its construction stage, K utterances, fits the Gaussian at
+        one position; a state saved before that position with a larger K, loaded with a smaller
+        one, had passed it and never tested again), the source model (by content, ``None`` when
+        unknown) and the adapted tensors' shapes."""
         from tta_brain.data.cache import source_identity
         policy = getattr(self.method, "reset_policy", None)
+        schedule = (f"K {policy.K}, lii_count {policy.lii_count}"
+                    if getattr(policy, "name", None) == "dynamic" else None)
         return {"method": getattr(self.method, "name", type(self.method).__name__),
                 "reset": getattr(policy, "name", "none") if policy is not None else "none",
+                "reset_schedule": schedule,
                 "source": source_identity(self.source) if self.source else None,
                 "adapted": [list(p.shape) for p in getattr(self.method, "params", None) or []]}
 
