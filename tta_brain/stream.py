@@ -14,7 +14,9 @@ One stream is one sequence: calls from several threads are taken one at a time (
 order they get it. As ``tta_brain.decode`` does, :meth:`TTAStream.from_hparams` seeds the
 process's random number generators (torch, numpy, ``random``) with the yaml's ``seed``, and
 :meth:`TTAStream.load` sets them to the saved ones; an application that draws its own numbers
-seeds them after those calls.
+seeds them after those calls. A method that draws from them (AWMC's dropout, SpecAugment) shares
+them with the application and with any other stream of the process: two such streams fed in turn
+give other transcripts than each alone (run them in processes of their own).
 """
 import array
 import logging
