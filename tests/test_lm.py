@@ -208,6 +208,19 @@ def test_lowercase_lm_with_uppercase_tokens(tmp_path):
 
 
 @needs_lm
+def test_uppercase_lm_with_lowercase_tokens(arpa):
+    """A model with a lower-case vocabulary (many hub fine-tunes) and an upper-case LM
+    (LibriSpeech's 4-gram): the letters meet the LM's words in its case (they were kept lower
+    case, every word was unknown to the LM, and the LM only penalised)."""
+    lower = [t.lower() if len(t) == 1 else t for t in TOKENS]
+    lp = emissions(spell("THE CA? SAT", {"R": 0.50, "T": 0.46}))
+    search = LMBeamSearch(lower, arpa)
+    assert search.labels[ID["E"]] == "E"
+    assert search(lp)[0][0] == labels_of("THE CAT SAT")
+    assert LMBeamSearch(lower, arpa, lowercase=False).labels[ID["E"]] == "e"   # as asked
+
+
+@needs_lm
 def test_tokens_as_id_to_token_dict_and_special_tokens(arpa):
     search = LMBeamSearch(dict(enumerate(TOKENS)), arpa)
     assert search.labels[BLANK] == "" and search.labels[DELIM] == " "

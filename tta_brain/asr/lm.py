@@ -84,8 +84,10 @@ class LMBeamSearch:
     ``tokens[i]`` is the string of label ``i`` (as ``lobe.id_to_token``); ``blank_id`` and the
     ``word_delimiter`` token become pyctcdecode's blank and space, other tokens that are not one
     character (``<s>``, ``<unk>``, ...) private characters that no LM word contains. ``lowercase``:
-    match the model's (upper-case) letters to a lower-case LM; ``None`` decides from the LM's
-    unigrams (a binary LM without ``unigrams`` keeps the model's case).
+    match the model's (upper-case) letters to a lower-case LM (False: keep the model's case);
+    ``None`` decides from the LM's unigrams: a mostly lower-case LM gets the letters in lower
+    case, a mostly upper-case one (LibriSpeech's) in upper case, whatever the model's case (a
+    binary LM without ``unigrams`` keeps the model's case).
 
     Calling it returns the beams ``[(labels, score)]`` best first, like
     :func:`tta_brain.asr.ctc.prefix_beam_search`: the label ids of each hypothesis' text (words joined
@@ -112,8 +114,7 @@ class LMBeamSearch:
         elif unigrams is None and _is_arpa(lm_path):
             unigrams = arpa_unigrams(lm_path)
         unigrams = None if unigrams is None else list(unigrams)
-        if lowercase is None:
-            lowercase = _mostly_lowercase(unigrams)
+        case = (str.lower if lowercase else None) if lowercase is not None else _lm_case(unigrams)
         labels, self._char_to_id = [], {}
         self.delimiter_id = None
         for i, tok in enumerate(tokens):
@@ -122,7 +123,7 @@ class LMBeamSearch:
             elif tok == word_delimiter:
                 label, self.delimiter_id = " ", i
             elif len(tok) == 1 and tok.strip():
-                label = tok.lower() if lowercase else tok
+                label = case(tok) if case else tok
             else:                                   # special or unnamed token
                 label = chr(0xE000 + i)
             if label in self._char_to_id or (label == "" and i != blank_id):
@@ -191,3 +192,13 @@ def _mostly_lowercase(words: Optional[Sequence[str]]) -> bool:
         return False
     lower = sum(w != w.upper() for w in words)
     return lower > len(words) / 2
+
+
+def _lm_case(words: Optional[Sequence[str]]):
+    """``str.lower`` for a mostly lower-case word list, ``str.upper`` for a mostly upper-case
+    one, None (the model's case) without words or neither."""
+    if _mostly_lowercase(words):
+        return str.lower
+    if words and sum(w != w.lower() for w in words) > len(words) / 2:
+        return str.upper
+    return None
