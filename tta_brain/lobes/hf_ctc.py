@@ -343,8 +343,13 @@ class HFCTCLobe(nn.Module):
                 f"{'s' if len(unnamed) > 1 else ''} {_id_ranges(unnamed)}): vocab.json does "
                 f"not belong to this model")
         self.word_delimiter_id = vocab.get(self.word_delimiter)
-        #: word pieces (SentencePiece's, Parakeet CTC's) rather than characters and a delimiter
-        self.word_pieces = self.word_delimiter_id is None
+        #: word pieces (SentencePiece's, Parakeet CTC's) rather than characters and a delimiter;
+        #: a character CTC tokenizer (``Wav2Vec2CTCTokenizer``: it has a word delimiter) whose
+        #: vocabulary lacks its delimiter (a script without spaces, or a vocabulary whose space
+        #: is ``" "`` and not the tokenizer's ``"|"``) still spells characters: its
+        #: ``convert_tokens_to_string`` groups repeats and returns a dict
+        self.word_pieces = (self.word_delimiter_id is None
+                            and not hasattr(self.tokenizer, "word_delimiter_token"))
         self.special_ids = set(self.tokenizer.all_special_ids) - {self.blank_id}
         self.model.eval()
         # frozen weight norms (the positional convolution's) computed once, not on every pass

@@ -74,10 +74,11 @@ class SGEM(TTAMethod):
         self.beam_width, self.lm_weight, self.word_bonus = int(beam_width), lm_weight, word_bonus
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.lm_search = None
-        if lm_path and self.lobe.word_pieces:
+        if lm_path and self.lobe.word_delimiter_id is None:
             raise ValueError(f"lm_path: the word n-gram LM needs a character vocabulary with a "
                              f"word delimiter ('{self.lobe.word_delimiter}'); this model's "
-                             f"tokenizer has word pieces (e.g. Parakeet's SentencePiece)")
+                             + ("tokenizer has word pieces (e.g. Parakeet's SentencePiece)"
+                                if self.lobe.word_pieces else "vocabulary has no such token"))
         if lm_path:
             from tta_brain.asr.lm import LMBeamSearch    # the [lm] extra; one-line error without it
             tokens = [self.lobe.id_to_token.get(i, "") for i in range(self.lobe.vocab_size)]

@@ -1,0 +1,52 @@
+"""Source models whose character vocabulary is not wav2vec2-base-960h's: tiny random
+``Wav2Vec2ForCTC`` models with their own ``vocab.json`` (``save_char_processor``)."""
+import pytest
+import torch
+
+from tta_brain.lobes.hf_ctc import HFCTCLobe, save_char_processor
+from tta_brain.lobes.testing import TINY, save_random_ctc_model
+from tta_brain.methods import build_method
+
+#: a character vocabulary without the tokenizer's word delimiter "|" (a script written without
+#: spaces; or a vocab.json whose space is " " while tokenizer_config.json keeps "|")
+NO_DELIMITER = ("<pad>", "<s>", "</s>", "<unk>", " ") + tuple("的一是不了人我在有他这中大来")
+
+
+def _model(path, vocab, **config):
+    save_random_ctc_model(str(path), arch="wav2vec2", vocab_size=len(vocab), **dict(TINY, **config))
+    save_char_processor(str(path), vocab=vocab)
+    return str(path)
+
+
+def _processor_text(tokenizer, frame_labels):
+    """transformers' own CTC decoding of frame labels, special tokens left out (as the lobe)."""
+    text = tokenizer.batch_decode(frame_labels)
+    for special in set(tokenizer.all_special_tokens) - {tokenizer.pad_token}:
+        text = [t.replace(special, "") for t in text]
+    return [" ".join(t.split()) for t in text]
+
+
+def test_a_character_vocabulary_without_its_word_delimiter_decodes(tmp_path):
+    """Its tokenizer (``Wav2Vec2CTCTokenizer``) names "|" but the vocabulary has no such token:
+    every decode stopped with ``AttributeError: 'dict' object has no attribute 'split'`` (it was
+    taken for word pieces, whose ``convert_tokens_to_string`` returns a dict here and groups
+    repeats), so every method's run stopped at its first utterance with a traceback."""
+    lobe = HFCTCLobe(_model(tmp_path / "m", NO_DELIMITER))
+    assert lobe.word_delimiter_id is None and not lobe.word_pieces
+    ids = {t: i for i, t in enumerate(NO_DELIMITER)}
+    assert lobe.labels_to_text([ids["我"], ids["我"], ids[" "], ids["在"], ids["<unk>"]]) == "我我 在"
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 60, len(NO_DELIMITER), generator=g)
+    logits[..., lobe.blank_id] += 1.0
+    want = _processor_text(lobe.tokenizer, logits.argmax(-1))
+    assert lobe.decode(logits) == want and all(want)
+
+
+def test_sgems_word_lm_refuses_a_vocabulary_without_a_delimiter_in_one_line(tmp_path):
+    lm = tmp_path / "lm.arpa"
+    lm.write_text("\\data\\\nngram 1=1\n\n\\1-grams:\n-1.0 the\n\n\\end\\\n")
+    with pytest.raises(ValueError, match=r"lm_path: the word n-gram LM needs a character "
+                                         r"vocabulary with a word delimiter \('\|'\); this "
+                                         r"model's vocabulary has no such token"):
+        build_method("sgem", model=HFCTCLobe(_model(tmp_path / "m", NO_DELIMITER)),
+                     lm_path=str(lm))
