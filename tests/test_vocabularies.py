@@ -50,3 +50,21 @@ def test_sgems_word_lm_refuses_a_vocabulary_without_a_delimiter_in_one_line(tmp_
                                          r"model's vocabulary has no such token"):
         build_method("sgem", model=HFCTCLobe(_model(tmp_path / "m", NO_DELIMITER)),
                      lm_path=str(lm))
+
+
+def test_a_blank_other_than_the_tokenizers_pad_token_is_warned(tmp_path, caplog):
+    """config.json's pad_token_id (the blank the model was fine-tuned with by transformers'
+    CTC loss) against the tokenizer's pad token (the blank of the processor's batch_decode):
+    where they differ, one of the two drops a real token (here the word delimiter: one word per
+    utterance); the lobe keeps config.json's, and says so (it was silent)."""
+    vocab = ("|",) + tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZ'") + ("<unk>", "<pad>")
+    lobe = HFCTCLobe(_model(tmp_path / "last", vocab, pad_token_id=len(vocab) - 1))
+    assert lobe.blank_id == len(vocab) - 1 and "pad_token_id" not in caplog.text
+    ids = {t: i for i, t in enumerate(vocab)}
+    assert lobe.labels_to_text([ids["A"], ids["|"], ids["B"], lobe.blank_id]) == "A B"
+    src = _model(tmp_path / "mismatch", vocab, pad_token_id=0)
+    with caplog.at_level("WARNING", logger="tta_brain.lobes.hf_ctc"):
+        lobe = HFCTCLobe(src)
+    assert lobe.blank_id == 0
+    assert (f"{src}: config.json's pad_token_id 0 ('|'), the CTC blank used here, is not the "
+            f"tokenizer's pad token '<pad>' (id 29)") in caplog.text

@@ -331,6 +331,17 @@ class HFCTCLobe(nn.Module):
         self.use_attention_mask = bool(getattr(self.feature_extractor, "return_attention_mask", False))
         self.blank_id = int(self.model.config.pad_token_id if self.model.config.pad_token_id is not None
                             else self.tokenizer.pad_token_id)
+        tok_pad = self.tokenizer.pad_token_id
+        if tok_pad is not None and int(tok_pad) != self.blank_id:
+            # transformers' CTC loss trained the model with config.json's blank, and its
+            # processor's batch_decode takes the tokenizer's pad token for it: one of the two
+            # transcripts drops a real character (e.g. every word delimiter) as blank
+            logger.warning(
+                "%s: config.json's pad_token_id %d (%r), the CTC blank used here, is not the "
+                "tokenizer's pad token %r (id %d): the processor's batch_decode would take that "
+                "for the blank; check which one the model was fine-tuned with", source,
+                self.blank_id, self.tokenizer.convert_ids_to_tokens(self.blank_id),
+                self.tokenizer.pad_token, int(tok_pad))
         self.vocab_size = int(self.model.config.vocab_size)
         self.word_delimiter = getattr(self.tokenizer, "word_delimiter_token", "|")
         vocab = self.tokenizer.get_vocab()
