@@ -124,6 +124,8 @@ class LMBeamSearch:
                 label, self.delimiter_id = " ", i
             elif len(tok) == 1 and tok.strip():
                 label = case(tok) if case else tok
+                if len(label) != 1 or label != tok and label in self._char_to_id:
+                    label = tok          # ("ß".upper() is "SS"; "ı".upper() is "i".upper())
             else:                                   # special or unnamed token
                 label = chr(0xE000 + i)
             if label in self._char_to_id or (label == "" and i != blank_id):
