@@ -579,6 +579,21 @@ def test_a_cma_seed_numpy_cannot_take_is_one_line():
         assert hparams.resolve(method, base + "cma_seed: 4294967295\n").values["cma_seed"] > 0
 
 
+def test_each_seed_is_its_own_cma_es_run(capsys):
+    """FOA / E-BATS drew from a fixed cma_seed: every --seed of a grid was the same run, and the
+    report showed their spread as 0.0 over n seeds. The reference's seed at seed 0, one more per
+    seed; --cma_seed still sets it; --help shows the rule."""
+    from tta_brain import hparams
+    base = "source: m\nstream_csv: s.csv\noutput_folder: o\nsource_stats: s.pt\n"
+    for method, start in (("ebats", 2024), ("foa", 2020)):
+        seeds = [hparams.resolve(method, base + f"seed: {s}\n").values["cma_seed"] for s in (0, 3)]
+        assert seeds == [start, start + 3]
+        assert hparams.resolve(method, base + "seed: 3\ncma_seed: 7\n").values["cma_seed"] == 7
+        decode.main([method, "--help"])
+        assert re.search(rf"--cma_seed +<seed> \+ {start} +CMA-ES seed",
+                         capsys.readouterr().out)
+
+
 def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")

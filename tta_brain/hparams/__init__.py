@@ -250,6 +250,8 @@ def describe(name_or_path: PathLike) -> List[Tuple[str, str, str]]:
         if m.group(2).startswith("!"):
             if m.group(2) == "!PLACEHOLDER":
                 out.append((m.group(1), "(required)", m.group(3) or ""))
+            elif m.group(2).startswith("!ref "):     # a default computed from other keys
+                out.append((m.group(1), m.group(2)[len("!ref "):], m.group(3) or ""))
             continue
         if m.group(2) == "":      # a mapping or list follows: not a scalar key
             continue
