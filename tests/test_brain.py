@@ -454,3 +454,43 @@ def test_a_crash_is_in_the_runs_log_once(data, tmp_path):
     log = (out / "log.txt").read_text()
     assert log.count("RuntimeError: simulated crash") == 1, log
     assert "Traceback" in log and "in boom" in log
+
+
+def test_a_run_resumed_with_another_thread_count_says_so(data, reference, tmp_path, monkeypatch):
+    """The thread count (and the libraries' versions) is no part of the fingerprint, yet a CPU
+    reduction over other threads rounds differently (measured: LII values differ in the 7th
+    digit between 1 and 2 threads): a run resumed under another one said nothing, its records a
+    mix that no uninterrupted run gives. The count is logged, and such a resume is a warning."""
+    out = tmp_path / "exp"
+    run = args(data, out, *DSUTA, "--ckpt_every=4")
+    orig = TTABrain.evaluate_batch
+
+    def boom(self, batch, stage=None):
+        if batch[1].position == 10:
+            raise RuntimeError("simulated crash")
+        return orig(self, batch)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        decode.main(run)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    assert f"CPU threads: {threads}" in (out / "log.txt").read_text()
+    torch.set_num_threads(threads + 1)
+    try:
+        decode.main(run)
+    finally:
+        torch.set_num_threads(threads)
+    warnings = json.loads((out / "summary.json").read_text())["warnings"]
+    assert any(f"threads: {threads} -> {threads + 1}" in w for w in warnings), warnings
+    assert f"CPU threads: {threads + 1}" in (out / "env.log").read_text()
+    # the same thread count on resume: nothing said
+    again = tmp_path / "again"
+    run = args(data, again, *DSUTA, "--ckpt_every=4")
+    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        decode.main(run)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    decode.main(run)
+    assert json.loads((again / "summary.json").read_text())["warnings"] == \
+        json.loads((reference / "summary.json").read_text())["warnings"]
+    assert records(again) == records(reference)

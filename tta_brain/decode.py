@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torch quirks)
 import speechbrain as sb
+import torch
 
 from tta_brain import hparams as hp_files
 from tta_brain.run import identity
@@ -97,6 +98,8 @@ def _log_run(out, argv, seed, device, deterministic, source=None):
     if source:
         logger.info("Source model: %s", source)
     logger.info("Device: %s; deterministic kernels: %s", device, deterministic)
+    logger.info("CPU threads: %d (torch intra-op; OMP_NUM_THREADS=%s)", torch.get_num_threads(),
+                os.environ.get("OMP_NUM_THREADS", "(unset)"))
     logger.info("Versions: %s", json.dumps(vers))
     logger.info("Environment (pip freeze, git, CUDA): %s", os.path.join(out, "env.log"))
     with open(os.path.join(out, "env.log"), "a", encoding="utf-8") as f:
@@ -106,6 +109,7 @@ def _log_run(out, argv, seed, device, deterministic, source=None):
         if source:
             f.write(f"Source model: {source}\n")
         f.write(f"Device: {device}\nDeterministic kernels: {deterministic}\n")
+        f.write(f"CPU threads: {torch.get_num_threads()}\n")
         for k, v in vers.items():
             f.write(f"{k}: {v}\n")
         for k in KERNEL_CACHE_VARIABLES:

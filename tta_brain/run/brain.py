@@ -103,6 +103,7 @@ class TTABrain(sb.Brain):
         resumed = checkpoint.recover(self.checkpointer)
         if resumed:
             logger.info("Resuming %s at stream row %d / %d", self.out, self.state.cursor, len(rows))
+            self._warnings = self._warnings + self._numerics_warning()
         cursor = self.state.cursor if resumed else 0
         before = self.out / "transcripts.csv"
         if not resumed and before.is_file():     # stopped before its first checkpoint
@@ -123,6 +124,22 @@ class TTABrain(sb.Brain):
         self._bar = tqdm(total=len(rows), initial=cursor, disable=not self._show,
                          dynamic_ncols=True, desc=self.tag)
         return cursor
+
+    def _numerics_warning(self) -> list:
+        """A warning (logged, and in the summary's warnings) when the run's rows were decoded under
+        more than one of ``envinfo.numerics`` (another thread count or library version after a
+        resume): its numbers need not be an uninterrupted run's (the LII values, rarely a
+        transcript), which the fingerprint cannot tell."""
+        seen = getattr(self.state, "numerics", None) or []
+        if len(seen) < 2:
+            return []
+        from tta_brain.run.envinfo import numerics_changes
+        changes = sorted({c for a, b in zip(seen, seen[1:]) for c in numerics_changes(a, b)})
+        text = (f"resumed under other numerics than it started with ({'; '.join(changes)}): its "
+                f"rounding may differ from an uninterrupted run's (LII values, rarely a "
+                f"transcript); rerun with --overwrite under one setting for exact records")
+        logger.warning("%s", text)
+        return [text]
 
     def decode_row(self, utt) -> None:
         """One stream row (``data.loader`` utterance) at the cursor: decoded or rejected, the

@@ -21,6 +21,7 @@ from speechbrain.utils.checkpoints import (mark_as_loader, mark_as_saver,
 
 from tta_brain.data.cache import damaged_zip
 from tta_brain.run import identity
+from tta_brain.run.envinfo import numerics
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,16 @@ class StreamState:
         self.audio_time = 0.0
         self.offsets: Dict[str, int] = {}   # record file -> bytes at the checkpoint
         self.fingerprint = fingerprint
+        # the distinct numerics (envinfo.numerics: threads, versions) the run's rows were decoded
+        # under, in order: more than one is a run resumed under others (brain.start_stream says so)
+        self.numerics = [numerics()]
 
     @mark_as_saver
     def _save(self, path):
         sd = {"cursor": self.cursor, "wall_time": self.wall_time, "audio_time": self.audio_time,
               "offsets": dict(self.offsets), "fingerprint": self.fingerprint,
-              "method": self.method.state_dict(), "rng": get_rng_state()}
+              "method": self.method.state_dict(), "rng": get_rng_state(),
+              "numerics": list(self.numerics)}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -111,6 +116,10 @@ class StreamState:
         self.offsets = sd["offsets"]
         self.method.load_state_dict(sd["method"])
         set_rng_state(sd["rng"])
+        now = numerics()        # a checkpoint from before numerics were kept: not known
+        self.numerics = list(sd.get("numerics") or [])
+        if not self.numerics or self.numerics[-1] != now:
+            self.numerics.append(now)
 
 
 def recover(checkpointer) -> bool:

@@ -11,7 +11,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-__all__ = ["versions", "environment", "git_hash", "describe_device", "installed_packages"]
+__all__ = ["versions", "environment", "git_hash", "describe_device", "installed_packages",
+           "numerics", "numerics_changes"]
 
 PACKAGES = ("torch", "torchaudio", "speechbrain", "transformers", "numpy", "soundfile", "cma")
 
@@ -75,6 +76,23 @@ def versions() -> Dict[str, str]:
         out["cuda"] = torch.version.cuda
         out["cudnn"] = torch.backends.cudnn.version()
     return out
+
+
+def numerics() -> Dict:
+    """What decides how a run's floating point rounds beside its settings, and is no part of its
+    fingerprint: torch's intra-op threads (``OMP_NUM_THREADS`` / ``torch.set_num_threads``; a
+    CPU reduction split over other threads sums in another order) and the libraries' versions.
+    Kept with each checkpoint: a run resumed under other values says so (``numerics_changes``)."""
+    torch = sys.modules.get("torch")
+    out = {"threads": int(torch.get_num_threads()) if torch is not None else None}
+    out.update(versions())
+    return out
+
+
+def numerics_changes(old: Dict, new: Dict) -> list:
+    """``key: old -> new`` for each value of :func:`numerics` that differs."""
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
 
 
 def describe_device(device, visible: Optional[str] = None) -> str:
