@@ -109,6 +109,9 @@ def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(data, reference, tmp_
     assert "Resuming" in log
     assert records(out) == records(reference)
     assert summary(out) == summary(reference)
+    env_log = (out / "env.log").read_text()     # both starts' environments (one was written over)
+    assert env_log.startswith("SpeechBrain system description")
+    assert env_log.count("tta-brain run") == 2 and env_log.count("resumed: the environment") == 1
 
 
 @pytest.mark.slow

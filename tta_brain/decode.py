@@ -394,7 +394,12 @@ def open_folder(p: Plan, argv, status: str, hparams, held: "HeldLogs" = None
     HeldLogs.handle_all(p.notes)
     if held is not None:
         held.replay()
-    with open(os.path.join(out, "env.log"), "w", encoding="utf-8") as f:
+    env_log = os.path.join(out, "env.log")
+    resumed = status == "resume" and os.path.isfile(env_log)    # each start's environment kept:
+    with open(env_log, "a" if resumed else "w", encoding="utf-8") as f:   # a resume wrote over
+        if resumed:                                                    # the first process's
+            f.write("\n==============================\nresumed: the environment of this start\n"
+                    "==============================\n")
         f.write(installed_packages())          # what SpeechBrain writes there, asked once
     with open(os.path.join(out, "hyperparams.yaml"), "w", encoding="utf-8") as f:
         f.write(p.hp.record)
