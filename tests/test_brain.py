@@ -497,3 +497,16 @@ def test_a_run_resumed_with_another_thread_count_says_so(data, reference, tmp_pa
     assert json.loads((again / "summary.json").read_text())["warnings"] == \
         json.loads((reference / "summary.json").read_text())["warnings"]
     assert records(again) == records(reference)
+
+
+def test_a_sweeps_run_resumed_by_decode_is_said_so():
+    """A batched sweep's passes round otherwise than one run's (LII values 1e-7 apart), and a
+    sweep and a decode resume each other's folders: the run's numerics say which made its rows,
+    so a mix is a resume warning like another thread count."""
+    from types import SimpleNamespace
+    from tta_brain.run.checkpoint import StreamState
+    from tta_brain.run.envinfo import numerics_changes
+    batched = StreamState(SimpleNamespace(batch=object())).numerics[-1]
+    alone = StreamState(SimpleNamespace()).numerics[-1]
+    assert batched["batched"] is True and "batched" not in alone
+    assert numerics_changes(batched, alone) == ["batched: True -> None"]

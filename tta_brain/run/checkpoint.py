@@ -66,9 +66,16 @@ class StreamState:
         self.audio_time = 0.0
         self.offsets: Dict[str, int] = {}   # record file -> bytes at the checkpoint
         self.fingerprint = fingerprint
-        # the distinct numerics (envinfo.numerics: threads, versions) the run's rows were decoded
-        # under, in order: more than one is a run resumed under others (brain.start_stream says so)
-        self.numerics = [numerics()]
+        # the distinct numerics (envinfo.numerics: threads, versions; batched: a sweep's run,
+        # whose batched passes round otherwise) the run's rows were decoded under, in order: more
+        # than one is a run resumed under others (brain.start_stream says so)
+        self.numerics = [self._numerics()]
+
+    def _numerics(self) -> Dict:
+        out = numerics()
+        if getattr(self.method, "batch", None) is not None:     # a run of a batched sweep
+            out["batched"] = True
+        return out
 
     @mark_as_saver
     def _save(self, path):
@@ -116,7 +123,7 @@ class StreamState:
         self.offsets = sd["offsets"]
         self.method.load_state_dict(sd["method"])
         set_rng_state(sd["rng"])
-        now = numerics()        # a checkpoint from before numerics were kept: not known
+        now = self._numerics()  # a checkpoint from before numerics were kept: not known
         self.numerics = list(sd.get("numerics") or [])
         if not self.numerics or self.numerics[-1] != now:
             self.numerics.append(now)
