@@ -1279,3 +1279,17 @@ def test_a_dry_run_reads_the_stream_of_its_finished_runs_once(data, tmp_path, mo
     monkeypatch.setattr(decode, "load_stream", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
     assert grid.main(grid_argv(data, exp, "source", "0 1", "--dry_run")) == 0
     assert len(reads) == 1
+
+
+def test_local_workers_take_the_users_thread_count(monkeypatch):
+    """A local worker's threads were the machine's cores over the workers, the user's
+    OMP_NUM_THREADS overridden (a run of the grid rounded otherwise than the same decode);
+    the cores are this process's (its affinity), not the machine's."""
+    import os
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert grid.local_threads(1) == cores and grid.local_threads(cores + 1) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert grid.local_threads(1) == 3 and grid.local_threads(8) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+    assert grid.local_threads(1) == cores

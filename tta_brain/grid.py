@@ -436,9 +436,24 @@ def _stop_workers(jobs) -> None:
               "(rerun the same command to resume them)", flush=True)
 
 
+def local_threads(slots: int) -> int:
+    """The CPU threads of each local worker: the user's ``OMP_NUM_THREADS`` where it is set (it
+    was overridden: a grid's runs did not run as the user's decodes did), else this process's
+    cores (its CPU affinity: a cgroup's or taskset's, not the machine's) divided among the
+    ``slots`` workers."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):     # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, slots))
+
+
 def _follow(runs, units, args, ex, jobs, job) -> None:
     free = _slots(args)
-    threads = max(1, (os.cpu_count() or 1) // max(1, len(free))) if args.engine == "local" else 0
+    threads = local_threads(len(free)) if args.engine == "local" else 0
     last, printed = None, 0.0
     asked, said = -PENDING_EVERY, ""              # Slurm's pending jobs: last asked, last said
     pending = set()                               # ... and their runs, as Slurm said last
