@@ -143,6 +143,20 @@ def png_size(path):
 
 
 # ---------------------------------------------------------------------------------------------
+def test_a_cma_seed_that_follows_the_seed_is_no_other_experiment(tmp_path):
+    """FOA / E-BATS seeds differ in cma_seed too (``<seed> + 2024``): that is each seed's own
+    draws, not settings that make other experiments; a cma_seed set apart from the seed is."""
+    def runs(pairs, root):
+        for seed, cma in pairs:
+            d = make_run(tmp_path / root, "ebats", "md_easy", seed, 1)
+            summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint={
+                "hparams": {"seed": seed, "cma_seed": cma}}))
+        return report.collect_runs(tmp_path / root)
+    assert report.pooling_warnings(runs(((0, 2024), (1, 2025), (2, 2026)), "a")) == []
+    said = report.pooling_warnings(runs(((0, 2024), (1, 7)), "b"))
+    assert len(said) == 1 and "settings other than the seed differ (hparams.cma_seed)" in said[0]
+
+
 def test_runs_pooled_as_seeds_that_are_not_are_named(tmp_path, caplog):
     """Reporting a root with two SNRs' folders of one stream name pooled their runs as seeds of
     one experiment (n=3 below); the report now names such cells, in the log and in RESULTS.md."""

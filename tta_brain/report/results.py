@@ -175,6 +175,27 @@ def skip_warnings(runs: Sequence[Run]) -> List[str]:
     return lines
 
 
+#: keys whose default follows the seed (FOA's and E-BATS's ``cma_seed: !ref <seed> + N``)
+SEEDED_KEYS = ("cma_seed",)
+
+
+def _follows_seed(runs: Sequence[Run]) -> set:
+    """``hparams.<key>`` of :data:`SEEDED_KEYS` that are the seed plus one offset in every run
+    (each seed's own draws, as the yaml's default gives them: no other experiment)."""
+    out = set()
+    for key in SEEDED_KEYS:
+        offsets = set()
+        for r in runs:
+            hp = (r.summary.fingerprint or {}).get("hparams", {})
+            try:
+                offsets.add(int(hp[key]) - int(hp["seed"]))
+            except (KeyError, TypeError, ValueError):
+                offsets.add(None)
+        if len(offsets) == 1 and None not in offsets:
+            out.add(f"hparams.{key}")
+    return out
+
+
 def _cell_warnings(runs: Sequence[Run]) -> List[str]:
     groups = OrderedDict()
     for r in runs:
@@ -186,7 +207,8 @@ def _cell_warnings(runs: Sequence[Run]) -> List[str]:
         known = [r for r in group if r.summary.fingerprint]     # (the first may have none)
         base = known[0].summary.fingerprint if known else None
         keys = sorted({d.partition(": ")[0] for r in known[1:]
-                       for d in differences(base, r.summary.fingerprint, recorded=True)} - {"hparams.seed"})
+                       for d in differences(base, r.summary.fingerprint, recorded=True)}
+                      - {"hparams.seed"} - _follows_seed(known))
         unknown = [r.name for r in group if not r.summary.fingerprint] if known else []
         why = ([f"seed{'s' if len(twice) > 1 else ''} {', '.join(twice)} more than once"] if twice
                else []) + \
