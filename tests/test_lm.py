@@ -218,6 +218,11 @@ def test_uppercase_lm_with_lowercase_tokens(arpa):
     assert search.labels[ID["E"]] == "E"
     assert search(lp)[0][0] == labels_of("THE CAT SAT")
     assert LMBeamSearch(lower, arpa, lowercase=False).labels[ID["E"]] == "e"   # as asked
+    # a case-sensitive vocabulary (e before E): every letter keeps its own case (the
+    # lower-case twin took 'E' and the real E was "not unique")
+    both = TOKENS[:5] + [t.lower() for t in TOKENS if len(t) == 1 and t.isalpha()] + TOKENS[5:]
+    search = LMBeamSearch(both, arpa)
+    assert [search.labels[both.index(c)] for c in "eE"] == ["e", "E"]
 
 
 @needs_lm

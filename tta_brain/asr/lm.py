@@ -116,6 +116,7 @@ class LMBeamSearch:
         unigrams = None if unigrams is None else list(unigrams)
         case = (str.lower if lowercase else None) if lowercase is not None else _lm_case(unigrams)
         labels, self._char_to_id = [], {}
+        own = {t for t in tokens if len(t) == 1}     # a letter another token is: its case kept
         self.delimiter_id = None
         for i, tok in enumerate(tokens):
             if i == blank_id:
@@ -124,8 +125,9 @@ class LMBeamSearch:
                 label, self.delimiter_id = " ", i
             elif len(tok) == 1 and tok.strip():
                 label = case(tok) if case else tok
-                if len(label) != 1 or label != tok and label in self._char_to_id:
-                    label = tok          # ("ß".upper() is "SS"; "ı".upper() is "i".upper())
+                if len(label) != 1 or label != tok and (label in own or label in self._char_to_id):
+                    label = tok   # (a case-sensitive vocabulary; "ß".upper() is "SS"; "ı".upper()
+                                  # is "i".upper())
             else:                                   # special or unnamed token
                 label = chr(0xE000 + i)
             if label in self._char_to_id or (label == "" and i != blank_id):
