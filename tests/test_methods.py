@@ -852,3 +852,7 @@ def test_a_model_adapted_by_one_method_is_refused_to_another(tiny_model_dir, utt
     assert all(p.requires_grad for p in suta.params)
     assert suta.process(utterances[0]) == want
     build_method("tent", model=HFCTCLobe(tiny_model_dir))
+    fresh = HFCTCLobe(tiny_model_dir)      # a subclass refusing after the skeleton's init
+    with pytest.raises(ValueError, match="stage2_params must be adapted in stage 1"):
+        build_method("cea", model=fresh, adapt_params=[{"select": "cnn"}])
+    assert build_method("cea", model=fresh).name == "cea"     # the failed build took nothing

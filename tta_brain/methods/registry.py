@@ -38,7 +38,13 @@ def build_method(name: str, **kwargs):
         raise TypeError(f"method '{name}' has no option(s) {', '.join(bad)}; "
                         f"valid: {', '.join(sorted(valid))}")
     _check_values(name, kwargs)
-    return cls(**kwargs)
+    model = kwargs.get("model")
+    try:
+        return cls(**kwargs)
+    except BaseException:       # a subclass that refused after the skeleton marked the model
+        if getattr(model, "_tta_method", None) is not None:   # (CEA, SGEM, ...): not taken
+            del model._tta_method             # (methods.base.bind_model)
+        raise
 
 
 #: What a method uses of its ``model``: an ``HFCTCLobe`` (``tta_brain.lobes.hf_ctc``) has them
