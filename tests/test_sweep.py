@@ -502,6 +502,25 @@ def test_a_crash_inside_one_run_is_in_that_runs_log_with_its_traceback(data, tmp
     assert logs[1].count("RuntimeError: simulated crash") == 1 and "in decode_row" in logs[1]
 
 
+def test_one_runs_search_warning_is_in_its_log_alone(data, tmp_path, monkeypatch):
+    """What a batched E-BATS search logs (its step size passing 100x its start) went into every
+    run's log.txt: the searches ran outside any run's log."""
+    from tta_brain.methods import ebats as ebats_module
+    real = ebats_module.ema_update
+
+    def runaway(ema, es, decay):              # run 0 (ema_decay 0.9) diverges; run 1 (0.5) not
+        real(ema, es, decay)
+        if decay == 0.9:
+            ema["sigma"] *= 1000.0
+    monkeypatch.setattr(ebats_module, "ema_update", runaway)
+    outs = [tmp_path / "r0", tmp_path / "r1"]
+    sweep.run([args(data, outs[0], *EBATS[0], method="ebats"),
+               args(data, outs[1], *EBATS[0], "--ema_decay=0.5", method="ebats")])
+    logs = [(o / "log.txt").read_text() for o in outs]
+    assert "Batched sweep of 2 runs" in logs[1]                  # (a batch it was)
+    assert "the search is diverging" in logs[0] and "the search is diverging" not in logs[1]
+
+
 @pytest.mark.parametrize("method,cfgs", [("csuta", CSUTA[:3]), ("ebats", EBATS[:3])])
 def test_killed_sweep_resumes(data, tmp_path, method, cfgs):
     """kill -9 at the first checkpoint; the rerun (two runs by the sweep, one by a separate

@@ -141,7 +141,7 @@ class BatchedFree:
             with ms[0].runtime.autocast(self.lobe.device.type):
                 ctx = ms[0].prefix(x)
                 self.lii_ahead(ms, ctx)
-                logits = (self.search(ms, x, ctx) if self.population
+                logits = (self.search(ms, x, ctx, runs) if self.population
                           else [m.adapt(x, ctx) for m in ms])
                 hyps = [self.lobe.decode(lg)[0] for lg in logits]
             for r, m in zip(runs, ms):
@@ -178,14 +178,18 @@ class BatchedFree:
         for m, (fit, _) in zip(want, answers):
             m.early_losses = {"phi_D": fit[0], "source": fit[1]}
 
-    def search(self, ms: List[FreeMethod], x: torch.Tensor, ctx) -> List[torch.Tensor]:
-        """The runs' searches in lock-step; each run's transcript logits ``[1, F, V]``."""
+    def search(self, ms: List[FreeMethod], x: torch.Tensor, ctx,
+               runs: Optional[List[int]] = None) -> List[torch.Tensor]:
+        """The runs' searches in lock-step; each run's transcript logits ``[1, F, V]``. Each
+        search's code runs as its run's (``runs``: what it logs, E-BATS's step-size warning, is
+        in that run's log.txt alone)."""
         searches = [m.search(x, ctx) for m in ms]
         asked, logits = {}, [None] * len(ms)
 
         def advance(j, answer):
             try:
-                asked[j] = next(searches[j]) if answer is None else searches[j].send(answer)
+                with self.serving(runs[j]) if runs is not None else nullcontext():
+                    asked[j] = next(searches[j]) if answer is None else searches[j].send(answer)
             except StopIteration as done:
                 asked.pop(j, None)
                 logits[j] = done.value
