@@ -431,7 +431,9 @@ def test_ebats_says_when_its_step_size_diverges(setup, tmp_path, monkeypatch, ca
         m.process(wavs(3)[2])
     said = [r.getMessage() for r in caplog.records if "passed 100x its start" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("ebats: utterance 1: ")
-    assert m.end_warnings()[0].startswith("ebats: the T-EMA of CMA-ES' step size sigma ended at")
+    assert m.end_warnings()[0].startswith("ebats: the T-EMA of CMA-ES' step size sigma reached")
+    m.reset()                                  # a reset after it: still said (the peak)
+    assert m.end_warnings() and m.ema["sigma"] == m.sigma0
     s = decode.main(args(setup, "ebats", tmp_path / "exp"))     # the summary keeps it
     assert any(w.startswith("ebats: the T-EMA of CMA-ES' step size") for w in s.warnings)
     assert "passed 100x its start" in (tmp_path / "exp" / "log.txt").read_text()

@@ -67,6 +67,14 @@ class EBATS(FreeMethod):
         self.ema_decay, self.cov_ratio, self.cma_seed = float(ema_decay), float(cov_ratio), int(cma_seed)
         self.dim = model.model.base_model.feature_extractor.conv_layers[-1].conv.out_channels
         super().__init__(model, temperature=temperature, **kwargs)
+        self.sigma_peak = self.sigma0     # the largest T-EMA sigma of the run (resets included)
+
+    def state_dict(self):
+        return {**super().state_dict(), "sigma_peak": self.sigma_peak}
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)       # (a state saved before the peak was kept: the EMA's)
+        self.sigma_peak = float(sd.get("sigma_peak", self.ema["sigma"]))
 
     # ------------------------------------------------------------- state
     def initial_state(self):
@@ -110,14 +118,14 @@ class EBATS(FreeMethod):
         return loss
 
     def end_warnings(self):
-        grown = float(self.ema["sigma"]) / self.sigma0
+        grown = self.sigma_peak / self.sigma0      # a reset after the divergence: still said
         if grown <= SIGMA_GROWTH:
             return []
-        return [f"ebats: the T-EMA of CMA-ES' step size sigma ended at "
-                f"{float(self.ema['sigma']):.3g}, {grown:.3g}x its start ({self.sigma0:g}): the "
-                f"search diverged (the E-BATS reference bounds neither sigma nor the mean), its "
-                f"candidates' biases swamp the CNN's output and transcripts go empty; "
-                f"log.txt says at which utterance it passed {SIGMA_GROWTH:g}x"]
+        return [f"ebats: the T-EMA of CMA-ES' step size sigma reached {self.sigma_peak:.3g}, "
+                f"{grown:.3g}x its start ({self.sigma0:g}): the search diverged (the E-BATS "
+                f"reference bounds neither sigma nor the mean), its candidates' biases swamp the "
+                f"CNN's output and transcripts go empty; log.txt says at which utterance it "
+                f"passed {SIGMA_GROWTH:g}x"]
 
     # ------------------------------------------------------------- one utterance
     def search(self, x, conv_out):
@@ -135,6 +143,7 @@ class EBATS(FreeMethod):
         self.best = stop.previous
         before = float(self.ema["sigma"])
         ema_update(self.ema, self.es, self.ema_decay)
+        self.sigma_peak = max(self.sigma_peak, float(self.ema["sigma"]))
         if before <= SIGMA_GROWTH * self.sigma0 < float(self.ema["sigma"]):
             logger.warning("ebats: utterance %d: the T-EMA of CMA-ES' step size sigma passed %gx "
                            "its start (%.3g, from %g): the search is diverging", self.t,
