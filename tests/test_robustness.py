@@ -590,8 +590,10 @@ def test_each_seed_is_its_own_cma_es_run(capsys):
         assert seeds == [start, start + 3]
         assert hparams.resolve(method, base + "seed: 3\ncma_seed: 7\n").values["cma_seed"] == 7
         decode.main([method, "--help"])
-        assert re.search(rf"--cma_seed +<seed> \+ {start} +CMA-ES seed",
+        assert re.search(rf"--cma_seed +\(<seed> \+ {start}\) % 4294967296 +CMA-ES seed",
                          capsys.readouterr().out)
+        top = hparams.resolve(method, base + "seed: 4294967295\n").values["cma_seed"]
+        assert top == start - 1                      # numpy's seeds end at 2^32 - 1
 
 
 def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir):
