@@ -86,6 +86,10 @@ def numerics() -> Dict:
     torch = sys.modules.get("torch")
     out = {"threads": int(torch.get_num_threads()) if torch is not None else None}
     out.update(versions())
+    for name in PACKAGES:     # the installed version, whether or not this process imported the
+        v = _version(name)    # module yet (versions() prefers a module's __version__: torch's
+        if v is not None:     # 2.11.0+cu130 against the metadata's 2.11.0, a false change)
+            out[name] = v
     return out
 
 
