@@ -40,6 +40,21 @@ def args(data, out, *extra, method="dsuta", csv_path=None):
             f"--data_root={data['root']}", "--noprogressbar", *extra]
 
 
+def crash_at(monkeypatch, run, position):
+    """``decode.main(run)`` stopped by an exception at stream ``position`` (its checkpoints
+    before it written), as a crash leaves a run."""
+    orig = TTABrain.evaluate_batch
+
+    def boom(self, batch, stage=None):
+        if batch[1].position == position:
+            raise RuntimeError("simulated crash")
+        return orig(self, batch)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        decode.main(run)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+
+
 def records(out):
     return {name: (Path(out) / name).read_text() for name in RECORDS}
 
@@ -252,16 +267,7 @@ def test_a_checkpoint_cut_short_is_one_line_and_the_records_are_kept(data, refer
     import shutil
     out = tmp_path / "exp"
     run = args(data, out, *DSUTA, "--ckpt_every=3")
-    orig = TTABrain.evaluate_batch
-
-    def boom(self, batch, stage=None):
-        if batch[1].position == 10:
-            raise RuntimeError("simulated crash")
-        return orig(self, batch)
-    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        decode.main(run)
-    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    crash_at(monkeypatch, run, 10)
     ckpt = next((out / "save").glob("CKPT+*"))
     whole = tmp_path / "whole"
     shutil.copytree(ckpt, whole)
@@ -466,17 +472,8 @@ def test_a_run_resumed_with_another_thread_count_says_so(data, reference, tmp_pa
     mix that no uninterrupted run gives. The count is logged, and such a resume is a warning."""
     out = tmp_path / "exp"
     run = args(data, out, *DSUTA, "--ckpt_every=4")
-    orig = TTABrain.evaluate_batch
-
-    def boom(self, batch, stage=None):
-        if batch[1].position == 10:
-            raise RuntimeError("simulated crash")
-        return orig(self, batch)
     threads = torch.get_num_threads()
-    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        decode.main(run)
-    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    crash_at(monkeypatch, run, 10)
     assert f"CPU threads: {threads}" in (out / "log.txt").read_text()
     torch.set_num_threads(threads + 1)
     try:
@@ -489,10 +486,7 @@ def test_a_run_resumed_with_another_thread_count_says_so(data, reference, tmp_pa
     # the same thread count on resume: nothing said
     again = tmp_path / "again"
     run = args(data, again, *DSUTA, "--ckpt_every=4")
-    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        decode.main(run)
-    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    crash_at(monkeypatch, run, 10)
     decode.main(run)
     assert json.loads((again / "summary.json").read_text())["warnings"] == \
         json.loads((reference / "summary.json").read_text())["warnings"]
