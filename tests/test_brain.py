@@ -112,6 +112,31 @@ def test_a_reset_after_the_last_utterance_is_not_recorded(data, tmp_path):
     assert s.n_utts == 15 and s.n_skipped == 5 and s.resets == [5, 10]
 
 
+def test_a_reset_due_at_a_skipped_row_marks_the_next_decoded_utterance(data, tmp_path,
+                                                                        monkeypatch):
+    """A fixed reset due at a row that is skipped (longer than max_duration) kept its position in
+    resets.csv, but no transcript said reset: resets.csv counted 1, the reset column 0. The
+    next decoded utterance is the first from the reset model; it is marked, across a resume
+    too (the checkpoint after the skipped row, before that utterance)."""
+    rows = list(csv.DictReader(open(data["csv"])))
+    rows[5]["duration"] = "99"
+    cut = tmp_path / "cut.csv"
+    with open(cut, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    run = ["--reset=fixed", "--reset_every=5", "--steps=1", "--ckpt_every=1"]
+    s = decode.main(args(data, tmp_path / "a", *run, method="csuta", csv_path=cut))
+    assert s.n_skipped == 1 and s.resets == [5, 11, 16]     # 5 decoded utterances a reset
+    flagged = [int(r["position"]) for r in csv.DictReader(open(tmp_path / "a" / "transcripts.csv"))
+               if r["reset"] == "1"]
+    assert flagged == [6, 11, 16]
+    crash_at(monkeypatch, args(data, tmp_path / "b", *run, method="csuta",
+                          csv_path=cut), 6)
+    decode.main(args(data, tmp_path / "b", *run, method="csuta", csv_path=cut))
+    assert records(tmp_path / "b") == records(tmp_path / "a")
+
+
 @pytest.mark.slow
 def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(data, reference, tmp_path):
     out = tmp_path / "exp"

@@ -230,7 +230,7 @@ def table_breakdown(runs: Sequence[Run], stream: str, digits: int = 1) -> str:
 def detect_boundaries(resets: Sequence[int], boundaries: Sequence[int], window: int = 100) -> dict:
     """Match resets to true boundaries.
 
-    A reset at position r (the first utterance decoded from the reset model) belongs to the last
+    A reset at position r (the row the reset model decodes from) belongs to the last
     boundary b <= r and detects it when r - b <= window; one reset detects one boundary at most.
     Returns ``detected`` {b: delay of its first reset}, ``missed`` [b], ``false`` [r] (resets
     before the first boundary or later than ``window`` after theirs).

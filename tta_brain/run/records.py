@@ -3,7 +3,9 @@ only module that reads or writes them (the Brain writes, the report and the plot
 
     transcripts.csv  one row per decoded utterance (:class:`Transcript`)
     rejects.csv      skipped utterances and why (:class:`Reject`)
-    resets.csv       resets (:class:`Reset`): position = first utterance decoded after it
+    resets.csv       resets (:class:`Reset`): position = the stream row the reset model decodes
+                     from (a skipped row's when the reset falls on one: the reset column of
+                     transcripts.csv marks the first utterance decoded after it)
     lii.csv          LII values of the dynamic reset (:class:`Lii`)
     memory.csv       process memory along the stream (:class:`Memory`)
     wer.txt          SpeechBrain ``ErrorRateStats`` with per-utterance alignments
@@ -57,7 +59,7 @@ class Reject:
 
 @dataclass(slots=True)
 class Reset:
-    position: int           # first utterance decoded from the reset model
+    position: int           # the row the reset model decodes from (may be a skipped row)
     ID: str
     reason: str
     trigger: int            # the utterance whose processing caused it
@@ -272,19 +274,21 @@ class RecordWriter:
                 fh.flush()
             self._files[name], self._writers[name] = fh, csv.writer(fh)
         if offsets is not None:
+            last = -1                   # the last utterance decoded before the checkpoint
             for t in read_transcripts(self.folder):
                 self.n_err, self.n_words = self.n_err + t.n_err, self.n_words + t.n_words
+                last = max(last, t.position)
             for r in read_resets(self.folder):
                 self.n_resets += 1
-                if r.position >= cursor:
+                if r.position > last:
                     self._pending.add(r.position)
 
     def _row(self, name: str, rec) -> None:
         self._writers[name].writerow([getattr(rec, c) for c in _columns(CSV_FILES[name])])
 
     def transcript(self, rec: Transcript) -> None:
-        rec.reset = int(rec.position in self._pending)
-        # (a reset due at a skipped row is in resets.csv only)
+        # a reset due at a skipped row (too short, an empty reference) marks the next one decoded
+        rec.reset = int(any(p <= rec.position for p in self._pending))
         self._pending = {p for p in self._pending if p > rec.position}
         self._row("transcripts", rec)
         self.n_err, self.n_words = self.n_err + rec.n_err, self.n_words + rec.n_words
