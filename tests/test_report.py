@@ -834,3 +834,21 @@ def test_a_long_method_tag_gets_a_file_name_that_fits():
     assert len(name.encode()) <= plots.MAX_PART and name.startswith("dsuta_dynamic_xxx")
     assert name != plots.safe_name(long_tag + "y")          # still one file per tag
     assert plots.safe_name("md_easy") == "md_easy"
+
+
+def test_utterances_every_run_skipped_are_said(tmp_path):
+    """Runs that all skipped the same utterances (a too-short audio, an empty reference) gave
+    WERs over fewer utterances than the stream holds, and RESULTS.md said nothing of it (no
+    warning: the runs agree); now the notes say so and the Runs table counts each run's skips."""
+    for method in ("source", "suta"):
+        d = make_run(tmp_path, method, "md_easy", 0, 1)
+        skips = [{"position": 3, "ID": "utt00003", "reason": "too short for the model"}]
+        summary.write_summary(d, dataclasses.replace(summary.read_summary(d), n_skipped=1,
+                                                     skipped=skips))
+    runs = report.collect_runs(tmp_path)
+    md = report.build_markdown(runs)
+    assert "are in no WER: 2 in all" in section(md, "WER (%) per method and stream")
+    rows = table_rows(section(md, "Runs"))
+    assert rows[0][5:7] == ["Utts", "Skipped"] and [r[6] for r in rows[1:]] == ["1", "1"]
+    make_run(tmp_path / "none", "source", "md_easy", 0, 1)
+    assert "in no WER" not in report.build_markdown(report.collect_runs(tmp_path / "none"))

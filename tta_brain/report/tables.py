@@ -364,7 +364,10 @@ def table_steps(runs: Sequence[Run], digits: int = 1) -> Optional[str]:
 
 
 def runs_inventory(runs: Sequence[Run], digits: int = 1, metric: str = "wer") -> str:
+    """One row per run: its utterances scored and those it skipped (``rejects.csv``: in no
+    error rate of the report), and its error rate."""
     rows = [[r.name, r.method, r.stream, str(r.seed), "-" if r.steps is None else str(r.steps),
-             str(r.summary.n_utts), fmt(run_wer(r), digits)] for r in runs]
-    return md_table(["Experiment", "Method", "Stream", "Seed", "Steps", "Utts",
+             str(r.summary.n_utts), str(r.summary.n_skipped or 0), fmt(run_wer(r), digits)]
+            for r in runs]
+    return md_table(["Experiment", "Method", "Stream", "Seed", "Steps", "Utts", "Skipped",
                      f"{label(metric)} (%)"], rows)
