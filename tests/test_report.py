@@ -852,3 +852,15 @@ def test_utterances_every_run_skipped_are_said(tmp_path):
     assert rows[0][5:7] == ["Utts", "Skipped"] and [r[6] for r in rows[1:]] == ["1", "1"]
     make_run(tmp_path / "none", "source", "md_easy", 0, 1)
     assert "in no WER" not in report.build_markdown(report.collect_runs(tmp_path / "none"))
+
+
+def test_digits_reach_the_espnet_tables(tmp_path):
+    """--digits gave the other tables' WERs 2 decimals and left the ESPnet tables' Err (the same
+    WER) at 1: 13.40 beside 13.4."""
+    make_run(tmp_path, "source", "lsc_AA", 0, lambda p, d: 1 if p % 3 else 2)
+    runs = report.collect_runs(tmp_path)
+    md = report.build_markdown(runs, digits=2)
+    wer = table_rows(section(md, "Runs"))[1][-1]
+    assert wer == "13.40"
+    assert table_rows(section(md, "Per-experiment scores"))[1][7] == wer
+    assert table_rows(section(report.build_markdown(runs), "Per-experiment scores"))[1][7] == "13.4"

@@ -310,7 +310,7 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
                                         for p in plots)]
     parts += ["## Runs", tables.runs_inventory(runs, digits, metric),
               "## Per-experiment scores (ESPnet style)"]
-    parts += [f"### {r.name}\n\n{tables.table_espnet(r, metric)}" for r in runs]
+    parts += [f"### {r.name}\n\n{tables.table_espnet(r, metric, digits)}" for r in runs]
     return "\n\n".join(parts) + "\n"
 
 

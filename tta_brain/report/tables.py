@@ -271,8 +271,9 @@ def table_resets(runs: Sequence[Run], stream: str, window: int = 100) -> Optiona
                             "Mean delay"], rows)
 
 
-def espnet_rows(run: Run) -> List[List[str]]:
-    """ESPnet ``|dataset|Snt|Wrd|Corr|Sub|Del|Ins|Err|S.Err|`` rows: the stream, then its domains."""
+def espnet_rows(run: Run, digits: int = 1) -> List[List[str]]:
+    """ESPnet ``|dataset|Snt|Wrd|Corr|Sub|Del|Ins|Err|S.Err|`` rows: the stream, then its domains;
+    percentages with ``digits`` decimals (the report's ``--digits``)."""
     groups = OrderedDict([(run.stream, run.transcripts)])
     domains = OrderedDict()
     for t in run.transcripts:
@@ -284,18 +285,18 @@ def espnet_rows(run: Run) -> List[List[str]]:
         wrd = sum(t.n_words for t in ts)
         sub, dele, ins = (sum(getattr(t, k) for t in ts) for k in ("n_sub", "n_del", "n_ins"))
         err = sum(t.n_err for t in ts)
-        pct = (lambda x: fmt(100.0 * x / wrd)) if wrd else (lambda x: "-")
+        pct = (lambda x: fmt(100.0 * x / wrd, digits)) if wrd else (lambda x: "-")
         serr = 100.0 * sum(1 for t in ts if t.n_err > 0) / len(ts) if ts else float("nan")
         out.append([name, str(len(ts)), str(wrd), pct(wrd - sub - dele), pct(sub), pct(dele),
-                    pct(ins), pct(err), fmt(serr)])
+                    pct(ins), pct(err), fmt(serr, digits)])
     return out
 
 
-def table_espnet(run: Run, metric: str = "wer") -> str:
+def table_espnet(run: Run, metric: str = "wer", digits: int = 1) -> str:
     """ESPnet's result table; with ``metric="cer"`` of a run from :func:`in_metric` (``Chr``)."""
     unit = "Chr" if metric == "cer" else "Wrd"
     return md_table(["dataset", "Snt", unit, "Corr", "Sub", "Del", "Ins", "Err", "S.Err"],
-                    espnet_rows(run))
+                    espnet_rows(run, digits))
 
 
 def efficiency_stats(runs: Sequence[Run]) -> dict:
