@@ -126,6 +126,29 @@ def bad_run(bad_stream, tiny_model_dir, tmp_path_factory):
     return out, summary, expect
 
 
+def test_long_audio_without_a_duration_is_skipped_unread(tmp_path, monkeypatch):
+    """A recording longer than max_duration whose manifest gives no duration (its own length,
+    README) is skipped by its header, not read whole first: an hour at 48 kHz in stereo was 1.4 GB
+    of float32 (a 20-minute one took 7 s and 2.3 GB to be skipped), and a long one an OOM kill."""
+    from tta_brain.data import loader as loader_mod
+    sf.write(tmp_path / "long.wav", np.zeros((21 * 48000, 2), np.int16), 48000, subtype="PCM_16")
+    sf.write(tmp_path / "short.wav", speech(0.4), SR, subtype="PCM_16")
+    rows = [row("long", tmp_path / "long.wav", 0), row("short", tmp_path / "short.wav", 0)]
+    for r in rows:
+        r["duration"] = ""
+    read = []
+    real = loader_mod.load_audio
+    monkeypatch.setattr(loader_mod, "load_audio", lambda p, sr: read.append(p) or real(p, sr))
+    long, short = loader_mod.StreamLoader(rows, max_duration=20.0).iterate()
+    assert long.wav is None and long.reason == (
+        f"{tmp_path / 'long.wav'}: longer than max_duration (21 s > 20 s; the manifest gives no "
+        f"duration)")
+    assert short.reason is None and short.duration == pytest.approx(0.4)
+    assert read == [str(tmp_path / "short.wav")]          # the long file was never read
+    # no limit: read and decoded as any other
+    assert loader_mod.StreamLoader(rows, max_duration=0).load(0).wav.numel() == 21 * SR
+
+
 def test_bad_audio_is_skipped_listed_and_counted(bad_run):
     out, summary, expect = bad_run
     rejects = {r["ID"]: r["reason"] for r in csv.DictReader(open(out / "rejects.csv"))}

@@ -7,11 +7,13 @@ decoded (the decode loop's default), so that the device does not wait for the di
 utterances; it yields exactly what ``iterate`` yields.
 """
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
+import soundfile as sf
 import torch
 
 from tta_brain.data.audio import AudioError, load_audio
@@ -83,6 +85,18 @@ def boundaries(rows: List[Dict]) -> List[int]:
     """Positions where the manifest's ``segment`` changes (the true domain boundaries)."""
     segs = [int(r.get("segment") or 0) for r in rows]
     return [int(rows[i].get("position") or i) for i in range(1, len(rows)) if segs[i] != segs[i - 1]]
+
+
+def _header_seconds(path) -> Optional[float]:
+    """The length of the audio file ``path`` in seconds by its header (no samples read), or None
+    where there is no regular file or its header cannot be read (``load_audio`` says why)."""
+    try:
+        if not os.path.isfile(path):
+            return None
+        info = sf.info(str(path))
+    except Exception:       # noqa: BLE001 - libsndfile's errors: load_audio names them
+        return None
+    return info.frames / info.samplerate if info.samplerate and info.frames > 0 else None
 
 
 @dataclass
@@ -220,6 +234,13 @@ class StreamLoader:
         if why:
             return None, why
         utt.duration = dur = float(row.get("duration") or 0)
+        said = f"the manifest says {dur:g} s" if dur else "the manifest gives no duration"
+        head = _header_seconds(row["wav"]) if max_dur else None
+        if head is not None and head > max_dur:
+            # before reading it: a long recording without a duration (an hour at 48 kHz in
+            # stereo is 1.4 GB as float32, and its resampling more) is not read to be skipped
+            return None, (f"{row['wav']}: longer than max_duration ({head:g} s > {max_dur:g} s; "
+                          f"{said})")
         try:
             wav = load_audio(row["wav"], sr)
         except AudioError as e:
@@ -227,7 +248,7 @@ class StreamLoader:
         n = wav.shape[-1]
         if max_dur and n / sr > max_dur:
             return None, (f"{row['wav']}: longer than max_duration ({n / sr:g} s > "
-                          f"{max_dur:g} s; the manifest says {dur:g} s)")
+                          f"{max_dur:g} s; {said})")
         if dur > 0 and abs(n / sr - dur) > max(0.1, 0.1 * dur):
             # libsndfile reads a truncated file without complaint; the manifest knows better
             return None, (f"{row['wav']}: {n / sr:.2f} s of audio but the manifest says "
