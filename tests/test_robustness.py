@@ -167,6 +167,34 @@ def test_bad_audio_is_skipped_listed_and_counted(bad_run):
     assert f"{len(expect)} utterance(s) skipped, listed with the reasons in" in log
 
 
+def test_a_model_of_another_sample_rate_gets_its_rate(tmp_path, monkeypatch):
+    """A checkpoint whose processor takes 8 kHz audio, run through a yaml's
+    ``HFCTCLobe(sample_rate: 8000)`` (the packaged blocks' 16 kHz refuse it): the stream's audio
+    is resampled to the lobe's rate, not read at 16 kHz and fed to it as if it were 8 kHz."""
+    from tta_brain.data import loader as loader_mod
+    from tta_brain.data.manifest import write_manifest
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
+    model = save_random_ctc_model(str(tmp_path / "m8k"), 0, **TINY)
+    cfg = Path(model) / "preprocessor_config.json"
+    cfg.write_text(json.dumps(dict(json.loads(cfg.read_text()), sampling_rate=8000)))
+    (tmp_path / "src8k.yaml").write_text(
+        "include: [run]\n"
+        "model: !new:tta_brain.lobes.hf_ctc.HFCTCLobe\n"
+        "    source: !ref <source>\n    device: !ref <device>\n    runtime: !ref <runtime>\n"
+        "    sample_rate: 8000\n"
+        "method: !apply:tta_brain.methods.build_method\n    name: source\n"
+        "    model: !ref <model>\n")
+    sf.write(tmp_path / "a.wav", speech(0.4), SR, subtype="PCM_16")
+    stream = write_manifest(tmp_path / "s.csv", [row("a", tmp_path / "a.wav", 0.4)])
+    rates = []
+    real = loader_mod.load_audio
+    monkeypatch.setattr(loader_mod, "load_audio", lambda p, sr: rates.append(sr) or real(p, sr))
+    summary = decode.main([str(tmp_path / "src8k.yaml"), f"--source={model}",
+                           f"--stream_csv={stream}", f"--output_folder={tmp_path / 'out'}",
+                           "--noprogressbar"])
+    assert rates == [8000] and summary.n_utts == 1
+
+
 def test_conversions_happen_on_read_and_are_logged(bad_run, bad_stream):
     out, _, _ = bad_run
     log = (out / "log.txt").read_text()

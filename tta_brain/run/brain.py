@@ -117,8 +117,12 @@ class TTABrain(sb.Brain):
                                "saved", n)
         self._test_set, self._rows = test_set, rows
         self._writer = RecordWriter(self.out, self.state.offsets if resumed else None, cursor)
+        # the audio at the rate the model takes: its lobe's (a yaml's HFCTCLobe(sample_rate=8000)
+        # for an 8 kHz checkpoint was fed 16 kHz audio)
+        rate = getattr(getattr(self.method, "lobe", None), "sample_rate", None)
         self.stream_loader = StreamLoader(rows, float(self._hp("max_duration", 20.0) or 0),
-                                   int(self._hp("sample_rate", 16000)), too_short(self.method))
+                                   int(rate or self._hp("sample_rate", 16000)),
+                                   too_short(self.method))
         self._ckpt_every = int(self._hp("ckpt_every", 200) or 0)
         self._show = not self.noprogressbar if progressbar is None else progressbar
         self._bar = tqdm(total=len(rows), initial=cursor, disable=not self._show,
