@@ -117,8 +117,6 @@ def bad_stream(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bad_run(bad_stream, tiny_model_dir, tmp_path_factory):
-    from tta_brain.data import audio
-    audio._warned.clear()          # conversions are logged once per process: make it this run
     stream, expect = bad_stream
     out = tmp_path_factory.mktemp("bad_out") / "exp"
     summary = decode.main(dsuta_args(tiny_model_dir, stream, out, "--reset=dynamic",
@@ -138,7 +136,8 @@ def test_long_audio_without_a_duration_is_skipped_unread(tmp_path, monkeypatch):
         r["duration"] = ""
     read = []
     real = loader_mod.load_audio
-    monkeypatch.setattr(loader_mod, "load_audio", lambda p, sr: read.append(p) or real(p, sr))
+    monkeypatch.setattr(loader_mod, "load_audio",
+                        lambda p, sr, *w: read.append(p) or real(p, sr, *w))
     long, short = loader_mod.StreamLoader(rows, max_duration=20.0).iterate()
     assert long.wav is None and long.reason == (
         f"{tmp_path / 'long.wav'}: longer than max_duration (21 s > 20 s; the manifest gives no "
@@ -188,7 +187,8 @@ def test_a_model_of_another_sample_rate_gets_its_rate(tmp_path, monkeypatch):
     stream = write_manifest(tmp_path / "s.csv", [row("a", tmp_path / "a.wav", 0.4)])
     rates = []
     real = loader_mod.load_audio
-    monkeypatch.setattr(loader_mod, "load_audio", lambda p, sr: rates.append(sr) or real(p, sr))
+    monkeypatch.setattr(loader_mod, "load_audio",
+                        lambda p, sr, *w: rates.append(sr) or real(p, sr, *w))
     summary = decode.main([str(tmp_path / "src8k.yaml"), f"--source={model}",
                            f"--stream_csv={stream}", f"--output_folder={tmp_path / 'out'}",
                            "--noprogressbar"])
@@ -208,6 +208,26 @@ def test_conversions_happen_on_read_and_are_logged(bad_run, bad_stream):
     r8 = load_audio(d / "rate8k.wav")
     assert r8.dtype == torch.float32 and r8.dim() == 1 and r8.numel() == 2 * int(0.2 * SR)
     assert load_audio(d / "stereo44k.flac").numel() == int(0.4 * SR)
+
+
+def test_every_run_in_one_process_logs_the_conversions(bad_stream, tiny_model_dir, tmp_path):
+    """Conversions were logged once a process: a second decode in a notebook, or a sweep's
+    second run, had no "averaged to mono" / "resampled" line in its log.txt. Each run's log says
+    them (a sweep's read-ahead thread, shared by its runs, writes to every run's log)."""
+    stream, _ = bad_stream
+    lines = ("stereo.wav: 2 channels averaged to mono", "resampled from 8000 Hz to 16000 Hz")
+    out = tmp_path / "again"
+    decode.main(["source", f"--source={tiny_model_dir}", f"--stream_csv={stream}",
+                 f"--output_folder={out}", "--noprogressbar"])
+    assert all(line in (out / "log.txt").read_text() for line in lines)
+    a, b = tmp_path / "a", tmp_path / "b"
+    run = ["suta", f"--source={tiny_model_dir}", f"--stream_csv={stream}", "--noprogressbar",
+           "--steps=1"]
+    assert sweep.main([*run, f"--output_folder={a}", "--", *run, f"--output_folder={b}",
+                       "--lr=1e-3"]) == 0
+    for folder in (a, b):
+        log = (folder / "log.txt").read_text()
+        assert all(log.count(line) == 1 for line in lines), folder
 
 
 def test_a_stream_of_only_unreadable_audio_is_one_line_and_reruns_once_fixed(tmp_path,

@@ -34,6 +34,7 @@ separate ``tta_brain.decode`` and the other way round (the checkpoint's format i
 import logging
 import os
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import List, Optional
@@ -147,7 +148,8 @@ def batch_for(method):
 
 class _RunLogs:
     """One log.txt per run in one process: a record goes to the run being served (and records of
-    the batch's own work, outside any run, to every run's log)."""
+    the batch's own work, outside any run or from another thread than the runs' (the stream's
+    read-ahead, one for all runs), to every run's log)."""
 
     def __init__(self, folders):
         root = logging.getLogger()
@@ -155,13 +157,14 @@ class _RunLogs:
             root.removeHandler(h)                   # the last folder's, from its set-up
             h.close()
         self.current: Optional[int] = None
+        self.thread = threading.get_ident()     # the runs' thread (records of others: all runs)
         self.failed: Optional[int] = None       # the run being served when an error arose
         self.handlers = []
         fmt = logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s")
         for i, folder in enumerate(folders):
             h = logging.FileHandler(os.path.join(folder, "log.txt"), encoding="utf-8")
             h.setFormatter(fmt)
-            h.addFilter(lambda rec, i=i: self.current in (None, i))
+            h.addFilter(lambda rec, i=i: self.current in (None, i) or rec.thread != self.thread)
             root.addHandler(h)
             self.handlers.append(h)
 

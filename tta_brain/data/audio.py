@@ -2,7 +2,9 @@
 
 ``load_audio`` always returns a mono float32 tensor at the requested sample rate. Files that need a
 conversion (several channels, another rate) are converted, and the conversion is logged once per
-reason so that a corpus in an unexpected format is noticed without flooding the log. Files that
+reason (once a process, or once a caller's ``warned`` set: a run's stream loader has its own, so
+that every run's log says it) so that a corpus in an unexpected format is noticed without
+flooding the log. Files that
 cannot serve as input (missing, unreadable, empty, non-finite samples) raise :class:`AudioError`,
 which names the file and the reason, so that callers can skip and record them.
 """
@@ -25,19 +27,22 @@ class AudioError(ValueError):
     """An audio file that cannot be used as input; the message names the file and the reason."""
 
 
-def _warn_once(reason, message):
-    """Log ``message`` as a warning the first time ``reason`` is seen in this process."""
-    if reason not in _warned:
-        _warned.add(reason)
+def _warn_once(reason, message, warned=None):
+    """Log ``message`` as a warning the first time ``reason`` is seen in ``warned`` (a set; by
+    default this process's)."""
+    warned = _warned if warned is None else warned
+    if reason not in warned:
+        warned.add(reason)
         logger.warning("%s (reported once)", message)
 
 
-def load_audio(path, sample_rate=16000):
+def load_audio(path, sample_rate=16000, warned=None):
     """Read a wav/flac file as a 1-D float32 tensor ``[T]`` at ``sample_rate``.
 
     Several channels are averaged to mono; another sample rate is converted with
     ``torchaudio.functional.resample``. Raises :class:`AudioError` for a missing, unreadable or
-    empty file and for NaN/inf samples.
+    empty file and for NaN/inf samples. A conversion is logged once per reason in ``warned`` (a
+    set of the caller's; by default once a process).
     """
     path = Path(path)
     if not path.exists():
@@ -56,14 +61,14 @@ def load_audio(path, sample_rate=16000):
         raise AudioError(f"{path}: audio contains NaN or infinite samples")
     if data.shape[1] > 1:
         _warn_once(("downmix", data.shape[1]),
-                   f"{path}: {data.shape[1]} channels averaged to mono")
+                   f"{path}: {data.shape[1]} channels averaged to mono", warned)
         data = data.mean(axis=1, keepdims=True)
     wav = torch.from_numpy(np.ascontiguousarray(data[:, 0]))
     if file_rate != sample_rate:
         import torchaudio  # imported only when needed: it is slow to import
 
         _warn_once(("resample", file_rate, sample_rate),
-                   f"{path}: resampled from {file_rate} Hz to {sample_rate} Hz")
+                   f"{path}: resampled from {file_rate} Hz to {sample_rate} Hz", warned)
         wav = torchaudio.functional.resample(wav, file_rate, sample_rate)
     return wav.contiguous()
 

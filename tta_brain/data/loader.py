@@ -133,6 +133,7 @@ class StreamLoader:
                  too_short: Optional[Callable[[int], Optional[str]]] = None):
         self.rows, self.max_duration, self.sr = rows, max_duration, sample_rate
         self.too_short = too_short
+        self.warned = set()     # conversions logged: once a run's stream (a run's own log.txt)
 
     def __len__(self):
         return len(self.rows)
@@ -242,7 +243,7 @@ class StreamLoader:
             return None, (f"{row['wav']}: longer than max_duration ({head:g} s > {max_dur:g} s; "
                           f"{said})")
         try:
-            wav = load_audio(row["wav"], sr)
+            wav = load_audio(row["wav"], sr, self.warned)
         except AudioError as e:
             return None, str(e)
         n = wav.shape[-1]
