@@ -168,8 +168,9 @@ def test_bad_audio_is_skipped_listed_and_counted(bad_run):
 
 def test_a_model_of_another_sample_rate_gets_its_rate(tmp_path, monkeypatch):
     """A checkpoint whose processor takes 8 kHz audio, run through a yaml's
-    ``HFCTCLobe(sample_rate: 8000)`` (the packaged blocks' 16 kHz refuse it): the stream's audio
-    is resampled to the lobe's rate, not read at 16 kHz and fed to it as if it were 8 kHz."""
+    ``HFCTCLobe(sample_rate: 8000)``: the stream's audio is resampled to the lobe's rate, not
+    read at 16 kHz and fed to it as if it were 8 kHz. The packaged yamls refused such a model
+    (the lobe's 16 kHz default); they take the processor's rate now."""
     from tta_brain.data import loader as loader_mod
     from tta_brain.data.manifest import write_manifest
     from tta_brain.lobes.testing import TINY, save_random_ctc_model
@@ -193,6 +194,11 @@ def test_a_model_of_another_sample_rate_gets_its_rate(tmp_path, monkeypatch):
                            f"--stream_csv={stream}", f"--output_folder={tmp_path / 'out'}",
                            "--noprogressbar"])
     assert rates == [8000] and summary.n_utts == 1
+    # the packaged yamls take the processor's rate: the same stream, resampled to 8 kHz
+    summary = decode.main(["source", f"--source={model}", f"--stream_csv={stream}",
+                           f"--output_folder={tmp_path / 'packaged'}", "--noprogressbar"])
+    assert rates == [8000, 8000] and summary.n_utts == 1
+    assert "resampled from 16000 Hz to 8000 Hz" in (tmp_path / "packaged" / "log.txt").read_text()
 
 
 def test_conversions_happen_on_read_and_are_logged(bad_run, bad_stream):

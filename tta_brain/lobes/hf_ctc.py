@@ -270,8 +270,9 @@ class HFCTCLobe(nn.Module):
         Never touch the network. Defaults to True for an existing local directory. A hub model
         in the local HF cache is loaded from its cached snapshot without the network unless this
         is False (then the hub is asked for updates, as ``from_pretrained`` does).
-    sample_rate : int
-        Expected input sample rate; checked against the processor's.
+    sample_rate : int, optional
+        The input's sample rate: by default the processor's (16 kHz without one); a value that
+        differs from the processor's is refused. Every reader of a stream resamples to it.
     device : str
         Where the model lives (``cpu``, ``cuda:0``); methods snapshot state on this device.
     runtime : Runtime, optional
@@ -280,7 +281,7 @@ class HFCTCLobe(nn.Module):
     """
 
     def __init__(self, source: str, savedir: Optional[str] = None,
-                 local_files_only: Optional[bool] = None, sample_rate: int = 16000,
+                 local_files_only: Optional[bool] = None, sample_rate: Optional[int] = None,
                  device: str = "cpu", runtime: Optional[Runtime] = None):
         super().__init__()
         check_default_dtype(f"HFCTCLobe({source!r})")
@@ -308,10 +309,11 @@ class HFCTCLobe(nn.Module):
             parts = _load_checkpoint(source, dict(cache_dir=savedir,
                                                   local_files_only=local_files_only))
         self.model, self.feature_extractor, self.tokenizer = parts
-        sr = getattr(self.feature_extractor, "sampling_rate", sample_rate)
-        if sr != sample_rate:
-            raise ValueError(f"{source}: the processor expects {sr} Hz audio, not {sample_rate}")
-        self.sample_rate = sample_rate
+        sr = getattr(self.feature_extractor, "sampling_rate", None) or sample_rate or 16000
+        if sample_rate is not None and sr != sample_rate:
+            raise ValueError(f"{source}: the processor expects {sr} Hz audio, not {sample_rate} "
+                             f"(sample_rate: leave it out to take the processor's)")
+        self.sample_rate = int(sr)    # (an 8 kHz checkpoint: its streams are resampled to 8 kHz)
         #: the model's input: ``input_values`` (the waveform: the wav2vec 2.0 family) or the
         #: processor's filterbank features (``input_features``; tested: Wav2Vec2-BERT)
         self.input_name = str(getattr(self.model, "main_input_name", "input_values"))

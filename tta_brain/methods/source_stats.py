@@ -207,7 +207,7 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     inputs = []
     for r in rows:
         try:
-            inputs.append(lobe.prepare(load_audio(r["wav"])))
+            inputs.append(lobe.prepare(load_audio(r["wav"], lobe.sample_rate)))
         except AudioError as e:                 # which row of which manifest, not only the file
             raise SourceStatsError(f"{manifest}: utterance {r['ID']}: {e} (--manifest)") from None
     options = dict(options or {})
