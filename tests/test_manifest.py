@@ -83,7 +83,13 @@ def test_truncated_inside_quotes_and_other_malformed_files(tmp_path):
     with pytest.raises(ManifestError, match=r"t\.csv:1: column 'ID' appears twice"):
         read_manifest(path)
     path.write_bytes(b"ID,duration,wav,spk_id,wrd\nu1,1,/a.wav,s,CAF\xe9\n")  # Latin-1
-    with pytest.raises(ManifestError, match=r"t\.csv: not UTF-8 text"):
+    with pytest.raises(ManifestError, match=r"t\.csv:2: not UTF-8 text"):
+        read_manifest(path)
+    # the line, not the last line before the decoder's chunk (it said "after line 0", or 2990
+    # for a bad byte on line 3002)
+    good = "".join(f"u{i},1,/a{i}.wav,s,A\n" for i in range(3000))
+    path.write_bytes(b"ID,duration,wav,spk_id,wrd\n" + good.encode() + b"u,1,/a.wav,s,CAF\xe9\n")
+    with pytest.raises(ManifestError, match=r"t\.csv:3002: not UTF-8 text"):
         read_manifest(path)
     path.write_text("")
     with pytest.raises(ManifestError, match="empty manifest"):

@@ -156,6 +156,17 @@ def _read_rows(path, records, replacements, lines=None):
     return rows
 
 
+def first_non_utf8_line(path) -> int:
+    """The number of the first line of ``path`` that is not UTF-8 (1 if none is)."""
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return i
+    return 1
+
+
 def _records(path):
     """``(line number, fields)`` of each CSV record of ``path``, the header first.
 
@@ -178,8 +189,8 @@ def _records(path):
             hint = (" (truncated file?)" if "unexpected end of data" in str(err) else "")
             raise ManifestError(f"{path}:{reader.line_num}: malformed CSV: {err}{hint}") from None
         except UnicodeDecodeError as err:
-            raise ManifestError(f"{path}: not UTF-8 text ({err.reason} after line "
-                                f"{reader.line_num})") from None
+            raise ManifestError(f"{path}:{first_non_utf8_line(path)}: not UTF-8 text "
+                                f"({err.reason})") from None
 
 
 def _header(path, records):

@@ -23,6 +23,8 @@ from typing import Dict, Iterable, List, Optional
 from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torch quirks)
 from speechbrain.utils.metric_stats import ErrorRateStats
 
+from tta_brain.data.manifest import first_non_utf8_line
+
 __all__ = ["Transcript", "Reject", "Reset", "Lii", "Memory", "RecordWriter", "RecordError",
            "CSV_FILES", "read_transcripts", "read_rejects", "read_resets", "read_lii",
            "read_memory", "rows_done", "write_wer_file"]
@@ -148,20 +150,9 @@ def _read(folder, name: str) -> list:
             return [_parse(cls, row, path, i, reader.fieldnames or ())
                     for i, row in enumerate(reader, start=2)]
     except UnicodeDecodeError:          # damaged bytes, or a file of another encoding
-        raise RecordError(f"{path}:{_first_bad_line(path)}: not UTF-8 text (damaged?)") from None
+        raise RecordError(f"{path}:{first_non_utf8_line(path)}: not UTF-8 text (damaged?)") from None
     except csv.Error as err:            # NUL bytes, a quote left open by a cut
         raise RecordError(f"{path}:{reader.line_num}: malformed CSV: {err}") from None
-
-
-def _first_bad_line(path) -> int:
-    """The number of the first line of ``path`` that is not UTF-8."""
-    with open(path, "rb") as f:
-        for i, line in enumerate(f, start=1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError:
-                return i
-    return 1
 
 
 def read_transcripts(folder) -> List[Transcript]:
