@@ -1428,6 +1428,13 @@ def test_domains_without_segments_are_the_oracles_blocks(tmp_path, tiny_model_di
     note = "no segment column: 3 domain blocks from its domain column"
     assert note in (tmp_path / "own" / "log.txt").read_text()
     assert note not in (tmp_path / "stream" / "log.txt").read_text()
+    # a segment column that does not follow the domains (accepted: the log says which is which)
+    flat = _without(root / "stream.csv", root / "flat.csv", "no such column", segment="0")
+    decode.main(["source", f"--source={tiny_model_dir}", f"--stream_csv={flat}",
+                 f"--output_folder={tmp_path / 'flat'}", f"--data_root={root}", "--noprogressbar"])
+    said = f"{flat}:5: the domain changes (d0 -> d1) within segment 0: the oracle reset"
+    assert said in (tmp_path / "flat" / "log.txt").read_text()
+    assert "within segment" not in (tmp_path / "stream" / "log.txt").read_text()
 
 
 def test_live_stream_build_errors_speak_of_its_overrides(tiny_model_dir):

@@ -40,7 +40,17 @@ def load_stream(path, data_root=None) -> List[Dict]:
     header = read_header(path)
     required = STREAM_REQUIRED + (("position",) if "position" in header else ())
     validate_manifest(path, required=required, stream=True)
-    rows = read_manifest(path, replacements={"data_root": data_root or ""})
+    lines = []
+    rows = read_manifest(path, replacements={"data_root": data_root or ""}, lines=lines)
+    if "domain" in header and "segment" in header:
+        inside = next((i for i in range(1, len(rows)) if rows[i]["domain"] != rows[i - 1]["domain"]
+                       and rows[i]["segment"] == rows[i - 1]["segment"]), None)
+        if inside is not None:       # the oracle reset and boundary detection follow segment
+            logger.warning("%s:%d: the domain changes (%s -> %s) within segment %s: the oracle "
+                           "reset and the report's boundaries follow the segment column, its "
+                           "per-domain error rates the domain column", path, lines[inside],
+                           rows[inside - 1]["domain"], rows[inside]["domain"],
+                           rows[inside]["segment"])
     if "domain" in header and "segment" not in header:
         # segment = the index of the contiguous domain block (the column's definition): a
         # manifest of one's own with domains but no segments still has its true boundaries
