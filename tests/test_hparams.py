@@ -79,3 +79,16 @@ def test_your_code_is_your_own_top_level_modules_and_packages(tmp_path, monkeypa
     assert identity.your_code(values)["single"] == code["single"]
     monkeypatch.setattr(identity, "_installed", lambda: {"mypkg": ["mypkg"]})
     assert sorted(identity.your_code(values)) == ["broken", "single"]
+
+
+def test_an_override_that_only_matters_under_another_value_is_refused():
+    """EATA's momentum is read only by its SGD optimiser: --momentum under the default AdamW
+    decoded exactly the default run, under another name and fingerprint; now one line. With
+    eata_optimizer=sgd it is taken."""
+    base = {"source": "m", "stream_csv": "s.csv", "output_folder": "o"}
+    with pytest.raises(hparams.HparamsError,
+                       match=r"momentum = 0.5 \(an override\) with eata_optimizer = 'adamw': it is "
+                             r"only used with eata_optimizer = sgd"):
+        hparams.resolve("eata", {**base, "momentum": 0.5})
+    values = hparams.resolve("eata", {**base, "momentum": 0.5, "eata_optimizer": "sgd"}).values
+    assert values["momentum"] == 0.5

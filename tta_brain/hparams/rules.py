@@ -182,16 +182,27 @@ def check_adapt_params(path, groups) -> None:
         raise HparamsError(f"{path}: {e}") from None
 
 
-#: Keys that only matter with another one set: an override of one without it decoded exactly as
-#: without the override (a run that differed from the default in its name and fingerprint only).
-NEEDS = {"lm_weight": "lm_path", "word_bonus": "lm_path"}
+#: Keys that only matter with another one set (a key name), or set to one of some values
+#: (``(key, values)``): an override of one without it decoded exactly as without the override
+#: (a run that differed from the default in its name and fingerprint only).
+NEEDS = {"lm_weight": "lm_path", "word_bonus": "lm_path",
+         "momentum": ("eata_optimizer", ("sgd",))}
 
 
 def check_overrides(path, values: Dict, given) -> None:
     """The overridden keys (``given``) that would have no effect (:data:`NEEDS`)."""
     for key in given:
         need = NEEDS.get(key)
-        if need and key in values and not values.get(need):
+        if not need or key not in values:
+            continue
+        if isinstance(need, tuple):
+            other, wanted = need
+            if other in values and values[other] not in wanted:
+                raise HparamsError(
+                    f"{path}: {key} = {values[key]!r} (an override) with {other} = "
+                    f"{values[other]!r}: it is only used with {other} = {' or '.join(wanted)}, "
+                    f"and would not change the run")
+        elif not values.get(need):
             raise HparamsError(f"{path}: {key} = {values[key]!r} (an override) without {need}: "
                                f"it is only used with {need} set, and would not change the run")
 
