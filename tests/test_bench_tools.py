@@ -168,8 +168,8 @@ def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys
     (tmp_path / "tmp").mkdir()
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)     # TMPDIR read again
-    opts = ["--lengths", "3", "--seconds", "0.5", "0.6", "--decode_opts",   # one decode child
-            "--steps=1 --reset_K=10"]
+    opts = ["--lengths", "3", "--seconds", "0.5", "0.6",         # one decode child
+            "--decode_opts=--steps=1"]
     assert bench_memory.main(opts) in (0, 1)
     assert "3 utts | peak RSS" in capsys.readouterr().out
     assert not list((tmp_path / "tmp").glob("bench_memory_*"))    # (torch's own caches stay)

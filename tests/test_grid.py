@@ -606,6 +606,37 @@ def test_a_sweep_that_would_lose_values_is_refused(sweep, expected):
         ["--lr=3e-4", "--steps=1"], ["--lr=3e-4", "--steps=3"]]
 
 
+def test_options_a_run_would_not_read_are_left_out_of_it(data, tmp_path):
+    """``--reset_every`` without a fixed reset was accepted and read by nothing: a plain run
+    named ``csuta_reset_every7``, and the recipe's K and period reached every multi-domain run.
+    The grid leaves such an option out of the runs that would not read it (the log says so),
+    refuses one that no run reads, decode refuses it; a run's identity leaves such keys out,
+    so a folder decoded with one is the run without it."""
+    argv = grid_argv(data, tmp_path / "exp", "csuta csuta+fixed", "0", "--md_streams", "s",
+                     "--md_recipe_opts=--reset_K=10 --reset_every=5")
+    plain, fixed = grid.plan_runs(grid.parse_args(argv + ["--decode_opts=--reset_every=7"]))
+    assert (plain.name, fixed.name) == ("s/csuta/seed0", "s/csuta+fixed_reset_every7/seed0")
+    assert not [a for a in plain.argv if a.startswith("--reset")]
+    assert [a for a in fixed.argv if a.startswith("--reset")] == [
+        "--reset=fixed", "--reset_every=5", "--reset_every=7"]        # (the last one wins)
+    with pytest.raises(SystemExit, match=re.escape(
+            "ERROR: --decode_opts --reset_K: no run of this grid reads it (with reset = 'none': "
+            "it is only used with reset = dynamic)")):
+        grid.plan_runs(grid.parse_args(argv + ["--decode_opts=--reset_K=20"]))
+    with pytest.raises(SystemExit,
+                       match="reset_every = 7 \\(an override\\) with reset = 'none': it is only "
+                             "used with reset = fixed, and would not change the run"):
+        decode.plan(decode_argv(data, tmp_path / "d", "csuta", "--reset_every=7"))
+    a = decode.plan(decode_argv(data, tmp_path / "a", "csuta")).fingerprint
+    old = json.loads(json.dumps(a))
+    old["hparams"]["reset_K"] = 10          # as the recipe's multi-domain csuta runs were made
+    assert identity.differences(old, a) == [] == identity.differences(old, a, recorded=True)
+    old["hparams"]["reset"] = "dynamic"     # read: a difference
+    assert [d.split(":")[0] for d in identity.differences(old, a)] == [
+        "hparams.reset", "hparams.reset_K", "hparams.reset_lii_count", "hparams.reset_patience",
+        "hparams.reset_test_size", "hparams.reset_threshold"]
+
+
 def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
     """``--lr 1e-4`` (decode's space form) in ``--decode_opts`` or an ``.opts`` file is one
     override, named ``lr1e-4`` (it was refused as a key '1e-4'); a stray word, an open quote or

@@ -352,7 +352,8 @@ def test_a_stream_of_your_own_name_gets_the_multi_domain_options(lsc, tmp_path):
 
 def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
     """K = per_domain / 2 and the fixed period per_domain / 4 on the multi-domain streams, passed
-    only to the methods that have those keys."""
+    only to the methods that have those keys and whose reset reads them (K: dynamic, the period:
+    fixed; they reached every run, read by none of the others)."""
     streams = tmp_path / "data" / "snr20" / "streams"
     streams.mkdir(parents=True)
     for name in ("md_hard", "GS"):
@@ -365,7 +366,8 @@ def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
     cmds = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
             if x.startswith("DRY-RUN:")]
     dyn_md = [c for c in cmds if "--stream_name=md_hard" in c and "--reset=dynamic" in c]
-    assert len(dyn_md) == 1 and "--reset_K=30" in dyn_md[0] and "--reset_every=15" in dyn_md[0]
+    assert len(dyn_md) == 1 and "--reset_K=30" in dyn_md[0]
+    assert not [a for a in dyn_md[0] if a.startswith("--reset_every")]
     assert not any("--reset_K=30" in c for c in cmds if "--stream_name=GS" in c)
     assert not any("--reset_K=30" in c for c in cmds if c[c.index("tta_brain.decode") + 1] == "suta")
     for opt in ("--reset_K=30", "--reset_every=15"):     # logged once, not once per stream
@@ -373,10 +375,10 @@ def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
     # small blocks: the smallest K and period that DSUTA's own yaml accepts (were 2 and 0, then
     # K 4 < 2 x buffer_size: every +fixed / +dynamic run failed on a key the user never set);
     # --md_recipe_opts given: it, not the rule (was ignored)
-    for extra, want in ((["--per_domain", 3], ["--reset_K=10", "--reset_every=1"]),
-                        (["--per_domain", 6], ["--reset_K=10", "--reset_every=1"]),
-                        (["--md_recipe_opts", "--reset_K=12"], ["--reset_K=12"])):
-        for method in ("dsuta+fixed", "dsuta+dynamic"):
+    for extra, wants in ((["--per_domain", 3], (["--reset_every=1"], ["--reset_K=10"])),
+                         (["--per_domain", 6], (["--reset_every=1"], ["--reset_K=10"])),
+                         (["--md_recipe_opts", "--reset_K=12"], ([], ["--reset_K=12"]))):
+        for method, want in zip(("dsuta+fixed", "dsuta+dynamic"), wants):
             res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,
                       "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp", "--streams",
                       "md_hard", "--methods", method, *extra, "--dry_run", "true")
@@ -386,7 +388,8 @@ def test_synthetic_reset_periods_follow_the_block_size(tmp_path):
             given = [a for a in cmd if a.startswith(("--reset_K", "--reset_every"))]
             assert given == want
             if "--md_recipe_opts" not in extra:      # the recipe's own values pass the yaml's rules
-                hparams.resolve("dsuta", {"source": "x", "stream_csv": "x", "output_folder": "x", **{
+                hparams.resolve("dsuta", {"source": "x", "stream_csv": "x", "output_folder": "x",
+                                          "reset": method.partition("+")[2], **{
                     a[2:].split("=")[0]: int(a.split("=")[1]) for a in given}})
     # the recipe's own settings are no typo: a grid of methods without resets runs too
     res = run(REPO / "recipes" / "synthetic" / "run.sh", "--stage", 4, "--stop_stage", 4,

@@ -1264,7 +1264,8 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     other_model = save_ctc_model(tmp_path / "other_model", seed=1)
     for name, over, why in (
             ("suta", {"steps": 2}, "method 'dsuta' (file) != 'suta' (this stream)"),
-            ("dsuta", {**ov, "reset": "fixed"}, "reset 'dynamic' (file) != 'fixed'"),
+            ("dsuta", {"steps": 2, "buffer_size": 2, "lr": 1e-3, "reset": "fixed"},
+             "reset 'dynamic' (file) != 'fixed'"),
             # another K: the construction stage's fit position was passed, no test ever again
             ("dsuta", {**ov, "reset_K": 6}, "reset_schedule 'K 4, lii_count paper' (file) != "
                                             "'K 6, lii_count paper' (this stream)"),

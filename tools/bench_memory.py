@@ -38,7 +38,7 @@ Usage::
     python tools/bench_memory.py                                   # CPU, generated tiny model
     python tools/bench_memory.py --lengths 50 100 200 400 800 --device cuda:0
     python tools/bench_memory.py --source /models/wav2vec2-base-960h --seconds 2 6 --device cuda:0
-    python tools/bench_memory.py --decode_opts "--steps=5 --reset_K=50"
+    python tools/bench_memory.py --decode_opts "--reset=dynamic --steps=5 --reset_K=50"
 
 A generated model is a randomly initialised Wav2Vec2ForCTC (``--hidden``, ``--layers``) with the
 wav2vec2-base-960h vocabulary; the audio is speech-like synthetic signal (harmonics under a

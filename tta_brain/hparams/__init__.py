@@ -149,8 +149,9 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
             raise HparamsError(f"{path}: a --key=value override is not valid yaml: "
                                f"{' '.join(msg.split())}") from None
         values = ruamel.yaml.YAML().load(text)
-    _check_override_keys(path, values, overrides)
+    given = _check_override_keys(path, values, overrides)
     check(path, values, device_here)
+    rules.check_overrides(path, values, given)       # (after the values: a bad one says so first)
     return Resolved(path, text, values)
 
 
@@ -160,14 +161,13 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
 BUILT_KEYS = ("model", "method", "runtime")
 
 
-def _check_override_keys(path, values: Dict, overrides) -> None:
+def _check_override_keys(path, values: Dict, overrides) -> List[str]:
     """Refuse an override of an internal key (``__set_seed``: replacing the yaml's seeding step
     left a run unseeded whose records said seed 0) or a plain value for one of
-    :data:`BUILT_KEYS`."""
+    :data:`BUILT_KEYS`. Returns the overridden keys."""
     if not overrides:
-        return
+        return []
     given = ruamel.yaml.YAML().load(overrides) if isinstance(overrides, str) else overrides
-    rules.check_overrides(path, values, list(given or {}))
     for key, value in (given or {}).items():
         if str(key).startswith("__"):
             raise HparamsError(f"--{key}: an internal key of {path} (a step the yaml runs when "
@@ -178,6 +178,7 @@ def _check_override_keys(path, values: Dict, overrides) -> None:
                                f"{path}), not a value; change its arguments (python -m "
                                f"tta_brain.decode <method> --help) or build another in a yaml "
                                f"of your own")
+    return list(given or {})
 
 
 def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None,

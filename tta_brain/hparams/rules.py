@@ -184,27 +184,40 @@ def check_adapt_params(path, groups) -> None:
 
 #: Keys that only matter with another one set (a key name), or set to one of some values
 #: (``(key, values)``): an override of one without it decoded exactly as without the override
-#: (a run that differed from the default in its name and fingerprint only).
+#: (a run that differed from the default in its name and fingerprint only). The reset block's
+#: keys are read by their own policy only (``--reset_every=20`` without ``--reset=fixed`` was a
+#: plain no-reset run labelled reset_every20).
 NEEDS = {"lm_weight": "lm_path", "word_bonus": "lm_path",
-         "momentum": ("eata_optimizer", ("sgd",))}
+         "momentum": ("eata_optimizer", ("sgd",)),
+         "reset_every": ("reset", ("fixed",)),
+         **{k: ("reset", ("dynamic",)) for k in ("reset_K", "reset_patience", "reset_threshold",
+                                                 "reset_lii_count", "reset_test_size")}}
+
+
+def unused(key: str, values: Dict) -> Optional[str]:
+    """Why ``key`` changes nothing in a run of these ``values`` (:data:`NEEDS`; a value compared
+    as text, so that a grid's command-line strings and a resolved yaml's values are judged
+    alike), or None. The grid leaves such options out of a run; a run's identity leaves such
+    keys out (a run's K under reset none is no part of what it is)."""
+    need = NEEDS.get(key)
+    if not need or key not in values:
+        return None
+    if isinstance(need, tuple):
+        other, wanted = need
+        if other in values and str(values[other]) not in wanted:
+            return (f"with {other} = {values[other]!r}: it is only used with {other} = "
+                    f"{' or '.join(wanted)}")
+        return None
+    return None if values.get(need) else f"without {need}: it is only used with {need} set"
 
 
 def check_overrides(path, values: Dict, given) -> None:
     """The overridden keys (``given``) that would have no effect (:data:`NEEDS`)."""
     for key in given:
-        need = NEEDS.get(key)
-        if not need or key not in values:
-            continue
-        if isinstance(need, tuple):
-            other, wanted = need
-            if other in values and values[other] not in wanted:
-                raise HparamsError(
-                    f"{path}: {key} = {values[key]!r} (an override) with {other} = "
-                    f"{values[other]!r}: it is only used with {other} = {' or '.join(wanted)}, "
-                    f"and would not change the run")
-        elif not values.get(need):
-            raise HparamsError(f"{path}: {key} = {values[key]!r} (an override) without {need}: "
-                               f"it is only used with {need} set, and would not change the run")
+        why = unused(key, values)
+        if why:
+            raise HparamsError(f"{path}: {key} = {values[key]!r} (an override) {why}, and would "
+                               f"not change the run")
 
 
 def check_device(device, here: bool = True) -> None:

@@ -209,7 +209,10 @@ class OptionRule:
         from tta_brain import hparams
         from tta_brain.run.cli import FLAGS
         self.keys = {token: set(hparams.keys(y)) | set(FLAGS) for token, y in yamls.items()}
+        self.defaults = {token: {k: v for k, v, _ in hparams.describe(y)}
+                         for token, y in yamls.items()}
         self.logged = set()
+        self.read, self.unread = set(), {}     # keys some run reads; key -> why no run does
 
     def check(self, source: str, opts: List[str]) -> None:
         for key in _keyvals(opts):
@@ -226,6 +229,37 @@ class OptionRule:
                 self.logged.add((token, source, a))
                 logger.info("%s: %s %s is not a key of its yaml, not passed", token, source, a)
         return kept
+
+
+    def live(self, token: str, *lists: List[str]) -> List[List[str]]:
+        """``lists`` (a run's options, in command-line order) without the options its run
+        would not read (``rules.NEEDS``: ``--reset_every`` where its reset is not fixed; decode
+        refuses them, and the run's identity leaves them out), the log saying so once."""
+        from tta_brain.hparams import rules
+        values = {**self.defaults[token], **_keyvals([a for opts in lists for a in opts])}
+        dead = {k: rules.unused(k, values) for k in values}
+        for key, why in dead.items():
+            if why:
+                self.unread.setdefault(key, why)
+            elif key in values:
+                self.read.add(key)
+        out = [[a for a in opts if not dead.get(next(iter(_keyvals([a])), None))]
+               for opts in lists]
+        for a in (a for opts in lists for a in opts):
+            key = next(iter(_keyvals([a])), None)
+            if dead.get(key) and (token, a) not in self.logged:
+                self.logged.add((token, a))
+                logger.info("%s: %s is not read by its run (%s), not passed", token, a, dead[key])
+        return out
+
+    def check_read(self, *given: Tuple[str, List[str]]) -> None:
+        """An option of the user's that no run of the grid reads (``--reset_every`` in a grid
+        without a fixed reset): one line before anything runs, as a key no method has."""
+        for source, opts in given:
+            for key in _keyvals(opts):
+                if key in self.unread and key not in self.read:
+                    raise SystemExit(f"ERROR: {source} --{key}: no run of this grid reads it "
+                                     f"({self.unread[key]})")
 
 
 def _no_device_with_gpus(run: Run, args) -> None:
@@ -296,25 +330,28 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             mine = rule.kept(token, "--decode_opts", user)
             for point in points:
                 point = rule.kept(token, "--sweep", point)
-                tag = fit_tag(token, inference_tag(mine + point))
+                # (options its run would not read: reset_every with reset none, left out)
+                recipe_p, mine_p, point = rule.live(token, recipe, mine, point)
+                tag = fit_tag(token, inference_tag(mine_p + point))
                 # a run with options of its own is named by its tag in reports, not pooled;
                 # so is a yaml of one's own whose method_tag is not its token (a copy of
                 # csuta.yaml as mycsuta.yaml says csuta: pooled with csuta's runs)
                 label = rule.kept(token, "--method_tag", [f"--method_tag={token}_{tag}"] if tag
-                                  else _token_label(token, yaml, reset, recipe + mine + point))
+                                  else _token_label(token, yaml, reset, recipe_p + mine_p + point))
                 for seed in args.seeds.split():
                     rel = f"{name}/{token}{'_' + tag if tag else ''}/seed{seed}"
                     folder = Path(args.exp_dir) / rel
                     argv = [yaml, f"--source={args.source}", f"--stream_csv={csv}",
                             f"--output_folder={folder}", f"--seed={seed}",
                             f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
-                            *gpu, *recipe, *mine, *point, *label]
+                            *gpu, *recipe_p, *mine_p, *point, *label]
                     origins = {k: w for w, a in lines for k in _keyvals([a])}
                     for where, opts in (*md_lists, ("--decode_opts", mine), ("--sweep", point)):
                         origins.update((k, where) for k in _keyvals(opts))
                     runs.append(Run(rel, folder, argv, total=total, origins=origins))
                     if gpu:
                         _no_device_with_gpus(runs[-1], args)
+    rule.check_read(("--decode_opts", user), ("--md_decode_opts", md_opts), ("--sweep", points[0]))
     return _unique(runs)
 
 

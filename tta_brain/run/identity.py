@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 from tta_brain.data.cache import (HASH_CACHE_NAME, HashCache, file_identity, file_sha1,
                                   same_source, source_identity)
 from tta_brain.data.manifest import expand_path
+from tta_brain.hparams import rules
 
 __all__ = ["LOCATION_KEYS", "CONTENT_KEYS", "fingerprint", "audio_sha1", "stream_fingerprint",
            "differences", "FolderLock", "LockedError", "FINGERPRINT_FILE", "LOCK_FILE"]
@@ -232,6 +233,10 @@ def differences(old: Optional[Dict], new: Dict, recorded: bool = False) -> List[
                 if isinstance(default, dict):
                     default = default.get(str(fp.get("hparams.device", "cpu")))
                 fp[f"hparams.{key}"] = default
+    for fp in (a, b):       # a key the run does not read (reset_K under reset none) is no part
+        hp = {k[len("hparams."):]: v for k, v in fp.items() if k.startswith("hparams.")}
+        for key in [k for k in rules.NEEDS if rules.unused(k, hp)]:      # of what it is
+            del fp[f"hparams.{key}"]
     for old_fp, new_fp in ((a, b), (b, a)) if recorded else ((a, b),):
         if "audio_sha1" not in old_fp and "audio_sha1" in new_fp:   # recorded before the audio
             old_fp["audio_sha1"] = new_fp["audio_sha1"]              # was: not known either
