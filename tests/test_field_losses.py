@@ -75,6 +75,24 @@ def test_confidence_weighted_entropy_matches_reference(seed):
     assert abs(float(got[0]) - ref_confidence_weighted(x)) < 1e-9
 
 
+def test_confidence_weighted_entropy_gradient_flows_through_the_weight():
+    """The weight sigmoid(H) is not detached (frames the model is unsure of count more in the
+    gradient too): autograd's gradient is that of the reference's sigmoid(H) * H, by central
+    differences of the float64 reference (a detached weight drops the sigmoid'(H) H dH term)."""
+    x = logits(seed=4).requires_grad_(True)
+    losses.confidence_weighted_entropy_loss(x, temperature=2.5, blank_id=BLANK)[0].backward()
+    eps, worst = 1e-6, 0.0
+    for t in range(x.shape[1]):
+        for v in range(x.shape[2]):
+            hi, lo = x.detach().clone(), x.detach().clone()
+            hi[0, t, v] += eps
+            lo[0, t, v] -= eps
+            fd = (ref_confidence_weighted(hi) - ref_confidence_weighted(lo)) / (2 * eps)
+            worst = max(worst, abs(float(x.grad[0, t, v]) - fd))
+    assert worst < 1e-6
+    assert float(x.grad.abs().max()) > 1e-3                 # a gradient to compare at all
+
+
 def test_confidence_weighted_entropy_all_blank_is_zero():
     x = logits(blank_bias=50.0)
     assert float(losses.confidence_weighted_entropy_loss(x)[0]) == 0.0
