@@ -426,6 +426,21 @@ def test_dynamic_reset_test_size_tests_the_mean_of_that_many_lii_values():
     assert same == drive(DynamicReset(K=K, patience=1), FakeMethod(dict(planted)), 14, 2)
 
 
+def test_dynamic_reset_tests_the_whole_buffer_when_K_is_off_the_update_grid():
+    """Algorithm 2 tests IsReset(G, B, P) on the buffer B: with K = 8 and M = 3 the first test
+    (t = 9) is of the LIIs of t = 7, 8, 9, two of them construction values (t <= K). Planted so
+    that the mean of the three is a detection (z = 2.10) while the LII of t = 9 alone is not
+    (z = 1.9): one test, patience 1, a reset at 9."""
+    K, M = 8, 3
+    stats = {5: 0.0, 6: 0.0, 7: 0.3, 8: 0.3}
+    mu, sd = statistics.mean(stats.values()), statistics.stdev(stats.values())
+    x9 = mu + 1.9 * sd
+    z_buffer = (statistics.mean([0.3, 0.3, x9]) - mu) / (sd / math.sqrt(3))
+    assert 2.05 < z_buffer < 2.15 and (x9 - mu) / sd < 2
+    planted = {**stats, 9: x9, **{t: mu for t in range(10, 16)}}
+    assert drive(DynamicReset(K=K, patience=1), FakeMethod(planted), 15, M) == [9]
+
+
 def test_dynamic_reset_odd_K_and_no_reset_during_construction():
     K, M = 5, 1                                              # k = 2
     planted = {3: 0.0, 4: 50.0, 5: 0.1, 6: 0.05}
