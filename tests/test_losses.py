@@ -309,6 +309,21 @@ def test_renyi_with_path_and_all_blank():
     assert losses.renyi_entropy_loss(x, path=torch.zeros(1, 10, dtype=torch.long))[0] == 0
 
 
+def test_sgem_step_loss_is_renyi_on_the_path_plus_weighted_negative_sampling():
+    """SGEM's step loss: Renyi entropy (its alpha) over the non-blank frames of the given path,
+    plus ns_coef x negative sampling, batch mean; each term from the explicit references."""
+    from tta_brain.methods.sgem import sgem_loss
+    x = rand_logits(2, 10, 5, seed=21, blank_bias=0.5)
+    path = torch.tensor([[0, 2, 2, 0, 4, 0, 0, 1, 0, 3], [1, 0, 0, 3, 3, 0, 2, 0, 0, 0]])
+    assert not torch.equal(path, x.argmax(-1))              # the path, not the argmax, counts
+    for alpha, coef, thr in [(1.5, 0.25, 0.04), (2.0, 3.0, 0.1)]:
+        got = sgem_loss(x, path, renyi_alpha=alpha, temperature=2.5, blank_id=BLANK,
+                        ns_threshold=thr, ns_coef=coef)
+        ref = sum(ref_renyi(x[b], alpha=alpha, path=path[b])
+                  + coef * ref_negative_sampling(x[b], threshold=thr) for b in range(2)) / 2
+        assert close(got, ref)
+
+
 # ----------------------------------------------------------------------------- negative sampling
 @pytest.mark.parametrize("seed,V", [(0, 6), (1, 32)])
 def test_negative_sampling_matches_reference(seed, V):

@@ -637,6 +637,36 @@ def test_sgem_with_an_empty_best_beam(make, utterances):
     assert m.counts["skipped_steps"] == 0
 
 
+def test_sgem_lr_is_cosine_annealed_per_group_over_the_steps(make, utterances):
+    """SGEM's lr over the N steps of an utterance is torch's CosineAnnealingLR (T_max = N) from
+    each group's lr to lr_min times the group's multiplier, and starts again next utterance."""
+    lr, lr_min, N = 4e-5, 1e-5, 4
+    m = make("sgem", steps=N, lr=lr, lr_min=lr_min, beam_width=1,
+             adapt_params=[{"select": "layernorm"}, {"select": "cnn", "lr_mult": 3.0}])
+    mults = [g["lr"] / lr for g in m.optimizer.param_groups]     # the groups' order is theirs
+    assert sorted(mults) == pytest.approx([1.0, 3.0])
+    seen = []
+    orig_step = m.adapt_step
+    m.adapt_step = lambda x, **kw: (seen.append([g["lr"] for g in m.optimizer.param_groups]),
+                                    orig_step(x, **kw))[1]
+    for wav in utterances[:2]:
+        m.process(wav)
+    expected = []
+    for mult in mults:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr * mult)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=N, eta_min=lr_min * mult)
+        lrs = []
+        for _ in range(N):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        expected.append(lrs)
+    want = [[lrs[n] for lrs in expected] for n in range(N)] * 2
+    assert len(seen) == 2 * N
+    assert seen == [pytest.approx(w, rel=1e-9) for w in want]
+    assert seen[0] == pytest.approx([lr * k for k in mults])
+
+
 def test_unknown_method_and_bad_reset_policy(make, tiny_model_dir):
     lobe = HFCTCLobe(tiny_model_dir)
     with pytest.raises(ValueError, match="Unknown TTA method 'sutaa'.*suta"):
