@@ -508,6 +508,48 @@ def test_awmc_leader_is_ema_of_chaser(make, utterances, decay, lr):
     assert len(chasers) == 4
 
 
+def test_awmc_labels_come_from_the_source_and_the_leader(make, utterances, tiny_model_dir,
+                                                        monkeypatch):
+    """Each AWMC step's CTC targets: the greedy labels of the frozen source (anchor) and of the
+    leader's weights at that step, each recomputed here on a separate copy of the model (argmax,
+    repeats merged, blanks dropped); planted so that source, leader and chaser disagree."""
+    import itertools
+    from tta_brain.methods import awmc as awmc_module
+    m = make("awmc", steps=3, lr=0.05, ema_decay=0.9)
+    ref_lobe = HFCTCLobe(tiny_model_dir)
+    named = dict(ref_lobe.model.named_parameters())
+    ref_lobe.model.eval()
+
+    def labels_with(values, wav):
+        with torch.no_grad():
+            for n, v in zip(m.param_names, values):
+                named[n].copy_(v)
+            path = ref_lobe(ref_lobe.prepare(wav))[0].argmax(-1).tolist()
+        return [k for k, _ in itertools.groupby(path) if k != m.blank_id]
+    source = clone(m.params)
+    seen = []
+    orig = awmc_module.pseudo_label_loss
+
+    def spy(logits, anchor, leader, blank_id=0):
+        seen.append(([a.tolist() for a in anchor], [b.tolist() for b in leader],
+                     clone(m.leader), clone(m.params), current[0]))
+        return orig(logits, anchor, leader, blank_id)
+    monkeypatch.setattr(awmc_module, "pseudo_label_loss", spy)
+    current = [None]
+    for w in utterances[:3]:
+        current[0] = w
+        m.process(w)
+    assert len(seen) == 9
+    differ_src = differ_chaser = 0
+    for anchor, leader, leader_values, chaser_values, wav in seen:
+        want_anchor = labels_with(source, wav)
+        want_leader = labels_with(leader_values, wav)
+        assert anchor == [want_anchor] and leader == [want_leader]
+        differ_src += want_leader != want_anchor
+        differ_chaser += want_leader != labels_with(chaser_values, wav)
+    assert differ_src and differ_chaser                     # the check is not vacuous
+
+
 # ----------------------------------------------------------------------------- (g) counts
 def per_utt_counts(m, items):
     out = []
