@@ -250,6 +250,24 @@ def test_sar_recovers_when_the_loss_ema_is_low(tiny_model_dir, utterances):
     assert not [e for e in keep.events if e.kind == "reset"]
 
 
+def test_sar_loss_ema_is_point_nine_of_the_old_plus_point_one_of_each_pass_two_loss(
+        tiny_model_dir, utterances):
+    """SAR's recovery EMA: ema <- 0.9 ema + 0.1 L2 after each step that updated (L2 its
+    pass-2 loss), started by the first; checked against the pass-2 losses the steps returned."""
+    m = build_on(tiny_model_dir, "sar", lr=1e-2, reset_constant=-1.0, steps=2, **RELIABLE)
+    values = []
+    orig = m.sam_step
+    m.sam_step = lambda x, info: values.append(orig(x, info)) or values[-1]
+    for w in utterances[:3]:
+        m.process(w)
+    assert len(values) == 6 and all(math.isfinite(v) for v in values)
+    assert len(set(values)) > 1                              # distinct losses: the order shows
+    ema = values[0]
+    for v in values[1:]:
+        ema = 0.9 * ema + 0.1 * v
+    assert m.ema == pytest.approx(ema, rel=1e-12)
+
+
 # ----------------------------------------------------------------------------- CoTTA
 def test_cotta_teacher_is_an_ema_of_the_student(tiny_model_dir, utterances):
     m = build_on(tiny_model_dir, "cotta", lr=1e-2, restore_prob=0.0, ema_decay=0.9, n_augment=0)
@@ -322,6 +340,24 @@ def test_cotta_augments_when_the_anchor_is_unsure(tiny_model_dir, utterances):
     assert unsure.counts["augmented"] == 1 and unsure.counts["aux_forward"] == 3
     assert sure.counts["infer_forward"] == unsure.counts["infer_forward"] == 1
     assert all(isinstance(h, str) for h in hyps)
+
+
+def test_cotta_anchor_confidence_is_the_source_models(tiny_model_dir, utterances):
+    """The anchor that decides on augmentation is the frozen source, not the teacher: a teacher
+    made certain (its CTC head's bias +50 on one label, max probability ~1) does not stop the
+    augmentation of an utterance the source is unsure of, and vice versa."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    lobe = HFCTCLobe(tiny_model_dir)
+    with torch.no_grad():
+        conf = float(lobe(lobe.prepare(utterances[0])).softmax(-1).max(-1).values.mean())
+    assert conf < 0.9
+    for certain in ("teacher", "source"):
+        m = build_on(tiny_model_dir, "cotta", ap_threshold=(conf + 1.0) / 2, n_augment=2, steps=0)
+        i = m.param_names.index("lm_head.bias")
+        with torch.no_grad():
+            getattr(m, certain)[i][1] += 50.0
+        m.process(utterances[0])
+        assert m.counts["augmented"] == (1 if certain == "teacher" else 0), certain
 
 
 # ----------------------------------------------------------------------------- CEA, Tent
