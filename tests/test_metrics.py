@@ -134,3 +134,11 @@ print(before == settings(), before, settings())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[0] == "True", out.stdout
+
+
+def test_corpus_error_rate_normalises_both_sides():
+    """Pairs are scored after normalize_text: case, punctuation and curly apostrophes are no
+    errors; pooled over the pairs (1 substitution in 10 reference words: 10 %)."""
+    pairs = [("Hello, World!", "hello world"), ("Don\u2019t  stop now.", "DON'T STOP NOW")]
+    assert corpus_error_rate(pairs) == 0.0
+    assert corpus_error_rate(pairs + [("one two", "one three"), ("a b c", "A B C")]) == 100.0 * 1 / 10
