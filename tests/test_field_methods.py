@@ -268,6 +268,48 @@ def test_sar_loss_ema_is_point_nine_of_the_old_plus_point_one_of_each_pass_two_l
     assert m.ema == pytest.approx(ema, rel=1e-12)
 
 
+SCALE = 20.0
+
+
+@pytest.mark.parametrize("rho", [0.5, 2.0])
+def test_sar_second_pass_is_the_entropy_over_the_first_passs_frames(tiny_model_dir, utterances,
+                                                                     rho):
+    """Pass 2 of a SAM step: the entropy at theta + rho g / ||g|| (g the gradient of pass 1's
+    entropy) over the non-blank frames of pass 1's path, not its own argmax; recomputed here on
+    a separate copy of the model with autograd."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    m = build_on(tiny_model_dir, "sar", lr=1e-2, rho=rho, reset_constant=-1.0, **RELIABLE)
+    with torch.no_grad():                                    # peakier posteriors (both copies)
+        m.net.lm_head.weight.mul_(SCALE)
+    values = []
+    orig = m.sam_step
+    m.sam_step = lambda x, info: values.append(orig(x, info)) or values[-1]
+    m.process(utterances[0])
+    ref = HFCTCLobe(tiny_model_dir)
+    ref.model.eval()
+    ref.model.requires_grad_(False)
+    with torch.no_grad():
+        ref.model.lm_head.weight.mul_(SCALE)
+    named = dict(ref.model.named_parameters())
+    ps = [named[n] for n in m.param_names]
+    for p in ps:
+        p.requires_grad_(True)
+    x = ref.prepare(utterances[0])
+    logits = ref(x)
+    path = logits.detach().argmax(-1)
+    h1 = losses.entropy_loss(logits, temperature=1.0, path=path).mean()
+    grads = torch.autograd.grad(h1, ps)
+    norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    with torch.no_grad():
+        for p, g in zip(ps, grads):
+            p.add_(rho * g / norm)
+        logits2 = ref(x)
+    on_path = float(losses.entropy_loss(logits2, temperature=1.0, path=path)[0])
+    own = float(losses.entropy_loss(logits2, temperature=1.0)[0])
+    assert abs(on_path - own) > 1e-4                         # the frames matter here
+    assert values[0] == pytest.approx(on_path, abs=1e-6)
+
+
 # ----------------------------------------------------------------------------- CoTTA
 def test_cotta_teacher_is_an_ema_of_the_student(tiny_model_dir, utterances):
     m = build_on(tiny_model_dir, "cotta", lr=1e-2, restore_prob=0.0, ema_decay=0.9, n_augment=0)
