@@ -359,6 +359,10 @@ def test_aggregate_is_sample_std():
     assert tables.fmt_stat([20.0, 30.0, 40.0]) == "30.0 ± 10.0 (n=3)"
     assert tables.fmt_stat([12.345]) == "12.3 (n=1)"
     assert tables.fmt_stat([]) == "-"
+    # runs whose WER is nan (no reference words) are left out of the mean, std and n
+    mean, std, n = tables.aggregate([20.0, float("nan"), 40.0, None])
+    assert (mean, n) == (30.0, 2) and std == pytest.approx(2 ** 0.5 * 10.0)
+    assert tables.fmt_stat([float("nan"), 12.345]) == "12.3 (n=1)"
 
 
 def test_main_table_values_and_order(written):
@@ -402,6 +406,8 @@ def test_detect_boundaries():
     # position = first utterance decoded from the reset model: an oracle reset sits on the boundary
     det = tables.detect_boundaries([200, 450], [200, 400], window=100)
     assert det["detected"] == {200: 0, 400: 50} and det["false"] == []
+    det = tables.detect_boundaries([300, 501], [200, 400], window=100)  # r - b == window: detected
+    assert det == {"detected": {200: 100}, "missed": [400], "false": [501]}
     det = tables.detect_boundaries([199], [200], window=100)          # one utterance early: false
     assert det["detected"] == {} and det["false"] == [199]
     # one reset detects one boundary; a second reset in the same segment is a false one
@@ -864,3 +870,13 @@ def test_digits_reach_the_espnet_tables(tmp_path):
     assert wer == "13.40"
     assert table_rows(section(md, "Per-experiment scores"))[1][7] == wer
     assert table_rows(section(report.build_markdown(runs), "Per-experiment scores"))[1][7] == "13.4"
+
+
+def test_wer_file_counts_insertions_and_deletions_of_the_hypothesis(tmp_path):
+    """wer.txt scores each hypothesis against its reference: a word the hypothesis adds is an
+    insertion, one it lacks a deletion (by hand: 1 ins + 2 del + 1 sub of 7 words)."""
+    def t(i, ref, hyp):
+        return records.Transcript(i, f"u{i}", "d", 0, 1.0, ref, hyp, 0, 0, 0, 0, 0)
+    records.write_wer_file(tmp_path, [t(0, "A B C", "A B C D"), t(1, "E F G H", "E X")])
+    head = (tmp_path / "wer.txt").read_text().splitlines()[0]
+    assert "[ 4 / 7, 1 ins, 2 del, 1 sub ]" in head, head
