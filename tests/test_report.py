@@ -400,6 +400,16 @@ def test_a_stream_without_domains_is_titled_by_its_name(tmp_path):
     assert rows[0] == ["Method", "AA", "own_clinic", "Avg"]             # was an empty title
 
 
+def test_single_domain_avg_is_the_mean_of_three_columns(tmp_path):
+    """The Avg column is the mean of the domain columns (10, 20 and 60 %: 30.0, the median 20)."""
+    for stream, e in (("lsc_AA", 1), ("lsc_GS", 2), ("lsc_NB", 6)):
+        make_run(tmp_path, "suta", stream, 0, e)
+    runs = report.collect_runs(tmp_path)
+    rows = table_rows(tables.table_domains(runs))
+    assert rows == [["Method", "AA", "GS", "NB", "Avg"],
+                    ["suta", "10.0 (n=1)", "20.0 (n=1)", "60.0 (n=1)", "30.0"]]
+
+
 def test_detect_boundaries():
     det = tables.detect_boundaries([120, 230, 520], [200, 400], window=100)
     assert det == {"detected": {200: 30}, "missed": [400], "false": [120, 520]}
