@@ -217,6 +217,42 @@ def test_lame_leaves_blank_frames_out_and_restores_their_blank_probability():
     assert torch.allclose(out[keep], (ref / ref.sum(-1, keepdim=True)).float(), atol=1e-5)
 
 
+def test_lame_blank_threshold_is_a_blank_probability_above_one_half():
+    """Every frame whose blank probability exceeds 0.5 (blank_threshold) leaves the graph, also
+    the moderately likely ones (0.5 < q_blank < 0.9): they keep q, the others are LAME's."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(30, 6, generator=g)
+    logits[:12, 0] += 2.5
+    hidden = torch.randn(30, 5, generator=g)
+    prob = logits.softmax(-1)
+    blank = prob[:, 0] > 0.5
+    assert int(((prob[:, 0] > 0.5) & (prob[:, 0] < 0.9)).sum()) >= 3 and int((~blank).sum()) > 6
+    out = lame.lame_posteriors(logits, hidden, blank_id=0)
+    assert torch.allclose(out[blank], prob[blank], atol=1e-6)
+    ref = slow_lame(prob[~blank], F.normalize(hidden[~blank], dim=-1), 5, 1.0, 100, 1e-8)
+    assert torch.allclose(out[~blank], (ref / ref.sum(-1, keepdim=True)).float(), atol=1e-5)
+
+
+def test_lame_on_a_mostly_blank_utterance_puts_every_frame_in_the_graph():
+    """Too few non-blank frames (<= k + 1) for a graph of their own: every frame is in the graph
+    (the slow reference's), then the likely-blank ones get q_blank back and rows are renormalised
+    (after which their blank probability is q_blank / (q_blank + LAME's other mass), not q_blank)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(20, 6, generator=g)
+    logits[:16, 0] += 6                          # 16 likely-blank frames, 4 others (< k + 1)
+    hidden = torch.randn(20, 5, generator=g)
+    prob = logits.softmax(-1)
+    blank = prob[:, 0] > 0.5
+    assert int((~blank).sum()) <= 6 and int(blank.sum()) >= 14
+    ref = slow_lame(prob, F.normalize(hidden, dim=-1), 5, 1.0, 100, 1e-8)
+    moved = float((ref[blank, 0] - prob[blank, 0].double()).abs().max())
+    assert moved > 1e-3                          # the graph moved the blank probabilities
+    ref[blank, 0] = prob[blank, 0].double()
+    ref = ref / ref.sum(-1, keepdim=True)
+    out = lame.lame_posteriors(logits, hidden, blank_id=0)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
 def test_lame_changes_no_parameter(setup):
     m = build(setup, "lame")
     before = {k: v.clone() for k, v in m.net.state_dict().items()}
@@ -251,6 +287,18 @@ def test_t3a_memory_stays_bounded_per_class(setup):
     for c in range(V):
         assert any(torch.equal(s, m.W[c]) for s in m.supports[m.labels == c]), c
     assert m.meta_values()[0].shape == m.W.shape
+
+
+def test_t3a_adds_no_support_from_an_all_blank_utterance(setup):
+    """Only an utterance with a non-blank argmax frame adds its frames as supports: one whose
+    every frame is blank leaves the supports as they were (the head's V rows)."""
+    m = build(setup, "t3a", filter_K=3)
+    with torch.no_grad():
+        m.lobe.model.lm_head.bias[m.blank_id] += 100.0   # every frame's argmax: the blank
+    V = m.lobe.vocab_size
+    for w in wavs(2):
+        m.process(w)
+    assert len(m.supports) == V and torch.equal(m.supports, m.W)
 
 
 def test_t3a_logits_are_the_prototype_classifier_by_hand(setup):
