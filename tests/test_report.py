@@ -890,3 +890,16 @@ def test_wer_file_counts_insertions_and_deletions_of_the_hypothesis(tmp_path):
     records.write_wer_file(tmp_path, [t(0, "A B C", "A B C D"), t(1, "E F G H", "E X")])
     head = (tmp_path / "wer.txt").read_text().splitlines()[0]
     assert "[ 4 / 7, 1 ins, 2 del, 1 sub ]" in head, head
+
+
+def test_lii_values_round_trip_through_lii_csv(tmp_path):
+    """lii.csv keeps an LII to 6 significant digits (they are about 1e-4 to 1e-2 apart)."""
+    writer = records.RecordWriter(tmp_path)
+    values = [0.0123456789, -0.000987654321, 1.23456789]
+    for p, v in enumerate(values):
+        writer.lii(p, v, "construction" if p < 2 else "detection")
+    writer.close()
+    rows = records.read_lii(tmp_path)
+    assert [(r.position, r.stage) for r in rows] == [(0, "construction"), (1, "construction"),
+                                                     (2, "detection")]
+    assert [r.lii for r in rows] == [pytest.approx(v, rel=1e-5) for v in values]
