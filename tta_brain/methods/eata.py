@@ -10,7 +10,9 @@ of those of the kept utterances (the first reliable one only starts ``m``). A dr
 takes no step; it is counted (``counts['filtered_unreliable' | 'filtered_redundant']``), logged
 and left in ``events`` (kind ``filter``). Loss of a kept one: ``H + fisher_alpha * sum F
 (theta - theta0)^2``, F from the source statistics file (``python -m tta_brain.stats --kinds
-fisher``), theta0 the source values.
+fisher``), theta0 the source values. ``H`` is not weighted by EATA's ``1 / exp(H - E0)`` (the
+image paper's per-sample weight in a batch): the E-BATS reference, one utterance a step, runs
+the plain entropy, and so does this.
 
 The filter is decided on the device (``loss`` notes its verdict with the method's ``StepFilter``):
 the host step reads it at once and skips the backward; the device step (CUDA: captured) skips the
