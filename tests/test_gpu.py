@@ -731,6 +731,24 @@ def test_auto_buckets_are_a_cuda_default(tiny_model_dir, caplog):
     assert m.step.buckets == 0.0 and m.step.cache.capacity == 1
 
 
+def test_graph_settings_given_on_cpu_are_said_to_do_nothing(tiny_model_dir, caplog):
+    """cuda_graph_cache / _warmup / _buckets given on a CPU run were read by nothing and said
+    nothing (cuda_graphs and cuda_device_steps were logged): a run named by a setting it never
+    used. The log says so; the defaults say nothing."""
+    for rt, said in (({"cuda_graph_cache": 4, "cuda_graph_warmup": 3},
+                      "suta: cuda_graph_cache / cuda_graph_warmup: no effect on cpu"),
+                     ({"cuda_graphs": "on", "cuda_graph_buckets": 0.2},
+                      "suta: cuda_device_steps / cuda_graphs / cuda_graph_buckets: no effect on "
+                      "cpu"),
+                     ({}, None)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tta_brain.gpu"):
+            m = build_method("suta", model=HFCTCLobe(tiny_model_dir, runtime=Runtime(**rt)))
+        assert isinstance(m.step, HostStep)
+        found = [r.getMessage() for r in caplog.records if "no effect on" in r.getMessage()]
+        assert found == ([said] if said else []), found
+
+
 def test_cached_graph_is_dropped_when_the_state_is_replaced(tiny_model_dir, utterances):
     """load_state_dict replaces the optimiser state tensors: the captured steps are dropped (the
     signature check), captured again, and the results stay those of the eager device path."""

@@ -90,8 +90,11 @@ def make_step(m, backend=None, device_on_cpu: bool = False):
     device = m.params[0].device if m.params else m.lobe.device
     asked = rt.cuda_graphs == "on" or rt.cuda_device_steps      # asked for, not the default
     if device.type != "cuda" and not device_on_cpu:
-        if asked:
-            logger.info("%s: cuda_device_steps / cuda_graphs have no effect on %s", m.name, device)
+        tuned = [k for k, default in (("cuda_graph_cache", "auto"), ("cuda_graph_warmup", 1),
+                                      ("cuda_graph_buckets", "auto")) if getattr(rt, k) != default]
+        if asked or tuned:      # (the graphs' settings too: given, read by nothing here)
+            logger.info("%s: %s: no effect on %s", m.name, " / ".join(
+                (["cuda_device_steps", "cuda_graphs"] if asked else []) + tuned), device)
         return HostStep(m)
     why = step_blocker(m)
     if why:
