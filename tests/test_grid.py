@@ -637,6 +637,25 @@ def test_options_a_run_would_not_read_are_left_out_of_it(data, tmp_path):
         "hparams.reset_test_size", "hparams.reset_threshold"]
 
 
+def test_options_a_run_would_not_read_are_judged_on_the_values_its_yaml_reads(data, tmp_path):
+    """The grid judged its yamls' defaults on their text: a yaml of one's own with a quoted
+    ``reset: "fixed"`` made ``--reset_every`` 'read by no run' (decode takes it), and SGEM's
+    ``lm_path: null`` (the text 'null') made ``--lm_weight`` read, passed to runs that decode
+    then refused one by one."""
+    hp = tmp_path / "hp"
+    hp.mkdir()
+    text = (REPO / "tta_brain" / "hparams" / "csuta.yaml").read_text()
+    (hp / "myfix.yaml").write_text(text.replace("\nsteps: 1 ", '\nreset: "fixed"\nsteps: 1 ', 1))
+    argv = grid_argv(data, tmp_path / "exp", "myfix", "0", "--hparams_dir", str(hp))
+    run, = grid.plan_runs(grid.parse_args(argv + ["--decode_opts=--reset_every=7"]))
+    assert run.name == "s/myfix_reset_every7/seed0" and "--reset_every=7" in run.argv
+    decode.plan(run.argv)                                   # decode takes it too
+    argv = grid_argv(data, tmp_path / "exp", "sgem suta", "0")
+    with pytest.raises(SystemExit, match=re.escape(
+            "ERROR: --decode_opts --lm_weight: no run of this grid reads it (without lm_path")):
+        grid.plan_runs(grid.parse_args(argv + ["--decode_opts=--lm_weight=0.3"]))
+
+
 def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
     """``--lr 1e-4`` (decode's space form) in ``--decode_opts`` or an ``.opts`` file is one
     override, named ``lr1e-4`` (it was refused as a key '1e-4'); a stray word, an open quote or

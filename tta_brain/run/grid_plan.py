@@ -209,8 +209,7 @@ class OptionRule:
         from tta_brain import hparams
         from tta_brain.run.cli import FLAGS
         self.keys = {token: set(hparams.keys(y)) | set(FLAGS) for token, y in yamls.items()}
-        self.defaults = {token: {k: v for k, v, _ in hparams.describe(y)}
-                         for token, y in yamls.items()}
+        self.defaults = {token: _plain_values(y) for token, y in yamls.items()}
         self.logged = set()
         self.read, self.unread = set(), {}     # keys some run reads; key -> why no run does
 
@@ -260,6 +259,25 @@ class OptionRule:
                 if key in self.unread and key not in self.read:
                     raise SystemExit(f"ERROR: {source} --{key}: no run of this grid reads it "
                                      f"({self.unread[key]})")
+
+
+def _plain_values(yaml: str) -> Dict:
+    """The plain top-level values of ``yaml`` (with its blocks) as the yaml reads them: a quoted
+    ``reset: "fixed"`` is ``fixed`` and ``lm_path: null`` is None (``hparams.describe``'s text,
+    ``'"fixed"'`` and ``'null'``, judged a fixed reset's period unread and an LM set: the grid
+    refused ``--reset_every`` that decode takes, and passed ``--lm_weight`` that decode refuses);
+    a computed value (``!ref``) is left out, so an option is judged on it only where the run's
+    own options set it. Empty where the yaml cannot be read here (its runs say why)."""
+    from tta_brain import hparams
+    try:
+        import ruamel.yaml
+        nodes = ruamel.yaml.YAML().load(hparams.compose(hparams.find(yaml))) or {}
+    except Exception:       # noqa: BLE001 - a broken yaml: its run says why where it starts
+        return {}
+    if not isinstance(nodes, dict):
+        return {}
+    return {str(k): (str(v) if isinstance(v, str) else v) for k, v in nodes.items()
+            if v is None or isinstance(v, (str, bool, int, float))}
 
 
 def _no_device_with_gpus(run: Run, args) -> None:
