@@ -4,9 +4,9 @@
 conversion (several channels, another rate) are converted, and the conversion is logged once per
 reason (once a process, or once a caller's ``warned`` set: a run's stream loader has its own, so
 that every run's log says it) so that a corpus in an unexpected format is noticed without
-flooding the log. Files that
-cannot serve as input (missing, unreadable, empty, non-finite samples) raise :class:`AudioError`,
-which names the file and the reason, so that callers can skip and record them.
+flooding the log. Files that cannot serve as input (missing, unreadable, empty, non-finite
+samples) raise :class:`AudioError`, which names the file and the reason, so that callers can skip
+and record them.
 """
 import logging
 from pathlib import Path

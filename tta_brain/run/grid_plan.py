@@ -229,7 +229,6 @@ class OptionRule:
                 logger.info("%s: %s %s is not a key of its yaml, not passed", token, source, a)
         return kept
 
-
     def live(self, token: str, *lists: List[str]) -> List[List[str]]:
         """``lists`` (a run's options, in command-line order) without the options its run
         would not read (``rules.NEEDS``: ``--reset_every`` where its reset is not fixed; decode
@@ -240,7 +239,7 @@ class OptionRule:
         for key, why in dead.items():
             if why:
                 self.unread.setdefault(key, why)
-            elif key in values:
+            else:
                 self.read.add(key)
         out = [[a for a in opts if not dead.get(next(iter(_keyvals([a])), None))]
                for opts in lists]

@@ -150,7 +150,8 @@ def _read(folder, name: str) -> list:
             return [_parse(cls, row, path, i, reader.fieldnames or ())
                     for i, row in enumerate(reader, start=2)]
     except UnicodeDecodeError:          # damaged bytes, or a file of another encoding
-        raise RecordError(f"{path}:{first_non_utf8_line(path)}: not UTF-8 text (damaged?)") from None
+        raise RecordError(f"{path}:{first_non_utf8_line(path)}: not UTF-8 text "
+                          f"(damaged?)") from None
     except csv.Error as err:            # NUL bytes, a quote left open by a cut
         raise RecordError(f"{path}:{reader.line_num}: malformed CSV: {err}") from None
 
