@@ -267,7 +267,7 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
     skipped_utts = sum(r.summary.n_skipped or 0 for r in runs)
     if skipped_utts:      # (were only in each run's rejects.csv: a WER over fewer utterances)
         notes += (f" Utterances a run skipped (its rejects.csv: audio too short or too long, "
-                  f"unreadable, an empty reference) are in no {tables.label(metric)}: "
+                  f"unreadable, an empty reference) are in no {M}: "
                   f"{skipped_utts} in all, each run's count in the Runs table (Skipped).")
     warnings = pooling_warnings(runs) + run_warnings(runs) + skip_warnings(runs)
     parts = ["# RESULTS", environment_block(runs, repo_dir)]
