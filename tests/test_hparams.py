@@ -92,3 +92,45 @@ def test_an_override_that_only_matters_under_another_value_is_refused():
         hparams.resolve("eata", {**base, "momentum": 0.5})
     values = hparams.resolve("eata", {**base, "momentum": 0.5, "eata_optimizer": "sgd"}).values
     assert values["momentum"] == 0.5
+
+
+def test_an_override_nothing_in_the_yaml_reads_is_refused(tmp_path):
+    """A key of one's own yaml that never reaches its class (no ``!ref <min_conf>`` under
+    method:), and the reset block's keys in a yaml that builds its own reset_policy: an
+    override of either decoded the same run under another name and fingerprint (a grid's
+    ``mine+oracle`` folder ran the yaml's own policy, labelled oracle); now one line naming
+    the key. A key read through a reference, or a run key the code reads by name, is taken."""
+    csuta = hparams.find("csuta").read_text()
+    own = tmp_path / "mine.yaml"
+    own.write_text(csuta + "min_conf: 0.5\n"
+                   "reset_policy: !new:tta_brain.methods.resets.FixedReset\n    every: 3\n")
+    base = {"source": "m", "stream_csv": "s.csv", "output_folder": "o"}
+    with pytest.raises(hparams.HparamsError,
+                       match=r"--min_conf would not change the run: nothing in this yaml reads "
+                             r"it \(no !ref <min_conf>; a key of your own reaches your class"):
+        hparams.resolve(own, {**base, "min_conf": 0.9})
+    with pytest.raises(hparams.HparamsError,
+                       match=r"--reset would not change the run: .*reset_policy, which this "
+                             r"yaml replaces with its own"):
+        hparams.resolve(own, {**base, "reset": "oracle"})
+    values = hparams.resolve(own, {**base, "lr": 1e-3, "seed": 3, "max_duration": 5.0,
+                                   "method_tag": "x"}).values
+    assert values["lr"] == 1e-3 and values["seed"] == 3
+    for method in hparams.available():            # every packaged key is read
+        keys = [k for k in hparams.keys(method) if not k.startswith("__")
+                and k not in hparams.BUILT_KEYS and k not in ("reset_policy",)]
+        hparams._check_read(hparams.find(method),
+                            [t for t, _, _ in hparams.composed_lines(hparams.find(method))], keys)
+
+
+def test_a_reference_to_a_key_the_yaml_lacks_says_where_and_the_closest_key(tmp_path):
+    """``lrr: 1e-4`` above ``lr: !ref <lr>``: hyperpyyaml's 'The reference "lr" is not valid'
+    said neither where the reference is nor that the key was misspelt."""
+    text = hparams.find("tent").read_text().replace("\nlr: 2.0e-5", "\nlrr: 2.0e-5")
+    own = tmp_path / "mine.yaml"
+    own.write_text(text)
+    line = next(n for n, t in enumerate(text.splitlines(), 1) if "!ref <lr>" in t)
+    with pytest.raises(hparams.HparamsError,
+                       match=re.escape(f"{own}: !ref <lr> at {own}:{line} names no key of this "
+                                       f"yaml (no top-level 'lr:'; did you mean lrr?)")):
+        hparams.resolve(own, {"source": "m", "stream_csv": "s.csv", "output_folder": "o"})

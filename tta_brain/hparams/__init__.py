@@ -150,6 +150,7 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
                                f"{' '.join(msg.split())}") from None
         values = ruamel.yaml.YAML().load(text)
     given = _check_override_keys(path, values, overrides)
+    _check_read(path, [t for t, _, _ in lines], given)
     check(path, values, device_here)
     rules.check_overrides(path, values, given)       # (after the values: a bad one says so first)
     return Resolved(path, text, values)
@@ -179,6 +180,42 @@ def _check_override_keys(path, values: Dict, overrides) -> List[str]:
                                f"tta_brain.decode <method> --help) or build another in a yaml "
                                f"of your own")
     return list(given or {})
+
+
+#: Keys the code reads by name from a run's values, not through a ``!ref`` of the yaml: the run
+#: block's (``seed``, ``source``, ``max_duration``, ...), the report's label and the objects.
+_LABELS = ("method_tag",)
+
+
+def _read_by_name() -> set:
+    text = (HPARAMS_DIR / "run.yaml").read_text(encoding="utf-8")
+    return ({m.group(1) for m in map(_TOP_KEY.match, text.splitlines()) if m}
+            | set(_LABELS) | set(BUILT_KEYS))
+
+
+def _check_read(path, lines: List[str], given) -> None:
+    """Refuse an override of a key that nothing reads: no ``!ref <key>`` of the composed yaml
+    (a label, ``method_tag``, does not count: it names the run, it does not change it) and no
+    key the code reads by name. A key of one's own yaml that is not passed on to its class
+    (``min_conf: 0.5`` without ``min_conf: !ref <min_conf>`` under ``method:``), or the reset
+    block's keys in a yaml that builds its own ``reset_policy`` (``--reset=oracle``: a grid's
+    ``+oracle`` token), decoded the same run under another name and fingerprint."""
+    if not given:
+        return
+    refs = set()
+    for key, idx in _entries(lines):
+        if key not in _LABELS:
+            refs.update(re.findall(r"<(\w+)", "\n".join(lines[i] for i in idx)))
+    unread = [k for k in given if k not in refs and k not in _read_by_name()
+              and not str(k).startswith("__")]
+    if unread:
+        key = unread[0]
+        block = (HPARAMS_DIR / "reset.yaml").read_text(encoding="utf-8")
+        hint = ("the reset block's keys are read by its reset_policy, which this yaml replaces "
+                "with its own" if re.search(rf"^{key}\s*:", block, re.M) else
+                f"a key of your own reaches your class as '{key}: !ref <{key}>' under method:")
+        raise HparamsError(f"{path}: --{key} would not change the run: nothing in this yaml reads "
+                           f"it (no !ref <{key}>; {hint})")
 
 
 def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None,
@@ -316,6 +353,9 @@ class _errors:
             unset = re.fullmatch(r"'(\w+)' is a !PLACEHOLDER and must be replaced\.?", _describe(err))
             if unset:
                 raise HparamsError(_required(self.path, unset.group(1))) from err
+            dangling = re.fullmatch(r'The reference "(\w+)[^"]*" is not valid', _describe(err))
+            if dangling:
+                raise HparamsError(_dangling(self.path, dangling.group(1))) from err
         if isinstance(err, (ValueError, ImportError, AttributeError, RuntimeError, OSError)):
             raise HparamsError(f"{where}: {_describe(err)}") from err
         return False
@@ -383,6 +423,23 @@ def _unknown_key(path, key: str, known: List[str]) -> str:
     name = Path(path).stem if Path(path).parent == HPARAMS_DIR else str(path)
     return (f"{path}: Override '{key}' not found: --{key} is no key of this yaml ({hint}python -m "
             f"tta_brain.decode {name} --help lists them)")
+
+
+def _dangling(path, key: str) -> str:
+    """The one line for a ``!ref <key>`` of a key the yaml lacks (a renamed or misspelt key):
+    where the reference is and the closest keys."""
+    import difflib
+    try:
+        lines = composed_lines(path)
+    except (OSError, HparamsError):
+        lines = []
+    at = next((f"{file}:{n}" for text, file, n in lines
+               if re.search(rf"<{key}\b", text.partition("#")[0]) and n), None)
+    keys = [k for k, _ in _entries([t for t, _, _ in lines]) if k and not k.startswith("__")]
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return (f"{path}: !ref <{key}>{' at ' + at if at else ''} names no key of this yaml (no "
+            f"top-level '{key}:'{hint})")
 
 
 def _required(path, key: str) -> str:
