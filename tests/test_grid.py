@@ -793,6 +793,30 @@ def test_a_source_no_run_can_load_is_one_line_before_any_run(data, tmp_path, cap
         grid.main(bad[:bad.index(str(missing))] + [str(empty)] + bad[bad.index(str(missing)) + 1:])
 
 
+def test_a_mistyped_source_beside_finished_runs_is_said_as_such(data, tmp_path, capsys):
+    """A mistyped --source (a recipe's --model) over an experiment folder of finished runs: the
+    path read as the hub name ``hub:<path>``, so every run was refused as one of other
+    settings, to --overwrite; the grid skipped its source check (no run was queued). Now the
+    grid says the source once, and a decode names it too, the finished run kept."""
+    exp = tmp_path / "exp"
+    argv = grid_argv(data, exp, "source", "0", "--nj", "1")
+    assert grid.main(argv) == 0
+    missing = tmp_path / "models" / "w2v2"
+    bad = argv[:argv.index("--source") + 1] + [str(missing)] + argv[argv.index("--source") + 2:]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        grid.main(bad)
+    assert str(e.value).startswith(f"ERROR: --source {missing}: source model directory not found")
+    assert "other settings" not in capsys.readouterr().out
+    folder = exp / "s" / "source" / "seed0"
+    with pytest.raises(SystemExit) as e:
+        decode.main([f"--source={missing}" if a.startswith("--source=") else a
+                     for a in decode_argv(data, folder, "source", "--stream_name=s")])
+    said = str(e.value)
+    assert "source model directory not found" in said and "other settings" not in said
+    assert (folder / "summary.json").is_file()
+
+
 def test_grid_check_prints_only_the_runs_that_would_not_run(data, tmp_path, capsys):
     """--check (what a recipe asks before its data stages): --dry_run's checks, silent when all
     runs can run."""

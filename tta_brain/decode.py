@@ -246,7 +246,22 @@ def plan(argv, device_here: bool = True, streams: dict = None) -> Plan:
     status, diffs = folder_status(out, fp)
     if status == "differs":
         diffs = identity.explain_missing_audio(diffs, rows)
+        why = _missing_source(diffs, resolved.get("source"))
+        if why and device_here:       # (a Slurm node may see files this machine does not)
+            _fail(f"{hp.path}: {why} (--source; {out} holds a finished or started run of "
+                  f"another source model, which is kept)")
     return Plan(hp, args, rows, record, stream_csv, out, fp, status, diffs, notes=notes.records)
+
+
+def _missing_source(diffs, source):
+    """Why the source model of a run whose ``hparams.source`` differs from its folder's cannot
+    be loaded here (a mistyped ``--source`` / ``--model`` path reads as the hub name
+    ``hub:<path>``, so the folder's run looked like one of other settings, to ``--overwrite``),
+    or None."""
+    if source is None or not any(d.startswith("hparams.source:") for d in diffs):
+        return None
+    from tta_brain.lobes.hf_ctc import source_problem
+    return source_problem(str(source))
 
 
 def main(argv=None):

@@ -791,7 +791,8 @@ def main(argv=None) -> int:
                       flush=True)
         return 1 if refused else 0
     check_done(runs, device_here=args.engine == "local")
-    if args.engine == "local" and not args.hparams_dir and any(r.status == "queued" for r in runs):
+    if args.engine == "local" and not args.hparams_dir and any(r.status in ("queued", "failed")
+                                                               for r in runs):
         # (own yamls may load the model otherwise: a savedir of their own)
         from tta_brain.lobes.hf_ctc import source_problem   # once, not a failure per run (a
         why = source_problem(args.source)                   # Slurm node may see other files)
