@@ -5,7 +5,7 @@ import jiwer
 import pytest
 
 from tta_brain.asr.metrics import (char_errors, corpus_error_rate, error_rate, errors,
-                                    normalize_text, official_words, word_errors)
+                                    normalize_text, official_words, unwritable, word_errors)
 
 PAIRS = [("the cat sat on the mat", "the cat sat on mat"),
          ("a b c d", "a x c d e"),
@@ -60,6 +60,16 @@ def test_normalisation_keeps_the_letters_of_every_script():
     assert normalize_text("Привет, мир!") == "ПРИВЕТ МИР"
     assert normalize_text("日本語 テスト。") == "日本語 テスト"
     assert word_errors("Привет мир", "привет мир").n_err == 0
+
+
+def test_unwritable_characters_are_those_of_the_normalised_references_only():
+    """Case, punctuation and typographic apostrophes are normalised away before the comparison
+    (a lower-case ``l’été`` is ``L'ÉTÉ``); what is left outside the alphabet counts, once per
+    reference that holds it."""
+    abc = set("ABCDEFGHIJKLMNOPQRSTUVWXYZ'")
+    assert unwritable(["l\u2019ete, etc.!", "DON'T"], abc) == ([], 0)
+    assert unwritable(["l\u2019été", "zoë 2", "ok"], abc) == (["2", "É", "Ë"], 2)
+    assert unwritable(["e\u0301"], abc | {"É"}) == ([], 0)        # composed first (NFC)
 
 
 def test_ascii_normalisation_is_the_one_results_were_scored_with():

@@ -68,3 +68,33 @@ def test_a_blank_other_than_the_tokenizers_pad_token_is_warned(tmp_path, caplog)
     assert lobe.blank_id == 0
     assert (f"{src}: config.json's pad_token_id 0 ('|'), the CTC blank used here, is not the "
             f"tokenizer's pad token '<pad>' (id 29)") in caplog.text
+
+
+def test_references_with_characters_the_model_cannot_write_are_a_warning(tmp_path):
+    """A vocabulary without ``Z``, ``Ë`` or digits scores ``ZOË`` and ``2`` as errors whatever
+    any method does (a floor under the WER no adaptation lowers): the run was silent about it.
+    Now one warning at the start, in the log and ``summary.json``'s ``warnings`` (the report's
+    Warnings), says which characters and in how many references."""
+    import csv
+    import json
+    from fake_corpora import write_stream
+    from tta_brain import decode
+    vocab = ("<pad>", "<s>", "</s>", "<unk>", "|") + tuple("ABCDEFGHIJKLMNOPQRSTUVWXY'")
+    model = _model(tmp_path / "m", vocab)
+    assert HFCTCLobe(model).alphabet() == set("ABCDEFGHIJKLMNOPQRSTUVWXY'")
+    root = write_stream(tmp_path / "s", n=3)
+    rows = list(csv.DictReader(open(root / "stream.csv")))
+    for row, ref in zip(rows, ("zoë was here 2", "HE SAW IT", "don\u2019t")):
+        row["wrd"] = ref
+    with open(root / "stream.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out = tmp_path / "exp"
+    decode.main(["source", f"--source={model}", f"--stream_csv={root / 'stream.csv'}",
+                 f"--output_folder={out}", f"--data_root={root}", "--noprogressbar"])
+    want = "1 of 3 references hold characters the model cannot write (2 Z Ë)"
+    assert [w for w in json.loads((out / "summary.json").read_text())["warnings"]
+            if "cannot write" in w] == [want + ": each word that holds one is an error "
+                                        "whatever the method"]
+    assert want in (out / "log.txt").read_text()

@@ -27,6 +27,19 @@ def normalize_text(text: str) -> str:
     return " ".join(re.sub(r"[^\w']+|_", " ", text).split())
 
 
+def unwritable(refs: Iterable[str], alphabet: Iterable[str]) -> Tuple[list, int]:
+    """The characters of the normalised references ``refs`` (:func:`normalize_text`) that are
+    not in ``alphabet`` (what the model can write, normalised alike), sorted, and how many of the
+    references hold one: each word holding one is an error whatever the hypothesis."""
+    have, missing, n = set(alphabet) | {" "}, set(), 0
+    for ref in refs:
+        out = set(normalize_text(ref)) - have
+        if out:
+            missing |= out
+            n += 1
+    return sorted(missing), n
+
+
 def official_words(text: str) -> list:
     """The words the official Dynamic-SUTA code scores of a text that :func:`normalize_text`
     gave: its jiwer pipeline deletes punctuation (``RemovePunctuation``: every Unicode P

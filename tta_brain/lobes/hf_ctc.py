@@ -9,6 +9,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import List, Optional, Sequence, Tuple
@@ -676,6 +677,19 @@ class HFCTCLobe(nn.Module):
         else:
             text = "".join(toks).replace(self.word_delimiter, " ")
         return " ".join(text.split())
+
+    def alphabet(self) -> set:
+        """The characters this model can write, as the scoring normalises them
+        (:func:`~tta_brain.asr.metrics.normalize_text`: upper case, letters, digits, ``'``): those
+        of its tokens but the blank, the special ones and byte-fallback pieces (``<0xC3>``)."""
+        from tta_brain.asr.metrics import normalize_text
+        chars = set()
+        for i, tok in self.id_to_token.items():
+            byte = re.fullmatch(r"<0x[0-9A-F]+>", tok, re.I)
+            if i in self.special_ids or i == self.blank_id or byte:
+                continue
+            chars |= set(normalize_text(tok))
+        return chars - {" "}
 
     def decode(self, logits: torch.Tensor) -> List[str]:
         """Greedy CTC decoding of ``[B, F, V]`` (or ``[F, V]``) logits to strings."""

@@ -97,7 +97,7 @@ class TTABrain(sb.Brain):
             self.state.fingerprint = identity.stream_fingerprint(test_set, len(rows), self.tag)
         logger.info("Decoding %s (%d utterances) with %s, seed %s", test_set, len(rows), self.tag,
                     self._hp("seed"))
-        self._warnings = self.method.warnings(len(rows), boundaries(rows))
+        self._warnings = self.method.warnings(len(rows), boundaries(rows)) + self._unwritable(rows)
         for text in self._warnings:
             logger.warning("%s", text)
         resumed = checkpoint.recover(self.checkpointer)
@@ -128,6 +128,20 @@ class TTABrain(sb.Brain):
         self._bar = tqdm(total=len(rows), initial=cursor, disable=not self._show,
                          dynamic_ncols=True, desc=self.tag)
         return cursor
+
+    def _unwritable(self, rows) -> list:
+        """A warning where the references hold characters the model cannot write (a vocabulary
+        of another language, or without digits): every word holding one is an error whatever
+        the method, a floor under its WER that no adaptation lowers."""
+        alphabet = getattr(getattr(self.method, "lobe", None), "alphabet", None)
+        if alphabet is None:
+            return []
+        chars, n = metrics.unwritable((r.get("wrd", "") for r in rows), alphabet())
+        if not chars:
+            return []
+        shown = " ".join(chars[:12]) + (f" and {len(chars) - 12} more" if len(chars) > 12 else "")
+        return [f"{n} of {len(rows)} references hold characters the model cannot write ({shown}): "
+                f"each word that holds one is an error whatever the method"]
 
     def _numerics_warning(self) -> list:
         """A warning (logged, and in the summary's warnings) when the run's rows were decoded under
