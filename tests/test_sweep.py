@@ -363,6 +363,24 @@ def test_a_bad_run_is_named_an_empty_one_refused_a_twin_said(data, tmp_path, cap
     assert (a / "summary.json").is_file() and (b / "summary.json").is_file()
 
 
+def test_each_run_is_named_by_its_own_stream_manifest(data, tmp_path):
+    """Runs of one batch may read the same rows from manifests at other paths (a copy, a
+    link): each run's stream was named by run 1's manifest (its summary's ``stream``, the name
+    reports group by, and its log's ``Decoding`` line), where its separate run names it by its
+    own. Now each run reads its own manifest's name, as decode does."""
+    import json
+    import shutil
+    other = tmp_path / "same_rows.csv"
+    shutil.copyfile(data["csv"], other)
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_b = [x if not x.startswith("--stream_csv=") else f"--stream_csv={other}"
+             for x in args(data, b, "--lr=2e-3", method="suta")]
+    assert sweep.main([*args(data, a, "--lr=1e-3", method="suta"), "--", *run_b]) == 0
+    assert json.loads((a / "summary.json").read_text())["stream"] == Path(data["csv"]).stem
+    assert json.loads((b / "summary.json").read_text())["stream"] == "same_rows"
+    assert f"Decoding {other} " in (b / "log.txt").read_text()
+
+
 def test_sweep_logs_each_run_as_a_separate_run_logs_it(data, tmp_path):
     """Each process's first run folder once got SpeechBrain's pip freeze in its log.txt and the
     others did not; now every log.txt opens alike (a sweep's two runs and a separate decode, each a

@@ -277,7 +277,7 @@ def _run(todo):
     logger.info("Batched sweep of %d runs over one model (%s)", len(brains),
                 ", ".join(p.out for p, _ in todo))
     try:
-        return _walk(brains, todo[0][0], logs)
+        return _walk(brains, [p for p, _ in todo], logs)
     except (ManifestError, ResumeError, RecordError) as e:
         if logs.failed is None:                 # the batch's own: every run's log
             decode._fail_logged(str(e))
@@ -293,10 +293,12 @@ def _run(todo):
         logs.close()
 
 
-def _walk(brains, p, logs):
-    """The stream once, each row for the runs whose cursor is there, in lock-step."""
+def _walk(brains, plans, logs):
+    """The stream once, each row for the runs whose cursor is there, in lock-step. ``plans``:
+    the runs' own (a run's stream is its own ``--stream_csv``, the same rows: its default
+    ``stream_name`` is its manifest's name, as its separate run's)."""
     cursors = []
-    for i, b in enumerate(brains):
+    for i, (b, p) in enumerate(zip(brains, plans)):
         with logs.run(i):
             cursors.append(b.start_stream(p.stream_csv, rows=p.rows, progressbar=False))
     batch = brains[0].method.batch
