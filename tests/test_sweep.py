@@ -381,6 +381,20 @@ def test_each_run_is_named_by_its_own_stream_manifest(data, tmp_path):
     assert f"Decoding {other} " in (b / "log.txt").read_text()
 
 
+def test_an_error_only_a_runs_build_finds_names_the_run(data, tmp_path):
+    """What only a run's yaml build checks (EATA's Fisher term without a statistics file) was
+    one line naming no run of the batch; now it names the run as a bad value does, and nothing
+    is written."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_a, run_b = ([x for x in args(data, out, *extra, method="eata")
+                     if not x.startswith("--source_stats=")]
+                    for out, extra in ((a, ["--fisher_alpha=0"]), (b, [])))
+    with pytest.raises(SystemExit) as e:
+        sweep.main([*run_a, "--", *run_b])
+    assert str(e.value).startswith(f"ERROR: run 2 ({b}): ") and "--source_stats" in str(e.value)
+    assert not a.exists() and not b.exists()
+
+
 def test_sweep_logs_each_run_as_a_separate_run_logs_it(data, tmp_path):
     """Each process's first run folder once got SpeechBrain's pip freeze in its log.txt and the
     others did not; now every log.txt opens alike (a sweep's two runs and a separate decode, each a

@@ -231,7 +231,8 @@ def run(argvs: List[List[str]]):
             except (identity.LockedError, OSError) as e:
                 decode._fail(str(e))
             locks.append(lock)
-        summaries = _run(todo)
+        summaries = _run(todo, [1 + next(i for i, q in enumerate(plans) if q is p)
+                                for p, _ in todo])
     finally:
         for lock in locks:
             lock.release()
@@ -244,17 +245,19 @@ def run(argvs: List[List[str]]):
     return [None if p.status == "done" else next(done) for p in plans]
 
 
-def _run(todo):
+def _run(todo, numbers=None):
+    """``numbers``: each run's number in the sweep's command (an error names its run so)."""
+    numbers = numbers or list(range(1, len(todo) + 1))
     statuses = [decode.prepare(p) for p, _ in todo]
     if "done" in statuses:                  # finished meanwhile by another process
         raise Refused("a run of the batch was finished by another process meanwhile; rerun")
     built, held = [], []
-    for p, _ in todo:                       # each run's own yaml; its own model is dropped
+    for (p, _), n in zip(todo, numbers):    # each run's own yaml; its own model is dropped
         try:
             with decode.HeldLogs() as logs:
                 hparams = decode.build(p)
-        except decode.hp_files.HparamsError as e:
-            decode._fail(str(e))
+        except decode.hp_files.HparamsError as e:   # what only its constructor checks
+            decode._fail(f"run {n} ({p.out}): {e}")
         built.append(hparams)
         held.append(logs)
         if len(built) > 1:          # only its settings are read: its weights go at once
