@@ -1678,3 +1678,53 @@ def test_cuda_frozen_weight_norm_under_graph_capture(tiny_model_dir, utterances)
         graph.replay()
         torch.cuda.synchronize()
         assert max_diff([out], [after]) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- a filtered step's non-finite loss or gradient
+@pytest.mark.parametrize("mode", ["device", "graph"])
+def test_eata_dropped_steps_with_an_inf_gradient_are_not_skips(tiny_model_dir, utterances,
+                                                               tmp_path, mode):
+    """Every gradient inf (a hook): the steps EATA's filter keeps are skipped as "non-finite
+    gradient"; the steps it drops are filter records only, as the host step records them (it
+    never runs a dropped step's backward). The device step runs that backward and sees the inf:
+    it must not count it as a skip."""
+    items = stream(utterances, 8, BUCKET_LENGTHS)
+    kw = eata_mix(tiny_model_dir, tmp_path)
+    h = build(tiny_model_dir, "eata", "host", **kw)
+    d = build(tiny_model_dir, "eata", mode, **kw)
+    assert type(h.step) is HostStep and type(d.step) is DeviceStep
+    for m in (h, d):
+        m.params[0].register_hook(lambda g: torch.full_like(g, math.inf))
+    assert run(h, items) == run(d, items)
+    fh, fd = recorded(h), recorded(d)
+    kinds = {k for k, _, _ in fh}
+    assert kinds == {"skip", "filter"}, kinds          # both kinds happened
+    assert fd == fh
+    dropped = h.counts["filtered_unreliable"] + h.counts["filtered_redundant"]
+    assert d.counts == dict(h.counts, adapt_backward=h.counts["adapt_backward"] + dropped)
+    assert d.counts["skipped_steps"] == h.counts["skipped_steps"] == \
+        h.counts["adapt_forward"] - dropped
+
+
+@pytest.mark.parametrize("mode", ["device", "graph"])
+def test_eata_drops_a_nan_entropy_as_unreliable_on_the_device(tiny_model_dir, utterances,
+                                                              tmp_path, monkeypatch, mode):
+    """An utterance whose entropy is NaN (not below E0): EATA's filter drops its steps as
+    unreliable, as the host step records them: filter records, no "non-finite loss" skip, though
+    the device step's backward ran on the NaN."""
+    from tta_brain.methods import losses
+    items = stream(utterances, 6, BUCKET_LENGTHS)
+    kw = eata_mix(tiny_model_dir, tmp_path)
+    h = build(tiny_model_dir, "eata", "host", **kw)
+    d = build(tiny_model_dir, "eata", mode, **kw)
+    entropy, bad = losses.entropy_loss, {"on": False}
+    monkeypatch.setattr(losses, "entropy_loss", lambda *a, **k: entropy(*a, **k) * (
+        math.nan if bad["on"] else 1.0))
+    for i, (w, info) in enumerate(items):
+        bad["on"] = i == 3
+        assert h.process(w, info) == d.process(w, info)
+    fh, fd = recorded(h), recorded(d)
+    assert [k for k, p, _ in fh if p == 3] == ["filter"] * h.steps
+    assert fd == fh and not any(k == "skip" for k, _, _ in fd)
+    dropped = h.counts["filtered_unreliable"] + h.counts["filtered_redundant"]
+    assert d.counts == dict(h.counts, adapt_backward=h.counts["adapt_backward"] + dropped)
