@@ -1509,3 +1509,80 @@ def test_train_mode_is_batched_only_where_it_draws_nothing(tmp_path, arch, cfg, 
     assert (why is None) == (not draws)
     if draws:
         assert why.startswith(f"train_mode (this model draws in train mode: {draws[0]}")
+
+
+# ----------------------------------------------------------------------------- batched edges: DSUTA's slow gradient, CoTTA, EATA's reset
+def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(data, monkeypatch):
+    """DSUTA with N = 0 fast steps takes its slow gradient from one pass with no update
+    (``DSUTA._slow_gradient_only``): a finite loss with a NaN gradient is left out of the buffer
+    without a skip record; a run with a fast step skips that step, recorded. Both runs' losses
+    get a NaN gradient at utterances 1, 3, 4 and 5 (buffers of 3: the second one has no
+    finite gradient, so no slow step): the batch records, counts, buffers and takes its slow
+    steps as the separate runs."""
+    from tta_brain.methods.batched import BatchedSUTA
+    from tta_brain.methods.dsuta import DSUTA
+    poison = {1, 3, 4, 5}
+    nan_grad = lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0  # value 0, gradient NaN
+    cfgs = [(1e-3, 0, "none"), (1e-3, 1, "none")]
+    batch, wavs, build = _batch(data, "dsuta", cfgs, buffer_size=3)
+    seps = [build(*c) for c in cfgs]
+    loss, batched_losses = DSUTA.loss, BatchedSUTA.losses
+
+    def sep_loss(self, logits, *a, **k):
+        out = loss(self, logits, *a, **k)
+        return out + nan_grad(logits) if self.t in poison else out
+
+    def bat_losses(self, runs, logits, leaf, lengths=None):
+        out, drop, why = batched_losses(self, runs, logits, leaf, lengths)
+        if self.views[runs[0]].t in poison:
+            out = torch.stack([o + nan_grad(logits[j]) for j, o in enumerate(out)])
+        return out, drop, why
+    monkeypatch.setattr(DSUTA, "loss", sep_loss)
+    monkeypatch.setattr(BatchedSUTA, "losses", bat_losses)
+    lockstep(batch, seps, wavs[:7])
+    assert not any(e.kind == "skip" for e in seps[0].events)
+    assert [(e.kind, e.position) for e in seps[1].events] == [("skip", t) for t in (1, 3, 4, 5)]
+    for r, m in enumerate(seps):
+        assert batch.n_buffered[r] == m.n_buffered and int(batch.n_grads[r]) == m.n_grads
+    assert (seps[0].n_buffered, seps[0].n_grads) == (1, 1)
+    for r, m in enumerate(seps):                # one slow step: the first buffer's alone
+        assert [float(s["step"]) for s in m.slow_optimizer.state_dict()["state"].values()][0] == 1
+        assert batch.slow.steps[r] == 1
+        assert max_diff(batch.meta_values(r), m.meta) < PARAM_TOL
+
+
+def test_batched_cotta_one_view_and_no_steps_as_separate_runs(data):
+    """CoTTA edges, batched as their separate runs: ``n_augment: 1`` (an unsure anchor: the
+    teacher's output is ONE augmented view, not the plain pass) and ``steps: 0`` (the teacher's
+    output, no update)."""
+    cfgs = [(1e-3, 0, "none"), (1e-3, 1, "none"), (3e-3, 2, "none")]
+    batch, wavs, build = _batch(data, "cotta", cfgs, n_augment=1, ap_threshold=0.9)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:4])
+    assert all(m.counts["augmented"] > 0 for m in seps)
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL
+
+
+def test_batched_eata_reset_restarts_the_filter(data):
+    """A reset of a batched EATA run starts its filter again, as EATA's reset: no EMA of the
+    mean posteriors (``model_probs`` None in its checkpoint), and the steps after it as the
+    separate run's."""
+    from tta_brain.methods import UttInfo
+    cfgs = [(3e-3, 1, "none"), (1e-3, 2, "none")]
+    kw = dict(e_margin_factor=0.99843, d_margin=0.9996, fisher_alpha=0.0)
+    batch, wavs, build = _batch(data, "eata", cfgs, **kw)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:3])
+    assert batch.views[0].state_dict()["model_probs"] is not None
+    batch.reset([0])
+    seps[0].reset()
+    assert batch.views[0].state_dict()["model_probs"] is None is seps[0].model_probs
+    for i, w in enumerate(wavs[3:8], 3):
+        info = UttInfo(position=i, segment="0")
+        batch.process([0, 1], w, info)
+        for r, m in enumerate(seps):
+            assert batch.views[r].process(w) == m.process(w, info)
+    for r, m in enumerate(seps):
+        assert batch.views[r].counts == m.counts
+        assert torch.allclose(batch.probs[r], m.model_probs, atol=1e-6)
