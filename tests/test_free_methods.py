@@ -695,3 +695,96 @@ def test_speed_benchmark_population_modes_agree():
     for name in ("ebats", "foa"):
         assert set(res[name]) == {"batched", "one at a time", "reference loop"}
         assert all(r["same_transcripts"] for r in res[name].values()), name
+
+
+# ----------------------------------------------------------------------------- FOA's fitness and E-BATS' T-EMA, by hand
+def test_foa_fitness_by_hand(setup):
+    """FOA's fitness on crafted candidates, by hand (the docstring's formula): F = 0.2 *
+    sum_d (mu_layers - mu_layers_src)^2 / 64 + H_nb(T = 2.5), mu_layers the time means of every
+    hidden state; the EMA of the shift takes the time mean of the LAST hidden state; the first
+    utterance's logits are unshifted. Other coefficients are read from their options."""
+    for kw, (coef, div, T) in (({}, (0.2, 64.0, 2.5)),
+                               ({"fitness_coef": 0.5, "disc_div": 8.0, "temperature": 1.5},
+                                (0.5, 8.0, 1.5))):
+        m = build(setup, "foa", popsize=4, **kw)
+        src = m.stats["hidden"]["layers_mean"]
+        H, V, blank = m.H, m.lobe.vocab_size, m.blank_id
+        n_states = len(src) // H
+        P, Fr = 3, 6
+        g = torch.Generator().manual_seed(5)
+        logits = torch.randn(P, Fr, V, generator=g)
+        for p in range(P):                             # half the frames non-blank, all candidates
+            for f in range(Fr):
+                logits[p, f, blank if f % 2 else (1 + (p + f) % (V - 1)) % V] += 4
+        states = [src[i * H:(i + 1) * H] + (0.2 + 0.3 * i) * torch.randn(P, Fr, H, generator=g)
+                  for i in range(n_states)]
+        last = torch.randn(P, Fr, H, generator=g)
+        m._last_means = []
+        assert m.hist is None
+        fit, lg = m.score((logits, states, last))
+        for p in range(P):
+            q = (logits[p] / T).softmax(-1)
+            ent_f = -(q * q.log()).sum(-1)
+            nb = logits[p].argmax(-1) != blank
+            assert nb.any()
+            ent = float(ent_f[nb].mean())
+            disc = sum(float(((states[i][p].mean(0) - src[i * H:(i + 1) * H]) ** 2).sum())
+                       for i in range(n_states))
+            want = coef * disc / div + ent
+            assert abs(float(fit[p]) - want) < 1e-5 * max(1.0, abs(want)), (kw, p, float(fit[p]), want)
+        assert torch.equal(lg, logits)                 # no shift before the first utterance
+        (means,) = m._last_means                      # the shift's EMA: the last state's mean
+        assert torch.allclose(means, states[-1].mean(dim=1), atol=1e-6)
+
+
+def test_foa_first_prompt_is_xavier_uniform(setup):
+    """The previous-best candidate of the first utterance is the reference's Xavier-uniform
+    prompt U(-sqrt(6 / 2H), sqrt(6 / 2H)): its values fill that range (n_prompts * H draws)."""
+    m = build(setup, "foa", popsize=4)
+    first = np.asarray(m.best_prompt)
+    bound = np.sqrt(6.0 / (2 * m.H))
+    assert first.shape == (m.n_prompts * m.H,)
+    assert np.abs(first).max() <= bound and np.abs(first).max() > 0.8 * bound
+
+
+def test_foa_keeps_the_lowest_fitness_candidate(setup):
+    """FOA's fitness is a loss: the best prompt an utterance keeps is its lowest-fitness
+    candidate, and the transcript's logits are that candidate's."""
+    m = build(setup, "foa", popsize=6)
+    seen, fits = [], []
+    forward, score = m.candidates_forward, m.score
+    m.candidates_forward = lambda h0, z: seen.append(z.clone()) or forward(h0, z)
+    m.score = lambda out: (lambda r: fits.append(r[0].clone()) or r)(score(out))
+    for w in wavs(2):
+        seen.clear(), fits.clear()
+        m.process(w)
+        (z,), (fit,) = seen, fits
+        assert len(set(fit.tolist())) == len(fit)      # a strict order
+        assert np.array_equal(m.best_prompt.astype(np.float32), z[int(fit.argmin())].numpy())
+
+
+def test_ebats_tema_is_an_ema_with_its_decay(setup):
+    """After an utterance the T-EMA moves by (1 - ema_decay) towards CMA-ES' state: mean,
+    sigma and C = decay * EMA + (1 - decay) * state (from 0, sigma0 and I). A decay of 0.8, so
+    the weights cannot be swapped unseen."""
+    m = build(setup, "ebats", popsize=6, generations=2, ema_decay=0.8)
+    m.process(wavs(1)[0])
+    es = m.es
+    assert np.allclose(m.ema["mean"], 0.2 * es.mean, rtol=0, atol=1e-12)
+    assert math.isclose(m.ema["sigma"], 0.8 * m.sigma0 + 0.2 * es.sigma, rel_tol=1e-12)
+    assert np.allclose(m.ema["C"], 0.8 * np.eye(m.dim) + 0.2 * es.sm.C, rtol=0, atol=1e-12)
+
+
+def test_ebats_early_stop_carries_the_best_fitness_across_utterances(setup):
+    """The early stop compares a generation's best fitness with the previous generation's,
+    carried over from the previous utterance (``EarlyStop``): with patience 1 and a threshold no
+    gain reaches, the first utterance runs 2 generations (its first improves on inf), every
+    later one stops after its first."""
+    P = 6
+    m = build(setup, "ebats", popsize=P, generations=4, patience=1, early_stop_threshold=1e9)
+    ws = wavs(3)
+    m.process(ws[0])
+    assert m.counts["adapt_forward"] == 2 * P and math.isfinite(m.best)
+    m.process(ws[1])
+    m.process(ws[2])
+    assert m.counts["adapt_forward"] == 4 * P
