@@ -522,3 +522,57 @@ def test_eata_without_statistics_is_a_one_line_error_naming_the_command(data, tm
     msg = str(e.value)
     assert "none.pt" in msg and "python -m tta_brain.stats" in msg and "\n" not in msg.strip()
     assert not (tmp_path / "e").exists()
+
+
+# ----------------------------------------------------------------------------- CEA's losses by hand, and its episodic optimisers
+def _mcc_by_hand(logits, T):
+    """MCC of one utterance's ``[F, V]`` logits from its formula (losses.mcc_loss's docstring):
+    C = sum_t w_t p_t p_t^T, w_t = F (1 + exp(-H_t)) / sum_s (1 + exp(-H_s)), rows normalised,
+    (sum C - trace C) / V."""
+    p = (logits / T).softmax(-1)
+    H = -(p * p.log()).sum(-1)
+    w = 1 + torch.exp(-H)
+    w = len(w) * w / w.sum()
+    C = (w[:, None, None] * p[:, :, None] * p[:, None, :]).sum(0)
+    C = C / C.sum(1, keepdim=True)
+    return (C.sum() - C.trace()) / logits.shape[-1]
+
+
+def test_cea_stage_losses_by_hand():
+    """CEA's two step losses on crafted logits, by hand: stage 1 ``a mean_nb sigmoid(H) H +
+    (1 - a) MCC`` (H of softmax(logits / T) over the non-blank frames), stage 2 ``a mean_all H +
+    (1 - a) MCC + tc * TC(feats, non-blank frames)``."""
+    from types import SimpleNamespace
+    from tta_brain.methods.cea import CEA
+    g = torch.Generator().manual_seed(1)
+    F_, V, blank, T, a, tc = 9, 6, 0, 2.5, 0.7, 0.3
+    logits = torch.randn(1, F_, V, generator=g)
+    logits[0, ::3, blank] += 5                                 # a third of the frames blank
+    feats = torch.randn(1, 4, F_, generator=g)
+    p = (logits[0] / T).softmax(-1)
+    H = -(p * p.log()).sum(-1)
+    nb = logits[0].argmax(-1) != blank
+    assert 0 < int(nb.sum()) < F_
+    mcc = _mcc_by_hand(logits[0], T)
+    cfg = dict(em_coef=a, temperature=T, tc_coef=tc, blank_id=blank)
+    one = CEA.loss(SimpleNamespace(_stage2=False, _feats=None, **cfg), logits)
+    want1 = a * (torch.sigmoid(H) * H)[nb].mean() + (1 - a) * mcc
+    assert torch.allclose(one, want1, atol=1e-6), (float(one), float(want1))
+    two = CEA.loss(SimpleNamespace(_stage2=True, _feats=feats, **cfg), logits)
+    tc_term = losses.temporal_coherence_loss(feats, nb[None])[0]
+    want2 = a * H.mean() + (1 - a) * mcc + tc * tc_term
+    assert float(tc_term) > 0
+    assert torch.allclose(two, want2, atol=1e-6), (float(two), float(want2))
+
+
+def test_cea_is_episodic_both_optimisers_start_fresh(tiny_model_dir, utterances):
+    """Episodic: an utterance's adaptation does not depend on the ones before it; after
+    utterance 0 then 1, the parameters and the transcript are those of utterance 1 alone (both
+    stages' AdamW moments start from zero every utterance)."""
+    kw = dict(steps=1, steps2=2, lr=1e-3, lr2=1e-2)
+    m = build_on(tiny_model_dir, "cea", **kw)
+    m.process(utterances[0])
+    after = m.process(utterances[1])
+    alone = build_on(tiny_model_dir, "cea", **kw)
+    assert alone.process(utterances[1]) == after
+    assert all(torch.equal(p, q) for p, q in zip(m.params, alone.params))
