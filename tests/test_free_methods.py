@@ -788,3 +788,21 @@ def test_ebats_early_stop_carries_the_best_fitness_across_utterances(setup):
     m.process(ws[1])
     m.process(ws[2])
     assert m.counts["adapt_forward"] == 4 * P
+
+
+def test_ebats_candidate_is_a_bias_on_the_last_conv_output(setup):
+    """An E-BATS candidate z is an additive per-channel bias after the conv of the last CNN
+    layer: its logits are the whole model's with that conv's output shifted by z (a hook)."""
+    m = build(setup, "ebats", popsize=4, generations=1)
+    x = m.lobe.prepare(wavs(1)[0])
+    z = torch.randn(m.dim, generator=torch.Generator().manual_seed(2)) * 0.5
+    conv = m.net.base_model.feature_extractor.conv_layers[-1].conv
+    handle = conv.register_forward_hook(lambda mod, inp, out: out + z[None, :, None])
+    try:
+        with torch.no_grad():
+            want = m.pf.hidden(x)[0]
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        got = m.candidates_forward(m.prefix(x), z[None])[0]
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
