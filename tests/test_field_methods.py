@@ -83,6 +83,25 @@ def test_eata_redundancy_filter_drops_what_matches_the_ema(tiny_model_dir, utter
     assert m2.model_probs is not None and abs(float(m2.model_probs.sum()) - 1) < 1e-5
 
 
+def test_eata_a_nan_utterance_is_unreliable_and_leaves_the_filter_as_it_was(tiny_model_dir,
+                                                                           utterances):
+    """A NaN waveform (its logits NaN, every frame's argmax the blank): its entropy over
+    non-blank frames was 0, so the step was kept and its NaN mean posterior went into the EMA;
+    every later |cos| was NaN and no utterance was ever redundant again (a clean run of the same
+    utterances drops two). Now it is dropped as unreliable and the rest of the run is the
+    clean run's."""
+    kw = dict(fisher_alpha=0.0, d_margin=0.0, **RELIABLE)
+    clean, hit = build_on(tiny_model_dir, "eata", **kw), build_on(tiny_model_dir, "eata", **kw)
+    hit.process(torch.full_like(utterances[0], float("nan")), UttInfo(position=0))
+    assert hit.counts["filtered_unreliable"] == 1 and hit.model_probs is None
+    assert [e.reason for e in hit.events if e.kind == "filter"][0].startswith("unreliable: entropy nan")
+    for i, w in enumerate(utterances[:3]):
+        want = clean.process(w, UttInfo(position=i))
+        assert hit.process(w, UttInfo(position=i + 1)) == want
+    assert hit.counts["filtered_redundant"] == clean.counts["filtered_redundant"] == 2
+    assert torch.equal(hit.model_probs, clean.model_probs)
+
+
 def test_eata_redundancy_is_the_cosine_with_the_ema_of_the_kept_mean_posteriors(tiny_model_dir,
                                                                                utterances):
     """The redundancy filter by hand: p = the mean posterior vector of an utterance (T = 1, the

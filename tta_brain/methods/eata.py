@@ -94,8 +94,12 @@ class EATA(TTAMethod):
         the device: a dropped step must not update (the step reads the verdict)."""
         h = losses.entropy_loss(logits, lengths, temperature=self.temperature,
                                 blank_id=self.blank_id).mean()
-        value = h.detach()
         probs = losses.mean_probability(logits.detach(), lengths)[0]
+        # non-finite posteriors (a NaN input, a diverged model) are unreliable: their entropy
+        # over non-blank frames was 0 (NaN logits argmax to the blank: no frame counted), so the
+        # step was kept and its NaN mean posterior went into the EMA, after which every |cos|
+        # was NaN and nothing was ever redundant again
+        value = torch.where(torch.isfinite(probs).all(), h.detach(), torch.nan)
         cos = F.cosine_similarity(self._probs, probs, dim=0).abs()
         # compared in float64, as the host compares Python floats (the margins are not float32)
         unreliable = torch.logical_not(value.double() < self.e_margin)
