@@ -381,6 +381,19 @@ def test_each_run_is_named_by_its_own_stream_manifest(data, tmp_path):
     assert f"Decoding {other} " in (b / "log.txt").read_text()
 
 
+def test_a_batched_runs_warnings_are_its_separate_runs(data, tmp_path):
+    """A reset policy that cannot act on the stream (a fixed reset every 50 utterances of 20)
+    warns in the run's log and summary; a batched run's view of its policy must say the same
+    (``RunView.warnings`` returning nothing went unnoticed: no test compared them)."""
+    cfgs = [["--lr=1e-3", "--reset=fixed", "--reset_every=50"], ["--lr=3e-3", "--reset=oracle"]]
+    seps = separate(data, tmp_path, "csuta", cfgs)
+    outs = [tmp_path / f"bat{i}" for i in range(len(cfgs))]
+    sweep.run([args(data, o, *c, method="csuta") for o, c in zip(outs, cfgs)])
+    got = [load_run(o).summary.warnings for o in outs]
+    assert got == [load_run(s).summary.warnings for s in seps]
+    assert any("never fires" in w for w in got[0]) and got[1] == []
+
+
 def test_an_error_only_a_runs_build_finds_names_the_run(data, tmp_path):
     """What only a run's yaml build checks (EATA's Fisher term without a statistics file) was
     one line naming no run of the batch; now it names the run as a bad value does, and nothing
