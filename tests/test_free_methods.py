@@ -480,6 +480,14 @@ def test_ebats_says_when_its_step_size_diverges(setup, tmp_path, monkeypatch, ca
     said = [r.getMessage() for r in caplog.records if "passed 100x its start" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("ebats: utterance 1: ")
     assert m.end_warnings()[0].startswith("ebats: the T-EMA of CMA-ES' step size sigma reached")
+
+    def back(ema, es, decay):                # then back to its start without a reset: still said
+        real(ema, es, decay)
+        ema["sigma"] = m.sigma0
+    monkeypatch.setattr(ebats_module, "ema_update", back)
+    m.process(wavs(4)[3])
+    assert m.ema["sigma"] == m.sigma0 and m.end_warnings()
+    monkeypatch.setattr(ebats_module, "ema_update", runaway)
     m.reset()                                  # a reset after it: still said (the peak)
     assert m.end_warnings() and m.ema["sigma"] == m.sigma0
     s = decode.main(args(setup, "ebats", tmp_path / "exp"))     # the summary keeps it
