@@ -539,7 +539,8 @@ def test_option_values_are_read_as_typed(tmp_path, ok_stream, tiny_model_dir):
     ("    name: dsuta", "    name: dsutaa", "Unknown TTA method 'dsutaa'"),
     ("!apply:tta_brain.methods.build_method", "!apply:tta_brain.methods.build_methd",
      "tta_brain.methods.build_methd"),
-    ("steps: !ref <steps>", "steps: !ref <stepz>", 'reference "stepz" is not valid'),
+    ("steps: !ref <steps>", "steps: !ref <stepz>",
+     "names no key of this yaml (no top-level 'stepz:'; did you mean steps?)"),
     ("steps: 10 ", "steps 10 ", "yaml syntax error"),
     ("    weight_decay: 0.0", "    weight_decay: abc",        # (the optimizer's)
      "a value of the wrong type among the arguments of a class"),   # was: check the spelling
