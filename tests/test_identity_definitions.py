@@ -1,0 +1,41 @@
+"""The run fingerprint's rules from tta_brain.run.identity's docstrings (mutation audit): where a
+run is written and how often it checkpoints are no part of it, ``device`` counts by its type,
+and an old block digest is renamed only to the digest it computed the same as."""
+import json
+
+from tta_brain.run.identity import differences, fingerprint
+
+
+def hp(**kw):
+    return {"seed": 0, "lr": 1e-4, "steps": 1, "method_tag": "suta", "stream_name": "AC",
+            "output_folder": "/a", "stream_csv": "/s.csv", "data_root": "/d", "ckpt_every": 50,
+            "device": "cpu", **kw}
+
+
+def test_location_and_checkpoint_frequency_are_no_part_of_a_run(tmp_path):
+    csv = tmp_path / "s.csv"
+    csv.write_text("ID\nu0\n")
+    a = fingerprint(hp(), csv, 1)
+    b = fingerprint(hp(output_folder="/b", data_root="/e", ckpt_every=0, method_tag="x"), csv, 1)
+    assert a == b and differences(a, b) == []
+    assert differences(a, fingerprint(hp(lr=2e-4), csv, 1)) == ["hparams.lr: 0.0001 != 0.0002"]
+
+
+def test_device_counts_by_its_type_not_its_index(tmp_path):
+    csv = tmp_path / "s.csv"
+    csv.write_text("ID\nu0\n")
+    on = {d: fingerprint(hp(device=d), csv, 1) for d in ("cuda:0", "cuda:1", "cuda", "cpu")}
+    assert on["cuda:0"] == on["cuda:1"] == on["cuda"]
+    assert differences(on["cuda:1"], on["cuda:0"]) == []
+    assert differences(on["cpu"], on["cuda:0"]) == ["hparams.device: 'cpu' != 'cuda'"]
+
+
+def test_only_the_renamed_digest_itself_is_the_old_blocks_digest():
+    now = {"hparams": {"seed": 0}, "structure": {"adapt_params": "05ffdd77049c"}}
+    old = json.loads(json.dumps(now))
+    old["structure"]["adapt_params"] = "f7addc96ee81"         # cea.yaml before 11691bf
+    assert differences(old, now) == []
+    edited = json.loads(json.dumps(now))                      # cea.yaml's block edited since
+    edited["structure"]["adapt_params"] = "0123456789ab"
+    assert differences(old, edited) == ["structure.adapt_params: 'f7addc96ee81' != '0123456789ab'"]
+    assert differences(old, edited, recorded=True) != []
