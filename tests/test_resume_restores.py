@@ -43,6 +43,9 @@ def test_a_resumed_run_keeps_its_time_and_audio_seconds(tmp_path, tiny_model_dir
     got, want = (json.loads((d / "summary.json").read_text()) for d in (out, ref))
     assert got["audio_s"] == pytest.approx(want["audio_s"], rel=1e-9)     # every row counted once
     assert got["wall_time_s"] >= saved["wall_time"]      # the time before the crash counts too
+    assert got["counts"] == want["counts"]               # the method's passes before it too
+    for name in ("transcripts.csv", "resets.csv", "wer.txt"):
+        assert (out / name).read_text() == (ref / name).read_text(), name
 
 
 class _Method:
