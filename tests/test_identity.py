@@ -1,6 +1,7 @@
-"""The run fingerprint's rules from tta_brain.run.identity's docstrings (mutation audit): where a
-run is written and how often it checkpoints are no part of it, ``device`` counts by its type,
-and an old block digest is renamed only to the digest it computed the same as."""
+"""The run fingerprint's rules from tta_brain.run.identity's docstrings: where a run is written
+and how often it checkpoints are no part of it, ``device`` counts by its type, an old block
+digest is renamed only to the digest it computed the same as, and one's own edited code is
+another run (a host where the code is not found takes the recorded digest as not known)."""
 import json
 
 from tta_brain.run.identity import differences, fingerprint
@@ -39,3 +40,12 @@ def test_only_the_renamed_digest_itself_is_the_old_blocks_digest():
     edited["structure"]["adapt_params"] = "0123456789ab"
     assert differences(old, edited) == ["structure.adapt_params: 'f7addc96ee81' != '0123456789ab'"]
     assert differences(old, edited, recorded=True) != []
+
+
+def test_ones_own_code_edited_is_another_run():
+    old = {"hparams": {"seed": 0}, "code": {"mymethod": "sha1:aaa"}}
+    edited = {"hparams": {"seed": 0}, "code": {"mymethod": "sha1:bbb"}}
+    assert differences(old, edited) == ["code.mymethod: 'sha1:aaa' != 'sha1:bbb'"]
+    assert differences(old, edited, recorded=True) != []
+    not_found_here = {"hparams": {"seed": 0}}
+    assert differences(old, not_found_here) == []

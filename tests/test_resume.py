@@ -1,0 +1,134 @@
+"""What a resume restores and refuses besides the transcripts (mutation audit): the run's time
+and audio seconds (the summary's time per audio second), its method's pass counts, every random
+generator a method may draw from (numpy's and Python's included); a RecordWriter reopened at a
+checkpoint's offsets (running counts from the records kept, a pending reset marking the first
+transcript decoded at or after it, what came after the checkpoint gone); and StreamState's own
+check at load (a checkpoint of another run refused there too: a TTABrain used without decode has
+no folder check before it; one written before fingerprints were kept loads)."""
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fake_corpora import write_stream
+from tta_brain import decode
+from tta_brain.run import records
+from tta_brain.run.brain import TTABrain
+from tta_brain.run.checkpoint import STATE_FILE, ResumeError, StreamState
+from tta_brain.run.records import Reject, RecordWriter, Reset, Transcript
+
+
+RUN = ["--steps=1", "--lr=0.05", "--noprogressbar"]
+
+
+def args(root, model, out, *extra):
+    return ["suta", f"--source={model}", f"--stream_csv={root / 'stream.csv'}",
+            f"--output_folder={out}", f"--data_root={root}", *RUN, *extra]
+
+
+def test_a_resumed_run_keeps_its_time_and_audio_seconds(tmp_path, tiny_model_dir, monkeypatch):
+    root = write_stream(tmp_path / "data", n=10)
+    ref = tmp_path / "ref"
+    decode.main(args(root, tiny_model_dir, ref, "--ckpt_every=0"))
+    out = tmp_path / "exp"
+    orig = TTABrain.evaluate_batch
+
+    def boom(self, batch, stage=None):
+        if batch[1].position == 7:
+            raise RuntimeError("simulated crash")
+        return orig(self, batch)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        decode.main(args(root, tiny_model_dir, out, "--ckpt_every=3"))
+    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    saved = torch.load(next((out / "save").glob(f"CKPT+*/{STATE_FILE}")), weights_only=False)
+    assert saved["cursor"] == 6 and saved["audio_time"] > 0 and saved["wall_time"] > 0
+    decode.main(args(root, tiny_model_dir, out, "--ckpt_every=3"))
+    got, want = (json.loads((d / "summary.json").read_text()) for d in (out, ref))
+    assert got["audio_s"] == pytest.approx(want["audio_s"], rel=1e-9)     # every row counted once
+    assert got["wall_time_s"] >= saved["wall_time"]      # the time before the crash counts too
+    assert got["counts"] == want["counts"]               # the method's passes before it too
+    for name in ("transcripts.csv", "resets.csv", "wer.txt"):
+        assert (out / name).read_text() == (ref / name).read_text(), name
+
+
+class _Method:
+    batch = None
+
+    def __init__(self):
+        self.w = 0
+
+    def state_dict(self):
+        return {"w": self.w}
+
+    def load_state_dict(self, sd):
+        self.w = sd["w"]
+
+
+def test_a_checkpoint_restores_every_random_generator(tmp_path):
+    state = StreamState(_Method(), fingerprint={"stream_sha1": "x"})
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    state._save(tmp_path / STATE_FILE)
+    want = (torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)])
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)        # a new process's generators
+    StreamState(_Method(), fingerprint={"stream_sha1": "x"})._load(tmp_path / STATE_FILE)
+    got = (torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)])
+    assert got == want
+
+
+# ----------------------------------------------------------- RecordWriter reopened
+def transcript(position, n_err, n_words=5):
+    return Transcript(position, f"u{position}", "A", 0, 1.0, "a b", "a", n_words, n_err,
+                      n_err, 0, 0)
+
+
+def test_a_resumed_writer_counts_the_kept_records_and_keeps_a_pending_reset(tmp_path):
+    w = RecordWriter(tmp_path)
+    for p in range(3):
+        w.transcript(transcript(p, n_err=p))
+    w.reset(Reset(3, "u3", "lii", 2))                  # taken: transcript 3 has reset = 1
+    w.transcript(transcript(3, n_err=3))
+    w.reset(Reset(5, "u5", "lii", 3))                  # announced for row 5, not decoded yet
+    offsets = w.sync()
+    counts = (w.n_err, w.n_words, w.n_resets)
+    w.transcript(transcript(4, n_err=9))               # after the checkpoint: dropped
+    w.reject(Reject(5, "u5", "x.wav", "too short"))
+    w.close()
+    r = RecordWriter(tmp_path, offsets, cursor=4)
+    assert (r.n_err, r.n_words, r.n_resets) == counts == (6, 20, 2)
+    r.transcript(transcript(4, n_err=0))               # row 4: before the reset's row
+    r.reject(Reject(5, "u5", "x.wav", "too short"))    # the reset's row is skipped
+    r.transcript(transcript(6, n_err=0))               # the first decoded after it
+    r.transcript(transcript(7, n_err=0))
+    r.close()
+    ts = records.read_transcripts(tmp_path)
+    assert [(t.position, t.reset) for t in ts] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 0),
+                                                   (6, 1), (7, 0)]
+    assert [x.position for x in records.read_rejects(tmp_path)] == [5]
+    assert records.rows_done(tmp_path) == 8
+
+
+# ----------------------------------------------------------- StreamState's check at load
+def test_a_checkpoint_of_another_stream_is_refused_at_load(tmp_path):
+    mine = {"stream_sha1": "aaa", "n_rows": 20, "method": "suta"}
+    saved = StreamState(_Method(), fingerprint=mine)
+    saved.cursor = 8
+    saved._save(tmp_path / STATE_FILE)
+    other = StreamState(_Method(), fingerprint={**mine, "stream_sha1": "bbb"})
+    with pytest.raises(ResumeError, match="another run .*stream_sha1: 'aaa' != 'bbb'"):
+        other._load(tmp_path / STATE_FILE)
+    assert other.cursor == 0
+    same = StreamState(_Method(), fingerprint=dict(mine))
+    same._load(tmp_path / STATE_FILE)
+    assert same.cursor == 8
+
+
+def test_a_checkpoint_without_a_fingerprint_loads(tmp_path):
+    old = StreamState(_Method(), fingerprint=None)
+    old.cursor = 5
+    old._save(tmp_path / STATE_FILE)
+    new = StreamState(_Method(), fingerprint={"stream_sha1": "aaa", "n_rows": 20})
+    new._load(tmp_path / STATE_FILE)
+    assert new.cursor == 5
