@@ -1,5 +1,6 @@
 """Shared fixtures: tiny *real* Hugging Face CTC models written with ``save_pretrained``."""
 import importlib.util
+import logging
 import math
 import os
 import shutil
@@ -33,6 +34,22 @@ LONGEST_FIRST = ("test_synthetic_recipe.py", "test_sweep.py", "test_grid.py", "t
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # a stable sort
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_outlives_its_test():
+    """A root handler a test installs (SpeechBrain's console handler of an in-process decode,
+    a main()'s ``logging.basicConfig``) is bound to that test's captured stream: left in place,
+    a later test's log record went to the closed stream, and its stderr held
+    "--- Logging error ---" and a traceback (which test saw it depended on the order xdist gave
+    the modules). Each test's own handlers are removed after it."""
+    root = logging.getLogger()
+    before = set(root.handlers)
+    yield
+    for handler in root.handlers[:]:
+        if handler not in before and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+            handler.close()
 
 
 def save_ctc_model(out_dir, seed=0, norm="group", hidden=32, layers=2, **config_overrides):
