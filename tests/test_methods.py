@@ -943,3 +943,42 @@ def test_a_model_adapted_by_one_method_is_refused_to_another(tiny_model_dir, utt
     with pytest.raises(ValueError, match="stage2_params must be adapted in stage 1"):
         build_method("cea", model=fresh, adapt_params=[{"select": "cnn"}])
     assert build_method("cea", model=fresh).name == "cea"     # the failed build took nothing
+
+
+def test_the_readmes_own_reset_policy_decodes_under_its_own_name(tmp_path, tiny_model_dir):
+    """README "Your own reset policy", as written (its lines in a copy of csuta.yaml): the run
+    decodes with the policy, under the copy's own label (the copy's ``method_tag`` said csuta:
+    a report pooled it with csuta's runs), and ``--reset`` is refused in one line."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from fake_corpora import write_stream
+    from tta_brain import hparams
+    section = open(os.path.join(ROOT, "README.md")).read().split("**Your own reset policy.**", 1)[1]
+    snippet = re.search(r"```yaml\n(.*?)```", section, re.S)[1]
+    mine = {m.group(1) for m in re.finditer(r"^(\w+):", snippet, re.M)}
+    copy = [ln for ln in hparams.find("csuta").read_text().splitlines()
+            if not re.match(r"(\w+):", ln) or re.match(r"(\w+):", ln)[1] not in mine]
+    (tmp_path / "csuta_lossema.yaml").write_text("\n".join(copy) + "\n" + snippet)
+    (tmp_path / "my_resets.py").write_text(
+        "from tta_brain.methods.resets import ResetPolicy\n\n\n"
+        "class LossEMAReset(ResetPolicy):\n    name = 'lossema'\n\n"
+        "    def __init__(self, threshold=1.0):\n        self.threshold = threshold\n")
+    root = write_stream(tmp_path / "s", n=3)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+
+    def decode(out, *extra):
+        return subprocess.run([sys.executable, "-m", "tta_brain.decode",
+                               str(tmp_path / "csuta_lossema.yaml"), f"--source={tiny_model_dir}",
+                               f"--stream_csv={root / 'stream.csv'}", f"--data_root={root}",
+                               f"--output_folder={out}", "--noprogressbar", *extra],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = decode(tmp_path / "exp", "--loss_threshold=2.0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((tmp_path / "exp" / "summary.json").read_text())["method"] == "csuta_lossema"
+    res = decode(tmp_path / "exp2", "--reset=oracle")
+    assert res.returncode == 1 and "--reset would not change the run" in res.stderr
