@@ -526,6 +526,27 @@ def test_an_error_inside_one_run_is_in_that_runs_log_alone(data, tmp_path, monke
     assert errors[0] == [] and len(errors[1]) == 1 and errors[1][0].endswith(":3: damaged")
 
 
+def test_an_error_names_the_run_by_its_number_in_the_command(data, tmp_path, monkeypatch):
+    """With run 1 finished already, the batch holds runs 2 and 3 of the command: an error in
+    run 3 said "(run 2 of 2)", its place in the batch, where a build error said "run 3"."""
+    from tta_brain.run.brain import TTABrain
+    from tta_brain.run.records import RecordError
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    runs = [args(data, o, f"--lr={lr}") for o, lr in zip(outs, ("1e-3", "2e-3", "3e-3"))]
+    decode.main(runs[0])
+    real = TTABrain.decode_row
+
+    def decode_row(self, utt):
+        if self.out == outs[2] and utt.index == 2:
+            raise RecordError(f"{self.out / 'transcripts.csv'}:3: damaged")
+        return real(self, utt)
+
+    monkeypatch.setattr(TTABrain, "decode_row", decode_row)
+    with pytest.raises(SystemExit) as e:
+        sweep.run(runs)
+    assert str(e.value) == f"ERROR: {outs[2] / 'transcripts.csv'}:3: damaged (run 3 of 3)"
+
+
 def test_a_crash_inside_one_run_is_in_that_runs_log_with_its_traceback(data, tmp_path,
                                                                          monkeypatch):
     """Any other exception (a bug, a CUDA error) while run 2 is served: its traceback in run 2's

@@ -232,7 +232,7 @@ def run(argvs: List[List[str]]):
                 decode._fail(str(e))
             locks.append(lock)
         summaries = _run(todo, [1 + next(i for i, q in enumerate(plans) if q is p)
-                                for p, _ in todo])
+                                for p, _ in todo], len(plans))
     finally:
         for lock in locks:
             lock.release()
@@ -245,9 +245,9 @@ def run(argvs: List[List[str]]):
     return [None if p.status == "done" else next(done) for p in plans]
 
 
-def _run(todo, numbers=None):
-    """``numbers``: each run's number in the sweep's command (an error names its run so)."""
-    numbers = numbers or list(range(1, len(todo) + 1))
+def _run(todo, numbers, total):
+    """``numbers``: each run's number among the ``total`` of the sweep's command (an error names
+    its run so, the runs already finished counted)."""
     statuses = [decode.prepare(p) for p, _ in todo]
     if "done" in statuses:                  # finished meanwhile by another process
         raise Refused("a run of the batch was finished by another process meanwhile; rerun")
@@ -280,13 +280,13 @@ def _run(todo, numbers=None):
     logger.info("Batched sweep of %d runs over one model (%s)", len(brains),
                 ", ".join(p.out for p, _ in todo))
     try:
-        return _walk(brains, [p for p, _ in todo], logs)
+        return _walk(brains, [p for p, _ in todo], logs, numbers, total)
     except (ManifestError, ResumeError, RecordError) as e:
         if logs.failed is None:                 # the batch's own: every run's log
             decode._fail_logged(str(e))
         with logs.run(logs.failed):             # one run's (it names that run's files)
             decode.log_to_files(str(e))
-        decode._fail(f"{e}{_which(logs.failed, len(brains))}")
+        decode._fail(f"{e}{_which(numbers[logs.failed], total)}")
     except BaseException as e:  # a crash's traceback in the log.txt of the run it arose in (all
         if not isinstance(e, SystemExit):   # runs' outside one), before the handlers close
             with logs.run(logs.failed):
@@ -296,10 +296,11 @@ def _run(todo, numbers=None):
         logs.close()
 
 
-def _walk(brains, plans, logs):
+def _walk(brains, plans, logs, numbers, total):
     """The stream once, each row for the runs whose cursor is there, in lock-step. ``plans``:
     the runs' own (a run's stream is its own ``--stream_csv``, the same rows: its default
-    ``stream_name`` is its manifest's name, as its separate run's)."""
+    ``stream_name`` is its manifest's name, as its separate run's); ``numbers``, ``total``:
+    the runs' numbers in the sweep's command, for an error's message."""
     cursors = []
     for i, (b, p) in enumerate(zip(brains, plans)):
         with logs.run(i):
@@ -342,16 +343,17 @@ def _walk(brains, plans, logs):
         print(decode.summary_line(summaries[-1]), flush=True)
     if failed:
         (i, first), more = failed[0], len(failed) - 1
-        decode._fail(first + _which(i, len(brains), more))
+        decode._fail(first + _which(numbers[i], total, more))
     return summaries
 
 
-def _which(i: int, n: int, more: int = 0) -> str:
-    """Which run of a batch of ``n`` an error is of (and how many more stopped alike)."""
-    if n == 1:
+def _which(number: int, total: int, more: int = 0) -> str:
+    """Which run of the sweep's ``total`` an error is of, numbered as in its command (and how
+    many more stopped alike)."""
+    if total == 1:
         return ""
     alike = f"; {more} more stopped alike, each said in its own log.txt" if more else ""
-    return f" (run {i + 1} of {n}{alike})"
+    return f" (run {number} of {total}{alike})"
 
 
 def _info(utt):
