@@ -110,7 +110,8 @@ def test_an_override_nothing_in_the_yaml_reads_is_refused(tmp_path):
                              r"it \(no !ref <min_conf>; a key of your own reaches your class"):
         hparams.resolve(own, {**base, "min_conf": 0.9})
     with pytest.raises(hparams.HparamsError,
-                       match=r"--reset would not change the run: .*reset_policy, which this "
+                       match=r"--reset would not change the run: nothing in this yaml reads "
+                             r"it \(only the label method_tag names it; .*reset_policy, which this "
                              r"yaml replaces with its own"):
         hparams.resolve(own, {**base, "reset": "oracle"})
     values = hparams.resolve(own, {**base, "lr": 1e-3, "seed": 3, "max_duration": 5.0,

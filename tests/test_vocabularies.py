@@ -82,6 +82,8 @@ def test_references_with_characters_the_model_cannot_write_are_a_warning(tmp_pat
     vocab = ("<pad>", "<s>", "</s>", "<unk>", "|") + tuple("ABCDEFGHIJKLMNOPQRSTUVWXY'")
     model = _model(tmp_path / "m", vocab)
     assert HFCTCLobe(model).alphabet() == set("ABCDEFGHIJKLMNOPQRSTUVWXY'")
+    bytes_too = _model(tmp_path / "b", vocab + ("<0xC3>", "<0xA9>"))    # byte fallback: any
+    assert HFCTCLobe(bytes_too).alphabet() is None                      # character, no check
     root = write_stream(tmp_path / "s", n=3)
     rows = list(csv.DictReader(open(root / "stream.csv")))
     for row, ref in zip(rows, ("zoë was here 2", "HE SAW IT", "don\u2019t")):

@@ -182,12 +182,13 @@ def _check_override_keys(path, values: Dict, overrides) -> List[str]:
     return list(given or {})
 
 
-#: Keys the code reads by name from a run's values, not through a ``!ref`` of the yaml: the run
-#: block's (``seed``, ``source``, ``max_duration``, ...), the report's label and the objects.
+#: Keys that name a run and change nothing in it: a ``!ref`` of theirs is no reading.
 _LABELS = ("method_tag",)
 
 
 def _read_by_name() -> set:
+    """Keys the code reads by name from a run's values, not through a ``!ref`` of the yaml: the
+    run block's (``seed``, ``source``, ``max_duration``, ...), the labels and the objects."""
     text = (HPARAMS_DIR / "run.yaml").read_text(encoding="utf-8")
     return ({m.group(1) for m in map(_TOP_KEY.match, text.splitlines()) if m}
             | set(_LABELS) | set(BUILT_KEYS))
@@ -202,11 +203,11 @@ def _check_read(path, lines: List[str], given) -> None:
     ``+oracle`` token), decoded the same run under another name and fingerprint."""
     if not given:
         return
-    refs = set()
+    refs, labels, by_name = set(), set(), _read_by_name()
     for key, idx in _entries(lines):
-        if key not in _LABELS:
-            refs.update(re.findall(r"<(\w+)", "\n".join(lines[i] for i in idx)))
-    unread = [k for k in given if k not in refs and k not in _read_by_name()
+        (labels if key in _LABELS else refs).update(
+            re.findall(r"<(\w+)", "\n".join(lines[i] for i in idx)))
+    unread = [k for k in given if k not in refs and k not in by_name
               and not str(k).startswith("__")]
     if unread:
         key = unread[0]
@@ -214,8 +215,10 @@ def _check_read(path, lines: List[str], given) -> None:
         hint = ("the reset block's keys are read by its reset_policy, which this yaml replaces "
                 "with its own" if re.search(rf"^{key}\s*:", block, re.M) else
                 f"a key of your own reaches your class as '{key}: !ref <{key}>' under method:")
+        where = (f"only the label {' / '.join(_LABELS)} names it" if key in labels
+                 else f"no !ref <{key}>")
         raise HparamsError(f"{path}: --{key} would not change the run: nothing in this yaml reads "
-                           f"it (no !ref <{key}>; {hint})")
+                           f"it ({where}; {hint})")
 
 
 def structure(path: PathLike, keys, overrides: Optional[Union[Dict, str]] = None,

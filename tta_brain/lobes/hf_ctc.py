@@ -678,17 +678,19 @@ class HFCTCLobe(nn.Module):
             text = "".join(toks).replace(self.word_delimiter, " ")
         return " ".join(text.split())
 
-    def alphabet(self) -> set:
+    def alphabet(self) -> Optional[set]:
         """The characters this model can write, as the scoring normalises them
         (:func:`~tta_brain.asr.metrics.normalize_text`: upper case, letters, digits, ``'``): those
-        of its tokens but the blank, the special ones and byte-fallback pieces (``<0xC3>``)."""
+        of its tokens but the blank and the special ones. None (any character: no check) for a
+        vocabulary with byte-fallback pieces (SentencePiece's ``<0xC3>``): it spells any
+        character in bytes."""
         from tta_brain.asr.metrics import normalize_text
         chars = set()
         for i, tok in self.id_to_token.items():
-            byte = re.fullmatch(r"<0x[0-9A-F]+>", tok, re.I)
-            if i in self.special_ids or i == self.blank_id or byte:
-                continue
-            chars |= set(normalize_text(tok))
+            if re.fullmatch(r"<0x[0-9A-F]{2}>", tok, re.I):
+                return None
+            if i not in self.special_ids and i != self.blank_id:
+                chars |= set(normalize_text(tok))
         return chars - {" "}
 
     def decode(self, logits: torch.Tensor) -> List[str]:

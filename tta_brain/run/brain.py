@@ -133,10 +133,10 @@ class TTABrain(sb.Brain):
         """A warning where the references hold characters the model cannot write (a vocabulary
         of another language, or without digits): every word holding one is an error whatever
         the method, a floor under its WER that no adaptation lowers."""
-        alphabet = getattr(getattr(self.method, "lobe", None), "alphabet", None)
-        if alphabet is None:
+        alphabet = getattr(getattr(self.method, "lobe", None), "alphabet", lambda: None)()
+        if alphabet is None:                  # (a lobe of one's own; a byte-fallback vocabulary)
             return []
-        chars, n = metrics.unwritable((r.get("wrd", "") for r in rows), alphabet())
+        chars, n = metrics.unwritable((r.get("wrd", "") for r in rows), alphabet)
         if not chars:
             return []
         shown = " ".join(chars[:12]) + (f" and {len(chars) - 12} more" if len(chars) > 12 else "")
