@@ -503,21 +503,26 @@ def test_a_runs_error_is_said_in_its_own_log_naming_its_own_folder(data, tmp_pat
         assert not (o / "summary.json").exists()
 
 
+def damaged_at(monkeypatch, out, index):
+    """The run of folder ``out`` raises a record error at stream row ``index`` (as a damaged
+    record file would)."""
+    from tta_brain.run.brain import TTABrain
+    from tta_brain.run.records import RecordError
+    real = TTABrain.decode_row
+
+    def decode_row(self, utt):
+        if self.out == out and utt.index == index:
+            raise RecordError(f"{self.out / 'transcripts.csv'}:3: damaged")
+        return real(self, utt)
+    monkeypatch.setattr(TTABrain, "decode_row", decode_row)
+
+
 def test_an_error_inside_one_run_is_in_that_runs_log_alone(data, tmp_path, monkeypatch):
     """A record error while one run of the batch is served (here: run 2's third row, as a
     damaged record file would raise it) names that run's file: it was written into every run's
     log.txt; now into run 2's alone, and the ERROR line says which run it was."""
-    from tta_brain.run.brain import TTABrain
-    from tta_brain.run.records import RecordError
     outs = [tmp_path / "r0", tmp_path / "r1"]
-    real = TTABrain.decode_row
-
-    def decode_row(self, utt):
-        if self.out == outs[1] and utt.index == 2:
-            raise RecordError(f"{self.out / 'transcripts.csv'}:3: damaged")
-        return real(self, utt)
-
-    monkeypatch.setattr(TTABrain, "decode_row", decode_row)
+    damaged_at(monkeypatch, outs[1], 2)
     with pytest.raises(SystemExit) as e:
         sweep.run([args(data, o, f"--lr={lr}") for o, lr in zip(outs, ("1e-3", "2e-3"))])
     assert str(e.value) == f"ERROR: {outs[1] / 'transcripts.csv'}:3: damaged (run 2 of 2)"
@@ -529,19 +534,10 @@ def test_an_error_inside_one_run_is_in_that_runs_log_alone(data, tmp_path, monke
 def test_an_error_names_the_run_by_its_number_in_the_command(data, tmp_path, monkeypatch):
     """With run 1 finished already, the batch holds runs 2 and 3 of the command: an error in
     run 3 said "(run 2 of 2)", its place in the batch, where a build error said "run 3"."""
-    from tta_brain.run.brain import TTABrain
-    from tta_brain.run.records import RecordError
     outs = [tmp_path / f"r{i}" for i in range(3)]
     runs = [args(data, o, f"--lr={lr}") for o, lr in zip(outs, ("1e-3", "2e-3", "3e-3"))]
     decode.main(runs[0])
-    real = TTABrain.decode_row
-
-    def decode_row(self, utt):
-        if self.out == outs[2] and utt.index == 2:
-            raise RecordError(f"{self.out / 'transcripts.csv'}:3: damaged")
-        return real(self, utt)
-
-    monkeypatch.setattr(TTABrain, "decode_row", decode_row)
+    damaged_at(monkeypatch, outs[2], 2)
     with pytest.raises(SystemExit) as e:
         sweep.run(runs)
     assert str(e.value) == f"ERROR: {outs[2] / 'transcripts.csv'}:3: damaged (run 3 of 3)"
