@@ -53,6 +53,27 @@ def test_worst_window_and_first_position_above_the_source():
     assert first_above([np.nan, 99.0], [np.nan, np.nan], 0) is None
 
 
+def test_a_run_is_compared_with_the_source_run_of_its_own_seed_and_stream_file():
+    """The collapse figures compare a run with the source run of its stream: of its own seed
+    where there is one (a seed's stream order, its skips), of its stream file where the
+    fingerprints say (a folder of an older version records none: taken), never another file's
+    (two SNRs' folders hold streams of one name)."""
+    from types import SimpleNamespace
+    from tta_brain.report.long import _source_for
+
+    def run(method, seed, sha):
+        fp = {"stream_sha1": sha} if sha else {}
+        return SimpleNamespace(stream="md_long", method=method, seed=seed, source_model=None,
+                               summary=SimpleNamespace(fingerprint=fp))
+    src0, src1, old, other = (run("source", 0, "a"), run("source", 1, "a"), run("source", 2, None),
+                              run("source", 3, "b"))
+    runs = [src0, src1, old, other]
+    assert _source_for(run("suta", 1, "a"), runs) is src1
+    assert _source_for(run("suta", 2, "a"), runs) is old
+    assert _source_for(run("suta", 3, "a"), runs) is src0           # no seed 3 of file a
+    assert _source_for(run("suta", 3, "b"), runs) is other
+
+
 def test_memory_slope_per_thousand_utterances_over_the_second_half():
     pos = np.arange(0, 3000, 50)
     flat = 500 + 0.3 * np.sin(pos)                            # noise, no trend
