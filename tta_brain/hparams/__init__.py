@@ -189,9 +189,7 @@ _LABELS = ("method_tag",)
 def _read_by_name() -> set:
     """Keys the code reads by name from a run's values, not through a ``!ref`` of the yaml: the
     run block's (``seed``, ``source``, ``max_duration``, ...), the labels and the objects."""
-    text = (HPARAMS_DIR / "run.yaml").read_text(encoding="utf-8")
-    return ({m.group(1) for m in map(_TOP_KEY.match, text.splitlines()) if m}
-            | set(_LABELS) | set(BUILT_KEYS))
+    return set(keys(HPARAMS_DIR / "run.yaml")) | set(_LABELS) | set(BUILT_KEYS)
 
 
 def _check_read(path, lines: List[str], given) -> None:
