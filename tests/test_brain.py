@@ -84,6 +84,33 @@ def test_reference_run_has_resets_and_lii(reference):
     assert not list((reference / "save").glob("*.tmp"))
 
 
+def test_reference_run_wer_is_the_transcripts_scored_independently(data, reference):
+    """The run's WER, per utterance, per domain and over the run, is its written references and
+    hypotheses scored by jiwer (an independent implementation), the references the manifest's
+    ``wrd`` normalised; the counts are not all zero (a vacuous check otherwise)."""
+    import jiwer
+    from tta_brain.asr.metrics import normalize_text
+    s = json.loads((reference / "summary.json").read_text())
+    rows = list(csv.DictReader(open(reference / "transcripts.csv")))
+    manifest = {r["ID"]: r for r in csv.DictReader(open(data["csv"]))}
+    assert [r["ref"] for r in rows] == [normalize_text(manifest[r["ID"]]["wrd"]) for r in rows]
+    for r in rows:
+        m = jiwer.process_words(r["ref"], r["hyp"])
+        want = (len(r["ref"].split()), m.substitutions, m.deletions, m.insertions)
+        assert tuple(int(r[k]) for k in ("n_words", "n_sub", "n_del", "n_ins")) == want, r
+        assert int(r["n_err"]) == sum(want[1:]), r
+    refs, hyps = [r["ref"] for r in rows], [r["hyp"] for r in rows]
+    assert s["n_words"] == sum(len(x.split()) for x in refs)
+    assert s["wer"] == pytest.approx(100 * jiwer.wer(refs, hyps))
+    assert 0 < s["n_err"] and any(r["hyp"] for r in rows)
+    domains = sorted({r["domain"] for r in rows})
+    assert sorted(s["wer_per_domain"]) == domains == ["d0", "d1"]
+    for d in domains:
+        mine = [r for r in rows if r["domain"] == d]
+        assert s["wer_per_domain"][d] == pytest.approx(
+            100 * jiwer.wer([r["ref"] for r in mine], [r["hyp"] for r in mine])), d
+
+
 def test_a_reset_after_the_last_utterance_is_not_recorded(data, tmp_path):
     """A fixed reset due after the stream's last utterance was written to resets.csv (its ID
     empty, its position past the stream), counted in the summary and by the report's boundary
