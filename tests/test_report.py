@@ -442,6 +442,10 @@ def test_espnet_table(results, written):
     assert rows[0] == ["dataset", "Snt", "Wrd", "Corr", "Sub", "Del", "Ins", "Err", "S.Err"]
     # NB: 8 errors per 10 words = 4 sub + 2 del + 2 ins
     assert rows[-1] == ["md_easy/NB", "200", "2000", "40.0", "40.0", "20.0", "20.0", "80.0", "100.0"]
+    # AA: 2 errors = 1 sub + 0 del + 1 ins, GS: 5 = 2 sub + 1 del + 2 ins (NB's 2 del and 2 ins
+    # could not tell the Del and Ins columns apart)
+    assert rows[2] == ["md_easy/AA", "200", "2000", "90.0", "10.0", "0.0", "10.0", "20.0", "100.0"]
+    assert rows[3] == ["md_easy/GS", "200", "2000", "70.0", "20.0", "10.0", "20.0", "50.0", "100.0"]
     assert rows[1][:3] == ["md_easy", "600", "6000"] and rows[1][7] == "50.0"
 
 
