@@ -115,6 +115,44 @@ def test_sdpl_default_is_eval_mode_without_extra_passes(tiny_model_dir, utteranc
     assert "\ntrain_mode: false " in text and "train_mode: !ref <train_mode>" in text
 
 
+def test_sdpl_eval_mode_steps_on_the_greedy_label_of_each_steps_own_forward(tiny_model_dir,
+                                                                             utterances):
+    """The default (eval mode): each of the N steps is CTC on the greedy label (argmax, repeats
+    merged, blanks dropped) of that step's own forward of the current model, AdamW from the
+    source every utterance; by hand on a separate copy of the model."""
+    steps, lr = 3, 1e-3
+    ours = build_on(tiny_model_dir, "sdpl", steps=steps, lr=lr, cache_features="off",
+                    cpu_native_backward=False)
+    lobe = HFCTCLobe(tiny_model_dir)
+    net = lobe.model
+    net.eval()
+    net.requires_grad_(False)
+    params = [dict(net.named_parameters())[n] for n in ours.param_names]
+    for p in params:
+        p.requires_grad_(True)
+    init = [p.detach().clone() for p in params]
+    labels = []
+    for wav in utterances[:2]:
+        hyp = ours.process(wav)
+        with torch.no_grad():
+            for p, v in zip(params, init):
+                p.copy_(v)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=True)
+        x = lobe.prepare(wav)
+        for _ in range(steps):
+            opt.zero_grad()
+            logits = net(x).logits
+            label = collapse(logits.detach().argmax(-1)[0], lobe.blank_id)
+            labels.append(label)
+            losses.ctc_pseudo_label_loss(logits, [torch.tensor(label)],
+                                         blank_id=lobe.blank_id).mean().backward()
+            opt.step()
+        with torch.no_grad():
+            assert hyp == lobe.decode(net(x).logits)[0]
+        assert max(float((a - b).abs().max()) for a, b in zip(ours.params, params)) < 1e-6
+    assert len({tuple(lb) for lb in labels[:steps]}) > 1      # the label moved between steps
+
+
 def test_sdpl_train_mode_is_the_official_order(tiny_model_dir, utterances):
     """Per step: greedy label from an eval-mode forward, then the CTC step in train mode
     (dropout on). Reference: that loop by hand with torch's AdamW on the same RNG stream."""
