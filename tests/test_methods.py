@@ -679,6 +679,55 @@ def test_sgem_with_an_empty_best_beam(make, utterances):
     assert m.counts["skipped_steps"] == 0
 
 
+def test_sgem_steps_on_the_best_beams_frame_path_by_hand(make, utterances, tiny_model_dir):
+    """Each SGEM step, by hand on a separate copy of the model: the prefix beam search's best
+    labelling of the current posteriors, force-aligned to them (its frame path), Renyi entropy
+    (alpha 1.5, T 2.5) on that path's non-blank frames + negative sampling, AdamW at the step's
+    cosine-annealed lr. Planted so that the beam's path is not the greedy one at some step."""
+    from tta_brain.asr.ctc import prefix_beam_search, viterbi_align
+    N, lr, lr_min, width = 3, 1e-2, 2e-3, 5
+    m = make("sgem", steps=N, lr=lr, lr_min=lr_min, beam_width=width, plain=True,
+             cpu_native_backward=False)
+    ref_lobe = HFCTCLobe(tiny_model_dir)
+    net = ref_lobe.model
+    net.eval()
+    net.requires_grad_(False)
+    with torch.no_grad():      # less flat posteriors (both copies): some tokens are "negative"
+        for model in (m.net, net):
+            model.lm_head.weight.mul_(4.0)
+    params = [dict(net.named_parameters())[n] for n in m.param_names]
+    for p in params:
+        p.requires_grad_(True)
+    init = clone(params)
+    beam_not_greedy = negatives = 0
+    for wav in utterances[:2]:
+        hyp = m.process(wav)
+        with torch.no_grad():
+            for p, v in zip(params, init):
+                p.copy_(v)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
+        x = ref_lobe.prepare(wav)
+        for n in range(N):
+            opt.param_groups[0]["lr"] = lr_min + (lr - lr_min) * (1 + math.cos(math.pi * n / N)) / 2
+            opt.zero_grad()
+            logits = net(x).logits
+            lp = logits[0].detach().log_softmax(-1)
+            best = prefix_beam_search(lp, width, m.blank_id)[0][0]
+            path = viterbi_align(lp, best, m.blank_id)[None]
+            beam_not_greedy += not torch.equal(path, logits.detach().argmax(-1))
+            ns = losses.negative_sampling_loss(logits, temperature=2.5, threshold=0.04)
+            negatives += float(ns.detach()) > 1e-3
+            loss = losses.renyi_entropy_loss(logits, alpha=1.5, temperature=2.5,
+                                             blank_id=m.blank_id, path=path) + ns
+            loss.mean().backward()
+            opt.step()
+        with torch.no_grad():
+            assert hyp == ref_lobe.decode(net(x).logits)[0]
+        assert max_diff(m.params, params) < 1e-6
+    assert beam_not_greedy, "the beam's path was the greedy one at every step: nothing tested"
+    assert negatives == 2 * N, "no negative token: the negative sampling term was not tested"
+
+
 def test_sgem_lr_is_cosine_annealed_per_group_over_the_steps(make, utterances):
     """SGEM's lr over the N steps of an utterance is torch's CosineAnnealingLR (T_max = N) from
     each group's lr to lr_min times the group's multiplier, and starts again next utterance."""
