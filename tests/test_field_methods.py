@@ -161,6 +161,47 @@ def test_eata_fisher_term_pulls_towards_the_source(tiny_model_dir, utterances, t
     assert drift[1e4] < 0.5 * drift[0.0], drift
 
 
+def test_eata_step_is_the_non_blank_entropy_plus_the_fisher_term_by_hand(tiny_model_dir,
+                                                                          utterances, tmp_path):
+    """EATA's kept steps, by hand on a separate copy of the model over 3 utterances (continual:
+    one AdamW on, its moments kept): loss = mean entropy (T = 1) of the non-blank frames +
+    fisher_alpha * sum F (theta - theta0)^2, theta0 the source values (every utterance reliable
+    and none redundant here, so every step is kept)."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    alpha, lr, fisher_value = 50.0, 1e-2, 1.0
+    path = fisher_file(tmp_path / "fisher.pt", tiny_model_dir, value=fisher_value)
+    m = build_on(tiny_model_dir, "eata", fisher_alpha=alpha, source_stats=path, lr=lr,
+                 d_margin=2.0, plain=True, cpu_native_backward=False, **RELIABLE)
+    ref = HFCTCLobe(tiny_model_dir)
+    net = ref.model
+    net.eval()
+    net.requires_grad_(False)
+    params = [dict(net.named_parameters())[n] for n in m.param_names]
+    for p in params:
+        p.requires_grad_(True)
+    with torch.no_grad():            # blank frames (8-40 %), both copies: the mask matters
+        for model in (m.net, net):
+            model.lm_head.bias[ref.blank_id] += 0.2
+    theta0 = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
+    blank_share = []
+    for i, w in enumerate(utterances[:3]):
+        hyp = m.process(w, UttInfo(position=i))
+        x = ref.prepare(w)
+        opt.zero_grad()
+        logits = net(x).logits
+        h = losses.entropy_loss(logits, temperature=1.0, blank_id=ref.blank_id)
+        blank_share.append(float((logits.detach().argmax(-1) == ref.blank_id).float().mean()))
+        fisher = sum((fisher_value * (p - p0) ** 2).sum() for p, p0 in zip(params, theta0))
+        (h.mean() + alpha * fisher).backward()
+        opt.step()
+        with torch.no_grad():
+            assert hyp == ref.decode(net(x).logits)[0], i
+        assert max_diff(m.params, params) < 1e-6, i
+    assert m.counts["adapt_backward"] == 3 and dist(m.params, m.source) > 1e-3
+    assert all(0.05 < b < 0.5 for b in blank_share), blank_share     # the mask is tested
+
+
 def test_eata_statistics_errors_name_the_file_and_the_command(tiny_model_dir, tmp_path):
     with pytest.raises(source_stats.SourceStatsError, match=r"not found: .*nope\.pt.*python -m tta_brain.stats"):
         build_on(tiny_model_dir, "eata", source_stats=str(tmp_path / "nope.pt"))
