@@ -366,6 +366,19 @@ def test_ctc_pseudo_label_matches_forward_algorithm():
         assert close(got[b], ref, tol=1e-5)
 
 
+def test_awmc_step_loss_is_the_mean_of_the_anchor_and_leader_ctc():
+    """AWMC's step loss: 0.5 * (CTC(anchor labels) + CTC(leader labels)), each per label as
+    ``ctc_pseudo_label_loss``; equal labels give that one CTC."""
+    from tta_brain.methods.awmc import pseudo_label_loss
+    x = rand_logits(1, 7, 5, seed=21)
+    anchor, leader = [1, 2, 3], [2, 4]
+    want = 0.5 * (ref_ctc_nll(x[0], anchor) / 3 + ref_ctc_nll(x[0], leader) / 2)
+    got = pseudo_label_loss(x, [torch.tensor(anchor)], [torch.tensor(leader)])
+    assert close(got, want, tol=1e-5)
+    same = pseudo_label_loss(x, [torch.tensor(leader)], [torch.tensor(leader)])
+    assert close(same, ref_ctc_nll(x[0], leader) / 2, tol=1e-5)
+
+
 def test_ctc_pseudo_label_tiny_case_by_enumeration():
     """T=3, V=3, target [1]: brute-force sum over all frame paths that collapse to [1]."""
     from itertools import product
