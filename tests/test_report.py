@@ -601,7 +601,7 @@ def _text_run(root, method, pairs):
     return d
 
 
-def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path):
+def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path, capsys):
     """``--metric cer``: every table and plot of character error rates (a language written
     without spaces has one "word" a sentence: one wrong character is 100 % WER), into
     RESULTS_cer.md and cer_* plots beside the WER report, which stays as it was."""
@@ -633,8 +633,11 @@ def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path):
                       "--metric", "cer", "--no_plots"]) == 0
     rows = table_rows((tmp_path / "LONG_cer.md").read_text())
     assert rows[0][3] == "CER %" and rows[2][:5] == ["suta", "0", "2", "11.1", "50.0 @ 1"]
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         report.main(["--exp_dir", str(tmp_path), "--metric", "ter"])
+    err = capsys.readouterr().err
+    assert "--metric" in err and "'ter'" in err and "'cer'" in err
 
 
 def test_the_official_codes_scoring_deletes_apostrophes(tmp_path):
