@@ -284,6 +284,81 @@ def test_memory_verdict_covers_cuda_memory_on_a_gpu(decoded):
     assert "+0.0 (CUDA +20.0)" in table
 
 
+
+def test_memory_is_judged_from_ten_samples_on():
+    """The docs: judged from 10 samples (500 utterances) on; 10 samples were taken as too few
+    only if the check were ``<=`` (mutation audit)."""
+    pos = np.arange(49, 500, 50)                                      # 10 samples
+    assert len(pos) == 10
+    assert memory_slope(pos, 300 + 0.02 * pos) == pytest.approx(20.0)  # +20 MiB per 1k
+    assert memory_slope(pos[:-1], 300 + 0.02 * pos[:-1]) is None
+
+
+def test_memory_verdict_with_some_runs_unjudged_says_no_flat_for_all(decoded, tmp_path):
+    """One run flat over 60 samples, the other with 4 samples (fewer than 10): LONG.md says
+    which is unjudged and does not call memory flat in every run; both judged flat: it does."""
+    runs = collect_runs(decoded)
+    source, dsuta = (next(r for r in runs if r.method == m) for m in ("source", "dsuta"))
+    assert len(dsuta.memory) == 4
+    source.memory = [records.Memory(p, 800.0, 0.0) for p in range(49, 3000, 50)]
+    text = write_long_report(runs, decoded, "md_long", out=tmp_path / "L.md", window=5,
+                             plots=False).read_text()
+    assert "Memory: flat in every run" not in text and "**Memory grows**" not in text
+    assert ("Memory not judged (fewer than 10 samples in memory.csv): md_long/dsuta/seed0 "
+            "(4 samples).") in text
+    dsuta.memory = list(source.memory)
+    text = write_long_report(runs, decoded, "md_long", out=tmp_path / "L.md", window=5,
+                             plots=False).read_text()
+    assert "Memory: flat in every run (" in text and "not judged" not in text
+
+
+def test_methods_keeps_the_source_run_for_the_comparison(decoded, tmp_path):
+    """``--methods dsuta``: the source run, the reference, stays (its row and the dsuta row's
+    comparison with it); it was dropped only by a mutant (mutation audit)."""
+    from tta_brain.report import long
+    out = tmp_path / "LONG.md"
+    assert long.main(["--exp_dir", str(decoded), "--methods", "dsuta", "--window", "5",
+                      "--out", str(out), "--no_plots"]) == 0
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.read_text().splitlines()
+            if ln.startswith("|") and not ln.startswith(("|method", "|-", "|:"))]
+    assert [r[0] for r in rows] == ["source", "dsuta"]
+    assert rows[1][5] not in ("no source run", "-") and rows[1][6] != "-"
+
+
+def test_header_and_mean_curves_of_runs_of_other_lengths(decoded, tmp_path):
+    """A seed that skipped the stream's last utterance: the header counts the longest run's
+    utterances and the stream's runs only (not another stream's in the same list); the mean
+    curve of a method is the mean of its seeds' windowed WERs, cut to the shortest."""
+    import dataclasses
+    from tta_brain.report.long import _mean_curves
+    runs = collect_runs(decoded)
+    dsuta = next(r for r in runs if r.method == "dsuta")
+    short = dataclasses.replace(dsuta, transcripts=dsuta.transcripts[:-1],
+                                name="md_long/dsuta/seed1")
+    short.summary = dataclasses.replace(dsuta.summary, seed=1)
+    other = dataclasses.replace(dsuta, transcripts=dsuta.transcripts[:5])
+    other.summary = dataclasses.replace(dsuta.summary, stream="md_other")
+    every = runs + [short, other]
+    text = write_long_report(every, decoded, "md_long", out=tmp_path / "L.md", window=5,
+                             plots=False).read_text()
+    assert text.splitlines()[0] == "# md_long: 20 utterances, 3 runs"
+    curves = _mean_curves([dsuta, short], 5)
+    curve, group = curves["dsuta"]
+    assert list(curves) == ["dsuta"] and len(group) == 2 and len(curve) == 19
+
+    def windowed(ts, w=5):          # by hand: errors / words of the w utterances ending at t
+        out = []
+        for t in range(len(ts)):
+            if t < w - 1:
+                out.append(np.nan)
+                continue
+            win = ts[t - w + 1:t + 1]
+            out.append(100.0 * sum(x.n_err for x in win) / sum(x.n_words for x in win))
+        return np.array(out)
+    want = (windowed(dsuta.transcripts)[:19] + windowed(short.transcripts)) / 2
+    np.testing.assert_allclose(curve, want, equal_nan=True)
+
+
 # ------------------------------------------------------------------------- the long split
 def test_held_out_sentences_are_new_and_the_quick_start_sets_unchanged():
     train, test = make_sentence_sets(300, 30, seed=1)
