@@ -810,6 +810,8 @@ def test_a_grids_steps_sweep_gets_its_steps_table_and_reference(tmp_path):
         "dsuta_steps1": "0.50", "suta_steps1": "0.25", "suta_steps10": "1.00"}
     assert tags.without_steps("suta_steps10_lr0.1") == "suta_lr0.1"
     assert tags.without_steps("suta_stepsize") == "suta_stepsize"
+    assert tags.without_steps("suta_steps10") == "suta"                  # at the end too
+    assert tags.without_steps("suta_steps10k_lr0.1") == "suta_steps10k_lr0.1"   # no steps option
 
 
 def test_pooled_runs_are_checked_though_the_first_has_no_fingerprint(tmp_path):
@@ -824,6 +826,24 @@ def test_pooled_runs_are_checked_though_the_first_has_no_fingerprint(tmp_path):
         "suta on md_easy: settings other than the seed differ (hparams.lr) and 1 run(s) record "
         "no settings to compare (md_easy/suta/0: no fingerprint in summary.json) across its 3 "
         "runs"), said
+
+
+def test_a_method_at_several_step_counts_is_checked_per_step_count(tmp_path):
+    """The tables split a method run at several step counts into rows ``suta (N=5)``, ``suta
+    (N=10)``: each row's seeds are checked apart (pooled, seed 0 was "more than once" and the
+    steps "settings that differ"), and a row whose seeds differ in lr is still named."""
+    for steps, lrs in ((5, (1e-4, 1e-4)), (10, (1e-4, 2e-4))):
+        for seed, lr in enumerate(lrs):
+            d = make_run(tmp_path / f"n{steps}", "suta", "md_easy", seed, 1,
+                         hparams={"steps": steps})
+            summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint={
+                "hparams": {"seed": seed, "steps": steps, "lr": lr}}))
+    runs = report.collect_runs(tmp_path)
+    assert [r[0] for r in table_rows(tables.table_main(runs))[1:]] == ["suta (N=5)", "suta (N=10)"]
+    said = report.pooling_warnings(runs)
+    assert len(said) == 1 and said[0].startswith(
+        "suta on md_easy: settings other than the seed differ (hparams.lr) across its 2 runs "
+        "(n10/md_easy/suta/0, n10/md_easy/suta/1)"), said
 
 
 def test_a_summary_that_is_no_object_and_long_md_lists_what_it_left_out(tmp_path, capsys):
