@@ -132,3 +132,32 @@ def test_a_checkpoint_without_a_fingerprint_loads(tmp_path):
     new = StreamState(_Method(), fingerprint={"stream_sha1": "aaa", "n_rows": 20})
     new._load(tmp_path / STATE_FILE)
     assert new.cursor == 5
+
+
+def test_a_resumed_runs_progress_bar_counts_the_records_kept(tmp_path, tiny_model_dir,
+                                                             monkeypatch, capfd):
+    """The bar's running WER and reset count after a resume are those of the whole run (the
+    rows decoded before the crash included), not of the rows decoded since (mutation audit)."""
+    import re
+    root = write_stream(tmp_path / "data", n=10)
+    out = tmp_path / "exp"
+    orig = TTABrain.evaluate_batch
+
+    def boom(self, batch, stage=None):
+        if batch[1].position == 7:
+            raise RuntimeError("simulated crash")
+        return orig(self, batch)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        decode.main(args(root, tiny_model_dir, out, "--ckpt_every=3"))
+    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+    capfd.readouterr()
+    decode.main([a for a in args(root, tiny_model_dir, out, "--ckpt_every=3")
+                 if a != "--noprogressbar"])
+    err = capfd.readouterr().err
+    shown = re.findall(r"resets=([0-9]+), wer=([0-9.]+)", err)
+    ts = records.read_transcripts(out)
+    assert len(ts) == 10 and shown
+    n_err, n_words = sum(t.n_err for t in ts), sum(t.n_words for t in ts)
+    assert n_err != n_words                       # (a bar of words / errors would show the same)
+    assert shown[-1] == (str(len(records.read_resets(out))), f"{100 * n_err / n_words:.1f}")
