@@ -447,6 +447,11 @@ def test_espnet_table(results, written):
     assert rows[2] == ["md_easy/AA", "200", "2000", "90.0", "10.0", "0.0", "10.0", "20.0", "100.0"]
     assert rows[3] == ["md_easy/GS", "200", "2000", "70.0", "20.0", "10.0", "20.0", "50.0", "100.0"]
     assert rows[1][:3] == ["md_easy", "600", "6000"] and rows[1][7] == "50.0"
+    # a single-domain stream: its one row (no "lsc_AA/AA" row repeating it); 4 errors per 10
+    # words = 2 sub + 1 del + 1 ins
+    sec = text[text.index("### lsc_AA/source/0"):]
+    assert table_rows(sec.split("###")[1])[1:] == [
+        ["lsc_AA", "100", "1000", "70.0", "20.0", "10.0", "10.0", "40.0", "100.0"]]
 
 
 def test_efficiency_ratios(written):
@@ -978,6 +983,21 @@ def test_mean_delay_and_wall_time_are_means_over_what_they_average(tmp_path):
     cells = dict(zip(eff[0], eff[1]))
     walls = [r.summary.wall_time_s for r in runs]
     assert cells["Wall time (s)"] == f"{statistics.fmean(walls):.1f}" == "48.0"
+
+
+def test_a_stream_of_several_domains_in_one_segment_is_not_single_domain(tmp_path):
+    """One's own manifest with a domain column and no segment column: no true boundary, but
+    two domains; it gets its per-domain table, not a column of the single-domain table titled
+    by its first domain."""
+    make_run(tmp_path, "suta", "own", 0, lambda p, dom: 2 if p < 50 else 6)
+    runs = report.collect_runs(tmp_path)
+    runs[0].transcripts = [dataclasses.replace(t, domain="A" if t.position < 50 else "B")
+                           for t in runs[0].transcripts]
+    assert runs[0].boundaries == [] and not tables.is_single_domain(runs[0])
+    text = report.build_markdown(runs)
+    assert "single-domain streams" not in text
+    assert table_rows(section(text, "Per-domain WER (%) on own")) == [
+        ["Method", "A", "B", "all"], ["suta", "20.0 (n=1)", "60.0 (n=1)", "40.0 (n=1)"]]
 
 
 def test_single_domain_streams_of_one_domain_are_titled_by_stream(tmp_path):
