@@ -512,6 +512,14 @@ def test_split_lii(results):
     # after reset at 450: construction 501..550 (segment 2) in, detection 551..599 in.
     assert len(outside) == 6 + 51 and set(outside) == {2.0}
     assert len(inside) == 150 + 144 + 99 and set(inside) == {0.1}
+    # detection rows before any construction row are dropped (no reference segment yet)
+    early = dataclasses.replace(run, lii=[records.Lii(p, 5.0, "detection") for p in (10, 20)]
+                                + run.lii)
+    assert plots.split_lii(early) == (inside, outside)
+    # a run without transcripts: segments from its boundaries, a boundary starting the next one
+    bare = dataclasses.replace(run, transcripts=[])
+    assert [plots._segment_lookup(bare)(p) for p in (0, 199, 200, 399, 400, 599)] == \
+        [0, 0, 1, 1, 2, 2]
 
 
 def test_smoothed_wer():
@@ -531,6 +539,7 @@ def test_plots_written(results, written):
         assert w >= 600 and h >= 150 and (pdir / name).stat().st_size > 10_000, name
         assert f"(plots/{name})" in text
     assert not (pdir / "resets_lsc_AA.png").exists()  # no reset-capable run there
+    assert [p.name for p in pdir.glob("lii_*")] == ["lii_md_easy_dsuta_dynamic.png"]  # its stream's
 
 
 def test_steps_table_and_plot(tmp_path):
@@ -692,6 +701,11 @@ def test_curves_are_drawn_at_stream_positions(tmp_path):
     run.transcripts = [t for t in run.transcripts if t.position != 10]     # position 10 skipped
     curve = plots._mean_curve([run], 1)
     assert len(curve) == 100 and np.isnan(curve[10]) and curve[49] == 0 and curve[50] == 100
+    # a seed that skipped the last utterances: the mean over seeds, cut to the shorter run
+    short = dataclasses.replace(run, transcripts=[t for t in report.collect_runs(tmp_path)[0]
+                                                  .transcripts if t.position < 90])
+    both = plots._mean_curve([run, short], 1)
+    assert len(both) == 90 and both[10] == 0 and both[49] == 0 and both[50] == 100
 
 
 def test_difference_curves_compare_the_utterances_both_runs_scored(tmp_path):
@@ -718,6 +732,108 @@ def test_difference_curves_compare_the_utterances_both_runs_scored(tmp_path):
     suta.transcripts = [dataclasses.replace(t, n_err=10) if t.position in (40, 60) else t
                         for t in suta.transcripts]                # where suta erred: not counted
     assert collapse_figures(suta, source, window=4, margin=0.0)["first_above"] == 60
+    _, [(_, curve, _)] = plots.difference_curves([source, suta], "lsc_AA", window=4)
+    assert np.nanmax(np.abs(curve[40:44])) == 0                 # the plot leaves it out too
+    assert curve[60] == pytest.approx(100.0 * (2 + 2 + 2 + 10) / 40 - 100.0 * 8 / 40)
+
+
+def _figures(monkeypatch):
+    """The figures the plots draw (caught at their save), to read what they show."""
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or str(path))
+    return figs
+
+
+def _trailing(errs, window):
+    """By hand: 100 * errors / words of the (up to) ``window`` utterances ending at each one."""
+    out = []
+    for t in range(len(errs)):
+        win = errs[max(0, t - window + 1):t + 1]
+        out.append(100.0 * sum(win) / (WORDS * len(win)))
+    return np.array(out)
+
+
+def test_the_plots_show_the_runs_numbers(tmp_path, monkeypatch):
+    """What each figure draws, against the runs' per-utterance errors computed here: the WER
+    difference curves (mean over seeds minus the baseline's; the resets on their curve; the true
+    boundaries), the reset timeline, the LII histograms, and WER vs steps (means, sample stds,
+    the source's WER)."""
+    layout = stream_layout("md_easy")
+    src, e1, e2, e3 = (lambda p, d: 5 if d == "GS" else 2), (lambda p, d: p % 3), \
+        (lambda p, d: p % 5 + (d == "NB")), (lambda p, d: 9)
+    errs = {f: [f(p, d) for p, (d, _) in enumerate(layout)] for f in (src, e1, e2, e3)}
+    make_run(tmp_path, "source", "md_easy", 0, src)
+    make_run(tmp_path, "suta", "md_easy", 1, e1)
+    make_run(tmp_path, "suta", "md_easy", 2, e2)
+    make_run(tmp_path, "suta", "md_easy", 3, e3)
+    make_run(tmp_path, "dsuta+dynamic", "md_easy", 1, lambda p, d: p % 7, resets=DYN_RESETS[1],
+             lii=dynamic_lii(DYN_RESETS[1]))
+    runs = report.collect_runs(tmp_path)
+    figs = _figures(monkeypatch)
+    assert plots.plot_wer_difference(runs, "md_easy", tmp_path / "d.png", window=4)
+    [ax] = figs[-1].axes
+    lines = {ln.get_label(): ln for ln in ax.lines}
+    suta = sum(_trailing(errs[e], 4) for e in (e1, e2, e3)) / 3        # the mean over seeds
+    np.testing.assert_allclose(lines["suta (n=3)"].get_ydata(), suta - _trailing(errs[src], 4))
+    assert list(lines["suta (n=3)"].get_xdata()) == list(range(600))
+    dyn = _trailing([p % 7 for p in range(600)], 4) - _trailing(errs[src], 4)
+    np.testing.assert_allclose(lines["dsuta+dynamic (n=1)"].get_ydata(), dyn)
+    marks = lines["resets of dsuta+dynamic (all seeds)"]
+    assert list(marks.get_xdata()) == [205, 450]
+    np.testing.assert_allclose(marks.get_ydata(), dyn[[205, 450]])
+    assert not [name for name in lines if name.startswith("source")]
+    assert sorted(ln.get_xdata()[0] for ln in ax.lines if ln.get_linestyle() == "--") == [200, 400]
+    assert ax.get_title() == "md_easy: WER difference to source over time (window 4 utts)"
+    # another baseline: the source is a curve like the others, against suta's mean
+    plots.plot_wer_difference(runs, "md_easy", tmp_path / "d.png", window=4, baseline="suta")
+    lines = {ln.get_label(): ln for ln in figs[-1].axes[0].lines}
+    np.testing.assert_allclose(lines["source (n=1)"].get_ydata(), _trailing(errs[src], 4) - suta)
+    assert "suta (n=3)" not in lines
+    plots.plot_wer_difference(runs, "md_easy", tmp_path / "d.png", window=600)  # never fills:
+    assert figs[-1].axes[0].get_title().endswith("(cumulative: the stream is shorter than the "
+                                                 "600-utt window)")
+    # the reset timeline: the run's resets on its row, the segments named at their middles
+    assert plots.plot_reset_timeline(runs, "md_easy", tmp_path / "r.png")
+    ax = figs[-1].axes[0]
+    assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines
+            if ln.get_marker() == "|"] == [([205, 450], [0, 0])]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["dsuta+dynamic seed 1"]
+    assert [(t.get_position()[0], t.get_text()) for t in ax.texts] == [
+        (100, "AA"), (300, "GS"), (500, "NB")]
+    assert ax.get_xlim() == (0, 600)
+    dynamic = next(r for r in runs if r.method == "dsuta+dynamic")
+    kept = dynamic.transcripts
+    dynamic.transcripts = [t for t in kept if t.position < 350]   # the last ones skipped:
+    plots.plot_reset_timeline(runs, "md_easy", tmp_path / "r.png")
+    assert figs[-1].axes[0].get_xlim() == (0, 401)                # the boundary at 400 shown
+    dynamic.transcripts = kept
+    # the LII histogram: 393 in-domain values of 0.1, 57 out-of-domain of 2.0 (test_split_lii)
+    assert plots.plot_lii_histogram([dynamic], tmp_path / "l.png")
+    ax = figs[-1].axes[0]
+    for bars, label, at in zip(ax.containers, ("in-domain (n=393)", "out-of-domain (n=57)"),
+                               (0.1, 2.0)):
+        assert bars.patches[0].get_label() == label
+        full = [p for p in bars.patches if p.get_height() > 0]
+        assert len(full) == 1 and full[0].get_x() <= at <= full[0].get_x() + full[0].get_width()
+        assert full[0].get_height() * full[0].get_width() == pytest.approx(1.0)   # a density
+
+
+def test_the_steps_plot_shows_means_and_stds_over_seeds(tmp_path, monkeypatch):
+    make_run(tmp_path, "source", "lsc_AA", 0, 6)
+    make_run(tmp_path, "source", "lsc_AA", 1, 4)
+    for steps, errs in ((1, (5, 4)), (5, (4, 2)), (10, (3, 3))):
+        for seed, e in zip((1, 2), errs):
+            make_run(tmp_path / f"n{steps}", "suta", "lsc_AA", seed, e, hparams={"steps": steps})
+    runs = report.collect_runs(tmp_path)
+    figs = _figures(monkeypatch)
+    assert plots.plot_wer_vs_steps(runs, "lsc_AA", tmp_path / "s.png")
+    ax = figs[0].axes[0]
+    [bars] = ax.containers
+    line, _, (spans,) = bars.lines
+    assert list(line.get_xdata()) == [1, 5, 10] and list(line.get_ydata()) == [45.0, 30.0, 30.0]
+    half = [(seg[1][1] - seg[0][1]) / 2 for seg in spans.get_segments()]
+    np.testing.assert_allclose(half, [statistics.stdev([50, 40]), statistics.stdev([40, 20]), 0.0])
+    assert [list(ln.get_ydata()) for ln in ax.lines if ln.get_linestyle() == ":"] == [[50.0, 50.0]]
 
 
 def test_cli_prints_main_table(results, tmp_path, capsys):
