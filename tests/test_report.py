@@ -790,7 +790,7 @@ def test_the_plots_show_the_runs_numbers(tmp_path, monkeypatch):
     np.testing.assert_allclose(lines["source (n=1)"].get_ydata(), _trailing(errs[src], 4) - suta)
     assert "suta (n=3)" not in lines
     plots.plot_wer_difference(runs, "md_easy", tmp_path / "d.png", window=600)  # never fills:
-    assert figs[-1].axes[0].get_title().endswith("(cumulative: the stream is shorter than the "
+    assert figs[-1].axes[0].get_title().endswith("(cumulative: the stream is no longer than the "
                                                  "600-utt window)")
     # the reset timeline: the run's resets on its row, the segments named at their middles
     assert plots.plot_reset_timeline(runs, "md_easy", tmp_path / "r.png")
@@ -963,7 +963,7 @@ def test_a_method_at_several_step_counts_is_checked_per_step_count(tmp_path):
     assert [r[0] for r in table_rows(tables.table_main(runs))[1:]] == ["suta (N=5)", "suta (N=10)"]
     said = report.pooling_warnings(runs)
     assert len(said) == 1 and said[0].startswith(
-        "suta on md_easy: settings other than the seed differ (hparams.lr) across its 2 runs "
+        "suta (N=10) on md_easy: settings other than the seed differ (hparams.lr) across its 2 runs "
         "(n10/md_easy/suta/0, n10/md_easy/suta/1)"), said
 
 

@@ -160,7 +160,7 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
     longest = max(len(r.transcripts) for r in sruns)
     # a window as long as the stream or longer never fills: every point is the cumulative rate
     smooth = f"window {window} utts" if window < longest else "cumulative: the stream is " \
-        f"shorter than the {window}-utt window"
+        f"no longer than the {window}-utt window"
     if base:
         ax.axhline(0, color="k", linewidth=0.8)
         ax.set_ylabel(f"{M} difference to {baseline} (% abs.)")

@@ -197,11 +197,11 @@ def _follows_seed(runs: Sequence[Run]) -> set:
 
 
 def _cell_warnings(runs: Sequence[Run]) -> List[str]:
-    groups = OrderedDict()
+    groups, labels = OrderedDict(), tables.method_labels(runs)    # a table's cell: its label
     for r in runs:
-        groups.setdefault((r.method, r.steps, r.stream), []).append(r)
+        groups.setdefault((labels[id(r)], r.stream), []).append(r)
     lines = []
-    for (method, _, stream), group in groups.items():
+    for (label, stream), group in groups.items():
         seeds = [str(r.seed) for r in group]
         twice = sorted({s for s in seeds if seeds.count(s) > 1}, key=_seed_key)
         known = [r for r in group if r.summary.fingerprint]     # (the first may have none)
@@ -218,7 +218,7 @@ def _cell_warnings(runs: Sequence[Run]) -> List[str]:
                if unknown else [])
         if why:
             names = [r.name for r in group]
-            lines.append(f"{method} on {stream}: {' and '.join(why)} across its {len(group)} runs "
+            lines.append(f"{tables.label_text(label)} on {stream}: {' and '.join(why)} across its {len(group)} runs "
                          f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), pooled "
                          f"as seeds of one experiment: if they are other experiments, name them "
                          f"apart (--method_tag; the grid's --decode_opts and --sweep do) or "
