@@ -294,6 +294,22 @@ def test_prefix_beam_search_edge_cases():
     assert_same_beams(beams, ref_prefix_beam_search(lp, beam_width=3))
 
 
+def test_prefix_beam_search_keeps_a_frames_best_label_below_the_threshold():
+    """A flat frame of a large vocabulary (every log-probability below ``token_min_logp``, as
+    over 5000 BPE tokens) still expands its best label, as the docstring says; the blank alone
+    would make the label's evidence vanish from the search."""
+    g = torch.Generator().manual_seed(0)
+    V = 5000
+    logits = torch.randn(1, V, generator=g) * 0.01
+    logits[0, 3] += 0.5                             # the frame's best label, still below -8
+    lp = logits.log_softmax(-1)
+    assert float(lp.max()) < -8.0 and int(lp.argmax()) == 3
+    beams = prefix_beam_search(lp, beam_width=2, blank_id=0)
+    # one frame: p([3]) = lp[3] > p([]) = lp[blank]
+    assert beams[0][0] == [3] and beams[0][1] == pytest.approx(float(lp[0, 3]), abs=1e-6)
+    assert beams[1][0] == [] and beams[1][1] == pytest.approx(float(lp[0, 0]), abs=1e-6)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_prefix_beam_search_equals_greedy_on_peaky_posteriors(seed):
     lp, _ = peaked_log_probs(40, 6, seed)
