@@ -124,6 +124,19 @@ def test_records_old_and_new_format(tmp_path):
     assert why_redo(out, {"seed": 1}, {}) == "not written yet"
 
 
+def test_a_removed_input_or_another_steps_record_is_a_redo(tmp_path):
+    """An input file gone from the list (a noise file dropped from the noise folder) and a record
+    written by another step are reasons to redo, each said in the log line."""
+    out = tmp_path / "x.csv"
+    out.write_text("ID\n")
+    save_record(out, "demo", {"seed": 1}, inputs={"a.wav": "0" * 40, "b.wav": "1" * 40})
+    assert why_redo(out, {"seed": 1}, {"a.wav": "0" * 40, "b.wav": "1" * 40}, step="demo") is None
+    assert why_redo(out, {"seed": 1}, {"a.wav": "0" * 40}, step="demo") == \
+        "1 input file(s) removed (e.g. b.wav)"
+    assert why_redo(out, {"seed": 1}, {"a.wav": "0" * 40, "b.wav": "1" * 40}, step="other") == \
+        f"cache record {tmp_path / 'x.csv.opts.json'} belongs to step 'demo'"
+
+
 def test_hash_cache_reuses_unchanged_files_and_sees_replacements(tmp_path, monkeypatch):
     monkeypatch.setattr(cache, "RACY_MARGIN_NS", 0)
     files = [tmp_path / f"f{i}.bin" for i in range(5)]
@@ -161,6 +174,53 @@ def test_hash_cache_does_not_store_files_changed_just_before_hashing(tmp_path):
     again = HashCache(store)
     again.sha1(f)
     assert again.n_read == 1
+
+
+def test_a_file_copied_in_with_its_old_mtime_is_still_racy(tmp_path):
+    """``cp -p`` just before hashing: the modification time is old, the change time is now. The
+    change time decides (a second same-size copy in the same clock tick would keep the stat),
+    so the file is not stored and is hashed again next time."""
+    f = tmp_path / "copied.bin"
+    f.write_bytes(b"b" * 100)
+    old = time.time_ns() - 3600 * 10**9
+    os.utime(f, ns=(old, old))                      # mtime an hour ago, ctime now
+    store = tmp_path / "c.json"
+    hc = HashCache(store)
+    hc.sha1(f)
+    hc.save()
+    assert f.as_posix() not in json.loads(store.read_text()).get("files", {})
+    again = HashCache(store)
+    again.sha1(f)
+    assert again.n_read == 1
+
+
+def test_the_hash_cache_forgets_deleted_files_and_unknown_record_formats_redo(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setattr(cache, "RACY_MARGIN_NS", 0)
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"a")
+    b.write_bytes(b"b")
+    time.sleep(0.05)
+    store = tmp_path / "c.json"
+    hc = HashCache(store)
+    hc.sha1(a), hc.sha1(b)
+    hc.save()
+    assert set(json.loads(store.read_text())["files"]) == {a.as_posix(), b.as_posix()}
+    b.unlink()
+    c = tmp_path / "c.bin"
+    c.write_bytes(b"c")
+    time.sleep(0.05)
+    later = HashCache(store)
+    later.sha1(c)
+    later.save()                                      # b's entry goes with its file
+    assert set(json.loads(store.read_text())["files"]) == {a.as_posix(), c.as_posix()}
+    # a record of a format this version does not know is not trusted, even with its options
+    out = tmp_path / "x.csv"
+    out.write_text("ID\n")
+    save_record(out, "demo", {"seed": 1}, inputs={})
+    rec = tmp_path / "x.csv.opts.json"
+    rec.write_text(rec.read_text().replace('"format": 2', '"format": 3'))
+    assert why_redo(out, {"seed": 1}, {}, step="demo") == f"cache record {rec} has unknown format 3"
 
 
 def test_a_dollar_that_is_no_placeholder_is_the_values_own_text(tmp_path, monkeypatch):

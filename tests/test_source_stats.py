@@ -193,6 +193,19 @@ def test_an_input_file_is_hashed_once_a_process_until_it_changes(tmp_path, monke
     assert file_identity(str(f)) == f"missing:{f}"
 
 
+def test_an_input_file_changed_just_now_is_hashed_each_time(tmp_path, monkeypatch):
+    """A file changed within RACY_MARGIN_NS is not trusted to its stat (a change in the same
+    clock tick on a coarse-timestamp file system keeps it): every call reads it."""
+    from tta_brain.data import cache
+    f = tmp_path / "lm.bin"
+    f.write_bytes(b"abc")
+    reads = []
+    real = cache.file_sha1
+    monkeypatch.setattr(cache, "file_sha1", lambda p, *a: reads.append(p) or real(p, *a))
+    assert [file_identity(str(f)) for _ in range(3)] == [f"sha1:{real(f)}"] * 3
+    assert len(reads) == 3
+
+
 def test_a_model_folder_copied_over_with_its_mtime_kept_is_hashed_again(tmp_path):
     """source_identity is cached a process by the files' stat: a same-size weights file copied
     in with its old mtime (cp -p, rsync -t, tar x) kept the first model's identity in that
