@@ -223,6 +223,25 @@ def test_the_hash_cache_forgets_deleted_files_and_unknown_record_formats_redo(tm
     assert why_redo(out, {"seed": 1}, {}, step="demo") == f"cache record {rec} has unknown format 3"
 
 
+def test_tuple_options_and_a_moved_data_folder_are_no_reason_to_redo(tmp_path):
+    """Options are compared as JSON stores them (a tuple reads back as a list), and input files
+    are keyed relative to their base folder: moving the corpus does not redo the step."""
+    from tta_brain.data.cache import hash_inputs
+    out = tmp_path / "x.csv"
+    out.write_text("ID\n")
+    save_record(out, "demo", {"snrs": (5, 10)}, inputs={})
+    assert why_redo(out, {"snrs": (5, 10)}, {}, step="demo") is None
+    for name in ("old", "new"):
+        (tmp_path / name / "a").mkdir(parents=True)
+        (tmp_path / name / "a" / "u.wav").write_bytes(b"RIFF")
+    hashes = HashCache()
+    old = hash_inputs([tmp_path / "old" / "a" / "u.wav"], tmp_path / "old", hashes)
+    assert old == {"a/u.wav": file_sha1(tmp_path / "old" / "a" / "u.wav")}
+    assert hash_inputs([tmp_path / "new" / "a" / "u.wav"], tmp_path / "new", hashes) == old
+    assert hash_inputs([tmp_path / "old" / "a" / "u.wav"], tmp_path / "new", hashes) == \
+        {str(tmp_path / "old" / "a" / "u.wav"): old["a/u.wav"]}
+
+
 def test_a_dollar_that_is_no_placeholder_is_the_values_own_text(tmp_path, monkeypatch):
     """A corpus under a folder with ``$`` in its name (manifests with absolute paths: the
     LibriSpeech and statistics manifests the recipes write) and a transcript with ``$`` were

@@ -228,6 +228,30 @@ def test_a_model_folder_copied_over_with_its_mtime_kept_is_hashed_again(tmp_path
     assert source_identity(str(model)) != first
 
 
+def test_a_model_folder_copied_over_long_ago_in_this_process_is_hashed_again(tmp_path,
+                                                                             monkeypatch):
+    """The same as above once the copy is older than RACY_MARGIN_NS (a notebook's next decode
+    minutes later): the stat cache must see the new change time, the mtime being the old one."""
+    import os
+    import time
+    from tta_brain.data import cache
+    model = tmp_path / "m"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    (model / "config.json").write_text("{}")
+    old = time.time_ns() - 10 ** 10
+    for f in model.iterdir():
+        os.utime(f, ns=(old, old))
+    monkeypatch.setattr(cache, "RACY_MARGIN_NS", -10 ** 12)     # nothing counts as just changed
+    first = source_identity(str(model))
+    before = weights.stat()
+    time.sleep(0.01)
+    weights.write_bytes(b"b" * 64)                   # other weights, the same size and mtime
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert source_identity(str(model)) != first
+
+
 def test_module_entry_point_help():
     res = subprocess.run([sys.executable, "-m", "tta_brain.stats", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
