@@ -156,3 +156,25 @@ def test_an_empty_duration_is_the_audios_own_length(tmp_path):
     got = list(StreamLoader(rows).iterate(0))
     assert got[0].reason is None and got[0].duration == got[0].wav.shape[-1] / 16000 > 0
     assert got[1].duration == float(written)
+
+
+def test_segments_from_domains_start_at_zero_and_boundaries_include_the_second_row(tmp_path):
+    """A manifest with domains but no segment column: segment = index of the contiguous domain
+    block, from 0 whatever the last row's domain; a boundary right after the first row is one."""
+    from tta_brain.data.loader import boundaries
+    csv = tmp_path / "own.csv"
+    csv.write_text("ID,duration,wav,wrd,domain\n" + "".join(
+        f"u{i},1.0,/x/u{i}.wav,HELLO,{d}\n" for i, d in enumerate("ABBC")))
+    rows = load_stream(csv)
+    assert [r["segment"] for r in rows] == ["0", "1", "1", "2"]
+    assert boundaries(rows) == [1, 3]
+
+
+def test_audio_giving_exactly_the_frames_needed_is_not_too_short():
+    from types import SimpleNamespace
+    from tta_brain.data.loader import too_short
+    lobe = SimpleNamespace(output_lengths=lambda n: torch.div(n, 320, rounding_mode="floor"),
+                           model=None)
+    why = too_short(SimpleNamespace(lobe=lobe))
+    assert why(320) is None and why(640) is None
+    assert why(319) == "319 samples give no output frame"
