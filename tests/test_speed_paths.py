@@ -358,3 +358,16 @@ def test_bench_memory_runs(tmp_path, capsys):
         data = json.loads(out.read_text())
         assert [r["n"] for r in data["results"]] == [4, 8]
         assert len(data["results"][1]["trace"]) == 8 and "tail_slope" in data["results"][1]
+
+
+def test_feature_cache_follows_its_input_without_a_clear():
+    """The cache is keyed on the input tensor: another utterance's input gets its own features
+    even where the caller forgot to clear (the methods clear after every utterance)."""
+    from types import SimpleNamespace
+    from tta_brain.lobes.runtime import FeatureCache, Runtime
+    lobe = SimpleNamespace(device=torch.device("cpu"), features=lambda x: x * 2)
+    fc = FeatureCache(lobe, enabled=True, runtime=Runtime())
+    a, b = torch.ones(3), torch.full((3,), 5.0)
+    assert fc.get(a) is fc.get(a) and torch.equal(fc.get(a), a * 2)
+    assert torch.equal(fc.get(b), b * 2)
+    assert FeatureCache(lobe, enabled=False, runtime=Runtime()).get(a) is None
