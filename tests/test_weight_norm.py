@@ -128,3 +128,19 @@ def test_inside_a_capture_the_cache_is_read_but_never_filled(tiny_model_dir, mon
     monkeypatch.setattr(weight_norm, "_capturing", lambda device: True)
     captured, from_cache = logits()                       # a capture now reads the cache
     assert from_cache and norm.computed == 2 and torch.equal(captured, eager)
+
+
+def test_a_refresh_writes_into_the_same_tensor():
+    """A change of g or v refreshes the cached weight in place: a CUDA graph captured while the
+    cache was valid holds that tensor's address and must read the new values after an eager
+    pass (module docstring)."""
+    wn = CachedWeightNorm(dim=2)
+    g, v = torch.rand(1, 1, 3) + 0.5, torch.randn(4, 2, 3)
+    first = wn(g, v)
+    ptr = first.data_ptr()
+    with torch.no_grad():
+        g.mul_(2.0)
+    second = wn(g, v)
+    assert second.data_ptr() == ptr
+    want = v * (g / v.norm(dim=(0, 1), keepdim=True))        # weight norm over all dims but 2
+    assert torch.allclose(second, want, atol=1e-6)
