@@ -83,3 +83,13 @@ def test_padding_blocker_names_the_models_it_would_change(tmp_path, arch, cfg, w
             ref = lobe.logits(x)
             padded, _ = lobe.padded_logits(F.pad(x, (0, 4321)), torch.tensor([x.shape[-1]]))
         assert (padded[:, :ref.shape[1]] - ref).abs().max() > 1e-3
+
+
+def test_a_first_layer_groupnorm_of_several_channels_a_group_is_refused(tmp_path):
+    """The masked norm of a padded pass normalises each channel alone: a first-layer GroupNorm
+    with fewer groups than channels would be computed wrongly, so the blocker names it."""
+    lobe = lobe_of(tmp_path, "wav2vec2", {})
+    first = lobe.model.base_model.feature_extractor.conv_layers[0]
+    c = first.layer_norm.num_channels
+    first.layer_norm = torch.nn.GroupNorm(2, c, affine=True)
+    assert "CNN layer 0 has a GroupNorm" in (lobe.padding_blocker() or "")
