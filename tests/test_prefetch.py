@@ -178,3 +178,18 @@ def test_audio_giving_exactly_the_frames_needed_is_not_too_short():
     why = too_short(SimpleNamespace(lobe=lobe))
     assert why(320) is None and why(640) is None
     assert why(319) == "319 samples give no output frame"
+
+
+def test_the_reader_stays_at_most_depth_rows_ahead(rows, monkeypatch):
+    """Read-ahead is bounded by ``depth`` (queue) plus the row in the thread's hands: a slow
+    consumer never has the whole stream's audio in memory."""
+    ld = StreamLoader(rows)
+    read = []
+    orig = StreamLoader.load
+    monkeypatch.setattr(StreamLoader, "load", lambda self, pos: read.append(pos) or orig(self, pos))
+    gen = ld.prefetch(0, 2)
+    next(gen)                                       # row 0 handed over
+    time.sleep(0.5)                                 # the consumer "adapts" for a while
+    assert max(read) <= 1 + 2 + 1, read             # rows 1, 2 queued, row 3 waiting to be put
+    gen.close()
+    assert not prefetch_threads()
