@@ -130,6 +130,24 @@ def test_a_model_without_a_cnn_is_refused_in_one_line(tmp_path, tiny_model_dir):
         HFCTCLobe(tiny_model_dir, runtime=Runtime(convolutions="GEMM"))   # the Python API
 
 
+def test_padded_grouped_or_dilated_convolutions_are_left_native():
+    """conv1d_gemm has no padding, groups or dilation: such a convolution must not be taken
+    (a padded one would lose its edge frames), and a CNN of only such ones is refused."""
+    from types import SimpleNamespace
+    from tta_brain.lobes.gemm_conv import gemm_convolutions
+    convs = [torch.nn.Conv1d(2, 2, 3, padding=1), torch.nn.Conv1d(2, 2, 3, groups=2),
+             torch.nn.Conv1d(2, 2, 3, dilation=2)]
+    model = torch.nn.Module()
+    model.feature_extractor = torch.nn.Module()
+    model.feature_extractor.conv_layers = torch.nn.ModuleList(
+        [torch.nn.Module() for _ in convs])
+    for layer, conv in zip(model.feature_extractor.conv_layers, convs):
+        layer.conv = conv
+    with pytest.raises(ValueError, match="padded, grouped or dilated"):
+        gemm_convolutions(model)
+    assert not any(isinstance(c, GemmConv) for c in convs)
+
+
 def items(utterances, n):
     return [(utterances[i % len(utterances)], UttInfo(id=f"u{i}", position=i, domain="d",
                                                       segment=str(i // 4)))
