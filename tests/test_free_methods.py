@@ -95,6 +95,24 @@ def test_partial_forward_is_the_models_forward(tmp_path, arch, cfg):
     assert not torch.allclose(batched[0], batched[1]), "the bias had no effect"
 
 
+def test_prompted_hidden_states_leave_the_prompt_positions_out(tmp_path):
+    """FOA's prompts are prepended positions: every hidden state handed back (its statistics
+    loss) and the last one cover the utterance's frames only, the prompt positions dropped."""
+    lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 1, arch="wav2vec2", **TINY))
+    pf = PartialForward(lobe)
+    x = lobe.prepare(torch.from_numpy(fake_speech(0.7, seed=1)))
+    with torch.no_grad():
+        h = pf.encoder_input(pf.finish_cnn(pf.last_conv(x)))
+        prompts = torch.randn(2, 3, h.shape[-1])
+        logits, states, last = pf.prompted(h, prompts)
+        full = torch.cat([prompts[:1], h], dim=1)
+        ref_states, _ = pf.layers(full)
+    F_ = h.shape[1]
+    assert logits.shape[:2] == (2, F_) and last.shape[1] == F_
+    assert all(s.shape[:2] == (2, F_) for s in states)
+    assert all(torch.allclose(a[:1], b[:, 3:], atol=1e-5) for a, b in zip(states, ref_states))
+
+
 @pytest.mark.parametrize("arch,why", [
     # the reason: SEW has the parts that were listed (feature_extractor, feature_projection,
     # encoder, lm_head); its forward after the CNN is another one
