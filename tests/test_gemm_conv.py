@@ -146,6 +146,11 @@ def test_padded_grouped_or_dilated_convolutions_are_left_native():
     with pytest.raises(ValueError, match="padded, grouped or dilated"):
         gemm_convolutions(model)
     assert not any(isinstance(c, GemmConv) for c in convs)
+    # a CNN converted already is converted again without a refusal (nothing left to take)
+    plain = torch.nn.Conv1d(2, 2, 3)
+    model.feature_extractor.conv_layers[0].conv = plain
+    assert gemm_convolutions(model) == 1 and isinstance(plain, GemmConv)
+    assert gemm_convolutions(model) == 0
 
 
 def items(utterances, n):
