@@ -103,20 +103,6 @@ def test_accepts_torch_tensors():
     assert isinstance(out, np.ndarray) and out.shape == (speech.numel(),)
 
 
-def test_utterance_seed_is_the_same_in_another_process():
-    """The AWGN domain's noise of an utterance must be the same whichever process renders it
-    (PYTHONHASHSEED differs between processes: a str hash would not be)."""
-    import os
-    import subprocess
-    import sys
-    code = ("from tta_brain.data.mixing import utterance_seed; "
-            "print(utterance_seed(666, '1089-134686-0000'))")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONHASHSEED=str(h)), check=True).stdout
-            for h in (1, 2)}
-    assert outs == {f"{utterance_seed(666, '1089-134686-0000')}\n"}
-
-
 def test_power_snr_of_silent_noise_is_infinite():
     s = np.sin(np.arange(1000) / 10.0)
     assert power_snr_db(s, np.zeros(1000)) == float("inf")
