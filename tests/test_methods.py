@@ -670,6 +670,48 @@ def test_expected_methods_registered():
     assert {"source", "suta", "sdpl", "sgem", "csuta", "awmc", "dsuta"} <= set(METHODS)
 
 
+def _packaged_yaml(name):
+    """The plain values of ``tta_brain/hparams/<name>.yaml`` (tagged ones, ``!ref`` and
+    ``!name``, read as None)."""
+    import yaml
+    from pathlib import Path
+    import tta_brain
+
+    class Loader(yaml.SafeLoader):
+        pass
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    path = Path(tta_brain.__file__).parent / "hparams" / f"{name}.yaml"
+    return yaml.load(path.read_text(), Loader=Loader)
+
+
+@pytest.mark.parametrize("name", ["tent", "eata", "sar", "cotta", "lame", "t3a", "sdpl", "awmc",
+                                  "csuta", "sgem"])
+def test_api_defaults_are_the_packaged_yamls(tiny_model_dir, name):
+    """``build_method(name, model=...)`` without options runs what the method's yaml runs: every
+    plain option of the yaml that the class takes has the yaml's value as its default (the
+    reference settings: Tent's T = 1 and one step, EATA's E0 factor 0.4 and d_margin 1, SAR's rho
+    and recovery constant, CoTTA's EMA 0.999 and restore 0.001, LAME's k, T3A's filter_K, ...),
+    and the default ``adapt_params`` selects what the yaml's groups select."""
+    import inspect
+    from tta_brain.methods.params import select_parameters
+    cls, values = METHODS[name], _packaged_yaml(name)
+    defaults = {}
+    for klass in reversed(cls.__mro__):
+        init = vars(klass).get("__init__")
+        if init is not None:
+            defaults.update({k: p.default for k, p in inspect.signature(init).parameters.items()
+                             if p.default is not inspect.Parameter.empty})
+    shared = [k for k in values if k in defaults and values[k] is not None
+              and not isinstance(values[k], (dict, list))]
+    assert len(shared) >= 3, shared
+    assert {k: defaults[k] for k in shared} == {k: values[k] for k in shared}
+    if "adapt_params" in values:
+        m = build_method(name, model=HFCTCLobe(tiny_model_dir),
+                         **({"fisher_alpha": 0.0} if name == "eata" else {}))
+        groups = [{"select": g["select"]} for g in values["adapt_params"] if "select" in g]
+        assert m.param_names == [n for n, _, _ in select_parameters(m.net, groups)]
+
+
 def test_sgem_with_an_empty_best_beam(make, utterances):
     """All-blank posteriors: the best beam is empty and its alignment is all blank."""
     m = make("sgem", steps=1)
