@@ -202,6 +202,58 @@ def test_eata_step_is_the_non_blank_entropy_plus_the_fisher_term_by_hand(tiny_mo
     assert all(0.05 < b < 0.5 for b in blank_share), blank_share     # the mask is tested
 
 
+def test_eata_loss_is_the_entropy_plus_alpha_times_the_fisher_distance(tiny_model_dir,
+                                                                     utterances, tmp_path):
+    """EATA's loss by hand, away from the source: ``H + alpha sum F (theta - theta0)^2``, ``H`` the
+    mean entropy (T = 1) of the non-blank frames, with a Fisher information that is not one
+    value everywhere (the file's own, no clamp or normalisation) and alpha 1 (any alpha > 0
+    turns the term on) and 7.5 (the weight multiplies the term)."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods.params import select_parameters
+    lobe = HFCTCLobe(tiny_model_dir)
+    g = torch.Generator().manual_seed(3)
+    fisher = {n: 5 * torch.rand(p.shape, generator=g)
+              for n, p, _ in select_parameters(lobe.model, [{"select": "layernorm"}])}
+    record = source_stats.SourceStats(stats={"fisher": fisher}, manifest="m.csv", manifest_sha1="0",
+                                      model=tiny_model_dir, n_utts=1,
+                                      model_params_sha1=source_stats.params_sha1(lobe.model))
+    path = tmp_path / "fisher.pt"
+    source_stats.save(record, path)
+    for alpha in (1.0, 7.5):
+        m = build_on(tiny_model_dir, "eata", fisher_alpha=alpha, source_stats=str(path),
+                     d_margin=2.0, **RELIABLE)
+        with torch.no_grad():
+            for q in m.params:
+                q.add_(0.05 * torch.randn(q.shape, generator=g))
+        logits = m.logits(m.lobe.prepare(utterances[0])).detach()
+        lp = logits[0].double().log_softmax(-1)
+        frames = logits[0].argmax(-1) != m.blank_id
+        assert 0 < int(frames.sum()) < len(frames)
+        h = float(-(lp.exp() * lp).sum(-1)[frames].mean())
+        penalty = sum(float((fisher[n].double() * (q.detach().double() - s.double()) ** 2).sum())
+                      for n, q, s in zip(m.param_names, m.params, m.source))
+        assert penalty > 1e-3 * h
+        assert float(m.loss(logits).detach()) == pytest.approx(h + alpha * penalty, rel=1e-5), alpha
+
+
+def test_eata_resumed_before_its_first_kept_utterance_starts_the_ema_from_it(tiny_model_dir,
+                                                                              utterances):
+    """A state saved before any utterance was kept (no EMA yet) and loaded into a method that
+    has one: the next kept utterance starts m = its mean posterior, as in the uninterrupted run
+    (not 0.9 * the loader's m + 0.1 p)."""
+    kw = dict(fisher_alpha=0.0, d_margin=2.0, **RELIABLE)
+    fresh, other = build_on(tiny_model_dir, "eata", **kw), build_on(tiny_model_dir, "eata", **kw)
+    sd = fresh.state_dict()
+    assert sd["model_probs"] is None
+    other.process(utterances[1], UttInfo(position=0))
+    assert other.model_probs is not None
+    other.load_state_dict(sd)
+    assert other.model_probs is None
+    fresh.process(utterances[0], UttInfo(position=0))
+    other.process(utterances[0], UttInfo(position=0))
+    assert torch.equal(other.model_probs, fresh.model_probs)
+
+
 def test_eata_statistics_errors_name_the_file_and_the_command(tiny_model_dir, tmp_path):
     with pytest.raises(source_stats.SourceStatsError, match=r"not found: .*nope\.pt.*python -m tta_brain.stats"):
         build_on(tiny_model_dir, "eata", source_stats=str(tmp_path / "nope.pt"))
