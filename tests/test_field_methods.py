@@ -380,6 +380,22 @@ def test_sar_loss_ema_is_point_nine_of_the_old_plus_point_one_of_each_pass_two_l
     assert m.ema == pytest.approx(ema, rel=1e-12)
 
 
+
+def test_sar_state_dict_carries_the_loss_ema(tiny_model_dir, utterances):
+    """The recovery EMA is part of the saved state: a method loaded from it continues the EMA
+    (0.9 of the saved value + 0.1 of the next pass-2 loss), exactly as the uninterrupted one."""
+    kw = dict(lr=1e-2, reset_constant=-1.0, **RELIABLE)
+    full, resumed = build_on(tiny_model_dir, "sar", **kw), build_on(tiny_model_dir, "sar", **kw)
+    for w in utterances[:2]:
+        full.process(w)
+    saved = full.ema
+    assert saved is not None
+    resumed.load_state_dict(full.state_dict())
+    assert resumed.ema == saved
+    assert resumed.process(utterances[2]) == full.process(utterances[2])
+    assert resumed.ema == full.ema != saved
+
+
 SCALE = 20.0
 
 
