@@ -502,6 +502,56 @@ def test_cotta_steps_each_take_the_teacher_anew(tiny_model_dir, utterances):
     assert two.counts["augmented"] == 4 and two.counts["adapt_backward"] == 4
 
 
+def test_cotta_augmented_view_is_gaussian_noise_of_a_uniform_amplitude_with_probability_p():
+    """audiomentations' AddGaussianNoise(min_amplitude, max_amplitude, p) on the raw waveform:
+    a view is noised with probability p, the noise white Gaussian of a standard deviation drawn
+    uniformly from [lo, hi]; otherwise the wave itself."""
+    from tta_brain.methods.cotta import augmented_view
+    lo, hi, p = 0.001, 0.015, 0.2
+    wav = torch.zeros(20000)
+    gen = torch.Generator().manual_seed(0)
+    amps = []
+    n = 400
+    for _ in range(n):
+        view = augmented_view(wav, gen, (lo, hi, p))
+        if torch.equal(view, wav):
+            continue
+        amps.append(float(view.std()))
+    assert abs(len(amps) / n - p) < 4 * math.sqrt(p * (1 - p) / n)
+    assert all(0.97 * lo < a < 1.03 * hi for a in amps)
+    mean = sum(amps) / len(amps)
+    assert abs(mean - 0.5 * (lo + hi)) < 4 * (hi - lo) / math.sqrt(12 * len(amps))
+    assert min(amps) < lo + 0.25 * (hi - lo) and max(amps) > hi - 0.25 * (hi - lo)
+
+
+def test_cotta_unsure_teacher_output_is_the_mean_of_its_augmented_views(tiny_model_dir,
+                                                                        utterances):
+    """Below the anchor threshold the teacher's output is the mean of the teacher's logits on
+    ``n_augment`` augmented views of the waveform (drawn as ``augmented_view`` draws from the
+    run's seed), not one view's, and the teacher's weights, not the student's."""
+    from tta_brain.methods.cotta import augmented_view
+    m = build_on(tiny_model_dir, "cotta", ap_threshold=1.0, n_augment=3, noise_p=1.0,
+                 noise_min=0.05, noise_max=0.1, seed=7)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in m.teacher:
+            t.add_(0.02 * torch.randn(t.shape, generator=g))
+    wav = utterances[0]
+    m._wav = wav
+    got = m.teacher_logits(m.lobe.prepare(wav))
+    gen = torch.Generator().manual_seed(7)
+    views = []
+    with torch.no_grad():
+        for _ in range(3):
+            xa = m.lobe.prepare(augmented_view(wav.reshape(-1).float(), gen, (0.05, 0.1, 1.0)))
+            views.append(m.logits(xa, m.teacher))
+    want = sum(views) / 3
+    assert max_diff(views[:1], views[1:2]) > 1e-3               # the views differ
+    x = m.lobe.prepare(wav)
+    assert max_diff([m.logits(x, m.teacher)], [m.logits(x)]) > 1e-3    # teacher != student
+    assert max_diff([got], [want]) < 1e-5
+
+
 def test_cotta_augments_when_the_anchor_is_unsure(tiny_model_dir, utterances):
     sure = build_on(tiny_model_dir, "cotta", ap_threshold=0.0, n_augment=3)
     unsure = build_on(tiny_model_dir, "cotta", ap_threshold=1.0, n_augment=3)
