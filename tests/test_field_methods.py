@@ -580,6 +580,24 @@ def test_cotta_anchor_confidence_is_the_source_models(tiny_model_dir, utterances
         assert m.counts["augmented"] == (1 if certain == "teacher" else 0), certain
 
 
+
+def test_cotta_anchor_confidence_is_the_mean_over_frames_of_the_max_probability(tiny_model_dir,
+                                                                                 utterances):
+    """The anchor's confidence is the mean over the frames of each frame's largest posterior:
+    a threshold between its least confident frame and that mean does not augment, one just
+    above the mean does."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    lobe = HFCTCLobe(tiny_model_dir)
+    with torch.no_grad():
+        top = lobe(lobe.prepare(utterances[0]))[0].double().softmax(-1).max(-1).values
+    mean, low = float(top.mean()), float(top.min())
+    assert mean - low > 1e-4
+    for threshold, augmented in ((0.5 * (mean + low), 0), (mean + 1e-5, 1)):
+        m = build_on(tiny_model_dir, "cotta", ap_threshold=threshold, n_augment=2, steps=0)
+        m.process(utterances[0])
+        assert m.counts["augmented"] == augmented, threshold
+
+
 # ----------------------------------------------------------------------------- CEA, Tent
 def test_cea_two_stages_adapt_their_own_parameters(tiny_model_dir, utterances):
     def changed(m):
