@@ -447,6 +447,31 @@ def test_cotta_teacher_is_an_ema_of_the_student(tiny_model_dir, utterances):
     assert all(torch.allclose(t, w, atol=1e-7) for t, w in zip(m.teacher, want))
 
 
+def test_cotta_teacher_stays_when_the_loss_is_zero(tiny_model_dir, utterances):
+    """The teacher follows the student only after a step whose loss is > 0: a student whose
+    every frame argmax is the blank has no frame in the symmetric cross-entropy (loss 0), and
+    the teacher is left as it was although the student differs from it."""
+    m = build_on(tiny_model_dir, "cotta", lr=1e-2, restore_prob=0.0, ema_decay=0.9, n_augment=0)
+    i = m.param_names.index("lm_head.bias")
+    with torch.no_grad():
+        m.params[i][m.blank_id] += 50.0
+    before = [t.clone() for t in m.teacher]
+    m.process(utterances[0])
+    assert m.counts["adapt_backward"] == 1
+    assert dist(m.teacher, m.params) > 1.0 and dist(m.teacher, before) == 0
+
+
+def test_cotta_restores_the_source_after_the_step(tiny_model_dir, utterances):
+    """The stochastic restore runs after every step and writes the source's values: with
+    restore_prob 1 the student is the source again after the utterance, while the teacher kept
+    the EMA of the updated student (taken before the restore)."""
+    m = build_on(tiny_model_dir, "cotta", lr=1e-2, restore_prob=1.0, restore_mask="fixed",
+                 ema_decay=0.9, n_augment=0)
+    m.process(utterances[0])
+    assert m.counts["adapt_backward"] == 1
+    assert dist(m.params, m.source) == 0 and dist(m.teacher, m.source) > 0
+
+
 @pytest.mark.parametrize("mask", ["fresh", "fixed"])
 def test_cotta_stochastic_restore_rate_and_mask(tiny_model_dir, mask):
     m = build_on(tiny_model_dir, "cotta", restore_prob=0.2, restore_mask=mask)
