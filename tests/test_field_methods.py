@@ -472,6 +472,34 @@ def test_cotta_restores_the_source_after_the_step(tiny_model_dir, utterances):
     assert dist(m.params, m.source) == 0 and dist(m.teacher, m.source) > 0
 
 
+def test_cotta_transcript_is_the_teachers_output_from_before_the_update(tiny_model_dir,
+                                                                         utterances):
+    """The transcript is the teacher's output computed before the step (the reference's): on
+    the first utterance the teacher is the source, so it is the source model's transcript, not
+    the updated student's."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    lobe = HFCTCLobe(tiny_model_dir)
+    with torch.no_grad():
+        want = lobe.decode(lobe(lobe.prepare(utterances[0])))[0]
+    m = build_on(tiny_model_dir, "cotta", lr=5e-2, restore_prob=0.0, n_augment=0)
+    hyp = m.process(utterances[0])
+    with torch.no_grad():
+        student = m.lobe.decode(m.logits(m.lobe.prepare(utterances[0])))[0]
+    assert student != want                            # the step changed the student's output
+    assert hyp == want
+
+
+def test_cotta_state_dict_carries_the_restore_generator(tiny_model_dir, utterances):
+    """A resumed CoTTA draws the same fresh restore masks as the uninterrupted run."""
+    full = build_on(tiny_model_dir, "cotta", restore_prob=0.01, n_augment=0)
+    full.process(utterances[0])
+    resumed = build_on(tiny_model_dir, "cotta", restore_prob=0.01, n_augment=0)
+    resumed.load_state_dict(full.state_dict())
+    a, b = full.restore_indices(), resumed.restore_indices()
+    assert sum(len(i) for i in a) > 0
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("mask", ["fresh", "fixed"])
 def test_cotta_stochastic_restore_rate_and_mask(tiny_model_dir, mask):
     m = build_on(tiny_model_dir, "cotta", restore_prob=0.2, restore_mask=mask)
