@@ -271,6 +271,26 @@ def test_lame_on_a_mostly_blank_utterance_puts_every_frame_in_the_graph():
     assert torch.allclose(out.double(), ref, atol=1e-5)
 
 
+def test_lame_restores_the_blank_probability_where_the_graph_lowered_it():
+    """Likely-blank frames in the graph (too few others) whose neighbours pulled their blank
+    probability down: the restore of q_blank visibly raises it again (by more than 0.01 after
+    renormalising), as the slow reference with the restore gives."""
+    g = torch.Generator().manual_seed(149)
+    logits = torch.randn(20, 6, generator=g)
+    logits[:16, 0] += 3.0
+    hidden = torch.randn(20, 5, generator=g)
+    prob = logits.softmax(-1)
+    blank = prob[:, 0] > 0.5
+    assert int((~blank).sum()) <= 6
+    ref = slow_lame(prob, F.normalize(hidden, dim=-1), 5, 1.0, 100, 1e-8)
+    unrestored = ref.clone()
+    ref[blank, 0] = prob[blank, 0].double()
+    ref = ref / ref.sum(-1, keepdim=True)
+    assert float((ref - unrestored).abs().max()) > 1e-2
+    out = lame.lame_posteriors(logits, hidden, blank_id=0)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
 def test_lame_changes_no_parameter(setup):
     m = build(setup, "lame")
     before = {k: v.clone() for k, v in m.net.state_dict().items()}
