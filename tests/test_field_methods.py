@@ -679,6 +679,31 @@ def test_tent_is_episodic_entropy_on_layernorm(tiny_model_dir, utterances):
         build_on(tiny_model_dir, "tent", reset_policy=make_reset_policy("fixed", every=2))
 
 
+@pytest.mark.parametrize("name", ["tent", "eata", "sar"])
+def test_entropy_methods_leave_out_the_models_own_blank(name, tmp_path, utterances):
+    """A model whose CTC blank is the last token (config.json's pad_token_id), not 0: the
+    entropy of Tent / EATA / SAR is the mean over the frames whose argmax is not that blank."""
+    from tta_brain.lobes.hf_ctc import save_char_processor
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
+    vocab = ("<s>", "</s>", "<unk>", "|") + tuple("ETAOINSHRD") + ("<pad>",)
+    path = str(tmp_path / "blank_last")
+    save_random_ctc_model(path, arch="wav2vec2", vocab_size=len(vocab),
+                          **dict(TINY, pad_token_id=len(vocab) - 1))
+    save_char_processor(path, vocab=vocab)
+    m = build_on(path, name, **({"fisher_alpha": 0.0} if name == "eata" else {}))
+    assert m.blank_id == len(vocab) - 1
+    with torch.no_grad():
+        m.net.lm_head.bias[m.blank_id] += 0.3       # about half the frames blank
+        m.net.lm_head.bias[0] += 0.3                # and some argmax 0
+        logits = m.logits(m.lobe.prepare(utterances[1]))
+    top = logits[0].argmax(-1)
+    assert 0 < int((top == m.blank_id).sum()) < len(top) and int((top == 0).sum()) > 0
+    lp = logits[0].double().log_softmax(-1)
+    h = -(lp.exp() * lp).sum(-1)
+    assert float(m.loss(logits).detach()) == pytest.approx(float(h[top != m.blank_id].mean()),
+                                                           rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- reset policies
 @pytest.mark.parametrize("name", CONTINUAL)
 def test_reset_policies_act_on_every_continual_method(name, tiny_model_dir, utterances):
