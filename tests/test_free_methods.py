@@ -291,6 +291,31 @@ def test_lame_restores_the_blank_probability_where_the_graph_lowered_it():
     assert torch.allclose(out.double(), ref, atol=1e-5)
 
 
+def test_t3a_loss_at_the_start_is_the_suta_loss_of_the_source_head(setup):
+    """The reset policy's loss of T3A at the start (``values`` None) is the SUTA loss of the
+    source model's own logits, whatever supports the method has gathered; at its carried
+    prototypes it is the loss of the adjusted classifier."""
+    lobe = HFCTCLobe(setup["model"])
+    m = build_method("t3a", model=lobe, filter_K=2, temperature=2.5, em_coef=0.3)
+    for w in wavs(3):
+        m.process(w)
+    assert len(m.supports) > len(m.W)
+    x = m.lobe.prepare(wavs(4)[3])
+    with torch.no_grad():
+        logits = lobe(x)
+        ctx = m.prefix(x)
+        hidden = ctx[1]
+    from tta_brain.methods import losses
+    got = float(m.loss_at(ctx, None))
+    assert got == pytest.approx(float(losses.suta_loss(logits, alpha=0.3, temperature=2.5,
+                                                       blank_id=m.blank_id)[0]), rel=1e-5)
+    protos = m.meta_values()
+    adjusted = hidden @ protos[0].T + m.bias
+    assert float(m.loss_at(ctx, protos)) == pytest.approx(float(losses.suta_loss(
+        adjusted, alpha=0.3, temperature=2.5, blank_id=m.blank_id)[0]), rel=1e-5)
+    assert abs(got - float(m.loss_at(ctx, protos))) > 1e-6
+
+
 def test_lame_changes_no_parameter(setup):
     m = build(setup, "lame")
     before = {k: v.clone() for k, v in m.net.state_dict().items()}
@@ -446,6 +471,10 @@ def test_early_stop_as_the_reference():
     seq = [5.0, 4.0, 3.9995, 3.9994, 3.0, 3.0, 2.9999, 2.9999]
     fired = [stop(b) for b in seq]
     assert fired == [False, False, False, False, False, False, False, True]
+    # stale means no gain over the previous generation's best (not over the best so far): a
+    # worse generation, then a gain on it, clears the count
+    stop = EarlyStop(0.001, 2, previous=math.inf)
+    assert [stop(b) for b in (1.0, 2.0, 1.5, 1.4, 1.4, 1.4)] == [False] * 5 + [True]
 
 
 def test_missing_statistics_file_is_one_line_naming_the_command(setup, tmp_path):
