@@ -316,6 +316,21 @@ def test_t3a_loss_at_the_start_is_the_suta_loss_of_the_source_head(setup):
     assert abs(got - float(m.loss_at(ctx, protos))) > 1e-6
 
 
+@pytest.mark.parametrize("name", ["foa", "ebats"])
+def test_cma_es_loss_at_the_start_is_the_fresh_methods(setup, name):
+    """The reset policy's loss at the start (``values`` None) is the loss at a fresh method's
+    carried state (the search's starting mean), not at another candidate."""
+    m = build(setup, name)
+    x = m.lobe.prepare(wavs(1)[0])
+    start = build(setup, name).meta_values()
+    with torch.no_grad():
+        ctx = m.prefix(x)
+        got = float(m.loss_at(ctx, None))
+        assert got == pytest.approx(float(m.loss_at(ctx, start)), rel=1e-6)
+        other = [torch.full_like(start[0], 0.5)]
+        assert abs(got - float(m.loss_at(ctx, other))) > 1e-6
+
+
 def test_lame_changes_no_parameter(setup):
     m = build(setup, "lame")
     before = {k: v.clone() for k, v in m.net.state_dict().items()}
