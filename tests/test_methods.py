@@ -721,6 +721,19 @@ def test_sgem_with_an_empty_best_beam(make, utterances):
     assert m.counts["skipped_steps"] == 0
 
 
+def test_sgem_beam_width_1_is_the_greedy_frame_path():
+    """``beam_width: 1`` is the official code's mask (the greedy argmax path, the module's
+    docstring), not a prefix beam search of width 1: on these posteriors the two differ."""
+    from tta_brain.asr.ctc import prefix_beam_search
+    from tta_brain.methods.sgem import best_path
+    logits = torch.randn(1, 12, 4, generator=torch.Generator().manual_seed(0))
+    beam1 = prefix_beam_search(logits[0].log_softmax(-1), 1, 0)[0][0]
+    greedy = torch.unique_consecutive(logits.argmax(-1)[0])
+    assert list(beam1) != greedy[greedy != 0].tolist()             # the case is not vacuous
+    assert torch.equal(best_path(logits, 1, 0), logits.argmax(-1))
+    assert torch.equal(best_path(logits, 0, 0), logits.argmax(-1))
+
+
 def test_sgem_steps_on_the_best_beams_frame_path_by_hand(make, utterances, tiny_model_dir):
     """Each SGEM step, by hand on a separate copy of the model: the prefix beam search's best
     labelling of the current posteriors, force-aligned to them (its frame path), Renyi entropy
