@@ -447,6 +447,44 @@ def test_cotta_teacher_is_an_ema_of_the_student(tiny_model_dir, utterances):
     assert all(torch.allclose(t, w, atol=1e-7) for t, w in zip(m.teacher, want))
 
 
+def test_cotta_steps_on_the_teachers_output_by_hand(tiny_model_dir, utterances):
+    """CoTTA's step by hand over 3 utterances on separate student and teacher copies (sure
+    anchor, no restore; continual, one AdamW): loss = the symmetric cross-entropy of the
+    student's logits against the teacher's (its non-blank frames), then the teacher an EMA of
+    the student. The teacher's own output as the target, unscaled, was checked only through
+    counts and transcripts."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    lr, decay = 1e-2, 0.9
+    m = build_on(tiny_model_dir, "cotta", lr=lr, ema_decay=decay, restore_prob=0.0,
+                 ap_threshold=0.0, n_augment=4, plain=True, cpu_native_backward=False)
+    student, teacher = HFCTCLobe(tiny_model_dir), HFCTCLobe(tiny_model_dir)
+    for lobe in (student, teacher):
+        lobe.model.eval()
+        lobe.model.requires_grad_(False)
+    params = [dict(student.model.named_parameters())[n] for n in m.param_names]
+    t_params = [dict(teacher.model.named_parameters())[n] for n in m.param_names]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
+    for i, w in enumerate(utterances[:3]):
+        hyp = m.process(w, UttInfo(position=i))
+        x = student.prepare(w)
+        with torch.no_grad():
+            target = teacher.model(x).logits
+        opt.zero_grad()
+        loss = losses.symmetric_cross_entropy_loss(student.model(x).logits, target,
+                                                   blank_id=student.blank_id).mean()
+        loss.backward()
+        opt.step()
+        assert float(loss.detach()) > 0, i
+        with torch.no_grad():
+            for t, p in zip(t_params, params):
+                t.lerp_(p, 1 - decay)
+        assert hyp == teacher.decode(target)[0], i
+        assert max_diff(m.params, params) < 1e-6 and max_diff(m.teacher, t_params) < 1e-6, i
+    assert m.counts["augmented"] == 0 and dist(m.params, m.source) > 1e-3
+
+
 def test_cotta_teacher_stays_when_the_loss_is_zero(tiny_model_dir, utterances):
     """The teacher follows the student only after a step whose loss is > 0: a student whose
     every frame argmax is the blank has no frame in the symmetric cross-entropy (loss 0), and
