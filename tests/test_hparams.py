@@ -135,3 +135,16 @@ def test_a_reference_to_a_key_the_yaml_lacks_says_where_and_the_closest_key(tmp_
                        match=re.escape(f"{own}: !ref <lr> at {own}:{line} names no key of this "
                                        f"yaml (no top-level 'lr:'; did you mean lrr?)")):
         hparams.resolve(own, {"source": "m", "stream_csv": "s.csv", "output_folder": "o"})
+
+
+def test_a_key_the_yaml_sets_itself_leaves_its_blocks_list_whole(tmp_path):
+    """A block of one's own (``include: [run, mine.yaml]``) whose list is written with its items
+    at column 0 (``layers:`` then ``- a``): the yaml's own ``layers`` wins and takes the block's
+    items out with the key (left behind, they were read as items of the block's previous key)."""
+    (tmp_path / "mine.yaml").write_text("layers:\n- a\n- b\nextra: 1\n")
+    own = tmp_path / "own.yaml"
+    own.write_text("include: [mine.yaml]\nlayers: [c]\n")
+    import ruamel.yaml
+    composed = hparams.compose(own)
+    assert ruamel.yaml.YAML().load(composed) == {"layers": ["c"], "extra": 1}
+    assert "- a" not in composed and "- b" not in composed
