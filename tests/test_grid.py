@@ -277,6 +277,10 @@ def test_plan_names_runs_by_their_overrides(data, tmp_path):
     assert "--reset_K=4" in runs[2].argv and "--reset_K=4" not in runs[0].argv   # conf/<method>
     args.decode_opts = "--ckpt_every=5 --temperature=2"      # run options stay out of names
     assert grid.plan_runs(args)[0].name == "s/suta_temperature2_lr0.1/seed0"
+    # the --decode_opts=--overwrite a grid suggests for a run with other settings reruns it in
+    # its own folder (named overwrite, it was decoded beside it and the old run stayed)
+    args.decode_opts = "--temperature=2 --overwrite --device=cpu"
+    assert grid.plan_runs(args)[0].name == "s/suta_temperature2_lr0.1/seed0"
 
 
 def test_a_tag_too_long_for_a_folder_name_is_cut_with_a_digest(data, tmp_path):
