@@ -302,6 +302,16 @@ def test_a_tag_too_long_for_a_folder_name_is_cut_with_a_digest(data, tmp_path):
     assert grid_plan.fit_tag("eata", tag) == tag and grid_plan.fit_tag("eata", tag + "k") != tag
 
 
+def test_a_tag_names_a_runs_own_options_in_one_folder_name():
+    """The folder name of a run's own options (what finds its earlier runs): each key with its
+    value, ``_`` between options, a run of other characters one ``-`` (a list value, a path), the
+    run options left out."""
+    assert grid_plan.inference_tag(["--lr=1e-4", "--reset_K=50"]) == "lr1e-4_reset_K50"
+    assert grid_plan.inference_tag(["--adapt_params=[ln, cnn]", "--device=cuda:1",
+                                    "--overwrite", "--source_stats=/a b//s.pt"]) == \
+        "adapt_params-ln-cnn-_source_stats-a-b-s.pt"
+
+
 def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
     """``suta+dynamic`` (suta has no reset block) and ``dsuta+bogus`` were planned (and printed
     by --dry_run) and each of their runs failed at its start; now one line before anything."""
