@@ -674,7 +674,7 @@ def test_each_seed_is_its_own_cma_es_run(capsys):
         assert top == start - 1                      # numpy's seeds end at 2^32 - 1
 
 
-def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir):
+def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir, monkeypatch):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for out, why in ((a_file, "it is a file"), (a_file / "sub", "Not a directory")):
@@ -687,6 +687,18 @@ def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, mine))
     assert "no fingerprint recorded" in msg and "--overwrite" in msg, msg
     assert (mine / "hyperparams.yaml").read_text() == "lr: 1.0  # my own\n"
+    # given empty (an unset shell variable) or null: the run wrote its records into a folder
+    # named None in the working directory, then stopped with a TypeError traceback
+    monkeypatch.chdir(tmp_path)
+    for value in ("", "null", "~"):
+        argv = dsuta_args(tiny_model_dir, ok_stream, "x")
+        argv[argv.index("--output_folder=x")] = f"--output_folder={value}"
+        msg = _error(argv)
+        assert "dsuta.yaml: 'output_folder' is required: pass --output_folder=... (experiment " \
+            "folder: records, checkpoints, summary); it was given empty" in msg, msg
+        msg = _error(dsuta_args(tiny_model_dir, ok_stream, tmp_path / "o", f"--source={value}"))
+        assert "'source' is required: pass --source=... (HF CTC checkpoint" in msg, msg
+    assert not (tmp_path / "None").exists() and not (tmp_path / "~").exists()
 
 
 def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_model_dir):

@@ -193,7 +193,9 @@ def settings(argv, device_here: bool = True):
         args = parse_arguments(list(argv))
         if args.help:
             return args, None
-        return args, hp_files.resolve(args.method, args.overrides, device_here=device_here)
+        resolved = hp_files.resolve(args.method, args.overrides, device_here=device_here)
+        hp_files.check_required(resolved)
+        return args, resolved
     except (UsageError, hp_files.HparamsError) as e:
         _fail(str(e))
 

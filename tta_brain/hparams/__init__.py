@@ -24,8 +24,8 @@ from tta_brain.hparams import rules
 from tta_brain.hparams.rules import RULES, HparamsError, check_device
 
 __all__ = ["HPARAMS_DIR", "BLOCKS", "HparamsError", "available", "find", "compose", "load",
-           "Resolved", "resolve", "describe", "keys", "check", "check_device", "RULES",
-           "structure"]
+           "Resolved", "resolve", "check_required", "describe", "keys", "check", "check_device",
+           "RULES", "structure"]
 
 HPARAMS_DIR = Path(__file__).resolve().parent
 BLOCKS = ("run", "reset")
@@ -154,6 +154,17 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
     check(path, values, device_here)
     rules.check_overrides(path, values, given)       # (after the values: a bad one says so first)
     return Resolved(path, text, values)
+
+
+def check_required(resolved: "Resolved") -> None:
+    """A required key (``!PLACEHOLDER``) of a command-line run given empty or null
+    (``--output_folder=``: an unset shell variable) is refused as one not given: it was taken as
+    no value, and the run wrote its records into a folder named ``None`` before a TypeError
+    traceback. (A live stream, :class:`tta_brain.stream.TTAStream`, has no manifest or folder.)"""
+    for key in re.findall(r"^(\w+):[ \t]*!PLACEHOLDER\b", compose(resolved.path), re.M):
+        value = resolved.values.get(key)
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise HparamsError(f"{_required(resolved.path, key)}; it was given empty")
 
 
 #: The objects a run is made of: an override of one must build another (a ``!new:`` /
