@@ -148,3 +148,31 @@ def test_a_key_the_yaml_sets_itself_leaves_its_blocks_list_whole(tmp_path):
     composed = hparams.compose(own)
     assert ruamel.yaml.YAML().load(composed) == {"layers": ["c"], "extra": 1}
     assert "- a" not in composed and "- b" not in composed
+
+
+def test_a_structure_digest_is_the_blocks_values_and_tags_whatever_their_order(tmp_path):
+    """A run's fingerprint holds a digest of each nested block (``structure``): the same block
+    with its keys in another order, with comments, or with a reference to a key added to the
+    packaged yamls later (``added``) is the same digest, so older run folders stay "the same
+    settings"; another value or class is another digest. The digest is pinned: sha1 of the
+    block's JSON (tags as ``{"!": tag, "=": value}``, keys sorted), 12 hex digits."""
+    import hashlib
+    import json
+    a, b, c = (tmp_path / f"{n}.yaml" for n in "abc")
+    a.write_text("lr: 1\nflag: true\nmethod: !new:x.Y\n    lr: !ref <lr>\n    steps: 3\n"
+                 "    on: true\n")
+    b.write_text("lr: 1\nflag: true\nmethod: !new:x.Y   # mine\n    on: true\n    steps: 3\n"
+                 "    lr: !ref <lr>\n")
+    c.write_text("lr: 1\nflag: true\nconvolutions: native\nmethod: !new:x.Y\n    steps: 3\n"
+                 "    convolutions: !ref <convolutions>\n    on: true\n    lr: !ref <lr>\n")
+    by_hand = json.dumps({"!": "!new:x.Y", "=": {"lr": {"!": "!ref", "=": "<lr>"}, "on": True,
+                                                 "steps": 3}}, sort_keys=True)
+    digest = hashlib.sha1(by_hand.encode()).hexdigest()[:12]
+    assert hparams.structure(a, ["method", "absent"]) == {"method": digest}
+    assert hparams.structure(b, ["method"]) == {"method": digest}
+    assert hparams.structure(c, ["method"], added=["convolutions"]) == {"method": digest}
+    assert hparams.structure(c, ["method"]) != {"method": digest}
+    other = "method: !new:x.Y\n    lr: !ref <lr>\n    steps: 4\n    on: true\n"
+    assert hparams.structure(a, ["method"], other) != {"method": digest}
+    assert hparams.structure(a, ["method"], other.replace("steps: 4", "steps: 3")) == \
+        {"method": digest}
