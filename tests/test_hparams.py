@@ -28,6 +28,15 @@ def test_every_key_of_every_packaged_yaml_has_a_rule_and_its_default_passes(meth
     ("filter_K", 0, "filter_K must be an integer >= 1 (or -1: all)"),
     ("popsize", 1, "popsize must be an integer >= 2"),
     ("source", 3, "source must be a string"),
+    ("reset_K", 3, "reset_K must be an integer >= 4"),
+    ("reset_K", 4.0, "reset_K must be an integer >= 4"),
+    ("lr", 0, "lr must be a number > 0"),
+    ("lr", float("nan"), "lr must be a number > 0"),
+    ("reset_threshold", float("inf"), "reset_threshold must be a number ("),
+    ("steps", True, "steps must be an integer >= 0"),
+    ("em_coef", 1.5, "em_coef must be a number between 0 and 1"),
+    ("seed", 2 ** 32, "seed must be an integer between 0 and 4294967295"),
+    ("train_mode", 1, "train_mode must be true or false"),
 ])
 def test_a_bad_value_names_the_key_what_it_must_be_and_what_it_means(key, value, expected):
     method = next(m for m in hparams.available() if key in hparams.keys(m))
@@ -35,7 +44,8 @@ def test_a_bad_value_names_the_key_what_it_must_be_and_what_it_means(key, value,
         hparams.check(hparams.find(method), {key: value})
     comment = dict((k, c) for k, _, c in hparams.describe(method))[key]
     assert comment and comment in str(err.value) and "\n" not in str(err.value)
-    hparams.check(hparams.find(method), {"filter_K": -1, "popsize": 2})      # edges allowed
+    hparams.check(hparams.find(method), {"filter_K": -1, "popsize": 2, "reset_K": 4, "em_coef": 1,
+                                         "seed": 2 ** 32 - 1, "lr": 1e-9})    # edges allowed
 
 
 def test_a_file_error_in_a_constructor_names_the_file():
