@@ -323,10 +323,12 @@ def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
     own = tmp_path / "hp"                     # one's own yaml named with a '+': no tag
     own.mkdir()
     shutil.copy(hparams_find("suta"), own / "suta+mine.yaml")
+    (own / "suta.yaml").write_text(hparams_find("suta").read_text())   # its own yaml wins
     runs = grid.plan_runs(grid.parse_args(grid_argv(data, tmp_path, "suta+mine", "0",
                                                     "--hparams_dir", str(own))))
     assert [r.name for r in runs] == ["s/suta+mine/seed0"]
     assert not any(a.startswith("--reset") for a in runs[0].argv)
+    assert runs[0].argv[0] == str(own / "suta+mine.yaml")
     assert runs[0].argv[-1] == "--method_tag=suta+mine"       # its yaml says suta: see below
 
 
@@ -613,6 +615,8 @@ def test_a_sweep_that_would_lose_values_is_refused(sweep, expected):
     with pytest.raises(SystemExit, match=re.escape(f"ERROR: {expected}")):
         sweep_points(sweep)
     assert sweep_points(["lr=1,2", "steps=3"]) == [["--lr=1", "--steps=3"], ["--lr=2", "--steps=3"]]
+    # an axis written as an option (--lr=...) is the same axis, so the same folders
+    assert sweep_points(["--lr=1,2"]) == [["--lr=1"], ["--lr=2"]]
     # several axes in one argument (a recipe's quoted --sweep): each its own axis (the second
     # key was read as part of a value: runs with --lr='3e-4 steps=1' and --lr=3)
     assert sweep_points(["lr=1e-4,3e-4  steps=1,3"]) == [
