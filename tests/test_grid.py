@@ -655,6 +655,30 @@ def test_options_a_run_would_not_read_are_left_out_of_it(data, tmp_path):
         "hparams.reset_test_size", "hparams.reset_threshold"]
 
 
+def test_option_files_and_sets_apply_in_their_order(data, tmp_path):
+    """A run's options come from <method>.opts, <method>_md.opts (a --md_streams stream, named
+    by its last part when the stream's name has folders: ``snr20/md``), <token>.opts, the md
+    option sets and --decode_opts, later ones winning: the last --lr of its argv is what decode
+    takes."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "dsuta.opts").write_text("--lr=0.1\n--steps=1\n")
+    (conf / "dsuta_md.opts").write_text("--lr=0.2\n")
+    (conf / "dsuta+dynamic.opts").write_text("--lr=0.3\n")
+    argv = grid_argv(data, tmp_path / "exp", "dsuta dsuta+dynamic", "0") + [
+        "--conf_dir", str(conf), "--streams", f"snr20/md={data['csv']}", "--md_streams", "md",
+        "--md_decode_opts=--steps=4"]
+    runs = {r.name: r for r in grid.plan_runs(grid.parse_args(argv))}
+
+    def last(run, key):
+        return [a for a in runs[run].argv if a.startswith(f"--{key}=")][-1]
+    assert (last("s/dsuta/seed0", "lr"), last("s/dsuta/seed0", "steps")) == ("--lr=0.1", "--steps=1")
+    assert last("s/dsuta+dynamic/seed0", "lr") == "--lr=0.3"
+    assert (last("snr20/md/dsuta/seed0", "lr"), last("snr20/md/dsuta/seed0", "steps")) == \
+        ("--lr=0.2", "--steps=4")
+    assert last("snr20/md/dsuta+dynamic/seed0", "lr") == "--lr=0.3"
+
+
 def test_options_a_run_would_not_read_are_judged_on_the_values_its_yaml_reads(data, tmp_path):
     """The grid judged its yamls' defaults on their text: a yaml of one's own with a quoted
     ``reset: "fixed"`` made ``--reset_every`` 'read by no run' (decode takes it), and SGEM's
