@@ -186,3 +186,14 @@ def test_a_structure_digest_is_the_blocks_values_and_tags_whatever_their_order(t
     assert hparams.structure(a, ["method"], other) != {"method": digest}
     assert hparams.structure(a, ["method"], other.replace("steps: 4", "steps: 3")) == \
         {"method": digest}
+
+
+def test_the_dynamic_resets_K_must_reach_past_the_first_meta_update():
+    """phi_D is saved after K/2 utterances: before the first meta-update (every buffer_size M)
+    it is the source model and the reset never fires. K = 2M is the smallest K that works."""
+    path = hparams.find("dsuta")
+    hparams.check(path, {"reset": "dynamic", "reset_K": 10, "buffer_size": 5})
+    with pytest.raises(hparams.HparamsError, match=r"reset_K = 9 with buffer_size = 5: .* use "
+                                                   r"reset_K >= 10"):
+        hparams.check(path, {"reset": "dynamic", "reset_K": 9, "buffer_size": 5})
+    hparams.check(path, {"reset": "fixed", "reset_K": 9, "buffer_size": 5})    # K unread

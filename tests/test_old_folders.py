@@ -31,6 +31,28 @@ def _old_folder(tmp_path, resets):
 def test_an_old_runs_reset_after_the_last_utterance_is_not_reported(tmp_path):
     run = load_run(_old_folder(tmp_path, [2, 4]))
     assert run.resets == [2]            # as today's decode records the same run
+    assert load_run(_old_folder(tmp_path, [2, 3])).resets == [2, 3]    # at the last one: kept
+
+
+def test_resets_csv_and_its_summary_must_agree(tmp_path):
+    """A resets.csv cut short (or a summary of another run) reads as a run with other resets:
+    refused naming the file; --overwrite's clear_run removes every record of the run."""
+    import pytest
+    from tta_brain.run.folder import clear_run
+    from tta_brain.run.records import RecordError
+    folder = _old_folder(tmp_path, [2, 3])
+    lines = (folder / "resets.csv").read_text().splitlines()
+    (folder / "resets.csv").write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(RecordError, match=r"resets.csv: 1 resets at 2, but summary.json says 2 "
+                                          r"at 2, 3"):
+        load_run(folder)
+    for name in ("fingerprint.json", "hyperparams.yaml", "log.txt", "env.log", "wer.txt"):
+        (folder / name).write_text("x")
+    (folder / "save").mkdir()
+    (folder / "mine.txt").write_text("kept")
+    removed = clear_run(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["mine.txt"]
+    assert "fingerprint.json" in removed and "save" in removed and "summary.json" in removed
 
 
 def test_a_cea_run_fingerprinted_before_param_collection_is_the_same_run():
