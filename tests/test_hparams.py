@@ -132,6 +132,10 @@ def test_an_override_nothing_in_the_yaml_reads_is_refused(tmp_path):
                 and k not in hparams.BUILT_KEYS and k not in ("reset_policy",)]
         hparams._check_read(hparams.find(method),
                             [t for t, _, _ in hparams.composed_lines(hparams.find(method))], keys)
+        # an object the code reads by name, replaced by another built one (--method=!new:...)
+        hparams._check_read(hparams.find(method),
+                            [t for t, _, _ in hparams.composed_lines(hparams.find(method))],
+                            list(hparams.BUILT_KEYS))
 
 
 def test_a_reference_to_a_key_the_yaml_lacks_says_where_and_the_closest_key(tmp_path):
