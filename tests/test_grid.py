@@ -275,6 +275,7 @@ def test_plan_names_runs_by_their_overrides(data, tmp_path):
                                                                       "--method_tag=suta_lr0.2"]
     assert runs[2].argv[-1] == "--method_tag=dsuta+dynamic_lr0.1"    # reports do not pool it
     assert "--reset_K=4" in runs[2].argv and "--reset_K=4" not in runs[0].argv   # conf/<method>
+    assert {r.total for r in runs} == {24}              # the stream's rows (its header left out)
     args.decode_opts = "--ckpt_every=5 --temperature=2"      # run options stay out of names
     assert grid.plan_runs(args)[0].name == "s/suta_temperature2_lr0.1/seed0"
     # the --decode_opts=--overwrite a grid suggests for a run with other settings reruns it in
