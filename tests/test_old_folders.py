@@ -81,3 +81,26 @@ def test_a_cea_run_fingerprinted_before_param_collection_is_the_same_run():
     other["structure"]["adapt_params"] = "20c451e3693a"
     assert differences(other, now) == [
         "structure.adapt_params: '20c451e3693a' != '05ffdd77049c'"]
+
+
+def test_a_runs_summary_counts_its_records_per_domain(tmp_path):
+    """``summarise`` from the written records: WER and CER (spaces counted) per domain and
+    pooled, the time per second of audio. By hand: A: "AB CD" -> "AB" (1 of 2 words, 3 of 5
+    characters: " CD"); B: "XY" -> "XZ" (1 of 1 word, 1 of 2 characters)."""
+    from types import SimpleNamespace
+    from tta_brain.run.summary import read_summary, summarise
+    rows = [(0, "u0", "A", 0, 1.0, "AB CD", "AB", 2, 1, 0, 1, 0),
+            (1, "u1", "B", 1, 1.0, "XY", "XZ", 1, 1, 1, 0, 0)]
+    for name, cls in CSV_FILES.items():
+        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(_columns(cls))
+            if name == "transcripts":
+                w.writerows(r + (0,) for r in rows)
+    s = summarise(tmp_path, [], SimpleNamespace(wall_time=3.0, audio_time=2.0),
+                  SimpleNamespace(counts={}, num_adapted=0), "x", "s", 0, {}, "cpu")
+    import pytest
+    assert (s.wer, s.wer_per_domain) == (pytest.approx(200 / 3), {"A": 50.0, "B": 100.0})
+    assert (s.cer, s.cer_per_domain) == (pytest.approx(400 / 7), {"A": 60.0, "B": 50.0})
+    assert (s.time_per_audio_s, s.n_utts, s.n_words, s.n_err) == (1.5, 2, 3, 2)
+    assert read_summary(tmp_path) == s
