@@ -102,6 +102,21 @@ def test_an_override_that_only_matters_under_another_value_is_refused():
         hparams.resolve("eata", {**base, "momentum": 0.5})
     values = hparams.resolve("eata", {**base, "momentum": 0.5, "eata_optimizer": "sgd"}).values
     assert values["momentum"] == 0.5
+    for key, value in (("reset_test_size", 5), ("reset_K", 20), ("reset_every", 3)):
+        with pytest.raises(hparams.HparamsError, match=rf"{key} = {value} \(an override\) with "
+                                                       r"reset = 'none': it is only used"):
+            hparams.resolve("csuta", {**base, key: value})
+    assert hparams.resolve("csuta", {**base, "reset": "dynamic",
+                                     "reset_test_size": 5}).values["reset_test_size"] == 5
+
+
+def test_a_device_of_another_machine_is_checked_for_its_form_only():
+    """A Slurm grid's dry run checks runs that decode on a GPU node: cuda is no error here."""
+    for device in ("cuda", "cuda:3", "cpu"):
+        hparams.check_device(device, here=False)
+    for device in ("gpu", "cuda:x", "cuda:", "", None):
+        with pytest.raises(hparams.HparamsError, match=r"is not valid: use cpu, cuda or cuda:N"):
+            hparams.check_device(device, here=False)
 
 
 def test_an_override_nothing_in_the_yaml_reads_is_refused(tmp_path):
