@@ -313,6 +313,15 @@ def test_a_tag_names_a_runs_own_options_in_one_folder_name():
         "adapt_params-ln-cnn-_source_stats-a-b-s.pt"
 
 
+def test_a_stream_not_written_yet_is_one_line_unless_a_dry_run(data, tmp_path):
+    argv = grid_argv(data, tmp_path, "suta", "0") + ["--streams", f"t={tmp_path / 'no.csv'}"]
+    with pytest.raises(SystemExit, match=re.escape(f"ERROR: stream {tmp_path / 'no.csv'} not "
+                                                   f"found; run the earlier stages first")):
+        grid.plan_runs(grid.parse_args(argv))
+    runs = grid.plan_runs(grid.parse_args(argv + ["--dry_run"]))
+    assert [r.total for r in runs if r.name.startswith("t/")] == [0]
+
+
 def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
     """``suta+dynamic`` (suta has no reset block) and ``dsuta+bogus`` were planned (and printed
     by --dry_run) and each of their runs failed at its start; now one line before anything."""
