@@ -313,6 +313,15 @@ def test_a_tag_names_a_runs_own_options_in_one_folder_name():
         "adapt_params-ln-cnn-_source_stats-a-b-s.pt"
 
 
+def test_a_stream_spec_before_its_files_exist_splits_at_the_first_equals_sign(tmp_path):
+    """A dry run names its streams before the files are written: NAME=CSV at the first '='
+    (the manifest's path may hold more); an empty NAME is the manifest's file name."""
+    assert grid_plan.stream_spec(f"md={tmp_path}/snr=20/md_easy.csv") == \
+        ("md", f"{tmp_path}/snr=20/md_easy.csv")
+    assert grid_plan.stream_spec(f"={tmp_path}/x.csv") == ("x", f"{tmp_path}/x.csv")
+    assert grid_plan.stream_spec(f"{tmp_path}/y.csv") == ("y", f"{tmp_path}/y.csv")
+
+
 def test_a_stream_not_written_yet_is_one_line_unless_a_dry_run(data, tmp_path):
     argv = grid_argv(data, tmp_path, "suta", "0") + ["--streams", f"t={tmp_path / 'no.csv'}"]
     with pytest.raises(SystemExit, match=re.escape(f"ERROR: stream {tmp_path / 'no.csv'} not "
