@@ -398,6 +398,20 @@ def _error(argv):
     return msg
 
 
+def test_flags_take_false_and_an_option_is_no_value_of_another():
+    """``--noprogressbar=false`` / ``--overwrite=no`` mean what they say (a recipe passes its
+    own switch as a value); ``--lr --steps=3`` is a missing value, not an lr of "--steps=3"."""
+    from tta_brain.run.cli import UsageError
+    args = parse_arguments(["a.yaml", "--noprogressbar=false", "--overwrite=no", "--compile=off"])
+    assert (args.run_opts, args.overwrite, args.overrides) == (
+        {"noprogressbar": False}, False, "compile: false\n")
+    args = parse_arguments(["a.yaml", "--noprogressbar", "--overwrite", "--compile"])
+    assert (args.run_opts, args.overwrite, args.overrides) == (
+        {"noprogressbar": True}, True, "compile: true\n")
+    with pytest.raises(UsageError, match=r"^--lr needs a value \(--lr=<value>\)$"):
+        parse_arguments(["a.yaml", "--lr", "--steps=3"])
+
+
 def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     out = tmp_path / "exp"
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--reset=foo"))
