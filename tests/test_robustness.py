@@ -408,6 +408,9 @@ def test_flags_take_false_and_an_option_is_no_value_of_another():
     args = parse_arguments(["a.yaml", "--noprogressbar", "--overwrite", "--compile"])
     assert (args.run_opts, args.overwrite, args.overrides) == (
         {"noprogressbar": True}, True, "compile: true\n")
+    home = os.path.expanduser("~")              # --key=~/x: the shell leaves the ~ as it is
+    assert parse_arguments(["a.yaml", "--source_stats=~/s.pt", "--stream_name=~/s"]).overrides \
+        == f'source_stats: "{home}/s.pt"\nstream_name: "~/s"\n'
     with pytest.raises(UsageError, match=r"^--lr needs a value \(--lr=<value>\)$"):
         parse_arguments(["a.yaml", "--lr", "--steps=3"])
 
