@@ -381,11 +381,21 @@ def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
     shutil.copytree(data["conf"], conf)       # the label says it, as the yaml's would
     for name in ("mycsuta", "csuta", "dsuta"):
         (conf / f"{name}.opts").write_text("--reset=fixed\n--reset_every=4\n")
-    runs = grid.plan_runs(grid.parse_args(argv + ["--conf_dir", str(conf)]))
+    plain = grid_argv(data, tmp_path, "csuta mycsuta dsuta", "0", "--hparams_dir", str(own))
+    runs = grid.plan_runs(grid.parse_args(plain + ["--conf_dir", str(conf)]))
     labels = {r.name.split("/")[1]: [a for a in r.argv if a.startswith("--method_tag")]
               for r in runs}
     assert labels["mycsuta"] == ["--method_tag=mycsuta+fixed"]
-    assert labels["csuta"] == labels["dsuta+dynamic"] == []      # the yaml's csuta+fixed stands
+    assert labels["csuta"] == labels["dsuta"] == []      # the yaml's csuta+fixed stands
+    # a token's +reset beside an option file's other --reset: the folder would say dynamic for
+    # fixed-reset runs (the option file came after the token's --reset and won)
+    with pytest.raises(SystemExit, match=r"ERROR: .*csuta\.opts:1: --reset=fixed, but the token "
+                       r"csuta\+dynamic names its reset \(dynamic\).*the token csuta\+fixed$"):
+        grid.plan_runs(grid.parse_args(argv + ["--conf_dir", str(conf)]))
+    (conf / "dsuta.opts").write_text("--reset=dynamic\n")        # the same policy: no conflict
+    runs = grid.plan_runs(grid.parse_args(grid_argv(data, tmp_path, "dsuta+dynamic", "0")
+                                          + ["--conf_dir", str(conf)]))
+    assert [a for a in runs[0].argv if a.startswith("--reset=")] == ["--reset=dynamic"] * 2
 
 
 def test_a_dry_run_says_which_runs_will_not_run_and_fails(data, tmp_path, capsys):

@@ -342,6 +342,7 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             md_lists = ((("--md_recipe_opts", rule.kept(token, "--md_recipe_opts", md_recipe)),
                          ("--md_decode_opts", rule.kept(token, "--md_decode_opts", md_opts)))
                         if kind else ())
+            _check_token_reset(token, reset, lines + [(w, a) for w, opts in md_lists for a in opts])
             for _, opts in md_lists:
                 recipe += opts
             mine = rule.kept(token, "--decode_opts", user)
@@ -370,6 +371,19 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                         _no_device_with_gpus(runs[-1], args)
     rule.check_read(("--decode_opts", user), ("--md_decode_opts", md_opts), ("--sweep", points[0]))
     return _unique(runs)
+
+
+def _check_token_reset(token: str, reset: List[str], lines: List[Tuple[str, str]]) -> None:
+    """A token's ``+<reset>`` is the reset its folder says: an option file (or md option set)
+    giving another ``--reset`` came after it and won, so ``dsuta+dynamic/`` held fixed-reset runs
+    (labelled ``dsuta+fixed``, pooled with the real ones). One line before anything runs."""
+    said = reset[0].partition("=")[2] if reset else None
+    for where, a in lines:
+        other = _keyvals([a]).get("reset")
+        if said is not None and other is not None and other != said:
+            raise SystemExit(f"ERROR: {where}: --reset={other}, but the token {token} names its "
+                             f"reset ({said}) and its runs' folders say it; take --reset out of "
+                             f"there, or use the token {token.partition('+')[0]}+{other}")
 
 
 def _token_label(token: str, yaml: str, reset: List[str], argv: List[str]) -> List[str]:
