@@ -187,3 +187,47 @@ def test_device_step_gives_the_host_transcripts(bert, utterances, mode):
     assert max_diff(a.params, b.params) < 1e-5
     if mode == "graph":
         assert b.step.stats["replays"] > 0
+
+
+@pytest.mark.parametrize("attention_mask", [False, True])
+def test_a_waveform_models_input_is_its_processors(tmp_path, attention_mask):
+    """The waveform models' counterpart of the features above: the lobe's normalised input
+    (``prepare``, ``prepare_each``, ``normalize_waveforms`` with ``lengths``) is what
+    transformers' ``Wav2Vec2FeatureExtractor`` gives the model (zero mean, unit population
+    variance per utterance over its valid samples, 1e-7 under the root, the padding zero), so
+    the logits and transcripts are the processor's + model's. A quiet utterance (variance far
+    below 1e-7) checks the epsilon; a DC offset checks the mean."""
+    from transformers import AutoModelForCTC, AutoProcessor
+
+    from tta_brain.lobes.hf_ctc import normalize_waveforms
+    from tta_brain.lobes.testing import TINY
+    src = save_random_ctc_model(str(tmp_path), 0, arch="wav2vec2", attention_mask=attention_mask,
+                                **TINY)
+    lobe, processor = HFCTCLobe(src), AutoProcessor.from_pretrained(src)
+    model = AutoModelForCTC.from_pretrained(src).eval()
+    g = torch.Generator().manual_seed(0)
+    n = (8000, 5600, 3200)
+    wavs = [0.3 + 0.2 * torch.randn(n[0], generator=g), 0.1 * torch.randn(n[1], generator=g),
+            1e-4 * torch.randn(n[2], generator=g)]
+    for w in wavs:
+        want = processor(w.numpy(), sampling_rate=16000, return_tensors="pt").input_values
+        assert max_diff(lobe.prepare(w), want) < 1e-5
+        with torch.no_grad():
+            logits = model(want).logits
+        assert max_diff(lobe.logits(lobe.prepare(w)), logits) < 1e-4
+        text = processor.batch_decode(logits.argmax(-1))[0]   # (specials dropped after grouping)
+        for special in set(processor.tokenizer.all_special_tokens) - {"<pad>"}:
+            text = text.replace(special, "")
+        assert lobe.decode(logits) == [" ".join(text.split())]
+    rows = torch.stack([w[:n[2]] for w in wavs])
+    want = torch.stack([processor(r.numpy(), sampling_rate=16000,
+                                  return_tensors="pt").input_values[0] for r in rows])
+    assert max_diff(lobe.prepare_each(rows)[:, 0], want) < 1e-5
+    padded = torch.zeros(3, n[0])
+    for i, w in enumerate(wavs):
+        padded[i, :n[i]] = w
+    got = normalize_waveforms(padded, torch.tensor(n))
+    for i, w in enumerate(wavs):
+        want = processor(w.numpy(), sampling_rate=16000, return_tensors="pt").input_values[0]
+        assert max_diff(got[i, :n[i]], want) < 1e-5
+        assert not got[i, n[i]:].any()
