@@ -799,6 +799,17 @@ def test_methods_with_host_work_keep_the_host_path(tiny_model_dir, utterances, c
     assert step_blocker(build(tiny_model_dir, "source", "graph")) == "nothing adapts"
 
 
+def test_a_method_that_declares_its_loss_host_work_keeps_the_host_step(tiny_model_dir):
+    """``device_loss = False`` (the package's documented "never"): a method whose loss reads the
+    host, though it keeps the skeleton's hooks (so nothing else tells), never takes the device
+    step, even where it is asked for."""
+    m = build(tiny_model_dir, "suta", "graph")
+    assert step_blocker(m) is None and type(m.step) is DeviceStep
+    m.device_loss = False
+    assert step_blocker(m) == "its loss needs host work"
+    assert type(make_step(m, backend=FakeBackend(), device_on_cpu=True)) is HostStep
+
+
 def test_train_mode_is_captured_only_where_it_draws_nothing(tiny_model_dir, tmp_path, utterances,
                                                             caplog):
     """``train_mode`` on a model whose train mode draws nothing (no dropout, LayerDrop,
