@@ -33,6 +33,8 @@ def test_a_character_vocabulary_without_its_word_delimiter_decodes(tmp_path):
     repeats), so every method's run stopped at its first utterance with a traceback."""
     lobe = HFCTCLobe(_model(tmp_path / "m", NO_DELIMITER))
     assert lobe.word_delimiter_id is None and not lobe.word_pieces
+    # what it can write: its characters, not the letters of its blank's or specials' names
+    assert lobe.alphabet() == set(NO_DELIMITER[5:])
     ids = {t: i for i, t in enumerate(NO_DELIMITER)}
     assert lobe.labels_to_text([ids["我"], ids["我"], ids[" "], ids["在"], ids["<unk>"]]) == "我我 在"
     g = torch.Generator().manual_seed(0)
