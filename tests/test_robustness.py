@@ -201,6 +201,22 @@ def test_a_model_of_another_sample_rate_gets_its_rate(tmp_path, monkeypatch):
     assert "resampled from 16000 Hz to 8000 Hz" in (tmp_path / "packaged" / "log.txt").read_text()
 
 
+def test_a_sample_rate_other_than_the_processors_is_refused(tmp_path):
+    """``HFCTCLobe(sample_rate=...)``: the processor's rate is the model's; a yaml that names
+    another is refused in one line (its audio would be resampled to a rate the model was not
+    trained on), the same one is taken, none takes the processor's."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.testing import TINY, save_random_ctc_model
+    model = save_random_ctc_model(str(tmp_path / "m8k"), 0, **TINY)
+    cfg = Path(model) / "preprocessor_config.json"
+    cfg.write_text(json.dumps(dict(json.loads(cfg.read_text()), sampling_rate=8000)))
+    assert HFCTCLobe(model).sample_rate == 8000
+    assert HFCTCLobe(model, sample_rate=8000).sample_rate == 8000
+    with pytest.raises(ValueError, match=r"the processor expects 8000 Hz audio, not 16000 "
+                                         r"\(sample_rate: leave it out"):
+        HFCTCLobe(model, sample_rate=16000)
+
+
 def test_conversions_happen_on_read_and_are_logged(bad_run, bad_stream):
     out, _, _ = bad_run
     log = (out / "log.txt").read_text()
