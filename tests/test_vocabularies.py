@@ -102,3 +102,13 @@ def test_references_with_characters_the_model_cannot_write_are_a_warning(tmp_pat
             if "cannot write" in w] == [want + ": each word that holds one is an error "
                                         "whatever the method"]
     assert want in (out / "log.txt").read_text()
+
+
+def test_text_to_labels_spells_the_text_in_the_models_characters(tmp_path):
+    """A character vocabulary of upper-case letters: lower-case text is spelled in them (its
+    case is not the model's), a space is the word delimiter."""
+    vocab = ("<pad>", "<s>", "</s>", "<unk>", "|") + tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZ'")
+    lobe = HFCTCLobe(_model(tmp_path / "m", vocab))
+    ids = {t: i for i, t in enumerate(vocab)}
+    assert lobe.text_to_labels("it's a cab") == [ids[c] for c in "IT'S|A|CAB"]
+    assert lobe.labels_to_text(lobe.text_to_labels("it's a cab")) == "IT'S A CAB"
