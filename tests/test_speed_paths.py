@@ -206,6 +206,9 @@ ARCHS = {
     "wavlm": ("wavlm", dict(feat_extract_norm="group", **POS16)),
     "data2vec-audio": ("data2vec-audio", dict(num_conv_pos_embeddings=2, conv_pos_kernel_size=5,
                                               num_conv_pos_embedding_groups=2)),
+    # the strided adapter after the encoder (its frames: half as many)
+    "wav2vec2-adapter": ("wav2vec2", dict(add_adapter=True, adapter_stride=2, adapter_kernel_size=3,
+                                          num_adapter_layers=1, output_hidden_size=32, **POS16)),
 }
 
 
