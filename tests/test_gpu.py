@@ -310,6 +310,15 @@ def test_bucket_length_edges():
         graphs.bucket_length(100, 0.0)
 
 
+def test_frame_stride_is_the_samples_of_one_more_frame(tiny_lobe):
+    """The buckets' multiple: the product of the CNN's strides (the tiny model's 5 * 8 * 8),
+    the samples that make one more logit frame."""
+    s = tiny_lobe.frame_stride
+    assert s == 320
+    n = torch.arange(4000, 8000, 7)
+    assert torch.equal(tiny_lobe.output_lengths(n + s), tiny_lobe.output_lengths(n) + 1)
+
+
 BUCKET_LENGTHS = [9600, 12800, 8000, 14400, 10400, 11200, 17000, 19000]
 
 
