@@ -724,6 +724,16 @@ def test_buckets_with_a_one_graph_cache_say_so(tiny_model_dir, caplog):
         assert m.step.cache.capacity == kept and m.step.forwards.capacity == 3 * kept
 
 
+def test_length_buckets_are_for_the_captured_steps_only(tiny_model_dir):
+    """``cuda_graph_buckets`` pads the input so one graph serves a bucket of lengths; the eager
+    device step (``cuda_device_steps`` without graphs) has no graph to share and runs each
+    utterance at its own length."""
+    m = build(tiny_model_dir, "suta", "device", runtime={"cuda_graph_buckets": 0.25})
+    assert type(m.step) is DeviceStep and m.step.buckets == 0.0
+    m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.25})
+    assert type(m.step) is DeviceStep and m.step.buckets == 0.25
+
+
 def test_auto_buckets_are_a_cuda_default(tiny_model_dir, caplog):
     """``cuda_graph_buckets: auto`` (the default) is the ratio 0.1 on CUDA, off on CPU, and off
     without a warning where the padded pass is not exact; ``cuda_graph_cache: auto`` keeps 64
