@@ -883,6 +883,31 @@ def _nan_stream(utterances):
     return items
 
 
+def test_host_step_skips_an_infinite_loss_before_its_backward(tiny_model_dir, utterances):
+    """An infinite loss is as non-finite as a NaN one: the host step skips it before the
+    backward, named as the loss (an inf loss times 0 has finite, zero gradients: only the
+    loss's own check can tell), and the parameters stay."""
+    m = build(tiny_model_dir, "suta", "host")
+    x = m.lobe.prepare(utterances[0])
+    before = snapshot(m.params)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        m.events.clear()
+        assert math.isnan(m.step(x, m.optimizer, lambda logits, bad=bad: logits.sum() * 0 + bad))
+        assert [(e.kind, e.reason) for e in m.events] == [("skip", f"non-finite loss {bad}")]
+    assert max_diff(before, m.params) == 0.0
+
+
+def test_a_train_mode_step_leaves_the_model_in_eval_mode(tiny_model_dir, utterances):
+    """``train_mode``: the adaptation passes run in train mode, the prediction in eval mode (the
+    model is put back after every step)."""
+    for mode in ("host", "device"):
+        m = build(tiny_model_dir, "suta", mode, train_mode=True, steps=1)
+        seen = []
+        m.net.register_forward_pre_hook(lambda mod, args: seen.append(mod.training))
+        m.process(utterances[0], UttInfo(id="x"))
+        assert seen == [True, False] and not any(x.training for x in m.net.modules()), mode
+
+
 @pytest.mark.parametrize("mode", ["device", "graph"])
 @pytest.mark.parametrize("name", ["suta", "csuta", "dsuta"])
 def test_nonfinite_loss_is_skipped_on_the_device(tiny_model_dir, utterances, name, mode):
