@@ -1004,6 +1004,25 @@ def test_device_optimizer_blocker():
     assert guard.device_optimizer_blocker(RepeatedAdam([{"params": p, "lr": 0.1}], lr=0.1)) is None
     assert guard.device_optimizer_blocker(torch.optim.Adam(p, lr=0.1)) is None
     assert guard.device_optimizer_blocker(None) == "no optimiser"
+    # what torch's fused, capturable kernels do not run
+    assert guard.device_optimizer_blocker(torch.optim.AdamW(p, lr=0.1, differentiable=True)) == (
+        "a differentiable optimiser")
+    assert guard.device_optimizer_blocker(torch.optim.Adam(p, lr=torch.tensor(0.1))) == (
+        "a tensor lr or betas")
+    betas = (torch.tensor(0.9), torch.tensor(0.999))
+    assert guard.device_optimizer_blocker(torch.optim.Adam(p, lr=0.1, betas=betas)) == (
+        "a tensor lr or betas")
+    c = [torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]
+    assert guard.device_optimizer_blocker(torch.optim.Adam(p + c, lr=0.1)) == (
+        "a parameter that is not a dense floating-point tensor")
+    # a device optimiser: every group fused and capturable
+    q = [torch.nn.Parameter(torch.randn(2))]
+    opt = torch.optim.Adam([{"params": p}, {"params": q}], lr=0.1)
+    assert not guard.is_device_optimizer(opt)
+    opt.param_groups[0].update(fused=True, capturable=True)
+    assert not guard.is_device_optimizer(opt)
+    guard.to_device_optimizer(opt)
+    assert guard.is_device_optimizer(opt)
 
 
 def test_step_flags_count_and_fetch_once():
