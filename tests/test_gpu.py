@@ -297,6 +297,9 @@ def test_bucket_length_edges():
     assert graphs.bucket_length(1, 0.1, 320, 16000) == 16000
     assert graphs.bucket_length(16000, 0.1, 320, 16000) == 16000
     assert graphs.bucket_length(16001, 0.1, 320, 16000) == 17600
+    # 1 s * 1.1^2 = 19360 and * 1.1^3 = 21296 samples, each rounded UP to the stride (320)
+    assert graphs.bucket_length(17601, 0.1, 320, 16000) == 19520
+    assert graphs.bucket_length(19521, 0.1, 320, 16000) == 21440
     g = torch.Generator().manual_seed(0)
     for n in torch.randint(1, 700000, (3000,), generator=g).tolist():
         for r in (0.05, 0.1, 0.25):
