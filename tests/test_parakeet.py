@@ -249,6 +249,17 @@ def test_a_train_mode_pass_keeps_the_batch_norms_statistics(tmp_path, family):
     assert all(torch.equal(m.running_mean, mean) for m, (mean, _) in zip(awmc_norms, stats))
 
 
+def test_parakeets_dropout_is_named_among_its_train_mode_draws(tmp_path):
+    """Parakeet keeps its dropout in the nested ``encoder_config``: train_draws named only its
+    batch norm (the reason a method's refusal gives was half of it)."""
+    d = save_random_ctc_model(str(tmp_path), 0, arch="parakeet",
+                              **dict(TINY_PARAKEET, dropout=0.1))
+    draws = HFCTCLobe(d).train_draws()
+    assert "encoder_config.dropout=0.1" in draws and draws[-1].endswith("(batch norm)"), draws
+    quiet = save_random_ctc_model(str(tmp_path / "q"), 0, arch="parakeet", **TINY_PARAKEET)
+    assert not any("dropout" in x for x in HFCTCLobe(quiet).train_draws())
+
+
 @pytest.mark.parametrize("arch,cfg", [("sew", TINY), ("sew-d", TINY_SEWD)])
 def test_sews_cnn_runs_as_matrix_products(tmp_path, arch, cfg):
     """``convolutions: gemm`` takes SEW's and SEW-D's CNN convolutions (SEW-D's were not found:

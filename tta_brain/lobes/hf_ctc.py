@@ -548,7 +548,10 @@ class HFCTCLobe(nn.Module):
         Empty: a train-mode pass is the eval-mode pass (LayerDrop 0 still draws a number per
         layer from torch's generator, and decides nothing with it)."""
         cfg = self.model.config.to_dict()
-        draws = [f"{k}={v}" for k, v in sorted(cfg.items())
+        # (a nested config's too: Parakeet's dropout is its encoder_config's)
+        items = [(f"{k}.{n}", w) for k, v in cfg.items() if isinstance(v, dict)
+                 for n, w in v.items()] + list(cfg.items())
+        draws = [f"{k}={v}" for k, v in sorted(items)
                  if ("dropout" in k or k.endswith("layerdrop")) and type(v) in (int, float)
                  and v > 0]
         if cfg.get("apply_spec_augment", True):
