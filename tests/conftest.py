@@ -80,6 +80,21 @@ def build_on(model_dir, name, plain=False, **kwargs):
     return build_method(name, model=HFCTCLobe(model_dir, runtime=Runtime(**runtime)), **kwargs)
 
 
+def reference_copy(model_dir, names, eval_mode=True):
+    """A separate copy of the model for a step by hand: its lobe and its parameters ``names``
+    (the method's ``param_names``), the only ones that take gradients; eval mode unless told."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    lobe = HFCTCLobe(model_dir)
+    if eval_mode:
+        lobe.model.eval()
+    lobe.model.requires_grad_(False)
+    named = dict(lobe.model.named_parameters())
+    params = [named[n] for n in names]
+    for p in params:
+        p.requires_grad_(True)
+    return lobe, params
+
+
 def max_diff(a, b):
     """Largest absolute difference between two equally long lists of tensors (0 for none)."""
     assert len(a) == len(b)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_resumes_after_kill_9, build_on, max_diff
+from conftest import assert_resumes_after_kill_9, build_on, max_diff, reference_copy
 from fake_corpora import write_stream
 from tta_brain.data.cache import file_identity
 from tta_brain import decode, stats
@@ -167,18 +167,12 @@ def test_eata_step_is_the_non_blank_entropy_plus_the_fisher_term_by_hand(tiny_mo
     one AdamW on, its moments kept): loss = mean entropy (T = 1) of the non-blank frames +
     fisher_alpha * sum F (theta - theta0)^2, theta0 the source values (every utterance reliable
     and none redundant here, so every step is kept)."""
-    from tta_brain.lobes.hf_ctc import HFCTCLobe
     alpha, lr, fisher_value = 50.0, 1e-2, 1.0
     path = fisher_file(tmp_path / "fisher.pt", tiny_model_dir, value=fisher_value)
     m = build_on(tiny_model_dir, "eata", fisher_alpha=alpha, source_stats=path, lr=lr,
                  d_margin=2.0, plain=True, cpu_native_backward=False, **RELIABLE)
-    ref = HFCTCLobe(tiny_model_dir)
+    ref, params = reference_copy(tiny_model_dir, m.param_names)
     net = ref.model
-    net.eval()
-    net.requires_grad_(False)
-    params = [dict(net.named_parameters())[n] for n in m.param_names]
-    for p in params:
-        p.requires_grad_(True)
     with torch.no_grad():            # blank frames (8-40 %), both copies: the mask matters
         for model in (m.net, net):
             model.lm_head.bias[ref.blank_id] += 0.2
@@ -405,7 +399,6 @@ def test_sar_second_pass_is_the_entropy_over_the_first_passs_frames(tiny_model_d
     """Pass 2 of a SAM step: the entropy at theta + rho g / ||g|| (g the gradient of pass 1's
     entropy) over the non-blank frames of pass 1's path, not its own argmax; recomputed here on
     a separate copy of the model with autograd."""
-    from tta_brain.lobes.hf_ctc import HFCTCLobe
     m = build_on(tiny_model_dir, "sar", lr=1e-2, rho=rho, reset_constant=-1.0, **RELIABLE)
     with torch.no_grad():                                    # peakier posteriors (both copies)
         m.net.lm_head.weight.mul_(SCALE)
@@ -413,15 +406,9 @@ def test_sar_second_pass_is_the_entropy_over_the_first_passs_frames(tiny_model_d
     orig = m.sam_step
     m.sam_step = lambda x, info: values.append(orig(x, info)) or values[-1]
     m.process(utterances[0])
-    ref = HFCTCLobe(tiny_model_dir)
-    ref.model.eval()
-    ref.model.requires_grad_(False)
+    ref, ps = reference_copy(tiny_model_dir, m.param_names)
     with torch.no_grad():
         ref.model.lm_head.weight.mul_(SCALE)
-    named = dict(ref.model.named_parameters())
-    ps = [named[n] for n in m.param_names]
-    for p in ps:
-        p.requires_grad_(True)
     x = ref.prepare(utterances[0])
     logits = ref(x)
     path = logits.detach().argmax(-1)
@@ -453,18 +440,11 @@ def test_cotta_steps_on_the_teachers_output_by_hand(tiny_model_dir, utterances):
     student's logits against the teacher's (its non-blank frames), then the teacher an EMA of
     the student. The teacher's own output as the target, unscaled, was checked only through
     counts and transcripts."""
-    from tta_brain.lobes.hf_ctc import HFCTCLobe
     lr, decay = 1e-2, 0.9
     m = build_on(tiny_model_dir, "cotta", lr=lr, ema_decay=decay, restore_prob=0.0,
                  ap_threshold=0.0, n_augment=4, plain=True, cpu_native_backward=False)
-    student, teacher = HFCTCLobe(tiny_model_dir), HFCTCLobe(tiny_model_dir)
-    for lobe in (student, teacher):
-        lobe.model.eval()
-        lobe.model.requires_grad_(False)
-    params = [dict(student.model.named_parameters())[n] for n in m.param_names]
-    t_params = [dict(teacher.model.named_parameters())[n] for n in m.param_names]
-    for p in params:
-        p.requires_grad_(True)
+    student, params = reference_copy(tiny_model_dir, m.param_names)
+    teacher, t_params = reference_copy(tiny_model_dir, m.param_names)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
     for i, w in enumerate(utterances[:3]):
         hyp = m.process(w, UttInfo(position=i))

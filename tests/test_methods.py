@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from conftest import max_diff
+from conftest import max_diff, reference_copy
 from tta_brain.methods import losses
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import METHODS, UttInfo, build_method
@@ -743,16 +743,11 @@ def test_sgem_steps_on_the_best_beams_frame_path_by_hand(make, utterances, tiny_
     N, lr, lr_min, width = 3, 1e-2, 2e-3, 5
     m = make("sgem", steps=N, lr=lr, lr_min=lr_min, beam_width=width, plain=True,
              cpu_native_backward=False)
-    ref_lobe = HFCTCLobe(tiny_model_dir)
+    ref_lobe, params = reference_copy(tiny_model_dir, m.param_names)
     net = ref_lobe.model
-    net.eval()
-    net.requires_grad_(False)
     with torch.no_grad():      # less flat posteriors (both copies): some tokens are "negative"
         for model in (m.net, net):
             model.lm_head.weight.mul_(4.0)
-    params = [dict(net.named_parameters())[n] for n in m.param_names]
-    for p in params:
-        p.requires_grad_(True)
     init = clone(params)
     beam_not_greedy = negatives = 0
     for wav in utterances[:2]:

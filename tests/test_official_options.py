@@ -12,11 +12,10 @@ import statistics
 import pytest
 import torch
 
-from conftest import build_on
+from conftest import build_on, reference_copy
 from tta_brain import hparams
 from tta_brain.methods import losses
 from tta_brain.asr.ctc import collapse
-from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.methods import UttInfo
 from tta_brain.methods.resets import DynamicReset, make_reset_policy
 
@@ -123,13 +122,8 @@ def test_sdpl_eval_mode_steps_on_the_greedy_label_of_each_steps_own_forward(tiny
     steps, lr = 3, 1e-3
     ours = build_on(tiny_model_dir, "sdpl", steps=steps, lr=lr, cache_features="off",
                     cpu_native_backward=False)
-    lobe = HFCTCLobe(tiny_model_dir)
+    lobe, params = reference_copy(tiny_model_dir, ours.param_names)
     net = lobe.model
-    net.eval()
-    net.requires_grad_(False)
-    params = [dict(net.named_parameters())[n] for n in ours.param_names]
-    for p in params:
-        p.requires_grad_(True)
     init = [p.detach().clone() for p in params]
     labels = []
     for wav in utterances[:2]:
@@ -159,12 +153,8 @@ def test_sdpl_train_mode_is_the_official_order(tiny_model_dir, utterances):
     steps, lr = 3, 1e-3
     ours = build_on(tiny_model_dir, "sdpl", steps=steps, lr=lr, train_mode=True,
                     cache_features="off", cpu_native_backward=False)
-    lobe = HFCTCLobe(tiny_model_dir)
+    lobe, params = reference_copy(tiny_model_dir, ours.param_names, eval_mode=False)
     net = lobe.model
-    net.requires_grad_(False)
-    params = [dict(net.named_parameters())[n] for n in ours.param_names]
-    for p in params:
-        p.requires_grad_(True)
     init = [p.detach().clone() for p in params]
     ref_hyps, hyps = [], []
     for i, wav in enumerate(utterances[:3]):
