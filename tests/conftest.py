@@ -80,6 +80,23 @@ def build_on(model_dir, name, plain=False, **kwargs):
     return build_method(name, model=HFCTCLobe(model_dir, runtime=Runtime(**runtime)), **kwargs)
 
 
+def crash_at(monkeypatch, run, position):
+    """``decode.main(run)`` stopped by an exception at stream ``position`` (its checkpoints
+    before it written), as a crash leaves a run."""
+    from tta_brain import decode
+    from tta_brain.run.brain import TTABrain
+    orig = TTABrain.evaluate_batch
+
+    def boom(self, batch, stage=None):
+        if batch[1].position == position:
+            raise RuntimeError("simulated crash")
+        return orig(self, batch)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        decode.main(run)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
+
+
 def reference_copy(model_dir, names, eval_mode=True):
     """A separate copy of the model for a step by hand: its lobe and its parameters ``names``
     (the method's ``param_names``), the only ones that take gradients; eval mode unless told."""

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import kill_9_mid_run
+from conftest import crash_at, kill_9_mid_run
 from fake_corpora import write_stream
 from tta_brain import decode
-from tta_brain.run.brain import TTABrain
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDS = ("transcripts.csv", "resets.csv", "lii.csv", "rejects.csv", "wer.txt")
@@ -38,21 +37,6 @@ def args(data, out, *extra, method="dsuta", csv_path=None):
     return [method, f"--source={data['model']}",
             f"--stream_csv={csv_path or data['csv']}", f"--output_folder={out}",
             f"--data_root={data['root']}", "--noprogressbar", *extra]
-
-
-def crash_at(monkeypatch, run, position):
-    """``decode.main(run)`` stopped by an exception at stream ``position`` (its checkpoints
-    before it written), as a crash leaves a run."""
-    orig = TTABrain.evaluate_batch
-
-    def boom(self, batch, stage=None):
-        if batch[1].position == position:
-            raise RuntimeError("simulated crash")
-        return orig(self, batch)
-    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        decode.main(run)
-    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
 
 
 def records(out):

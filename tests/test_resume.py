@@ -12,29 +12,15 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import crash_at
 from fake_corpora import write_stream
 from tta_brain import decode
 from tta_brain.run import records
-from tta_brain.run.brain import TTABrain
 from tta_brain.run.checkpoint import STATE_FILE, ResumeError, StreamState
 from tta_brain.run.records import Reject, RecordWriter, Reset, Transcript
 
 
 RUN = ["--steps=1", "--lr=0.05", "--noprogressbar"]
-
-
-def crash_at(position, monkeypatch, argv):
-    """Decode ``argv`` until the utterance at ``position`` raises (a crash mid-run)."""
-    orig = TTABrain.evaluate_batch
-
-    def boom(self, batch, stage=None):
-        if batch[1].position == position:
-            raise RuntimeError("simulated crash")
-        return orig(self, batch)
-    monkeypatch.setattr(TTABrain, "evaluate_batch", boom)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        decode.main(argv)
-    monkeypatch.setattr(TTABrain, "evaluate_batch", orig)
 
 
 def args(root, model, out, *extra):
@@ -47,7 +33,7 @@ def test_a_resumed_run_keeps_its_time_and_audio_seconds(tmp_path, tiny_model_dir
     ref = tmp_path / "ref"
     decode.main(args(root, tiny_model_dir, ref, "--ckpt_every=0"))
     out = tmp_path / "exp"
-    crash_at(7, monkeypatch, args(root, tiny_model_dir, out, "--ckpt_every=3"))
+    crash_at(monkeypatch, args(root, tiny_model_dir, out, "--ckpt_every=3"), 7)
     saved = torch.load(next((out / "save").glob(f"CKPT+*/{STATE_FILE}")), weights_only=False)
     assert saved["cursor"] == 6 and saved["audio_time"] > 0 and saved["wall_time"] > 0
     decode.main(args(root, tiny_model_dir, out, "--ckpt_every=3"))
@@ -146,7 +132,7 @@ def test_a_resumed_runs_progress_bar_counts_the_records_kept(tmp_path, tiny_mode
     import re
     root = write_stream(tmp_path / "data", n=10)
     out = tmp_path / "exp"
-    crash_at(7, monkeypatch, args(root, tiny_model_dir, out, "--ckpt_every=3"))
+    crash_at(monkeypatch, args(root, tiny_model_dir, out, "--ckpt_every=3"), 7)
     capfd.readouterr()
     decode.main([a for a in args(root, tiny_model_dir, out, "--ckpt_every=3")
                  if a != "--noprogressbar"])
