@@ -161,29 +161,17 @@ def test_hash_cache_reuses_unchanged_files_and_sees_replacements(tmp_path, monke
     assert third.n_read == 1
 
 
-def test_hash_cache_does_not_store_files_changed_just_before_hashing(tmp_path):
+@pytest.mark.parametrize("old_mtime", [False, True])
+def test_hash_cache_does_not_store_files_changed_just_before_hashing(tmp_path, old_mtime):
+    """Written within RACY_MARGIN_NS of hashing: a change in the same clock tick could look
+    unchanged, so the file is not stored and is hashed again next time. Also after ``cp -p``
+    just before hashing (``old_mtime``): the modification time is an hour old, the change time
+    is now; the change time decides (a second same-size copy in the tick would keep the stat)."""
     f = tmp_path / "new.bin"
     f.write_bytes(b"a" * 100)
-    store = tmp_path / "c.json"
-    hc = HashCache(store)
-    hc.sha1(f)
-    hc.save()
-    # written within RACY_MARGIN_NS of hashing: a change in the same clock tick could look
-    # unchanged, so it is hashed again next time
-    assert f.as_posix() not in json.loads(store.read_text()).get("files", {})
-    again = HashCache(store)
-    again.sha1(f)
-    assert again.n_read == 1
-
-
-def test_a_file_copied_in_with_its_old_mtime_is_still_racy(tmp_path):
-    """``cp -p`` just before hashing: the modification time is old, the change time is now. The
-    change time decides (a second same-size copy in the same clock tick would keep the stat),
-    so the file is not stored and is hashed again next time."""
-    f = tmp_path / "copied.bin"
-    f.write_bytes(b"b" * 100)
-    old = time.time_ns() - 3600 * 10**9
-    os.utime(f, ns=(old, old))                      # mtime an hour ago, ctime now
+    if old_mtime:
+        old = time.time_ns() - 3600 * 10**9
+        os.utime(f, ns=(old, old))                  # mtime an hour ago, ctime now
     store = tmp_path / "c.json"
     hc = HashCache(store)
     hc.sha1(f)
