@@ -110,6 +110,23 @@ def test_an_override_that_only_matters_under_another_value_is_refused():
                                      "reset_test_size": 5}).values["reset_test_size"] == 5
 
 
+@pytest.mark.parametrize("reset", ["none", "fixed", "dynamic", "oracle"])
+def test_a_reset_policy_the_method_never_gets_is_refused(tmp_path, reset):
+    """A yaml of one's own that includes the reset block but leaves ``reset_policy`` out of
+    its method: entry ran every policy as reset none, labelled with the policy; each policy
+    other than none is one line (the test beside decode's checked oracle only)."""
+    text = hparams.find("csuta").read_text().replace("    reset_policy: !ref <reset_policy>\n", "")
+    own = tmp_path / "mycsuta.yaml"
+    own.write_text(text)
+    base = {"source": "m", "stream_csv": "s.csv", "output_folder": "o", "reset": reset}
+    if reset == "none":
+        assert hparams.resolve(str(own), base).values["reset"] == "none"
+        return
+    with pytest.raises(hparams.HparamsError, match=rf"reset = '{reset}' builds a reset policy "
+                                                   r"the method never gets"):
+        hparams.resolve(str(own), base)
+
+
 def test_a_device_of_another_machine_is_checked_for_its_form_only():
     """A Slurm grid's dry run checks runs that decode on a GPU node: cuda is no error here."""
     for device in ("cuda", "cuda:3", "cpu"):
