@@ -124,9 +124,17 @@ class CoTTA(TTAMethod):
         sizes = torch.tensor([p.numel() for p in self.params])
         n, g = int(sizes.sum()), self.restore_gen
         k = int(torch.binomial(torch.tensor(float(n)), torch.tensor(self.restore_prob), generator=g))
+        # more than half: the weights kept are the subset drawn (its complement is a uniform
+        # k-subset too); distinct draws slow down as the subset nears all n (p near 1: a minute
+        # a step), never at the default p
+        m = n - k if 2 * k > n else k
         flat = torch.empty(0, dtype=torch.long)
-        while flat.numel() < k:                  # distinct draws: a uniform k-subset
-            flat = torch.cat([flat, torch.randint(n, (k - flat.numel(),), generator=g)]).unique()
+        while flat.numel() < m:                  # distinct draws: a uniform m-subset
+            flat = torch.cat([flat, torch.randint(n, (m - flat.numel(),), generator=g)]).unique()
+        if m != k:
+            keep = torch.ones(n, dtype=torch.bool)
+            keep[flat] = False
+            flat = keep.nonzero().squeeze(1)
         ends = sizes.cumsum(0)
         owner = torch.bucketize(flat, ends, right=True)
         local = flat - (ends - sizes)[owner]
