@@ -218,8 +218,9 @@ def _cell_warnings(runs: Sequence[Run]) -> List[str]:
                if unknown else [])
         if why:
             names = [r.name for r in group]
-            lines.append(f"{tables.label_text(label)} on {stream}: {' and '.join(why)} across its {len(group)} runs "
-                         f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), pooled "
+            lines.append(f"{tables.label_text(label)} on {stream}: {' and '.join(why)} across "
+                         f"its {len(group)} runs ({', '.join(names[:4])}"
+                         f"{', ...' if len(names) > 4 else ''}), pooled "
                          f"as seeds of one experiment: if they are other experiments, name them "
                          f"apart (--method_tag; the grid's --decode_opts and --sweep do) or "
                          f"report each experiment's folder (--exp_dir)")
