@@ -452,6 +452,21 @@ def test_dynamic_reset_odd_K_and_no_reset_during_construction():
     assert pol.mu == pytest.approx(statistics.mean([0.0, 50.0, 0.1]))
 
 
+def test_a_real_methods_lii_is_the_loss_with_phi_D_minus_the_sources(make, utterances):
+    """The LII a real method records (its two losses queued ahead of the adaptation) is
+    L(phi_D, x) - L(source, x), in that order, for every utterance after phi_D is saved."""
+    m = make("csuta", steps=1, lr=1e-2, reset_policy=DynamicReset(K=4, patience=100))
+    items = stream(utterances, 6)
+    run(m, items)
+    assert not [e for e in m.events if e.kind == "reset"]      # phi_D: the values after t = 2
+    lii = {e.position: e.value for e in m.events if e.kind == "lii"}
+    assert sorted(lii) == [2, 3, 4, 5]
+    for pos, value in lii.items():
+        x = m.lobe.prepare(items[pos][0])
+        want = float(m.loss_tensor(m.reset_policy.phi_D, x)) - float(m.loss_tensor(None, x))
+        assert want != 0 and value == pytest.approx(want, abs=1e-6)
+
+
 def test_dsuta_dynamic_reset_discards_the_triggering_buffer(make, utterances, source_values):
     """Real DSUTA with planted LIIs: the reset replaces the slow update of that round."""
     m = make("dsuta", buffer_size=2, steps=1, lr=1e-3,
@@ -648,6 +663,32 @@ def test_dsuta_dynamic_state_dict_round_trip(make, utterances):
         assert getattr(resumed.reset_policy, k) == getattr(full.reset_policy, k)
 
 
+def test_csuta_fixed_state_dict_round_trip(make, utterances):
+    """The skeleton's own state (CSUTA: parameters, Adam's moments, the fixed policy's last
+    reset) carries a resume: saved mid-stream after a reset, the run goes on as if never stopped
+    (the next reset at 8, not 4 after the resume)."""
+    kw = dict(steps=2, lr=1e-3)
+    items = stream(utterances, 9)
+    full = make("csuta", reset_policy=FixedReset(every=4), **kw)
+    hyps_full = run(full, items)
+    first = make("csuta", reset_policy=FixedReset(every=4), **kw)
+    hyps_first = run(first, items[:5])                        # reset after 4, one step since
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = make("csuta", reset_policy=FixedReset(every=4), **kw)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    hyps_rest = run(resumed, items[5:])
+    assert hyps_first + hyps_rest == hyps_full
+    assert same(resumed.params, full.params)
+    def moments(m):
+        return [v for p in m.params for v in m.optimizer.state[p].values()]
+    assert same(moments(resumed), moments(full))
+    assert [e.position for e in full.events if e.kind == "reset"] == [4, 8]
+    assert [e for e in full.events if e.position >= 5] == resumed.events
+    assert resumed.counts == full.counts and resumed.t == full.t == 9
+
+
 # ----------------------------------------------------------------------------- (j) registry
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_registered_method_runs(make, utterances, name, tiny_stats):
@@ -837,6 +878,50 @@ def test_episodic_is_a_setting(make, utterances):
     assert run(cont, items) == run(csuta, items) and same(cont.params, csuta.params)
     with pytest.raises(ValueError, match="needs a continual method"):
         make("csuta", episodic=True, reset_policy=FixedReset(2))
+
+
+def test_a_method_adapts_its_parameters_alone_in_eval_mode(tiny_model_dir):
+    """configure_model: a model handed over in train mode with every gradient on (as a user's
+    own training loop leaves it) adapts in eval mode (no dropout) and takes gradients of the
+    selected parameters alone."""
+    lobe = HFCTCLobe(tiny_model_dir)
+    lobe.model.train()
+    lobe.model.requires_grad_(True)
+    m = build_method("suta", model=lobe, adapt_params=[{"select": "layernorm"}])
+    assert not any(mod.training for mod in lobe.model.modules())
+    grads = {n for n, p in lobe.model.named_parameters() if p.requires_grad}
+    assert grads == set(m.param_names) and 0 < len(grads) < len(list(lobe.model.parameters()))
+
+
+def test_a_policys_hooks_see_the_reset_counts_the_docstring_names(make, utterances):
+    """A policy of one's own (README): a reset asked for before utterance t (its position t - 1)
+    is ``on_reset(t - 1)`` and recorded at that position; one asked for at the update of t is
+    ``on_reset(t)``, recorded at position t (the next utterance's)."""
+    from tta_brain.methods.resets import ResetPolicy
+
+    class Recorder(ResetPolicy):
+        name = "recorder"
+
+        def __init__(self):
+            self.after, self.ends = [], []
+
+        def before_utterance(self, info):
+            return "before" if info.position == 2 else None
+
+        def at_update(self, t):
+            return "update" if t == 4 else None
+
+        def end_step(self, t):
+            self.ends.append(t)
+
+        def on_reset(self, after):
+            self.after.append(after)
+
+    m = make("csuta", steps=1, lr=1e-3, reset_policy=Recorder())
+    run(m, stream(utterances, 5))
+    assert m.reset_policy.after == [2, 4] and m.reset_policy.ends == [1, 2, 3, 4, 5]
+    assert [(e.position, e.reason) for e in m.events if e.kind == "reset"] == [(2, "before"),
+                                                                               (4, "update")]
 
 
 def test_awmc_takes_a_reset_policy_like_the_others(make, utterances, source_values):
