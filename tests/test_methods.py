@@ -876,6 +876,8 @@ def test_episodic_is_a_setting(make, utterances):
     cont = make("suta", steps=2, lr=1e-3, episodic=False)
     csuta = make("csuta", steps=2, lr=1e-3)
     assert run(cont, items) == run(csuta, items) and same(cont.params, csuta.params)
+    assert cont.describe().startswith("suta: continual, 2 step(s) per utterance; adapts ")
+    assert make("suta", steps=2).describe().startswith("suta: episodic, 2 step(s) ")
     with pytest.raises(ValueError, match="needs a continual method"):
         make("csuta", episodic=True, reset_policy=FixedReset(2))
 
