@@ -467,6 +467,39 @@ def test_a_real_methods_lii_is_the_loss_with_phi_D_minus_the_sources(make, utter
         assert want != 0 and value == pytest.approx(want, abs=1e-6)
 
 
+def test_dynamic_reset_divergence_needs_patience_nonfinite_liis_in_a_row():
+    """A non-finite LII where the source's loss is finite counts towards divergence; a finite
+    LII starts the count again and an utterance the source cannot score either (a broken
+    utterance, not a broken model) is no evidence: ``patience`` in a row reset at the update."""
+    K, M = 8, 1
+    stats = {5: 0.0, 6: 0.2, 7: 0.1, 8: 0.3}
+    nan = float("nan")
+
+    class Broken(FakeMethod):
+        bad_source = ()
+
+        def loss_with(self, values, x):
+            if self.t in self.bad_source:
+                return nan
+            return super().loss_with(values, x)
+
+    planted = {**stats, 9: nan, 10: 0.1, 11: nan, 12: nan, 13: nan, 14: 0.1}
+    assert drive(DynamicReset(K=K, patience=2), FakeMethod(dict(planted)), 12, M) == [12]
+    assert drive(DynamicReset(K=K, patience=3), FakeMethod(dict(planted)), 14, M) == [13]
+    fake = Broken({**stats, **{t: 0.1 for t in range(9, 13)}})
+    fake.bad_source = (9, 10, 11)
+    assert drive(DynamicReset(K=K, patience=2), fake, 12, M) == []
+    fake = FakeMethod({**stats, 9: nan, 10: nan})
+    pol = DynamicReset(K=K, patience=2)
+    drive(pol, fake, 8, 2)
+    for fake.t in (9, 10):                        # flagged, checkpointed before the update
+        pol.after_utterance(fake.t, 0.0, UttInfo(position=fake.t - 1))
+    assert pol.diverged and pol.nonfinite == 2
+    resumed = DynamicReset(K=K, patience=2)
+    resumed.load_state_dict(pol.state_dict())
+    assert resumed.diverged and resumed.nonfinite == 2 and resumed.at_update(11)
+
+
 def test_dsuta_dynamic_reset_discards_the_triggering_buffer(make, utterances, source_values):
     """Real DSUTA with planted LIIs: the reset replaces the slow update of that round."""
     m = make("dsuta", buffer_size=2, steps=1, lr=1e-3,
