@@ -135,6 +135,12 @@ def test_bad_group_entries_are_clear_errors(net):
         select_parameters(net, [{"select": "layernorm", "lr": 3}])
     with pytest.raises(ValueError, match="empty"):
         select_parameters(net, [])
+    for bad in (-1.0, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match=r"lr_mult .* must be a number >= 0"):
+            select_parameters(net, [{"select": "layernorm", "lr_mult": bad}])
+    # 0 is a number >= 0: the group's tensors are claimed (first group wins) and kept still
+    got = select_parameters(net, [{"select": "layernorm", "lr_mult": 0}, "all"])
+    assert {m for n, _, m in got if n in names(net, ["layernorm"])} == {0.0}
 
 
 def test_empty_selection_is_a_clear_error(net, caplog):
