@@ -117,6 +117,12 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
     ss.save(rec, tmp_path / "ok.pt")
     with pytest.raises(ss.SourceStatsError, match="no 'hidden' statistics .*--kinds hidden"):
         ss.load(tmp_path / "ok.pt").kind("hidden", tmp_path / "ok.pt")
+    newer = torch.load(tmp_path / "ok.pt", weights_only=True) | {"version": ss.VERSION + 1}
+    torch.save(newer, tmp_path / "newer.pt")          # a later format: not read as this one
+    with pytest.raises(ss.SourceStatsError, match=f"^{tmp_path / 'newer.pt'}: statistics format "
+                                                  f"version {ss.VERSION + 1}, this tta_brain "
+                                                  f"reads {ss.VERSION}; make it again with "):
+        ss.load(tmp_path / "newer.pt")
     assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
                    clean, "--kinds", "nope", "--out", tmp_path / "x.pt") == 1
     err = capsys.readouterr().err.strip()
