@@ -1030,6 +1030,8 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
     assert torch.equal(as_mono_float(((pcm[:, 0] >> 8) + 128).astype(np.uint8)),
                        torch.from_numpy((pcm[:, 0] >> 8).astype(np.float32) / 128))
     assert not torch.equal(torch.as_tensor(pcm[:, 0], dtype=torch.float32), left)   # scaling matters
+    assert torch.equal(as_mono_float(np.array([-128, 64, 0], np.int8)),    # int8 PCM too
+                       torch.tensor([-1.0, 0.5, 0.0]))
     # the buffers of the ``wave`` module and pyaudio keep int16 (were widened to int64, refused)
     import array
     assert torch.equal(as_mono_float(array.array("h", pcm[:, 0].tobytes())), left)
@@ -1071,6 +1073,7 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
                                      "memoryview(data).cast('h') or numpy.frombuffer(data, "
                                      "dtype=numpy.int16))"),
                      (np.full(800, np.nan, np.float32), "contains NaN or inf"),
+                     (np.r_[want.numpy(), np.float32(np.inf)], "contains NaN or inf"),
                      (str(path), "expected the samples (a numpy array, torch tensor or list of "
                                  "numbers), got str"),        # a path: was torch's 'new()'
                      ([[0.1, 0.2], [0.3]], "got list")):
@@ -1172,6 +1175,9 @@ def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_mod
     unlimited = stream(max_duration=0)
     unlimited.transcribe(long)                          # no limit: decoded
     assert unlimited.position == 1
+    edge = stream(steps=1)                              # 20.0 s: a recipe run decodes it too
+    edge.transcribe(torch.zeros(20 * 16000))
+    assert edge.position == 1
     assert serial.transcribe(utterances[0], segment=np.int64(3)) is not None
     continual = TTAStream.from_hparams("dsuta", source=tiny_model_dir,
                                        overrides={"steps": 1, "buffer_size": 1})
@@ -1276,12 +1282,22 @@ def test_a_live_stream_keeps_its_latest_lii_values(tmp_path, tiny_model_dir, utt
     for w in utterances + utterances:
         assert every.transcribe(w) == kept.transcribe(w)
     assert len(every.lii) >= 3 and kept.lii == every.lii[-2:]
+    position, value, stage = every.lii[-1]               # (position, LII, stage), as documented
+    assert isinstance(position, int) and isinstance(value, float) and stage in ("construction",
+                                                                                "detection")
     every.save(tmp_path / "all.pt")
     one = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov, lii_history=1)
     one.load(tmp_path / "all.pt")
     assert one.lii == every.lii[-1:] and one.position == every.position
-    with pytest.raises(ValueError, match="lii_history must be a whole number >= 0 or None"):
-        TTAStream(kept.method, lii_history=-1)
+    kept.save(tmp_path / "two.pt")                       # a used stream takes the file's values
+    every.reset()                                        # (and its resets: not this one)
+    assert every.resets[-1] == every.position
+    every.load(tmp_path / "two.pt")
+    assert (every.lii, every.resets, every.position) == (kept.lii, kept.resets, kept.position)
+    assert TTAStream(kept.method, lii_history=0).lii == []
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="lii_history must be a whole number >= 0 or None"):
+            TTAStream(kept.method, lii_history=bad)
 
 
 def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path, tiny_model_dir,
@@ -1343,8 +1359,12 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     damage_a_tensor(state, damaged)
     torch.save({"format": "tta_brain.stream_state", "version": 1, "method": {}, "position": 0,
                 "resets": []}, nameless)
+    newer = tmp_path / "newer.pt"
+    torch.save({**torch.load(state, weights_only=False), "version": 2}, newer)
     for bad, why in ((damaged, "damaged state file (member "),
-                     (nameless, "not a TTAStream state file")):
+                     (nameless, "not a TTAStream state file"),
+                     (newer, "state format 'tta_brain.stream_state' version 2; this tta_brain "
+                             "reads 'tta_brain.stream_state' version 1")):
         with pytest.raises(StreamStateError, match=re.escape(f"{bad}: {why}")):
             again.load(bad)
     # a file that fits but for its own fields: the method's state was loaded before they failed
@@ -1355,6 +1375,7 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     for field, value, why in (("resets", None, "resets None is not a list of positions"),
                               ("resets", [2, "x"], "resets [2, 'x'] is not a list of positions"),
                               ("position", "x", "position 'x' is not a count of utterances"),
+                              ("lii", 5, "lii int is not a list"),
                               ("settings", None, "no settings recorded")):
         odd = tmp_path / f"odd_{field}.pt"
         torch.save({**saved, field: value}, odd)
@@ -1515,3 +1536,43 @@ def test_live_stream_takes_the_models_rate_a_torch_device_and_names_source(tiny_
     assert TTAStream(tta.method, sample_rate=16000).sample_rate == 16000
     with pytest.raises(hparams.HparamsError, match=r"'source' is required: pass source=\.\.\."):
         TTAStream.from_hparams("suta")
+
+
+def test_live_stream_resamples_as_a_recipe_run_reads_the_file(tmp_path, tiny_model_dir,
+                                                                utterances):
+    """``transcribe(samples, sample_rate=8000)``: the samples of an 8 kHz file adapt as the
+    file's own reading (resampled to the model's rate by the loader) does, not as the same
+    samples taken at 16 kHz (no test fed another rate)."""
+    from tta_brain.stream import TTAStream
+    path = tmp_path / "8k.wav"
+    sf.write(path, utterances[3][::2].numpy(), 8000, subtype="FLOAT")
+    samples, rate = sf.read(path, dtype="float32")
+
+    def adapted(wav, **kw):
+        tta = TTAStream.from_hparams("suta", source=tiny_model_dir,
+                                     overrides={"steps": 1, "lr": 0.05})
+        return tta.transcribe(wav, **kw), [p.detach().clone() for p in tta.method.params]
+    hyp, params = adapted(samples, sample_rate=rate)
+    want, ref = adapted(load_audio(path))
+    assert rate == 8000 and hyp == want and all(torch.equal(a, b) for a, b in zip(params, ref))
+    _, raw = adapted(samples)                           # the samples taken as 16 kHz: another step
+    assert not all(torch.equal(a, b) for a, b in zip(raw, ref)), "the rate had no effect"
+
+
+def test_live_stream_state_at_the_start_or_of_a_moved_model_loads(tmp_path, tiny_model_dir,
+                                                                  utterances, caplog):
+    """A state saved before the first utterance (position 0) is a state, and one saved by a stream
+    of the same model at another path (a copy: the same content) is this stream's: loaded without
+    a word of other settings (where the model, device and data lie are not settings)."""
+    from tta_brain.stream import TTAStream
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_model_dir, moved)
+    ov = {"steps": 1, "lr": 0.05}
+    start = TTAStream.from_hparams("suta", source=tiny_model_dir, overrides=ov)
+    start.save(tmp_path / "start.pt")
+    caplog.set_level("WARNING", logger="tta_brain.stream")
+    again = TTAStream.from_hparams("suta", source=moved, overrides=ov)
+    again.load(tmp_path / "start.pt")
+    assert again.position == 0 and again.source == str(moved)
+    assert "other settings" not in caplog.text, caplog.text
+    assert again.transcribe(utterances[0]) == start.transcribe(utterances[0])
