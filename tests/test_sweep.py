@@ -338,6 +338,9 @@ def test_help_is_help(data, tmp_path, capsys):
     assert not out.exists()
     with pytest.raises(SystemExit, match="--help: what a sweep does"):
         sweep.main([])
+    with pytest.raises(sweep.Refused, match="--help is not a run"):     # the Python API's run()
+        sweep.run([args(data, out), ["tent", "--help"]])
+    assert not out.exists()
 
 
 def test_a_bad_run_is_named_an_empty_one_refused_a_twin_said(data, tmp_path, capsys, caplog):
@@ -430,6 +433,8 @@ def test_sweep_logs_each_run_as_a_separate_run_logs_it(data, tmp_path):
 
 
 def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
+    fewer = tmp_path / "fewer.csv"                  # the stream less its last row
+    fewer.write_text("".join(Path(data["csv"]).read_text().splitlines(True)[:-1]))
     cases = [
         ([args(data, tmp_path / "a", "--train_mode=true", method="sdpl"),
           args(data, tmp_path / "b", "--train_mode=true", method="sdpl")],
@@ -444,6 +449,15 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
           args(data, tmp_path / "b", method="source")], "method source is not batched"),
         ([args(data, tmp_path / "a"), args(data, tmp_path / "b", "--max_duration=1")],
          "option max_duration differs"),
+        ([args(data, tmp_path / "a", "--compile=true"),
+          args(data, tmp_path / "b", "--compile=true")],
+         "compile True (fp32 only)"),
+        ([args(data, tmp_path / "a", "--param_collection=official"),
+          args(data, tmp_path / "b", "--param_collection=official")],
+         "run 1 ({}): param_collection official (clean only)".format(tmp_path / "a")),
+        # other rows: run 2 would have adapted on run 1's stream
+        ([args(data, tmp_path / "a"), args(data, tmp_path / "b", f"--stream_csv={fewer}")],
+         f"run 2 ({tmp_path / 'b'}): another stream than run 1's ({fewer} vs {data['csv']})"),
         ([args(data, tmp_path / "a", "--shared_prefix=false", method="ebats"),
           args(data, tmp_path / "b", "--shared_prefix=false", method="ebats")],
          "run 1: shared_prefix false"),
