@@ -1185,6 +1185,14 @@ def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_mod
     continual.reset()                                   # the user's, as a policy's is listed
     continual.reset()                                   # twice at one position: listed once
     assert continual.resets == [1]
+    fixed = TTAStream.from_hparams("csuta", source=tiny_model_dir, overrides={
+        "steps": 1, "reset": "fixed", "reset_every": 3})  # the policy counts from the user's reset
+    for w in utterances[:2]:
+        fixed.transcribe(w)
+    fixed.reset()
+    for w in utterances[:4]:
+        fixed.transcribe(w)
+    assert fixed.resets == [2, 5]
     serial.save(tmp_path / "s.pt")
     cut = tmp_path / "cut.pt"
     cut.write_bytes((tmp_path / "s.pt").read_bytes()[:4000])
