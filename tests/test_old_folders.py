@@ -46,7 +46,8 @@ def test_resets_csv_and_its_summary_must_agree(tmp_path):
     with pytest.raises(RecordError, match=r"resets.csv: 1 resets at 2, but summary.json says 2 "
                                           r"at 2, 3"):
         load_run(folder)
-    for name in ("fingerprint.json", "hyperparams.yaml", "log.txt", "env.log", "wer.txt"):
+    for name in ("fingerprint.json", "hyperparams.yaml", "log.txt", "env.log", "wer.txt",
+                 "stream.csv"):      # (decode copies the stream only where none is: a stale one)
         (folder / name).write_text("x")
     (folder / "save").mkdir()
     (folder / "mine.txt").write_text("kept")
@@ -97,10 +98,12 @@ def test_a_runs_summary_counts_its_records_per_domain(tmp_path):
             w.writerow(_columns(cls))
             if name == "transcripts":
                 w.writerows(r + (0,) for r in rows)
-    s = summarise(tmp_path, [], SimpleNamespace(wall_time=3.0, audio_time=2.0),
+    stream_rows = [{"position": 0, "segment": 0}, {"position": 1, "segment": 1}]
+    s = summarise(tmp_path, stream_rows, SimpleNamespace(wall_time=3.0, audio_time=2.0),
                   SimpleNamespace(counts={}, num_adapted=0), "x", "s", 0, {}, "cpu")
     import pytest
     assert (s.wer, s.wer_per_domain) == (pytest.approx(200 / 3), {"A": 50.0, "B": 100.0})
     assert (s.cer, s.cer_per_domain) == (pytest.approx(400 / 7), {"A": 60.0, "B": 50.0})
     assert (s.time_per_audio_s, s.n_utts, s.n_words, s.n_err) == (1.5, 2, 3, 2)
+    assert s.boundaries == [1]                      # the manifest's segments, for the report
     assert read_summary(tmp_path) == s
