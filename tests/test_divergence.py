@@ -21,6 +21,8 @@ def test_health_warnings_from_counts_and_hypotheses():
         return [SimpleNamespace(hyp=t) for t in texts]
     assert health_warnings(hyps("A B", "C", "", "D E"), {"skipped_steps": 0}) == []
     assert health_warnings(hyps(*["A"] * 19, ""), {}) == []      # one empty: no collapse
+    assert health_warnings(hyps(*["A"] * 18, "", ""), {})[0].startswith("2 of 20 hypotheses")
+    assert health_warnings(hyps(*["A"] * 19, "", ""), {}) == []  # (EMPTY_SHARE: at least 10 %)
     empty = health_warnings(hyps("A", "", " ", "B"), {"skipped_steps": 0})
     assert empty == ["2 of 4 hypotheses are empty: a model that collapsed to blank outputs (or "
                      "diverged to NaN) decodes every utterance as nothing"]
