@@ -20,6 +20,9 @@ def test_location_and_checkpoint_frequency_are_no_part_of_a_run(tmp_path):
     b = fingerprint(hp(output_folder="/b", data_root="/e", ckpt_every=0, method_tag="x"), csv, 1)
     assert a == b and differences(a, b) == []
     assert differences(a, fingerprint(hp(lr=2e-4), csv, 1)) == ["hparams.lr: 0.0001 != 0.0002"]
+    # a key one run has and the other lacks (one's own yaml's, a key added since) differs too
+    assert differences(a, fingerprint(hp(em_coef=0.3), csv, 1)) == [
+        "hparams.em_coef: '(unset)' != 0.3"]
 
 
 def test_device_counts_by_its_type_not_its_index(tmp_path):
@@ -49,3 +52,21 @@ def test_ones_own_code_edited_is_another_run():
     assert differences(old, edited, recorded=True) != []
     not_found_here = {"hparams": {"seed": 0}}
     assert differences(old, not_found_here) == []
+
+
+def test_a_local_source_model_counts_by_its_files_not_its_path(tmp_path):
+    """A model folder copied elsewhere is the same run; its weights changed in place are
+    another (a retrained model at the same path was skipped as finished)."""
+    import shutil
+    csv = tmp_path / "s.csv"
+    csv.write_text("ID\nu0\n")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    shutil.copytree(model, tmp_path / "copy")
+    a = fingerprint(hp(source=str(model)), csv, 1)
+    assert differences(a, fingerprint(hp(source=str(tmp_path / "copy")), csv, 1)) == []
+    (model / "model.safetensors").write_bytes(b"\1" * 64)
+    assert [d.split(":")[0] for d in differences(a, fingerprint(hp(source=str(model)), csv, 1))] \
+        == ["hparams.source"]
