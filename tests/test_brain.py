@@ -223,6 +223,9 @@ def test_a_finished_run_with_damaged_records_is_not_skipped(data, tmp_path):
     grid.check_done([plan])
     assert plan.status == "failed" and plan.message.endswith(
         "; to decode this run again there, add --decode_opts=--overwrite")
+    again = grid.Run("exp", out, run + ["--overwrite"])        # what that says to add: queued
+    grid.check_done([again])
+    assert again.status == "queued"
     (out / "transcripts.csv").write_bytes(raw["transcripts.csv"])
     for name, cut, said in (("resets.csv", lambda t: "", r"resets\.csv: empty, without even "
                              r"its header line"),                  # was: finished, 0 resets
