@@ -939,6 +939,36 @@ def test_a_run_another_process_is_writing_is_said_so_not_failed(data, tmp_path, 
         in capsys.readouterr().out
 
 
+def test_a_run_an_earlier_grid_left_queued_on_slurm_is_busy_until_squeue_drops_it(
+        data, tmp_path, monkeypatch):
+    """The job an earlier Slurm grid noted in a run's folder (.slurm_job): while squeue lists it,
+    the run is busy (not submitted twice); once squeue no longer does, the run is queued; a
+    finished run is skipped whatever its note. squeue here is a script on PATH answering as
+    Slurm's does (the real cluster: test_a_rerun_does_not_submit_again_what_...)."""
+    bin_dir, listed = tmp_path / "bin", tmp_path / "listed"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\ncat {listed}\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    argv = grid_argv(data, tmp_path / "exp", "source", "0 1")
+    runs = grid.plan_runs(grid.parse_args(argv))
+    grid.mark_submitted(runs[0].folder, "4242_0")
+    listed.write_text("17\n4242_0\n")
+    grid.check_done(runs, device_here=False)
+    assert [r.status for r in runs] == ["busy", "queued"]
+    assert runs[0].message == ("queued on Slurm as job 4242_0 by an earlier grid (scancel 4242_0 "
+                               "to run it here)")
+    listed.write_text("17\n")                       # the job left the queue (it ended, or failed)
+    runs = grid.plan_runs(grid.parse_args(argv))
+    grid.check_done(runs, device_here=False)
+    assert [r.status for r in runs] == ["queued", "queued"]
+    decode.main(runs[0].argv)
+    listed.write_text("4242_0\n")                   # (a job id Slurm gave again, say)
+    runs = grid.plan_runs(grid.parse_args(argv))
+    grid.check_done(runs, device_here=False)
+    assert [r.status for r in runs] == ["skipped", "queued"]
+
+
 def test_a_grid_started_from_another_thread_runs(data, tmp_path, capsys):
     """grid.main from a thread other than the main one (a notebook's, a server's) stopped with
     ValueError (signal only works in main thread) where it sets its SIGTERM handler, even with
@@ -986,6 +1016,7 @@ def test_a_dry_run_says_which_runs_the_grid_would_skip_or_refuse(data, tmp_path,
     assert grid.main(dry) == 0              # beside its last checkpoint: it is written again
     out = capsys.readouterr().out
     assert "seed1 will not run" not in out and out.count("DRY-RUN: ") == 3
+    assert "seed1 is finished" not in out   # it resumes: nothing to skip it as finished
     shutil.rmtree(summary.parent / "save")  # without one: decoded again only if asked
     assert grid.main(dry) == 1
     out = capsys.readouterr().out
@@ -994,6 +1025,22 @@ def test_a_dry_run_says_which_runs_the_grid_would_skip_or_refuse(data, tmp_path,
     assert line.startswith("grid: s/source/seed1 will not run: it ") and \
         "--decode_opts=--overwrite" in line
     assert summary.read_bytes() == cut                               # nothing written
+
+
+def test_a_dry_run_over_a_finished_run_whose_stream_is_not_written_yet_refuses_nothing(
+        data, tmp_path, capsys):
+    """A finished run's folder whose stream manifest is not there now (an earlier stage writes
+    it again): a dry run cannot tell whether the grid skips it, so it says nothing of it and
+    succeeds."""
+    stream = tmp_path / "stream.csv"
+    shutil.copyfile(data["csv"], stream)
+    exp = tmp_path / "exp"
+    finished_grid(grid_argv({**data, "csv": stream}, exp, "source", "0", "--nj", "1"))
+    stream.unlink()
+    capsys.readouterr()
+    assert grid.main(grid_argv({**data, "csv": stream}, exp, "source", "0", "--dry_run")) == 0
+    out = capsys.readouterr().out
+    assert out.count("DRY-RUN: ") == 1 and "will not run" not in out and " is finished" not in out
 
 
 def test_an_exp_dir_that_cannot_be_made_is_one_line(data, tmp_path, capsys):
