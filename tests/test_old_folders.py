@@ -107,3 +107,30 @@ def test_a_runs_summary_counts_its_records_per_domain(tmp_path):
     assert (s.time_per_audio_s, s.n_utts, s.n_words, s.n_err) == (1.5, 2, 3, 2)
     assert s.boundaries == [1]                      # the manifest's segments, for the report
     assert read_summary(tmp_path) == s
+
+
+def test_a_summary_of_another_version_is_read_or_named(tmp_path):
+    """A summary.json with a key this version does not know (a newer tta_brain's) is read; one
+    without a key it needs is a RecordError naming it (the folder is then damaged, not a
+    traceback); a rate that is no number is written as JSON's null, which any reader takes."""
+    import dataclasses
+    import math
+    import pytest
+    from tta_brain.run.records import RecordError
+    from tta_brain.run.summary import read_summary, write_summary
+    folder = _old_folder(tmp_path, [2])
+    data = json.loads((folder / "summary.json").read_text())
+    (folder / "summary.json").write_text(json.dumps({**data, "from_a_newer_version": 1}))
+    assert load_run(folder).summary.n_utts == 4
+    del data["boundaries"]
+    (folder / "summary.json").write_text(json.dumps(data))
+    with pytest.raises(RecordError, match=r"summary.json: not a summary of this tta_brain version "
+                                          r"\(missing: boundaries\)"):
+        load_run(folder)
+    write_summary(folder, dataclasses.replace(read_summary(_old_folder(tmp_path, [2])),
+                                              wer=math.nan, wer_per_domain={"A": math.inf}))
+
+    def strict(name):
+        raise ValueError(f"not JSON: {name}")
+    saved = json.loads((folder / "summary.json").read_text(), parse_constant=strict)
+    assert saved["wer"] is None and saved["wer_per_domain"] == {"A": None}
