@@ -70,3 +70,13 @@ def test_a_local_source_model_counts_by_its_files_not_its_path(tmp_path):
     (model / "model.safetensors").write_bytes(b"\1" * 64)
     assert [d.split(":")[0] for d in differences(a, fingerprint(hp(source=str(model)), csv, 1))] \
         == ["hparams.source"]
+
+
+def test_a_hub_model_recorded_without_its_commit_is_not_another_run():
+    """A run recorded ``hub:<name>`` (before commits were, or before the model was cached) is
+    this run on ``hub:<name>@<commit>``: what it ran on is not known; another commit differs."""
+    old = {"hparams": {"seed": 0, "source": "hub:org/model"}}
+    now = {"hparams": {"seed": 0, "source": "hub:org/model@abc"}}
+    assert differences(old, now) == []
+    other = {"hparams": {"seed": 0, "source": "hub:org/model@def"}}
+    assert differences(now, other) == ["hparams.source: 'hub:org/model@abc' != 'hub:org/model@def'"]
