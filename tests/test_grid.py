@@ -922,7 +922,7 @@ def test_a_run_another_process_is_writing_is_said_so_not_failed(data, tmp_path, 
     try:
         assert holder.stdout.readline().strip() == "held"
         capsys.readouterr()
-        assert grid.main(grid_argv(data, exp, "source", "0 1", "--nj", "1")) == 1
+        assert grid.main(grid_argv(data, exp, "source", "0 1", "--nj", "2")) == 1
         out = capsys.readouterr().out
         assert (f"grid: s/source/seed1 is not run here: it is being written by pid {holder.pid} "
                 f"on ") in out and "(since " in out and ": another writer)" in out
