@@ -158,6 +158,50 @@ def test_compare_runs_never_reads_nothing_as_the_same(tmp_path, capsys):
         capsys.readouterr().out)
 
 
+def test_compare_runs_says_every_difference_of_two_real_runs(data, tmp_path, capsys):
+    """compare_runs proves that a change decoded the same: a copy of a real run is "same"
+    (exit 0); one changed row of any record file (the last row too) or one changed result field
+    of summary.json is DIFFERENT (exit 1), naming that file or field. Timings are not compared."""
+    ref = tmp_path / "ref" / "s" / "dsuta"
+    decode.main(decode_argv(data, ref, "dsuta", "--reset=dynamic"))
+    names = ("transcripts.csv", "resets.csv", "lii.csv", "rejects.csv")
+    assert all((ref / name).is_file() for name in names)
+
+    def copy():
+        out = tmp_path / "exp"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(tmp_path / "ref", out)
+        return out / "s" / "dsuta"
+
+    def changed(name):
+        assert compare_runs.main([str(tmp_path / "ref"), str(tmp_path / "exp")]) == 1, name
+        out = capsys.readouterr().out
+        assert "s/dsuta: DIFFERENT" in out and "0 same, 1 different or missing" in out, out
+        return out
+
+    summary = json.loads((ref / "summary.json").read_text())
+    summary["wall_time_s"] += 1.0                                  # not a result: the same
+    (copy() / "summary.json").write_text(json.dumps(summary))
+    assert compare_runs.main([str(tmp_path / "ref"), str(tmp_path / "exp")]) == 0
+    assert "s/dsuta: same" in capsys.readouterr().out
+    for name in names:
+        rows = (ref / name).read_text().splitlines()
+        n = len(rows) - 1
+        rows[-1] = rows[-1] + "x"              # its last row, one cell: the first difference
+        (copy() / name).write_text("\n".join(rows) + "\n")
+        assert f"{name}: {n + 1} vs {n + 1} rows, first difference at row {n}: " in changed(name)
+        (copy() / name).unlink()               # a record one run has and the other has not
+        assert f"{name}: missing on one side" in changed(name)
+    for key in ("method", "stream", "seed", "wer", "wer_per_domain", "n_utts", "n_words", "n_err",
+                "n_skipped", "skipped", "resets", "boundaries", "counts"):
+        value = summary[key]
+        other = (value + "x" if isinstance(value, str)
+                 else value + 1 if isinstance(value, (int, float))
+                 else value + [99] if isinstance(value, list) else {**value, "x": 1})
+        (copy() / "summary.json").write_text(json.dumps({**summary, key: other}))
+        assert f"summary {key}: {value!r} != {other!r}" in changed(key)
+
+
 @pytest.mark.slow
 def test_rerun_with_other_settings_is_refused_overwrite_and_skip(data, tmp_path):
     out = tmp_path / "exp"
