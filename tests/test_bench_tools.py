@@ -22,6 +22,7 @@ def _refused(main, argv, capsys):
     (["--seconds", "inf"], "argument --seconds: inf is not a finite number"),
     (["--json", "/no/such/dir/x.json"], "argument --json: /no/such/dir/x.json: folder /no/such/dir "
                                         "does not exist"),
+    (["--json", "/tmp"], "argument --json: /tmp is a folder"),    # its figures lost at the end
     # was accepted, recorded as "dynamic" in the JSON, and run without a reset policy
     (["--method", "suta", "--reset", "dynamic"], "--reset dynamic: suta runs without a reset "
                                                  "policy here"),
@@ -36,6 +37,7 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--repeats", "0"], "argument --repeats: 0 is not > 0"),
     (["--two_lengths", "abc"], "argument --two_lengths: 'abc' is not a float"),
     (["--two_lengths", "3"], "argument --two_lengths: '3': 2 values, comma-separated"),
+    (["--two_lengths", "3,8,9"], "argument --two_lengths: '3,8,9': 2 values, comma-separated"),
     # these ran: a fixed cost of 10^8 s from a slope over max(A - B, 1e-9); --repeats unused
     (["--two_lengths", "8,3"], "--two_lengths 8,3: A must be shorter than B"),
     (["--two_lengths", "3,3"], "--two_lengths 3,3: A must be shorter than B"),
