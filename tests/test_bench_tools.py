@@ -69,6 +69,7 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     # or were silently unused (--lengths and --profile with a mode that times otherwise)
     (["--seed", str(2 ** 64)], f"argument --seed: {2 ** 64} is not between 0 and 4294967295"),
     (["--seed", "-1"], "argument --seed: -1 is not between 0 and 4294967295"),
+    (["--seed", "9" * 400], f"argument --seed: {'9' * 400} is not between 0 and 4294967295"),
     (["--profile", "sutaa"], "--profile sutaa: not an entry of this run (entries: unit_fb, "
                              "unit_f, "),
     (["--methods", "suta", "--profile", "dsuta"], "--profile dsuta: not an entry of this run"),

@@ -15,7 +15,7 @@ def _bounded(kind, ok, says: str, name: str):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):   # 10**400: an OverflowError
             raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if not ok(value):
             raise argparse.ArgumentTypeError(f"{text} is not {says}")
