@@ -212,6 +212,22 @@ def test_an_input_file_changed_just_now_is_hashed_each_time(tmp_path, monkeypatc
     assert len(reads) == 3
 
 
+def test_a_model_folder_changed_just_now_is_hashed_each_time(tmp_path, monkeypatch):
+    """The same for a model folder (source_identity): a file written within RACY_MARGIN_NS is
+    read on every call, not answered by its stat (which a second write in the same clock tick of
+    a coarse-timestamp file system, with the same size, would keep)."""
+    from tta_brain.data import cache
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"a" * 64)
+    (model / "config.json").write_text("{}")
+    reads = []
+    real = cache.file_sha1
+    monkeypatch.setattr(cache, "file_sha1", lambda p, *a: reads.append(p) or real(p, *a))
+    assert len({source_identity(str(model)) for _ in range(3)}) == 1
+    assert len(reads) == 3 * 2
+
+
 def test_a_model_folder_copied_over_with_its_mtime_kept_is_hashed_again(tmp_path):
     """source_identity is cached a process by the files' stat: a same-size weights file copied
     in with its old mtime (cp -p, rsync -t, tar x) kept the first model's identity in that
