@@ -197,6 +197,7 @@ def test_an_input_file_is_hashed_once_a_process_until_it_changes(tmp_path, monke
     assert file_identity(str(f)) == f"sha1:{real(f)}" != first and len(reads) == 2
     f.unlink()
     assert file_identity(str(f)) == f"missing:{f}"
+    assert file_identity(str(tmp_path)) == f"missing:{tmp_path}"      # a folder: no input file
 
 
 def test_an_input_file_changed_just_now_is_hashed_each_time(tmp_path, monkeypatch):
