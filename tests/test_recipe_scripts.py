@@ -250,8 +250,14 @@ echo "given=[$po_given]" >&2
     out = sh("--internal", "/x")
     assert out.returncode == 1 and "invalid option --internal (see --help)" in out.stderr
     assert out.stdout == ""
-    # an integer option with an empty default: empty or an integer
+    # an integer option with an empty default: empty or an integer; --stage never empty
     assert sh("--count", "").returncode == 0
+    out = sh("--stage", "")
+    assert out.returncode == 1 and "option --stage expects an integer, got ''" in out.stderr
+    # "--" ends the options and is no argument of the script's own
+    out = sh("--flag", "true", "--", "--foo-bar", "x")
+    assert out.returncode == 0 and out.stdout.strip() == \
+        "foo_bar=1 flag=true count= stage=0 rest=--foo-bar x"
     out = sh("--count", "abc")
     assert out.returncode == 1 and "option --count expects an integer, got 'abc'" in out.stderr
     # a stage after the script's last one (the default --stop_stage) would run nothing
