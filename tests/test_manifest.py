@@ -151,6 +151,10 @@ def test_hash_cache_reuses_unchanged_files_and_sees_replacements(tmp_path, monke
     second = HashCache(store)
     assert [second.sha1(f) for f in files] == digests
     assert (second.n_read, second.n_cached) == (0, 5)  # not read again
+    # the same entries in a cache file of another version are not trusted: read again
+    (tmp_path / "v2.json").write_text(json.dumps({**json.loads(store.read_text()), "version": 2}))
+    other = HashCache(tmp_path / "v2.json")
+    assert [other.sha1(f) for f in files] == digests and other.n_read == 5
     # replaced in place with the same size and the old modification time put back (cp -p style)
     st = files[2].stat()
     time.sleep(0.05)
