@@ -163,6 +163,9 @@ def test_prepare_librispeech(tmp_path):
     mtime = out.stat().st_mtime_ns
     prepare_librispeech(tmp_path / "ls", out, data_root=tmp_path / "ls")
     assert out.stat().st_mtime_ns == mtime
+    time.sleep(0.01)
+    prepare_librispeech(tmp_path / "ls", out, data_root=tmp_path / "ls", skip_existing=False)
+    assert out.stat().st_mtime_ns != mtime                      # asked: rewritten all the same
     prepare_librispeech(tmp_path / "ls" / "LibriSpeech", out)  # root may be LibriSpeech/ itself
     assert read_manifest(out)[0]["wav"].startswith(str(tmp_path))
 
