@@ -170,7 +170,7 @@ def test_prepare_librispeech(tmp_path):
     assert read_manifest(out)[0]["wav"].startswith(str(tmp_path))
 
 
-def test_prepare_librispeech_content_keyed(tmp_path, caplog):
+def test_prepare_librispeech_content_keyed(tmp_path, caplog, monkeypatch):
     utts = make_librispeech(tmp_path / "ls", speakers=(11,), utts=3)
     out = tmp_path / "m.csv"
     prepare_librispeech(tmp_path / "ls", out)
@@ -182,6 +182,11 @@ def test_prepare_librispeech_content_keyed(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         prepare_librispeech(tmp_path / "ls", out)
     assert "up to date" in caplog.text and out.stat().st_mtime_ns == mtime
+    # the inputs' hashes are kept beside the manifest for the next run (files older than the
+    # racy margin: here every file)
+    monkeypatch.setattr(cache, "RACY_MARGIN_NS", 0)
+    prepare_librispeech(tmp_path / "ls", out)
+    assert len(json.loads((tmp_path / cache.HASH_CACHE_NAME).read_text())["files"]) == 4
     # a transcript corrected in place: the manifest is rewritten, the log says which file
     trans = next((tmp_path / "ls").rglob("*.trans.txt"))
     utt = sorted(utts)[0]
