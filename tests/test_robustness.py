@@ -936,6 +936,17 @@ def test_an_uncached_hub_model_without_a_reachable_hub_is_one_line_at_once(
                                            "host hub.invalid cannot be resolved here") in last
     assert "`huggingface-cli download org/not-cached` on a machine with network" in last
     assert not (tmp_path / "exp").exists()
+    # behind a proxy, or offline (the hub library stops at once itself): not said unreachable
+    from huggingface_hub import constants
+    from tta_brain.data.cache import hub_unreachable
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert "host hub.invalid cannot be resolved here" in hub_unreachable()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hub_unreachable() is None
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert hub_unreachable() is None
 
 
 def test_a_hub_source_recorded_without_its_commit_is_the_same_run():
