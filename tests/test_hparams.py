@@ -36,6 +36,9 @@ def test_every_key_of_every_packaged_yaml_has_a_rule_and_its_default_passes(meth
     ("steps", True, "steps must be an integer >= 0"),
     ("em_coef", 1.5, "em_coef must be a number between 0 and 1"),
     ("seed", 2 ** 32, "seed must be an integer between 0 and 4294967295"),
+    pytest.param("seed", 10 ** 400, "seed must be an integer between 0 and 4294967295",
+                 id="seed-too-big-for-a-float"),      # was math.isfinite's OverflowError
+    pytest.param("steps", -10 ** 400, "steps must be an integer >= 0", id="steps-huge-negative"),
     ("train_mode", 1, "train_mode must be true or false"),
 ])
 def test_a_bad_value_names_the_key_what_it_must_be_and_what_it_means(key, value, expected):

@@ -94,7 +94,8 @@ def valid_value(value, kind, rng) -> bool:
         return False
     if kind == _INT and not isinstance(value, int):
         return False
-    return math.isfinite(value) and RANGES[rng][0](value)
+    # an int is finite (math.isfinite of one too big for a float raises OverflowError)
+    return (isinstance(value, int) or math.isfinite(value)) and RANGES[rng][0](value)
 
 
 def expected(kind, rng) -> str:
