@@ -331,6 +331,8 @@ def test_help_is_help(data, tmp_path, capsys):
     method; nothing written either way."""
     assert sweep.main(["--help"]) == 0
     assert capsys.readouterr().out.startswith("A batched sweep: R decode runs")
+    assert sweep.main(["--", "--help"]) == 0                 # a separator beside it: the same
+    assert capsys.readouterr().out.startswith("A batched sweep: R decode runs")
     out = tmp_path / "a"
     assert sweep.main([*args(data, out), "--", "tent", "--help"]) == 0
     text = capsys.readouterr().out
@@ -364,6 +366,9 @@ def test_a_bad_run_is_named_an_empty_one_refused_a_twin_said(data, tmp_path, cap
         assert sweep.main([*args(data, a, "--lr=1e-3"), "--", *args(data, b, "--lr=1e-3")]) == 0
     assert f"{b} has the same settings as {a}: the same run, decoded twice" in caplog.text
     assert (a / "summary.json").is_file() and (b / "summary.json").is_file()
+    c = tmp_path / "c"                  # run 1 finished: None for it, run 2's summary as run 2's
+    got = sweep.run([args(data, a, "--lr=1e-3"), args(data, c, "--lr=2e-3")])
+    assert len(got) == 2 and got[0] is None and got[1].counts == load_run(c).summary.counts
 
 
 def test_each_run_is_named_by_its_own_stream_manifest(data, tmp_path):
@@ -382,6 +387,20 @@ def test_each_run_is_named_by_its_own_stream_manifest(data, tmp_path):
     assert json.loads((a / "summary.json").read_text())["stream"] == Path(data["csv"]).stem
     assert json.loads((b / "summary.json").read_text())["stream"] == "same_rows"
     assert f"Decoding {other} " in (b / "log.txt").read_text()
+
+
+def test_each_run_is_timed_with_its_share_of_the_batched_steps(data, tmp_path, monkeypatch):
+    """A run's wall time (its summary's, the real-time factor a report gives) holds its share of
+    each batched step: here a clock that moves one second a reading, half a second an utterance
+    for each of two runs (without it, a run's time is the reading of its results alone)."""
+    from types import SimpleNamespace
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(sweep, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    outs = [tmp_path / "a", tmp_path / "b"]
+    sweep.run([args(data, o, f"--lr={lr}", method="suta") for o, lr in zip(outs, ("1e-3", "2e-3"))])
+    for o in outs:
+        s = load_run(o).summary
+        assert s.n_utts > 0 and s.wall_time_s >= 0.5 * s.n_utts, (o, s.wall_time_s, s.n_utts)
 
 
 def test_a_batched_runs_warnings_are_its_separate_runs(data, tmp_path):
@@ -433,6 +452,7 @@ def test_sweep_logs_each_run_as_a_separate_run_logs_it(data, tmp_path):
 
 
 def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
+    from tta_brain.hparams import HPARAMS_DIR
     fewer = tmp_path / "fewer.csv"                  # the stream less its last row
     fewer.write_text("".join(Path(data["csv"]).read_text().splitlines(True)[:-1]))
     cases = [
@@ -473,7 +493,9 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
         ([args(data, tmp_path / "a", f"--source_stats={tmp_path / 'no.pt'}", method="foa"),
           args(data, tmp_path / "b", method="foa")],      # run 1's file: run 1 named
          f"run 1 ({tmp_path / 'a'}): source_stats: file not found: {tmp_path / 'no.pt'}"),
-        ([args(data, tmp_path / "a"), args(data, tmp_path / "b", method="suta")], "yaml"),
+        ([args(data, tmp_path / "a"), args(data, tmp_path / "b", method="suta")],
+         f"run 2 ({tmp_path / 'b'}): yaml {HPARAMS_DIR / 'suta.yaml'} != run 1's "
+         f"{HPARAMS_DIR / 'csuta.yaml'}"),
         # one folder written two ways (was: "being written by pid <the sweep itself>")
         ([args(data, tmp_path / "a"), args(data, f"{tmp_path}//a/", "--lr=1e-2")],
          "two runs of the batch write the same --output_folder"),
@@ -547,7 +569,8 @@ def test_an_error_inside_one_run_is_in_that_runs_log_alone(data, tmp_path, monke
 
 def test_an_error_names_the_run_by_its_number_in_the_command(data, tmp_path, monkeypatch):
     """With run 1 finished already, the batch holds runs 2 and 3 of the command: an error in
-    run 3 said "(run 2 of 2)", its place in the batch, where a build error said "run 3"."""
+    run 3 said "(run 2 of 2)", its place in the batch, where a build error said "run 3". A
+    sweep of one run names none (as its decode would not)."""
     outs = [tmp_path / f"r{i}" for i in range(3)]
     runs = [args(data, o, f"--lr={lr}") for o, lr in zip(outs, ("1e-3", "2e-3", "3e-3"))]
     decode.main(runs[0])
@@ -555,6 +578,11 @@ def test_an_error_names_the_run_by_its_number_in_the_command(data, tmp_path, mon
     with pytest.raises(SystemExit) as e:
         sweep.run(runs)
     assert str(e.value) == f"ERROR: {outs[2] / 'transcripts.csv'}:3: damaged (run 3 of 3)"
+    one = tmp_path / "one"              # a sweep of one run says it as its decode does
+    damaged_at(monkeypatch, one, 2)
+    with pytest.raises(SystemExit) as e:
+        sweep.run([args(data, one, "--lr=4e-3")])
+    assert str(e.value) == f"ERROR: {one / 'transcripts.csv'}:3: damaged"
 
 
 def test_a_crash_inside_one_run_is_in_that_runs_log_with_its_traceback(data, tmp_path,
