@@ -1204,6 +1204,11 @@ def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_mod
     for w in utterances[:4]:
         fixed.transcribe(w)
     assert fixed.resets == [2, 5]
+    fixed.save(tmp_path / "fixed.pt")                   # the resets so far go on with the state
+    back = TTAStream.from_hparams("csuta", source=tiny_model_dir, overrides={
+        "steps": 1, "reset": "fixed", "reset_every": 3})
+    back.load(tmp_path / "fixed.pt")
+    assert back.resets == [2, 5] and back.position == 6
     serial.save(tmp_path / "s.pt")
     cut = tmp_path / "cut.pt"
     cut.write_bytes((tmp_path / "s.pt").read_bytes()[:4000])
@@ -1368,8 +1373,11 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
             for g in o.param_groups] == [2e-3, 2e-3]
     garbage = tmp_path / "garbage.pt"
     garbage.write_text("not a state")
+    arrays = tmp_path / "arrays.npz"                # a whole zip archive, not torch's: not cut
+    np.savez(arrays, x=np.zeros(3))
     for bad, why in ((tmp_path / "missing.pt", "no such state file"),
-                     (garbage, "not a TTAStream state file")):
+                     (garbage, "not a TTAStream state file"),
+                     (arrays, "not a TTAStream state file (")):
         with pytest.raises(StreamStateError, match=re.escape(f"{bad}: {why}")):
             again.load(bad)
     # a damaged file (8 bytes of a saved tensor overwritten) loaded without a word: torch.load
@@ -1414,9 +1422,11 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     legacy = tmp_path / "legacy.pt"        # what TTAStream.save wrote before states had an identity
     torch.save({"method": part.method.state_dict(), "position": 3, "resets": part.resets}, legacy)
     old = TTAStream.from_hparams("dsuta", source=tiny_model_dir, overrides=ov)
+    caplog.clear()
     old.load(legacy)
     assert [old.transcribe(w) for w in utterances[3:]] == want[3:]
     assert "saved by an older tta_brain" in caplog.text
+    assert "other settings" not in caplog.text      # none recorded: none said to differ
     # an older file (nothing to check it by) that does not fit the method: one line, and the
     # stream as it was (its step counter and pass counts had been taken from the file)
     awmc = TTAStream.from_hparams("awmc", source=tiny_model_dir, overrides={"steps": 1})
@@ -1582,7 +1592,8 @@ def test_live_stream_state_at_the_start_or_of_a_moved_model_loads(tmp_path, tiny
                                                                   utterances, caplog):
     """A state saved before the first utterance (position 0) is a state, and one saved by a stream
     of the same model at another path (a copy: the same content) is this stream's: loaded without
-    a word of other settings (where the model, device and data lie are not settings)."""
+    a word of other settings (where the model, device and data lie are not settings); one of a
+    stream whose model is unknown (built from a method) is not refused for it."""
     from tta_brain.stream import TTAStream
     moved = tmp_path / "moved"
     shutil.copytree(tiny_model_dir, moved)
@@ -1595,3 +1606,6 @@ def test_live_stream_state_at_the_start_or_of_a_moved_model_loads(tmp_path, tiny
     assert again.position == 0 and again.source == str(moved)
     assert "other settings" not in caplog.text, caplog.text
     assert again.transcribe(utterances[0]) == start.transcribe(utterances[0])
+    TTAStream(start.method).save(tmp_path / "unknown.pt")   # built from a method: no source
+    again.load(tmp_path / "unknown.pt")                      # nothing to check it by: taken
+    assert again.position == 0
