@@ -585,6 +585,32 @@ def test_an_error_names_the_run_by_its_number_in_the_command(data, tmp_path, mon
     assert str(e.value) == f"ERROR: {one / 'transcripts.csv'}:3: damaged"
 
 
+def test_a_run_finished_by_another_process_meanwhile_is_not_decoded_again(data, tmp_path,
+                                                                         monkeypatch):
+    """Run 2 finished by another process (a grid's other job) after the sweep looked at its
+    folder, before the sweep's lock: the sweep stops, run 2's records as that process wrote
+    them; the rerun skips run 2."""
+    from tta_brain.run import identity
+    outs = [tmp_path / "a", tmp_path / "b"]
+    runs = [args(data, o, f"--lr={lr}") for o, lr in zip(outs, ("1e-3", "2e-3"))]
+    real, other = identity.FolderLock.acquire, []
+
+    def acquire(self, command=""):
+        if self.folder == outs[1] and not other:
+            other.append(runs[1])
+            decode.main(runs[1])                    # the other process, just before this lock
+        return real(self, command)
+    monkeypatch.setattr(identity.FolderLock, "acquire", acquire)
+    with pytest.raises(sweep.Refused, match="a run of the batch was finished by another "
+                                            "process meanwhile; rerun"):
+        sweep.run(runs)
+    assert other and (outs[1] / "summary.json").is_file()
+    written = (outs[1] / "transcripts.csv").read_text()
+    got = sweep.run(runs)
+    assert got[1] is None and got[0] is not None
+    assert (outs[1] / "transcripts.csv").read_text() == written
+
+
 def test_a_crash_inside_one_run_is_in_that_runs_log_with_its_traceback(data, tmp_path,
                                                                          monkeypatch):
     """Any other exception (a bug, a CUDA error) while run 2 is served: its traceback in run 2's
