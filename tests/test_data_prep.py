@@ -696,6 +696,16 @@ def test_cli_missing_data_message(tmp_path, capsys):
     assert "set LIBRISPEECH=" in capsys.readouterr().err
 
 
+def test_cli_streams_from_a_manifest_without_domains_is_one_line(clean_set, tmp_path, capsys):
+    """A corpus manifest (no domain column) given to ``streams --manifest``: what it needs, not
+    a KeyError traceback, and no stream written."""
+    _, _, manifest = clean_set
+    assert prepare.main(["streams", "--manifest", str(manifest), "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"ERROR: {manifest}: needs a 'domain' column for stream " \
+                                      "building\n"
+    assert not (tmp_path / "streams").exists()
+
+
 def test_cli_a_corpus_file_that_is_no_audio_is_one_line_naming_it(tmp_path, capsys):
     """A cut FLAC (an interrupted extraction) or an empty WAV in the corpus was soundfile's
     traceback; nothing is written."""
