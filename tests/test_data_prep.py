@@ -862,6 +862,22 @@ def test_streams_duration_problems_and_unused_size_options(clean_set, tmp_path, 
         err.splitlines()[1] and err.splitlines()[2] == "ERROR: 2 of 3 manifest(s) failed the check"
 
 
+def test_streams_order_reaches_the_s_variants_and_max_duration_0_is_no_limit(clean_set, tmp_path):
+    """--md_easy_order is for md_easy and its s100/s20 variants (a recipe with its own domains
+    passes it for all of them), and --max_duration 0 is documented as no limit."""
+    _, _, manifest = clean_set
+    wav = read_manifest(manifest)[0]["wav"]
+    own = tmp_path / "own.csv"
+    write_manifest(own, [{"ID": f"u{i}_{d}", "duration": "1.5", "wav": wav, "wrd": "A WORD",
+                          "domain": d} for d in ("A", "B") for i in range(6)])
+    assert prepare.main(["streams", "--manifest", str(own), "--out", str(tmp_path / "s"),
+                         "--names", "x=md_easy_s100", "--md_easy_order", "B", "A",
+                         "--per_domain", "5", "--max_duration", "0"]) == 0
+    stream = read_manifest(tmp_path / "s" / "streams" / "x.csv")
+    assert len(stream) == 10 and stream[0]["domain"] == "B"
+    assert {r["domain"] for r in stream} == {"A", "B"}
+
+
 def test_prepare_chime3_logs_the_tokens_clean_text_removes(tmp_path, caplog):
     """The default clean-up is a difference from the official code (raw line scored): stage 0
     says how many tokens it removed from how many references, and which."""
