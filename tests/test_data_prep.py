@@ -878,6 +878,25 @@ def test_streams_order_reaches_the_s_variants_and_max_duration_0_is_no_limit(cle
     assert {r["domain"] for r in stream} == {"A", "B"}
 
 
+def test_streams_another_max_duration_is_a_change_not_up_to_date(clean_set, tmp_path, capsys):
+    """A stream built without a duration limit and asked for again with --max_duration that
+    leaves utterances out: refused as written once (not kept as 'up to date'); --force
+    rewrites it without them."""
+    _, _, manifest = clean_set
+    wav = read_manifest(manifest)[0]["wav"]
+    own = tmp_path / "own.csv"
+    write_manifest(own, [{"ID": f"u{i}", "duration": "30.0" if i % 2 else "1.5", "wav": wav,
+                          "wrd": "A WORD", "domain": "A"} for i in range(6)])
+    args = ["streams", "--manifest", str(own), "--out", str(tmp_path / "s"), "--names", "A"]
+    assert prepare.main(args) == 0
+    capsys.readouterr()
+    assert prepare.main(args + ["--max_duration", "20"]) == 1
+    assert "written once" in capsys.readouterr().err
+    assert len(read_manifest(tmp_path / "s" / "streams" / "A.csv")) == 6
+    assert prepare.main(args + ["--max_duration", "20", "--force"]) == 0
+    assert len(read_manifest(tmp_path / "s" / "streams" / "A.csv")) == 3
+
+
 def test_prepare_chime3_logs_the_tokens_clean_text_removes(tmp_path, caplog):
     """The default clean-up is a difference from the official code (raw line scored): stage 0
     says how many tokens it removed from how many references, and which."""
