@@ -346,6 +346,15 @@ def test_corrupt_names_a_silent_noise_not_the_speech(small_set, tmp_path):
                         f"manifest duration), which then cannot be set to an SNR; trim the "
                         f"silence from the start of the file, or leave AC out of --domains")
     assert "remove it from the manifest" not in msg and "\n" not in msg
+    # silent for exactly the shortest utterance's samples: that one gets silence only
+    sizes = {r["wav"]: sf.info(r["wav"]).frames for r in rows}
+    shortest = min(sizes, key=sizes.get)
+    sf.write(noise, np.concatenate([np.zeros(sizes[shortest]), 0.1 * np.ones(sr)]), sr)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{noise} (noise of domain AC): silent for its first {sizes[shortest] / sr:.2f} s "
+            f"({sizes[shortest]} samples), the part mixed into an utterance no longer than that "
+            f"(noise is taken from offset 0; here {shortest}")):
+        corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=noise_dir, snrs=[5])
     # a silent start shorter than the utterances: mixed as before
     sf.write(noise, np.concatenate([np.zeros(100), 0.1 * np.ones(sr)]), sr)
     corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=noise_dir, snrs=[5])
