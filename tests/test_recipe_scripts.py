@@ -1,5 +1,6 @@
 """The LS-C and CHiME-3 run.sh scripts on tiny fake corpora (stages 0-2, dry-run 3-4)."""
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -446,6 +447,19 @@ def test_dry_run_writes_nothing_and_prints_every_stage(recipe, tmp_path):
     assert any("-m tta_brain.decode" in x for x in lines)
     assert any("-m tta_brain.report" in x for x in lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("recipe,last", [("synthetic", 5), ("librispeech_c", 4), ("chime3", 4)])
+def test_stage_n_to_stop_stage_n_runs_that_stage_alone(recipe, last, tmp_path):
+    """--stage N --stop_stage N (dry run) runs stage N and no other: neither the stage before
+    (a rerun of finished work, needing its corpus) nor the one after."""
+    for n in range(last + 1):
+        res = run(REPO / "recipes" / recipe / "run.sh", "--data_dir", tmp_path / "data",
+                  "--exp_dir", tmp_path / "exp", "--dry_run", "true", "--stage", n,
+                  "--stop_stage", n)
+        assert res.returncode == 0, res.stderr
+        assert set(re.findall(r"\) Stage (\d+)", res.stderr)) == {str(n)}, (n, res.stderr)
+    assert not (tmp_path / "data").exists()
 
 
 @pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
