@@ -462,6 +462,36 @@ def test_stage_n_to_stop_stage_n_runs_that_stage_alone(recipe, last, tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.parametrize("recipe,args,expected", [
+    ("librispeech_c", ["--noise_seed", 7, "--stream_seed", 3, "--per_domain", 25],
+     {"corrupt": ["--seed 7"], "streams": ["--seed 3", "--max_duration 20", "--per_domain 25"]}),
+    ("chime3", ["--include_ped_real", "true", "--keep_raw_text", "true", "--max_duration", 15,
+                "--stream_seed", 3],
+     {"chime3": ["--include_ped_real", "--keep_raw_text"],
+      "streams": ["--seed 3", "--max_duration 15"]}),
+    ("synthetic", ["--retrain", "true", "--n_train", 50, "--corpus_seed", 5, "--noise_seed", 6,
+                   "--stream_seed", 3, "--streams", "md_easy_s20 md_hard_s100"],
+     {"corpus": ["--n_train 50", "--seed 5"], "noises": ["--seed 6"], "corrupt": ["--seed 6"],
+      "streams": ["--seed 3", "--per_domain 80"]}),
+])
+def test_dry_run_data_commands_carry_the_recipe_options(recipe, args, expected, tmp_path):
+    """The data stages' options reach their commands (a seed, a duration limit, a size or a
+    switch dropped on the way made another corpus or stream without a word)."""
+    res = run(REPO / "recipes" / recipe / "run.sh", "--data_dir", tmp_path / "data", "--model",
+              tmp_path / "model", "--dry_run", "true", "--stop_stage",
+              3 if recipe == "synthetic" else 2, *args)
+    assert res.returncode == 0, res.stderr
+    steps = {}      # prep step -> " its options "
+    for line in res.stdout.splitlines():
+        if line.startswith("DRY-RUN:") and "tta_brain.data.prep" in line:
+            argv = shlex.split(line[len("DRY-RUN:"):])
+            steps[argv[3]] = f" {' '.join(argv[4:])} "
+    for step, opts in expected.items():
+        for opt in opts:
+            assert f" {opt} " in steps[step], (step, opt, steps[step])
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.parametrize("recipe", ["synthetic", "librispeech_c", "chime3"])
 def test_a_recipe_runs_from_a_linked_folder_with_cdpath_and_a_python_path_with_a_space(
         recipe, tmp_path):
