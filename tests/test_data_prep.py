@@ -292,6 +292,21 @@ def test_custom_domain_table_from_yaml(clean_set, tmp_path):
     assert (tmp_path / "syn" / "10dB" / "HUM").is_dir()
     with pytest.raises(ValueError, match="unknown domain code"):
         corrupt_manifest(manifest, tmp_path / "x", codes=["AC"], table=table, noise_dir=noise_dir)
+    table.write_text("{}\n")           # nothing to corrupt: said, not an empty success
+    with pytest.raises(ValueError, match="a domain table must map domain codes to noise file"):
+        corrupt_manifest(manifest, tmp_path / "x", table=table, noise_dir=noise_dir)
+
+
+def test_a_fractional_snr_has_its_own_files(clean_set, tmp_path):
+    """2 and 2.5 dB are two sets: neither overwrites the other's manifest or mixtures."""
+    _, _, manifest = clean_set
+    written = corrupt_manifest(manifest, tmp_path / "o", snrs=[2, 2.5], table={"WN": None})
+    assert written[("WN", 2.5)].name == "WN_2.5dB.csv" and written[("WN", 2)].name == "WN_2dB.csv"
+    for snr, tag in ((2, "2"), (2.5, "2.5")):
+        rows = read_manifest(written[("WN", snr)])
+        assert {r["snr"] for r in rows} == {tag}
+        assert all(Path(r["wav"]).parent == tmp_path / "o" / f"{tag}dB" / "WN" for r in rows)
+    assert len(list((tmp_path / "o").glob("*dB/WN/*.wav"))) == 2 * len(rows)
 
 
 def test_corrupt_errors(clean_set, tmp_path):
