@@ -298,9 +298,10 @@ def test_custom_domain_table_from_yaml(clean_set, tmp_path):
 
 
 def test_a_fractional_snr_has_its_own_files(clean_set, tmp_path):
-    """2 and 2.5 dB are two sets: neither overwrites the other's manifest or mixtures."""
+    """2 and 2.5 dB are two sets: neither overwrites the other's manifest or mixtures (and 2.0,
+    as the command line gives it, is tagged 2)."""
     _, _, manifest = clean_set
-    written = corrupt_manifest(manifest, tmp_path / "o", snrs=[2, 2.5], table={"WN": None})
+    written = corrupt_manifest(manifest, tmp_path / "o", snrs=[2.0, 2.5], table={"WN": None})
     assert written[("WN", 2.5)].name == "WN_2.5dB.csv" and written[("WN", 2)].name == "WN_2dB.csv"
     for snr, tag in ((2, "2"), (2.5, "2.5")):
         rows = read_manifest(written[("WN", snr)])
