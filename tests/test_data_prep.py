@@ -216,9 +216,20 @@ def test_prepare_librispeech_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="LIBRISPEECH"):
         prepare_librispeech("", tmp_path / "o.csv")
     utts = make_librispeech(tmp_path / "ls", speakers=(11,), utts=2)
-    next(iter(utts.values()))[0].unlink()
-    with pytest.raises(ValueError, match="transcript"):
+    gone = next(iter(utts))
+    utts[gone][0].unlink()
+    with pytest.raises(ValueError, match=re.escape(
+            f"0 audio file(s) without transcript [] and 1 transcript(s) without audio "
+            f"['{gone}']")):
         prepare_librispeech(tmp_path / "ls", tmp_path / "o.csv")
+    # the other way round: a transcript line missing (its audio would have had no reference)
+    make_librispeech(tmp_path / "ls2", speakers=(11,), utts=2)
+    trans = next((tmp_path / "ls2").rglob("*.trans.txt"))
+    first, *rest = trans.read_text().splitlines(keepends=True)
+    trans.write_text("".join(rest))
+    with pytest.raises(ValueError, match=re.escape(
+            f"1 audio file(s) without transcript ['{first.split()[0]}'] and 0 transcript(s)")):
+        prepare_librispeech(tmp_path / "ls2", tmp_path / "o2.csv")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -656,6 +667,31 @@ def test_cli_streams_follow_source_manifest_content(clean_set, tmp_path, capsys,
     assert gs.read_text() == first
     assert prepare.main(args + ["--force"]) == 0
     assert "FIXED" in gs.read_text()
+
+
+def test_cli_md_streams_follow_their_sizes_and_every_domain_they_draw_from(clean_set, tmp_path,
+                                                                          capsys):
+    """Another --per_domain, or a transcript corrected in the domain an md_easy order ends with
+    (and md_long draws from last), is not 'up to date': each stream's record holds its sizes
+    and every domain manifest it draws from, so the rebuilds are refused (written once)."""
+    _, noise_dir, manifest = clean_set
+    assert prepare.main(["corrupt", "--manifest", str(manifest), "--out", str(tmp_path / "c"),
+                         "--domains", "GS", "AC", "--noise_dir", str(noise_dir)]) == 0
+    args = ["streams", "--manifest_dir", str(tmp_path / "c" / "manifests"), "--out",
+            str(tmp_path / "s"), "--names", "md_easy", "md_long", "--md_easy_order", "AC", "GS",
+            "--total", "6", "--min_len", "1", "--max_len", "3"]
+    assert prepare.main(args + ["--per_domain", "2"]) == 0
+    capsys.readouterr()
+    assert prepare.main(args + ["--per_domain", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 's' / 'streams' / 'md_easy.csv'} exists and a rebuild differs" in err
+    src = tmp_path / "c" / "manifests" / "GS_5dB.csv"
+    write_manifest(src, [dict(r, wrd="FIXED") for r in read_manifest(src)])
+    assert prepare.main(args + ["--per_domain", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ERROR: 2 streams in {tmp_path / 's' / 'streams'} exist and a "
+                          "rebuild differs from them (md_easy, md_long; e.g. md_easy.csv: "
+                          f"input file {src.resolve()} changed (sha1"), err
 
 
 def test_cli_streams_refusal_names_every_differing_stream(clean_set, tmp_path, capsys):
