@@ -580,6 +580,12 @@ def test_prepare_chime3_trn_all_raw_text_and_errors(tmp_path):
     real = [r for r in rows if r["domain"].endswith("real")]
     assert simu and all(r["wrd"].endswith(".PERIOD") for r in simu)
     assert real and not any(r["wrd"].endswith(".PERIOD") for r in real)  # et05_real.trn_all
+    # a pooled transcript corrected: the manifest is redone (the .trn_all files are inputs)
+    pooled = tmp_path / "c" / "data" / "transcriptions" / "et05_real.trn_all"
+    name = pooled.read_text().split()[0]
+    pooled.write_text(pooled.read_text().replace(f"{name} ", f"{name} CORRECTED ", 1))
+    again = read_manifest(prepare_chime3(tmp_path / "c", tmp_path / "m.csv", clean_text=False))
+    assert [r["wrd"] for r in again if r["ID"] == f"{name}_REAL"][0].startswith("CORRECTED ")
     assert clean_transcript('THE RATE ,COMMA <NOISE> "QUOTE ROSE .PERIOD') == "THE RATE ROSE"
     assert clean_transcript("DON'T STOP") == "DON'T STOP"
     with pytest.raises(FileNotFoundError, match="set CHIME3="):
