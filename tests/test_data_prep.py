@@ -166,6 +166,9 @@ def test_prepare_librispeech(tmp_path):
     time.sleep(0.01)
     prepare_librispeech(tmp_path / "ls", out, data_root=tmp_path / "ls", skip_existing=False)
     assert out.stat().st_mtime_ns != mtime                      # asked: rewritten all the same
+    prepare_librispeech(tmp_path / "ls", out)           # only data_root left out: not up to date
+    assert read_manifest(out)[0]["wav"].startswith(str(tmp_path))
+    prepare_librispeech(tmp_path / "ls", out, data_root=tmp_path / "ls")
     prepare_librispeech(tmp_path / "ls" / "LibriSpeech", out)  # root may be LibriSpeech/ itself
     assert read_manifest(out)[0]["wav"].startswith(str(tmp_path))
 
@@ -580,11 +583,14 @@ def test_prepare_chime3_trn_all_raw_text_and_errors(tmp_path):
     real = [r for r in rows if r["domain"].endswith("real")]
     assert simu and all(r["wrd"].endswith(".PERIOD") for r in simu)
     assert real and not any(r["wrd"].endswith(".PERIOD") for r in real)  # et05_real.trn_all
+    # the clean-up asked for after a raw run: redone, not kept as up to date
+    clean = read_manifest(prepare_chime3(tmp_path / "c", tmp_path / "m.csv"))
+    assert not any(r["wrd"].endswith(".PERIOD") for r in clean)
     # a pooled transcript corrected: the manifest is redone (the .trn_all files are inputs)
     pooled = tmp_path / "c" / "data" / "transcriptions" / "et05_real.trn_all"
     name = pooled.read_text().split()[0]
     pooled.write_text(pooled.read_text().replace(f"{name} ", f"{name} CORRECTED ", 1))
-    again = read_manifest(prepare_chime3(tmp_path / "c", tmp_path / "m.csv", clean_text=False))
+    again = read_manifest(prepare_chime3(tmp_path / "c", tmp_path / "m.csv"))
     assert [r["wrd"] for r in again if r["ID"] == f"{name}_REAL"][0].startswith("CORRECTED ")
     assert clean_transcript('THE RATE ,COMMA <NOISE> "QUOTE ROSE .PERIOD') == "THE RATE ROSE"
     assert clean_transcript("DON'T STOP") == "DON'T STOP"
