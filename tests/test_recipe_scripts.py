@@ -172,6 +172,8 @@ def test_help_and_invalid_options(script):
     res = run(script, "--stage", 3, "--stop_stage", 1)
     assert res.returncode == 1 and "--stage 3 is after --stop-stage 1: no stage would run" in \
         res.stderr and "Finished" not in res.stdout + res.stderr
+    res = run(script, "extra")                            # a stray word: not ignored
+    assert res.returncode == 1 and res.stderr == f"{script}: unexpected argument(s): extra\n"
 
 
 def test_lsc_missing_noise_folder_stops_at_stage1(lsc, tmp_path):
