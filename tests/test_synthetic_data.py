@@ -85,6 +85,7 @@ def test_corpus_has_librispeech_layout(tmp_path):
     train_v = {variant(p) for p in stamp["stats"]["train-synth"]["speakers"].values()}
     test_v = {variant(p) for p in stamp["stats"]["test-synth"]["speakers"].values()}
     assert not train_v & test_v
+    assert test_v <= set(synthetic.TEST_VARIANTS) and train_v <= set(synthetic.TRAIN_VARIANTS)
     assert not set(synthetic.TRAIN_VARIANTS) & set(synthetic.TEST_VARIANTS)
     # same options: skipped (files untouched); the stamp records the options
     mtime = os.path.getmtime(flacs[0])
@@ -101,9 +102,11 @@ def test_corpus_has_librispeech_layout(tmp_path):
     assert again == json.loads(json.dumps(stamp))              # it holds what was rendered
     assert (os.path.getmtime(train_flac), os.path.getmtime(flacs[0])) == mtimes
     # another number of training utterances: that split only (the test set does not depend on it)
-    synthetic.make_corpus(str(tmp_path), n_train=6, n_test=4, seed=2, n_train_speakers=2,
-                          n_test_speakers=2, num_workers=1)
+    six = synthetic.make_corpus(str(tmp_path), n_train=6, n_test=4, seed=2, n_train_speakers=2,
+                                n_test_speakers=2, num_workers=1)
     assert os.path.getmtime(flacs[0]) == mtime
+    assert len(glob.glob(str(base / "train-synth" / "*" / "*" / "*.flac"))) == \
+        six["stats"]["train-synth"]["n_utts"]          # none of the 8 left beside the new 6
     assert not os.path.exists(train_flac) or os.path.getmtime(train_flac) != mtimes[0]
     # a mistyped count (run.sh --n_test -3) is one line, and the rendered corpus stays
     with pytest.raises(SystemExit) as e:
