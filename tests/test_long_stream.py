@@ -391,10 +391,16 @@ def test_long_split_renders_held_out_speech(tmp_path):
     train, test = make_sentence_sets(150, 30, seed=1)
     assert len(texts) == 4 and not set(texts) & (set(train) | set(test))
     assert {p.parent.parent.name for p in split.rglob("*.flac")} <= {"9500", "9501"}
+    from tta_brain.data.prep.synthetic import TEST_VARIANTS        # held-out voices only
+    assert {p["voice"].split("+")[1] for p in stamp["stats"]["test-synth-long"][
+        "speakers"].values()} <= set(TEST_VARIANTS)
     mtime = next(split.rglob("*.flac")).stat().st_mtime_ns
     make_long_test(str(tmp_path), n_test=4, seed=1, n_speakers=2, n_train_ref=50, n_test_ref=10,
                    num_workers=1)                                  # same options: nothing redone
     assert next(split.rglob("*.flac")).stat().st_mtime_ns == mtime
+    again = make_long_test(str(tmp_path), n_test=3, seed=1, n_speakers=2, n_train_ref=50,
+                           n_test_ref=10, num_workers=1)           # another size: rendered anew
+    assert again["stats"]["test-synth-long"]["n_utts"] == 3 == len(list(split.rglob("*.flac")))
 
 
 # ------------------------------------------------------------------------- the recipe switch
