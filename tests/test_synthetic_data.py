@@ -48,6 +48,9 @@ def test_sentences_are_disjoint_seeded_and_in_vocabulary():
     assert not set(train) & set(test)
     assert synthetic.make_sentence_sets(300, 50, seed=3) == (train, test)
     assert synthetic.make_sentence_sets(300, 50, seed=4)[1] != test
+    # the recipe's sizes (3 candidates per utterance), where the grammar repeats itself
+    train, test = synthetic.make_sentence_sets(30000, 1200, seed=1)
+    assert len(set(train)) == 30000 and len(set(test)) == 1200 and not set(train) & set(test)
     vocab = set(synthetic.VOCABULARY)
     for s in train + test:
         words = s.split()
