@@ -152,7 +152,11 @@ def test_without_data_stops_at_stage0_with_what_to_set(script, var, tmp_path):
     assert res.returncode == 1
     assert f"ERROR: {var} is not set" in res.stderr and "db.sh" in res.stderr
     assert "Stage 0" in res.stderr and "Stage 1" not in res.stderr
-    assert not (tmp_path / "e").exists()
+    # the run stops right at the message: it is stderr's last line, and stage 0's step never ran
+    last = res.stderr.splitlines()[-1].strip()
+    assert last.startswith("Set it in ") and last.endswith(f"db.sh or export {var}=... before "
+                                                           "running.")
+    assert not (tmp_path / "e").exists() and not (tmp_path / "d").exists()
 
 
 @pytest.mark.parametrize("script", [LSC, CHIME])
