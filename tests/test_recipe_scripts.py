@@ -305,6 +305,8 @@ echo "given=[$po_given]" >&2
     assert sh("--foo-bar=~/x y").stdout.startswith(f"foo_bar={home}/x y ")
     assert sh("--foo-bar=~").stdout.startswith(f"foo_bar={home} ")
     assert sh("--foo-bar=a~/b").stdout.startswith("foo_bar=a~/b ")
+    # --name=VALUE splits at the first "=": a value with its own (--decode_opts=--lr=1e-4) is whole
+    assert sh("--foo-bar=--lr=1e-4").stdout.startswith("foo_bar=--lr=1e-4 ")
     cfg.write_text("foo_bar=~/from/config\n")
     assert sh("--config", cfg).stdout.startswith(f"foo_bar={home}/from/config ")
     # a help that lists an option the script does not have is a script error
@@ -541,7 +543,8 @@ def test_a_dry_run_needs_no_corpus(recipe, var, tmp_path):
 
 
 @pytest.mark.parametrize("opt,value", [("--per_domain", "abc"), ("--n_test", "8x"),
-                                       ("--nj", "two"), ("--stats_utts", "1.5")])
+                                       ("--nj", "two"), ("--stats_utts", "1.5"),
+                                       ("--nj", "")])     # empty: only where the default is
 def test_count_options_take_integers_only(opt, value, tmp_path):
     """``--per_domain abc`` ended in bash's "abc: unbound variable" at the line that used it."""
     res = run(REPO / "recipes" / "synthetic" / "run.sh", "--data_dir", tmp_path / "d", opt, value)
