@@ -580,6 +580,10 @@ def test_bad_decode_settings_stop_the_recipe_before_its_data_stages(recipe, tmp_
     assert "would refuse" not in res.stderr
     if recipe != "synthetic":
         return
+    # the grid's own options too (a --batch_runs of 0 was refused by the decode itself only)
+    res = run(script, *base, "--methods", "suta", "--batch_runs", 0, "--stage", 4, env=env)
+    assert res.returncode == 1 and "--batch_runs 0: must be an integer >= 1" in res.stderr
+    assert "stage 4 (decode) would refuse" in res.stderr and not list(tmp_path.iterdir())
     # the runs the stage will decode, not stand-ins: a buffer of 30 fits the single-domain
     # stream's K (the yaml's 100), not md_easy's (the recipe's K 40 for blocks of 80)
     dyn = ["--methods", "dsuta+dynamic", "--decode_opts=--buffer_size=30", "--stage", 4]
