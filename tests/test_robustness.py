@@ -148,6 +148,25 @@ def test_long_audio_without_a_duration_is_skipped_unread(tmp_path, monkeypatch):
     assert loader_mod.StreamLoader(rows, max_duration=0).load(0).wav.numel() == 21 * SR
 
 
+def test_the_loaders_checks_at_their_edges(tmp_path, monkeypatch):
+    """Audio exactly max_duration long is decoded (only longer is skipped), a blank wav cell is
+    an empty path, an unreadable duration cell a skip reason, and a file whose header gives no
+    length is still measured once read."""
+    from tta_brain.data import loader as loader_mod
+    sf.write(tmp_path / "a.wav", speech(0.4), SR, subtype="PCM_16")
+    rows = [row("at_limit", tmp_path / "a.wav", 0.4), row("blank", "  ", 0.4),
+            row("bad_dur", tmp_path / "a.wav", 0.4)]
+    rows[2]["duration"] = "0.4s"
+    at, blank, bad = loader_mod.StreamLoader(rows, max_duration=0.4).iterate()
+    assert at.reason is None and at.wav.numel() == int(0.4 * SR)
+    assert blank.reason == "empty wav path" and bad.reason == "bad duration '0.4s'"
+    monkeypatch.setattr(loader_mod, "_header_seconds", lambda path: None)
+    rows[0]["duration"] = ""
+    assert loader_mod.StreamLoader(rows, max_duration=0.3).load(0).reason == (
+        f"{tmp_path / 'a.wav'}: longer than max_duration (0.4 s > 0.3 s; the manifest gives no "
+        f"duration)")
+
+
 def test_bad_audio_is_skipped_listed_and_counted(bad_run):
     out, summary, expect = bad_run
     rejects = {r["ID"]: r["reason"] for r in csv.DictReader(open(out / "rejects.csv"))}
