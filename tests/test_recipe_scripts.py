@@ -700,6 +700,23 @@ def test_grid_options_that_cannot_go_together_stop_before_any_stage(recipe, tmp_
         assert not data.exists() and not (tmp_path / "exp").exists()
 
 
+def test_the_decode_stage_passes_the_grid_its_slurm_conf_and_batch_runs(tmp_path):
+    """--slurm_conf (here a GPU partition's: the runs decode on cuda) and --batch_runs reach the
+    decode stage's grid, as its dry run shows."""
+    conf = tmp_path / "gpu.yaml"
+    conf.write_text("slurm_partition: gpu\ngpus_per_node: 1\n")
+    res = run(CHIME, "--stage", 3, "--stop_stage", 3, "--dry_run", "true", "--engine", "slurm",
+              "--slurm_conf", conf, "--batch_runs", 2, "--methods", "suta", "--seeds", "0 1",
+              "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp",
+              env={"CHIME3": str(tmp_path / "C3"), "W2V2": str(tmp_path / "w2v2")})
+    assert res.returncode == 0, res.stderr
+    decodes = [x for x in res.stdout.splitlines() if "-m tta_brain.decode" in x]
+    assert len(decodes) == 2 and all("--device=cuda" in x for x in decodes)
+    assert [x for x in res.stdout.splitlines() if x.startswith("DRY-RUN: batch of 2 ")] == [
+        "DRY-RUN: batch of 2 (one python -m tta_brain.sweep, or separate runs where it cannot "
+        "batch them): chime3/suta/seed0, chime3/suta/seed1"]
+
+
 def test_lsc_stage2_refusal_advises_the_recipe_option_and_names_every_stream(tmp_path):
     """A corrected transcript: stage 2 refused with the python CLI's advice ('use another --out,
     or pass --force', which run.sh does not take), naming one stream of one SNR per run."""
