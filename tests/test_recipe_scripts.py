@@ -309,6 +309,11 @@ echo "given=[$po_given]" >&2
     assert sh("--foo-bar=--lr=1e-4").stdout.startswith("foo_bar=--lr=1e-4 ")
     cfg.write_text("foo_bar=~/from/config\n")
     assert sh("--config", cfg).stdout.startswith(f"foo_bar={home}/from/config ")
+    # a "--" after a path's "/" or "." is no option either (a clone in /srv/--old, in the help)
+    script.write_text(script.read_text().replace("--stop_stage N",
+                                                 "--stop_stage N (/srv/--old/a.--b)"))
+    out = sh("--help")
+    assert out.returncode == 0 and "/srv/--old/a.--b" in out.stdout, out.stderr
     # a help that lists an option the script does not have is a script error
     script.write_text(script.read_text().replace("--stop_stage N", "--stop_stage N --ghost X"))
     out = sh("--help")
