@@ -988,6 +988,22 @@ def test_a_truncated_last_line_names_file_and_line(tmp_path, one_wav, tiny_model
     assert f"{stream}:4: " in msg and "truncated or malformed line" in msg and "(--stream_csv)" in msg
 
 
+@pytest.mark.parametrize("missing", ["model", "method", "stream_csv", "output_folder"])
+def test_an_own_yaml_without_a_run_key_is_one_line(missing, tmp_path, monkeypatch):
+    """A yaml without ``include: [run]`` that lacks a key the run needs stops with one line
+    naming the yaml and the key, before a file is written (not a KeyError traceback)."""
+    keys = {"seed": "1", "model": "!new:collections.OrderedDict",
+            "method": "!new:collections.OrderedDict", "stream_csv": "s.csv",
+            "output_folder": "exp"}
+    del keys[missing]
+    (tmp_path / "own.yaml").write_text("".join(f"{k}: {v}\n" for k, v in keys.items()))
+    monkeypatch.chdir(tmp_path)
+    msg = _error(["own.yaml"])
+    assert f"own.yaml: no '{missing}' key (a method yaml needs model, method, stream_csv " \
+        "and output_folder" in msg, msg
+    assert sorted(os.listdir(tmp_path)) == ["own.yaml"]
+
+
 @pytest.mark.parametrize("method,expected", [
     ("dsuta_typo", "hparams file not found: dsuta_typo (packaged methods: awmc,"),
     ("bad_include.yaml", "bad_include.yaml: include 'nosuch' not found"),
