@@ -759,6 +759,11 @@ def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_m
                   f"--output_folder={tmp_path / 'exp'}", *FAST])
     assert f"source model directory not found: {typo}" in msg and "hub model" in msg
     assert not (tmp_path / "exp").exists()
+    made = tmp_path / "made"          # a folder made for the run beforehand: kept
+    made.mkdir()
+    _error(["dsuta", f"--source={typo}", f"--stream_csv={ok_stream}", f"--output_folder={made}",
+            *FAST])
+    assert made.is_dir() and {p.name for p in made.iterdir()} <= {decode.identity.LOCK_FILE}
 
 
 @pytest.mark.parametrize("damage,expected", [
