@@ -197,6 +197,10 @@ def test_resume_refuses_another_stream_and_truncated_records(data, reference, tm
     with pytest.raises(SystemExit, match="holds a run with other settings .*stream_sha1"):
         decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))
     (out / "summary.json").unlink()              # as if interrupted after its last checkpoint
+    kept = {f: (out / f).read_bytes() for f in ("transcripts.csv", "fingerprint.json")}
+    with pytest.raises(SystemExit, match="holds a run with other settings .*stream_sha1"):
+        decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))      # not resumed: refused
+    assert {f: (out / f).read_bytes() for f in kept} == kept
     (out / "lii.csv").write_text("position,lii,stage\n")
     with pytest.raises(SystemExit, match=r"lii.csv: .* bytes, but the checkpoint"):
         decode.main(args(data, out, *DSUTA, "--ckpt_every=5", csv_path=other))
