@@ -753,6 +753,19 @@ def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir
     assert not (tmp_path / "None").exists() and not (tmp_path / "~").exists()
 
 
+@pytest.mark.parametrize("name", ["save/CKPT+old/stream.ckpt", "transcripts.csv", "env.log"])
+def test_a_runs_files_without_its_fingerprint_are_refused(name, tmp_path, ok_stream,
+                                                          tiny_model_dir):
+    """A folder holding a run's records, checkpoint or environment but no fingerprint (another
+    program's, an older tta_brain's) is refused, not decoded into."""
+    mine = tmp_path / "mine"
+    (mine / name).parent.mkdir(parents=True)
+    (mine / name).write_text("mine\n")
+    msg = _error(dsuta_args(tiny_model_dir, ok_stream, mine))
+    assert "no fingerprint recorded" in msg and "--overwrite" in msg, msg
+    assert (mine / name).read_text() == "mine\n" and "fingerprint.json" not in os.listdir(mine)
+
+
 def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_model_dir):
     typo = str(tiny_model_dir) + "x"
     msg = _error(["dsuta", f"--source={typo}", f"--stream_csv={ok_stream}",
