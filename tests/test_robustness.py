@@ -637,6 +637,22 @@ def test_own_yaml_errors_name_its_lines_and_its_keys_win_over_its_blocks(tmp_pat
     assert len(re.findall(r"^max_duration: 30\.0", hp, re.M)) == 1 and "max_duration: 20" not in hp
 
 
+def test_an_own_yaml_without_a_seed_is_seeded_with_0(tmp_path, ok_stream, tiny_model_dir):
+    """A yaml without ``seed`` (and so without run.yaml's seeding step) is seeded with 0, as
+    its log says, not left with whatever the process's generators held."""
+    from tta_brain import hparams as hp_files
+    text = hp_files.compose(REPO / "tta_brain/hparams/suta.yaml")
+    own = tmp_path / "unseeded.yaml"
+    own.write_text("".join(x for x in text.splitlines(keepends=True)
+                           if not x.startswith(("seed:", "__set_seed:"))))
+    out = tmp_path / "exp"
+    torch.manual_seed(123)
+    decode.main([str(own), f"--source={tiny_model_dir}", f"--stream_csv={ok_stream}",
+                 f"--output_folder={out}", "--steps=1", "--noprogressbar"])
+    assert torch.initial_seed() == 0
+    assert "unseeded.yaml has no 'seed'; seeded with 0" in (out / "log.txt").read_text()
+
+
 def test_command_line_error_is_one_line_not_a_traceback(tmp_path, ok_stream, tiny_model_dir):
     res = subprocess.run([sys.executable, "-m", "tta_brain.decode",
                           *dsuta_args(tiny_model_dir, ok_stream, tmp_path / "exp", "--reset=foo")],

@@ -405,12 +405,13 @@ def open_folder(p: Plan, argv, status: str, hparams, held: "HeldLogs" = None
     if seed is None:
         seed = 0
         sb.utils.seed_everything(seed)
-        logger.warning("%s has no 'seed'; seeded with 0", p.hp.path)
     out = p.out
     sb.create_experiment_directory(experiment_directory=out, save_env_desc=False)
     HeldLogs.handle_all(p.notes)
     if held is not None:
         held.replay()
+    if hparams.get("seed") is None:     # (said once its log.txt is there)
+        logger.warning("%s has no 'seed'; seeded with 0", p.hp.path)
     env_log = os.path.join(out, "env.log")
     resumed = status == "resume" and os.path.isfile(env_log)    # each start's environment kept:
     with open(env_log, "a" if resumed else "w", encoding="utf-8") as f:   # a resume wrote over
