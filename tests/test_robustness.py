@@ -782,6 +782,21 @@ def test_a_runs_files_without_its_fingerprint_are_refused(name, tmp_path, ok_str
     assert (mine / name).read_text() == "mine\n" and "fingerprint.json" not in os.listdir(mine)
 
 
+def test_a_plan_made_before_another_run_took_its_folder_is_checked_again(tmp_path, ok_stream,
+                                                                         tiny_model_dir):
+    """``decode.prepare`` looks at the folder again once the lock is held (a sweep prepares runs
+    planned before): a run that finished there meanwhile is skipped, one of other settings
+    refused, not decoded over."""
+    out = tmp_path / "exp"
+    same = decode.plan(dsuta_args(tiny_model_dir, ok_stream, out))
+    other = decode.plan(dsuta_args(tiny_model_dir, ok_stream, out, "--lr=0.5"))
+    assert same.status == other.status == "new"
+    decode.main(dsuta_args(tiny_model_dir, ok_stream, out))
+    assert decode.prepare(same) == "done"
+    with pytest.raises(SystemExit, match=r"^ERROR: .* holds a run with other settings \(.*lr"):
+        decode.prepare(other)
+
+
 def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_model_dir):
     typo = str(tiny_model_dir) + "x"
     msg = _error(["dsuta", f"--source={typo}", f"--stream_csv={ok_stream}",
