@@ -810,6 +810,21 @@ def test_a_mistyped_local_source_names_the_directory(tmp_path, ok_stream, tiny_m
     assert made.is_dir() and {p.name for p in made.iterdir()} <= {decode.identity.LOCK_FILE}
 
 
+def test_a_mistyped_source_on_a_folder_of_another_run_is_said_missing(tmp_path, ok_stream,
+                                                                       tiny_model_dir):
+    """A mistyped ``--source`` path reads as a hub name: a folder's run of the real source looked
+    like one of other settings, to ``--overwrite``; the path is said missing and the run kept. A
+    grid planning for a Slurm node (``device_here=False``) leaves the source to the node."""
+    out = tmp_path / "exp"
+    decode.main(dsuta_args(tiny_model_dir, ok_stream, out))
+    typo = str(tiny_model_dir) + "x"
+    argv = dsuta_args(tiny_model_dir, ok_stream, out, f"--source={typo}")
+    msg = _error(argv)
+    assert f"source model directory not found: {typo}" in msg and "which is kept" in msg, msg
+    assert "add --overwrite" not in msg and (out / "summary.json").is_file()
+    assert decode.plan(argv, device_here=False).status == "differs"
+
+
 @pytest.mark.parametrize("damage,expected", [
     # a missing file is named, without what transformers made of it (400 model types, protobuf)
     ("rm vocab.json", "its tokenizer (vocab.json, tokenizer_config.json): vocab.json missing in "
