@@ -230,6 +230,8 @@ def test_a_finished_run_with_damaged_records_is_not_skipped(data, tmp_path):
     again = grid.Run("exp", out, run + ["--overwrite"])        # what that says to add: queued
     grid.check_done([again])
     assert again.status == "queued"
+    decode.main(run + ["--overwrite"])            # its records removed: decoded again, whole
+    assert records(out) == good and "Resuming" not in (out / "log.txt").read_text()
     (out / "transcripts.csv").write_bytes(raw["transcripts.csv"])
     for name, cut, said in (("resets.csv", lambda t: "", r"resets\.csv: empty, without even "
                              r"its header line"),                  # was: finished, 0 resets
@@ -273,6 +275,8 @@ def test_an_unreadable_fingerprint_resumes_from_the_checkpoint(data, reference, 
     decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))
     assert records(out) == records(reference) and summary(out) == summary(reference)
     assert "Resuming" in (out / "log.txt").read_text()
+    env_log = (out / "env.log").read_text()     # both starts' environments (one was written over)
+    assert env_log.count("tta-brain run") == 2 and env_log.count("resumed: the environment") == 1
     (out / "summary.json").unlink()
     fp.write_text("")          # another run's settings: refused before anything is written
     with pytest.raises(SystemExit, match=r"holds a run with other settings \(hparams\.steps: "
