@@ -274,7 +274,10 @@ def test_an_unreadable_fingerprint_resumes_from_the_checkpoint(data, reference, 
     assert decode.plan(args(data, out, *DSUTA, "--ckpt_every=5")).status == "resume"
     decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))
     assert records(out) == records(reference) and summary(out) == summary(reference)
-    assert "Resuming" in (out / "log.txt").read_text()
+    log = (out / "log.txt").read_text()
+    assert "Resuming" in log
+    assert (f"{fp}: cannot be read (cut short or damaged); its checkpoint's copy of the "
+            f"fingerprint is this run's: it resumes there") in log     # was the console's alone
     env_log = (out / "env.log").read_text()     # both starts' environments (one was written over)
     assert env_log.count("tta-brain run") == 2 and env_log.count("resumed: the environment") == 1
     (out / "summary.json").unlink()

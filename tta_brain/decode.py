@@ -338,8 +338,10 @@ def prepare(p: Plan) -> str:
     status, diffs = folder_status(p.out, p.fingerprint)
     if status == "done":
         return status
-    if status == "resume" and diffs:        # a damaged file that the checkpoint makes good
-        logger.warning("%s", diffs[0])
+    if status == "resume" and diffs:        # a damaged file that the checkpoint makes good:
+        with HeldLogs() as said:            # said once its log.txt is there (open_folder)
+            logger.warning("%s", diffs[0])
+        p.notes.extend(said.records)
     if status in ("differs", "damaged") and not p.args.overwrite:
         _refuse(p.out, identity.explain_missing_audio(diffs, p.rows), status)
     bound_kernel_caches()                                          # before the first forward
@@ -402,7 +404,8 @@ def open_folder(p: Plan, argv, status: str, hparams, held: "HeldLogs" = None
         print(f"{p.out}: --overwrite: removed {', '.join(removed) or 'nothing'}")
     identity.write_fingerprint(p.out, p.fingerprint)     # the folder is this run's from now on
     seed = hparams.get("seed")
-    if seed is None:
+    unseeded = seed is None
+    if unseeded:
         seed = 0
         sb.utils.seed_everything(seed)
     out = p.out
@@ -410,7 +413,7 @@ def open_folder(p: Plan, argv, status: str, hparams, held: "HeldLogs" = None
     HeldLogs.handle_all(p.notes)
     if held is not None:
         held.replay()
-    if hparams.get("seed") is None:     # (said once its log.txt is there)
+    if unseeded:                        # (said once its log.txt is there)
         logger.warning("%s has no 'seed'; seeded with 0", p.hp.path)
     env_log = os.path.join(out, "env.log")
     resumed = status == "resume" and os.path.isfile(env_log)    # each start's environment kept:
