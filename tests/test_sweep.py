@@ -1119,8 +1119,9 @@ def test_adam_rows_step_as_torchs_adam(cls, wd):
 
 def _batch(data, base, cfgs, device="cpu", runtime=None, **extra):
     """A batch of ``base`` runs on the tiny model, one per ``(lr, steps, reset)`` of ``cfgs``
-    (fixed: every 3; dynamic: K = 4, patience 1); with the 12 utterances of the stream.
-    ``runtime``: the lobe's run options (``Runtime`` keywords)."""
+    (fixed: every 3; dynamic: K = 4, patience 1), a 4th item the run's own settings over
+    ``extra``; with the 12 utterances of the stream. ``runtime``: the lobe's run options
+    (``Runtime`` keywords)."""
     import soundfile as sf
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.lobes.runtime import Runtime
@@ -1130,9 +1131,9 @@ def _batch(data, base, cfgs, device="cpu", runtime=None, **extra):
     wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
             for p in sorted((data["root"] / "wav").glob("*.wav"))][:12]
 
-    def build(lr, steps, reset):
+    def build(lr, steps, reset, own=None):
         lobe = HFCTCLobe(data["model"], device=device, runtime=Runtime(**(runtime or {})))
-        return build_method(base, model=lobe, lr=lr, steps=steps, **extra,
+        return build_method(base, model=lobe, lr=lr, steps=steps, **dict(extra, **(own or {})),
                             reset_policy=make_reset_policy(reset, every=3, K=4, patience=1))
     ms = [build(*c) for c in cfgs]
     return batch_for(ms[0])(ms[0].lobe, ms), wavs, build
@@ -1684,3 +1685,52 @@ def test_batched_eata_reset_restarts_the_filter(data):
     for r, m in enumerate(seps):
         assert batch.views[r].counts == m.counts
         assert torch.allclose(batch.probs[r], m.model_probs, atol=1e-6)
+
+
+def test_batched_eata_filter_and_fisher_settings_are_each_runs(data):
+    """Batched EATA runs that differ in their filter's EMA (``probs_ema``), their entropy's
+    temperature and their Fisher weight (both with the Fisher term: one weight that barely counts
+    and one that holds the run near the source) go on as their separate runs: the same
+    transcripts, events and counts, each run's EMA of the mean posteriors and its weights."""
+    cfgs = [(1e-2, 1, "none", dict(probs_ema=0.9, fisher_alpha=1e3)),
+            (1e-2, 2, "none", dict(probs_ema=0.2, temperature=3.0, fisher_alpha=1e-3))]
+    kw = dict(e_margin_factor=1.01, d_margin=1.01, source_stats=data["fisher"])  # keep all
+    batch, wavs, build = _batch(data, "eata", cfgs, **kw)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:6])
+    for r, m in enumerate(seps):
+        assert torch.allclose(batch.probs[r], m.model_probs, rtol=0, atol=1e-7), r
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+    # the settings mattered: the EMAs and the weights apart
+    assert not torch.allclose(seps[0].model_probs, seps[1].model_probs, rtol=0, atol=1e-6)
+    assert max_diff(seps[0].params, seps[1].params) > 10 * PARAM_TOL
+
+
+def test_batched_sar_temperature_and_loss_ema_are_each_runs(data):
+    """Batched SAR runs with their own entropy temperature (the run with more steps takes its
+    last step alone) go on as their separate runs; after every utterance each run's checkpoint
+    holds its separate run's loss EMA: none right after a recovery (a resume from there starts
+    the EMA again, as SAR's)."""
+    from tta_brain.methods import UttInfo
+    cfgs = [(3e-3, 1, "none", dict(SAR_FILTER)),                    # recoveries
+            (1e-2, 2, "none", dict(e_margin_factor=1.01, temperature=3.0, reset_constant=0.3))]
+    batch, wavs, build = _batch(data, "sar", cfgs)
+    seps = [build(*c) for c in cfgs]
+    emas = []
+    for i, w in enumerate(wavs[:8]):
+        info = UttInfo(position=i, segment="0")
+        batch.process([0, 1], w, info)
+        for r, m in enumerate(seps):
+            assert batch.views[r].process(w) == m.process(w, info), (i, r)
+            mine, theirs = batch.views[r].state_dict()["ema"], m.state_dict()["ema"]
+            assert (mine is None) == (theirs is None), (i, r, mine, theirs)
+            assert mine is None or abs(mine - theirs) < 1e-6, (i, r, mine, theirs)
+            emas.append(theirs)
+    for r, m in enumerate(seps):
+        v = batch.views[r]
+        assert [(e.kind, e.position, e.reason) for e in v.events] == \
+            [(e.kind, e.position, e.reason) for e in m.events]
+        assert v.counts == m.counts
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+    assert seps[0].counts["recoveries"] > 0 and None in emas[::2]    # (the first run's)
+    assert max_diff(seps[0].params, seps[1].params) > 10 * PARAM_TOL
