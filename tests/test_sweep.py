@@ -1734,3 +1734,38 @@ def test_batched_sar_temperature_and_loss_ema_are_each_runs(data):
         assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
     assert seps[0].counts["recoveries"] > 0 and None in emas[::2]    # (the first run's)
     assert max_diff(seps[0].params, seps[1].params) > 10 * PARAM_TOL
+
+
+def test_batched_cotta_teachers_noise_and_zero_losses_are_each_runs(data, monkeypatch):
+    """Batched CoTTA runs, as their separate runs (the same transcripts, events, counts, students
+    and teachers): two with plain teachers (each step's target its own teacher's output), two
+    augmented ones of one seed that differ only in their noise (amplitude, probability: each run's
+    views its own); at one utterance every step's loss is 0, where no teacher follows its
+    student (a teacher moves only after a step with a loss > 0)."""
+    from tta_brain.methods import UttInfo, losses
+    cfgs = [(3e-3, 2, "none", dict(ap_threshold=0.0)), (1e-2, 1, "none", dict(ap_threshold=0.0)),
+            (3e-3, 1, "none", dict(noise_max=0.015, noise_p=0.5)),
+            (3e-3, 1, "none", dict(noise_min=0.05, noise_max=0.2, noise_p=1.0))]
+    batch, wavs, build = _batch(data, "cotta", cfgs, n_augment=2, ap_threshold=0.9, seed=1,
+                                ema_decay=0.5)
+    seps = [build(*c) for c in cfgs]
+    zero, sce = [False], losses.symmetric_cross_entropy_loss
+    monkeypatch.setattr(losses, "symmetric_cross_entropy_loss",
+                        lambda *a, **k: sce(*a, **k) * (0.0 if zero[0] else 1.0))
+    for i, w in enumerate(wavs[:5]):
+        zero[0] = i == 2
+        before = [[t.clone() for t in m.teacher] for m in seps]
+        info = UttInfo(position=i, segment="0")
+        batch.process(list(range(len(cfgs))), w, info)
+        for r, m in enumerate(seps):
+            assert batch.views[r].process(w) == m.process(w, info), (i, r)
+            assert max_diff(batch.split(batch.teacher[r]), m.teacher) < PARAM_TOL, (i, r)
+            assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
+            assert (max_diff(m.teacher, before[r]) == 0) == zero[0], (i, r)
+    for r, m in enumerate(seps):
+        assert [(e.kind, e.position) for e in batch.views[r].events] == \
+            [(e.kind, e.position) for e in m.events]
+        assert batch.views[r].counts == m.counts
+    assert [m.counts["augmented"] for m in seps] == [0, 0, 5, 5]
+    assert max_diff(seps[0].teacher, seps[1].teacher) > 10 * PARAM_TOL    # the runs' own
+    assert max_diff(seps[2].params, seps[3].params) > 10 * PARAM_TOL
