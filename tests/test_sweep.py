@@ -1769,3 +1769,33 @@ def test_batched_cotta_teachers_noise_and_zero_losses_are_each_runs(data, monkey
     assert [m.counts["augmented"] for m in seps] == [0, 0, 5, 5]
     assert max_diff(seps[0].teacher, seps[1].teacher) > 10 * PARAM_TOL    # the runs' own
     assert max_diff(seps[2].params, seps[3].params) > 10 * PARAM_TOL
+
+
+def test_batched_cea_temporal_coherence_weight_is_each_runs(data):
+    """Batched CEA runs (on the model whose CNN has LayerNorms) that differ in their stage-2
+    temporal-coherence weight, one run taking its last stage-2 steps alone, give their separate
+    runs' transcripts and weights."""
+    import soundfile as sf
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import UttInfo, build_method
+    from tta_brain.sweep import batch_for
+    wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
+            for p in sorted((data["root"] / "wav").glob("*.wav"))][:4]
+    cfgs = [dict(tc_coef=0.0, steps2=1), dict(tc_coef=10.0, steps2=3)]
+
+    def build(c):
+        return build_method("cea", model=HFCTCLobe(data["layer_cnn"]), lr=1e-3, steps=1,
+                            lr2=1e-2, **c)
+    seps = [build(c) for c in cfgs]
+    ms = [build(c) for c in cfgs]
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    for i, w in enumerate(wavs):
+        info = UttInfo(position=i)
+        batch.process([0, 1], w, info)
+        assert [v.process(w) for v in batch.views] == [m.process(w, info) for m in seps], i
+        for r, m in enumerate(seps):
+            assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
+    alone = build(dict(cfgs[1], tc_coef=0.0))                 # the weight mattered
+    for i, w in enumerate(wavs):
+        alone.process(w, UttInfo(position=i))
+    assert max_diff(alone.params, seps[1].params) > 10 * PARAM_TOL
