@@ -638,17 +638,17 @@ def test_one_runs_search_warning_is_in_its_log_alone(data, tmp_path, monkeypatch
     from tta_brain.methods import ebats as ebats_module
     real = ebats_module.ema_update
 
-    def runaway(ema, es, decay):              # run 0 (ema_decay 0.9) diverges; run 1 (0.5) not
-        real(ema, es, decay)
+    def runaway(ema, es, decay):              # run 1 (ema_decay 0.9) diverges; run 0 (0.5) not
+        real(ema, es, decay)                  # (the second: not in the batch's first run's log)
         if decay == 0.9:
             ema["sigma"] *= 1000.0
     monkeypatch.setattr(ebats_module, "ema_update", runaway)
     outs = [tmp_path / "r0", tmp_path / "r1"]
-    sweep.run([args(data, outs[0], *EBATS[0], method="ebats"),
-               args(data, outs[1], *EBATS[0], "--ema_decay=0.5", method="ebats")])
+    sweep.run([args(data, outs[0], *EBATS[0], "--ema_decay=0.5", method="ebats"),
+               args(data, outs[1], *EBATS[0], method="ebats")])
     logs = [(o / "log.txt").read_text() for o in outs]
-    assert "Batched sweep of 2 runs" in logs[1]                  # (a batch it was)
-    assert "the search is diverging" in logs[0] and "the search is diverging" not in logs[1]
+    assert "Batched sweep of 2 runs" in logs[0]                  # (a batch it was)
+    assert "the search is diverging" in logs[1] and "the search is diverging" not in logs[0]
 
 
 @pytest.mark.parametrize("method,cfgs", [("csuta", CSUTA[:3]), ("ebats", EBATS[:3])])
