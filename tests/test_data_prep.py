@@ -45,6 +45,10 @@ def test_write_load_roundtrip_wav_and_flac(tmp_path):
         assert y.dtype == torch.float32 and y.ndim == 1 and y.numel() == x.size
         np.testing.assert_allclose(y.numpy(), x, atol=1 / 32767)
     assert not list(tmp_path.rglob(".*tmp*"))  # no leftovers of the atomic write
+    # another rate is written as such (the header says it), an upper-case extension is accepted
+    write_audio(tmp_path / "r8k.WAV", x, sample_rate=8000)
+    assert sf.info(str(tmp_path / "r8k.WAV")).samplerate == 8000
+    assert load_audio(tmp_path / "r8k.WAV", sample_rate=8000).numel() == x.size
 
 
 def test_write_audio_clips_instead_of_wrapping(tmp_path, caplog):
@@ -56,6 +60,8 @@ def test_write_audio_clips_instead_of_wrapping(tmp_path, caplog):
     assert "clipped" in caplog.text
     with pytest.raises(ValueError, match="extension"):
         write_audio(tmp_path / "c.mp3", x)
+    with pytest.raises(ValueError, match="1-D"):  # [1, T] is not written as T channels
+        write_audio(tmp_path / "c2.wav", x[None])
 
 
 def test_load_audio_downmixes_and_resamples_with_one_warning(tmp_path, caplog):

@@ -64,10 +64,11 @@ def test_mix_at_snr_does_not_halve_snr_like_ms_snsd():
     assert abs(power_snr_db(s, n) - 5.0) > 4  # MS-SNSD's sqrt bug would give 5 dB
 
 
-def test_clipping_guard_scales_both_and_keeps_snr():
+@pytest.mark.parametrize("sign", [1.0, -1.0])  # negative peaks clip as much as positive ones
+def test_clipping_guard_scales_both_and_keeps_snr(sign):
     # a very peaky "speech" signal: at -25 dBFS RMS its peaks exceed full scale
     speech = np.zeros(16000, dtype=np.float32)
-    speech[::4000] = 1.0
+    speech[::4000] = sign
     mixture, s, n = mix_at_snr(speech, fake_noise(0.5, seed=6), 0.0, return_parts=True)
     assert np.abs(mixture).max() == pytest.approx(mixing.CLIP_HEADROOM, abs=1e-6)
     assert power_snr_db(s, n) == pytest.approx(0.0, abs=1e-3)
