@@ -50,12 +50,15 @@ def test_a_kind_the_model_cannot_give_is_named_with_the_kinds_it_can(clean, tmp_
     assert ss.load(out).kinds == ["fisher"]
 
 
-def test_cli_writes_fisher_with_provenance(clean, tiny_model_dir, tmp_path):
+def test_cli_writes_fisher_with_provenance(clean, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "s" / "fisher.pt"
     assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
                    clean, "--kinds", "fisher", "--out", out, "--max_utts", 3) == 0
     rec = ss.load(out)
     assert rec.kinds == ["fisher"] and rec.n_utts == 3
+    assert capsys.readouterr().out.strip() == (
+        f"{out}: fisher: {len(rec.stats['fisher'])} tensors from 3 utterances of "
+        f"{clean / 'stream.csv'} (model {rec.model})")
     assert rec.manifest_sha1 == file_sha1(clean / "stream.csv")
     assert rec.model == source_identity(tiny_model_dir)
     lobe = HFCTCLobe(tiny_model_dir)
@@ -76,11 +79,12 @@ def test_cli_writes_fisher_with_provenance(clean, tiny_model_dir, tmp_path):
     assert any(float(v.sum()) > 0 for v in rec.stats["fisher"].values())
 
 
-def test_params_option_selects_the_tensors(clean, tiny_model_dir, tmp_path):
+def test_params_option_selects_the_tensors(clean, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "cnn.pt"
     assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
-                   clean, "--out", out, "--max_utts", 1, "--params=cnn") == 0
+                   clean, "--out", out, "--max_utts", 0, "--params=cnn") == 0
     rec = ss.load(out)
+    assert rec.n_utts == 5 and " tensors from 5 utterances of " in capsys.readouterr().out  # 0: all
     assert rec.options == {"params": "cnn"}
     assert all("feature_" in n for n in rec.stats["fisher"])
 
@@ -170,6 +174,17 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
     with pytest.raises(OSError, match=f"is a folder, not a file name: '{folder}'"):
         ss.save(rec, folder)
     assert not list(tmp_path.glob("stats.tmp*"))
+    # a statistics file that cannot be written is a failure (exit 1), after the computation
+    (tmp_path / "afile").write_text("")
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--out", tmp_path / "afile" / "x.pt", "--max_utts", 1) == 1
+    assert capsys.readouterr().err.startswith(f"ERROR: cannot write {tmp_path / 'afile' / 'x.pt'}: ")
+    # a kind option without a value is not taken as an empty one
+    with pytest.raises(SystemExit):
+        run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--out",
+                tmp_path / "x.pt", "--params")
+    assert "unrecognized argument '--params' (kind options are --key=value)" in \
+        capsys.readouterr().err
 
 
 def test_paths_and_identity(tmp_path):
@@ -291,6 +306,12 @@ def test_reuse_keeps_a_current_file_and_recomputes_a_stale_one(clean, tiny_model
     stamp = out.stat().st_mtime_ns
     assert run_cli(*argv) == 0 and "up to date" in capsys.readouterr().out
     assert out.stat().st_mtime_ns == stamp
+    assert run_cli(*argv[:-1]) == 0 and "up to date" not in capsys.readouterr().out  # no --reuse
+    # more kinds than the file holds: computed; fewer: kept
+    assert run_cli(*argv, "--kinds", "fisher,hidden") == 0
+    assert "other kinds or options" in capsys.readouterr().out
+    assert ss.load(out).kinds == ["fisher", "hidden"]
+    assert run_cli(*argv) == 0 and "up to date" in capsys.readouterr().out   # fewer: kept
     assert run_cli(*argv[:-2], 3, "--reuse") == 0
     assert "another number of utterances" in capsys.readouterr().out and ss.load(out).n_utts == 3
     assert run_cli(*argv, "--params=cnn") == 0 and "other kinds or options" in capsys.readouterr().out
@@ -308,3 +329,13 @@ def test_reuse_keeps_a_current_file_and_recomputes_a_stale_one(clean, tiny_model
     # durations 0.427, 0.308, 0.463, 0.421, ...: two utterances still, but not the same two
     assert run_cli(*argv[:5], other, *argv[6:], "--max_duration", 0.425) == 0
     assert "other audio files" in capsys.readouterr().out and ss.load(out).n_utts == 2
+    assert run_cli(*argv[:5], other, *argv[6:], "--max_duration", 0.425) == 0   # computed on them
+    assert "up to date" in capsys.readouterr().out
+    # another model, a manifest that is not there: computed
+    from conftest import save_ctc_model
+    other_model = save_ctc_model(str(tmp_path / "other_model"), seed=1)
+    assert run_cli(*argv[:1], other_model, *argv[2:]) == 0
+    assert "another model" in capsys.readouterr().out
+    assert ss.load(out).model == source_identity(other_model)
+    assert run_cli(*argv[:3], tmp_path / "no.csv", *argv[4:]) == 1
+    assert "another manifest content, computing" in capsys.readouterr().out
