@@ -1235,6 +1235,31 @@ def test_decode_records_device_and_deterministic(tmp_path, tiny_model_dir):
         parse_arguments(["suta", "--deterministic=maybe"])
 
 
+def test_deterministic_sets_the_cuda_kernels_it_says(monkeypatch):
+    """``deterministic`` on a CUDA run: true asks cuDNN and torch for deterministic kernels,
+    false leaves PyTorch's defaults (the line logged says which); no autotuning either way; a
+    cuBLAS workspace the user set is kept. (Flags only: set the same on a machine without CUDA.)"""
+    from tta_brain.lobes.runtime import process_settings
+    prev = (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    try:
+        for on in (True, False):
+            torch.backends.cudnn.benchmark = True
+            line = process_settings("cuda:0", on)
+            assert line.startswith("true; " if on else "false (PyTorch's default kernels); ")
+            assert torch.are_deterministic_algorithms_enabled() is on
+            assert torch.backends.cudnn.deterministic is on
+            assert torch.backends.cudnn.benchmark is False
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = prev[2:]
+
+
 def test_tf32_means_what_the_run_option_says(tmp_path, tiny_model_dir):
     """Importing speechbrain turns TF32 matmuls on (its allow_tf32 quirk); a decode sets the run
     option ``tf32`` instead (default: PyTorch's own defaults, fp32 matmuls), records it, and

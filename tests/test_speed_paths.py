@@ -229,10 +229,13 @@ def test_cpu_native_backward_matches_onednn(make, utterances):
     native, onednn = make("suta", steps=3, lr=1e-3), make("suta", steps=3, lr=1e-3,
                                                           cpu_native_backward=False)
     assert torch.backends.mkldnn.enabled
-    grads = []
+    grads, during = [], []               # oneDNN's flag while each backward runs
     for m in (native, onednn):
         x = m.lobe.prepare(utterances[0])
+        hook = m.params[0].register_hook(lambda g: during.append(torch.backends.mkldnn.enabled))
         m.adapt_step(x, after_backward=lambda m=m: grads.append(snapshot([p.grad for p in m.params])))
+        hook.remove()
+    assert during == [False, True]
     assert torch.backends.mkldnn.enabled                          # the flag is restored
     scale = max(float(g.abs().max()) for g in grads[1])
     assert max_diff(grads[0], grads[1]) <= 1e-4 * scale
@@ -295,7 +298,10 @@ def test_copy_and_zero_optimizer_state_match_loops():
 # ----------------------------------------------------------------------------- mixed precision
 def test_bf16_autocast_runs_and_fp16_scale_is_undone(make, utterances):
     m = make("suta", steps=2, lr=1e-3, precision="bf16")
+    dtypes = set()                       # the forward runs in the precision asked for
+    m.lobe.model.lm_head.register_forward_hook(lambda mod, i, o: dtypes.add(o.dtype))
     hyp = m.process(utterances[0])
+    assert dtypes == {torch.bfloat16}
     assert isinstance(hyp, str) and m.counts["skipped_steps"] == 0
     assert all(torch.isfinite(p).all() for p in m.params)
     # fp16: without a loss scale small activation gradients underflow; the scaled backward,
