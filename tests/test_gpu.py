@@ -1045,6 +1045,9 @@ def test_step_flags_count_and_fetch_once():
     assert labels.tolist() == [[3, 0, 5]] and counts == [2, 1, 1] and extra is None
     assert not f.pending and f.acct.abs().sum() == 0 and float(f.loss) == 2.0
     assert f.fetch()[1] == [0, 0, 0]
+    f.found.fill_(1.0)                  # skipped without the hook: not counted as hooked
+    f.note_step(hooked=False)
+    assert f.fetch()[1] == [1, 0, 0]
 
 
 class FakeEntry:
