@@ -62,6 +62,9 @@ def test_write_audio_clips_instead_of_wrapping(tmp_path, caplog):
         write_audio(tmp_path / "c.mp3", x)
     with pytest.raises(ValueError, match="1-D"):  # [1, T] is not written as T channels
         write_audio(tmp_path / "c2.wav", x[None])
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        write_audio(tmp_path / "c3.wav", np.array([0.1, np.nan], dtype=np.float32))
+    assert not (tmp_path / "c3.wav").exists()
 
 
 def test_load_audio_downmixes_and_resamples_with_one_warning(tmp_path, caplog):
