@@ -246,6 +246,10 @@ def test_runs_of_different_source_models_on_one_stream_are_named(tmp_path, caplo
     assert said in section(report.build_markdown(runs), "Warnings")
     assert report.stream_warnings([r for r in runs if r.method in ("suta", "dsuta")]) == []
     assert report.stream_warnings([r for r in runs if r.method in ("csuta", "sgem")]) == []
+    assert report.stream_warnings([r for r in runs if r.method in ("source", "suta")]) == [
+        "stream md_easy: its runs adapted 2 different source models (sha1:aaaa: md_easy/source/0; "
+        "sha1:bbbb: md_easy/suta/0), compared side by side as one experiment: give each model "
+        "its own experiment folder (--exp_dir) and report each apart"]    # two: the usual case
     other = next(r for r in runs if r.method == "suta")     # a second commit of the hub model:
     other.summary.fingerprint["hparams"]["source"] = "hub:org/w2v2@99999999"  # two models, the
     said = report.stream_warnings([r for r in runs if r.method in ("csuta", "sgem", "suta")])
@@ -289,6 +293,14 @@ def test_collect_runs_skips_bad_dirs(results, caplog):
     assert dyn.resets == [120, 230, 520] and dyn.boundaries == [200, 400]
     assert len(dyn.transcripts) == 600 and dyn.lii[0].stage == "construction"
     assert [t.reset for t in dyn.transcripts if t.reset] == [1, 1, 1]   # the writer marks them
+
+
+def test_runs_are_in_numeric_seed_order(tmp_path):
+    """Seeds 1, 2, 10 in that order (as text, "10" sorts before "2"): the Runs table, the
+    per-experiment scores and LONG.md list a method's seeds in it (mutation audit)."""
+    for seed in (10, 2, 1):
+        make_run(tmp_path, "suta", "lsc_AA", seed, 1)
+    assert [r.seed for r in report.collect_runs(tmp_path)] == [1, 2, 10]
 
 
 def test_long_report_of_one_stream_reads_only_its_runs_records(tmp_path, capsys):
@@ -433,6 +445,16 @@ def test_reset_table(written):
     assert rows[("dsuta+dynamic", "1")][2:] == ["205, 450", "2", "2/2", "0", "27.5"]
     assert rows[("dsuta+dynamic", "2")][2:] == ["120, 230, 520", "3", "1/2", "2", "30.0"]
     assert ("suta", "1") not in rows
+
+
+def test_reset_table_follows_the_window(results):
+    """``--window 20``: the reset at 450 is 50 utterances after the boundary at 400, a false
+    reset; the table and its note say so (mutation audit: the window was not passed on)."""
+    md = report.build_markdown(report.collect_runs(results), window=20)
+    sec = section(md, "Reset steps")
+    assert "r - b <= 20 (delay = r - b)" in sec and "detection window 20 utterances" in sec
+    rows = {(r[0], r[1]): r for r in table_rows(sec)}
+    assert rows[("dsuta+dynamic", "1")][2:] == ["205, 450", "2", "1/2", "1", "5.0"]
 
 
 def test_espnet_table(results, written):
