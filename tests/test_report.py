@@ -447,10 +447,13 @@ def test_reset_table(written):
     assert ("suta", "1") not in rows
 
 
-def test_reset_table_follows_the_window(results):
+def test_reset_table_follows_the_window(results, tmp_path):
     """``--window 20``: the reset at 450 is 50 utterances after the boundary at 400, a false
     reset; the table and its note say so (mutation audit: the window was not passed on)."""
-    md = report.build_markdown(report.collect_runs(results), window=20)
+    out = tmp_path / "R.md"
+    assert report.main(["--exp_dir", str(results), "--window", "20", "--out", str(out),
+                        "--no_plots"]) == 0
+    md = out.read_text()
     sec = section(md, "Reset steps")
     assert "r - b <= 20 (delay = r - b)" in sec and "detection window 20 utterances" in sec
     rows = {(r[0], r[1]): r for r in table_rows(sec)}
@@ -892,6 +895,21 @@ def test_cli_output_places_and_baseline_are_checked(results, tmp_path, capsys, c
         "suta, zeta); the WER-over-time plots show absolute WER",
         f"No plots: cannot create {blocker / 'plots'} (Not a directory; --plots_dir)"]
     assert "## Plots" not in out.read_text() and "|Method|" in out.read_text()
+    new = tmp_path / "new" / "R.md"                 # a folder not there yet: made
+    assert report.main(["--exp_dir", str(results), "--out", str(new), "--no_plots"]) == 0
+    assert "|Method|" in new.read_text()
+
+
+def test_cli_baseline_is_the_one_the_difference_plots_take(tmp_path, monkeypatch):
+    """``--baseline suta``: the difference curves are to suta's (mutation audit: a report that
+    took the source whatever was given)."""
+    make_run(tmp_path, "source", "lsc_AA", 0, 6)
+    make_run(tmp_path, "suta", "lsc_AA", 1, 4)
+    figs = _figures(monkeypatch)
+    assert report.main(["--exp_dir", str(tmp_path), "--baseline", "suta", "--smooth", "10"]) == 0
+    labels = {ax.get_ylabel() for fig in figs for ax in fig.axes}
+    assert "WER difference to suta (% abs.)" in labels
+    assert not any("to source" in label for label in labels)
 
 
 def test_empty_root(tmp_path, capsys):
