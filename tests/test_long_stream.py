@@ -47,6 +47,7 @@ def test_worst_window_and_first_position_above_the_source():
     source = np.array([np.nan, 50.0, 50.0, 80.0, 60.0])
     assert worst_window(curve) == (90.0, 3)
     assert worst_window([np.nan, np.nan]) == (None, None)
+    assert worst_window([np.nan, 50.0, 100.0, 100.0]) == (100.0, 2)   # a plateau: where reached
     assert first_above(curve, source, margin=5) == 2          # 60 > 50 + 5
     assert first_above(curve, source, margin=10) is None      # never more than 10 above
     assert first_above(curve, source[:2], margin=0) is None   # past the shorter curve: not compared

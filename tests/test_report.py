@@ -653,7 +653,9 @@ def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path, capsy
     (d / "summary.json").write_text(json.dumps(data))
     assert summary.read_summary(d).cer is None
     assert report.main(["--exp_dir", str(tmp_path)]) == 0
+    capsys.readouterr()
     assert report.main(["--exp_dir", str(tmp_path), "--metric", "cer"]) == 0
+    assert "|source|11.1 (n=1)|" in capsys.readouterr().out      # the table printed: of CER too
     wer, cer = (tmp_path / "RESULTS.md").read_text(), (tmp_path / "RESULTS_cer.md").read_text()
     assert table_rows(section(wer, "WER (%) per method and stream"))[1:] == [
         ["source", "50.0 (n=1)"], ["suta", "50.0 (n=1)"]]
