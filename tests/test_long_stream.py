@@ -286,6 +286,21 @@ def test_memory_verdict_covers_cuda_memory_on_a_gpu(decoded):
 
 
 
+def test_long_report_defaults_are_the_documented_ones(decoded, tmp_path):
+    """The docs' defaults: windows of 100 utterances, a margin of 5 points, memory flat up to
+    5 MiB per 1,000 utterances (mutation audit)."""
+    from tta_brain.report.long import table_long
+    runs = collect_runs(decoded)
+    text = write_long_report(runs, decoded, "md_long", out=tmp_path / "L.md",
+                             plots=False).read_text()
+    assert "|worst 100-utt window (ends at)|first position > source + 5|" in text
+    assert "over the last 100 utterances" in text and "by more than 5 points" in text
+    pos = range(49, 3000, 50)
+    runs[0].memory = [records.Memory(p, 800.0 + 0.004 * p, 0.0) for p in pos]    # +4 MiB per 1k
+    runs[1].memory = [records.Memory(p, 800.0 + 0.006 * p, 0.0) for p in pos]    # +6 MiB per 1k
+    assert table_long(runs, "md_long")[1:] == ([runs[1].name], [])
+
+
 def test_memory_is_judged_from_ten_samples_on():
     """The docs: judged from 10 samples (500 utterances) on; 10 samples were taken as too few
     only if the check were ``<=`` (mutation audit)."""
