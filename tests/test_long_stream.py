@@ -298,7 +298,24 @@ def test_long_report_defaults_are_the_documented_ones(decoded, tmp_path):
     pos = range(49, 3000, 50)
     runs[0].memory = [records.Memory(p, 800.0 + 0.004 * p, 0.0) for p in pos]    # +4 MiB per 1k
     runs[1].memory = [records.Memory(p, 800.0 + 0.006 * p, 0.0) for p in pos]    # +6 MiB per 1k
-    assert table_long(runs, "md_long")[1:] == ([runs[1].name], [])
+    table, not_flat, unknown = table_long(runs, "md_long")
+    assert (not_flat, unknown) == ([runs[1].name], []) and "|800 -> 818|+6.0|" in table
+
+
+def test_collapse_figures_compare_over_the_utterances_both_scored(decoded):
+    """A run that scored every utterance as the source did but skipped one: compared with the
+    source over the utterances both scored, it is never above or below it (its windows lack the
+    skipped utterance's errors; the source's, counted, held them) (mutation audit)."""
+    import dataclasses
+    from tta_brain.report.long import collapse_figures
+    runs = collect_runs(decoded)
+    source, dsuta = (next(r for r in runs if r.method == m) for m in ("source", "dsuta"))
+    hard = max(source.transcripts[5:15], key=lambda t: t.n_err / t.n_words)
+    assert hard.n_err / hard.n_words > source.summary.n_err / source.summary.n_words
+    alike = dataclasses.replace(dsuta, transcripts=[t for t in source.transcripts
+                                                    if t.position != hard.position])
+    f = collapse_figures(alike, source, window=5, margin=0.0)
+    assert f["compared"] and (f["gap"], f["below"], f["first_above"]) == (0.0, 0.0, None)
 
 
 def test_memory_is_judged_from_ten_samples_on():
