@@ -200,10 +200,11 @@ def test_long_report_table_plot_and_memory_verdict(decoded, capsys):
     assert cells[7] == f"{100.0 * (diff < 0).sum() / 16:.1f} %"
     assert cells[8] == _resets(dsuta.resets)
     assert [c.strip() for c in next(ln for ln in text.splitlines() if ln.startswith(
-        "|source|")).strip("|").split("|")][6:9] == ["-", "-", "0"]
+        "|source|")).strip("|").split("|")][5:9] == ["-", "-", "-", "0"]
     assert gap_to([np.nan, 1.0, 5.0, 2.0], [np.nan, 2.0, 3.0, 2.0, 9.0]) == (2.0, pytest.approx(100 / 3))
     assert gap_to([np.nan], [1.0]) == (None, None)
     assert _resets([]) == "0" and _resets([3, 7]) == "2 (3, 7)"
+    assert _resets(list(range(8))) == "8 (0, 1, 2, 3, 4, 5, 6, 7)"      # all shown: no "..."
     assert _resets(list(range(10, 110, 10))) == "10 (10, 20, 30, 40, 50, 60, 70, 80, ...)"
     assert "Memory not judged (fewer than 10 samples" in text
     short = write_long_report(runs, decoded, "md_long", out=decoded / "SHORT.md", window=50,
