@@ -319,6 +319,21 @@ def test_collapse_figures_compare_over_the_utterances_both_scored(decoded):
     assert f["compared"] and (f["gap"], f["below"], f["first_above"]) == (0.0, 0.0, None)
 
 
+def test_first_position_above_the_source_follows_the_margin(decoded):
+    """Just under the largest gap to the source, a run is above source + margin somewhere; just
+    over it, never (mutation audit: the margin given was not the one compared)."""
+    from tta_brain.report.long import _signed, table_long
+    runs = collect_runs(decoded)
+
+    def cells(margin):
+        table = table_long(runs, "md_long", window=5, margin=margin)[0]
+        return next(ln.strip("|").split("|") for ln in table.splitlines()
+                    if ln.startswith("|dsuta|"))
+    gap = float(cells(0.0)[6])
+    assert cells(gap - 0.2)[5].isdigit() and cells(gap + 0.2)[5] == "never"
+    assert _signed(-0.04) == "+0.0" and _signed(-0.06) == "-0.1"
+
+
 def test_memory_is_judged_from_ten_samples_on():
     """The docs: judged from 10 samples (500 utterances) on; 10 samples were taken as too few
     only if the check were ``<=`` (mutation audit)."""
