@@ -148,6 +148,31 @@ def test_a_reset_due_at_a_skipped_row_marks_the_next_decoded_utterance(data, tmp
     assert records(tmp_path / "b") == records(tmp_path / "a")
 
 
+def test_every_row_is_on_disk_before_the_next_is_decoded(data, tmp_path, monkeypatch):
+    """The records are flushed after every row, not only at a checkpoint: the grid's progress
+    line counts a running run's rows from its files (``records.rows_done``), and a kill -9
+    loses none of the rows decoded so far. A skipped row (longer than max_duration) counts too
+    (mutation audit: without the flush, ckpt_every = 0 showed 0 rows until the end)."""
+    from tta_brain.run.brain import TTABrain
+    from tta_brain.run.records import rows_done
+    rows = list(csv.DictReader(open(data["csv"])))
+    rows[5]["duration"] = "99"
+    cut = tmp_path / "cut.csv"
+    with open(cut, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out, seen, orig = tmp_path / "exp", [], TTABrain.evaluate_batch
+
+    def spy(self, batch, stage=None):
+        seen.append((batch[1].position, rows_done(out)))
+        return orig(self, batch)
+    monkeypatch.setattr(TTABrain, "evaluate_batch", spy)
+    s = decode.main(args(data, out, "--steps=1", "--ckpt_every=0", method="suta", csv_path=cut))
+    assert s.n_skipped == 1
+    assert seen == [(p, p) for p in range(20) if p != 5]
+
+
 @pytest.mark.slow
 def test_kill_9_and_rerun_reproduces_the_uninterrupted_run(data, reference, tmp_path):
     out = tmp_path / "exp"
