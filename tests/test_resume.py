@@ -128,12 +128,13 @@ def test_a_checkpoint_without_a_fingerprint_loads(tmp_path):
 def test_a_resumed_runs_progress_bar_counts_the_records_kept(tmp_path, tiny_model_dir,
                                                              monkeypatch, capfd):
     """The bar's running WER and reset count after a resume are those of the whole run (the
-    rows decoded before the crash included), not of the rows decoded since (mutation audit)."""
+    rows decoded before the crash included), not of the rows decoded since, and its count goes
+    on from the checkpoint's row; ``--noprogressbar`` shows none (mutation audit)."""
     import re
     root = write_stream(tmp_path / "data", n=10)
     out = tmp_path / "exp"
     crash_at(monkeypatch, args(root, tiny_model_dir, out, "--ckpt_every=3"), 7)
-    capfd.readouterr()
+    assert not re.search(r"\d+/10 \[", capfd.readouterr().err)      # --noprogressbar: no bar
     decode.main([a for a in args(root, tiny_model_dir, out, "--ckpt_every=3")
                  if a != "--noprogressbar"])
     err = capfd.readouterr().err
@@ -142,4 +143,6 @@ def test_a_resumed_runs_progress_bar_counts_the_records_kept(tmp_path, tiny_mode
     assert len(ts) == 10 and shown
     n_err, n_words = sum(t.n_err for t in ts), sum(t.n_words for t in ts)
     assert n_err != n_words                       # (a bar of words / errors would show the same)
+    counts = re.findall(r"(\d+)/10 \[", err)        # from the checkpoint's row 6 to the end
+    assert counts[0] == "6" and counts[-1] == "10", counts
     assert shown[-1] == (str(len(records.read_resets(out))), f"{100 * n_err / n_words:.1f}")
