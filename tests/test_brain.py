@@ -227,7 +227,8 @@ def test_resume_refuses_another_stream_and_truncated_records(data, reference, tm
         decode.main(args(data, out, *DSUTA, "--ckpt_every=5"))      # not resumed: refused
     assert {f: (out / f).read_bytes() for f in kept} == kept
     (out / "lii.csv").write_text("position,lii,stage\n")
-    with pytest.raises(SystemExit, match=r"lii.csv: .* bytes, but the checkpoint"):
+    with pytest.raises(SystemExit, match=r"lii.csv: .* bytes, but the checkpoint at row 10 "
+                                         r"recorded \d+ bytes"):
         decode.main(args(data, out, *DSUTA, "--ckpt_every=5", csv_path=other))
 
 
