@@ -33,13 +33,19 @@ def test_a_resumed_run_keeps_its_time_and_audio_seconds(tmp_path, tiny_model_dir
     ref = tmp_path / "ref"
     decode.main(args(root, tiny_model_dir, ref, "--ckpt_every=0"))
     out = tmp_path / "exp"
+    # the Brain's clock: 0.5 s a reading, so each decoded utterance takes 0.5 s (the crashed one
+    # read it once: none of that counts)
+    from types import SimpleNamespace
+    from tta_brain.run import brain
+    clock = iter(0.5 * i for i in range(1000))
+    monkeypatch.setattr(brain, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     crash_at(monkeypatch, args(root, tiny_model_dir, out, "--ckpt_every=3"), 7)
     saved = torch.load(next((out / "save").glob(f"CKPT+*/{STATE_FILE}")), weights_only=False)
-    assert saved["cursor"] == 6 and saved["audio_time"] > 0 and saved["wall_time"] > 0
+    assert saved["cursor"] == 6 and saved["audio_time"] > 0 and saved["wall_time"] == 3.0
     decode.main(args(root, tiny_model_dir, out, "--ckpt_every=3"))
     got, want = (json.loads((d / "summary.json").read_text()) for d in (out, ref))
     assert got["audio_s"] == pytest.approx(want["audio_s"], rel=1e-9)     # every row counted once
-    assert got["wall_time_s"] >= saved["wall_time"]      # the time before the crash counts too
+    assert got["wall_time_s"] == 5.0           # the 6 utterances before the crash count too
     assert got["counts"] == want["counts"]               # the method's passes before it too
     for name in ("transcripts.csv", "resets.csv", "wer.txt"):
         assert (out / name).read_text() == (ref / name).read_text(), name
