@@ -213,6 +213,7 @@ def test_a_model_of_another_sample_rate_gets_its_rate(tmp_path, monkeypatch):
                            f"--stream_csv={stream}", f"--output_folder={tmp_path / 'out'}",
                            "--noprogressbar"])
     assert rates == [8000] and summary.n_utts == 1
+    assert summary.audio_s == pytest.approx(0.4, abs=1e-3)     # its seconds at the lobe's rate
     # the packaged yamls take the processor's rate: the same stream, resampled to 8 kHz
     summary = decode.main(["source", f"--source={model}", f"--stream_csv={stream}",
                            f"--output_folder={tmp_path / 'packaged'}", "--noprogressbar"])
