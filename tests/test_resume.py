@@ -131,6 +131,26 @@ def test_a_checkpoint_without_a_fingerprint_loads(tmp_path):
     assert new.cursor == 5
 
 
+def test_a_file_that_is_no_checkpoint_of_a_run_is_refused_at_load(tmp_path):
+    """Another torch.save file in a checkpoint's place, or a checkpoint from before the record
+    offsets were kept: refused, each with its own reason, nothing loaded (mutation audit)."""
+    path = tmp_path / STATE_FILE
+    old = StreamState(_Method(), fingerprint=None)
+    old.cursor, old.method.w = 3, 7
+    old._save(path)
+    before_offsets = {k: v for k, v in torch.load(path, weights_only=False).items()
+                      if k != "offsets"}
+    for saved, said in (([1, 2], "not a checkpoint of a tta_brain run"),
+                        ({"w": 7}, "not a checkpoint of a tta_brain run"),
+                        (before_offsets, r"checkpoint written by an older version \(no record "
+                                         r"offsets\)")):
+        torch.save(saved, path)
+        state = StreamState(_Method(), fingerprint={"stream_sha1": "x"})
+        with pytest.raises(ResumeError, match=f"{STATE_FILE}: {said}; delete .* to start over"):
+            state._load(path)
+        assert (state.cursor, state.method.w) == (0, 0)
+
+
 def test_a_resumed_runs_progress_bar_counts_the_records_kept(tmp_path, tiny_model_dir,
                                                              monkeypatch, capfd):
     """The bar's running WER and reset count after a resume are those of the whole run (the
