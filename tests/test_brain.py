@@ -65,7 +65,7 @@ def test_reference_run_has_resets_and_lii(reference):
     assert [int(r["position"]) for r in rows] == list(range(20))
     assert [int(r["position"]) for r in rows if r["reset"] == "1"] == [8, 16]
     assert len(list(csv.DictReader(open(reference / "lii.csv")))) >= 6
-    assert not list((reference / "save").glob("*.tmp"))
+    assert not list((reference / "save").rglob("*.tmp"))      # (in its CKPT+ folder too)
 
 
 def test_reference_run_wer_is_the_transcripts_scored_independently(data, reference):
@@ -152,7 +152,8 @@ def test_every_row_is_on_disk_before_the_next_is_decoded(data, tmp_path, monkeyp
     """The records are flushed after every row, not only at a checkpoint: the grid's progress
     line counts a running run's rows from its files (``records.rows_done``), and a kill -9
     loses none of the rows decoded so far. A skipped row (longer than max_duration) counts too
-    (mutation audit: without the flush, ckpt_every = 0 showed 0 rows until the end)."""
+    (mutation audit: without the flush, ckpt_every = 0 showed 0 rows until the end); the run's
+    max_duration decides which rows are skipped."""
     from tta_brain.run.brain import TTABrain
     from tta_brain.run.records import rows_done
     rows = list(csv.DictReader(open(data["csv"])))
@@ -171,6 +172,11 @@ def test_every_row_is_on_disk_before_the_next_is_decoded(data, tmp_path, monkeyp
     s = decode.main(args(data, out, "--steps=1", "--ckpt_every=0", method="suta", csv_path=cut))
     assert s.n_skipped == 1
     assert seen == [(p, p) for p in range(20) if p != 5]
+    longer = sum(float(r["duration"]) > 0.4 for r in csv.DictReader(open(data["csv"])))
+    assert 0 < longer < 20
+    s = decode.main(args(data, tmp_path / "short", "--steps=1", "--ckpt_every=0",
+                         "--max_duration=0.4", method="suta"))
+    assert s.n_skipped == longer and s.n_utts == 20 - longer
 
 
 @pytest.mark.slow
