@@ -104,7 +104,8 @@ def test_a_reset_after_the_last_utterance_is_not_recorded(data, tmp_path):
     s = decode.main(args(data, out, "--reset=fixed", "--reset_every=10", "--steps=1",
                          "--ckpt_every=0", method="csuta"))
     assert s.n_utts == 20 and s.resets == [10] and summary(out)["resets"] == [10]
-    assert [r["position"] for r in csv.DictReader(open(out / "resets.csv"))] == ["10"]
+    assert [(r["position"], r["trigger"]) for r in csv.DictReader(open(out / "resets.csv"))] \
+        == [("10", "9")]                        # (announced by utterance 9's processing)
     log = (out / "log.txt").read_text()
     assert "csuta+fixed reset after the last utterance (fixed (every 10)): not recorded" in log
     assert re.search(r"csuta\+fixed reset: position 10 \(\S+\) starts from the source model "
