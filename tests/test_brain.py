@@ -154,11 +154,12 @@ def test_every_row_is_on_disk_before_the_next_is_decoded(data, tmp_path, monkeyp
     line counts a running run's rows from its files (``records.rows_done``), and a kill -9
     loses none of the rows decoded so far. A skipped row (longer than max_duration) counts too
     (mutation audit: without the flush, ckpt_every = 0 showed 0 rows until the end); the run's
-    max_duration decides which rows are skipped."""
+    max_duration decides which rows are skipped; a reference is scored normalised."""
     from tta_brain.run.brain import TTABrain
     from tta_brain.run.records import rows_done
     rows = list(csv.DictReader(open(data["csv"])))
     rows[5]["duration"] = "99"
+    wrd, rows[3]["wrd"] = rows[3]["wrd"], rows[3]["wrd"].lower() + "."   # scored normalised
     cut = tmp_path / "cut.csv"
     with open(cut, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -173,6 +174,8 @@ def test_every_row_is_on_disk_before_the_next_is_decoded(data, tmp_path, monkeyp
     s = decode.main(args(data, out, "--steps=1", "--ckpt_every=0", method="suta", csv_path=cut))
     assert s.n_skipped == 1
     assert seen == [(p, p) for p in range(20) if p != 5]
+    assert [t["ref"] for t in csv.DictReader(open(out / "transcripts.csv"))][3] == \
+        " ".join(wrd.upper().split())
     longer = sum(float(r["duration"]) > 0.4 for r in csv.DictReader(open(data["csv"])))
     assert 0 < longer < 20
     s = decode.main(args(data, tmp_path / "short", "--steps=1", "--ckpt_every=0",
