@@ -163,6 +163,60 @@ def test_bench_speed_two_lengths_writes_json_and_keeps_columns_apart(tmp_path, m
     assert [p["s_per_utt"] for p in data["methods"]["suta"]["points"]] == [2e8, 1.0]
 
 
+def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_path, monkeypatch,
+                                                         capsys):
+    """The table's figures from a known clock (real model, real passes; each entry's time a set
+    rate of the audio it processed, a unit pass's first run of an input at its new-length rate):
+    s per audio s, the unit costs on a seen and a new length, the passes' prediction (counts x
+    unit costs + the first pass's new-length extra), overhead, the ratios to SUTA, per clock."""
+    import json
+    import bench_speed
+    rates = {"unit_fb": (0.5, 0.3), "unit_f": (0.2, 0.1), "suta": 4.0, "source": 0.15}
+    calls = {}
+
+    def timed(entry, wav, info, device):
+        entry.process(wav, info)
+        if isinstance(entry, bench_speed.UnitPass):
+            k = calls[id(entry)] = calls.get(id(entry), -1) + 1      # new length, then seen
+            rate = rates["unit_" + entry.kind][k % 2]
+        else:
+            rate = rates["suta" if entry.num_adapted else "source"]
+        wall = rate * wav.numel() / 16000
+        return wall, wall / 2                                         # CPU: half the wall
+    monkeypatch.setattr(bench_speed, "timed", timed)
+    out = tmp_path / "bench.json"
+    res = bench_speed.main(["--model", tiny_model_dir, "--n_utts", "2", "--seconds", "1.5",
+                            "--repeats", "2", "--warmup", "1", "--methods", "source,suta",
+                            "--suta_steps", "2", "--json", str(out)])
+    assert res["suta"]["counts_per_utt"] == dict(adapt_forward=2, adapt_backward=2,
+                                                 infer_forward=1, aux_forward=0)
+    assert res["source"]["counts_per_utt"] == dict(adapt_forward=0, adapt_backward=0,
+                                                   infer_forward=1, aux_forward=0)
+    suta_pass = 2 * 0.3 + 1 * 0.1 + (0.5 - 0.3)       # first pass a backward: at fb's new length
+    source_pass = 1 * 0.1 + (0.2 - 0.1)                # no backward: at the forward's
+    data = json.loads(out.read_text())
+    for clock, scale in (("wall", 1.0), ("cpu", 0.5)):
+        units = data["units"][clock]
+        for u in ("unit_fb", "unit_f"):
+            new, seen = rates[u]
+            assert units[u]["s_per_audio_s"] == pytest.approx(scale * seen)
+            assert units[u]["new_length_s_per_audio_s"] == pytest.approx(scale * new)
+        for m, s, p in (("suta", 4.0, suta_pass), ("source", 0.15, source_pass)):
+            r = data["methods"][m][clock]
+            assert r == res[m][clock]
+            assert r["s_per_audio_s"] == pytest.approx(scale * s)
+            assert r["pass_s_per_audio_s"] == pytest.approx([scale * p] * 2)
+            assert r["overhead_s_per_audio_s"] == pytest.approx(scale * (s - p))
+            assert r["overhead_frac"] == pytest.approx((s - p) / s)
+            assert r["ratio_to_suta"] == pytest.approx(s / 4.0)
+            assert r["pass_ratio_to_suta"] == pytest.approx(p / suta_pass)
+    printed = capsys.readouterr().out
+    rows = [line.split() for line in printed.splitlines() if line.startswith("source ")]
+    assert rows[0] == ["source", "0.1500", "0.0", "1.0", "0.0", "0.037", f"{0.2 / 0.9:.3f}",
+                       "-0.0500", "-33.3%"]
+    assert rows[1][1] == "0.0750"                      # the CPU table
+
+
 def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):
     """Its default work folder was left in /tmp after every run (the streams and runs of each
     length); --workdir keeps them."""
