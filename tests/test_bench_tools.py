@@ -217,6 +217,43 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
     assert rows[1][1] == "0.0750"                      # the CPU table
 
 
+def test_bench_speed_two_lengths_recovers_a_known_line(tmp_path, monkeypatch):
+    """Each utterance timed at 0.1 s + 0.02 s per audio second: the points are the means per
+    utterance (audio and time, several utterances a length) and the line through them gives back
+    the fixed cost and the slope."""
+    import bench_speed
+
+    class Entry:
+        def process(self, wav, info):
+            return ""
+    monkeypatch.setattr(bench_speed, "make_entry", lambda *a: Entry())
+    monkeypatch.setattr(bench_speed, "timed",
+                        lambda e, wav, info, device: (0.1 + 0.02 * wav.numel() / 16000, 0.0))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    r = bench_speed.main(["--two_lengths", "1,4", "--methods", "suta", "--n_utts", "3",
+                          "--warmup", "0", "--model", str(model), "--device", "cpu"])["suta"]
+    (a1, t1), (a2, t2) = r["points"]
+    assert 0.75 <= a1 <= 1.25 and 3.0 <= a2 <= 5.0
+    assert (t1, t2) == (pytest.approx(0.1 + 0.02 * a1), pytest.approx(0.1 + 0.02 * a2))
+    assert (r["fixed_s_per_utt"], r["s_per_audio_s"]) == (pytest.approx(0.1), pytest.approx(0.02))
+
+
+def test_bench_memory_tail_slope_and_windows():
+    """The tail slope is the least-squares slope of the last half in MiB per 100 utterances (a
+    fall is negative); windows are the medians of consecutive windows, the last one shorter."""
+    import math
+    import bench_memory
+    rise = [500.0] * 10 + [500.0 + 0.02 * i for i in range(10)]     # flat, then 2 MiB per 100
+    assert bench_memory.tail_slope(rise) == pytest.approx(2.0)
+    assert bench_memory.tail_slope(rise, start=0) < 2.0
+    assert bench_memory.tail_slope([9.0, 8.0, 7.0, 6.0]) == pytest.approx(-100.0)
+    assert bench_memory.tail_slope([7.0, 2.0, 3.0]) == pytest.approx(100.0)   # from the 2nd
+    assert math.isnan(bench_memory.tail_slope([7.0, 2.0]))        # one point: no slope
+    assert bench_memory.windows([1, 2, 9, 4, 5, 6, 7], 3) == [2, 5, 7]
+
+
 def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):
     """Its default work folder was left in /tmp after every run (the streams and runs of each
     length); --workdir keeps them."""
@@ -227,11 +264,23 @@ def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(tempfile, "tempdir", None)     # TMPDIR read again
     opts = ["--lengths", "3", "--seconds", "0.5", "0.6",         # one decode child
             "--decode_opts=--steps=1"]
-    assert bench_memory.main(opts) in (0, 1)
-    assert "3 utts | peak RSS" in capsys.readouterr().out
+    # one length: no growth; windows of 1 utterance: a tail slope, any slope within tolerance
+    assert bench_memory.main([*opts, "--window", "1", "--slope_tolerance", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "3 utts | peak RSS" in out and "tail slope (utterances 2-3)" in out
+    assert out.strip().splitlines()[-1].startswith("peak RSS 3 -> 3 utterances: +0.0 MiB")
+    assert " -> FLAT (tolerance 20 MiB" in out
     assert not list((tmp_path / "tmp").glob("bench_memory_*"))    # (torch's own caches stay)
-    bench_memory.main([*opts, "--workdir", str(tmp_path / "kept")])
+    js = tmp_path / "mem.json"
+    bench_memory.main(["--lengths", "2", "3", *opts[2:], "--workdir", str(tmp_path / "kept"),
+                       "--json", str(js)])
     assert (tmp_path / "kept" / "exp_3" / "summary.json").is_file()
+    import json
+    data = json.loads(js.read_text())          # growth: the longest run's peak over the shortest
+    peaks = [r["peak_rss_mb"] for r in data["results"]]
+    assert [r["n"] for r in data["results"]] == [2, 3]
+    assert data["growth_mb"] == pytest.approx(peaks[1] - peaks[0])
+    assert data["flat"] == (peaks[1] - peaks[0] <= 20.0)
 
 
 def test_bench_sweep_oracle_resets_fire_at_its_blocks():
@@ -240,6 +289,29 @@ def test_bench_sweep_oracle_resets_fire_at_its_blocks():
     res = bench_sweep.cpu_bench(2, 6, 1, 0.6, method="csuta", reset="oracle")
     assert res["resets_separate"] == res["resets_batched"] == [2, 2]    # blocks of 2: 0|1|2
     assert res["same_transcripts"]
+    assert res["speedup"] == pytest.approx(res["separate_s_per_audio_s"]
+                                           / res["batched_s_per_audio_s"])
+
+
+def test_bench_sweep_says_when_a_batched_run_differs(monkeypatch):
+    """The comparison says so when one batched run's transcripts differ from its separate run's
+    (here the last view's, altered)."""
+    import bench_sweep
+    from tta_brain import sweep
+    orig = sweep.batch_for
+
+    def batch_for(first):
+        cls = orig(first)
+
+        def make(lobe, ms):
+            batch = cls(lobe, ms)
+            view = batch.views[-1]
+            process = view.process
+            view.process = lambda w: process(w) + " X"
+            return batch
+        return make
+    monkeypatch.setattr(sweep, "batch_for", batch_for)
+    assert bench_sweep.cpu_bench(2, 2, 1, 0.6, method="suta")["same_transcripts"] is False
 
 
 def test_bench_speed_says_a_bad_stream_in_one_line(tmp_path):
