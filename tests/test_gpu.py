@@ -1540,6 +1540,40 @@ def test_gpu_check_every_section_runs_on_cpu(tmp_path):
         assert any("conv" in op and shapes for op, shapes, *_ in rows)
 
 
+def test_gpu_check_transcripts_section_compares_captured_with_device_eager(tmp_path,
+                                                                          monkeypatch):
+    """``transcripts`` (SUTA alone, 2 utterances, CPU): the reference is the device eager step
+    (no captures), every variant captures and agrees; a captured run that adapts otherwise and
+    transcribes otherwise is counted as such and the section says MISMATCH."""
+    gc = _gpu_check()
+    monkeypatch.setattr(gc, "GRAPH_METHODS", ("suta",))
+    args = gc.parse_args(["--out", str(tmp_path), "--cpu_smoke", "--n_utts", "2"])
+    rep = gc.Report(str(tmp_path))
+    gc.section_transcripts(args, rep, str(tmp_path))
+    res = rep.data["transcripts"]
+    assert res["ok"] and rep.lines[-1] == "transcripts: OK (captured == device eager)"
+    assert set(res["methods"]) == {"suta, 1", "suta, 4", "suta, 1, warmup 0",
+                                   "suta, 4, buckets 0.25", "suta, default"}
+    for label, r in res["methods"].items():
+        assert (r["same"], r["n"]) == (2, 2) and r["max_param_diff"] < 1e-5, label
+        assert r["eager"]["captures"] == 0 and r["graphs"]["captures"] > 0, label
+    orig = gc._method
+
+    def other(name, model_dir, device, runtime, cache=None, **kw):
+        if runtime.get("cuda_device_steps"):
+            return orig(name, model_dir, device, runtime, cache, **kw)
+        m = orig(name, model_dir, device, runtime, cache, **dict(kw, lr=10 * kw["lr"]))
+        process = m.process
+        m.process = lambda w, info: process(w, info) + " X"
+        return m
+    monkeypatch.setattr(gc, "_method", other)
+    rep = gc.Report(str(tmp_path))
+    gc.section_transcripts(args, rep, str(tmp_path))
+    res = rep.data["transcripts"]
+    assert not res["ok"] and rep.lines[-1] == "transcripts: MISMATCH or no replay"
+    assert all(r["same"] == 0 and r["max_param_diff"] > 0 for r in res["methods"].values())
+
+
 def test_bench_speed_has_the_cuda_graphs_option():
     import bench_speed
     assert bench_speed.fixed_cost((3.0, 0.13), (8.0, 0.18)) == pytest.approx((0.1, 0.01))
