@@ -217,6 +217,23 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
     assert rows[1][1] == "0.0750"                      # the CPU table
 
 
+def test_bench_speed_entries_take_the_options_given(tiny_model_dir):
+    """The runtime options go to the entry's lobe, DSUTA's and the reset's to the method."""
+    import torch
+    import bench_speed
+    args = bench_speed.parse_args([
+        "--methods", "dsuta+dynamic", "--cache_features", "off", "--onednn_backward",
+        "--convolutions", "gemm", "--slow_grad", "recompute", "--buffer_size", "3",
+        "--dsuta_steps", "3", "--reset_K", "12", "--reset_patience", "4",
+        "--reset_threshold", "1.5", "--device", "cpu"])
+    e = bench_speed.make_entry("dsuta+dynamic", args, tiny_model_dir, torch.device("cpu"))
+    rt = e.lobe.runtime
+    assert (rt.cache_features, rt.cpu_native_backward, rt.convolutions) == ("off", False, "gemm")
+    assert (e.slow_grad, e.M, e.steps) == ("recompute", 3, 3)
+    p = e.reset_policy
+    assert (type(p).__name__, p.K, p.patience, p.threshold) == ("DynamicReset", 12, 4, 1.5)
+
+
 def test_bench_speed_two_lengths_recovers_a_known_line(tmp_path, monkeypatch):
     """Each utterance timed at 0.1 s + 0.02 s per audio second: the points are the means per
     utterance (audio and time, several utterances a length) and the line through them gives back
