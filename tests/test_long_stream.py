@@ -238,7 +238,8 @@ def test_long_report_tells_runs_apart_and_keeps_its_warnings(decoded, tiny_model
     and as two curves, each row names its folder, and runs pooled though they are not seeds of
     one experiment (here a copy of the source run) are warned about in LONG.md itself, not only
     on stderr (the rows read as two identical "dsuta, seed 0" and the plot averaged N=1 with
-    N=2)."""
+    N=2), and so are each run's own warnings (here the N=1 run diverged: steps skipped, empty
+    hypotheses; LONG.md showed its row like any other)."""
     import shutil
     from tta_brain.report.long import _mean_curves
     exp = tmp_path / "exp"
@@ -248,7 +249,7 @@ def test_long_report_tells_runs_apart_and_keeps_its_warnings(decoded, tiny_model
     decode.main(["dsuta", f"--source={tiny_model_dir}", f"--stream_csv={data / 'stream.csv'}",
                  f"--output_folder={exp / 'md_long' / 'dsuta_n1' / 'seed0'}",
                  f"--data_root={data}", "--noprogressbar", "--stream_name=md_long",
-                 "--steps=1", "--lr=0.05", "--buffer_size=2"])
+                 "--steps=1", "--lr=1e30", "--buffer_size=2"])
     runs = collect_runs(exp)
     text = write_long_report(runs, exp, "md_long", window=5).read_text()
     assert (exp / "plots" / "long_md_long.png").stat().st_size > 10000
@@ -260,6 +261,9 @@ def test_long_report_tells_runs_apart_and_keeps_its_warnings(decoded, tiny_model
         ["dsuta (N=1)", "dsuta (N=2)"]
     warned = text.split("## Warnings", 1)[1]
     assert "source on md_long: seed 0 more than once" in warned
+    assert "- md_long/dsuta_n1/seed0: 20 of 20 hypotheses are empty" in warned
+    assert "adaptation step(s) skipped for a non-finite loss" in warned
+    assert "- md_long/dsuta/seed0:" not in warned
     # two SNRs' folders hold streams of one name: the collapse compares with the same file's
     from tta_brain.report.long import _source_for
     other, own = (next(r for r in runs if r.name == f"{d}/source/seed0")
