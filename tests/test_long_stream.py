@@ -35,7 +35,8 @@ def test_long_report_refuses_an_empty_window(tmp_path, capsys):
     from tta_brain.report import long
     for opt, value, why in (("--window", "0", ">= 1 (utterances)"), ("--flat_mib", "-1.0", ">= 0"),
                             ("--flat_mib", "nan", ">= 0"), ("--margin", "nan", ">= 0"),
-                            ("--margin", "-2.0", ">= 0")):    # nan, -2 were taken
+                            ("--margin", "-2.0", ">= 0"),     # nan, -2 were taken
+                            ("--margin", "inf", ">= 0"), ("--flat_mib", "inf", ">= 0")):
         with pytest.raises(SystemExit):                 # a 0-utterance window reported nonsense
             long.main(["--exp_dir", str(tmp_path), opt, value])
         err = capsys.readouterr().err
