@@ -702,8 +702,10 @@ def test_the_official_codes_scoring_deletes_apostrophes(tmp_path):
     assert "apostrophes deleted" in off
     assert long.main(["--exp_dir", str(tmp_path), "--stream", "ja", "--window", "1",
                       "--metric", "wer_official", "--no_plots"]) == 0
-    rows = table_rows((tmp_path / "LONG_wer_official.md").read_text())
+    text = (tmp_path / "LONG_wer_official.md").read_text()
+    rows = table_rows(text)
     assert rows[0][3] == "WER-official %" and rows[1][:4] == ["source", "0", "2", "0.0"]
+    assert "Windowed WER-official: errors / words over the last 1 utterances" in text  # not chars
 
 
 @pytest.mark.filterwarnings("ignore:Glyph .* missing from font")   # no CJK font here
