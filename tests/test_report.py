@@ -1158,6 +1158,13 @@ def test_a_stream_of_several_domains_in_one_segment_is_not_single_domain(tmp_pat
     assert "single-domain streams" not in text
     assert table_rows(section(text, "Per-domain WER (%) on own")) == [
         ["Method", "A", "B", "all"], ["suta", "20.0 (n=1)", "60.0 (n=1)", "40.0 (n=1)"]]
+    # nor one of one domain in two segments (a true boundary at 50): no column of Table 1
+    # averaged with the single-domain streams (mutation audit)
+    runs[0].transcripts = [dataclasses.replace(t, domain="A") for t in runs[0].transcripts]
+    runs[0].summary = dataclasses.replace(runs[0].summary, boundaries=[50])
+    assert not tables.is_single_domain(runs[0])
+    text = report.build_markdown(runs)
+    assert "single-domain streams" not in text and "Per-domain WER (%) on own" in text
 
 
 def test_single_domain_streams_of_one_domain_are_titled_by_stream(tmp_path):
