@@ -189,6 +189,7 @@ def test_long_report_table_plot_and_memory_verdict(decoded, capsys):
     text = out.read_text()
     assert ("|method|seed|utts|WER %|worst 5-utt window (ends at)|first position > source + 0|"
             in text)
+    assert "Windowed WER: errors / words over the last 5 utterances (full windows only)" in text
     row = next(ln for ln in text.splitlines() if ln.startswith("|dsuta|"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "20" and "@" in cells[4]
