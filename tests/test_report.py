@@ -422,6 +422,23 @@ def test_single_domain_avg_is_the_mean_of_three_columns(tmp_path):
                     ["suta", "10.0 (n=1)", "20.0 (n=1)", "60.0 (n=1)", "30.0"]]
 
 
+def test_single_domain_avg_is_of_the_column_means_of_methods_with_every_column(tmp_path):
+    """Avg is the mean of the column means (suta: AA of two seeds, 10 and 30 %, and GS 50 %:
+    35, not 30, the mean of its three runs); a method without a run of every column gets no Avg
+    (over fewer columns it compares with no other); a method of multi-domain streams only gets
+    no row; --digits reach the Avg (mutation audit)."""
+    make_run(tmp_path, "suta", "lsc_AA", 1, 1)
+    make_run(tmp_path, "suta", "lsc_AA", 2, 3)
+    make_run(tmp_path, "suta", "lsc_GS", 1, 5)
+    make_run(tmp_path, "source", "lsc_AA", 0, 4)          # no GS run
+    make_run(tmp_path, "dsuta", "md_easy", 0, 2)
+    rows = table_rows(tables.table_domains(report.collect_runs(tmp_path), digits=2))
+    sd = statistics.stdev([10.0, 30.0])
+    assert rows == [["Method", "AA", "GS", "Avg"],
+                    ["source", "40.00 (n=1)", "-", "-"],
+                    ["suta", f"20.00 ± {sd:.2f} (n=2)", "50.00 (n=1)", "35.00"]]
+
+
 def test_detect_boundaries():
     det = tables.detect_boundaries([120, 230, 520], [200, 400], window=100)
     assert det == {"detected": {200: 30}, "missed": [400], "false": [120, 520]}
@@ -1151,13 +1168,13 @@ def test_a_stream_of_several_domains_in_one_segment_is_not_single_domain(tmp_pat
     by its first domain."""
     make_run(tmp_path, "suta", "own", 0, lambda p, dom: 2 if p < 50 else 6)
     runs = report.collect_runs(tmp_path)
-    runs[0].transcripts = [dataclasses.replace(t, domain="A" if t.position < 50 else "B")
+    runs[0].transcripts = [dataclasses.replace(t, domain="B" if t.position < 50 else "A")
                            for t in runs[0].transcripts]
     assert runs[0].boundaries == [] and not tables.is_single_domain(runs[0])
     text = report.build_markdown(runs)
     assert "single-domain streams" not in text
-    assert table_rows(section(text, "Per-domain WER (%) on own")) == [
-        ["Method", "A", "B", "all"], ["suta", "20.0 (n=1)", "60.0 (n=1)", "40.0 (n=1)"]]
+    assert table_rows(section(text, "Per-domain WER (%) on own")) == [     # in stream order
+        ["Method", "B", "A", "all"], ["suta", "20.0 (n=1)", "60.0 (n=1)", "40.0 (n=1)"]]
     # nor one of one domain in two segments (a true boundary at 50): no column of Table 1
     # averaged with the single-domain streams (mutation audit)
     runs[0].transcripts = [dataclasses.replace(t, domain="A") for t in runs[0].transcripts]
