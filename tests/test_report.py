@@ -1091,6 +1091,28 @@ def test_digits_reach_the_espnet_tables(tmp_path):
     assert table_rows(section(report.build_markdown(runs), "Per-experiment scores"))[1][7] == "13.4"
 
 
+def test_digits_reach_means_and_stds_of_every_wer_table(tmp_path):
+    """--digits: the means and stds over seeds of the main, Table 1 and steps tables (two seeds
+    of 10.0 and 13.4 %); the efficiency table counts each cell's runs (mutation audit)."""
+    for steps in (1, 2):
+        for seed, errs in ((1, 1), (2, lambda p, d: 1 if p % 3 else 2)):
+            make_run(tmp_path / f"n{steps}", "suta", "lsc_AA", seed, errs,
+                     hparams={"steps": steps})
+    runs = report.collect_runs(tmp_path)
+    md = report.build_markdown(runs, digits=2)
+    wers = [10.0, 13.4]
+    cell = f"{statistics.fmean(wers):.2f} ± {statistics.stdev(wers):.2f} (n=2)"
+    assert cell == "11.70 ± 2.40 (n=2)"
+    assert table_rows(section(md, "WER (%) per method and stream"))[1:] == [
+        ["suta (N=1)", cell], ["suta (N=2)", cell]]
+    assert table_rows(section(md, "WER (%) on single-domain streams"))[1] == [
+        "suta (N=1)", cell, "11.70"]
+    assert table_rows(section(md, "WER (%) vs number of adaptation steps"))[1] == [
+        "suta", cell, cell]
+    eff = table_rows(section(md, "Efficiency"))
+    assert eff[0][-1] == "Runs" and [r[-1] for r in eff[1:]] == ["2", "2"]
+
+
 def test_wer_file_counts_insertions_and_deletions_of_the_hypothesis(tmp_path):
     """wer.txt scores each hypothesis against its reference: a word the hypothesis adds is an
     insertion, one it lacks a deletion (by hand: 1 ins + 2 del + 1 sub of 7 words)."""
