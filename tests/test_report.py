@@ -477,6 +477,21 @@ def test_reset_table_follows_the_window(results, tmp_path):
     assert rows[("dsuta+dynamic", "1")][2:] == ["205, 450", "2", "1/2", "1", "5.0"]
 
 
+def test_reset_table_has_a_reset_run_that_never_reset_and_cuts_long_lists(tmp_path):
+    """A run of a reset configuration (its tag says so) that never reset has its row (0 resets,
+    no boundary detected), not none; of more than 20 reset positions the first 20 are listed
+    and the count of the others (mutation audit)."""
+    make_run(tmp_path, "suta+fixed", "md_easy", 0, 1)
+    make_run(tmp_path, "dsuta+fixed", "md_easy", 0, 1, resets=range(10, 260, 10))     # 25
+    make_run(tmp_path, "dsuta+oracle", "md_easy", 0, 1, resets=range(10, 210, 10))    # 20
+    rows = {r[0]: r for r in table_rows(tables.table_resets(report.collect_runs(tmp_path),
+                                                            "md_easy"))}
+    assert rows["suta+fixed"][2:] == ["-", "0", "0/2", "0", "-"]
+    first20 = ", ".join(map(str, range(10, 210, 10)))
+    assert rows["dsuta+fixed"][2:4] == [first20 + ", ... (+5 more)", "25"]
+    assert rows["dsuta+oracle"][2:4] == [first20, "20"]
+
+
 def test_espnet_table(results, written):
     _, text = written
     sec = text[text.index("### md_easy/source/0"):]
@@ -684,6 +699,8 @@ def test_character_error_rates_are_reported_beside_the_word_ones(tmp_path, capsy
     assert table_rows(section(cer, "Per-experiment scores"))[0][:3] == ["dataset", "Snt", "Chr"]
     assert table_rows(section(cer, "Per-experiment scores"))[1] == [
         "ja", "2", "9", "88.9", "11.1", "0.0", "0.0", "11.1", "50.0"]
+    assert table_rows(section(cer, "Per-experiment scores"))[3] == [   # suta: an insertion
+        "ja", "2", "9", "100.0", "0.0", "0.0", "11.1", "11.1", "50.0"]
     for name in ("wer_diff_ja.png", "cer_diff_ja.png"):
         png_size(tmp_path / "plots" / name)
     assert "(plots/cer_diff_ja.png)" in cer and "(plots/wer_diff_ja.png)" in wer
