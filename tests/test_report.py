@@ -1183,6 +1183,19 @@ def test_per_domain_cells_pool_counts_and_a_run_without_a_domain_is_left_out(tmp
     assert cell["NB"] == stat(nb) == "95.0 ± 7.1 (n=2)"
 
 
+def test_a_domains_wer_pools_the_counts_of_its_utterances(tmp_path):
+    """A domain's WER is its errors over its reference words (utterances of 10 and 20 words,
+    one error each: 2 of 30, 6.7 %), not the mean of its utterances' WERs (7.5 %)."""
+    make_run(tmp_path, "suta", "md_easy", 0, 1)
+    runs = report.collect_runs(tmp_path)
+    runs[0].transcripts = [dataclasses.replace(t, n_words=20 if t.position % 2 else 10)
+                           for t in runs[0].transcripts]
+    by_domain = tables.run_domain_wer(runs[0])
+    assert by_domain == {d: _wer([t for t in runs[0].transcripts if t.domain == d])
+                         for d in ("AA", "GS", "NB")}
+    assert table_rows(tables.table_breakdown(runs, "md_easy"))[1][1:] == ["6.7 (n=1)"] * 4
+
+
 def test_mean_delay_and_wall_time_are_means_over_what_they_average(tmp_path):
     """Reset table: the mean delay of three detected boundaries (1, 10, 61: 24.0; the median
     is 10). Efficiency: the wall time of a cell is the mean over its runs (it was summed)."""
