@@ -6,10 +6,14 @@ DSUTA + dynamic reset with the committed source model, two decodes at a time, re
 the paper's orderings with margins measured over seeds 0-2 by ``recipes/synthetic/regression.py``
 (about 4 minutes on 2 idle CPU cores); then, on the same data, the collapse regression of long
 streams (issue #21): DSUTA without a reset collapses at a raised learning rate and the dynamic
-reset brings it back (``regression.STRESS``).
+reset brings it back (``regression.STRESS``). The fast tests at the end check the margins and
+boundary matching of ``regression.py`` and train ``recipes/synthetic/train_source.py`` for an
+epoch or two on a tiny fake corpus.
 """
 
 import importlib.util
+import json
+import random
 import re
 import subprocess
 import sys
@@ -17,13 +21,17 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow   # end to end: python -m pytest -m 'not slow' leaves it out
+slow = pytest.mark.slow   # end to end: python -m pytest -m 'not slow' leaves them out
 
 REPO = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("synthetic_regression",
                                               REPO / "recipes" / "synthetic" / "regression.py")
 regression = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(regression)
+spec = importlib.util.spec_from_file_location("synthetic_train_source",
+                                              REPO / "recipes" / "synthetic" / "train_source.py")
+train_source = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(train_source)
 SEED = 0
 
 
@@ -37,6 +45,7 @@ def recipe(tmp_path_factory):
             "margins": regression.margins(res)}
 
 
+@slow
 def test_report_and_plots_are_written(recipe):
     text = (recipe["exp"] / "RESULTS.md").read_text()
     for label in regression.REDUCED["methods"].split():
@@ -49,20 +58,24 @@ def test_report_and_plots_are_written(recipe):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+@slow
 def test_noisy_stream_is_hard_for_the_source_model(recipe):
     res = recipe["res"]
     assert recipe["margins"]["noisy_minus_clean"] > regression.MARGINS["noisy_minus_clean"], res
     assert 15.0 < res["clean"] < 35.0, res  # the committed model: 25.1 % on clean test speech
 
 
+@slow
 def test_suta_beats_the_source_model(recipe):
     assert recipe["margins"]["source_minus_suta"] > regression.MARGINS["source_minus_suta"], recipe["res"]
 
 
+@slow
 def test_dsuta_beats_suta(recipe):
     assert recipe["margins"]["suta_minus_dsuta"] > regression.MARGINS["suta_minus_dsuta"], recipe["res"]
 
 
+@slow
 def test_dynamic_reset_detects_most_boundaries(recipe):
     res = recipe["res"]
     assert res["boundaries"] == [80, 160, 240, 320]
@@ -80,6 +93,7 @@ def test_dynamic_reset_detects_most_boundaries(recipe):
     assert rows[0][4] == f"{len(res['detected'])}/4", rows
 
 
+@slow
 def test_readme_api_example_runs_on_the_recipe_data(recipe):
     """The README's TTAStream example, as written, with the data folder of this run."""
     readme = (REPO / "README.md").read_text()
@@ -101,6 +115,7 @@ def test_readme_api_example_runs_on_the_recipe_data(recipe):
     assert lines[:-1] == [f"{t.ID} {t.hyp}" for t in decoded]
 
 
+@slow
 def test_dsuta_collapses_without_reset_and_the_dynamic_reset_recovers(recipe):
     """Stages 3-4 on this recipe run's data: an md_long of 300 utterances, source / DSUTA / DSUTA
     + dynamic reset at lr 2e-3 (regression.STRESS; margins measured over seeds 0-2)."""
@@ -110,3 +125,149 @@ def test_dsuta_collapses_without_reset_and_the_dynamic_reset_recovers(recipe):
     assert fig[regression.DYNAMIC]["resets"], fig
     for key, least in regression.STRESS_MARGINS.items():
         assert margins[key] > least, (key, margins, fig)
+
+
+# ------------------------------------------------------------------- fast: regression.py's figures
+def test_margins_are_the_differences_the_tests_assert_in_their_direction():
+    res = {"clean": 20.0, "source": 61.0, "suta": 50.0, "dsuta+dynamic": 46.5,
+           "detected_fraction": 0.75}
+    assert regression.margins(res) == {"noisy_minus_clean": 41.0, "source_minus_suta": 11.0,
+                                       "suta_minus_dsuta": 3.5, "detected_fraction": 0.75}
+    assert (regression.DSUTA, regression.DYNAMIC) == ("dsuta_lr2e-3", "dsuta+dynamic_lr2e-3")
+    fig = {"source": {"wer": 60.0}, regression.DSUTA: {"wer": 75.0},
+           regression.DYNAMIC: {"wer": 58.0}}
+    assert regression.stress_margins(fig) == {"dsuta_minus_source": 15.0,
+                                              "dsuta_minus_dynamic": 17.0,
+                                              "source_minus_dynamic": 2.0}
+
+
+def _write_run(folder, method, wer, resets=(), boundaries=()):
+    from dataclasses import asdict
+    from tta_brain.run.summary import Summary, write_summary
+    folder.mkdir(parents=True)
+    write_summary(folder, Summary(
+        method=method, stream="md_hard", seed=0, wer=wer, wer_per_domain={}, n_utts=400,
+        n_words=4000, n_err=int(wer * 40), n_skipped=0, skipped=[], resets=list(resets),
+        boundaries=list(boundaries), counts={}, wall_time_s=1.0, audio_s=1.0,
+        time_per_audio_s=1.0, num_adapted_params=0, hparams={}, device="cpu", versions={}))
+
+
+def test_collect_matches_each_boundary_once_within_the_detect_window(tmp_path):
+    """A reset DETECT_WINDOW (40) utterances after a boundary detects it, one at 41 does not; two
+    resets after one boundary detect it once; the fraction is of the true boundaries."""
+    assert regression.DETECT_WINDOW == 40
+    stream = tmp_path / "md_hard"
+    _write_run(stream / "source" / "seed0", "source", 60.0)
+    _write_run(stream / "suta" / "seed0", "suta", 50.0)
+    # 80 + 40: detected; 160 + 41: missed; 240 + 1 and + 5: one detection; 320 + 41: missed
+    _write_run(stream / "dsuta+dynamic" / "seed0", "dsuta+dynamic", 45.0,
+               resets=[245, 120, 201, 241, 361], boundaries=[80, 160, 240, 320])
+    res = regression.collect(tmp_path)
+    assert {m: res[m] for m in ("source", "suta", "dsuta+dynamic")} == {
+        "source": 60.0, "suta": 50.0, "dsuta+dynamic": 45.0}
+    assert res["resets"] == [245, 120, 201, 241, 361] and res["boundaries"] == [80, 160, 240, 320]
+    assert res["detected"] == [80, 240]
+    assert res["detected_fraction"] == 0.5
+    (stream / "suta" / "seed0" / "summary.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no run of suta under"):
+        regression.collect(tmp_path)
+
+
+# ------------------------------------------------------------------- fast: train_source.py
+def test_make_batches_keeps_every_utterance_once_under_the_padded_size():
+    lengths = [16000 * s for s in (1, 5, 2, 2, 9, 3, 1, 4, 7, 2, 6, 3)]
+    batches = train_source.make_batches(lengths, 10.0, random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:   # padded to the longest: at most batch_seconds (one long one alone)
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 10 * 16000, batches
+    assert len(batches) == 6      # [1 1 2 2] [2 3 3] [4] [5] [6 7] [9]: buckets of like lengths
+    assert batches == train_source.make_batches(lengths, 10.0, random.Random(0))
+    orders = {tuple(map(tuple, train_source.make_batches(lengths, 10.0, random.Random(s))))
+              for s in range(5)}
+    assert len(orders) > 1        # the order of the buckets is the rng's
+
+
+def test_the_encoder_and_processor_use_wav2vec2_base_960h_vocabulary():
+    from tta_brain.lobes.hf_ctc import W2V2_CHAR_VOCAB
+    encode = train_source.make_encoder()
+    vocab = train_source.VOCAB
+    assert encode("Hotel it's") == [vocab[c] for c in "HOTEL|IT'S"]
+    assert encode("A?") == [vocab["A"], vocab["<unk>"]]
+    processor = train_source.build_processor()
+    assert processor.tokenizer.get_vocab() == {t: i for i, t in enumerate(W2V2_CHAR_VOCAB)}
+    assert processor.tokenizer.pad_token_id == 0     # the CTC blank of the training loss
+    assert processor.decode(encode("HOTEL IT'S")) == "HOTEL IT'S"
+    assert processor.feature_extractor.sampling_rate == 16000
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    """A LibriSpeech-layout corpus: train-synth of 6 utterances (speakers 11, 12), test-synth of
+    2 utterances of another speaker (held out)."""
+    from fake_corpora import make_librispeech
+    root = tmp_path_factory.mktemp("tiny_synth")
+    make_librispeech(root, "train-synth", speakers=(11, 12), utts=3, durations=(1.5, 2.5))
+    make_librispeech(root, "test-synth", speakers=(21,), utts=2, durations=(1.5, 2.5), seed=1)
+    return root
+
+
+def _train(corpus, out, *args, **train):
+    """train_source.main on ``corpus`` with a tiny model (dropout and time masks on: the torch
+    rng matters) and ``train`` over the settings; returns its training_info.json."""
+    import yaml
+    from tta_brain.lobes.testing import TINY
+    model = {k: list(v) if isinstance(v, tuple) else v for k, v in TINY.items()}
+    model.update(hidden_dropout=0.1, mask_time_prob=0.2, mask_time_length=2)
+    cfg = {"model": model,
+           "train": dict(dict(epochs=1, batch_seconds=5.0, lr=1e-2, weight_decay=0.01,
+                              betas=[0.9, 0.98], warmup_steps=1000, final_lr_ratio=0.1,
+                              max_grad_norm=5.0, dev_utts=100, num_threads=1), **train)}
+    conf = Path(str(out) + ".yaml")
+    conf.write_text(yaml.safe_dump(cfg))
+    train_source.main(["--data_root", str(corpus), "--output_dir", str(out), "--config", str(conf),
+                       "--noprogressbar", *map(str, args)])
+    return json.loads((Path(out) / "training_info.json").read_text())
+
+
+def _weights(model_dir):
+    from safetensors.torch import load_file
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def test_train_source_exports_a_model_that_loads_like_wav2vec2_base_960h(tiny_corpus, tmp_path):
+    from transformers import AutoModelForCTC, AutoProcessor
+    info = _train(tiny_corpus, tmp_path / "model", "--seed", 3, "--epochs", 2)
+    processor = AutoProcessor.from_pretrained(tmp_path / "model")
+    model = AutoModelForCTC.from_pretrained(tmp_path / "model").eval()
+    assert processor.tokenizer.get_vocab() == train_source.VOCAB
+    assert (model.config.vocab_size, model.config.pad_token_id) == (32, 0)
+    assert (info["seed"], info["epochs"], info["test_split"]) == (3, 2, "test-synth")
+    assert (info["train_utts"], info["test_utts"]) == (6, 2)  # the test speaker's are held out
+    assert [h["epoch"] for h in info["history"]] == [1, 2]
+    # the exported model is the trained one: its test CER is the logged one (and the last epoch's
+    # monitoring CER, the dev utterances being the whole test split here)
+    base = tiny_corpus / "LibriSpeech"
+    test = train_source.load_split_audio(train_source.read_split(str(base / "test-synth")))
+    _, cer = train_source.error_rates([t for _, _, t in test],
+                                      train_source.transcribe(model, processor, test))
+    assert info["clean_test_cer"] == round(cer, 2)
+    assert info["history"][-1]["dev_cer"] == pytest.approx(cer)
+    train = train_source.load_split_audio(train_source.read_split(str(base / "train-synth")))
+    _, train_cer = train_source.error_rates([t for _, _, t in train],
+                                            train_source.transcribe(model, processor, train))
+    assert round(train_cer, 2) != info["clean_test_cer"]     # (so that the above tells them apart)
+    assert not (tmp_path / "model.tmp").exists() and (tmp_path / "model_ckpt" / "last.pt").is_file()
+
+
+def test_train_source_cosine_schedule_and_time_budget(tiny_corpus, tmp_path):
+    """After the warm-up the lr decays to lr * final_lr_ratio at the last step; a time budget
+    that one epoch exhausts shortens the schedule to that epoch."""
+    import torch
+    info = _train(tiny_corpus, tmp_path / "m", "--epochs", 2, warmup_steps=1)
+    state = torch.load(tmp_path / "m_ckpt" / "last.pt", weights_only=False)
+    assert state["scheduler"]["last_epoch"] > 2
+    assert state["scheduler"]["_last_lr"][0] == pytest.approx(1e-2 * 0.1)
+    info = _train(tiny_corpus, tmp_path / "t", "--epochs", 3, "--max_minutes", 0.01)
+    assert info["epochs"] == 1 and len(info["history"]) == 1
+    info = _train(tiny_corpus, tmp_path / "s", "--max_train_utts", 4)
+    assert info["train_utts"] == 4 and info["test_utts"] == 2
