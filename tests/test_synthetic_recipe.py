@@ -259,6 +259,30 @@ def test_train_source_exports_a_model_that_loads_like_wav2vec2_base_960h(tiny_co
     assert not (tmp_path / "model.tmp").exists() and (tmp_path / "model_ckpt" / "last.pt").is_file()
 
 
+def test_train_source_is_seeded_and_resumes_where_it_stopped(tiny_corpus, tmp_path):
+    """Same seed, same weights; another seed, others; one epoch then a rerun with --epochs 2
+    resumes from the checkpoint (model, optimiser, schedule, rng) to the weights of 2 epochs at
+    once (the lr is in its warm-up, which does not depend on the number of epochs)."""
+    import torch
+    _train(tiny_corpus, tmp_path / "a", "--epochs", 2)
+    a = _weights(tmp_path / "a")
+    _train(tiny_corpus, tmp_path / "b", "--epochs", 2)
+    assert all(torch.equal(a[k], v) for k, v in _weights(tmp_path / "b").items())
+    _train(tiny_corpus, tmp_path / "c", "--epochs", 2, "--seed", 2)
+    assert not all(torch.equal(a[k], v) for k, v in _weights(tmp_path / "c").items())
+    info = _train(tiny_corpus, tmp_path / "r", "--epochs", 1)
+    assert info["epochs"] == 1
+    info = _train(tiny_corpus, tmp_path / "r", "--epochs", 2)
+    assert [h["epoch"] for h in info["history"]] == [1, 2] and info["epochs"] == 2
+    resumed = _weights(tmp_path / "r")
+    assert resumed.keys() == a.keys()
+    assert all(torch.equal(a[k], v) for k, v in resumed.items())
+    state = torch.load(tmp_path / "r_ckpt" / "last.pt", weights_only=False)
+    steps = state["scheduler"]["last_epoch"]
+    assert steps > 2
+    assert state["scheduler"]["_last_lr"][0] == pytest.approx(1e-2 * (steps + 1) / 1000)
+
+
 def test_train_source_cosine_schedule_and_time_budget(tiny_corpus, tmp_path):
     """After the warm-up the lr decays to lr * final_lr_ratio at the last step; a time budget
     that one epoch exhausts shortens the schedule to that epoch."""

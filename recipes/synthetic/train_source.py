@@ -217,6 +217,8 @@ def main(argv=None):
         start_epoch, history, train_seconds = state["epoch"], state["history"], state["train_seconds"]
         random.setstate(state["py_rng"])
         torch.set_rng_state(state["torch_rng"])
+        if "np_rng" in state:  # SpecAugment's time masks (a checkpoint of before it: not saved)
+            np.random.set_state(state["np_rng"])
         if args.epochs:  # an explicit --epochs re-plans the schedule of a resumed run
             sched["total_epochs"] = args.epochs
         log.info("resumed from %s after epoch %d (schedule: %d epochs)", ckpt_file, start_epoch,
@@ -264,7 +266,8 @@ def main(argv=None):
         torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), sched=sched,
                         scheduler=scheduler.state_dict(), epoch=epoch, history=history,
                         train_seconds=train_seconds, py_rng=random.getstate(),
-                        torch_rng=torch.get_rng_state()), ckpt_file + ".tmp")
+                        torch_rng=torch.get_rng_state(), np_rng=np.random.get_state()),
+                   ckpt_file + ".tmp")
         os.replace(ckpt_file + ".tmp", ckpt_file)
 
     # final evaluation on the whole test split and export
