@@ -159,13 +159,14 @@ def test_collect_matches_each_boundary_once_within_the_detect_window(tmp_path):
     stream = tmp_path / "md_hard"
     _write_run(stream / "source" / "seed0", "source", 60.0)
     _write_run(stream / "suta" / "seed0", "suta", 50.0)
-    # 80 + 40: detected; 160 + 41: missed; 240 + 1 and + 5: one detection; 320 + 41: missed
+    # 80 + 40: detected; 160 + 41: missed; 240 + 1 and + 5: one detection; 320 + 41: missed;
+    # 50: before the first boundary
     _write_run(stream / "dsuta+dynamic" / "seed0", "dsuta+dynamic", 45.0,
-               resets=[245, 120, 201, 241, 361], boundaries=[80, 160, 240, 320])
+               resets=[245, 120, 201, 50, 241, 361], boundaries=[80, 160, 240, 320])
     res = regression.collect(tmp_path)
     assert {m: res[m] for m in ("source", "suta", "dsuta+dynamic")} == {
         "source": 60.0, "suta": 50.0, "dsuta+dynamic": 45.0}
-    assert res["resets"] == [245, 120, 201, 241, 361] and res["boundaries"] == [80, 160, 240, 320]
+    assert res["resets"] == [245, 120, 201, 50, 241, 361] and res["boundaries"] == [80, 160, 240, 320]
     assert res["detected"] == [80, 240]
     assert res["detected_fraction"] == 0.5
     (stream / "suta" / "seed0" / "summary.json").unlink()
@@ -200,14 +201,29 @@ def test_the_encoder_and_processor_use_wav2vec2_base_960h_vocabulary():
     assert processor.feature_extractor.sampling_rate == 16000
 
 
+
+def test_collate_pads_at_the_end_and_error_rates_are_wer_then_cer_of_the_hypotheses():
+    import torch
+    data = [("a", torch.linspace(-1, 1, 8000), "HOTEL ALPHA"),   # (as load_audio returns them)
+            ("b", torch.cos(torch.arange(12000.0)), "GOLF")]
+    x, lens, labels = train_source.collate(data, [0, 1], train_source.make_encoder())
+    assert x.shape == (2, 12000) and lens.tolist() == [8000, 12000]
+    assert torch.equal(x[0, 8000:], torch.zeros(4000))     # zero padding after the speech
+    assert abs(float(x[0, :8000].mean())) < 1e-5                 # normalised as the extractor
+    assert float(x[0, :8000].std()) == pytest.approx(1, abs=1e-3)
+    assert [l.tolist() for l in labels] == [train_source.make_encoder()(t) for _, _, t in data]
+    # 1 of 3 reference words deleted (the other way round: 1 insertion in 2 words, 50 %)
+    wer, cer = train_source.error_rates(["ALPHA BRAVO GOLF"], ["ALPHA BRAVO"])
+    assert wer == pytest.approx(100 / 3) and cer == pytest.approx(100 * 5 / 16)
+
 @pytest.fixture(scope="module")
 def tiny_corpus(tmp_path_factory):
     """A LibriSpeech-layout corpus: train-synth of 6 utterances (speakers 11, 12), test-synth of
-    2 utterances of another speaker (held out)."""
+    3 utterances of another speaker (held out)."""
     from fake_corpora import make_librispeech
     root = tmp_path_factory.mktemp("tiny_synth")
     make_librispeech(root, "train-synth", speakers=(11, 12), utts=3, durations=(1.5, 2.5))
-    make_librispeech(root, "test-synth", speakers=(21,), utts=2, durations=(1.5, 2.5), seed=1)
+    make_librispeech(root, "test-synth", speakers=(21,), utts=3, durations=(1.5, 2.5), seed=1)
     return root
 
 
@@ -236,22 +252,25 @@ def _weights(model_dir):
 
 def test_train_source_exports_a_model_that_loads_like_wav2vec2_base_960h(tiny_corpus, tmp_path):
     from transformers import AutoModelForCTC, AutoProcessor
-    info = _train(tiny_corpus, tmp_path / "model", "--seed", 3, "--epochs", 2)
+    info = _train(tiny_corpus, tmp_path / "model", "--seed", 3, "--epochs", 2, dev_utts=2)
     processor = AutoProcessor.from_pretrained(tmp_path / "model")
     model = AutoModelForCTC.from_pretrained(tmp_path / "model").eval()
     assert processor.tokenizer.get_vocab() == train_source.VOCAB
     assert (model.config.vocab_size, model.config.pad_token_id) == (32, 0)
     assert (info["seed"], info["epochs"], info["test_split"]) == (3, 2, "test-synth")
-    assert (info["train_utts"], info["test_utts"]) == (6, 2)  # the test speaker's are held out
+    assert (info["train_utts"], info["test_utts"]) == (6, 3)  # the test speaker's are held out
     assert [h["epoch"] for h in info["history"]] == [1, 2]
-    # the exported model is the trained one: its test CER is the logged one (and the last epoch's
-    # monitoring CER, the dev utterances being the whole test split here)
+    # the exported model is the trained one: its CER on the whole test split is the logged one,
+    # on its first dev_utts the last epoch's monitoring CER
     base = tiny_corpus / "LibriSpeech"
     test = train_source.load_split_audio(train_source.read_split(str(base / "test-synth")))
-    _, cer = train_source.error_rates([t for _, _, t in test],
-                                      train_source.transcribe(model, processor, test))
+    hyps = train_source.transcribe(model, processor, test)      # (one batch, by length)
+    assert hyps[::-1] == train_source.transcribe(model, processor, test[::-1])  # each its own
+    _, cer = train_source.error_rates([t for _, _, t in test], hyps)
     assert info["clean_test_cer"] == round(cer, 2)
-    assert info["history"][-1]["dev_cer"] == pytest.approx(cer)
+    _, dev_cer = train_source.error_rates([t for _, _, t in test[:2]],
+                                          train_source.transcribe(model, processor, test[:2]))
+    assert info["history"][-1]["dev_cer"] == pytest.approx(dev_cer) and dev_cer != cer
     train = train_source.load_split_audio(train_source.read_split(str(base / "train-synth")))
     _, train_cer = train_source.error_rates([t for _, _, t in train],
                                             train_source.transcribe(model, processor, train))
@@ -259,17 +278,30 @@ def test_train_source_exports_a_model_that_loads_like_wav2vec2_base_960h(tiny_co
     assert not (tmp_path / "model.tmp").exists() and (tmp_path / "model_ckpt" / "last.pt").is_file()
 
 
-def test_train_source_is_seeded_and_resumes_where_it_stopped(tiny_corpus, tmp_path):
-    """Same seed, same weights; another seed, others; one epoch then a rerun with --epochs 2
-    resumes from the checkpoint (model, optimiser, schedule, rng) to the weights of 2 epochs at
-    once (the lr is in its warm-up, which does not depend on the number of epochs)."""
+def test_train_source_is_seeded_and_resumes_where_it_stopped(tiny_corpus, tmp_path, monkeypatch):
+    """Same seed, same weights; another seed, others (and other batch orders, each epoch its
+    own); one epoch then a rerun with --epochs 2 resumes from the checkpoint (model, optimiser,
+    schedule, rng) to the weights of 2 epochs at once (the lr is in its warm-up, which does not
+    depend on the number of epochs)."""
     import torch
+    make_batches, orders = train_source.make_batches, []
+
+    def recorded(lengths, batch_seconds, rng):     # the training batches (5 s), not the decodes'
+        batches = make_batches(lengths, batch_seconds, rng)
+        if batch_seconds == 5.0:
+            orders.append(batches)
+        return batches
+
+    monkeypatch.setattr(train_source, "make_batches", recorded)
     _train(tiny_corpus, tmp_path / "a", "--epochs", 2)
     a = _weights(tmp_path / "a")
     _train(tiny_corpus, tmp_path / "b", "--epochs", 2)
     assert all(torch.equal(a[k], v) for k, v in _weights(tmp_path / "b").items())
     _train(tiny_corpus, tmp_path / "c", "--epochs", 2, "--seed", 2)
     assert not all(torch.equal(a[k], v) for k, v in _weights(tmp_path / "c").items())
+    # per run: the count of steps per epoch (rng of its own), epoch 1's batches, epoch 2's
+    assert len(orders) == 9 and orders[1:3] == orders[4:6] and len(orders[1]) > 2
+    assert orders[1] != orders[2] and orders[1:3] != orders[7:9], orders
     info = _train(tiny_corpus, tmp_path / "r", "--epochs", 1)
     assert info["epochs"] == 1
     info = _train(tiny_corpus, tmp_path / "r", "--epochs", 2)
@@ -285,13 +317,83 @@ def test_train_source_is_seeded_and_resumes_where_it_stopped(tiny_corpus, tmp_pa
 
 def test_train_source_cosine_schedule_and_time_budget(tiny_corpus, tmp_path):
     """After the warm-up the lr decays to lr * final_lr_ratio at the last step; a time budget
-    that one epoch exhausts shortens the schedule to that epoch."""
+    that one epoch exhausts (less than the 2 minutes kept for the final evaluation and export)
+    shortens the schedule to that epoch."""
     import torch
     info = _train(tiny_corpus, tmp_path / "m", "--epochs", 2, warmup_steps=1)
     state = torch.load(tmp_path / "m_ckpt" / "last.pt", weights_only=False)
     assert state["scheduler"]["last_epoch"] > 2
     assert state["scheduler"]["_last_lr"][0] == pytest.approx(1e-2 * 0.1)
-    info = _train(tiny_corpus, tmp_path / "t", "--epochs", 3, "--max_minutes", 0.01)
+    info = _train(tiny_corpus, tmp_path / "t", "--epochs", 3, "--max_minutes", 1.9)  # < 2 min
     assert info["epochs"] == 1 and len(info["history"]) == 1
     info = _train(tiny_corpus, tmp_path / "s", "--max_train_utts", 4)
-    assert info["train_utts"] == 4 and info["test_utts"] == 2
+    assert info["train_utts"] == 4 and info["test_utts"] == 3
+
+
+def test_regression_runs_pass_their_seed_stream_and_stress_settings_to_the_recipe(tmp_path,
+                                                                                    monkeypatch):
+    """run_recipe and run_stress as dry runs: the seed is the stream's and the decodes'; the
+    collapse regression's md_long, learning rate and run labels are STRESS's."""
+    real, printed = subprocess.run, []
+
+    def dry_run(cmd, **kwargs):
+        out = real(cmd + ["--dry_run", "true"], capture_output=True, text=True, **kwargs)
+        printed.append(out.stdout + out.stderr)
+        return out
+
+    monkeypatch.setattr(regression.subprocess, "run", dry_run)
+    root = regression.run_recipe(tmp_path, 7)
+    assert root == tmp_path / "exp_seed7" / "snr20"
+    text = "\n".join(printed)
+    assert re.search(r"prepare streams .*--names md_hard --seed 7 ", text), text
+    decodes = re.findall(r"tta_brain\.decode (\S+) .*--output_folder=(\S+) --seed=(\d+)", text)
+    assert sorted(decodes) == [(m, str(root / "md_hard" / label / "seed7"), "7") for m, label in
+                               [("dsuta", "dsuta+dynamic"), ("source", "source"), ("suta", "suta")]]
+    assert "Stage 5" in printed[-1]
+    printed.clear()
+    root = regression.run_stress(tmp_path, 7)
+    assert root == tmp_path / "stress_seed7" / "snr20"
+    text = "\n".join(printed)
+    assert "Stage 2" in printed[0]      # the data of the seed, where there is none yet
+    assert re.search(r"prepare streams .*--names md_long --seed 7 --total 300 .*--max_len 100 ",
+                     text), text
+    decoded = r"tta_brain\.decode (\S+) .*--output_folder=\S+/md_long/(\S+)/seed(\d+) (.*)"
+    decodes = re.findall(decoded, text)
+    assert sorted(label for _, label, _, _ in decodes) == sorted(
+        ["source", regression.DSUTA, regression.DYNAMIC])
+    for method, label, seed, opts in decodes:
+        assert seed == "7" and (method == "source" or "--lr=2e-3" in opts), (label, opts)
+
+
+def test_measurement_prints_the_minimum_of_each_margin_over_seeds_and_flags_those_below(
+        tmp_path, monkeypatch, capsys):
+    """regression.py's main on the runs of two seeds (their summaries as the recipe writes
+    them; the recipe runs and the clean decode are stood in for)."""
+    runs = {0: (20.0, 60.0, 50.0, 45.0, [120]), 1: (25.0, 70.0, 55.0, 52.0, [85, 170, 250])}
+    for seed, (_, source, suta, dynamic, resets) in runs.items():
+        stream = tmp_path / f"exp_seed{seed}" / "md_hard"
+        _write_run(stream / "source" / "seed0", "source", source)
+        _write_run(stream / "suta" / "seed0", "suta", suta)
+        _write_run(stream / "dsuta+dynamic" / "seed0", "dsuta+dynamic", dynamic, resets=resets,
+                   boundaries=[80, 160, 240, 320])
+    monkeypatch.setattr(regression, "run_recipe", lambda work, seed: work / f"exp_seed{seed}")
+    monkeypatch.setattr(regression, "clean_wer", lambda data: runs[int(data.name[-1])][0])
+    assert regression.main(["--work_dir", str(tmp_path), "--seeds", "0", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    minima = out[out.index("margin: min over seeds (asserted)") + 1:]
+    assert minima == ["  noisy_minus_clean: 40.00 (30.0)", "  source_minus_suta: 10.00 (8.0)",
+                      "  suta_minus_dsuta: 3.00 (1.0)",
+                      "  detected_fraction: 0.25 (0.5)   <-- below the asserted margin"]
+    # the collapse regression's: above the asserted margin or flagged
+    figs = {seed: {"source": {"wer": 60.0, "worst": 70.0, "first_above": None, "resets": []},
+                   regression.DSUTA: {"wer": dsuta, "worst": 90.0, "first_above": 100, "resets": []},
+                   regression.DYNAMIC: {"wer": 58.0, "worst": 65.0, "first_above": None,
+                                        "resets": [150]}}
+            for seed, dsuta in ((0, 75.0), (1, 61.0))}
+    monkeypatch.setattr(regression, "run_stress", lambda work, seed: seed)
+    monkeypatch.setattr(regression, "stress_figures", lambda seed: figs[seed])
+    assert regression.main(["--work_dir", str(tmp_path), "--seeds", "0", "1", "--collapse"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    minima = out[out.index("margin: min over seeds (asserted)") + 1:]
+    assert minima == ["  dsuta_minus_source: 1.00 (1.0)   <-- not above the asserted margin",
+                      "  dsuta_minus_dynamic: 3.00 (1.0)", "  source_minus_dynamic: 2.00 (0.0)"]
