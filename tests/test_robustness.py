@@ -451,6 +451,25 @@ def test_flags_take_false_and_an_option_is_no_value_of_another():
         parse_arguments(["a.yaml", "--lr", "--steps=3"])
 
 
+def test_a_command_line_is_split_as_the_docstring_says():
+    """``--key value`` is ``--key=value`` (a flag takes no value), ``-h`` is ``--help``, ``on`` is
+    true as ``yes`` is, and a second positional, an option without a name or no method at all is
+    a UsageError, not a run of something else (mutation audit)."""
+    from tta_brain.run.cli import UsageError
+    args = parse_arguments(["a.yaml", "--lr", "1e-4", "--noprogressbar", "--steps", "2",
+                            "--compile=on"])
+    assert (args.method, args.run_opts, args.overrides) == (
+        "a.yaml", {"noprogressbar": True}, "lr: 1e-4\nsteps: 2\ncompile: true\n")
+    assert parse_arguments(["a.yaml", "-h"]).help
+    args = parse_arguments(["--help"])                 # decode --help: the packaged methods
+    assert args.help and args.method is None
+    for argv, expected in ((["a.yaml", "b.yaml"], "unexpected argument 'b.yaml'"),
+                           (["a.yaml", "--=3"], "bad argument '--=3'"),
+                           (["--lr=1"], "usage: python -m tta_brain.decode")):
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            parse_arguments(argv)
+
+
 def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     out = tmp_path / "exp"
     msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, "--reset=foo"))
