@@ -447,7 +447,9 @@ def test_hidden_and_token_stats_against_slow_references(setup):
                     frames.setdefault(v, []).append(z[f])
     s, m = torch.std_mean(torch.stack(layers), dim=0, unbiased=False)
     assert torch.allclose(hid["layers_mean"], m, atol=1e-6) and torch.allclose(hid["layers_std"], s, atol=1e-6)
-    assert torch.allclose(hid["cnn_mean"], torch.stack(cnn).mean(0), atol=1e-6)
+    s, m = torch.std_mean(torch.stack(cnn), dim=0, unbiased=False)
+    assert torch.allclose(hid["cnn_mean"], m, atol=1e-6) and torch.allclose(hid["cnn_std"], s, atol=1e-6)
+    assert int(hid["n_utts"]) == len(inputs) > 1
     assert set(torch.nonzero(tok["count"])[:, 0].tolist()) == set(frames) and frames
     for v, zs in frames.items():
         s, m = torch.std_mean(torch.stack(zs), dim=0, unbiased=False)
@@ -461,6 +463,8 @@ def test_statistic_losses_against_slow_references():
     states = [torch.randn(P, Fr, H, generator=g) for _ in range(L)]
     path = torch.randint(0, V, (P, Fr), generator=g)
     path[2] = 0                                                     # all blank: loss 0
+    path[1] %= 2                   # label 1 alone: the mean over its labels, not the population's
+    assert set(path[1].tolist()) == {0, 1} and len(set(path[0].tolist()) - {0, 2}) > 1
     src = {"mean": torch.randn(V, L * H, generator=g), "std": torch.rand(V, L * H, generator=g),
            "count": torch.tensor([5, 3, 0, 2, 7, 1])}               # label 2 never seen: skipped
     got = act.token_alignment(states, path, src, blank_id=0)
