@@ -972,9 +972,19 @@ def test_awmc_takes_a_reset_policy_like_the_others(make, utterances, source_valu
     assert [e.position for e in m.events if e.kind == "reset"] == [2]
 
 
-def test_registry_refuses_a_second_class_under_a_taken_name():
+def test_registry_refuses_a_second_class_under_a_taken_name(monkeypatch):
     from tta_brain.methods import register
     from tta_brain.methods.base import TTAMethod
+    monkeypatch.setitem(METHODS, "suta", METHODS["suta"])        # restored whatever happens
+    # a user's own class of the same name, in the user's module: refused, not put in its place
+    mine = type("SUTA", (TTAMethod,), {"__module__": "my_tta", "__qualname__": "SUTA"})
+    with pytest.raises(ValueError, match="method name 'suta' is taken by tta_brain.methods.suta.SUTA; "
+                                         "register my_tta.SUTA under another name"):
+        register("suta")(mine)
+    assert METHODS["suta"].__module__ == "tta_brain.methods.suta"
+    # the same class again (its module reloaded): taken, no error
+    again = type("SUTA", (TTAMethod,), {"__module__": "tta_brain.methods.suta", "__qualname__": "SUTA"})
+    assert register("suta")(again) is again and METHODS["suta"] is again and again.name == "suta"
     with pytest.raises(ValueError, match="method name 'suta' is taken by tta_brain.methods.suta.SUTA"):
         @register("suta")
         class MySUTA(TTAMethod):
