@@ -417,6 +417,9 @@ def test_env_log_gives_the_git_revision_of_now(tmp_path, monkeypatch):
     assert "Could not get git revision" in text and "Git revision:" not in text
     assert "Installed Python packages:" in text and text.endswith(
         envinfo._environment_description().split("==============================\n")[-1])
+    monkeypatch.setattr(envinfo, "_INSTALLED", text)   # SpeechBrain first asked outside a repository
+    monkeypatch.chdir(repo)
+    assert f"Git revision:\n{commits[-1]}\n" in envinfo.installed_packages()
 
 
 def test_non_finite_loss_skips_the_step_and_is_logged(data, tmp_path, monkeypatch):
