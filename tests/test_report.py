@@ -561,6 +561,16 @@ def test_environment_block(written):
     assert "decoded with (" in env and "speechbrain 1.1.2" in env
 
 
+def test_environment_block_names_the_checkouts_commit(tmp_path):
+    """RESULTS.md's ``Git hash``: the whole commit of the checkout that wrote it; "unavailable"
+    outside a repository (mutation audit)."""
+    from tta_brain.run.envinfo import environment
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert len(head) == 40 and environment(REPO)["Git hash"] == head
+    assert environment(tmp_path)["Git hash"] == "unavailable"
+
+
 def test_split_lii(results):
     run = next(r for r in report.collect_runs(results) if r.method == "dsuta+dynamic" and r.seed == 1)
     inside, outside = plots.split_lii(run)
