@@ -1215,6 +1215,7 @@ def test_device_description_names_the_machine_gpu():
     from tta_brain.run.envinfo import describe_device
     assert describe_device("cpu") == "cpu"
     assert describe_device("cuda:1", visible="2,3").startswith("cuda:1 (GPU 3")
+    assert describe_device("cuda:1", visible="2, 3").startswith("cuda:1 (GPU 3")   # as CUDA reads it
     assert describe_device("cuda", visible="5").startswith("cuda:0 (GPU 5")
     assert describe_device("cuda:0", visible=None).startswith("cuda:0 (GPU ") or CUDA
 

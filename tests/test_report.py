@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import struct
 import subprocess
@@ -569,6 +570,16 @@ def test_environment_block_names_the_checkouts_commit(tmp_path):
                           check=True).stdout.strip()
     assert len(head) == 40 and environment(REPO)["Git hash"] == head
     assert environment(tmp_path)["Git hash"] == "unavailable"
+
+
+def test_environment_block_lists_every_gpu(tmp_path, monkeypatch):
+    """A machine with two GPUs: both in the block, as nvidia-smi lists them (mutation audit)."""
+    from tta_brain.run.envinfo import environment
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100, 81559 MiB'\necho 'NVIDIA A100, 40960 MiB'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert environment(tmp_path)["GPU"] == "NVIDIA H100, 81559 MiB; NVIDIA A100, 40960 MiB"
 
 
 def test_split_lii(results):
