@@ -1107,6 +1107,26 @@ def test_build_method_refuses_what_is_no_model_and_an_unknown_policy(tiny_model_
     assert m.steps == 2
 
 
+def test_build_method_takes_keyword_only_options_and_paths(tiny_lobe, monkeypatch, tmp_path):
+    """A method of one's own whose options are keyword-only (``*, alpha``) is built with them, and
+    a text option (a path) may be a ``pathlib.Path`` as its string may (mutation audit: either
+    was refused, "has no option(s)" / "is not valid")."""
+    from tta_brain.methods import register
+    from tta_brain.methods.suta import SUTA
+    monkeypatch.setitem(METHODS, "kwonly_suta", None)        # removed again after the test
+
+    @register("kwonly_suta")
+    class KwOnlySUTA(SUTA):
+        def __init__(self, *, alpha=0.5, lm_path=None, **kw):
+            super().__init__(**kw)
+            self.alpha, self.lm_path = alpha, lm_path
+    m = build_method("kwonly_suta", model=tiny_lobe, alpha=0.25, lm_path=tmp_path / "x.arpa",
+                     steps=1)
+    assert (m.alpha, m.lm_path, m.steps) == (0.25, tmp_path / "x.arpa", 1)
+    with pytest.raises(TypeError, match="has no option.*beta.*alpha"):
+        build_method("kwonly_suta", model=tiny_lobe, beta=1.0)
+
+
 def test_a_float64_default_dtype_is_one_line(tiny_model_dir, tiny_lobe, utterances):
     """torch.set_default_dtype(torch.float64) in the caller's script loaded a float64 model and
     made float64 buffers that float32 inputs then met: a traceback deep in a layer."""
