@@ -1799,3 +1799,21 @@ def test_batched_cea_temporal_coherence_weight_is_each_runs(data):
     for i, w in enumerate(wavs):
         alone.process(w, UttInfo(position=i))
     assert max_diff(alone.params, seps[1].params) > 10 * PARAM_TOL
+
+
+def test_batched_sgem_lr_floor_and_negative_sampling_are_each_runs(data):
+    """Batched SGEM runs that differ in their lr floor (``lr_min``: one as high as the lr, no
+    annealing) and their negative sampling (weight, threshold: at SGEM's default threshold the
+    tiny model's nearly uniform posteriors have no negatives, so these are higher) give their
+    separate runs' transcripts and weights; each setting moved its run's weights."""
+    cfgs = [(1e-2, 3, "none", dict(lr_min=1e-2, ns_coef=0.0)),
+            (1e-2, 3, "none", dict(lr_min=1e-2, ns_coef=5.0)),
+            (1e-2, 3, "none", dict(lr_min=1e-4, ns_coef=5.0)),
+            (1e-2, 3, "none", dict(lr_min=1e-4, ns_coef=5.0, ns_threshold=0.2))]
+    batch, wavs, build = _batch(data, "sgem", cfgs, beam_width=1, ns_threshold=0.1)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:3])
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+    for a, b in ((0, 1), (1, 2), (2, 3)):           # ns_coef, lr_min, ns_threshold mattered
+        assert max_diff(seps[a].params, seps[b].params) > 10 * PARAM_TOL, (a, b)
