@@ -1817,3 +1817,19 @@ def test_batched_sgem_lr_floor_and_negative_sampling_are_each_runs(data):
         assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
     for a, b in ((0, 1), (1, 2), (2, 3)):           # ns_coef, lr_min, ns_threshold mattered
         assert max_diff(seps[a].params, seps[b].params) > 10 * PARAM_TOL, (a, b)
+
+
+def test_batched_t3a_runs_test_their_own_lii(data):
+    """Two batched T3A runs with their own dynamic reset (and their own filter, so their
+    supports and phi_D differ) take the LII losses of each utterance from its one full pass,
+    each run at its own phi_D: the same LII values as their separate runs'."""
+    cfgs = [(1e-3, 1, "dynamic", dict(filter_K=2)), (1e-3, 1, "dynamic", dict(filter_K=-1))]
+    batch, wavs, build = _batch(data, "t3a", cfgs)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:8])
+    liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
+    for r, m in enumerate(seps):
+        mine = [e.value for e in batch.views[r].events if e.kind == "lii"]
+        assert len(mine) == len(liis[r]) > 2 and np.allclose(mine, liis[r], rtol=0,
+                                                             atol=LII_TOL), (r, mine, liis[r])
+    assert not np.allclose(liis[0], liis[1], rtol=0, atol=10 * LII_TOL)   # the runs' own
