@@ -1575,6 +1575,10 @@ def test_a_batch_names_the_runs_it_cannot_take(data):
     awmc = build_method("awmc", model=fresh(), reset_policy=make_reset_policy("fixed", every=3))
     with pytest.raises(ValueError, match="run 2: method awmc"):
         BatchedFree(lobe, [ebats, awmc])
+    other = build_method("ebats", model=fresh(), source_stats=str(data["stats"]),
+                         population_batch=2)     # one forward's size for all runs: run 1's
+    with pytest.raises(ValueError, match="run 2: population_batch differs from run 1's"):
+        BatchedFree(lobe, [ebats, other])
 
 
 @pytest.mark.parametrize("arch,cfg,draws", [
