@@ -1845,3 +1845,16 @@ def test_batched_t3a_runs_test_their_own_lii(data):
         assert len(mine) == len(liis[r]) > 2 and np.allclose(mine, liis[r], rtol=0,
                                                              atol=LII_TOL), (r, mine, liis[r])
     assert not np.allclose(liis[0], liis[1], rtol=0, atol=10 * LII_TOL)   # the runs' own
+
+
+def test_batched_cotta_fixed_and_fresh_restore_masks_are_each_runs(data):
+    """A batch whose first run restores a fixed mask and whose second draws a fresh one every
+    step: the second's masks are its own draws, not cached as the first's fixed one is (the
+    weights of both as their separate runs')."""
+    cfgs = [(3e-3, 2, "none", dict(restore_mask="fixed", restore_prob=0.05)),
+            (3e-3, 2, "none", dict(restore_prob=0.2))]
+    batch, wavs, build = _batch(data, "cotta", cfgs, ap_threshold=0.0, seed=3)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:4])
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
