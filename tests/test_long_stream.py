@@ -33,10 +33,11 @@ def test_windowed_wer_uses_full_windows_only():
 
 def test_long_report_refuses_an_empty_window(tmp_path, capsys):
     from tta_brain.report import long
-    for opt, value, why in (("--window", "0", ">= 1 (utterances)"), ("--flat_mib", "-1.0", ">= 0"),
-                            ("--flat_mib", "nan", ">= 0"), ("--margin", "nan", ">= 0"),
-                            ("--margin", "-2.0", ">= 0"),     # nan, -2 were taken
-                            ("--margin", "inf", ">= 0"), ("--flat_mib", "inf", ">= 0")):
+    num = "a finite number >= 0"
+    for opt, value, why in (("--window", "0", ">= 1 (utterances)"), ("--flat_mib", "-1.0", num),
+                            ("--flat_mib", "nan", num), ("--margin", "nan", num),
+                            ("--margin", "-2.0", num),     # nan, -2 were taken
+                            ("--margin", "inf", num), ("--flat_mib", "inf", num)):
         with pytest.raises(SystemExit):                 # a 0-utterance window reported nonsense
             long.main(["--exp_dir", str(tmp_path), opt, value])
         err = capsys.readouterr().err

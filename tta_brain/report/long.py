@@ -382,7 +382,7 @@ def main(argv=None) -> int:
         p.error(f"--window {args.window}: must be an integer >= 1 (utterances)")
     for name in ("margin", "flat_mib"):        # nan: nothing is ever above it, all is flat
         if not 0 <= getattr(args, name) < float("inf"):
-            p.error(f"--{name} {getattr(args, name)}: must be a number >= 0")
+            p.error(f"--{name} {getattr(args, name)}: must be a finite number >= 0")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tta_brain.report.results import collect_runs
     try:
