@@ -168,10 +168,11 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
     """The table's figures from a known clock (real model, real passes; each entry's time a set
     rate of the audio it processed, a unit pass's first run of an input at its new-length rate):
     s per audio s, the unit costs on a seen and a new length, the passes' prediction (counts x
-    unit costs + the first pass's new-length extra), overhead, the ratios to SUTA, per clock."""
+    unit costs + the first pass's new-length extra), overhead, the ratios to SUTA, per clock.
+    FOA's forwards have no backward: each costed at the no-grad forward's rate, not fwd+bwd's."""
     import json
     import bench_speed
-    rates = {"unit_fb": (0.5, 0.3), "unit_f": (0.2, 0.1), "suta": 4.0, "source": 0.15}
+    rates = {"unit_fb": (0.5, 0.3), "unit_f": (0.2, 0.1), "suta": 4.0, "source": 0.15, "foa": 3.0}
     calls = {}
 
     def timed(entry, wav, info, device):
@@ -180,20 +181,23 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
             k = calls[id(entry)] = calls.get(id(entry), -1) + 1      # new length, then seen
             rate = rates["unit_" + entry.kind][k % 2]
         else:
-            rate = rates["suta" if entry.num_adapted else "source"]
+            rate = rates[entry.name]
         wall = rate * wav.numel() / 16000
         return wall, wall / 2                                         # CPU: half the wall
     monkeypatch.setattr(bench_speed, "timed", timed)
     out = tmp_path / "bench.json"
     res = bench_speed.main(["--model", tiny_model_dir, "--n_utts", "2", "--seconds", "1.5",
-                            "--repeats", "2", "--warmup", "1", "--methods", "source,suta",
+                            "--repeats", "2", "--warmup", "1", "--methods", "source,suta,foa",
                             "--suta_steps", "2", "--json", str(out)])
     assert res["suta"]["counts_per_utt"] == dict(adapt_forward=2, adapt_backward=2,
                                                  infer_forward=1, aux_forward=0)
     assert res["source"]["counts_per_utt"] == dict(adapt_forward=0, adapt_backward=0,
                                                    infer_forward=1, aux_forward=0)
+    assert res["foa"]["counts_per_utt"] == dict(adapt_forward=28, adapt_backward=0,   # 27 + best
+                                                infer_forward=0, aux_forward=0)
     suta_pass = 2 * 0.3 + 1 * 0.1 + (0.5 - 0.3)       # first pass a backward: at fb's new length
     source_pass = 1 * 0.1 + (0.2 - 0.1)                # no backward: at the forward's
+    foa_pass = 28 * 0.1 + (0.2 - 0.1)                  # forwards without a backward: as source's
     data = json.loads(out.read_text())
     for clock, scale in (("wall", 1.0), ("cpu", 0.5)):
         units = data["units"][clock]
@@ -201,7 +205,8 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
             new, seen = rates[u]
             assert units[u]["s_per_audio_s"] == pytest.approx(scale * seen)
             assert units[u]["new_length_s_per_audio_s"] == pytest.approx(scale * new)
-        for m, s, p in (("suta", 4.0, suta_pass), ("source", 0.15, source_pass)):
+        for m, s, p in (("suta", 4.0, suta_pass), ("source", 0.15, source_pass),
+                        ("foa", 3.0, foa_pass)):
             r = data["methods"][m][clock]
             assert r == res[m][clock]
             assert r["s_per_audio_s"] == pytest.approx(scale * s)
@@ -215,6 +220,8 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
     assert rows[0] == ["source", "0.1500", "0.0", "1.0", "0.0", "0.037", f"{0.2 / 0.9:.3f}",
                        "-0.0500", "-33.3%"]
     assert rows[1][1] == "0.0750"                      # the CPU table
+    rows = [line.split() for line in printed.splitlines() if line.startswith("foa ")]
+    assert rows[0][:4] == ["foa", "3.0000", "28.0/0.0", "0.0"]     # forwards / backwards
 
 
 def test_bench_speed_entries_take_the_options_given(tiny_model_dir):
