@@ -338,6 +338,27 @@ def test_bench_sweep_says_when_a_batched_run_differs(monkeypatch):
     assert bench_sweep.cpu_bench(2, 2, 1, 0.6, method="suta")["same_transcripts"] is False
 
 
+def test_bench_sweep_counts_the_batched_runs_own_resets(monkeypatch, capsys):
+    """The batched runs' resets are counted from the batch's views, not copied from the separate
+    runs: here the last view's oracle policy is dropped, so it never resets."""
+    import bench_sweep
+    from tta_brain import sweep
+    orig = sweep.batch_for
+
+    def batch_for(first):
+        cls = orig(first)
+
+        def make(lobe, ms):
+            batch = cls(lobe, ms)
+            batch.views[-1].reset_policy = None
+            return batch
+        return make
+    monkeypatch.setattr(sweep, "batch_for", batch_for)
+    res = bench_sweep.cpu_bench(2, 6, 1, 0.6, method="csuta", reset="oracle")
+    assert (res["resets_separate"], res["resets_batched"]) == ([2, 2], [2, 0])
+    assert capsys.readouterr().out.rstrip().endswith("resets per run [2, 2] (batched [2, 0])")
+
+
 def test_bench_speed_says_a_bad_stream_in_one_line(tmp_path):
     """A manifest that needs --data_root (or names a missing file) was ManifestError's traceback."""
     import bench_speed
