@@ -173,15 +173,18 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
     import json
     import bench_speed
     rates = {"unit_fb": (0.5, 0.3), "unit_f": (0.2, 0.1), "suta": 4.0, "source": 0.15, "foa": 3.0}
-    calls = {}
+    calls, lengths = {}, {}
 
     def timed(entry, wav, info, device):
         entry.process(wav, info)
         if isinstance(entry, bench_speed.UnitPass):
             k = calls[id(entry)] = calls.get(id(entry), -1) + 1      # new length, then seen
             rate = rates["unit_" + entry.kind][k % 2]
+            name = "unit_" + entry.kind
         else:
             rate = rates[entry.name]
+            name = entry.name
+        lengths.setdefault(name, set()).add(wav.numel())
         wall = rate * wav.numel() / 16000
         return wall, wall / 2                                         # CPU: half the wall
     monkeypatch.setattr(bench_speed, "timed", timed)
@@ -199,6 +202,15 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
     source_pass = 1 * 0.1 + (0.2 - 0.1)                # no backward: at the forward's
     foa_pass = 28 * 0.1 + (0.2 - 0.1)                  # forwards without a backward: as source's
     data = json.loads(out.read_text())
+    # --lengths fresh: each entry its own length of every utterance, each round its utterances
+    assert all(len(v) == 4 for v in lengths.values())                  # 2 rounds x 2 utterances
+    sets = list(lengths.values())
+    assert all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1:])
+    timed_utts = bench_speed.generated_stream(1 + 2 * 2, 1.5)[1:]     # after the warm-up one
+    mean_s = sum(w.numel() for _, w in timed_utts) / 16000 / 4
+    assert data["mean_utt_s"] == pytest.approx(mean_s)
+    printed = capsys.readouterr().out
+    assert f"2 rounds x 2 utts (mean {mean_s:.2f} s; lengths: fresh)" in printed
     for clock, scale in (("wall", 1.0), ("cpu", 0.5)):
         units = data["units"][clock]
         for u in ("unit_fb", "unit_f"):
@@ -215,13 +227,66 @@ def test_bench_speed_figures_are_the_clocks_over_the_audio(tiny_model_dir, tmp_p
             assert r["overhead_frac"] == pytest.approx((s - p) / s)
             assert r["ratio_to_suta"] == pytest.approx(s / 4.0)
             assert r["pass_ratio_to_suta"] == pytest.approx(p / suta_pass)
-    printed = capsys.readouterr().out
     rows = [line.split() for line in printed.splitlines() if line.startswith("source ")]
     assert rows[0] == ["source", "0.1500", "0.0", "1.0", "0.0", "0.037", f"{0.2 / 0.9:.3f}",
                        "-0.0500", "-33.3%"]
     assert rows[1][1] == "0.0750"                      # the CPU table
     rows = [line.split() for line in printed.splitlines() if line.startswith("foa ")]
     assert rows[0][:4] == ["foa", "3.0000", "28.0/0.0", "0.0"]     # forwards / backwards
+
+
+def test_bench_speed_rounds_fresh_and_repeated():
+    """--lengths fresh: every round its own utterances after the warm-up ones; repeat: every
+    round the same ones."""
+    import bench_speed
+    args = bench_speed.parse_args(["--n_utts", "2", "--repeats", "3", "--warmup", "1",
+                                   "--seconds", "0.5", "--device", "cpu"])
+    warm, rounds = bench_speed.load_utterances(args)
+    ids = [[info.id for info, _ in rnd] for rnd in rounds]
+    assert [i.id for i, _ in warm] == ["gen0"]
+    assert ids == [["gen1", "gen2"], ["gen3", "gen4"], ["gen5", "gen6"]]
+    args.lengths = "repeat"
+    warm, rounds = bench_speed.load_utterances(args)
+    assert [[info.id for info, _ in rnd] for rnd in rounds] == [["gen1", "gen2"]] * 3
+
+
+def test_bench_speed_train_unit_passes_in_train_mode(tiny_model_dir):
+    """unit_fb_train's forward runs with the model in train mode (dropout etc., as a train-mode
+    method adapts), and leaves it in eval mode; unit_fb's and unit_f's run in eval mode."""
+    import torch
+    import bench_speed
+    args = bench_speed.parse_args(["--device", "cpu"])
+    wav = bench_speed.generated_stream(1, 0.6)[0][1]
+    for name, want in (("unit_fb_train", [True, True]), ("unit_fb", [False, False]),
+                       ("unit_f", [False, False])):
+        e = bench_speed.make_entry(name, args, tiny_model_dir, torch.device("cpu"))
+        modes, logits = [], e.lobe.logits
+
+        def spy(x, _logits=logits, _e=e):
+            modes.append(_e.lobe.model.training)
+            return _logits(x)
+        e.lobe.logits = spy
+        info = bench_speed.UttInfo(id="u", position=0, domain="d", segment=0)
+        e.prime(wav, info)
+        e.process(wav, info)
+        assert modes == want and not e.lobe.model.training, name
+
+
+def test_bench_speed_timed_returns_wall_then_cpu(monkeypatch):
+    """timed: (wall, process CPU) seconds around the entry's process, from their own clocks."""
+    from types import SimpleNamespace
+    import torch
+    import bench_speed
+    wall, cpu = iter([10.0, 13.0]), iter([100.0, 101.5])
+    monkeypatch.setattr(bench_speed, "time", SimpleNamespace(perf_counter=lambda: next(wall),
+                                                             process_time=lambda: next(cpu)))
+    seen = []
+
+    class Entry:
+        def process(self, wav, info):
+            seen.append((wav, info))
+    assert bench_speed.timed(Entry(), "w", "i", torch.device("cpu")) == (3.0, 1.5)
+    assert seen == [("w", "i")]
 
 
 def test_bench_speed_entries_take_the_options_given(tiny_model_dir):
@@ -276,6 +341,66 @@ def test_bench_memory_tail_slope_and_windows():
     assert bench_memory.tail_slope([7.0, 2.0, 3.0]) == pytest.approx(100.0)   # from the 2nd
     assert math.isnan(bench_memory.tail_slope([7.0, 2.0]))        # one point: no slope
     assert bench_memory.windows([1, 2, 9, 4, 5, 6, 7], 3) == [2, 5, 7]
+
+
+def test_bench_memory_rss_in_mib(monkeypatch):
+    """/proc's kB in MiB; without /proc, ru_maxrss (kB on Linux, bytes on macOS)."""
+    import sys
+    import resource
+    from types import SimpleNamespace
+    import bench_memory
+    monkeypatch.setattr(bench_memory, "_status_kb", {"VmRSS": 2048, "VmHWM": 3072}.get)
+    assert (bench_memory.rss_mb(), bench_memory.peak_rss_mb()) == (2.0, 3.0)
+    monkeypatch.setattr(bench_memory, "_status_kb", lambda key: None)
+    usage = SimpleNamespace(ru_maxrss=5120)
+    monkeypatch.setattr(resource, "getrusage", lambda who: usage)
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert bench_memory.rss_mb() is None and bench_memory.peak_rss_mb() == 5.0
+    usage.ru_maxrss = 5120 * 1024
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert bench_memory.peak_rss_mb() == 5.0
+
+
+@pytest.mark.parametrize("peaks,tail,flat", [
+    ((500.0, 530.0), 0.0, False),          # the peak grew by more than --tolerance_mb
+    ((500.0, 490.0), 0.0, True),           # a lower peak: no growth
+    ((500.0, 510.0), 0.02, False),         # within tolerance, but a tail slope of 2 MiB per 100
+    ((500.0, 510.0), 0.001, True),         # both within
+])
+def test_bench_memory_verdict_from_peaks_and_tail_slope(peaks, tail, flat, tmp_path, monkeypatch,
+                                                        capsys):
+    """The verdict from the runs' figures (child processes faked: their JSON lines): growth is
+    the longest run's peak RSS minus the shortest's; GROWS (exit 1) when it exceeds
+    --tolerance_mb or the longest run's tail slope exceeds --slope_tolerance."""
+    import json
+    import subprocess
+    import bench_memory
+    real_run = subprocess.run
+
+    def run(cmd, **kw):
+        if "--child" not in cmd:
+            return real_run(cmd, **kw)
+        n = int(cmd[cmd.index("--stream") + 1].rsplit("_", 1)[1][:-4])
+        trace = [400.0 + tail * i for i in range(n)]
+        res = {"n": n, "resets": 0, "wer": 0.0, "peak_rss_mb": peaks[n > 2], "end_rss_mb": 400.0,
+               "rss_at": {}, "trace": trace, "smaps": {}, "wall_s": 1.0}
+        return subprocess.CompletedProcess(cmd, 0, "BENCH_MEMORY " + json.dumps(res) + "\n", "")
+    monkeypatch.setattr(bench_memory.subprocess, "run", run)
+    monkeypatch.setattr(bench_memory, "make_audio",
+                        lambda root, n, *a: [{"ID": i} for i in range(n)])
+    js = tmp_path / "mem.json"
+    rc = bench_memory.main(["--lengths", "2", "40", "--source", "m", "--window", "10",
+                            "--slope_tolerance", "1", "--workdir", str(tmp_path),
+                            "--json", str(js)])
+    growth = peaks[1] - peaks[0]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"peak RSS 2 -> 40 utterances: {growth:+.1f} MiB "
+                           f"({100 * growth / peaks[0]:+.2f}%); tail slope {100 * tail:+.2f} MiB")
+    assert last.split(" -> ")[-1].startswith("FLAT" if flat else "GROWS")
+    assert rc == (0 if flat else 1)
+    data = json.loads(js.read_text())
+    assert data["growth_mb"] == pytest.approx(growth) and data["flat"] is flat
+    assert data["results"][1]["tail_slope"] == pytest.approx(100 * tail)
 
 
 def test_bench_memory_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):
