@@ -213,6 +213,8 @@ def test_viterbi_empty_labels_is_all_blank_and_labels_may_be_a_tensor():
     assert viterbi_align(lp, torch.tensor([1, 3])).tolist() == viterbi_align(lp, [1, 3]).tolist()
     with pytest.raises(ValueError, match="blank"):
         viterbi_align(lp, [1, BLANK, 2])
+    with pytest.raises(ValueError, match="^viterbi_align: labels must not contain the blank$"):
+        viterbi_align(lp, [1, BLANK] * 6)          # too long for 6 frames: refused all the same
 
 
 def test_viterbi_matches_the_former_aligner_on_random_and_peaked_inputs():
@@ -308,6 +310,17 @@ def test_prefix_beam_search_keeps_a_frames_best_label_below_the_threshold():
     # one frame: p([3]) = lp[3] > p([]) = lp[blank]
     assert beams[0][0] == [3] and beams[0][1] == pytest.approx(float(lp[0, 3]), abs=1e-6)
     assert beams[1][0] == [] and beams[1][1] == pytest.approx(float(lp[0, 0]), abs=1e-6)
+
+
+def test_prefix_beam_search_on_extremely_peaked_posteriors():
+    """Log-probabilities of -1000 and below (a diverging model's logits): the log-sums stay
+    finite (``exp`` of a difference past 709 overflows) and the beams are the former search's."""
+    lp, _ = peaked_log_probs(30, 5, 0, noise=1.0, peak=1000.0)
+    assert float(lp.min()) < -1000.0
+    kw = dict(beam_width=4, token_min_logp=-1e9)
+    beams = prefix_beam_search(lp, **kw)
+    assert beams[0][0] == collapse(greedy_path(lp))
+    assert_same_beams(beams, ref_prefix_beam_search(lp, **kw))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
