@@ -152,3 +152,5 @@ def test_corpus_error_rate_normalises_both_sides():
     pairs = [("Hello, World!", "hello world"), ("Don\u2019t  stop now.", "DON'T STOP NOW")]
     assert corpus_error_rate(pairs) == 0.0
     assert corpus_error_rate(pairs + [("one two", "one three"), ("a b c", "A B C")]) == 100.0 * 1 / 10
+    # a reference with no words left adds its hypothesis' words as insertions, no reference word
+    assert corpus_error_rate(pairs + [("?!", "extra words")]) == 100.0 * 2 / 5
