@@ -1172,6 +1172,19 @@ def test_a_saved_tiny_model_leaves_the_callers_random_state(tmp_path):
     assert torch.equal(torch.rand(3), want)
     b = HFCTCLobe(save_ctc_model(str(tmp_path / "b"), seed=5)).model
     assert same(list(a.state_dict().values()), list(b.state_dict().values()))
+    c = HFCTCLobe(save_ctc_model(str(tmp_path / "c"), seed=6)).model
+    assert not same(list(a.state_dict().values()), list(c.state_dict().values()))
+
+
+def test_a_saved_tiny_model_with_a_layer_norm_encoder_asks_for_the_attention_mask(tmp_path):
+    """As the checkpoints it stands for: a layer-norm feature encoder (wav2vec2-large-lv60
+    style) is given the attention mask of a padded batch, a group-norm one (base-960h) is not,
+    unless the caller says otherwise."""
+    from conftest import save_ctc_model
+    assert HFCTCLobe(save_ctc_model(str(tmp_path / "ln"), norm="layer")).use_attention_mask
+    assert not HFCTCLobe(save_ctc_model(str(tmp_path / "gn"), norm="group")).use_attention_mask
+    assert not HFCTCLobe(save_ctc_model(str(tmp_path / "off"), norm="layer",
+                                        attention_mask=False)).use_attention_mask
 
 
 def test_a_model_adapted_by_one_method_is_refused_to_another(tiny_model_dir, utterances):
