@@ -1589,6 +1589,45 @@ def test_a_batch_names_the_runs_it_cannot_take(data):
         BatchedFree(lobe, [ebats, other])
 
 
+def test_a_suta_batch_names_the_runs_its_rows_cannot_run(data):
+    """The SUTA family's batch (an API user's, past the sweep's own checks) names the run and what
+    its rows cannot run: another precision, compile, an optimiser other than Adam(W) or with
+    amsgrad / maximize; and, against run 1, another method, other parameters,
+    other optimiser hyperparameters. Adam's rows are as AdamW's."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.runtime import Runtime
+    from tta_brain.methods import build_method
+    from tta_brain.methods.batched import BatchedSUTA
+
+    def suta(name="suta", runtime=None, **kw):
+        lobe = HFCTCLobe(data["model"], runtime=Runtime(**(runtime or {})))
+        return build_method(name, model=lobe, **kw)
+    first = suta()
+    assert BatchedSUTA.blocker(first) is None
+    assert BatchedSUTA.blocker(suta(optimizer=torch.optim.Adam)) is None
+    for opt in (partial(torch.optim.AdamW, amsgrad=True), partial(torch.optim.Adam, maximize=True)):
+        assert BatchedSUTA.blocker(suta(optimizer=opt)) == "optimizer: amsgrad / maximize"
+    assert BatchedSUTA.blocker(suta(optimizer=torch.optim.SGD)) == \
+        "optimizer SGD (batched: AdamW, Adam)"
+    assert BatchedSUTA.blocker(suta(runtime=dict(precision="bf16"))) == \
+        "precision bf16 (batched: fp32)"
+    compiled = suta()
+    compiled.runtime.compile = True
+    assert BatchedSUTA.blocker(compiled) == "compile"
+    for others, why in [
+            ([suta(), suta(runtime=dict(precision="bf16"))], "run 3: precision bf16"),
+            ([suta("tent")], "run 2: method tent, run 1's is suta"),
+            ([suta(adapt_params=[{"select": "layernorm"}])],
+             "run 2: adapts other parameters than run 1"),
+            ([suta(optimizer=partial(torch.optim.AdamW, weight_decay=0.1))],
+             "run 2: optimizer weight_decay differs from run 1's"),
+            ([suta(optimizer=partial(torch.optim.AdamW, weight_decay=0.0, eps=1e-6))],
+             "run 2: optimizer eps differs from run 1's")]:
+        with pytest.raises(ValueError) as e:
+            BatchedSUTA(first.lobe, [first, *others])
+        assert str(e.value).startswith(why), str(e.value)
+
+
 @pytest.mark.parametrize("arch,cfg,draws", [
     ("wav2vec2", {}, ["activation_dropout=0.1", "attention_dropout=0.1", "final_dropout=0.1",
                       "hidden_dropout=0.1"]),
