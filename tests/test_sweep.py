@@ -1886,6 +1886,26 @@ def test_batched_t3a_runs_test_their_own_lii(data):
     assert not np.allclose(liis[0], liis[1], rtol=0, atol=10 * LII_TOL)   # the runs' own
 
 
+def test_batched_csuta_runs_test_their_own_lii(data):
+    """Two batched CSUTA runs with their own dynamic reset (their own lr, loss weights and so
+    phi_D), beside a run with none, take each utterance's LII losses from the one forward of
+    their phi_D rows and the source, each run its own rows and its own loss: the same LII values
+    and decisions as their separate runs'."""
+    cfgs = [(1e-2, 1, "dynamic"), (1e-3, 2, "none"),
+            (3e-3, 2, "dynamic", dict(em_coef=0.5, temperature=1.0))]
+    batch, wavs, build = _batch(data, "csuta", cfgs)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs)
+    liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
+    for r, m in enumerate(seps):
+        mine = [e.value for e in batch.views[r].events if e.kind == "lii"]
+        assert len(mine) == len(liis[r]) and np.allclose(mine, liis[r], rtol=0, atol=LII_TOL), \
+            (r, mine, liis[r])
+    assert len(liis[0]) > 2 and not liis[1] and len(liis[2]) > 2
+    n = min(len(liis[0]), len(liis[2]))
+    assert not np.allclose(liis[0][:n], liis[2][:n], rtol=0, atol=10 * LII_TOL)   # the runs' own
+
+
 def test_batched_cotta_fixed_and_fresh_restore_masks_are_each_runs(data):
     """A batch whose first run restores a fixed mask and whose second draws a fresh one every
     step: the second's masks are its own draws, not cached as the first's fixed one is (the
