@@ -1593,7 +1593,8 @@ def test_a_suta_batch_names_the_runs_its_rows_cannot_run(data):
     """The SUTA family's batch (an API user's, past the sweep's own checks) names the run and what
     its rows cannot run: another precision, compile, an optimiser other than Adam(W) or with
     amsgrad / maximize; and, against run 1, another method, other parameters,
-    other optimiser hyperparameters. Adam's rows are as AdamW's."""
+    other optimiser hyperparameters. Adam's rows are as AdamW's. A run it takes is described,
+    and named, by its number in the command."""
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.lobes.runtime import Runtime
     from tta_brain.methods import build_method
@@ -1626,6 +1627,20 @@ def test_a_suta_batch_names_the_runs_its_rows_cannot_run(data):
         with pytest.raises(ValueError) as e:
             BatchedSUTA(first.lobe, [first, *others])
         assert str(e.value).startswith(why), str(e.value)
+    # the runs it takes: each describes itself as its method, numbered as the command numbers
+    # it; a transcript is each utterance's once (a second ask names the run)
+    import soundfile as sf
+    from tta_brain.methods import UttInfo
+    second = suta(lr=1e-2, em_coef=0.5)
+    batch = BatchedSUTA(first.lobe, [first, second])
+    assert [v.describe() for v in batch.views] == [
+        f"{first.describe()}; batched run 1 of 2", f"{second.describe()}; batched run 2 of 2"]
+    wav = torch.from_numpy(sf.read(sorted((data["root"] / "wav").glob("*.wav"))[0],
+                                   dtype="float32")[0])
+    batch.process([0, 1], wav, UttInfo(position=0, segment="0"))
+    assert [v.process(wav) for v in batch.views] == [first.process(wav), second.process(wav)]
+    with pytest.raises(RuntimeError, match="^batched run 2: no transcript computed"):
+        batch.views[1].process(wav)
 
 
 @pytest.mark.parametrize("arch,cfg,draws", [
