@@ -396,7 +396,8 @@ class RunView:
         """The transcript the batch computed for this run's current utterance."""
         hyp, self.hyp = self.hyp, None
         if hyp is None:
-            raise RuntimeError(f"batched run {self.r + 1}: no transcript computed for this utterance")
+            raise RuntimeError(
+                f"batched run {self.r + 1}: no transcript computed for this utterance")
         return hyp
 
     def meta_values(self):
@@ -406,7 +407,8 @@ class RunView:
         """The SUTA loss of this utterance under ``values`` (the policy's phi_D) or the source
         (None), as the batch computed it (``BatchedSUTA.lii_ahead``)."""
         if values is not None and values is not getattr(self.reset_policy, "phi_D", None):
-            raise RuntimeError(f"batched run {self.r + 1}: loss_with only knows phi_D and the source")
+            raise RuntimeError(
+                f"batched run {self.r + 1}: loss_with only knows phi_D and the source")
         return self.early_losses.pop("source" if values is None else "phi_D")
 
     def record_skip(self, why: str, clear_grads: bool = False) -> None:
