@@ -718,7 +718,12 @@ def test_buckets_with_a_one_graph_cache_say_so(tiny_model_dir, caplog):
         m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1,
                                                             "cuda_graph_cache": 1})
     assert m.step.buckets == 0.1 and "set cuda_graph_cache" in caplog.text
-    for cache, kept in ((32, 32), ("auto", 64)):      # auto: room for DSUTA's 2 graphs a bucket
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):             # 2 or 3 graphs: still too few to say
+        build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1,
+                                                        "cuda_graph_cache": 3})
+    assert "keep the graphs of few bucket" in caplog.text
+    for cache, kept in ((4, 4), (32, 32), ("auto", 64)):   # auto: room for DSUTA's 2 a bucket
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": 0.1,
@@ -762,6 +767,8 @@ def test_graph_settings_given_on_cpu_are_said_to_do_nothing(tiny_model_dir, capl
                      ({"cuda_graphs": "on", "cuda_graph_buckets": 0.2},
                       "suta: cuda_device_steps / cuda_graphs / cuda_graph_buckets: no effect on "
                       "cpu"),
+                     ({"cuda_device_steps": True},
+                      "suta: cuda_device_steps / cuda_graphs: no effect on cpu"),
                      ({}, None)):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="tta_brain.gpu"):
@@ -784,6 +791,20 @@ def test_cached_graph_is_dropped_when_the_state_is_replaced(tiny_model_dir, utte
     assert he == hg and max_diff(e.params, g.params) == 0.0
     assert g.step.cache.stats["clears"] >= 1
     assert g.step.backend.released >= 1
+
+
+def test_cached_graph_is_dropped_when_the_lr_changes(tiny_model_dir, utterances):
+    """A captured step bakes the optimiser's hyperparameters in (a real replay would keep the
+    old lr): a changed lr fails the signature check, the graph is dropped and captured again."""
+    items = stream(utterances, 4, [9600])
+    g = build(tiny_model_dir, "csuta", "graph")
+    run(g, items[:3])
+    st = g.step
+    assert st.backend.captures == 1 and st.cache.stats["clears"] == 0
+    for group in g.optimizer.param_groups:
+        group["lr"] *= 0.5
+    run(g, items[3:])
+    assert st.cache.stats["clears"] == 1 and st.backend.captures == 2 and st.backend.released == 1
 
 
 def test_capture_failure_falls_back_to_eager(tiny_model_dir, utterances, caplog):
@@ -816,6 +837,9 @@ def test_methods_with_host_work_keep_the_host_path(tiny_model_dir, utterances, c
         assert step_blocker(m) and type(m.step) is HostStep
         assert not any(g.get("fused") for g in m.optimizer.param_groups)
     assert "keep the host check" in caplog.text and "no device step (its loss" in caplog.text
+    # asked for (cuda_graphs: on): the refusal is a warning, not an info line
+    assert {r.levelno for r in caplog.records if "no device step" in r.getMessage()} == {
+        logging.WARNING}
     for name in ("suta", "csuta", "dsuta"):
         assert step_blocker(build(tiny_model_dir, name, "graph")) is None
     assert step_blocker(build(tiny_model_dir, "source", "graph")) == "nothing adapts"
