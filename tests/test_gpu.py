@@ -291,6 +291,15 @@ def test_capture_without_a_per_length_warmup(tiny_model_dir, utterances):
     assert (st.stats["eager"], st.stats["replays"], st.backend.captures) == (4, 20, 5)
 
 
+def test_first_capture_after_exactly_three_eager_steps(tiny_model_dir, utterances):
+    """The first warm-up is 3 eager steps in all (``FIRST_WARMUP``), not 4: with
+    ``cuda_graph_warmup: 0`` a 5-step utterance captures at its 4th step and replays its last 2."""
+    m = build(tiny_model_dir, "suta", "graph", steps=5, runtime={"cuda_graph_warmup": 0})
+    m.process(utterances[1][:9600].clone(), UttInfo(id="a"))
+    st = m.step
+    assert (st.stats["eager"], st.stats["replays"], st.backend.captures) == (3, 2, 1)
+
+
 def test_bucket_length_edges():
     """Buckets: the smallest edge >= n of ``1 s * (1 + r)^k`` on the stride; an input longer
     than 1 s is padded by less than ``r`` of its length plus one stride."""
