@@ -278,6 +278,22 @@ def test_warmup_and_capture_schedule(tiny_model_dir, utterances):
     assert m.counts["adapt_backward"] == 12
 
 
+def test_a_replayed_step_returns_its_own_loss(tiny_model_dir, utterances):
+    """A replayed step's loss (``adapt_step``'s return) is its own tensor: the next replay,
+    which rewrites the graph's loss, does not change it."""
+    m = build(tiny_model_dir, "suta", "graph", steps=4)
+    w = utterances[1][:9600]
+    for i in range(2):
+        m.process(w.clone(), UttInfo(id=f"u{i}"))
+    assert m.step.backend.captures == 1
+    x = m.lobe.prepare(w.clone())
+    first = m.adapt_step(x)
+    value = float(first)
+    second = m.adapt_step(x)
+    assert m.step.stats["replays"] >= 2 + 3 and float(second) != value
+    assert float(first) == value
+
+
 def test_capture_without_a_per_length_warmup(tiny_model_dir, utterances):
     """``cuda_graph_warmup: 0``: once warm (3 eager steps in all), every new length is captured
     at its first step, so no utterance after the first runs an eager step; the results stay
