@@ -423,6 +423,10 @@ def test_held_out_sentences_are_new_and_the_quick_start_sets_unchanged():
     assert held_out_sentences(20, 1, 300, 30) == extra[:20]   # more utterances: a superset
     again_train, again_test = make_sentence_sets(300, 30, seed=1)
     assert (again_train, again_test) == (train, test)
+    # the recipe's sizes (3 candidates per utterance), where the grammar repeats itself
+    train, test = make_sentence_sets(30000, 1200, seed=1)
+    extra = held_out_sentences(3000, seed=1, n_train=30000, n_test=1200)
+    assert len(set(extra)) == 3000 and not set(extra) & (set(train) | set(test))
 
 
 def test_md_long_recurrence_shrinks_with_more_distinct_speech():

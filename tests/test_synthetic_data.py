@@ -42,20 +42,77 @@ def test_tts_rate_voice_and_errors(tts):
         tts.synthesize(text, voice="no-such-voice")
 
 
+def _median_f0(x):
+    """Median autocorrelation pitch (Hz) of the loud 64 ms frames."""
+    f0 = []
+    for s in range(0, len(x) - 1024, 512):
+        w = x[s: s + 1024]
+        if np.sqrt(np.mean(w ** 2)) < 0.05:
+            continue
+        ac = np.correlate(w, w, "full")[1023:]
+        lo, hi = SR // 400, SR // 60
+        f0.append(SR / (lo + np.argmax(ac[lo:hi])))
+    return np.median(f0)
+
+
+def test_tts_pitch_and_output_sample_rate(tts):
+    text = "every happy child danced quietly"
+    low = tts.synthesize(text, voice="en-us+m3", pitch=20, pitch_range=0)
+    high = tts.synthesize(text, voice="en-us+m3", pitch=80, pitch_range=0)
+    assert _median_f0(high) > 1.6 * _median_f0(low)      # pitch is the base pitch, not the range
+    # espeak renders at 22,050 Hz: the 16 kHz output is resampled, not relabelled
+    assert tts.native_sample_rate == 22050
+    at16 = tts.synthesize(text, voice="en-us+m3")
+    tts.output_sample_rate = tts.native_sample_rate
+    try:
+        native = tts.synthesize(text, voice="en-us+m3")
+    finally:
+        tts.output_sample_rate = SR
+    assert abs(len(native) / len(at16) - 22050 / SR) < 0.01
+
+
+def _render_seeded(seed):
+    return EspeakTTS().synthesize("every happy child danced quietly", voice="en+f2", seed=seed)
+
+
+def test_tts_audio_is_fixed_by_its_seed():
+    """Each fresh process renders the same audio for the same seed, other audio for another."""
+    from tta_brain.data.prep.tts import in_fresh_processes
+    a, b, c = in_fresh_processes(_render_seeded, [1, 1, 2])
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a[: len(c)], c[: len(a)])
+
+
 def test_sentences_are_disjoint_seeded_and_in_vocabulary():
     train, test = synthetic.make_sentence_sets(300, 50, seed=3)
     assert len(set(train)) == 300 and len(set(test)) == 50
     assert not set(train) & set(test)
     assert synthetic.make_sentence_sets(300, 50, seed=3) == (train, test)
     assert synthetic.make_sentence_sets(300, 50, seed=4)[1] != test
+    assert synthetic.make_sentence_sets(100, 50, seed=3)[1] == test     # not a function of n_train
     # the recipe's sizes (3 candidates per utterance), where the grammar repeats itself
     train, test = synthetic.make_sentence_sets(30000, 1200, seed=1)
     assert len(set(train)) == 30000 and len(set(test)) == 1200 and not set(train) & set(test)
     vocab = set(synthetic.VOCABULARY)
+    lengths, used = set(), set()
     for s in train + test:
         words = s.split()
         assert 3 <= len(words) <= 12
         assert set(words) <= vocab
+        lengths.add(len(words))
+        used |= set(words)
+    assert lengths == set(range(3, 13)) and used == vocab      # the whole grammar is used
+
+
+def test_speakers_have_distinct_voices_and_split_ids():
+    train = synthetic.make_speakers(synthetic.TRAIN_VARIANTS, 30, seed=1, first_id=1000)
+    test = synthetic.make_speakers(synthetic.TEST_VARIANTS, 30, seed=2, first_id=9000)
+    for spks, first in ((train, 1000), (test, 9000)):
+        assert [p["spk"] for p in spks] == list(range(first, first + 30))
+        assert len({p["voice"] for p in spks}) == 30
+        assert len({(p["pitch"], p["rate"]) for p in spks}) > 20
+    assert synthetic.make_speakers(synthetic.TRAIN_VARIANTS, 30, seed=1, first_id=1000) == train
+    assert synthetic.make_speakers(synthetic.TRAIN_VARIANTS, 30, seed=3, first_id=1000) != train
 
 
 @pytest.mark.slow
@@ -82,12 +139,15 @@ def test_corpus_has_librispeech_layout(tmp_path):
         flacs = glob.glob(str(base / split / "*" / "*" / "*.flac"))
         assert len(flacs) == len(lines)
         texts[split] = {t for _, t in lines}
+        assert len(texts[split]) == len(lines)                     # each sentence said once
     assert not texts["train-synth"] & texts["test-synth"]
     # held-out voices: no test voice variant occurs in training
     variant = lambda p: p["voice"].split("+")[1]
     train_v = {variant(p) for p in stamp["stats"]["train-synth"]["speakers"].values()}
     test_v = {variant(p) for p in stamp["stats"]["test-synth"]["speakers"].values()}
     assert not train_v & test_v
+    assert not set(stamp["stats"]["train-synth"]["speakers"]) & set(
+        stamp["stats"]["test-synth"]["speakers"])                  # speaker ids name one speaker
     assert test_v <= set(synthetic.TEST_VARIANTS) and train_v <= set(synthetic.TRAIN_VARIANTS)
     assert not set(synthetic.TRAIN_VARIANTS) & set(synthetic.TEST_VARIANTS)
     # same options: skipped (files untouched); the stamp records the options
@@ -111,6 +171,19 @@ def test_corpus_has_librispeech_layout(tmp_path):
     assert len(glob.glob(str(base / "train-synth" / "*" / "*" / "*.flac"))) == \
         six["stats"]["train-synth"]["n_utts"]          # none of the 8 left beside the new 6
     assert not os.path.exists(train_flac) or os.path.getmtime(train_flac) != mtimes[0]
+    # more test utterances draw more test sentences: the training split (drawn after them) too
+    train_flac = glob.glob(str(base / "train-synth" / "*" / "*" / "*.flac"))[0]
+    mtime6 = os.path.getmtime(train_flac)
+    synthetic.make_corpus(str(tmp_path), n_train=6, n_test=5, seed=2, n_train_speakers=2,
+                          n_test_speakers=2, num_workers=1)
+    assert not os.path.exists(train_flac) or os.path.getmtime(train_flac) != mtime6
+    said = {split: {l.split(" ", 1)[1] for t in glob.glob(str(base / split / "*" / "*" / "*.txt"))
+                    for l in open(t).read().splitlines()} for split in ("train-synth", "test-synth")}
+    assert len(said["test-synth"]) >= 4 and not said["train-synth"] & said["test-synth"]
+    synthetic.make_corpus(str(tmp_path), n_train=8, n_test=4, seed=2, n_train_speakers=2,
+                          n_test_speakers=2, num_workers=1)
+    flacs = glob.glob(str(base / "test-synth" / "*" / "*" / "*.flac"))
+    mtime = os.path.getmtime(flacs[0])
     # a mistyped count (run.sh --n_test -3) is one line, and the rendered corpus stays
     with pytest.raises(SystemExit) as e:
         synthetic.main(["corpus", "--root", str(tmp_path), "--n_train", "8", "--n_test", "-3"])
@@ -119,12 +192,37 @@ def test_corpus_has_librispeech_layout(tmp_path):
         str(tmp_path), "LibriSpeech", "test-synth", "*", "*", "*.flac"))) == stamp["stats"]["test-synth"]["n_utts"]
 
 
+def _render_in_a_worker(jobs):
+    synthetic._worker_init()
+    return [synthetic._render(job) for job in jobs]
+
+
+def test_an_utterance_is_its_first_candidate_of_1_to_5_seconds(tmp_path):
+    from tta_brain.data.prep.tts import in_fresh_processes
+    speaker = dict(voice="en-us+m1", rate=90, pitch=50, pitch_range=50)   # 80-100 words a minute
+    too_short, ok = "no", "the cat slept"
+    too_long = "the old farmer carried a heavy basket across the wooden bridge today"
+    jobs = [dict(utt=f"1000-107-000{i}", path=str(tmp_path / f"{i}.flac"), speaker=speaker,
+                 candidates=cands, seed=i) for i, cands in enumerate(
+                     ([too_short, ok, too_long], [too_long]))]
+    good, dropped = in_fresh_processes(_render_in_a_worker, [jobs])[0]
+    assert good["utt"] == "1000-107-0000" and good["text"] == ok
+    wav, sr = sf.read(jobs[0]["path"])
+    assert sr == SR and good["duration"] == len(wav) / SR and 1.0 <= len(wav) / SR <= 5.0
+    assert dropped == dict(utt="1000-107-0001", text=None, duration=0.0)
+    assert not os.path.exists(jobs[1]["path"])
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["corpus", "--root", "r", "--n_test", "0"], "corpus --n_test 0: must be an integer >= 1"),
     (["corpus", "--root", "r", "--n_train", "-1"], "corpus --n_train -1: must be an integer >= 0"),
     (["long_test", "--root", "r", "--n_speakers", "0"], "long_test --n_speakers 0: must be"),
     (["noises", "--noise_dir", "n", "--seconds", "0"], "noises --seconds 0.0: must be > 0"),
     (["noises", "--noise_dir", "n", "--seed", "-1"], "noises --seed -1: must be an integer >= 0"),
+    (["noises", "--noise_dir", "n", "--seconds", "nan"], "noises --seconds nan: must be > 0"),
+    (["corpus", "--root", "r", "--n_train_speakers", "0"], "corpus --n_train_speakers 0: must be"),
+    (["corpus", "--root", "r", "--n_test_speakers", "0"], "corpus --n_test_speakers 0: must be"),
+    (["long_test", "--root", "r", "--n_test", "0"], "long_test --n_test 0: must be"),
 ])
 def test_synthetic_counts_are_checked_before_anything_is_written(argv, expected, tmp_path,
                                                                  monkeypatch, capsys):
@@ -185,6 +283,61 @@ def test_noises_are_distinct_and_deterministic(tmp_path):
             # spectral shapes differ by several dB in at least one band, or the noise is
             # impulsive vs. stationary (door slams vs. air conditioner both live in the lows)
             assert np.abs(profiles[p] - profiles[q]).max() > 3.0, (p, q)
+    # each file holds its own kind of noise (the domain codes name them)
+    x = {code: sf.read(a[code])[0] for code in a}
+    for code, sig in x.items():
+        assert abs(np.abs(sig).max() - 0.8) < 1e-3, code                  # normalised, not clipped
+    spec = {code: np.abs(np.fft.rfft(sig)) ** 2 for code, sig in x.items()}
+    f = np.fft.rfftfreq(3 * SR, 1 / SR)
+    peak = {code: f[20:][np.argmax(s[20:])] for code, s in spec.items()}   # above 6.7 Hz
+    band = (f > 100) & (f < 7000)
+    flatness = {code: np.exp(np.mean(np.log(s[band] + 1e-20))) / np.mean(s[band])
+                for code, s in spec.items()}
+    low = {code: s[f < 500].sum() / s.sum() for code, s in spec.items()}
+    frames = {code: np.sqrt((sig.reshape(-1, 400) ** 2).mean(1)) for code, sig in x.items()}
+    impulsive = {code: np.percentile(e, 99) / np.median(e) > 8 for code, e in frames.items()}
+    assert flatness["GS"] > 0.5 > max(v for k, v in flatness.items() if k != "GS")    # white
+    assert 48 < peak["AC"] < 52 and low["AC"] > 0.8                  # 50 Hz hum and fan rumble
+    assert 880 < peak["VC"] < 920                                    # the motor's 900 Hz whine
+    assert {k for k, v in impulsive.items() if v} == {"TP", "SD"}
+    assert low["TP"] < 0.05 < 0.9 < low["SD"]                        # clicks high, slams low
+    semitones = 12 * np.log2(peak["MU"] / 110.0 / np.arange(1, 4))  # a harmonic of a note of A
+    assert flatness["MU"] < 1e-3 and np.abs(semitones - np.round(semitones)).min() < 0.05
+    assert flatness["BA"] > 2 * flatness["TR"]       # voices vs. low-passed rumble and engines
+    # another seed or length in the same folder is rendered anew (not the stamped old files)
+    again = synthetic.make_noises(str(tmp_path / "a"), seed=6, seconds=3)
+    assert all(np.array_equal(sf.read(again[k])[0], sf.read(c[k])[0]) for k in a)
+    shorter = synthetic.make_noises(str(tmp_path / "a"), seed=6, seconds=2)
+    assert all(len(sf.read(shorter[k])[0]) == 2 * SR for k in a)
+    # another sample rate: the files are written at it, with its number of samples
+    synthetic.main(["noises", "--noise_dir", str(tmp_path / "d"), "--seed", "5", "--seconds", "1",
+                    "--sample_rate", "8000"])
+    for code, name in synthetic.NOISE_FILES.items():
+        sig, sr = sf.read(str(tmp_path / "d" / name))
+        assert sr == 8000 and len(sig) == 8000, code
+
+
+@pytest.mark.slow
+def test_corpus_command_renders_with_its_options_on_two_workers(tmp_path, capsys):
+    synthetic.main(["corpus", "--root", str(tmp_path), "--n_train", "0", "--n_test", "4",
+                    "--n_train_speakers", "3", "--n_test_speakers", "2", "--seed", "3",
+                    "--num_workers", "2"])
+    base = tmp_path / "LibriSpeech"
+    stamp = json.loads((base / synthetic.STAMP_NAME).read_text())
+    assert stamp["options"] == dict(version=synthetic.CORPUS_VERSION, n_train=0, n_test=4, seed=3,
+                                    n_train_speakers=3, n_test_speakers=2, num_workers=2,
+                                    train_split="train-synth", test_split="test-synth")
+    st = stamp["stats"]["test-synth"]
+    assert set(stamp["stats"]) == {"test-synth"} and sorted(st["speakers"]) == ["9000", "9001"]
+    seconds = 0.0
+    for trans in (base / "test-synth").rglob("*.trans.txt"):     # each transcript by its file
+        for line in trans.read_text().splitlines():
+            utt = line.split(" ", 1)[0]
+            assert utt.startswith(trans.name[: -len(".trans.txt")] + "-")
+            seconds += sf.info(str(trans.parent / f"{utt}.flac")).frames / SR
+    assert st["n_utts"] == 4 == len(list((base / "test-synth").rglob("*.flac")))
+    assert abs(st["hours"] * 3600 - seconds) < 1e-6
+    assert "test-synth: 4 utterances" in capsys.readouterr().out
 
 
 def test_noises_yaml_matches_the_generator():
