@@ -350,6 +350,8 @@ def test_sar_recovers_when_the_loss_ema_is_low(tiny_model_dir, utterances):
     resets = [e for e in m.events if e.kind == "reset"]
     assert [(e.position, e.reason) for e in resets] == [(1, "recovery")]
     assert m.counts["recoveries"] == 1 and m.ema is None and dist(m.params, m.source) == 0
+    moments = [v for st in m.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    assert moments and all(float(v.abs().sum()) == 0 for v in moments)   # the optimiser too
     keep = build_on(tiny_model_dir, "sar", lr=1e-2, reset_constant=-1.0, **RELIABLE)
     keep.process(utterances[0])
     assert keep.ema is not None and dist(keep.params, keep.source) > 0
@@ -698,6 +700,24 @@ def test_tent_is_episodic_entropy_on_layernorm(tiny_model_dir, utterances):
     assert all(torch.equal(a, b) for a, b in zip(after_first, m.params))   # reset in between
     with pytest.raises(ValueError, match="continual"):
         build_on(tiny_model_dir, "tent", reset_policy=make_reset_policy("fixed", every=2))
+
+
+def test_tent_is_one_step_then_a_fresh_forward_from_fresh_moments(tiny_model_dir, utterances):
+    """Tent (E-BATS): 1 AdamW step, then a fresh forward of the adapted model for the transcript;
+    episodic: model and optimiser back to the source before every utterance, so after utterance
+    0 then 1 the parameters are those of utterance 1 alone (AdamW's moments from utterance 0
+    would change its step: another utterance, another gradient)."""
+    m = build_on(tiny_model_dir, "tent", lr=1e-2)
+    m.process(utterances[0])
+    text = m.process(utterances[1])
+    assert m.counts["adapt_forward"] == 2 and m.counts["adapt_backward"] == 2
+    assert m.counts["infer_forward"] == 2
+    with torch.no_grad():                             # the transcript: the adapted model's
+        assert text == m.lobe.decode(m.logits(m.lobe.prepare(utterances[1])))[0]
+    alone = build_on(tiny_model_dir, "tent", lr=1e-2)
+    alone.process(utterances[1])
+    assert dist(alone.params, alone.source) > 0
+    assert all(torch.equal(p, q) for p, q in zip(m.params, alone.params))
 
 
 @pytest.mark.parametrize("name", ["tent", "eata", "sar"])
