@@ -745,6 +745,64 @@ def test_entropy_methods_leave_out_the_models_own_blank(name, tmp_path, utteranc
                                                            rel=1e-5)
 
 
+# ----------------------------------------------------------------------------- defaults
+LN = [{"select": "layernorm"}]
+#: What the E-BATS reference runs (its effective settings; JiahengDong/E-BATS d1e73c3), per
+#: packaged yaml key; where ours differs on purpose (README "Methods", the yaml's comment), the
+#: value here is ours and the reference's is in the comment.
+REFERENCE_DEFAULTS = {
+    "tent": dict(steps=1, lr=2e-5, temperature=1.0, adapt_params=LN),
+    "eata": dict(steps=1, lr=2e-5, eata_optimizer="adamw", temperature=1.0, e_margin_factor=0.4,
+                 d_margin=1.0, probs_ema=0.9, fisher_alpha=2000.0, adapt_params=LN),
+    "sar": dict(steps=1, lr=2e-5, rho=0.05,     # reference: rho 2e-5, AdamW lr 1e-3 (swapped)
+                temperature=1.0, e_margin_factor=0.4, loss_ema=0.9, reset_constant=0.3,
+                adapt_params=LN),
+    "cotta": dict(steps=1, lr=1e-4, ema_decay=0.999, ap_threshold=0.2, n_augment=32,
+                  noise_min=0.001, noise_max=0.015, noise_p=0.5, restore_prob=0.001,
+                  restore_mask="fresh",         # reference: fixed (reseeded before every mask)
+                  adapt_params=[{"select": "weights_and_biases"}]),
+    "cea": dict(steps=10, steps2=10, lr=2e-5, lr2=2e-4, em_coef=0.3, temperature=2.5, tc_coef=0.3,
+                adapt_params=LN + [{"select": "cnn"}, {"param_collection": "clean"}],  # ebats: 4x
+                stage2_params=LN),
+    "lame": dict(knn=5, bound_lambda=1.0, max_steps=100, tol=1e-8, blank_threshold=0.5),
+    "t3a": dict(filter_K=10),
+    "foa": dict(n_prompts=3, popsize=27, sigma=0.1, cma_seed=2020, fitness_coef=0.2, disc_div=64.0,
+                temperature=2.5, shift_coef=0.1, hist_decay=0.95),
+    "ebats": dict(popsize=50, sigma=0.01, generations=25, early_stop_threshold=0.001, patience=3,
+                  cma_seed=2024, entropy_coef=1.0, stats_coef=2.0, temperature=2.0, tokenwise=True,
+                  loss_max=5.0, ema_decay=0.9, cov_ratio=1.0),
+}
+EPISODIC = {"tent": True, "cea": True, "lame": True}      # LAME: no state to carry
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_DEFAULTS))
+def test_packaged_defaults_are_the_references_settings_in_the_yaml_and_the_api(name):
+    """Each field method's packaged yaml (at --seed 0) and its Python defaults (build_method
+    without a yaml) give what the E-BATS reference runs: steps, learning rates, losses'
+    temperatures and weights, thresholds, CMA-ES settings; episodic only Tent and CEA (LAME
+    keeps nothing); AdamW without weight decay."""
+    import inspect
+    from tta_brain import hparams
+    from tta_brain.methods.registry import METHODS
+    want = REFERENCE_DEFAULTS[name]
+    required = {"source": "x", "stream_csv": "y", "output_folder": "z", "source_stats": "s"}
+    values = hparams.resolve(name, {k: v for k, v in required.items()
+                                    if k in hparams.keys(name)}).values
+    assert values["seed"] == 0
+    assert {k: values[k] for k in want} == want
+    if isinstance(values.get("optimizer"), dict):
+        assert values["optimizer"] == {"weight_decay": 0.0}
+    cls = METHODS[name]
+    api = {}
+    for klass in reversed(cls.__mro__):              # the effective default of each option
+        if "__init__" in vars(klass):
+            api.update((p.name, p.default) for p in inspect.signature(klass.__init__).parameters.values()
+                       if p.default is not inspect.Parameter.empty)
+    scalars = {k: v for k, v in want.items() if not isinstance(v, list) and k != "eata_optimizer"}
+    assert {k: api[k] for k in scalars} == scalars    # (no optimizer given: AdamW, no decay)
+    assert cls.episodic is EPISODIC.get(name, False)
+
+
 # ----------------------------------------------------------------------------- reset policies
 @pytest.mark.parametrize("name", CONTINUAL)
 def test_reset_policies_act_on_every_continual_method(name, tiny_model_dir, utterances):
