@@ -857,6 +857,43 @@ def test_foa_keeps_the_lowest_fitness_candidate(setup):
         assert np.array_equal(m.best_prompt.astype(np.float32), z[int(fit.argmin())].numpy())
 
 
+def test_foa_generation_is_the_population_plus_the_previous_best(setup):
+    """FOA's one generation per utterance: popsize CMA-ES samples plus the previous utterance's
+    best prompt as the last candidate (the first utterance's: the Xavier-uniform prompt)."""
+    P = 5
+    m = build(setup, "foa", popsize=P)
+    seen = []
+    forward = m.candidates_forward
+    m.candidates_forward = lambda h0, z: seen.append(z.clone()) or forward(h0, z)
+    for w in wavs(3):
+        previous = np.asarray(m.best_prompt, dtype=np.float32)
+        seen.clear()
+        m.process(w)
+        (z,) = seen
+        assert z.shape == (P + 1, m.dim)
+        assert np.array_equal(z[-1].numpy(), previous)
+    assert m.counts["adapt_forward"] == 3 * (P + 1)
+
+
+def test_ebats_transcript_is_the_last_generations_best_candidate(setup):
+    """E-BATS' output is the best candidate of the LAST generation, not the best of all its
+    generations: the logits returned are the lowest-fitness candidate's of the final batch."""
+    m = build(setup, "ebats", popsize=6, generations=4, patience=100)
+    batches, got = [], []
+    score, adapt = m.score, m.adapt
+    m.score = lambda out: (lambda r: batches.append((r[0].clone(), r[1].clone())) or r)(score(out))
+    m.adapt = lambda x, ctx: got.append(adapt(x, ctx)) or got[-1]
+    later = 0
+    for w in wavs(4):
+        batches.clear()
+        m.process(w)
+        assert len(batches) == 4                           # no early stop: every generation
+        fit, logits = batches[-1]
+        assert torch.equal(got[-1][0], logits[int(fit.argmin())])
+        later += min(float(f.min()) for f, _ in batches[:-1]) < float(fit.min())
+    assert later, "the last generation was always the best: the test could not tell"
+
+
 def test_ebats_tema_is_an_ema_with_its_decay(setup):
     """After an utterance the T-EMA moves by (1 - ema_decay) towards CMA-ES' state: mean,
     sigma and C = decay * EMA + (1 - decay) * state (from 0, sigma0 and I). A decay of 0.8, so
