@@ -796,7 +796,8 @@ def test_packaged_defaults_are_the_references_settings_in_the_yaml_and_the_api(n
     api = {}
     for klass in reversed(cls.__mro__):              # the effective default of each option
         if "__init__" in vars(klass):
-            api.update((p.name, p.default) for p in inspect.signature(klass.__init__).parameters.values()
+            params = inspect.signature(klass.__init__).parameters.values()
+            api.update((p.name, p.default) for p in params
                        if p.default is not inspect.Parameter.empty)
     scalars = {k: v for k, v in want.items() if not isinstance(v, list) and k != "eata_optimizer"}
     assert {k: api[k] for k in scalars} == scalars    # (no optimizer given: AdamW, no decay)
