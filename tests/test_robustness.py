@@ -1672,7 +1672,8 @@ def test_live_stream_takes_the_models_rate_a_torch_device_and_names_source(tiny_
                                                                            utterances):
     """TTAStream(method, sample_rate=8000) resampled 16 kHz input to 8 kHz and fed it to the
     16 kHz model; from_hparams(device=torch.device(...)) was "cannot represent an object"; a
-    missing source named overrides['source'], though from_hparams has source=."""
+    missing source named overrides['source'], though from_hparams has source= (and a bad
+    device= overrides['device'])."""
     from tta_brain import hparams
     from tta_brain.stream import TTAStream
     tta = TTAStream.from_hparams("suta", source=tiny_model_dir, device=torch.device("cpu"),
@@ -1684,6 +1685,9 @@ def test_live_stream_takes_the_models_rate_a_torch_device_and_names_source(tiny_
     assert TTAStream(tta.method, sample_rate=16000).sample_rate == 16000
     with pytest.raises(hparams.HparamsError, match=r"'source' is required: pass source=\.\.\."):
         TTAStream.from_hparams("suta")
+    # a device= it cannot use is named as that argument, not as overrides['device']
+    with pytest.raises(hparams.HparamsError, match=r"^device = 'gpu' \(device=\) is not valid"):
+        TTAStream.from_hparams("suta", source=tiny_model_dir, device="gpu")
 
 
 def test_live_stream_resamples_as_a_recipe_run_reads_the_file(tmp_path, tiny_model_dir,
