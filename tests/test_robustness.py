@@ -1688,6 +1688,9 @@ def test_live_stream_takes_the_models_rate_a_torch_device_and_names_source(tiny_
     # a device= it cannot use is named as that argument, not as overrides['device']
     with pytest.raises(hparams.HparamsError, match=r"^device = 'gpu' \(device=\) is not valid"):
         TTAStream.from_hparams("suta", source=tiny_model_dir, device="gpu")
+    from tta_brain.stream import api_words
+    assert api_words("--device=cuda (--device) and --source=m, --devices, --lr=1") == \
+        "device=cuda (device=) and source=m, overrides['devices'], overrides['lr']=1"
 
 
 def test_live_stream_resamples_as_a_recipe_run_reads_the_file(tmp_path, tiny_model_dir,

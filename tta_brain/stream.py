@@ -336,7 +336,7 @@ def api_words(message: str) -> str:
     :meth:`TTAStream.from_hparams` call: ``overrides['lr']=abc`` (``device=`` its argument); a
     command it suggests (``python -m tta_brain.stats --source ...``) stays as it is."""
     said, command, rest = message.partition("python -m ")
-    said = re.sub(r"(?<![\w-])--(device|source)=?(?!\w)", r"\1=", said)  # arguments of their own
+    said = re.sub(r"(?<![\w-])--(device|source)(?:=|(?![\w-]))", r"\1=", said)  # own arguments
     return re.sub(r"(?<![\w-])--([A-Za-z_]\w*)", r"overrides['\1']", said) + command + rest
 
 
