@@ -433,6 +433,10 @@ def _unknown_key(path, key: str, known: List[str]) -> str:
     close = difflib.get_close_matches(key, options, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join('--' + c for c in close)}? " if close else ""
     name = Path(path).stem if Path(path).parent == HPARAMS_DIR else str(path)
+    if "reset_policy" not in known and key in keys(HPARAMS_DIR / "reset.yaml"):   # episodic
+        continual = [m for m in available() if "reset_policy" in keys(m)]
+        hint = (f"this yaml has no reset block: resets are for the continual methods, "
+                f"{', '.join(continual)}; ")
     return (f"{path}: Override '{key}' not found: --{key} is no key of this yaml ({hint}python -m "
             f"tta_brain.decode {name} --help lists them)")
 
