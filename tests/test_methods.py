@@ -634,6 +634,46 @@ def test_counts_awmc_and_others(make, utterances):
     assert got == [dict(adapt_forward=1, adapt_backward=1, infer_forward=1, aux_forward=0)] * 2
 
 
+# README "How passes are counted": adapt fwd / bwd + infer + aux per utterance, each method
+# built from its packaged yaml (the defaults a decode runs), only the row's named settings given
+README_PASSES = {"suta": ({}, (10, 10, 1, 0)),
+                 "dsuta": ({"steps": 5, "buffer_size": 5}, (5, 5, 1, 0)),
+                 "awmc": ({}, (10, 10, 1, 1 + 10)),          # anchor once + leader per step
+                 "tent": ({}, (1, 1, 1, 0)),
+                 "eata": ({"e_margin_factor": 1.01, "fisher_alpha": 0.0}, (1, 1, 1, 0)),  # kept
+                 "sar": ({"e_margin_factor": 1.01}, (2, 2, 1, 0)),          # an updating step
+                 "cotta": ({}, (1, 1, 1, 1 + 31)),           # the tiny model's anchor is unsure
+                 "cea": ({}, (20, 20, 1, 0)),
+                 "lame": ({}, (0, 0, 1, 0)), "t3a": ({}, (0, 0, 1, 0)),
+                 "foa": ({}, (28, 0, 0, 0))}
+
+
+@pytest.mark.parametrize("name", list(README_PASSES) + ["ebats"])
+def test_counts_at_the_packaged_defaults_are_the_readmes(name, tiny_model_dir, tiny_stats,
+                                                         utterances, tmp_path):
+    from tta_brain import hparams
+    given = {"source": tiny_model_dir, "stream_csv": "s.csv", "output_folder": str(tmp_path),
+             "source_stats": tiny_stats}
+    overrides = {k: v for k, v in given.items() if k in hparams.keys(name)}
+    extra, want = README_PASSES.get(name, ({}, None))
+    m = hparams.load(name, {**overrides, **extra})["method"]
+    generations = []                    # E-BATS: the population of each generation
+    if name == "ebats":
+        evaluate = m.evaluate_population
+        m.evaluate_population = lambda x, ctx, z: generations.append(len(z)) or evaluate(x, ctx, z)
+    got = per_utt_counts(m, stream(utterances, 2))
+    if name == "ebats":     # 50 candidates a generation, up to 25 generations, one batch each
+        assert set(generations) == {50} and 2 <= len(generations) <= 2 * 25
+        assert sum(c["adapt_forward"] for c in got) == 50 * len(generations)
+        assert all(c["adapt_backward"] == c["infer_forward"] == c["aux_forward"] == 0
+                   for c in got), got
+        return
+    keys = ("adapt_forward", "adapt_backward", "infer_forward", "aux_forward")
+    assert got == [dict(zip(keys, want))] * 2
+    if name == "cotta":
+        assert m.counts["augmented"] == 2
+
+
 # ----------------------------------------------------------------------------- (h) non-finite
 def test_nan_utterance_skips_steps_and_leaves_params(make, utterances, source_values):
     nan_wav = torch.full((8000,), float("nan"))
