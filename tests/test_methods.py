@@ -187,6 +187,39 @@ def test_dsuta_meta_changes_exactly_every_M_and_matches_reference(make, utteranc
     assert m.n_buffered == 1
 
 
+@pytest.mark.parametrize("fast_moments", [None, "zero"])
+def test_dsuta_fast_optimiser_starts_from_the_slow_moments_or_fresh(fast_moments, tiny_model_dir,
+                                                                     utterances, tmp_path):
+    """README: the fast optimiser starts from the slow optimiser's moments (the packaged default,
+    as the official code does); ``fast_moments: zero`` starts it fresh every utterance."""
+    from tta_brain import hparams
+    given = {"source": tiny_model_dir, "stream_csv": "s.csv", "output_folder": str(tmp_path),
+             "steps": 1, "buffer_size": 2, "lr": 1e-3}
+    m = hparams.load("dsuta", {**given, **({"fast_moments": fast_moments} if fast_moments
+                                           else {})})["method"]
+    seen = []
+    orig_step = m.adapt_step
+
+    def spy_step(x, **kw):
+        seen.append([{k: v.clone() if torch.is_tensor(v) else v
+                      for k, v in m.optimizer.state[p].items()} for p in m.params])
+        return orig_step(x, **kw)
+    m.adapt_step = spy_step
+    for wav, info in stream(utterances, 3):
+        m.process(wav, info)
+    slow = [m.slow_optimizer.state[p] for p in m.meta]       # one update, after utterance 2
+    assert all(float(st["exp_avg"].abs().max()) > 0 for st in slow)
+    fast = seen[2]                                              # utterance 3's first step
+    for st, sl in zip(fast, slow):
+        if fast_moments == "zero":
+            assert all(float(torch.as_tensor(v).abs().max()) == 0 for v in st.values()
+                       if torch.is_tensor(v)) or not st
+        else:
+            assert torch.equal(st["exp_avg"], sl["exp_avg"])
+            assert torch.equal(st["exp_avg_sq"], sl["exp_avg_sq"])
+            assert float(st["step"]) == float(sl["step"]) == 1
+
+
 def test_dsuta_gradient_reuse_is_not_the_last_step_gradient(make, utterances, tiny_model_dir):
     """With N = 0 the slow gradient comes from an explicit pass; it must equal the N = 3 run's
     (which reuses the first fast step's gradient): identical meta after the first update."""
