@@ -351,6 +351,28 @@ def test_recipe_options_are_what_the_help_lists(script, tmp_path):
         assert "invalid option" not in md.stderr and "last stage" in md.stderr
 
 
+def test_recipe_streams_and_sweep_given_twice_add_up(tmp_path):
+    """README: --streams and --sweep given twice on a recipe's command line add up, as the
+    grid's do (dry runs: the streams stage's names, the decode stage's runs)."""
+    where = ("--data_dir", tmp_path / "d", "--exp_dir", tmp_path / "e", "--dry_run", "true")
+    res = run(LSC, "--stage", 2, "--stop_stage", 2, "--streams", "AC", "--streams", "SD md_easy",
+              *where)
+    assert res.returncode == 0, res.stderr
+    prep = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+            if x.startswith("DRY-RUN:") and "prepare streams" in x]
+    assert len(prep) == 1
+    after = prep[0][prep[0].index("--names") + 1:]
+    assert after[:after.index("--seed")] == ["AC", "SD", "md_easy"]
+    res = run(LSC, "--stage", 3, "--stop_stage", 3, "--methods", "suta", "--seeds", 0,
+              "--streams", "AC", "--sweep", "lr=1e-4,3e-4", "--sweep", "steps=1,2", *where)
+    assert res.returncode == 0, res.stderr
+    decodes = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+               if x.startswith("DRY-RUN:") and "tta_brain.decode" in x]
+    runs = {tuple(a for a in c if a.startswith(("--lr=", "--steps="))) for c in decodes}
+    assert len(decodes) == 4 and runs == {(f"--lr={lr}", f"--steps={n}")
+                                          for lr in ("1e-4", "3e-4") for n in (1, 2)}
+
+
 def test_a_stream_of_your_own_name_gets_the_multi_domain_options(lsc, tmp_path):
     _, data, env, _ = lsc
     res = run(LSC, "--stage", 2, "--stop_stage", 2, "--data_dir", data, "--streams",
