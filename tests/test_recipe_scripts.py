@@ -327,6 +327,9 @@ def test_recipe_options_are_what_the_help_lists(script, tmp_path):
     res = run(script, "--help")
     assert res.returncode == 0, res.stderr
     assert "--config FILE" in res.stdout
+    # every option with its default: a true|false one says which
+    flags = re.findall(r"--(\w+) true\|false(?: \((true|false)\b)?", res.stdout)
+    assert "dry_run" in dict(flags) and [n for n, default in flags if not default] == []
     for internal in ("repo_root", "recipe_dir", "help_message", "int_options", "grid_help"):
         res = run(script, f"--{internal}", "/x")
         assert res.returncode == 1 and f"invalid option --{internal.replace('_', '-')}" in \

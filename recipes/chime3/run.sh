@@ -34,7 +34,7 @@ ${streams_help}
   --methods "LIST" (${methods})  --seeds "LIST" (${seeds})
   --conf_dir DIR (conf/)  --model DIR_OR_NAME (W2V2 of db.sh)
 ${grid_help}
-  --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false
+  --data_dir DIR (${data_dir})  --exp_dir DIR (${exp_dir})  --dry_run true|false (${dry_run})
 Stages: 0 manifest, 1 data check, 2 stream, 3 decode, 4 report.
 EOM
 )
