@@ -657,6 +657,26 @@ def test_statistics_stage_uses_the_decodes_source_model(recipe, tmp_path):
     assert res.returncode == 0 and "--source facebook/wav2vec2-base-960h" in res.stdout
 
 
+def test_lsc_statistics_split_is_a_split_in_no_stream(tmp_path):
+    """--stats_split names the LibriSpeech split of eata's statistics: dev-clean is prepared and
+    read; the test split itself (test-other, the streams' speech) is refused in one line."""
+    argv = [LSC, "--stage", 3, "--stop_stage", 3, "--methods", "eata", "--seeds", 0,
+            "--streams", "AC", "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp",
+            "--dry_run", "true"]
+    env = {"LIBRISPEECH": str(tmp_path / "LS")}
+    res = run(*argv, "--stats_split", "test-other", env=env)
+    assert res.returncode == 1
+    assert res.stderr == "ERROR: --stats_split test-other is the test split\n"
+    res = run(*argv, "--stats_split", "dev-clean", env=env)
+    assert res.returncode == 0, res.stderr
+    cmds = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+            if x.startswith("DRY-RUN:")]
+    prep = [c for c in cmds if "librispeech" in c and "--split" in c]
+    stats = [c for c in cmds if "tta_brain.stats" in c]
+    assert prep[0][prep[0].index("--split") + 1] == "dev-clean"
+    assert stats[0][stats[0].index("--manifest") + 1] == prep[0][prep[0].index("--out") + 1]
+
+
 def test_methods_all_decodes_every_packaged_method(tmp_path):
     """--methods all: every packaged method, and the statistics stage for those that need it."""
     from tta_brain import hparams
