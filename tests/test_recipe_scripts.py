@@ -657,6 +657,30 @@ def test_statistics_stage_uses_the_decodes_source_model(recipe, tmp_path):
     assert res.returncode == 0 and "--source facebook/wav2vec2-base-960h" in res.stdout
 
 
+@pytest.mark.parametrize("recipe", ["librispeech_c", "chime3"])
+def test_paper_recipes_decode_with_the_official_code_settings(recipe, tmp_path):
+    """README: the LS-C and CHiME-3 recipes run SUTA, CSUTA, SDPL and DSUTA with the official
+    optimiser list, CEA with the E-BATS reference's, SDPL in train mode and DSUTA's dynamic
+    reset on the official code's LII values (their conf/*.opts)."""
+    methods = ["suta", "csuta", "sdpl", "dsuta", "dsuta+dynamic", "cea", "tent"]
+    res = run(REPO / "recipes" / recipe / "run.sh", "--stage", 3, "--stop_stage", 3, "--methods",
+              " ".join(methods), "--seeds", 0, "--data_dir", tmp_path / "data", "--exp_dir",
+              tmp_path / "exp", "--dry_run", "true", *(["--streams", "AC"] if recipe ==
+                                                       "librispeech_c" else []))
+    assert res.returncode == 0, res.stderr
+    decodes = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+               if x.startswith("DRY-RUN:") and "tta_brain.decode" in x]
+    folder = [Path(next(a for a in c if a.startswith("--output_folder="))) for c in decodes]
+    got = {f.parent.name: {a for a in c if a.startswith(("--param_collection=", "--train_mode=",
+                                                          "--reset_lii_count="))}
+           for f, c in zip(folder, decodes)}
+    official = {"--param_collection=official"}
+    assert got == {"suta": official, "csuta": official, "dsuta": official,
+                   "sdpl": official | {"--train_mode=true"},
+                   "dsuta+dynamic": official | {"--reset_lii_count=official"},
+                   "cea": {"--param_collection=ebats"}, "tent": set()}
+
+
 def test_lsc_statistics_split_is_a_split_in_no_stream(tmp_path):
     """--stats_split names the LibriSpeech split of eata's statistics: dev-clean is prepared and
     read; the test split itself (test-other, the streams' speech) is refused in one line."""
