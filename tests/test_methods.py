@@ -563,6 +563,23 @@ def test_dsuta_dynamic_reset_discards_the_triggering_buffer(make, utterances, so
 
 
 # ----------------------------------------------------------------------------- (f) AWMC leader EMA
+@pytest.mark.parametrize("train_mode", [None, False])
+def test_awmc_chaser_adapts_in_train_mode_by_default(train_mode, tiny_model_dir, utterances,
+                                                      tmp_path):
+    """README: AWMC follows the paper's code, chaser in train mode (the packaged default);
+    ``train_mode: false`` adapts it in eval mode."""
+    from tta_brain import hparams
+    given = {"source": tiny_model_dir, "stream_csv": "s.csv", "output_folder": str(tmp_path),
+             "steps": 2}
+    m = hparams.load("awmc", {**given, **({} if train_mode is None else
+                                          {"train_mode": train_mode})})["method"]
+    modes = []
+    m.net.lm_head.register_forward_pre_hook(     # each forward through the CTC head
+        lambda mod, args: modes.append(mod.training) if torch.is_grad_enabled() else None)
+    m.process(utterances[0])
+    assert modes == [train_mode is None] * 2              # the chaser's two adaptation steps
+
+
 @pytest.mark.parametrize("decay,lr", [(0.999, 0.05), (0.9, 1e-2)])
 def test_awmc_leader_is_ema_of_chaser(make, utterances, decay, lr):
     kw = {} if decay == 0.999 else {"ema_decay": decay}
