@@ -681,6 +681,42 @@ def test_paper_recipes_decode_with_the_official_code_settings(recipe, tmp_path):
                    "cea": {"--param_collection=ebats"}, "tent": set()}
 
 
+def test_synthetic_statistics_speech_is_rendered_apart_from_the_streams(tmp_path):
+    """README: without --stats_csv the synthetic recipe renders --stats_utts (100) clean
+    utterances of its own (another seed: other sentences and speaker draws; no noise) and
+    computes the statistics on them; --stats_csv names the manifest instead."""
+    argv = [REPO / "recipes" / "synthetic" / "run.sh", "--stop_stage", 4, "--methods", "eata",
+            "--data_dir", tmp_path / "d", "--exp_dir", tmp_path / "e", "--dry_run", "true"]
+
+    def commands(*extra):
+        res = run(*argv, *extra)
+        assert res.returncode == 0, res.stderr
+        return [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+                if x.startswith("DRY-RUN:") and "tta_brain.decode" not in x]
+
+    def opt(c, name):
+        return c[c.index(name) + 1]
+    cmds = commands()
+    corpora = [c for c in cmds if "tta_brain.data.prep.synthetic" in c and "corpus" in c]
+    assert len(corpora) == 2
+    test, clean = corpora
+    assert opt(clean, "--n_test") == "100" and opt(clean, "--n_train") == "0"
+    assert opt(clean, "--seed") != opt(test, "--seed")
+    assert opt(clean, "--root") != opt(test, "--root")
+    manifest = next(opt(c, "--out") for c in cmds if "librispeech" in c
+                    and opt(c, "--root") == opt(clean, "--root"))
+    noisy = [c for c in cmds if "corrupt" in c]
+    assert noisy and all(opt(c, "--manifest") != manifest for c in noisy)      # no noise added
+    stats = [c for c in cmds if "tta_brain.stats" in c]
+    assert len(stats) == 1 and opt(stats[0], "--manifest") == manifest
+    assert opt(stats[0], "--max_utts") == "100"
+    cmds = commands("--stats_csv", tmp_path / "clean.csv", "--stats_utts", 7)
+    assert len([c for c in cmds if "tta_brain.data.prep.synthetic" in c and "corpus" in c]) == 1
+    stats = [c for c in cmds if "tta_brain.stats" in c]
+    assert opt(stats[0], "--manifest") == str(tmp_path / "clean.csv")
+    assert opt(stats[0], "--max_utts") == "7"
+
+
 def test_lsc_statistics_split_is_a_split_in_no_stream(tmp_path):
     """--stats_split names the LibriSpeech split of eata's statistics: dev-clean is prepared and
     read; the test split itself (test-other, the streams' speech) is refused in one line."""
