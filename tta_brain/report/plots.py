@@ -176,7 +176,7 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
 
 
 # ------------------------------------------------------------------------------------------------
-# Reset timeline (paper Table 6 as a picture)
+# Reset timeline (paper Table 5 as a picture)
 # ------------------------------------------------------------------------------------------------
 def _segments(run: Run) -> List[Tuple[int, int, str]]:
     """(start, end, domain) of the contiguous segments of a run's stream."""

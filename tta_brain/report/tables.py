@@ -254,7 +254,7 @@ def has_resets(run: Run) -> bool:
 
 
 def table_resets(runs: Sequence[Run], stream: str, window: int = 100) -> Optional[str]:
-    """Reset positions per run beside the true boundaries (the paper's Table 6) + detection."""
+    """Reset positions per run beside the true boundaries (the paper's Table 5) + detection."""
     sruns = [r for r in runs if r.stream == stream and has_resets(r)]
     if not sruns:
         return None
