@@ -1210,7 +1210,7 @@ def test_live_stream_takes_pcm_and_either_channel_layout(tmp_path, tiny_model_di
                      (np.full(800, np.nan, np.float32), "contains NaN or inf"),
                      (np.r_[want.numpy(), np.float32(np.inf)], "contains NaN or inf"),
                      (str(path), "expected the samples (a numpy array, torch tensor or list of "
-                                 "numbers), got str"),        # a path: was torch's 'new()'
+                                 "floats), got str"),         # a path: was torch's 'new()'
                      ([[0.1, 0.2], [0.3]], "got list")):
         with pytest.raises(ValueError, match=re.escape(why)):
             tta.transcribe(bad)

@@ -406,7 +406,7 @@ def as_mono_float(waveform) -> torch.Tensor:
             wav = torch.as_tensor(waveform)
     except (TypeError, ValueError, RuntimeError) as e:     # a path, ragged lists, objects
         raise ValueError(f"transcribe: expected the samples (a numpy array, torch tensor or list "
-                         f"of numbers), got {type(waveform).__name__} ({e})") from None
+                         f"of floats), got {type(waveform).__name__} ({e})") from None
     shape = tuple(wav.shape)
     if wav.device.type == "meta" or wav.is_complex():       # (no samples; not a signal)
         raise ValueError(f"transcribe: expected real samples, got a {wav.dtype} tensor on "
