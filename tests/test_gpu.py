@@ -949,6 +949,27 @@ def test_host_step_skips_an_infinite_loss_before_its_backward(tiny_model_dir, ut
     assert max_diff(before, m.params) == 0.0
 
 
+def test_a_step_with_another_optimizer_takes_the_host_step(tiny_model_dir, utterances):
+    """The device step runs the method's optimisers (``optimizer``, ``device_optimizers``) only:
+    a step with another one takes the host step, as on the host path: its non-finite loss is
+    skipped and recorded at once (not with a later transcript), its finite loss returned as a
+    float with that optimiser's plain update."""
+    h, d = build(tiny_model_dir, "csuta", "host"), build(tiny_model_dir, "csuta", "device")
+    x = d.lobe.prepare(utterances[0])
+    bad = torch.full_like(x, float("nan"))
+    values = []
+    for m in (h, d):
+        sgd = torch.optim.SGD(m.params, lr=0.1)
+        before = snapshot(m.params)
+        assert math.isnan(m.adapt_step(bad, optimizer=sgd))
+        assert [(e.kind, e.reason) for e in m.events] == [("skip", "non-finite loss nan")]
+        assert m.counts["skipped_steps"] == 1 and max_diff(before, m.params) == 0.0
+        values.append(m.adapt_step(x, optimizer=sgd))
+        assert type(values[-1]) is float and max_diff(before, m.params) > 0.0
+    assert values[0] == values[1] and max_diff(h.params, d.params) == 0.0
+    assert type(d.step) is DeviceStep and not any(g.get("fused") for g in d.optimizer.param_groups)
+
+
 def test_a_train_mode_step_leaves_the_model_in_eval_mode(tiny_model_dir, utterances):
     """``train_mode``: the adaptation passes run in train mode, the prediction in eval mode (the
     model is put back after every step)."""
