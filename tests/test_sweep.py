@@ -1677,17 +1677,20 @@ def test_train_mode_is_batched_only_where_it_draws_nothing(tmp_path, arch, cfg, 
 
 
 # ----------------------------------------------------------------------------- batched edges: DSUTA's slow gradient, CoTTA, EATA's reset
-def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(data, monkeypatch):
+@pytest.mark.parametrize("nan", ["gradient", "loss"])
+def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(data, monkeypatch,
+                                                                              nan):
     """DSUTA with N = 0 fast steps takes its slow gradient from one pass with no update
-    (``DSUTA._slow_gradient_only``): a finite loss with a NaN gradient is left out of the buffer
-    without a skip record; a run with a fast step skips that step, recorded. Both runs' losses
-    get a NaN gradient at utterances 1, 3, 4 and 5 (buffers of 3: the second one has no
-    finite gradient, so no slow step): the batch records, counts, buffers and takes its slow
-    steps as the separate runs."""
+    (``DSUTA._slow_gradient_only``): a NaN gradient (of a finite loss) or a NaN loss is left out
+    of the buffer without a skip record; a run with a fast step skips that step, recorded. Both
+    runs' losses get a NaN gradient (or are NaN) at utterances 1, 3, 4 and 5 (buffers of 3: the
+    second one has no finite gradient, so no slow step): the batch records, counts, buffers and
+    takes its slow steps as the separate runs."""
     from tta_brain.methods.batched import BatchedSUTA
     from tta_brain.methods.dsuta import DSUTA
     poison = {1, 3, 4, 5}
-    nan_grad = lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0  # value 0, gradient NaN
+    nan_grad = ((lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0)  # value 0, gradient NaN
+                if nan == "gradient" else lambda lg: lg.sum() * float("nan"))        # NaN loss
     cfgs = [(1e-3, 0, "none"), (1e-3, 1, "none")]
     batch, wavs, build = _batch(data, "dsuta", cfgs, buffer_size=3)
     seps = [build(*c) for c in cfgs]
@@ -1706,7 +1709,9 @@ def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(dat
     monkeypatch.setattr(BatchedSUTA, "losses", bat_losses)
     lockstep(batch, seps, wavs[:7])
     assert not any(e.kind == "skip" for e in seps[0].events)
-    assert [(e.kind, e.position) for e in seps[1].events] == [("skip", t) for t in (1, 3, 4, 5)]
+    assert [(e.kind, e.position, e.reason) for e in seps[1].events] == \
+        [("skip", t, f"non-finite {'gradient' if nan == 'gradient' else 'loss nan'}")
+         for t in (1, 3, 4, 5)]
     for r, m in enumerate(seps):
         assert batch.n_buffered[r] == m.n_buffered and int(batch.n_grads[r]) == m.n_grads
     assert (seps[0].n_buffered, seps[0].n_grads) == (1, 1)
