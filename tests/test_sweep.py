@@ -404,16 +404,26 @@ def test_each_run_is_timed_with_its_share_of_the_batched_steps(data, tmp_path, m
 
 
 def test_a_batched_runs_warnings_are_its_separate_runs(data, tmp_path):
-    """A reset policy that cannot act on the stream (a fixed reset every 50 utterances of 20)
-    warns in the run's log and summary; a batched run's view of its policy must say the same
-    (``RunView.warnings`` returning nothing went unnoticed: no test compared them)."""
+    """A reset policy that cannot act on the stream (a fixed reset every 50 utterances of 20; an
+    oracle reset on a stream of one segment: it needs the stream's boundaries) warns in the run's
+    log and summary; a batched run's view of its policy must say the same (``RunView.warnings``
+    returning nothing went unnoticed: no test compared them)."""
+    import csv
+    with open(data["csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    one = dict(data, csv=tmp_path / "one_segment.csv")
+    with open(one["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(dict(r, segment="0") for r in rows)
     cfgs = [["--lr=1e-3", "--reset=fixed", "--reset_every=50"], ["--lr=3e-3", "--reset=oracle"]]
-    seps = separate(data, tmp_path, "csuta", cfgs)
+    seps = separate(one, tmp_path, "csuta", cfgs)
     outs = [tmp_path / f"bat{i}" for i in range(len(cfgs))]
-    sweep.run([args(data, o, *c, method="csuta") for o, c in zip(outs, cfgs)])
+    sweep.run([args(one, o, *c, method="csuta") for o, c in zip(outs, cfgs)])
     got = [load_run(o).summary.warnings for o in outs]
     assert got == [load_run(s).summary.warnings for s in seps]
-    assert any("never fires" in w for w in got[0]) and got[1] == []
+    assert any("never fires" in w for w in got[0])
+    assert any(w.startswith("oracle reset on a stream with one domain block") for w in got[1])
 
 
 def test_an_error_only_a_runs_build_finds_names_the_run(data, tmp_path):
