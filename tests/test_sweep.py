@@ -209,6 +209,7 @@ def assert_same_runs(batched, separate_outs):
         assert own_records(b) == own_records(s), b   # each run's records in its own log
         rb, rs = load_run(b), load_run(s)            # ordinary run folders the report reads
         assert rb.summary.counts == rs.summary.counts
+        assert rb.summary.num_adapted_params == rs.summary.num_adapted_params
         assert rb.summary.fingerprint["hparams"] == rs.summary.fingerprint["hparams"]
         assert (b / "hyperparams.yaml").read_text().replace(str(b), "") == \
             (s / "hyperparams.yaml").read_text().replace(str(s), "")
