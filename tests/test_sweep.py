@@ -1687,7 +1687,7 @@ def test_train_mode_is_batched_only_where_it_draws_nothing(tmp_path, arch, cfg, 
         assert why.startswith(f"train_mode (this model draws in train mode: {draws[0]}")
 
 
-# ----------------------------------------------------------------------------- batched edges: DSUTA's slow gradient, CoTTA, EATA's reset
+# ----------------------------------------- batched edges: DSUTA's slow gradient, CoTTA, EATA's reset
 @pytest.mark.parametrize("nan", ["gradient", "loss"])
 def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(data, monkeypatch,
                                                                               nan):
