@@ -741,6 +741,26 @@ def test_a_grid_dry_run_shows_its_batches(data, tmp_path, capsys):
     assert not (tmp_path / "s").exists()
 
 
+def test_a_grid_dry_run_batches_only_the_runs_the_grid_will_run(data, tmp_path, capsys):
+    """The dry run listed batches of every planned run, those it had just said will not run
+    (refused settings) or the grid skips (finished) among them, and so other batches than the
+    grid's: now it batches the runs the grid would queue, as the grid does."""
+    argv = grid_args(data, tmp_path, "--sweep", "steps=1,abc", "--batch_runs", "3")
+    runs = grid.plan_runs(grid.parse_args(argv))
+    good = [r for r in runs if "--steps=abc" not in r.argv]
+    assert len(runs) == 8 and len(good) == 4
+    decode.main(good[0].argv)                 # finished: the grid skips it
+    runs = grid.plan_runs(grid.parse_args(argv))
+    grid.check_done(runs)
+    want = [u for u in grid.batches(runs, 3) if len(u) > 1]
+    assert [len(u) for u in want] == [2]      # the other method's two good runs
+    assert grid.main(argv + ["--dry_run"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("will not run") == 4 and out.count("the grid skips it") == 1
+    assert [x.split(": ", 2)[2] for x in out.splitlines() if x.startswith("DRY-RUN: batch")] == \
+        [", ".join(r.name for r in u) for u in want]
+
+
 def walk(b, lo, hi, wavs, info):
     """Batch ``b`` over ``wavs[lo:hi]`` (all its runs); each run's transcripts."""
     out = [[] for _ in b.views]

@@ -183,19 +183,20 @@ def check_done(runs: List[Run], device_here: bool = True, streams: Optional[dict
                                                    f"there, add --decode_opts=--overwrite")
 
 
-def _say_finished(run: Run, device_here: bool, streams: Optional[dict] = None) -> bool:
+def _say_finished(run: Run, device_here: bool, streams: Optional[dict] = None) -> str:
     """A dry run's line on a run whose folder holds a finished run: the grid skips it (same
-    settings) or refuses it (other settings, a damaged folder: True). Said only when its stream
-    can be read (an earlier stage may write it); nothing is written."""
+    settings: "skipped") or refuses it (other settings, a damaged folder: "failed"). Said only
+    when its stream can be read (an earlier stage may write it: "queued"); nothing is written."""
     check_done([run], device_here=device_here, streams=streams)
-    refused = run.status == "failed" and run.plan is not None
-    if run.status == "skipped":
+    said = "skipped" if run.status == "skipped" else \
+        "failed" if run.status == "failed" and run.plan is not None else "queued"
+    if said == "skipped":
         print(f"grid: {run.name} is finished with the same settings: the grid skips it",
               flush=True)
-    elif refused:
+    elif said == "failed":
         print(f"grid: {run.name} will not run: it {run.message}", flush=True)
     run.status, run.message, run.plan = "queued", "", None
-    return refused
+    return said
 
 
 def batches(runs: List[Run], size: int) -> List[List[Run]]:
@@ -762,7 +763,7 @@ def main(argv=None) -> int:
     runs = plan_runs(args, cuda=cuda)
     if args.dry_run or args.check:     # each run's settings checked as its start would (not
         from tta_brain import decode     # its stream, which an earlier stage may not have written)
-        refused, said, streams = 0, {}, {}
+        refused, said, streams, queued = 0, {}, {}, []
         # --check (a recipe, before it decodes here) knows this machine's devices; a dry run may
         # prepare commands for another. The stream's own options do not change what is checked.
         here = args.check and not args.dry_run and args.engine == "local"
@@ -782,9 +783,15 @@ def main(argv=None) -> int:
             if said[key]:
                 refused += 1
                 print(f"grid: {r.name} will not run: {r.said(said[key])}", flush=True)
-            elif args.dry_run and (r.folder / "summary.json").is_file():
-                refused += _say_finished(r, here, streams)
-        for chunk in chunks(runs, args.batch_runs) if args.dry_run else ():
+                continue
+            state = "queued"
+            if args.dry_run and (r.folder / "summary.json").is_file():
+                state = _say_finished(r, here, streams)
+                refused += state == "failed"
+            if state == "queued":
+                queued.append(r)
+        # the batches of the runs the grid would queue (as batches() makes them)
+        for chunk in chunks(queued, args.batch_runs) if args.dry_run else ():
             if len(chunk) > 1:      # checked when it runs: a batch the sweep refuses is split
                 print(f"DRY-RUN: batch of {len(chunk)} (one python -m tta_brain.sweep, or separate "
                       f"runs where it cannot batch them): {', '.join(r.name for r in chunk)}",
