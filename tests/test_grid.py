@@ -368,8 +368,9 @@ def test_a_stream_spec_before_its_files_exist_splits_at_the_first_equals_sign(tm
 
 def test_a_stream_not_written_yet_is_one_line_unless_a_dry_run(data, tmp_path):
     argv = grid_argv(data, tmp_path, "suta", "0") + ["--streams", f"t={tmp_path / 'no.csv'}"]
-    with pytest.raises(SystemExit, match=re.escape(f"ERROR: stream {tmp_path / 'no.csv'} not "
-                                                   f"found; run the earlier stages first")):
+    with pytest.raises(SystemExit, match=re.escape(f"ERROR: --streams t={tmp_path / 'no.csv'}: "
+                                                   f"stream {tmp_path / 'no.csv'} not found; run "
+                                                   f"the earlier stages first")):
         grid.plan_runs(grid.parse_args(argv))
     runs = grid.plan_runs(grid.parse_args(argv + ["--dry_run"]))
     assert [r.total for r in runs if r.name.startswith("t/")] == [0]
@@ -379,7 +380,8 @@ def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
     """``suta+dynamic`` (suta has no reset block) and ``dsuta+bogus`` were planned (and printed
     by --dry_run) and each of their runs failed at its start; now one line before anything."""
     for token, said in (("suta+dynamic", "suta has no reset policy"),
-                        ("dsuta+bogus", "'bogus' is not a reset policy (one of none, fixed")):
+                        ("dsuta+bogus", "'bogus' is not a reset policy (one of none, fixed"),
+                        ("sutaa", "no packaged method 'sutaa' (packaged: ")):   # said "method"
         with pytest.raises(SystemExit, match=re.escape(f"--methods {token}: {said}")):
             grid.plan_runs(grid.parse_args(grid_argv(data, tmp_path, f"dsuta+dynamic {token}",
                                                      "0", "--dry_run")))

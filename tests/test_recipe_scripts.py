@@ -594,7 +594,7 @@ def test_bad_decode_settings_stop_the_recipe_before_its_data_stages(recipe, tmp_
            "CHIME3": str(tmp_path / "C3"), "W2V2": str(tmp_path / "w2v2")}
     script = REPO / "recipes" / recipe / "run.sh"
     base = ["--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp"]
-    for extra, said in ((["--methods", "source bogus"], "ERROR: method 'bogus': no packaged "
+    for extra, said in ((["--methods", "source bogus"], "ERROR: --methods bogus: no packaged "
                                                         "method 'bogus'"),
                         (["--methods", "suta", "--sweep", "lr=1e-4,abc"],
                          "/suta_lrabc/seed0 will not run: ERROR: ")):

@@ -176,7 +176,7 @@ def method_yaml(token: str, hparams_dir: Optional[str]):
     from tta_brain import hparams
     if base not in hparams.available():
         where = f"no {Path(hparams_dir or '.') / (token + '.yaml')} and " if hparams_dir else ""
-        raise SystemExit(f"ERROR: method '{token}': {where}no packaged method '{base}' "
+        raise SystemExit(f"ERROR: --methods {token}: {where}no packaged method '{base}' "
                          f"(packaged: {', '.join(hparams.available())})")
     return base, [f"--reset={reset}"] if reset else []
 
@@ -327,7 +327,8 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                              f"{csv} (their runs would share {Path(args.exp_dir) / name}); name "
                              f"them apart: NAME=CSV")
         if not Path(csv).is_file() and not (args.dry_run or getattr(args, "check", False)):
-            raise SystemExit(f"ERROR: stream {csv} not found; run the earlier stages first")
+            raise SystemExit(f"ERROR: --streams {spec}: stream {csv} not found; run the earlier "
+                             f"stages first")
         kind = "_md" if Path(name).name in md else ""
         total = _stream_rows(csv)
         logger.info("%s: %s", name, "multi-domain option set (<method>_md.opts, --md_decode_opts)"
