@@ -374,6 +374,13 @@ def test_a_stream_not_written_yet_is_one_line_unless_a_dry_run(data, tmp_path):
         grid.plan_runs(grid.parse_args(argv))
     runs = grid.plan_runs(grid.parse_args(argv + ["--dry_run"]))
     assert [r.total for r in runs if r.name.startswith("t/")] == [0]
+    # a folder (not a manifest): said as such, a dry run too (it said "not found")
+    argv = grid_argv(data, tmp_path, "suta", "0") + ["--streams", f"d={tmp_path}"]
+    for extra in ([], ["--dry_run"]):
+        with pytest.raises(SystemExit, match=re.escape(f"ERROR: --streams d={tmp_path}: "
+                                                       f"{tmp_path} is a folder, not a stream "
+                                                       f"manifest (a CSV file)")):
+            grid.plan_runs(grid.parse_args(argv + extra))
 
 
 def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):

@@ -326,6 +326,9 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             raise SystemExit(f"ERROR: --streams: the name {name!r} is given to {named[name]} and "
                              f"{csv} (their runs would share {Path(args.exp_dir) / name}); name "
                              f"them apart: NAME=CSV")
+        if Path(csv).is_dir():
+            raise SystemExit(f"ERROR: --streams {spec}: {csv} is a folder, not a stream manifest "
+                             f"(a CSV file)")
         if not Path(csv).is_file() and not (args.dry_run or getattr(args, "check", False)):
             raise SystemExit(f"ERROR: --streams {spec}: stream {csv} not found; run the earlier "
                              f"stages first")
