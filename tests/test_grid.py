@@ -383,6 +383,26 @@ def test_a_stream_not_written_yet_is_one_line_unless_a_dry_run(data, tmp_path):
             grid.plan_runs(grid.parse_args(argv + extra))
 
 
+def test_a_bad_stream_manifest_is_said_naming_the_grids_option(data, tmp_path, capsys):
+    """A manifest error found when a run starts (a column missing) was said per run naming
+    decode's option (--stream_csv), which a grid's user never gave; now its --streams item."""
+    import csv
+    rows = list(csv.DictReader(open(data["csv"], newline="")))
+    bad = tmp_path / "no_wrd.csv"
+    with open(bad, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "wrd"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    argv = grid_argv(data, tmp_path / "exp", "source", "0 1", "--nj", "1")
+    argv[argv.index("--streams") + 1] = f"b={bad}"
+    assert grid.main(argv) == 1
+    out = capsys.readouterr().out
+    said = [ln for ln in out.splitlines() if "missing required column(s) wrd" in ln]
+    assert len(said) == 4 and all(ln.endswith(f"(--streams b={bad})") for ln in said), out
+    assert "b/source/seed0" in said[0] and "b/source/seed1" in said[1]
+    assert "--stream_csv" not in out
+
+
 def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
     """``suta+dynamic`` (suta has no reset block) and ``dsuta+bogus`` were planned (and printed
     by --dry_run) and each of their runs failed at its start; now one line before anything."""

@@ -47,7 +47,10 @@ class Run:
 
     def said(self, message: str) -> str:
         """A refusal of this run's settings with where the option it names was set (a conf file's
-        line, --decode_opts, the sweep): the yaml's own error names only the packaged yaml."""
+        line, --decode_opts, the sweep): the yaml's own error names only the packaged yaml. A
+        manifest's error (decode's ``(--stream_csv)``) names the grid's ``--streams`` item."""
+        if message.endswith(" (--stream_csv)") and "stream_csv" in self.origins:
+            message = f"{message[:-len(' (--stream_csv)')]} ({self.origins['stream_csv']})"
         m = (re.search(r"Override '(\w+)'", message) or re.search(r": (\w+) = ", message)
              or re.search(r"--(\w+)", message))
         key = m.group(1) if m else None
@@ -368,6 +371,7 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
                             f"--data_root={args.data_root}", f"--stream_name={Path(name).name}",
                             *gpu, *recipe_p, *mine_p, *point, *label]
                     origins = {k: w for w, a in lines for k in _keyvals([a])}
+                    origins["stream_csv"] = f"--streams {spec}"
                     for where, opts in (*md_lists, ("--decode_opts", mine), ("--sweep", point)):
                         origins.update((k, where) for k in _keyvals(opts))
                     runs.append(Run(rel, folder, argv, total=total, origins=origins))
