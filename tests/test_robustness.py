@@ -1131,6 +1131,16 @@ def test_run_options_do_what_they_say_and_help_lists_the_keys(tmp_path, ok_strea
     # a stream shorter than K: the reset cannot act; said in the log and the summary
     assert any("reset_K = 4 on a stream of 1 utterances" in w for w in summary.warnings)
     assert "its construction stage (K utterances) does not end" in log
+    # what it suggests is a reset_K the method takes (it said "use reset_K < 1", refused)
+    assert "too short for any reset_K accepted (at least 4)" in log and "reset_K < 1" not in log
+    from fake_corpora import write_stream
+    six = write_stream(tmp_path / "six", n=6, block=3)
+    for count, low in (("paper", 4), ("official", 5)):      # (official: reset_K >= 5)
+        s = decode.main(dsuta_args(tiny_model_dir, six / "stream.csv", tmp_path / count,
+                                   f"--data_root={six}", "--reset=dynamic", "--reset_K=6",
+                                   "--buffer_size=3", f"--reset_lii_count={count}"))
+        assert any("reset_K = 6 on a stream of 6 utterances" in w and f"(use {low} <= reset_K "
+                   f"< 6; " in w for w in s.warnings), s.warnings
     # bf16: the LII (a difference of two bf16 losses) is of the size of their rounding
     assert any(w.startswith("dynamic reset in bf16: the LII is a difference of two losses")
                for w in summary.warnings) and "use --precision=fp32 for runs whose resets" in log

@@ -248,11 +248,14 @@ class DynamicReset(ResetPolicy):
     def warnings(self, n_utts, boundaries=None):
         out = []
         if n_utts <= self.K:
+            low = 5 if self.lii_count == "official" else 4   # the least reset_K accepted (rules)
+            use = (f"the stream is too short for any reset_K accepted (at least {low})"
+                   if n_utts <= low else
+                   f"use {low} <= reset_K < {n_utts}; with DSUTA, whose reset_K must be at "
+                   f"least 2 x buffer_size, lower --buffer_size too")
             out.append(f"dynamic reset with reset_K = {self.K} on a stream of {n_utts} "
                        f"utterances: its construction stage (K utterances) does not end before "
-                       f"the stream does, so it never tests and never fires (use reset_K < "
-                       f"{n_utts}; with DSUTA, whose reset_K must be at least 2 x buffer_size, "
-                       f"lower --buffer_size too)")
+                       f"the stream does, so it never tests and never fires ({use})")
         precision = getattr(getattr(getattr(self, "method", None), "runtime", None),
                             "precision", "fp32")
         if precision != "fp32":     # measured: LII values 1e-4..1e-2 apart from fp32's, signs
