@@ -628,21 +628,28 @@ def test_local_grid_equals_serial_runs_and_survives_a_killed_worker(data, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sigint", ["default", "ignored"])
+@pytest.mark.parametrize("sigint", ["default", "ignored", "ctrl-c"])
 def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path, sigint):
     """SIGTERM to the grid (as Ctrl-C) cancels its local workers, which bypass SIGTERM
     themselves: none goes on decoding after the grid has gone; the rerun resumes. Also for a
     grid started with SIGINT ignored (``grid ... &`` in a script), which its workers inherited:
-    they went on decoding to the end of their runs."""
+    they went on decoding to the end of their runs. Ctrl-C (SIGINT to the grid's process group,
+    its workers' controllers in it) is said once: each controller printed its KeyboardInterrupt
+    traceback among the grid's lines."""
     exp = tmp_path / "exp"
     cmd, proc, victim = grid_until_checkpoint(data, exp, "suta dsuta+dynamic", "0",
-                                              sigint_ignored=sigint == "ignored")
+                                              sigint_ignored=sigint == "ignored",
+                                              own_group=sigint == "ctrl-c")
     pid = holder_pid(victim)
     assert proc.poll() is None and pid, "the grid ended before it could be stopped"
-    proc.send_signal(signal.SIGTERM)
+    if sigint == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)     # as the terminal sends it: to the whole group
+    else:
+        proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out[-3000:]
     assert "cancelled" in out and "grid: interrupted" in out, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     grid_dir = str(exp / ".grid")
     wait_for(lambda: not holder_pid_alive(victim) and not workers_of(grid_dir),
              "the workers' exit", 30)
@@ -653,14 +660,32 @@ def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path, sigint)
     assert json.loads((victim / "summary.json").read_text())["n_utts"] == 24
 
 
-def grid_until_checkpoint(data, exp, methods, seeds, sigint_ignored=False):
-    """A local grid of 2 workers started in the background, returned once its run
+def test_a_local_job_starts_deaf_to_ctrl_c_and_a_ctrl_c_meanwhile_reaches_the_grid():
+    """A local job's controller starts with SIGINT ignored (Ctrl-C, sent to the whole process
+    group, stops the grid alone, which cancels its jobs); a Ctrl-C while one starts is not lost:
+    the grid stops once the job is started (and known, to be cancelled)."""
+    probe = [sys.executable, "-c",
+             "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
+    with pytest.raises(KeyboardInterrupt):
+        with grid._sigint_held():
+            child = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+            os.kill(os.getpid(), signal.SIGINT)
+            reached = True
+    assert reached and child.stdout.strip() == "True", child.stdout + child.stderr
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.strip() == "False"
+
+
+def grid_until_checkpoint(data, exp, methods, seeds, sigint_ignored=False, own_group=False):
+    """A local grid of 2 workers started in the background (``own_group``: in a process group
+    of its own, as a shell starts a foreground job), returned once its run
     ``dsuta+dynamic/seed0`` has a checkpoint (or the grid ended): (command, process, that run)."""
     cmd = [sys.executable, "-m", "tta_brain.grid",
            *grid_argv(data, exp, methods, seeds, "--nj", "2")]
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=ignore,
+                            start_new_session=own_group)
     victim = exp / "s" / "dsuta+dynamic" / "seed0"
     wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
              "a checkpoint of the victim")

@@ -54,8 +54,8 @@ class DecodeJob(submitit.helpers.Checkpointable):
     def setup(self) -> None:
         """The job process's threads; a local job also stops on SIGTERM as on Ctrl-C (submitit
         bypasses SIGTERM, Slurm's preemption warning, which a local job never gets): the grid
-        stops its local jobs with it, as submitit's cancel (SIGINT) reaches no job of a grid
-        started where SIGINT is ignored (``grid ... &`` in a script)."""
+        stops its local jobs with it, as submitit's cancel (SIGINT) reaches none (the grid
+        starts them with SIGINT ignored: :func:`_sigint_held`)."""
         if self.local:
             signal.signal(signal.SIGTERM, signal.default_int_handler)
         if self.threads:
@@ -423,8 +423,9 @@ def _stop_workers(jobs) -> None:
     error): without this they would go on decoding after the grid is gone. Each job's
     controller gets SIGTERM, which it forwards to its job (a local job stops on it: see
     :meth:`DecodeJob.setup`), then submitit's cancel (SIGINT: the controller stops its job, and
-    kills it a second later), which a controller started with SIGINT ignored does not hear. A
-    cancelled run keeps its checkpoints: rerunning the grid resumes it."""
+    kills it a second later), which a controller started with SIGINT ignored (all the grid's:
+    :func:`_sigint_held`) does not hear. A cancelled run keeps its checkpoints: rerunning the
+    grid resumes it."""
     running = [(u, j) for u, j, _ in jobs.values() if u[0].status == "running" and not j.done()]
     for u, j in running:
         with contextlib.suppress(OSError, AttributeError):      # ended meanwhile
@@ -435,6 +436,25 @@ def _stop_workers(jobs) -> None:
     if running:
         print(f"grid: stopped; cancelled {sum(len(u) for u, _ in running)} running run(s) "
               "(rerun the same command to resume them)", flush=True)
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """SIGINT ignored, and blocked, while the grid starts a local job's controller: the
+    controller inherits both, so Ctrl-C (SIGINT to the terminal's whole process group) stops the
+    grid alone, which cancels its jobs (:func:`_stop_workers`); each controller had also stopped
+    on it, printing its KeyboardInterrupt traceback. A Ctrl-C meanwhile stays pending (blocked)
+    and reaches the grid when this ends. Only the main thread may set a handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def local_threads(slots: int) -> int:
@@ -465,9 +485,10 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
             u, gpu = waiting.pop(0), free.pop(0)
             ex.update_parameters(visible_gpus=[gpu] if gpu is not None else [],
                                  gpus_per_node=1 if gpu is not None else 0)
-            jobs[id(u)] = (u, ex.submit(job(u, threads)), gpu)
-            for r in u:
-                r.status = "running"
+            with _sigint_held():    # (a Ctrl-C now stops the grid once its job is known)
+                jobs[id(u)] = (u, ex.submit(job(u, threads)), gpu)
+                for r in u:
+                    r.status = "running"
         for key, (u, j, gpu) in list(jobs.items()):
             if u[0].status == "running" and j.done():
                 _collect(u, j)
