@@ -1,4 +1,5 @@
-"""Reset policies for continual methods (CSUTA, DSUTA, AWMC), orthogonal to the methods.
+"""Reset policies for continual methods (CSUTA, DSUTA, AWMC, EATA, SAR, CoTTA; T3A, FOA, E-BATS
+through the backprop-free skeleton), orthogonal to the methods.
 
 A policy sees the stream through four calls made by the method, with ``t`` the 1-based count of
 utterances processed so far (Algorithm 2 of the paper):

@@ -1,6 +1,6 @@
 """Source statistics: what some methods need to know about the source model on clean speech
-(EATA's Fisher information now; FOA / E-BATS hidden-state statistics next), computed once from a
-clean manifest the user names and kept in ONE file with its provenance.
+(EATA's Fisher information; FOA / E-BATS activation statistics, ``activation_stats``), computed
+once from a clean manifest the user names and kept in ONE file with its provenance.
 
 The file (``torch.save`` of a plain dict, read back with ``weights_only=True``)::
 

@@ -7,9 +7,10 @@ Usage::
         [--plots_dir results/plots] [--smooth 100] [--baseline source] [--window 100]
         [--metric wer|cer|wer_official]
 
-Every folder (any depth) holding a ``summary.json`` is read with ``tta_brain.run.records``, the module
-that writes it; a folder it cannot read is skipped with a warning naming the file and why, and a
-folder with records but no summary (a run still going or interrupted) is listed as unfinished.
+Every folder (any depth) holding a ``summary.json`` is read with ``tta_brain.run.folder.load_run``
+(its records and summary, through the modules that write them); a folder it cannot read is
+skipped with a warning naming the file and why, and a folder with records but no summary (a run
+still going or interrupted) is listed as unfinished.
 Conventions (also written into RESULTS.md): WER of a run = 100 * errors / reference words over its
 transcripts; cells are ``mean ± sample std (n=runs)`` over the runs (seeds) of a (method, stream)
 pair; a reset at position r detects the last true boundary b <= r when r - b <= window; a method
