@@ -24,7 +24,7 @@ from tta_brain.run import checkpoint, identity
 from tta_brain.asr import metrics
 from tta_brain.data.loader import StreamLoader, boundaries, load_stream, too_short
 from tta_brain.methods.base import UttInfo
-from tta_brain.run.records import Memory, RecordWriter, Reject, Reset, Transcript
+from tta_brain.run.records import Memory, RecordWriter, Reject, Reset, Transcript, decoded_rows
 from tta_brain.lobes.runtime import release_freed_memory
 from tta_brain.run.summary import summarise
 
@@ -105,9 +105,8 @@ class TTABrain(sb.Brain):
             logger.info("Resuming %s at stream row %d / %d", self.out, self.state.cursor, len(rows))
             self._warnings = self._warnings + self._numerics_warning()
         cursor = self.state.cursor if resumed else 0
-        before = self.out / "transcripts.csv"
-        if not resumed and before.is_file():     # stopped before its first checkpoint
-            n = max(before.read_bytes().count(b"\n") - 1, 0)
+        if not resumed:                          # stopped before its first checkpoint?
+            n = decoded_rows(self.out)
             every = int(self._hp("ckpt_every", 200) or 0)
             if n:
                 logger.warning("%s: no checkpoint yet (%s): the %d utterance(s) decoded before "

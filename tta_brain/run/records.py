@@ -27,7 +27,7 @@ from tta_brain.data.manifest import first_non_utf8_line
 
 __all__ = ["Transcript", "Reject", "Reset", "Lii", "Memory", "RecordWriter", "RecordError",
            "CSV_FILES", "read_transcripts", "read_rejects", "read_resets", "read_lii",
-           "read_memory", "rows_done", "write_wer_file"]
+           "read_memory", "rows_done", "decoded_rows", "write_wer_file"]
 
 
 class RecordError(ValueError):
@@ -216,6 +216,13 @@ def rows_done(folder) -> int:
     grid's progress. Counts complete lines only; 0 for a folder with no records yet."""
     return sum(max(_lines(os.path.join(str(folder), f"{name}.csv")) - 1, 0)
                for name in ("transcripts", "rejects"))
+
+
+def decoded_rows(folder) -> int:
+    """Rows of ``folder``'s ``transcripts.csv`` (lines past the header; 0 without the file): what
+    a run stopped before its first checkpoint decodes again."""
+    path = Path(folder) / "transcripts.csv"
+    return max(path.read_bytes().count(b"\n") - 1, 0) if path.is_file() else 0
 
 
 def write_wer_file(folder, transcripts: Iterable[Transcript]) -> None:
