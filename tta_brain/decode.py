@@ -34,7 +34,7 @@ import torch
 from tta_brain import hparams as hp_files
 from tta_brain.run import identity
 from tta_brain.run.brain import TTABrain
-from tta_brain.run.checkpoint import STATE_FILE, ResumeError, saved_fingerprint
+from tta_brain.run.checkpoint import ResumeError, checkpoint_files, saved_fingerprint
 from tta_brain.run.cli import UsageError, help_text, parse_arguments, record_hparams
 from tta_brain.data.loader import load_stream
 from tta_brain.data.manifest import ManifestError
@@ -151,7 +151,7 @@ def folder_status(out, fp):
         diffs = identity.differences(old, fp)
         if diffs:
             return "differs", diffs
-        if unread is not None and _has_checkpoint(folder):  # the stream's end was saved: its
+        if unread is not None and checkpoint_files(folder):  # the stream's end was saved: its
             return "resume", [f"{unread}; the run resumes from its last checkpoint, which "
                               f"writes it again (nothing is decoded twice)"]
         try:
@@ -178,11 +178,6 @@ def folder_status(out, fp):
             or any((folder / n).exists() for n in ("hyperparams.yaml", "env.log")):
         return "differs", identity.differences(None, fp)
     return "new", []
-
-
-def _has_checkpoint(folder: Path) -> bool:
-    """Whether ``folder`` holds a complete checkpoint of a run (``save/CKPT+*/stream.ckpt``)."""
-    return any((folder / "save").glob(f"CKPT+*/{STATE_FILE}"))
 
 
 def settings(argv, device_here: bool = True):

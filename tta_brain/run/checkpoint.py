@@ -11,7 +11,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from tta_brain.run.envinfo import numerics
 logger = logging.getLogger(__name__)
 
 __all__ = ["StreamState", "ResumeError", "recover", "save", "get_rng_state", "set_rng_state",
-           "STATE_FILE"]
+           "checkpoint_files", "saved_fingerprint", "STATE_FILE"]
 
 STATE_FILE = "stream.ckpt"
 
@@ -158,10 +158,16 @@ def recover(checkpointer) -> bool:
 YAML_FILES = ("CKPT.yaml", "brain.ckpt")
 
 
+def checkpoint_files(folder) -> List[Path]:
+    """The state files of ``folder``'s complete checkpoints (``save/CKPT+*/stream.ckpt``; one
+    being written has its ``.tmp`` name), oldest first."""
+    return sorted(Path(folder).glob(f"save/CKPT+*/{STATE_FILE}"))
+
+
 def saved_fingerprint(folder) -> Optional[Dict]:
-    """The fingerprint in ``folder``'s newest complete checkpoint (``save/CKPT+*/stream.ckpt``);
+    """The fingerprint in ``folder``'s newest complete checkpoint (:func:`checkpoint_files`);
     None without one, or when it cannot be read (its run says so when it recovers it)."""
-    found = sorted(Path(folder).glob(f"save/CKPT+*/{STATE_FILE}"))
+    found = checkpoint_files(folder)
     if not found:
         return None
     try:
