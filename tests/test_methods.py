@@ -877,6 +877,49 @@ def test_api_defaults_are_the_packaged_yamls(tiny_model_dir, name):
         assert m.param_names == [n for n, _, _ in select_parameters(m.net, groups)]
 
 
+# README "Concepts": the continual methods, the reset policy's methods and the paper's defaults
+README_CONTINUAL = {"dsuta", "csuta", "awmc", "eata", "sar", "cotta", "t3a", "foa", "ebats"}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_the_readmes_continual_methods_are_those_that_take_a_reset_policy(name):
+    """README: a reset policy is for the continual methods (dsuta, csuta, awmc, eata, sar, cotta,
+    t3a, foa, ebats), attached from the shared reset block; every other method is episodic and its
+    packaged yaml has no ``--reset``."""
+    from tta_brain import hparams
+    continual = name in README_CONTINUAL
+    assert METHODS[name].episodic is not continual
+    assert ("reset" in hparams.keys(name)) is continual
+    if continual:
+        assert _packaged_yaml(name)["include"] == ["run", "reset"]
+
+
+def test_the_packaged_yamls_give_the_readmes_paper_defaults():
+    """README's methods table (``tta_brain/hparams/<name>.yaml``) and the reset block: SUTA N = 10,
+    AdamW lr 2e-5, T = 2.5, 0.3 L_em + 0.7 L_mcc; SGEM lr 4e-5 -> 2e-5, Renyi alpha 1.5, beam 5,
+    no LM; SDPL N = 10; CSUTA N = 1; AWMC lr 2e-4, EMA 0.999; DSUTA N = 10, M = 5, slow_lr = lr;
+    fixed every 50, K = 100, P = 2, z > 2, test_size 0, the paper's LII count."""
+    want = {
+        "suta": dict(steps=10, lr=2e-5, temperature=2.5, em_coef=0.3),
+        "sgem": dict(steps=10, lr=4e-5, lr_min=2e-5, renyi_alpha=1.5, beam_width=5, lm_path=None),
+        "sdpl": dict(steps=10, lr=2e-5),
+        "csuta": dict(steps=1, lr=2e-5, temperature=2.5, em_coef=0.3),
+        "awmc": dict(steps=10, lr=2e-4, ema_decay=0.999),
+        "dsuta": dict(steps=10, buffer_size=5, lr=2e-5, slow_lr=None, temperature=2.5,
+                      em_coef=0.3),
+        "reset": dict(reset="none", reset_every=50, reset_K=100, reset_patience=2,
+                      reset_threshold=2.0, reset_test_size=0, reset_lii_count="paper"),
+    }
+    for name, values in want.items():
+        got = _packaged_yaml(name)
+        assert {k: got[k] for k in values} == values, name
+    assert {"layernorm", "cnn"} == {g.get("select") for g in _packaged_yaml("suta")["adapt_params"]
+                                    if "select" in g}
+    policy = make_reset_policy("dynamic")       # the Python defaults are the block's
+    assert (policy.K, policy.patience, policy.threshold, policy.test_size) == (100, 2, 2.0, 0)
+    assert make_reset_policy("fixed").every == 50
+
+
 def test_sgem_with_an_empty_best_beam(make, utterances):
     """All-blank posteriors: the best beam is empty and its alignment is all blank."""
     m = make("sgem", steps=1)
