@@ -358,6 +358,19 @@ def test_sar_recovers_when_the_loss_ema_is_low(tiny_model_dir, utterances):
     assert not [e for e in keep.events if e.kind == "reset"]
 
 
+def test_sars_recovery_starts_the_fixed_resets_count_again(tiny_model_dir, utterances):
+    """README: a fixed reset comes every ``reset_every`` utterances after the last reset, and a
+    reset of the method's own (SAR's recovery) starts the count again: a recovery after utterance
+    2 moves the fixed reset of every 3 from utterance 3 to utterance 5."""
+    m = build_on(tiny_model_dir, "sar", lr=1e-2, reset_constant=-1.0,
+                 reset_policy=make_reset_policy("fixed", every=3), **RELIABLE)
+    for i, w in enumerate(utterances[:3] * 2):
+        m.reset_constant = 1e9 if i == 1 else -1.0      # recovery after utterance 2 alone
+        m.process(w, UttInfo(id=f"u{i}", position=i))
+    resets = [(e.position, e.reason) for e in m.events if e.kind == "reset"]
+    assert resets == [(2, "recovery"), (5, "fixed (every 3)")]
+
+
 def test_sar_loss_ema_is_point_nine_of_the_old_plus_point_one_of_each_pass_two_loss(
         tiny_model_dir, utterances):
     """SAR's recovery EMA: ema <- 0.9 ema + 0.1 L2 after each step that updated (L2 its
