@@ -167,6 +167,24 @@ def test_the_loaders_checks_at_their_edges(tmp_path, monkeypatch):
         f"duration)")
 
 
+def test_a_duration_is_a_mismatch_only_over_a_tenth_of_a_second_and_ten_percent(tmp_path):
+    """README (stream manifest): a manifest duration more than 0.1 s and 10 % away from the
+    audio's own length skips the row as a truncated or replaced file; within either it is read."""
+    from tta_brain.data import loader as loader_mod
+    sf.write(tmp_path / "a.wav", speech(0.4), SR, subtype="PCM_16")
+    sf.write(tmp_path / "b.wav", speech(2.0), SR, subtype="PCM_16")
+    rows = [row("short_in", tmp_path / "a.wav", 0.49),      # 0.09 s (22 %): kept
+            row("short_out", tmp_path / "a.wav", 0.52),     # 0.12 s (23 %): skipped
+            row("long_in", tmp_path / "b.wav", 2.15),       # 0.15 s (7 %): kept
+            row("long_out", tmp_path / "b.wav", 2.3)]       # 0.3 s (13 %): skipped
+    got = list(loader_mod.StreamLoader(rows, max_duration=0).iterate())
+    assert [u.reason is None for u in got] == [True, False, True, False]
+    assert got[1].reason == (f"{tmp_path / 'a.wav'}: 0.40 s of audio but the manifest says "
+                             f"0.52 s (truncated or replaced file?)")
+    assert got[3].reason.endswith("2.00 s of audio but the manifest says 2.30 s (truncated or "
+                                  "replaced file?)")
+
+
 def test_bad_audio_is_skipped_listed_and_counted(bad_run):
     out, summary, expect = bad_run
     rejects = {r["ID"]: r["reason"] for r in csv.DictReader(open(out / "rejects.csv"))}
