@@ -885,11 +885,11 @@ README_CONTINUAL = {"dsuta", "csuta", "awmc", "eata", "sar", "cotta", "t3a", "fo
 def test_the_readmes_continual_methods_are_those_that_take_a_reset_policy(name):
     """README: a reset policy is for the continual methods (dsuta, csuta, awmc, eata, sar, cotta,
     t3a, foa, ebats), attached from the shared reset block; every other method is episodic and its
-    packaged yaml has no ``--reset``."""
+    packaged yaml has no ``--reset``; the yaml fixes it (no ``--episodic`` key)."""
     from tta_brain import hparams
     continual = name in README_CONTINUAL
     assert METHODS[name].episodic is not continual
-    assert ("reset" in hparams.keys(name)) is continual
+    assert ("reset" in hparams.keys(name)) is continual and "episodic" not in hparams.keys(name)
     if continual:
         assert _packaged_yaml(name)["include"] == ["run", "reset"]
 
