@@ -275,6 +275,23 @@ def test_csuta_fixed_reset(make, utterances, source_values):
     assert not same(after[0], src) and not same(after[3], src) and not same(after[6], src)
 
 
+def test_csuta_keeps_its_optimiser_state_across_utterances(make, utterances):
+    """README: CSUTA is SUTA without reset, one step, the optimiser state kept: the second
+    utterance's AdamW step continues the first's moments (step count 2), which a CSUTA whose
+    moments were zeroed in between does not reproduce."""
+    from tta_brain.methods.state import zero_optimizer_state
+    items = stream(utterances, 2)
+    m, control = make("csuta", lr=1e-3), make("csuta", lr=1e-3)
+    assert m.steps == 1
+    run(m, items)
+    states = [m.optimizer.state[p] for p in m.params]
+    assert states and all(float(st["step"]) == 2 for st in states)
+    control.process(*items[0])
+    zero_optimizer_state(control.optimizer)
+    control.process(*items[1])
+    assert not same(m.params, control.params)
+
+
 def test_dsuta_oracle_reset_at_a_boundary_off_the_update_grid(make, utterances, source_values):
     M = 3
     segments = [0, 0, 0, 0, 1, 1, 1, 1]                     # boundary at 4, not a multiple of M
