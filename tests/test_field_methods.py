@@ -963,3 +963,31 @@ def test_cea_is_episodic_both_optimisers_start_fresh(tiny_model_dir, utterances)
     alone = build_on(tiny_model_dir, "cea", **kw)
     assert alone.process(utterances[1]) == after
     assert all(torch.equal(p, q) for p, q in zip(m.params, alone.params))
+
+
+@pytest.mark.parametrize("arch", ["sew", "sew-d", "wav2vec2-bert", "parakeet"])
+def test_cea_without_coherence_runs_stage_2_through_the_models_own_forward(tmp_path, utterances,
+                                                                            arch):
+    """On a model without a separable CNN feature encoder (README: SEW and SEW-D, CEA without
+    its coherence term) ``--tc_coef=0`` is CEA's way in: its second stage's logits are the
+    model's own forward. Before, stage 2 always took the CNN-features path: SEW-D, Wav2Vec2-BERT
+    and Parakeet stopped with an AttributeError (no ``feature_extractor``) at the first utterance,
+    and SEW adapted on the wav2vec 2.0 forward after its CNN (no pooling and upsampling around
+    its encoder), not its own."""
+    from tta_brain.lobes import testing
+    if arch == "parakeet":
+        pytest.importorskip("librosa", reason="Parakeet's feature extractor needs librosa")
+    cfg = {"sew": testing.TINY, "sew-d": testing.TINY_SEWD, "wav2vec2-bert": testing.TINY_BERT,
+           "parakeet": testing.TINY_PARAKEET}[arch]
+    d = testing.save_random_ctc_model(str(tmp_path), 0, arch=arch, **cfg)
+    with pytest.raises(ValueError, match="tc_coef > 0 needs a model with a separable CNN"):
+        build_on(d, "cea")
+    m = build_on(d, "cea", tc_coef=0.0, steps=0, steps2=1, lr2=1e-2)
+    x = m.lobe.prepare(utterances[0])
+    m._stage2 = True
+    with torch.no_grad():
+        assert torch.equal(m.logits(x), m.lobe.logits(x))
+    m._stage2 = False
+    assert isinstance(m.process(utterances[0]), str)
+    assert m.counts["adapt_forward"] == 1
+    assert any(not torch.equal(p, s) for p, s in zip(m.params, m.source))

@@ -44,8 +44,8 @@ class CEA(TTAMethod):
         self._stage2, self._feats = False, None
 
     def logits(self, x, values=None):
-        if not self._stage2:
-            return super().logits(x, values)
+        if not (self._stage2 and self.tc_coef):     # (without the coherence term: the model's
+            return super().logits(x, values)        # own forward, which any CTC model has)
         self._feats = self.lobe.features(x)     # stage 2: keep the CNN output of this forward
         params = None if values is None else dict(zip(self._lobe_names, values))
         return self.lobe.logits(x, params, self._feats)
