@@ -1903,6 +1903,40 @@ def test_batched_cea_temporal_coherence_weight_is_each_runs(data):
     assert max_diff(alone.params, seps[1].params) > 10 * PARAM_TOL
 
 
+@pytest.mark.parametrize("arch", ["sew", "wav2vec2-bert", "parakeet"])
+def test_batched_cea_without_coherence_on_a_model_without_a_separable_cnn(data, tmp_path, arch):
+    """``tc_coef: 0`` (CEA on a model without a separable CNN feature encoder, README): batched
+    runs give their separate runs' transcripts and weights, their stage 2 through the model's
+    own forward. Before, the batch took every run's stage 2 through the CNN-features path:
+    Wav2Vec2-BERT and Parakeet stopped with an AttributeError (no ``feature_extractor``), SEW
+    adapted on another forward (other transcripts than its separate runs)."""
+    import soundfile as sf
+    from tta_brain.lobes import testing
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import UttInfo, build_method
+    from tta_brain.sweep import batch_for
+    if arch == "parakeet":
+        pytest.importorskip("librosa", reason="Parakeet's feature extractor needs librosa")
+    cfg = {"sew": testing.TINY, "wav2vec2-bert": testing.TINY_BERT,
+           "parakeet": testing.TINY_PARAKEET}[arch]
+    model = testing.save_random_ctc_model(str(tmp_path), 0, arch=arch, **cfg)
+    wavs = [torch.from_numpy(sf.read(p, dtype="float32")[0])
+            for p in sorted((data["root"] / "wav").glob("*.wav"))][:3]
+
+    def build(lr2):
+        return build_method("cea", model=HFCTCLobe(model), lr=1e-3, steps=1, steps2=2, lr2=lr2,
+                            tc_coef=0.0)
+    seps = [build(lr2) for lr2 in (1e-3, 1e-2)]
+    ms = [build(lr2) for lr2 in (1e-3, 1e-2)]
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    for i, w in enumerate(wavs):
+        info = UttInfo(position=i)
+        batch.process([0, 1], w, info)
+        assert [v.process(w) for v in batch.views] == [m.process(w, info) for m in seps], i
+        for r, m in enumerate(seps):
+            assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
+
+
 def test_batched_sgem_lr_floor_and_negative_sampling_are_each_runs(data):
     """Batched SGEM runs that differ in their lr floor (``lr_min``: one as high as the lr, no
     annealing) and their negative sampling (weight, threshold: at SGEM's default threshold the

@@ -48,8 +48,9 @@ class BatchedCEA(BatchedSUTA):
         self.temperature = [m.temperature for m in methods]
         self.tc_coef = [m.tc_coef for m in methods]
         self.steps2 = [m.steps2 for m in methods]
-        self.cnn = lobe.model.base_model.feature_extractor
-        self.cnn_prefix = f"model.{lobe.model.base_model_prefix}.feature_extractor."
+        if any(self.tc_coef):       # (none: every run's stage 2 is the model's own forward)
+            self.cnn = lobe.model.base_model.feature_extractor
+            self.cnn_prefix = f"model.{lobe.model.base_model_prefix}.feature_extractor."
         self.stage2, self.feats = False, None
 
     @staticmethod
@@ -62,7 +63,7 @@ class BatchedCEA(BatchedSUTA):
     def logits(self, flat: torch.Tensor, x: torch.Tensor, samples=None) -> torch.Tensor:
         """Stage 2: each row's CNN features too (``self.feats``), from the same pass (never
         padded: CEA's losses do not mask padding, so it has no length buckets)."""
-        if not self.stage2:
+        if not (self.stage2 and any(self.tc_coef)):
             return super().logits(flat, x, samples)
 
         def one(row):
@@ -78,7 +79,7 @@ class BatchedCEA(BatchedSUTA):
     def losses(self, runs, logits, leaf, lengths=None):
         """``CEA.loss`` of each run (its stage's terms; stage 2: its own CNN features)."""
         return torch.stack([CEA.loss(SimpleNamespace(
-            _stage2=self.stage2, _feats=self.feats[j] if self.stage2 else None,
+            _stage2=self.stage2, _feats=None if self.feats is None else self.feats[j],
             em_coef=self.em_coef[r], temperature=self.temperature[r], tc_coef=self.tc_coef[r],
             blank_id=self.blank_id), logits[j]) for j, r in enumerate(runs)]), None, None
 
