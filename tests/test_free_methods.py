@@ -20,7 +20,8 @@ from fake_corpora import fake_speech, write_stream
 from tta_brain import decode, stats as stats_cli
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.lobes.partial import PartialForward
-from tta_brain.lobes.testing import TINY, TINY_BERT, TINY_SEWD, save_random_ctc_model
+from tta_brain.lobes.testing import (TINY, TINY_BERT, TINY_PARAKEET, TINY_SEWD,
+                                     save_random_ctc_model)
 from tta_brain.methods import activation_stats as act, build_method, lame, t3a
 from tta_brain.methods.base import TTAMethod
 from tta_brain.methods.free import EarlyStop
@@ -696,6 +697,63 @@ def args(setup, name, out, *extra):
     return [name, f"--source={setup['model']}", f"--stream_csv={setup['csv']}",
             f"--output_folder={out}", f"--data_root={setup['root']}", "--noprogressbar",
             *stats, *SMALL[name], *extra]
+
+
+#: The families of the README's first paragraph (``lobes/testing.py``'s ARCHS, and UniSpeech):
+#: those the partial forward runs (FOA, E-BATS and their statistics), and those with a separable
+#: CNN feature encoder (CEA's coherence term).
+FAMILIES = {"wav2vec2": TINY, "hubert": TINY, "data2vec-audio": TINY, "wavlm": TINY,
+            "unispeech": TINY, "unispeech-sat": TINY, "sew": TINY, "sew-d": TINY_SEWD,
+            "wav2vec2-conformer": TINY, "wav2vec2-bert": TINY_BERT, "parakeet": TINY_PARAKEET}
+PARTIAL_FAMILIES = {"wav2vec2", "hubert", "data2vec-audio", "wavlm", "unispeech", "unispeech-sat"}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_every_family_decodes_each_method_or_refuses_it_in_one_line(tmp_path, monkeypatch, arch):
+    """README (first paragraph): any Hugging Face CTC family is a source model from a local
+    directory. Through ``tta_brain.decode`` on 2 utterances: SUTA, Tent, LAME and T3A decode on
+    every family; FOA and E-BATS (their statistics made with the statistics command) on the
+    wav2vec 2.0-style ones, the others refused in one line naming the model, as their statistics
+    are; CEA on the families with a separable CNN feature encoder (the Conformer's too), the
+    others refused in one line naming the model, and decoding with ``--tc_coef=0`` (before, SEW-D,
+    Wav2Vec2-BERT and Parakeet stopped with an AttributeError in CEA's second stage)."""
+    from tta_brain.lobes import testing
+    if arch == "parakeet":
+        pytest.importorskip("librosa", reason="Parakeet's feature extractor needs librosa")
+    monkeypatch.setitem(testing.ARCHS, "unispeech", ("UniSpeechConfig", "UniSpeechForCTC"))
+    model = save_random_ctc_model(str(tmp_path / "model"), 0, arch=arch, **FAMILIES[arch])
+    ctc_class = testing.ARCHS[arch][1]
+    root = write_stream(tmp_path / "data", n=2, block=2)
+    clean = write_stream(tmp_path / "clean", n=3, block=10)
+    stats = tmp_path / "stats.pt"
+    partial = arch in PARTIAL_FAMILIES
+    assert stats_cli.main(["--source", model, "--manifest", str(clean / "stream.csv"),
+                           "--data_root", str(clean), "--kinds", "hidden,tokens",
+                           "--out", str(stats)]) == (0 if partial else 1)
+    assert stats.exists() == partial
+    common = [f"--source={model}", f"--stream_csv={root / 'stream.csv'}", f"--data_root={root}",
+              "--noprogressbar"]
+    small = dict(SMALL, suta=["--steps=1"], tent=["--steps=1"], cea=["--steps=1", "--steps2=1"],
+                 foa=[*SMALL["foa"], f"--source_stats={stats}"],
+                 ebats=[*SMALL["ebats"], f"--source_stats={stats}"])
+    for name in ("suta", "tent", "cea", "lame", "t3a", "foa", "ebats"):
+        out = tmp_path / name
+        argv = [name, *common, f"--output_folder={out}", *small[name]]
+        if name in ("foa", "ebats") and not partial or name == "cea" and (
+                arch in ("sew", "sew-d", "wav2vec2-bert", "parakeet")):
+            with pytest.raises(SystemExit) as e:
+                decode.main(argv)
+            msg = str(e.value)
+            assert msg.startswith("ERROR: ") and f"{name}" in msg and "\n" not in msg, msg
+            assert ctc_class in msg, msg
+            assert not (out / "transcripts.csv").exists()
+            if name != "cea":
+                continue
+            argv.append("--tc_coef=0")
+        s = decode.main(argv)
+        assert s.n_utts == 2 and s.n_skipped == 0, name
+        assert (out / "summary.json").exists(), name
+        assert len(list(csv.DictReader(open(out / "transcripts.csv")))) == 2, name
 
 
 @pytest.mark.parametrize("name", ["lame", "t3a", "foa", "ebats"])

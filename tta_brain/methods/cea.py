@@ -39,7 +39,9 @@ class CEA(TTAMethod):
             raise ValueError(f"cea: stage2_params must be adapted in stage 1 too (adapt_params), "
                              f"{outside[0]} is not")
         if self.tc_coef and not self.lobe.supports_features:
-            raise ValueError("cea: tc_coef > 0 needs a model with a separable CNN feature encoder")
+            raise ValueError(f"cea: tc_coef > 0 needs a model with a separable CNN feature encoder "
+                             f"({type(self.net).__name__} has none; tc_coef 0 leaves the "
+                             f"temporal coherence term out)")
         self.optimizer2 = build_optimizer(kwargs.get("optimizer"), stage2, float(lr2))
         self._stage2, self._feats = False, None
 
