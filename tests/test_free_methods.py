@@ -786,6 +786,32 @@ def test_dynamic_reset_runs_on_a_free_method(setup, tmp_path):
     assert len(list(csv.DictReader(open(tmp_path / "exp" / "lii.csv")))) >= 3
 
 
+def test_dynamic_reset_on_an_own_free_method_without_state_is_refused_when_built(setup):
+    """A continual method of one's own on the free skeleton that defines no carried state (no
+    ``center`` / ``meta_values``): the dynamic reset, whose LII needs that state, is one line
+    naming the method when it is built, not a NotImplementedError after the first utterance;
+    the fixed reset, which needs only ``reset()``, decodes."""
+    from tta_brain.methods.free import FreeMethod
+
+    class Sharpen(FreeMethod):
+        name, episodic, needs_partial = "sharpen", False, False
+
+        def prefix(self, x):
+            return self.lobe.head_input(x)
+
+        def adapt(self, x, ctx):
+            return (ctx[0] / 0.5).log_softmax(-1)
+
+    lobe = HFCTCLobe(setup["model"])
+    with pytest.raises(ValueError, match=r"^sharpen: reset = 'dynamic' needs .*center\(\).*"
+                                         r"meta_values\(\)") as e:
+        Sharpen(lobe, reset_policy=make_reset_policy("dynamic", K=4))
+    assert "\n" not in str(e.value)
+    m = Sharpen(lobe, reset_policy=make_reset_policy("fixed", every=2))
+    assert all(isinstance(m.process(w), str) for w in wavs(4))
+    assert [e.position for e in m.events if e.kind == "reset"] == [2, 4]
+
+
 @pytest.mark.parametrize("name", ["t3a", "foa", "ebats"])
 def test_lii_losses_come_from_the_prefix_the_adaptation_reuses(setup, name):
     """A separate run with a dynamic reset: an utterance's two LII losses come from its one

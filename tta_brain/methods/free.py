@@ -90,6 +90,14 @@ class FreeMethod(TTAMethod):
             raise ValueError(f"compile: true (--compile) is not supported by {self.name}: its "
                              f"passes do not run through the compiled model forward, so it "
                              f"would decode uncompiled; use compile: false")
+        if (getattr(reset_policy, "name", None) == "dynamic"
+                and type(self).meta_values is FreeMethod.meta_values
+                and type(self).center is FreeMethod.center):    # a method of one's own: it
+            # would stop with a NotImplementedError at the first utterance's LII
+            raise ValueError(f"{self.name}: reset = 'dynamic' needs the state the method carries, "
+                             f"which it does not define: center() (the search mean, as FOA and "
+                             f"E-BATS) or meta_values() with loss_at() (as T3A); or use reset "
+                             f"fixed or oracle")
         super().__init__(model, adapt_params=(), steps=kwargs.pop("steps", 1), episodic=episodic,
                          reset_policy=reset_policy, **kwargs)
         self.population_batch, self.shared_prefix = int(population_batch), bool(shared_prefix)
