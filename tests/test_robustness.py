@@ -499,8 +499,8 @@ def test_unknown_reset_method_and_override(tmp_path, ok_stream, tiny_model_dir):
     # a reset option of an episodic method: why it has none, and which methods do
     msg = _error(["tent", f"--source={tiny_model_dir}", f"--stream_csv={ok_stream}",
                   f"--output_folder={out}", "--reset_every=3"])
-    assert "--reset_every is no key of this yaml (this yaml has no reset block: resets are for " \
-        "the continual methods, awmc, cotta, csuta, dsuta, eata, ebats, foa, sar, t3a; " in msg
+    assert "--reset_every is no key of this yaml (this yaml has no reset block (include: [run, reset]): " \
+        "resets are for the continual methods, awmc, cotta, csuta, dsuta, eata, ebats, foa, sar, t3a; " in msg
     argv = dsuta_args(tiny_model_dir, ok_stream, out)
     argv[0] = "dsutaa"
     msg = _error(argv)

@@ -435,8 +435,8 @@ def _unknown_key(path, key: str, known: List[str]) -> str:
     name = Path(path).stem if Path(path).parent == HPARAMS_DIR else str(path)
     if "reset_policy" not in known and key in keys(HPARAMS_DIR / "reset.yaml"):   # episodic
         continual = [m for m in available() if "reset_policy" in keys(m)]
-        hint = (f"this yaml has no reset block: resets are for the continual methods, "
-                f"{', '.join(continual)}; ")
+        hint = (f"this yaml has no reset block (include: [run, reset]): resets are for the "
+                f"continual methods, {', '.join(continual)}; ")
     return (f"{path}: Override '{key}' not found: --{key} is no key of this yaml ({hint}python -m "
             f"tta_brain.decode {name} --help lists them)")
 
