@@ -663,17 +663,23 @@ def test_stopped_local_grid_leaves_no_worker_and_resumes(data, tmp_path, sigint)
 def test_a_local_job_starts_deaf_to_ctrl_c_and_a_ctrl_c_meanwhile_reaches_the_grid():
     """A local job's controller starts with SIGINT ignored (Ctrl-C, sent to the whole process
     group, stops the grid alone, which cancels its jobs); a Ctrl-C while one starts is not lost:
-    the grid stops once the job is started (and known, to be cancelled)."""
+    the grid stops once the job is started (and known, to be cancelled). The grid's own SIGINT
+    handler is Python's (an xdist worker, where this runs, ignores SIGINT: set for the test)."""
     probe = [sys.executable, "-c",
              "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
-    with pytest.raises(KeyboardInterrupt):
-        with grid._sigint_held():
-            child = subprocess.run(probe, capture_output=True, text=True, timeout=60)
-            os.kill(os.getpid(), signal.SIGINT)
-            reached = True
-    assert reached and child.stdout.strip() == "True", child.stdout + child.stderr
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.strip() == "False"
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with grid._sigint_held():
+                child = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+                os.kill(os.getpid(), signal.SIGINT)
+                reached = True
+        assert reached and child.stdout.strip() == "True", child.stdout + child.stderr
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        after = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+        assert after.stdout.strip() == "False"
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def grid_until_checkpoint(data, exp, methods, seeds, sigint_ignored=False, own_group=False):
@@ -682,9 +688,12 @@ def grid_until_checkpoint(data, exp, methods, seeds, sigint_ignored=False, own_g
     ``dsuta+dynamic/seed0`` has a checkpoint (or the grid ended): (command, process, that run)."""
     cmd = [sys.executable, "-m", "tta_brain.grid",
            *grid_argv(data, exp, methods, seeds, "--nj", "2")]
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    # SIGINT as a shell leaves it: ignored in a script's background job, else Python's own (set
+    # either way: a test run started in the background would hand its ignoring on)
+    sigint = signal.SIG_IGN if sigint_ignored else signal.SIG_DFL
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=ignore,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
                             start_new_session=own_group)
     victim = exp / "s" / "dsuta+dynamic" / "seed0"
     wait_for(lambda: list((victim / "save").glob("CKPT+*/stream.ckpt")) or proc.poll() is not None,
