@@ -664,7 +664,7 @@ def test_a_local_job_starts_deaf_to_ctrl_c_and_a_ctrl_c_meanwhile_reaches_the_gr
     """A local job's controller starts with SIGINT ignored (Ctrl-C, sent to the whole process
     group, stops the grid alone, which cancels its jobs); a Ctrl-C while one starts is not lost:
     the grid stops once the job is started (and known, to be cancelled). The grid's own SIGINT
-    handler is Python's (an xdist worker, where this runs, ignores SIGINT: set for the test)."""
+    handler is Python's (set for the test: a test run started in the background ignores SIGINT)."""
     probe = [sys.executable, "-c",
              "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
