@@ -440,21 +440,21 @@ def _stop_workers(jobs) -> None:
 
 @contextlib.contextmanager
 def _sigint_held():
-    """SIGINT ignored, and blocked, while the grid starts a local job's controller: the
-    controller inherits both, so Ctrl-C (SIGINT to the terminal's whole process group) stops the
-    grid alone, which cancels its jobs (:func:`_stop_workers`); each controller had also stopped
-    on it, printing its KeyboardInterrupt traceback. A Ctrl-C meanwhile stays pending (blocked)
-    and reaches the grid when this ends. Only the main thread may set a handler."""
+    """SIGINT ignored while the grid starts a local job's controller, which inherits it: Ctrl-C
+    (SIGINT to the terminal's whole process group) stops the grid alone, which cancels its jobs
+    (:func:`_stop_workers`); each controller had also stopped on it, printing its
+    KeyboardInterrupt traceback. A Ctrl-C within a start (a fork and exec, milliseconds) is
+    ignored: press it again. (Blocking it instead of losing it does not hold: the kernel hands a
+    signal the main thread blocks to another of the grid's threads, where it is ignored too.)
+    Only the main thread may set a handler."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, old)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def local_threads(slots: int) -> int:
@@ -485,7 +485,7 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
             u, gpu = waiting.pop(0), free.pop(0)
             ex.update_parameters(visible_gpus=[gpu] if gpu is not None else [],
                                  gpus_per_node=1 if gpu is not None else 0)
-            with _sigint_held():    # (a Ctrl-C now stops the grid once its job is known)
+            with _sigint_held():    # (the job is known, to be cancelled, before a Ctrl-C)
                 jobs[id(u)] = (u, ex.submit(job(u, threads)), gpu)
                 for r in u:
                     r.status = "running"
