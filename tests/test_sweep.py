@@ -1280,6 +1280,18 @@ def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
                           "aten.lift_fresh.default"]
 
 
+def same_steps(batch, seps, wavs):
+    """The batch of runs ``seps`` over ``wavs`` side by side with them: the same transcripts and,
+    after every utterance, each run's weights those of its separate run (to rounding)."""
+    from tta_brain.methods import UttInfo
+    for i, w in enumerate(wavs):
+        info = UttInfo(position=i)
+        batch.process(list(range(len(seps))), w, info)
+        assert [v.process(w) for v in batch.views] == [m.process(w, info) for m in seps], i
+        for r, m in enumerate(seps):
+            assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
+
+
 def lockstep(batch, seps, wavs):
     """The batch and the separate runs ``seps`` over ``wavs`` side by side: the same transcripts,
     then the same events (kind, position, reason) and counts per run."""
@@ -1891,12 +1903,7 @@ def test_batched_cea_temporal_coherence_weight_is_each_runs(data):
     seps = [build(c) for c in cfgs]
     ms = [build(c) for c in cfgs]
     batch = batch_for(ms[0])(ms[0].lobe, ms)
-    for i, w in enumerate(wavs):
-        info = UttInfo(position=i)
-        batch.process([0, 1], w, info)
-        assert [v.process(w) for v in batch.views] == [m.process(w, info) for m in seps], i
-        for r, m in enumerate(seps):
-            assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
+    same_steps(batch, seps, wavs)
     alone = build(dict(cfgs[1], tc_coef=0.0))                 # the weight mattered
     for i, w in enumerate(wavs):
         alone.process(w, UttInfo(position=i))
@@ -1913,7 +1920,7 @@ def test_batched_cea_without_coherence_on_a_model_without_a_separable_cnn(data, 
     import soundfile as sf
     from tta_brain.lobes import testing
     from tta_brain.lobes.hf_ctc import HFCTCLobe
-    from tta_brain.methods import UttInfo, build_method
+    from tta_brain.methods import build_method
     from tta_brain.sweep import batch_for
     if arch == "parakeet":
         pytest.importorskip("librosa", reason="Parakeet's feature extractor needs librosa")
@@ -1929,12 +1936,7 @@ def test_batched_cea_without_coherence_on_a_model_without_a_separable_cnn(data, 
     seps = [build(lr2) for lr2 in (1e-3, 1e-2)]
     ms = [build(lr2) for lr2 in (1e-3, 1e-2)]
     batch = batch_for(ms[0])(ms[0].lobe, ms)
-    for i, w in enumerate(wavs):
-        info = UttInfo(position=i)
-        batch.process([0, 1], w, info)
-        assert [v.process(w) for v in batch.views] == [m.process(w, info) for m in seps], i
-        for r, m in enumerate(seps):
-            assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
+    same_steps(batch, seps, wavs)
 
 
 def test_batched_sgem_lr_floor_and_negative_sampling_are_each_runs(data):
