@@ -669,7 +669,7 @@ def test_a_local_job_starts_deaf_to_ctrl_c():
              "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with grid._sigint_held():
+        with grid._sigint_ignored():
             child = subprocess.run(probe, capture_output=True, text=True, timeout=60)
         assert child.stdout.strip() == "True", child.stdout + child.stderr
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -55,7 +55,7 @@ class DecodeJob(submitit.helpers.Checkpointable):
         """The job process's threads; a local job also stops on SIGTERM as on Ctrl-C (submitit
         bypasses SIGTERM, Slurm's preemption warning, which a local job never gets): the grid
         stops its local jobs with it, as submitit's cancel (SIGINT) reaches none (the grid
-        starts them with SIGINT ignored: :func:`_sigint_held`)."""
+        starts them with SIGINT ignored: :func:`_sigint_ignored`)."""
         if self.local:
             signal.signal(signal.SIGTERM, signal.default_int_handler)
         if self.threads:
@@ -424,7 +424,7 @@ def _stop_workers(jobs) -> None:
     controller gets SIGTERM, which it forwards to its job (a local job stops on it: see
     :meth:`DecodeJob.setup`), then submitit's cancel (SIGINT: the controller stops its job, and
     kills it a second later), which a controller started with SIGINT ignored (all the grid's:
-    :func:`_sigint_held`) does not hear. A cancelled run keeps its checkpoints: rerunning the
+    :func:`_sigint_ignored`) does not hear. A cancelled run keeps its checkpoints: rerunning the
     grid resumes it."""
     running = [(u, j) for u, j, _ in jobs.values() if u[0].status == "running" and not j.done()]
     for u, j in running:
@@ -439,7 +439,7 @@ def _stop_workers(jobs) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_held():
+def _sigint_ignored():
     """SIGINT ignored while the grid starts a local job's controller, which inherits it: Ctrl-C
     (SIGINT to the terminal's whole process group) stops the grid alone, which cancels its jobs
     (:func:`_stop_workers`); each controller had also stopped on it, printing its
@@ -485,7 +485,7 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
             u, gpu = waiting.pop(0), free.pop(0)
             ex.update_parameters(visible_gpus=[gpu] if gpu is not None else [],
                                  gpus_per_node=1 if gpu is not None else 0)
-            with _sigint_held():    # (the job is known, to be cancelled, before a Ctrl-C)
+            with _sigint_ignored():   # (a Ctrl-C after it finds the job known, to cancel it)
                 jobs[id(u)] = (u, ex.submit(job(u, threads)), gpu)
                 for r in u:
                     r.status = "running"
