@@ -39,7 +39,9 @@ setup(
         # pytest-xdist: the README's test command runs two workers (-n 2 --dist loadscope
         # --no-loadscope-reorder: 3.8's options)
         # librosa: Parakeet CTC's feature extractor (its tests; the parakeet extra below)
-        "test": ["pytest>=7", "pytest-xdist>=3.8", "wheel", "librosa>=0.10"],
+        # pytest-timeout: pytest.ini's per-test limit (a hung test fails naming itself)
+        "test": ["pytest>=7", "pytest-xdist>=3.8", "pytest-timeout>=2.1", "wheel",
+                 "librosa>=0.10"],
         # SGEM's word n-gram LM (tta_brain.asr.lm), as the official SGEM: pyctcdecode + KenLM. kenlm
         # builds from source (C++ compiler, ~2 min); pyctcdecode 0.5.0 pins numpy<2.
         "lm": ["pyctcdecode==0.5.0", "kenlm>=0.2"],
