@@ -109,6 +109,36 @@ def test_a_runs_summary_counts_its_records_per_domain(tmp_path):
     assert read_summary(tmp_path) == s
 
 
+def test_a_stream_without_domains_has_no_per_domain_rates(tmp_path):
+    """A manifest of one's own without a ``domain`` column (every transcript's domain ``""``):
+    its summary has no per-domain WER or CER (was ``{"": rate}``, a domain named by nothing, which
+    the report does not show either); one written so before is read the same way."""
+    from types import SimpleNamespace
+    from tta_brain.run.summary import read_summary, summarise
+    rows = [(0, "u0", "", 0, 1.0, "AB CD", "AB", 2, 1, 0, 1, 0),
+            (1, "u1", "", 0, 1.0, "XY", "XZ", 1, 1, 1, 0, 0)]
+    for name, cls in CSV_FILES.items():
+        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(_columns(cls))
+            if name == "transcripts":
+                w.writerows(r + (0,) for r in rows)
+    s = summarise(tmp_path, [{"position": 0}, {"position": 1}],
+                  SimpleNamespace(wall_time=3.0, audio_time=2.0),
+                  SimpleNamespace(counts={}, num_adapted=0), "x", "own", 0, {}, "cpu")
+    import pytest
+    assert (s.wer, s.cer) == (pytest.approx(200 / 3), pytest.approx(400 / 7))
+    assert s.wer_per_domain == s.cer_per_domain == {}
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["wer_per_domain"] == saved["cer_per_domain"] == {}
+    old = {**saved, "wer_per_domain": {"": s.wer}, "cer_per_domain": {"": s.cer}}
+    (tmp_path / "summary.json").write_text(json.dumps(old))      # as written before
+    assert read_summary(tmp_path) == s and load_run(tmp_path).summary == s
+    (tmp_path / "named").mkdir()
+    named = _old_folder(tmp_path / "named", [2])
+    assert read_summary(named).wer_per_domain == {"A": 0.0}     # a named domain is kept
+
+
 def test_a_summary_of_another_version_is_read_or_named(tmp_path):
     """A summary.json with a key this version does not know (a newer tta_brain's) is read; one
     without a key it needs is a RecordError naming it (the folder is then damaged, not a

@@ -98,7 +98,15 @@ def read_summary(folder) -> Summary:
     if missing:
         raise RecordError(f"{path}: not a summary of this tta_brain version (missing: "
                           f"{', '.join(missing)})")
+    for key in ("wer_per_domain", "cer_per_domain"):   # an older run of a stream without
+        data[key] = per_domain(data.get(key) or {})    # domains: its {"": rate} is no domain
     return Summary(**{k: v for k, v in data.items() if k in names})
+
+
+def per_domain(rates: Dict[str, Optional[float]]) -> Dict[str, Optional[float]]:
+    """A run's rates by domain; none for a stream without domains (a manifest of one's own
+    without a ``domain`` column: each utterance's domain is ``""``), as the report has none."""
+    return {} if set(rates) == {""} else rates
 
 
 #: A run with at least this share of empty hypotheses (and two of them) gets a warning.
@@ -155,7 +163,7 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
         logger.warning("%s on %s: %s", tag, stream, line)
     summary = Summary(
         method=tag, stream=stream, seed=seed, wer=error_rate(n_err, n_words),
-        wer_per_domain={d: error_rate(e, w) for d, (e, w, _, _) in per_dom.items()},
+        wer_per_domain=per_domain({d: error_rate(e, w) for d, (e, w, _, _) in per_dom.items()}),
         n_utts=len(transcripts), n_words=n_words, n_err=n_err, n_skipped=len(rejects),
         skipped=[{"position": r.position, "ID": r.ID, "reason": r.reason} for r in rejects],
         resets=[r.position for r in read_resets(folder)], boundaries=boundaries(rows),
@@ -165,7 +173,8 @@ def summarise(folder, rows: List[Dict], state, method, tag: str, stream: str, se
         hparams=dict(hparams), device=describe_device(device), versions=versions(),
         fingerprint=dict(fingerprint or {}), warnings=list(warnings) + health,
         cer=error_rate(sum(e[2] for e in per_dom.values()), sum(e[3] for e in per_dom.values())),
-        cer_per_domain={d: error_rate(ce, cr) for d, (_, _, ce, cr) in per_dom.items()})
+        cer_per_domain=per_domain({d: error_rate(ce, cr)
+                                   for d, (_, _, ce, cr) in per_dom.items()}))
     write_summary(folder, summary)
     logger.info("%s on %s: WER %s, CER %s (%d utterances, %d skipped, %d resets)", tag, stream,
                 percent(summary.wer), percent(summary.cer), len(transcripts), len(rejects),
