@@ -1278,6 +1278,33 @@ def test_build_method_takes_keyword_only_options_and_paths(tiny_lobe, monkeypatc
         build_method("kwonly_suta", model=tiny_lobe, beta=1.0)
 
 
+def test_an_own_forward_and_adapt_without_gradients_is_one_line(tiny_lobe, monkeypatch,
+                                                                 utterances):
+    """A method of one's own whose ``forward_and_adapt`` is decorated with ``@torch.no_grad()``
+    (the decorator ``predict`` has) instead of ``@torch.enable_grad()``: its step's backward was
+    torch's "element 0 of tensors does not require grad" traceback. Now one line naming the class
+    and the decorator, before its forward; the model is untouched."""
+    from tta_brain.methods import register
+    from tta_brain.methods.suta import SUTA
+    monkeypatch.setitem(METHODS, "nograd_suta", None)        # removed again after the test
+
+    @register("nograd_suta")
+    class NoGradSUTA(SUTA):
+        @torch.no_grad()
+        def forward_and_adapt(self, x, info):
+            self.adapt_step(x)
+            return self.predict(x)
+    m = build_method("nograd_suta", model=tiny_lobe, steps=1)
+    before = [p.detach().clone() for p in m.params]
+    with pytest.raises(RuntimeError, match=r"^nograd_suta: NoGradSUTA\.forward_and_adapt runs "
+                       r"without gradients \(torch\.no_grad\(\) or inference_mode\).*"
+                       r"@torch\.enable_grad\(\)$"):
+        m.process(utterances[0])
+    assert m.counts["adapt_forward"] == 0 and max_diff(before, m.params) == 0
+    NoGradSUTA.forward_and_adapt = torch.enable_grad()(NoGradSUTA.forward_and_adapt.__wrapped__)
+    assert isinstance(m.process(utterances[0]), str) and max_diff(before, m.params) > 0
+
+
 def test_a_float64_default_dtype_is_one_line(tiny_model_dir, tiny_lobe, utterances):
     """torch.set_default_dtype(torch.float64) in the caller's script loaded a float64 model and
     made float64 buffers that float32 inputs then met: a traceback deep in a layer."""

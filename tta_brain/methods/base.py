@@ -199,6 +199,10 @@ class TTAMethod:
         first-step gradient there). Returns the loss: a float (may be nan), or a 0-d device tensor
         from the device step, which reads nothing on the host until the prediction.
         """
+        if not torch.is_grad_enabled():     # was backward's "does not require grad" traceback
+            raise RuntimeError(f"{self.name}: {type(self).__name__}.forward_and_adapt runs without "
+                               f"gradients (torch.no_grad() or inference_mode): its adaptation "
+                               f"step has no backward; decorate it with @torch.enable_grad()")
         return self.step(x, optimizer or self.optimizer, loss_fn, after_backward)
 
     #: the method's filter of its own steps, decided on the device (``tta_brain.gpu.guard.
