@@ -582,6 +582,38 @@ def test_ebats_says_when_its_step_size_diverges(setup, tmp_path, monkeypatch, ca
     assert "passed 100x its start" in (tmp_path / "exp" / "log.txt").read_text()
 
 
+def test_ebats_generation_of_nan_fitness_is_told_without_numpys_warning(setup, monkeypatch):
+    """A step size that overflows its candidates (sigma 1e39: float32 biases of inf) makes every
+    fitness of a generation NaN; pycma's tell then took numpy's median of no value, a
+    RuntimeWarning ("Mean of empty slice") in every such generation (the suite's one numpy
+    warning, from the diverging search above). Now none, and the run is the same as with pycma's
+    own tell: transcripts, CMA-ES state, T-EMA and the carried best fitness (NaN)."""
+    import warnings
+    from tta_brain.methods import ebats as ebats_module
+
+    def run():
+        m = build(setup, "ebats", sigma=1e39, popsize=6, generations=3)
+        hyps = [m.process(w) for w in wavs(2)]
+        return hyps, m
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hyps, m = run()
+    assert math.isnan(m.best)                  # every fitness NaN: the case that warned
+
+    def pycmas(es, cands, fit):
+        es.tell(cands, fit.double().cpu().tolist())
+    monkeypatch.setattr(ebats_module, "tell", pycmas)
+    with pytest.warns(RuntimeWarning) as said:
+        hyps_before, before = run()
+    assert "Mean of empty slice." in {str(w.message) for w in said}
+    assert hyps == hyps_before
+    for a, b in ((m.es.mean, before.es.mean), (m.es.sm.C, before.es.sm.C),
+                 (m.ema["mean"], before.ema["mean"]), (m.ema["C"], before.ema["C"]),
+                 ([m.es.sigma, m.ema["sigma"], m.best],
+                  [before.es.sigma, before.ema["sigma"], before.best])):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("cov_ratio", [1.0, 0.5])
 def test_ebats_next_generation_is_sampled_from_the_tema_state(setup, cov_ratio):
     """The restart before an utterance acts on what pycma samples the generation from: at the

@@ -21,7 +21,7 @@ from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods import losses
 from tta_brain.methods.activation_stats import (confidence_weight, layer_means, load_stats,
                                                 mean_alignment, token_alignment)
-from tta_brain.methods.free import EarlyStop, FreeMethod, make_es
+from tta_brain.methods.free import EarlyStop, FreeMethod, make_es, tell
 from tta_brain.methods.registry import register
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class EBATS(FreeMethod):
             fit, parts = yield cands
             best = int(fit.argmin())
             logits = self.pick(parts, best)
-            self.es.tell(cands, fit.double().cpu().tolist())
+            tell(self.es, cands, fit)
             if stop(float(fit[best])):
                 break
         self.best = stop.previous

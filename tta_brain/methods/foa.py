@@ -20,7 +20,7 @@ import torch
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods import losses
 from tta_brain.methods.activation_stats import layer_means, load_stats, mean_alignment
-from tta_brain.methods.free import FreeMethod, make_es
+from tta_brain.methods.free import FreeMethod, make_es, tell
 from tta_brain.methods.registry import register
 
 
@@ -85,7 +85,7 @@ class FOA(FreeMethod):
         fit, parts = yield cands
         best = int(fit.argmin())
         self.best_prompt = np.array(cands[best])
-        self.es.tell(cands, fit.double().cpu().tolist())
+        tell(self.es, cands, fit)
         m = torch.cat(self._last_means).mean(dim=0)
         self.hist = m if self.hist is None else torch.lerp(m, self.hist, self.hist_decay)
         return self.pick(parts, best)

@@ -29,6 +29,7 @@ Counts: ``adapt_forward`` = candidates evaluated (one per candidate, batched or 
 ``aux_forward`` = policy passes, ``infer_forward`` = passes for a transcript alone.
 """
 import math
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -37,7 +38,7 @@ import torch
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods.base import TTAMethod
 
-__all__ = ["FreeMethod", "make_es", "EarlyStop", "drive"]
+__all__ = ["FreeMethod", "make_es", "tell", "EarlyStop", "drive"]
 
 
 def make_es(x0, sigma0: float, popsize: int, seed: int):
@@ -47,6 +48,22 @@ def make_es(x0, sigma0: float, popsize: int, seed: int):
     opts = {"seed": np.nan, "randn": np.random.RandomState(int(seed)).randn, "popsize": int(popsize),
             "maxiter": float("inf"), "verbose": -9, "CMA_diagonal": False}
     return cma.CMAEvolutionStrategy(np.asarray(x0, dtype=float), float(sigma0), opts)
+
+
+def tell(es, candidates, fitness: torch.Tensor) -> None:
+    """``es.tell`` of a generation's fitness ``[P]``. A generation whose every fitness is NaN (a
+    search whose step size overflowed its candidates, or a model that outputs NaN) is told as
+    it is: pycma sets a NaN value to the median of the others, of none here (NaN again), which
+    numpy's median of an empty list warned about in every such generation ("Mean of empty
+    slice", "invalid value encountered")."""
+    values = fitness.double().cpu().tolist()
+    if not all(math.isnan(v) for v in values):
+        es.tell(candidates, values)
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Mean of empty slice", RuntimeWarning)
+        warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
+        es.tell(candidates, values)
 
 
 def drive(search, evaluate):
