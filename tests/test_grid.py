@@ -879,6 +879,29 @@ def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
         assert bad[0].said(str(e.value)).endswith(where), (bad[0].said(str(e.value)), where)
 
 
+@pytest.mark.parametrize("name", ["--decode_opts", "--md_decode_opts", "--md_recipe_opts"])
+def test_an_option_list_given_after_a_space_names_the_equals_form(name, tmp_path, capsys):
+    """``--decode_opts "--lr=1e-4"`` (the shell's space form): argparse reads the value as an
+    option of its own and said only "expected one argument"; now the line says to write it after
+    ``=`` (the README's form), which reads it as the value; a value with a space in it was
+    always a value."""
+    argv = ["--exp_dir", str(tmp_path), "--source", "m", "--streams", "s.csv", "--methods", "suta"]
+    with pytest.raises(SystemExit) as e:
+        grid.parse_args(argv + [name, "--lr=1e-4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err == (f"python -m tta_brain.grid: error: argument {name}: expected one argument; a "
+                   f"value that starts with '-' goes after '=': {name}=\"--lr=1e-4\" "
+                   f"(see --help)\n")
+    key = name[2:]
+    assert getattr(grid.parse_args(argv + [f"{name}=--lr=1e-4"]), key) == "--lr=1e-4"
+    assert getattr(grid.parse_args(argv + [name, "--lr=1e-4 --steps=2"]), key) == \
+        "--lr=1e-4 --steps=2"
+    with pytest.raises(SystemExit):               # another option's error: as it was
+        grid.parse_args(argv + ["--nj", "--lr=1e-4"])
+    assert "goes after '='" not in capsys.readouterr().err
+
+
 def test_two_streams_of_one_name_are_refused(data, tmp_path):
     """Two manifests under one name used to plan the first one's runs only (the second was
     dropped as a duplicate run); the same manifest twice is still one set of runs."""

@@ -686,10 +686,17 @@ def _progress(runs: List[Run], now: Optional[float] = None, pending=frozenset())
     return f"{line} | {', '.join(parts)} | grid ETA {fmt_duration(left / speed if speed else None)}"
 
 
+#: the grid's options whose values are option lists (their values start with ``--``)
+OPTION_LISTS = ("--decode_opts", "--md_decode_opts", "--md_recipe_opts")
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """An option error is one line (argparse printed its whole usage above it)."""
 
     def error(self, message):
+        for name in OPTION_LISTS:       # argparse read "--decode_opts --lr=1e-4" as two options
+            if message == f"argument {name}: expected one argument":
+                message += f"; a value that starts with '-' goes after '=': {name}=\"--lr=1e-4\""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
