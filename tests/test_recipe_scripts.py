@@ -719,14 +719,23 @@ def test_synthetic_statistics_speech_is_rendered_apart_from_the_streams(tmp_path
 
 def test_lsc_statistics_split_is_a_split_in_no_stream(tmp_path):
     """--stats_split names the LibriSpeech split of eata's statistics: dev-clean is prepared and
-    read; the test split itself (test-other, the streams' speech) is refused in one line."""
-    argv = [LSC, "--stage", 3, "--stop_stage", 3, "--methods", "eata", "--seeds", 0,
+    read; the test split itself (test-other, the streams' speech) or a name that is no
+    LibriSpeech split is refused in one line before any stage runs (it was refused at stage 3,
+    after the data stages had run)."""
+    argv = [LSC, "--stop_stage", 3, "--methods", "eata", "--seeds", 0,
             "--streams", "AC", "--data_dir", tmp_path / "data", "--exp_dir", tmp_path / "exp",
             "--dry_run", "true"]
     env = {"LIBRISPEECH": str(tmp_path / "LS")}
-    res = run(*argv, "--stats_split", "test-other", env=env)
-    assert res.returncode == 1
-    assert res.stderr == "ERROR: --stats_split test-other is the test split\n"
+    accepted = "dev-clean dev-other test-clean train-clean-100 train-clean-360 train-other-500"
+    for bad in ("test-other", "dev_clean"):
+        res = run(*argv, "--stats_split", bad, env=env)
+        assert res.returncode == 1 and res.stdout == ""
+        assert res.stderr == (f"{LSC}: --stats_split {bad}: one of {accepted} "
+                              "(a LibriSpeech split in no stream: --split test-other is the test "
+                              "split; or --stats_csv CSV)\n")
+    res = run(*argv, "--split", "test-clean", "--stats_split", "test-other", "--stage", 3, env=env)
+    assert res.returncode == 0, res.stderr
+    argv[1:1] = ["--stage", 3]
     res = run(*argv, "--stats_split", "dev-clean", env=env)
     assert res.returncode == 0, res.stderr
     cmds = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()

@@ -56,6 +56,15 @@ if [ $# -gt 0 ]; then
   exit 1
 fi
 check_grid_options
+# --stats_split: a LibriSpeech split other than the test split, refused before any stage runs
+# (it was refused at stage 3, after the data stages)
+stats_splits=" dev-clean dev-other test-clean test-other train-clean-100 train-clean-360 train-other-500 "
+stats_splits=${stats_splits/ ${split} / }
+if [ -n "${stats_split}" ] && [[ ${stats_splits} != *" ${stats_split} "* ]]; then
+  echo "$0: --stats_split ${stats_split}: one of${stats_splits% } (a LibriSpeech split in no" \
+    "stream: --split ${split} is the test split; or --stats_csv CSV)" >&2
+  exit 1
+fi
 # absolute paths: manifests and decode commands must not depend on the working directory
 case "${data_dir}" in /*) ;; *) data_dir=${PWD}/${data_dir} ;; esac
 case "${exp_dir}" in /*) ;; *) exp_dir=${PWD}/${exp_dir} ;; esac
@@ -107,7 +116,6 @@ if [ ${stage} -le 3 ] && [ ${stop_stage} -ge 3 ] && [ -n "$(stats_kinds)" ]; the
   # eata's source statistics from clean speech in no stream: --stats_csv, or --stats_split NAME
   # of LibriSpeech (e.g. dev-clean; the E-BATS reference took test-other, this recipe's test data)
   if [ -z "${stats_csv}" ] && [ -n "${stats_split}" ]; then
-    [ "${stats_split}" = "${split}" ] && { echo "ERROR: --stats_split ${stats_split} is the test split" >&2; exit 1; }
     db_require LIBRISPEECH "It must be the folder that contains LibriSpeech/${stats_split}."
     stats_csv=${data_dir}/librispeech_${stats_split//-/_}.csv
     run "${python}" -m tta_brain.data.prep.prepare librispeech --root "${LIBRISPEECH}" \
