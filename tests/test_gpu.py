@@ -1216,8 +1216,11 @@ def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir, capsys):
     assert [r.name for r in cpu] == [r.name for r in gpu]
     assert all("--device=cuda" in r.argv for r in gpu)
     assert not any(a.startswith("--device") for r in cpu for a in r.argv)
-    assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0 1")) == [0, 0, 1, 1]
-    assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0,1")) == [0, 0, 1, 1]
+    assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0 1")) == [0, 1, 0, 1]
+    assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0,1")) == [0, 1, 0, 1]
+    # GPU by GPU in turn: --nj 4 on 4 GPUs ran 2 runs on each of GPUs 0 and 1, 2 and 3 idle
+    assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0 1 2 3", "--nj", "4")) \
+        == [0, 1, 2, 3]
     for extra, why in ((["--gpus", "cuda:0"], "--gpus 'cuda:0': GPU ids are numbers"),
                        (["--gpus", "0 1", "--engine", "slurm"], "in --slurm_conf (gpus_per_node"),
                        (["--gpus", "0,1,0"], "--gpus '0,1,0': GPU 0 given twice (runs per GPU"),

@@ -355,9 +355,11 @@ def _engine(args):
 
 
 def _slots(args) -> List[Optional[int]]:
+    """The local workers' slots in the order runs take them: a GPU id each (``--per_gpu`` per
+    GPU, GPU by GPU in turn: ``--nj`` below the slots leaves no GPU idle), or None (CPU)."""
     gpus = [int(g) for g in args.gpus.split()]
     if gpus:
-        return [g for g in gpus for _ in range(args.per_gpu)][:args.nj or None]
+        return [g for _ in range(args.per_gpu) for g in gpus][:args.nj or None]
     return [None] * (args.nj or max(1, (os.cpu_count() or 1)))
 
 
