@@ -1195,15 +1195,19 @@ def test_decode_labels_equals_decode(tiny_lobe):
 
 
 # ------------------------------------------------------------------------------ run options
-def _grid_args(tmp_path, model, *extra):
+def _grid_argv(tmp_path, model, *extra):
     from fake_corpora import write_stream
-    from tta_brain import grid
     root = tmp_path / "s"
     if not (root / "stream.csv").is_file():
         write_stream(root, n=4, block=2)
-    return grid.parse_args(["--exp_dir", str(tmp_path / "exp"), "--source", model,
-                            "--data_root", str(root), "--streams", f"s={root / 'stream.csv'}",
-                            "--methods", "source suta", "--seeds", "0", *extra])
+    return ["--exp_dir", str(tmp_path / "exp"), "--source", str(model), "--data_root", str(root),
+            "--streams", f"s={root / 'stream.csv'}", "--methods", "source suta", "--seeds", "0",
+            *extra]
+
+
+def _grid_args(tmp_path, model, *extra):
+    from tta_brain import grid
+    return grid.parse_args(_grid_argv(tmp_path, model, *extra))
 
 
 def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir, capsys):
@@ -1250,6 +1254,41 @@ def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir, capsys):
     if not CUDA:
         grid.check_done(gpu)
         assert all(r.status == "failed" and "no CUDA device" in r.message for r in gpu)
+
+
+def test_grid_dry_run_says_the_gpu_each_run_starts_on(tmp_path, tiny_model_dir, capsys,
+                                                      monkeypatch):
+    """``--dry_run`` with ``--gpus`` printed the decodes alone: how many run at a time and which
+    GPU each takes was not to be seen. Now one line says it, from the grid's own start order:
+    the GPUs its local workers are started with (a stand-in for submitit's executor notes them:
+    on a machine without CUDA the grid starts no run on a GPU)."""
+    from types import SimpleNamespace
+    from tta_brain import grid
+    extra = ("--gpus", "0 1", "--nj", "3", "--seeds", "0 1", "--poll", "0.01")
+    assert grid.main(_grid_argv(tmp_path, tiny_model_dir, *extra, "--dry_run")) == 0
+    first = [("s/source/seed0", 0), ("s/source/seed1", 1), ("s/suta/seed0", 0)]
+    plan = [x for x in capsys.readouterr().out.splitlines() if x.startswith("DRY-RUN: --gpus")]
+    assert plan == ["DRY-RUN: --gpus 0 1 (--per_gpu 2, --nj 3): 3 job(s) at a time (GPU 0: 2, "
+                    "GPU 1: 1), each seeing its one GPU (CUDA_VISIBLE_DEVICES); the first start on "
+                    + "; ".join(f"GPU {g}: {name}" for name, g in first)
+                    + "; each of the other 1 on the slot that frees first"]
+    started = []
+
+    class Workers:                  # submitit's LocalExecutor as the grid drives it
+        def update_parameters(self, visible_gpus, gpus_per_node):
+            self.gpus = visible_gpus
+
+        def submit(self, job):
+            started.append((job.argv, *self.gpus))
+            return SimpleNamespace(done=lambda: True, result=lambda: None, paths=SimpleNamespace(
+                stdout=tmp_path / "none", stderr=tmp_path / "none"))
+    monkeypatch.setattr(grid, "_engine", lambda args: Workers())
+    args = _grid_args(tmp_path, tiny_model_dir, *extra)
+    runs = grid.plan_runs(args)
+    grid.execute(runs, args)
+    name = {tuple(r.argv): r.name for r in runs}
+    assert [(name[tuple(argv)], gpu) for argv, gpu in started][:3] == first
+    assert len(started) == 4 and all(r.status == "done" for r in runs)
 
 
 def test_slurm_jobs_that_ask_for_gpus_decode_on_cuda(tmp_path, tiny_model_dir):

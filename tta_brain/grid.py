@@ -199,10 +199,11 @@ def _say_finished(run: Run, device_here: bool, streams: Optional[dict] = None) -
     return said
 
 
-def batches(runs: List[Run], size: int) -> List[List[Run]]:
-    """The queued runs as jobs: one run each (``size`` 1), or batches of at most ``size`` runs of
-    one (method yaml, source, stream, data root), each one batched sweep (``--batch_runs``). A
-    batch that ``tta_brain.sweep`` refuses is split into separate runs, with a logged line."""
+def batches(runs: List[Run], size: int, check: bool = True) -> List[List[Run]]:
+    """The queued runs as jobs, in the order they start: one run each (``size`` 1), or batches of
+    at most ``size`` runs of one (method yaml, source, stream, data root), each one batched sweep
+    (``--batch_runs``). A batch that ``tta_brain.sweep`` refuses is split into separate runs, with
+    a logged line (``check=False``, a dry run's: the batches as asked, none refused yet)."""
     queued = [r for r in runs if r.status == "queued"]
     if size <= 1:
         return [[r] for r in queued]
@@ -210,7 +211,8 @@ def batches(runs: List[Run], size: int) -> List[List[Run]]:
     from tta_brain import sweep
     units = []
     for chunk in chunks(queued, size):
-        why = len(chunk) > 1 and sweep.refusal([r.plan or decode.plan(r.argv) for r in chunk])
+        why = check and len(chunk) > 1 and sweep.refusal([r.plan or decode.plan(r.argv)
+                                                          for r in chunk])
         if why:
             logger.info("--batch_runs: %s run separately: %s",
                         ", ".join(r.name for r in chunk), why)
@@ -363,6 +365,31 @@ def _slots(args) -> List[Optional[int]]:
     return [None] * (args.nj or max(1, (os.cpu_count() or 1)))
 
 
+def _starts(waiting: list, free: list):
+    """The jobs that start now on the local workers, each with its slot (a GPU id, or None): the
+    next waiting job on the next free slot (both taken from their lists), while both are left;
+    a finished job's slot goes to the end of ``free``."""
+    while free and waiting:
+        yield waiting.pop(0), free.pop(0)
+
+
+def slot_plan(units: List[List[Run]], args) -> str:
+    """The dry run's line of the ``--gpus`` slots: how many jobs at a time on which GPUs, and the
+    GPU each of the first jobs starts on (:func:`_starts` over :func:`_slots`, as the grid starts
+    them); the others take the slot that frees first."""
+    slots = _slots(args)
+    first = list(_starts(list(units), list(slots)))
+    per = ", ".join(f"GPU {g}: {slots.count(g)}" for g in dict.fromkeys(slots))
+    said = "; ".join(f"GPU {g}: " + (u[0].name if len(u) == 1 else
+                                     f"batch of {len(u)} ({', '.join(r.name for r in u)})")
+                     for u, g in first)
+    rest = len(units) - len(first)
+    return (f"DRY-RUN: --gpus {args.gpus} (--per_gpu {args.per_gpu}"
+            + (f", --nj {args.nj}" if args.nj else "") + f"): {len(slots)} job(s) at a time ("
+            f"{per}), each seeing its one GPU (CUDA_VISIBLE_DEVICES); the first start on {said}"
+            + (f"; each of the other {rest} on the slot that frees first" if rest else ""))
+
+
 def execute(runs: List[Run], args) -> None:
     """Submit the queued runs (one job per run, or per batch with ``--batch_runs``) and follow
     them to the end, printing the grid's progress."""
@@ -483,8 +510,7 @@ def _follow(runs, units, args, ex, jobs, job) -> None:
     unlisted: Dict[int, int] = {}                 # Slurm jobs squeue no longer lists: times seen
     waiting = [u for u in units if args.engine == "local"]
     while True:
-        while free and waiting:
-            u, gpu = waiting.pop(0), free.pop(0)
+        for u, gpu in _starts(waiting, free):
             ex.update_parameters(visible_gpus=[gpu] if gpu is not None else [],
                                  gpus_per_node=1 if gpu is not None else 0)
             with _sigint_ignored():   # (a Ctrl-C after it finds the job known, to cancel it)
@@ -820,12 +846,15 @@ def main(argv=None) -> int:
                 refused += state == "failed"
             if state == "queued":
                 queued.append(r)
-        # the batches of the runs the grid would queue (as batches() makes them)
-        for chunk in chunks(queued, args.batch_runs) if args.dry_run else ():
+        # the jobs of the runs the grid would queue (as it makes them, in the order they start)
+        units = batches(queued, args.batch_runs, check=False) if args.dry_run else []
+        for chunk in units:
             if len(chunk) > 1:      # checked when it runs: a batch the sweep refuses is split
                 print(f"DRY-RUN: batch of {len(chunk)} (one python -m tta_brain.sweep, or separate "
                       f"runs where it cannot batch them): {', '.join(r.name for r in chunk)}",
                       flush=True)
+        if units and args.gpus:     # which GPU each starts on (the grid's own start order)
+            print(slot_plan(units, args), flush=True)
         return 1 if refused else 0
     check_done(runs, device_here=args.engine == "local")
     if args.engine == "local" and not args.hparams_dir and any(r.status in ("queued", "failed")
