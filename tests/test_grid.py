@@ -471,6 +471,35 @@ def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
     assert [a for a in runs[0].argv if a.startswith("--reset=")] == ["--reset=dynamic"] * 2
 
 
+def test_an_option_ones_own_yaml_cannot_build_stops_the_grid_in_one_line(data, tmp_path,
+                                                                          capsys):
+    """A key of a yaml of one's own that its method does not take (``em_coeff`` under
+    ``method:``) failed every run of the grid at its build, one failure and log per run (and its
+    dry run said nothing); now the grid stops first with one line naming the file, its line
+    and the key, as build_method says it, without loading the model."""
+    own = tmp_path / "hp"
+    own.mkdir()
+    text = hparams_find("suta").read_text()
+    bad = text.replace("    em_coef: !ref <em_coef>", "    em_coeff: !ref <em_coef>")
+    (own / "mysuta.yaml").write_text(bad)
+    line = bad.splitlines().index("    em_coeff: !ref <em_coef>") + 1
+    argv = grid_argv(data, tmp_path / "exp", "source mysuta", "0 1", "--hparams_dir", str(own))
+    for extra in ([], ["--dry_run"], ["--check"]):
+        with pytest.raises(SystemExit) as e:
+            grid.main(argv + extra)
+        assert str(e.value) == (f"ERROR: {own / 'mysuta.yaml'}:{line}: method 'suta' has no "
+                                "option(s) em_coeff; valid: adapt_params, em_coef, episodic, lr, "
+                                "make_step, model, optimizer, reset_policy, steps, temperature, "
+                                "train_mode (every run of it would fail; none was started)")
+        assert "DRY-RUN" not in capsys.readouterr().out
+        assert not (tmp_path / "exp").exists()
+    # a method of one's own, registered when its yaml imports its module: the build tells
+    (own / "mysuta.yaml").write_text(bad.replace("    name: suta", "    name: mine"))
+    assert grid.main(argv + ["--dry_run"]) == 0
+    (own / "mysuta.yaml").write_text(text)
+    assert grid.main(argv + ["--dry_run"]) == 0
+
+
 def test_a_dry_run_says_which_runs_will_not_run_and_fails(data, tmp_path, capsys):
     """``--sweep "steps=-1,abc"`` was printed by --dry_run as two good runs (rc 0); each failed
     at its start in the real grid. Now the dry run checks every run's settings as its start

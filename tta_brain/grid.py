@@ -801,6 +801,32 @@ def parse_args(argv=None):
     return args
 
 
+def yaml_method_problem(yaml: str) -> str:
+    """Why a yaml's ``method: !apply:tta_brain.methods.build_method`` block cannot build (an
+    option its registered method does not take: build_method's refusal, at the key's
+    ``file:line``), read from the yaml alone (no model loaded); "" when none, or when only the
+    build can tell (another builder, a method not registered yet: your module's)."""
+    import ruamel.yaml
+    from tta_brain import hparams, methods
+    try:
+        lines = hparams.composed_lines(hparams.find(yaml))
+        node = ruamel.yaml.YAML().load("\n".join(t for t, _, _ in lines))
+    except Exception:                  # (its own errors are each run's settings check's)
+        return ""
+    node = node.get("method") if isinstance(node, dict) else None
+    tag = str(getattr(getattr(node, "tag", None), "value", None) or "")
+    if not isinstance(node, dict) or tag.split(":", 1)[-1] not in (
+            "tta_brain.methods.build_method", "tta_brain.methods.registry.build_method"):
+        return ""
+    keys = [k for k in node if k != "name"]
+    said = methods.registry.unknown_options(str(node.get("name")), keys)
+    if not said:
+        return ""
+    first = next(k for k in keys if methods.registry.unknown_options(str(node["name"]), [k]))
+    _, file, line = lines[node.lc.key(first)[0]]
+    return f"{file}:{line}: {said}"
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt
 
@@ -817,6 +843,10 @@ def main(argv=None) -> int:
             "%s asks for GPUs: the runs decode on cuda (a slurm.yaml without GPUs for the CPU)",
             args.slurm_conf)
     runs = plan_runs(args, cuda=cuda)
+    for yaml in dict.fromkeys(r.argv[0] for r in runs):   # once a yaml, not a failure per run
+        why = yaml_method_problem(yaml)
+        if why:
+            raise SystemExit(f"ERROR: {why} (every run of it would fail; none was started)")
     if args.dry_run or args.check:     # each run's settings checked as its start would (not
         from tta_brain import decode     # its stream, which an earlier stage may not have written)
         refused, said, streams, queued = 0, {}, {}, []

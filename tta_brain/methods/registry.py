@@ -32,11 +32,9 @@ def build_method(name: str, **kwargs):
                          f"yaml's __module: !apply:importlib.import_module [your_module], above "
                          f"method:, and the module on PYTHONPATH)")
     cls = METHODS[name]
-    valid = _accepted(cls)
-    bad = sorted(k for k in kwargs if valid is not None and k not in valid)
+    bad = unknown_options(name, kwargs)
     if bad:
-        raise TypeError(f"method '{name}' has no option(s) {', '.join(bad)}; "
-                        f"valid: {', '.join(sorted(valid))}")
+        raise TypeError(bad)
     _check_values(name, kwargs)
     model = kwargs.get("model")
     try:
@@ -45,6 +43,16 @@ def build_method(name: str, **kwargs):
         if getattr(model, "_tta_method", None) is not None:   # (CEA, SGEM, ...): not taken
             del model._tta_method             # (methods.base.bind_model)
         raise
+
+
+def unknown_options(name: str, keys) -> str:
+    """``build_method``'s refusal of those of ``keys`` that the registered method ``name`` does
+    not take, known without building anything ("" when it takes them all, or is not
+    registered)."""
+    valid = _accepted(METHODS[name]) if name in METHODS else None
+    bad = sorted(k for k in keys if valid is not None and k not in valid)
+    return bad and (f"method '{name}' has no option(s) {', '.join(bad)}; "
+                    f"valid: {', '.join(sorted(valid))}") or ""
 
 
 #: What a method uses of its ``model``: an ``HFCTCLobe`` (``tta_brain.lobes.hf_ctc``) has them
