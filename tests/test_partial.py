@@ -12,7 +12,8 @@ from tta_brain.methods import losses
 
 EXACT = [("wav2vec2", {}),                                                   # GroupNorm CNN
          ("wav2vec2", {"feat_extract_norm": "layer", "do_stable_layer_norm": True}),
-         ("hubert", {})]
+         ("hubert", {}),
+         ("hubert", {"feat_extract_norm": "layer", "do_stable_layer_norm": True})]  # HuBERT-large
 
 
 def lobe_of(tmp_path, arch, cfg):
@@ -87,9 +88,18 @@ def test_padding_blocker_names_the_models_it_would_change(tmp_path, arch, cfg, w
 
 def test_a_first_layer_groupnorm_of_several_channels_a_group_is_refused(tmp_path):
     """The masked norm of a padded pass normalises each channel alone: a first-layer GroupNorm
-    with fewer groups than channels would be computed wrongly, so the blocker names it."""
+    with fewer groups than channels would be computed wrongly, so the blocker names it; so it
+    does a GroupNorm of a later layer (not masked at all) and any other kind of CNN norm."""
     lobe = lobe_of(tmp_path, "wav2vec2", {})
     first = lobe.model.base_model.feature_extractor.conv_layers[0]
     c = first.layer_norm.num_channels
     first.layer_norm = torch.nn.GroupNorm(2, c, affine=True)
     assert "CNN layer 0 has a GroupNorm" in (lobe.padding_blocker() or "")
+    # nor is a per-channel GroupNorm after the first layer masked, nor another kind of norm
+    first.layer_norm = torch.nn.GroupNorm(c, c, affine=True)
+    assert lobe.padding_blocker() is None
+    second = lobe.model.base_model.feature_extractor.conv_layers[1]
+    second.layer_norm = torch.nn.GroupNorm(c, c, affine=True)
+    assert "CNN layer 1 has a GroupNorm" in (lobe.padding_blocker() or "")
+    second.layer_norm = torch.nn.BatchNorm1d(c)
+    assert "CNN layer 1 normalises with BatchNorm1d" in (lobe.padding_blocker() or "")
