@@ -1070,6 +1070,21 @@ def test_fused_step_with_found_inf_leaves_the_optimiser_unchanged():
     assert float(opt.state[p[0]]["step"]) == 2.0 and max_diff(before[0], p) > 0
 
 
+def test_backward_guarded_flags_a_nonfinite_loss_even_with_finite_gradients():
+    """The device check looks at the loss as well as the gradients: an infinite loss whose
+    gradients are finite (a constant inf term) sets found_inf; a finite step resets it to 0 and
+    its gradients are unscaled by inv_scale (fp16's loss scale undone)."""
+    p = [torch.nn.Parameter(torch.randn(5))]
+    found, cpu = torch.zeros(()), torch.device("cpu")
+    loss = (p[0] ** 2).sum() + torch.tensor(math.inf)
+    grads = Runtime().backward_guarded(loss, p, cpu, found, torch.ones(()))
+    assert float(found) == 1.0 and bool(torch.isfinite(grads[0]).all())
+    p[0].grad = None
+    rt = Runtime(precision="fp16")
+    grads = rt.backward_guarded((p[0] ** 2).sum(), p, cpu, found, torch.tensor(1 / rt.scale))
+    assert float(found) == 0.0 and torch.allclose(grads[0], 2 * p[0].detach())
+
+
 def test_device_optimizer_blocker():
     from tta_brain.methods.optim import RepeatedAdam
     p = [torch.nn.Parameter(torch.randn(3))]
