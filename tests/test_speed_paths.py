@@ -237,6 +237,12 @@ def test_cpu_native_backward_matches_onednn(make, utterances):
         hook.remove()
     assert during == [False, True]
     assert torch.backends.mkldnn.enabled                          # the flag is restored
+    torch.backends.mkldnn.enabled = False           # as it was: a user's own "off" stays off
+    try:
+        native.adapt_step(native.lobe.prepare(utterances[0]))
+        assert not torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = True
     scale = max(float(g.abs().max()) for g in grads[1])
     assert max_diff(grads[0], grads[1]) <= 1e-4 * scale
     stream = items(utterances, 3)
