@@ -171,6 +171,8 @@ def test_segments_from_domains_start_at_zero_and_boundaries_include_the_second_r
 
 
 def test_audio_giving_exactly_the_frames_needed_is_not_too_short():
+    """One output frame is enough; in train mode with SpecAugment time masks (mask_time_prob >
+    0), one mask's frames (transformers refuses fewer)."""
     from types import SimpleNamespace
     from tta_brain.data.loader import too_short
     lobe = SimpleNamespace(output_lengths=lambda n: torch.div(n, 320, rounding_mode="floor"),
@@ -178,6 +180,14 @@ def test_audio_giving_exactly_the_frames_needed_is_not_too_short():
     why = too_short(SimpleNamespace(lobe=lobe))
     assert why(320) is None and why(640) is None
     assert why(319) == "319 samples give no output frame"
+    # in train mode with SpecAugment: one time mask's frames, only where masks are drawn
+    cfg = SimpleNamespace(apply_spec_augment=True, mask_time_prob=0.05, mask_time_length=10)
+    lobe.model = SimpleNamespace(config=cfg)
+    train = too_short(SimpleNamespace(lobe=lobe, train_mode=True))
+    assert train(3200) is None and "fewer than the 10 of one SpecAugment" in train(3199)
+    assert too_short(SimpleNamespace(lobe=lobe))(320) is None           # eval mode
+    cfg.mask_time_prob = 0.0
+    assert too_short(SimpleNamespace(lobe=lobe, train_mode=True))(320) is None
 
 
 def test_the_reader_stays_at_most_depth_rows_ahead(rows, monkeypatch):
