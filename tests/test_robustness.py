@@ -260,6 +260,7 @@ def test_conversions_happen_on_read_and_are_logged(bad_run, bad_stream):
     log = (out / "log.txt").read_text()
     assert "stereo.wav: 2 channels averaged to mono" in log
     assert "resampled from 8000 Hz to 16000 Hz" in log
+    assert log.count("averaged to mono") == 1           # once a run, not once a file
     d = Path(bad_stream[0]).parent
     good = load_audio(d / "good0.wav")
     stereo = load_audio(d / "stereo.wav")
