@@ -64,6 +64,15 @@ def test_mix_at_snr_does_not_halve_snr_like_ms_snsd():
     assert abs(power_snr_db(s, n) - 5.0) > 4  # MS-SNSD's sqrt bug would give 5 dB
 
 
+def test_mix_at_snr_takes_its_target_level_and_refuses_several_channels():
+    speech, noise = fake_speech(1.0, seed=4), fake_noise(1.0, seed=5)
+    _, s, n = mix_at_snr(speech, noise, 10.0, target_dbfs=-30.0, return_parts=True)
+    assert rms_dbfs(s) == pytest.approx(-30.0, abs=1e-3)
+    assert rms_dbfs(n) == pytest.approx(-40.0, abs=1e-3)
+    with pytest.raises(ValueError, match=r"expected a 1-D signal, got shape \(2, 16000\)"):
+        mix_at_snr(np.stack([speech, speech]), noise, 10.0)          # stereo: not averaged here
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])  # negative peaks clip as much as positive ones
 def test_clipping_guard_scales_both_and_keeps_snr(sign):
     # a very peaky "speech" signal: at -25 dBFS RMS its peaks exceed full scale
