@@ -84,6 +84,26 @@ def test_a_cea_run_fingerprinted_before_param_collection_is_the_same_run():
         "structure.adapt_params: '20c451e3693a' != '05ffdd77049c'"]
 
 
+def test_a_run_fingerprinted_before_target_lang_is_the_same_run():
+    """run.yaml gained ``target_lang: ""`` and ``target_lang: !ref <target_lang>`` in its
+    ``model`` block (MMS's language adapters): a run fingerprinted before (the key unset, the
+    model block's old digest) loaded the checkpoint's own language, what ``""`` loads; one of
+    another language is another run."""
+    from tta_brain import hparams
+    from tta_brain.run.identity import ADDED_TO_BLOCKS, differences
+    now = {"hparams": {"seed": 0, "lr": 4e-5, "target_lang": ""},
+           "structure": hparams.structure(hparams.find("suta"), ["model", "method"],
+                                          added=ADDED_TO_BLOCKS)}
+    assert now["structure"]["model"] == "a6d1f328a35b"       # run.yaml's model block before
+    old = json.loads(json.dumps(now))
+    del old["hparams"]["target_lang"]
+    assert differences(old, now) == []
+    assert differences(old, now, recorded=True) == differences(now, old, recorded=True) == []
+    fra = json.loads(json.dumps(now))
+    fra["hparams"]["target_lang"] = "fra"
+    assert differences(old, fra) == ["hparams.target_lang: '' != 'fra'"]
+
+
 def test_a_runs_summary_counts_its_records_per_domain(tmp_path):
     """``summarise`` from the written records: WER and CER (spaces counted) per domain and
     pooled, the time per second of audio. By hand: A: "AB CD" -> "AB" (1 of 2 words, 3 of 5

@@ -112,3 +112,101 @@ def test_text_to_labels_spells_the_text_in_the_models_characters(tmp_path):
     ids = {t: i for i, t in enumerate(vocab)}
     assert lobe.text_to_labels("it's a cab") == [ids[c] for c in "IT'S|A|CAB"]
     assert lobe.labels_to_text(lobe.text_to_labels("it's a cab")) == "IT'S A CAB"
+
+
+# ------------------------------------------------------------- MMS: one adapter per language
+@pytest.fixture(scope="module")
+def mms_dir(tmp_path_factory):
+    """A tiny MMS-like checkpoint (``save_random_mms_model``): adapters and vocabularies of eng
+    (the default, in model.safetensors too) and fra."""
+    from tta_brain.lobes.testing import save_random_mms_model
+    return save_random_mms_model(str(tmp_path_factory.mktemp("mms")))
+
+
+def test_target_lang_loads_the_languages_adapter_and_vocabulary(mms_dir):
+    """facebook/mms-1b-all and its kin: one wav2vec2 with an attention adapter per layer and a
+    CTC head per language (``adapter.<lang>.safetensors``), vocab.json one vocabulary per
+    language. ``target_lang`` loads that language's adapter (the saved tensors, the head sized
+    to its vocabulary) and vocabulary; there was no way to ask for any language but the
+    checkpoint's own (``HFCTCLobe`` took no such argument, run.yaml no such key)."""
+    from safetensors.torch import load_file
+    from tta_brain.lobes.testing import MMS_VOCABS
+    eng, fra = HFCTCLobe(mms_dir), HFCTCLobe(mms_dir, target_lang="fra")
+    assert (eng.target_lang, fra.target_lang) == ("eng", "fra")
+    assert (eng.vocab_size, fra.vocab_size) == (len(MMS_VOCABS["eng"]), len(MMS_VOCABS["fra"]))
+    for lobe, lang in ((eng, "eng"), (fra, "fra"), (HFCTCLobe(mms_dir, target_lang="eng"), "eng")):
+        saved = load_file(f"{mms_dir}/adapter.{lang}.safetensors")
+        assert any(".adapter_layer." in k for k in saved)
+        state = lobe.model.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in saved.items()), lang
+        assert lobe.id_to_token == dict(enumerate(MMS_VOCABS[lang]))
+    x = eng.prepare(torch.randn(8000, generator=torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        assert eng.logits(x).shape[-1] == 32 and fra.logits(x).shape[-1] == 36
+    ids = {t: i for i, t in enumerate(MMS_VOCABS["fra"])}
+    labels = [ids["\u00e7"], ids["a"], ids["|"], ids["\u00e9"]]
+    assert fra.labels_to_text(labels) == "\u00e7a \u00e9"
+    assert fra.alphabet() - eng.alphabet() == set("\u00c0\u00c7\u00c8\u00c9")
+
+
+def test_target_lang_that_the_checkpoint_has_not_is_one_line(mms_dir, tmp_path):
+    """A language without a vocabulary or an adapter, a checkpoint without adapters, and an MMS
+    checkpoint whose tokenizer names no language (its vocab.json then loaded as one vocabulary:
+    "requires the protobuf library") are each one line naming ``target_lang`` and what there
+    is."""
+    import shutil
+    from tta_brain.lobes.testing import save_random_mms_model
+    with pytest.raises(ValueError, match=r"^target_lang: 'deu' is not a language of .*mms\w*'s "
+                                         r"vocab.json \(eng, fra\)$"):
+        HFCTCLobe(mms_dir, target_lang="deu")
+    plain = _model(tmp_path / "plain", ("<pad>", "<s>", "</s>", "<unk>", "|") + tuple("AB"))
+    assert HFCTCLobe(plain).target_lang is None
+    with pytest.raises(ValueError, match=r"^target_lang: .*plain has no language adapters \(its "
+                                         r"config.json sets no adapter_attn_dim\): leave "
+                                         r"target_lang out$"):
+        HFCTCLobe(plain, target_lang="fra")
+    no_fra = shutil.copytree(mms_dir, tmp_path / "no_fra")
+    (no_fra / "adapter.fra.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"^target_lang: .*no_fra has no adapter for 'fra' "
+                                         r"\(adapter.fra.safetensors; its adapters: eng\)$"):
+        HFCTCLobe(str(no_fra), target_lang="fra")
+    unnamed = save_random_mms_model(str(tmp_path / "unnamed"), default=None)
+    with pytest.raises(ValueError, match=r"^target_lang: .*unnamed's vocab.json holds one "
+                                         r"vocabulary per language \(eng, fra\) and "
+                                         r"tokenizer_config.json names none: set target_lang$"):
+        HFCTCLobe(unnamed)
+    assert HFCTCLobe(unnamed, target_lang="fra").vocab_size == 36
+
+
+def test_decode_with_target_lang_transcribes_in_that_language(mms_dir, tmp_path):
+    """``--target_lang=fra`` end to end: the run's transcripts are the fra model's (adapter and
+    vocabulary), not the default eng one's, its fingerprint holds the language, and SUTA and
+    DSUTA adapt the model with its adapters (their LayerNorms among LayerNorms)."""
+    import csv
+    import json
+    from fake_corpora import write_stream
+    from tta_brain import decode
+    from tta_brain.asr.metrics import normalize_text
+    from tta_brain.data.audio import load_audio
+    root = write_stream(tmp_path / "s", n=3)
+    out = tmp_path / "exp"
+    decode.main(["source", f"--source={mms_dir}", "--target_lang=fra", f"--output_folder={out}",
+                 f"--stream_csv={root / 'stream.csv'}", f"--data_root={root}", "--noprogressbar"])
+    hyps = [r["hyp"] for r in csv.DictReader(open(out / "transcripts.csv", encoding="utf-8"))]
+    wavs = [load_audio(str(root / "wav" / f"u{i:03d}.wav"), 16000) for i in range(3)]
+
+    def transcripts(lobe):
+        with torch.no_grad():
+            return [normalize_text(lobe.decode(lobe.logits(lobe.prepare(w)))[0]) for w in wavs]
+    fra = HFCTCLobe(mms_dir, target_lang="fra")
+    assert hyps == transcripts(fra) != transcripts(HFCTCLobe(mms_dir))
+    assert json.loads((out / "fingerprint.json").read_text())["hparams"]["target_lang"] == "fra"
+    for name in ("suta", "dsuta"):
+        method = build_method(name, model=HFCTCLobe(mms_dir, target_lang="fra"), steps=2)
+        adapters = [i for i, n in enumerate(method.param_names) if ".adapter_layer.norm." in n]
+        assert len(adapters) == 4, method.param_names      # 2 layers' weight and bias
+        before = [method.params[i].detach().clone() for i in adapters]
+        assert [normalize_text(method.process(w)) for w in wavs[:2]]
+        if name == "dsuta":                                  # continual: the state it keeps
+            assert all(not torch.equal(method.params[i], b) for i, b in zip(adapters, before))
+

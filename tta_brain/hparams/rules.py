@@ -22,7 +22,8 @@ _AUTO_INT, _AUTO_FLOAT = "auto or an integer", "auto or a number"
 RULES = {
     # the run block (run.yaml): what is decoded, where, how
     "seed": (_INT, "seed"), "ckpt_every": (_INT, ">=0"), "max_duration": (_FLOAT, ">=0"),
-    "source": (_TEXT, None), "stream_csv": (_TEXT, None), "output_folder": (_TEXT, None),
+    "source": (_TEXT, None), "target_lang": (_TEXT, None),
+    "stream_csv": (_TEXT, None), "output_folder": (_TEXT, None),
     "data_root": (_TEXT, None), "stream_name": (_TEXT, None), "device": (_TEXT, None),
     "method_tag": (_TEXT, None), "precision": (("fp32", "bf16", "fp16"), None),
     "compile": (_BOOL, None), "cache_features": (("auto", "on", "off"), None),

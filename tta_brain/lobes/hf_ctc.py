@@ -212,9 +212,65 @@ class _HeldRecords(logging.Filter):
         return False
 
 
-def _load_checkpoint(source: str, kwargs: dict):
+def _vocab_languages(source: str) -> Optional[List[str]]:
+    """The languages of a local checkpoint's vocab.json that holds one vocabulary per language
+    (MMS: ``{"eng": {...}, "fra": {...}}``), sorted; None where it holds one vocabulary (or is
+    not a local file)."""
+    import json
+    try:
+        with open(os.path.join(source, "vocab.json"), encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (OSError, ValueError):
+        return None
+    nested = isinstance(vocab, dict) and vocab and all(isinstance(v, dict) for v in vocab.values())
+    return sorted(vocab) if nested else None
+
+
+def _adapter_languages(source: str) -> List[str]:
+    """The languages of a local checkpoint's adapter files (``adapter.<lang>.safetensors`` or
+    ``.bin``, as transformers' ``Wav2Vec2ForCTC.load_adapter`` reads them), sorted."""
+    names = os.listdir(source) if os.path.isdir(source) else ()
+    return sorted({m.group(1) for n in names
+                   if (m := re.fullmatch(r"adapter\.(.+)\.(?:safetensors|bin)", n))})
+
+
+def _some(names: Sequence[str], most: int = 20) -> str:
+    """``names`` joined, at most ``most`` of them (then how many in all)."""
+    shown = ", ".join(names[:most]) or "none"
+    return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def _check_language(source: str, target_lang: Optional[str]):
+    """A ``target_lang`` that a local checkpoint's vocab.json has no vocabulary for, or a
+    checkpoint of one vocabulary per language without a language (in ``target_lang`` or
+    tokenizer_config.json), is one ValueError naming ``target_lang``."""
+    import json
+    languages = _vocab_languages(source)
+    if not target_lang:
+        try:
+            with open(os.path.join(source, "tokenizer_config.json"), encoding="utf-8") as f:
+                default = json.load(f).get("target_lang")
+        except (OSError, ValueError, AttributeError):
+            default = None
+        if languages and not default:
+            raise ValueError(f"target_lang: {source}'s vocab.json holds one vocabulary per "
+                             f"language ({_some(languages)}) and tokenizer_config.json names "
+                             f"none: set target_lang")
+        return
+    if languages is not None and target_lang not in languages:
+        raise ValueError(f"target_lang: {target_lang!r} is not a language of {source}'s "
+                         f"vocab.json ({_some(languages)})")
+
+
+def _load_checkpoint(source: str, kwargs: dict, target_lang: Optional[str] = None,
+                     listed: bool = True):
     """The model, feature extractor and tokenizer of a CTC checkpoint (``from_pretrained(source,
-    **kwargs)``); a failure is one RuntimeError (:func:`_load_part`)."""
+    **kwargs)``); a failure is one RuntimeError (:func:`_load_part`). ``target_lang``: the
+    language of a checkpoint with language adapters (MMS): its adapter (transformers'
+    ``load_adapter``: the attention adapters and the CTC head, sized to its vocabulary) and its
+    vocabulary; a language it has none for is one ValueError (:func:`_check_language`; a missing
+    adapter file too where the folder holds all of the checkpoint's files, ``listed``: not a
+    cached hub snapshot, which holds those fetched so far)."""
     from transformers import AutoFeatureExtractor, AutoModelForCTC, AutoTokenizer
 
     def model():
@@ -250,12 +306,28 @@ def _load_checkpoint(source: str, kwargs: dict):
             loading.handle(record)
         return loaded
 
-    return (_load_part(source, "model", ("config.json",), "config.json, the weights", model),
+    _check_language(source, target_lang)
+    loaded = _load_part(source, "model", ("config.json",), "config.json, the weights", model)
+    if target_lang:
+        if getattr(loaded.config, "adapter_attn_dim", None) is None:
+            raise ValueError(f"target_lang: {source} has no language adapters (its config.json "
+                             f"sets no adapter_attn_dim): leave target_lang out")
+        adapters = _adapter_languages(source)
+        if listed and os.path.isdir(source) and target_lang not in adapters:
+            raise ValueError(f"target_lang: {source} has no adapter for {target_lang!r} "
+                             f"(adapter.{target_lang}.safetensors; its adapters: "
+                             f"{_some(adapters)})")
+        _load_part(source, f"adapter of {target_lang!r}", (), f"adapter.{target_lang}.safetensors",
+                   lambda: loaded.load_adapter(target_lang, **kwargs))
+    # one vocabulary per language: the language's (a checkpoint of one vocabulary keeps it)
+    language = ({"target_lang": target_lang} if target_lang and (
+        _vocab_languages(source) or not os.path.isdir(source)) else {})
+    return (loaded,
             _load_part(source, "feature extractor", ("preprocessor_config.json",),
                        "preprocessor_config.json",
                        lambda: AutoFeatureExtractor.from_pretrained(source, **kwargs)),
             _load_part(source, "tokenizer", ("vocab.json",), "vocab.json, tokenizer_config.json",
-                       lambda: AutoTokenizer.from_pretrained(source, **kwargs)))
+                       lambda: AutoTokenizer.from_pretrained(source, **kwargs, **language)))
 
 
 class HFCTCLobe(nn.Module):
@@ -279,12 +351,19 @@ class HFCTCLobe(nn.Module):
     runtime : Runtime, optional
         How the passes run (precision, compile, feature cache, CPU backward kernels); default
         ``Runtime()`` (fp32, eager, exact speed paths).
+    target_lang : str, optional
+        A checkpoint with language adapters and one vocabulary per language (MMS:
+        facebook/mms-1b-all): the language (``fra``) whose adapter (``adapter.fra.safetensors``:
+        the attention adapters and the CTC head) and vocabulary are loaded; None or "": the
+        checkpoint's own (MMS: ``eng``). Refused for a checkpoint without adapters.
     """
 
     def __init__(self, source: str, savedir: Optional[str] = None,
                  local_files_only: Optional[bool] = None, sample_rate: Optional[int] = None,
-                 device: str = "cpu", runtime: Optional[Runtime] = None):
+                 device: str = "cpu", runtime: Optional[Runtime] = None,
+                 target_lang: Optional[str] = None):
         super().__init__()
+        target_lang = str(target_lang) if target_lang else None
         check_default_dtype(f"HFCTCLobe({source!r})")
         if not os.path.isdir(source) and _looks_like_a_path(source):
             raise FileNotFoundError(_not_found(source))
@@ -293,7 +372,8 @@ class HFCTCLobe(nn.Module):
         parts = None
         if snapshot:          # a cached hub model: no network (a cluster node may have none)
             try:
-                parts = _load_checkpoint(snapshot, dict(local_files_only=True))
+                parts = _load_checkpoint(snapshot, dict(local_files_only=True), target_lang,
+                                         listed=False)
                 logger.info("%s: loaded from the local Hugging Face cache (commit %s) without "
                             "the network; `huggingface-cli download %s` updates it", source,
                             os.path.basename(snapshot), source)
@@ -308,8 +388,12 @@ class HFCTCLobe(nn.Module):
                 raise RuntimeError(f"Cannot load the CTC source model '{source}': "
                                    + _not_cached(source, why))
             parts = _load_checkpoint(source, dict(cache_dir=savedir,
-                                                  local_files_only=local_files_only))
+                                                  local_files_only=local_files_only), target_lang)
         self.model, self.feature_extractor, self.tokenizer = parts
+        #: the language whose adapter and vocabulary are loaded (a checkpoint with language
+        #: adapters, MMS; the tokenizer's default where none was asked for); None: no adapters
+        self.target_lang = ((target_lang or getattr(self.tokenizer, "target_lang", None))
+                            if getattr(self.model.config, "adapter_attn_dim", None) else None)
         sr = getattr(self.feature_extractor, "sampling_rate", None) or sample_rate or 16000
         if sample_rate is not None and sr != sample_rate:
             raise ValueError(f"{source}: the processor expects {sr} Hz audio, not {sample_rate} "

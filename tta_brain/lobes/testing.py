@@ -6,8 +6,8 @@ Nothing is downloaded; a model is the same for the same seed and config."""
 import os
 from typing import Optional
 
-__all__ = ["save_random_ctc_model", "TINY", "TINY_BERT", "TINY_SEWD", "TINY_PARAKEET",
-           "BASE_960H", "ARCHS", "PIECES"]
+__all__ = ["save_random_ctc_model", "save_random_mms_model", "TINY", "TINY_BERT", "TINY_SEWD",
+           "TINY_PARAKEET", "TINY_MMS", "MMS_VOCABS", "BASE_960H", "ARCHS", "PIECES"]
 
 #: A tiny wav2vec2 (31 k parameters): 3 CNN layers of 16 channels, 2 transformer layers of 32.
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -115,4 +115,64 @@ def _save_random_ctc_model(out_dir, seed, arch, attention_mask, **config):
             feature_size=80, num_mel_bins=80, sampling_rate=16000, stride=2, padding_value=1.0)
         transformers.Wav2Vec2BertProcessor(feature_extractor=fbank,
                                            tokenizer=processor.tokenizer).save_pretrained(out_dir)
+    return out_dir
+
+
+#: A tiny MMS (facebook/mms-1b-all's layout: a stable-layer-norm wav2vec2 with an attention
+#: adapter in every transformer layer, ``adapter_attn_dim``; layer-norm CNN).
+TINY_MMS = dict(TINY, do_stable_layer_norm=True, feat_extract_norm="layer", adapter_attn_dim=8)
+_MMS_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "|")
+#: The tiny MMS's vocabularies, one per language (lower-case letters, as MMS's): of two sizes.
+MMS_VOCABS = {"eng": _MMS_SPECIALS + tuple("abcdefghijklmnopqrstuvwxyz'"),
+              "fra": _MMS_SPECIALS + tuple("abcdefghijklmnopqrstuvwxyz'\u00e0\u00e7\u00e8\u00e9")}
+
+
+def save_random_mms_model(out_dir: str, seed: int = 0, default: Optional[str] = "eng",
+                          vocabs: Optional[dict] = None, **config) -> str:
+    """A randomly initialised MMS-like ``Wav2Vec2ForCTC`` (:data:`TINY_MMS` with ``config``)
+    saved into ``out_dir`` as MMS's checkpoints are: one adapter file per language of ``vocabs``
+    (:data:`MMS_VOCABS`; ``adapter.<lang>.safetensors``: every layer's attention adapter and a
+    CTC head of that language's vocabulary size, random), ``model.safetensors`` holding the
+    ``default`` language's adapter, a vocab.json of one vocabulary per language and a tokenizer
+    whose ``target_lang`` is ``default`` (None: none, a checkpoint that must be told its
+    language). The caller's random state is left as it was; returns ``out_dir``."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    vocabs = dict(vocabs or MMS_VOCABS)
+    first = default or next(iter(vocabs))
+    os.makedirs(out_dir, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        cfg = transformers.Wav2Vec2Config(**dict(TINY_MMS, vocab_size=len(vocabs[first]),
+                                                  pad_token_id=0, **config))
+        model = transformers.Wav2Vec2ForCTC(cfg)
+        for lang, vocab in vocabs.items():
+            weights = {k: torch.randn(p.shape) * 0.5 for k, p in model._get_adapters().items()
+                       if not k.startswith("lm_head.")}
+            weights["lm_head.weight"] = torch.randn(len(vocab), cfg.hidden_size) * 0.5
+            weights["lm_head.bias"] = torch.randn(len(vocab)) * 0.5
+            save_file(weights, os.path.join(out_dir, f"adapter.{lang}.safetensors"))
+            if lang == first:
+                model.load_state_dict(weights, strict=False)
+    model.save_pretrained(out_dir)
+    vocab_file = os.path.join(out_dir, "vocab.json")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump({lang: {t: i for i, t in enumerate(v)} for lang, v in vocabs.items()}, f,
+                  ensure_ascii=False)
+    tok = transformers.Wav2Vec2CTCTokenizer(vocab_file, target_lang=first)
+    fe = transformers.Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000,
+                                               padding_value=0.0, do_normalize=True,
+                                               return_attention_mask=True)
+    transformers.Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok).save_pretrained(out_dir)
+    if default is None:           # tokenizer_config.json without a language
+        path = os.path.join(out_dir, "tokenizer_config.json")
+        with open(path, encoding="utf-8") as f:
+            tok_cfg = json.load(f)
+        tok_cfg.pop("target_lang", None)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(tok_cfg, f, indent=2)
     return out_dir

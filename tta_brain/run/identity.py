@@ -43,12 +43,13 @@ LABEL_KEYS = ("method_tag", "stream_name")
 #: resumed or skipped, not refused as different). ``tf32``: runs on CUDA ran with SpeechBrain's
 #: TF32 matmuls ("on"); on CPU it has no effect.
 ADDED_KEYS = {"cuda_graph_buckets": 0.0, "tf32": {"cpu": "torch", "cuda": "on"},
-              "convolutions": "native", "reset_test_size": 0, "param_collection": "clean"}
+              "convolutions": "native", "reset_test_size": 0, "param_collection": "clean",
+              "target_lang": ""}
 #: Added keys that a packaged yaml's nested block references (``convolutions: !ref
 #: <convolutions>`` in the run block's ``runtime``) since the blocks' digests (``structure``)
 #: were fingerprinted: the digest leaves that reference out, so the block digests as before (the
 #: key's plain value counts by itself, above)
-ADDED_TO_BLOCKS = ("convolutions", "reset_test_size")
+ADDED_TO_BLOCKS = ("convolutions", "reset_test_size", "target_lang")
 #: Block digests a packaged yaml had before a change that computes what it computed, as
 #: ``{structure key: {old digest: today's}}``: cea.yaml's ``adapt_params`` gained the item
 #: ``- param_collection: !ref <param_collection>`` (11691bf; its value ``clean``, what CEA ran
