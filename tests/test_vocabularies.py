@@ -210,3 +210,22 @@ def test_decode_with_target_lang_transcribes_in_that_language(mms_dir, tmp_path)
         if name == "dsuta":                                  # continual: the state it keeps
             assert all(not torch.equal(method.params[i], b) for i, b in zip(adapters, before))
 
+
+def test_a_live_streams_state_of_another_language_is_refused(mms_dir, tmp_path, utterances):
+    """A ``TTAStream`` state adapted on one language's adapter (the same checkpoint, the same
+    adapted shapes) was loaded into a stream of another language with only a logged settings
+    difference; the stream's identity holds its language."""
+    import re
+    from tta_brain.stream import StreamStateError, TTAStream
+    ov = {"steps": 1, "buffer_size": 2}
+    fra = TTAStream.from_hparams("dsuta", source=mms_dir, overrides={**ov, "target_lang": "fra"})
+    fra.transcribe(utterances[0])
+    state = tmp_path / "fra.pt"
+    fra.save(state)
+    eng = TTAStream.from_hparams("dsuta", source=mms_dir, overrides=ov)
+    with pytest.raises(StreamStateError, match=re.escape(
+            f"{state}: saved by another stream: target_lang 'fra' (file) != 'eng' (this stream)")):
+        eng.load(state)
+    again = TTAStream.from_hparams("dsuta", source=mms_dir, overrides={**ov, "target_lang": "fra"})
+    again.load(state)
+    assert again.position == 1

@@ -217,7 +217,9 @@ class TTAStream:
         dynamic one's schedule too: its construction stage, K utterances, fits the Gaussian at
         one position; a state saved before that position with a larger K, loaded with a smaller
         one, had passed it and never tested again), the source model (by content, ``None`` when
-        unknown) and the adapted tensors' shapes."""
+        unknown), its language (``target_lang``: the adapter and vocabulary of an MMS
+        checkpoint; ``None`` for a model without language adapters) and the adapted tensors'
+        shapes."""
         from tta_brain.data.cache import source_identity
         policy = getattr(self.method, "reset_policy", None)
         schedule = (f"K {policy.K}, lii_count {policy.lii_count}"
@@ -226,6 +228,7 @@ class TTAStream:
                 "reset": getattr(policy, "name", "none") if policy is not None else "none",
                 "reset_schedule": schedule,
                 "source": source_identity(self.source) if self.source else None,
+                "target_lang": getattr(getattr(self.method, "lobe", None), "target_lang", None),
                 "adapted": [list(p.shape) for p in getattr(self.method, "params", None) or []]}
 
     def save(self, path: Union[str, os.PathLike]):
