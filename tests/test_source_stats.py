@@ -79,6 +79,33 @@ def test_cli_writes_fisher_with_provenance(clean, tiny_model_dir, tmp_path, caps
     assert any(float(v.sum()) > 0 for v in rec.stats["fisher"].values())
 
 
+def test_target_lang_computes_an_mms_languages_statistics(clean, tmp_path, capsys):
+    """An MMS checkpoint's statistics of another language than its own (EATA's Fisher, FOA's and
+    E-BATS' hidden states) could not be made: ``--target_lang`` was no option (a kind's
+    ``--key=value``, refused), and the statistics of the checkpoint's own language are refused by
+    a run of another one. The file records the language; ``--reuse`` recomputes for another."""
+    from tta_brain.lobes.testing import save_random_mms_model
+    mms = save_random_mms_model(str(tmp_path / "mms"))
+    out = tmp_path / "fra.pt"
+    argv = ["--source", mms, "--manifest", clean / "stream.csv", "--data_root", clean,
+            "--out", out, "--max_utts", 2, "--reuse"]
+    assert run_cli(*argv, "--target_lang", "fra") == 0
+    rec = ss.load(out)
+    assert rec.target_lang == "fra"
+    rec.check_model(HFCTCLobe(mms, target_lang="fra").model, out)
+    assert any(".adapter_layer.norm." in n for n in rec.stats["fisher"])
+    with pytest.raises(ss.SourceStatsError, match=r"computed on another model"):
+        rec.check_model(HFCTCLobe(mms).model, out)
+    capsys.readouterr()
+    assert run_cli(*argv) == 0 and "another language (--target_lang), computing" in \
+        capsys.readouterr().out
+    rec = ss.load(out)
+    assert rec.target_lang == "" and rec.model_params_sha1 == ss.params_sha1(HFCTCLobe(mms).model)
+    with pytest.raises(ss.SourceStatsError, match=r"make them again with python -m tta_brain.stats"
+                                                  r" .* --target_lang fra$"):
+        rec.check_model(HFCTCLobe(mms, target_lang="fra").model, out)
+
+
 def test_params_option_selects_the_tensors(clean, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "cnn.pt"
     assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",

@@ -1,7 +1,7 @@
 """Compute source statistics (``tta_brain.methods.source_stats``) into one file::
 
-    python -m tta_brain.stats --source <model> --manifest <clean csv> [--data_root DIR] \\
-        --kinds fisher --out <file> [--max_utts N] [--device cpu] [--key=value ...]
+    python -m tta_brain.stats --source <model> [--target_lang LANG] --manifest <clean csv> \\
+        [--data_root DIR] --kinds fisher --out <file> [--max_utts N] [--device cpu] [--key=value ...]
 
 Use clean speech that is in no test stream (the recipes render or name such a set). Extra
 ``--key=value`` options go to the kinds (``--params=layernorm,cnn``: the parameters whose Fisher
@@ -18,6 +18,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tta_brain.stats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, help="HF CTC checkpoint: directory or hub name")
+    p.add_argument("--target_lang", default="", help="a checkpoint with language adapters "
+                   "(MMS): the language whose adapter and vocabulary load (decode's target_lang)")
     p.add_argument("--manifest", required=True, help="clean manifest (ID,duration,wav,...)")
     p.add_argument("--data_root", default="", help="replaces $data_root in the wav paths")
     p.add_argument("--kinds", default="fisher", help="comma/space separated kinds: fisher "
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
         check_device(args.device)           # decode's one line for a device this machine lacks
         record = ss.compute(args.source, args.manifest, kinds, data_root=args.data_root,
                             max_utts=args.max_utts, device=args.device,
-                            max_duration=args.max_duration, options=options)
+                            max_duration=args.max_duration, options=options,
+                            target_lang=args.target_lang)
     except (ss.SourceStatsError, ValueError, OSError, RuntimeError) as e:
         print(f"ERROR: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
@@ -86,6 +89,8 @@ def current(args, kinds, options):
         return "another manifest content"
     if not same_source(rec.model, source_identity(args.source)):
         return "another model"
+    if rec.target_lang != (args.target_lang or ""):
+        return "another language (--target_lang)"
     if set(kinds) - set(rec.kinds) or rec.options != options:
         return "other kinds or options"
     try:

@@ -92,6 +92,7 @@ class SourceStats:
     created: str = ""
     tta_brain: str = ""
     audio_sha1: str = ""        # which audio files (:func:`audio_sha1`); "" in older files
+    target_lang: str = ""       # an MMS checkpoint's language (``--target_lang``); "": its own
 
     @property
     def kinds(self) -> List[str]:
@@ -109,9 +110,11 @@ class SourceStats:
         """The statistics were computed on this model's (source) weights, else a one-line error."""
         digest = params_sha1(model)
         if digest != self.model_params_sha1:
+            lang = getattr(model, "target_lang", None)      # an MMS adapter's (load_adapter's)
             raise SourceStatsError(f"{path}: computed on another model ({self.model}, parameters "
                                    f"sha1 {self.model_params_sha1[:12]} != {digest[:12]} of this "
-                                   f"run's source); make them again with {make_command(path)}")
+                                   f"run's source); make them again with {make_command(path)}"
+                                   + (f" --target_lang {lang}" if lang else ""))
 
 
 def params_sha1(model: torch.nn.Module) -> str:
@@ -180,9 +183,10 @@ def audio_sha1(rows: Sequence[Dict]) -> str:
 
 def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "",
             max_utts: int = 0, device: str = "cpu", max_duration: float = 20.0,
-            options: Dict[str, str] = None) -> SourceStats:
-    """The statistics ``kinds`` of model ``source`` on the first ``max_utts`` (0: all) utterances
-    of ``manifest`` not longer than ``max_duration`` seconds, in manifest order."""
+            options: Dict[str, str] = None, target_lang: str = "") -> SourceStats:
+    """The statistics ``kinds`` of model ``source`` (``target_lang``: the language of a
+    checkpoint with language adapters, MMS) on the first ``max_utts`` (0: all) utterances of
+    ``manifest`` not longer than ``max_duration`` seconds, in manifest order."""
     import tta_brain
     import tta_brain.methods  # noqa: F401  (every method module registers its kinds)
     from tta_brain.data.audio import AudioError, load_audio
@@ -203,7 +207,7 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     rows = clean_rows(manifest, data_root, max_utts, max_duration)
     if not rows:
         raise SourceStatsError(f"{manifest}: no utterance of at most {max_duration} s (--manifest)")
-    lobe = HFCTCLobe(source, device=device)
+    lobe = HFCTCLobe(source, device=device, target_lang=target_lang or None)
     inputs = []
     for r in rows:
         try:
@@ -229,7 +233,8 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     return SourceStats(stats=stats, manifest=str(manifest), manifest_sha1=file_sha1(manifest),
                        model=source_identity(str(source)), model_params_sha1=params_sha1(lobe.model),
                        n_utts=len(inputs), options=options, created=time.strftime("%Y-%m-%d %H:%M:%S"),
-                       tta_brain=tta_brain.__version__, audio_sha1=audio_sha1(rows))
+                       tta_brain=tta_brain.__version__, audio_sha1=audio_sha1(rows),
+                       target_lang=target_lang or "")
 
 
 @register_kind("fisher", options=("params",))
