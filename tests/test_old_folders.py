@@ -104,6 +104,16 @@ def test_a_run_fingerprinted_before_target_lang_is_the_same_run():
     assert differences(old, fra) == ["hparams.target_lang: '' != 'fra'"]
 
 
+def _write_records(folder, rows):
+    """A run's records files in ``folder``: ``rows`` as transcripts (no reset), the others empty."""
+    for name, cls in CSV_FILES.items():
+        with open(folder / f"{name}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(_columns(cls))
+            if name == "transcripts":
+                w.writerows(r + (0,) for r in rows)
+
+
 def test_a_runs_summary_counts_its_records_per_domain(tmp_path):
     """``summarise`` from the written records: WER and CER (spaces counted) per domain and
     pooled, the time per second of audio. By hand: A: "AB CD" -> "AB" (1 of 2 words, 3 of 5
@@ -112,12 +122,7 @@ def test_a_runs_summary_counts_its_records_per_domain(tmp_path):
     from tta_brain.run.summary import read_summary, summarise
     rows = [(0, "u0", "A", 0, 1.0, "AB CD", "AB", 2, 1, 0, 1, 0),
             (1, "u1", "B", 1, 1.0, "XY", "XZ", 1, 1, 1, 0, 0)]
-    for name, cls in CSV_FILES.items():
-        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(_columns(cls))
-            if name == "transcripts":
-                w.writerows(r + (0,) for r in rows)
+    _write_records(tmp_path, rows)
     stream_rows = [{"position": 0, "segment": 0}, {"position": 1, "segment": 1}]
     s = summarise(tmp_path, stream_rows, SimpleNamespace(wall_time=3.0, audio_time=2.0),
                   SimpleNamespace(counts={}, num_adapted=0), "x", "s", 0, {}, "cpu")
@@ -137,12 +142,7 @@ def test_a_stream_without_domains_has_no_per_domain_rates(tmp_path):
     from tta_brain.run.summary import read_summary, summarise
     rows = [(0, "u0", "", 0, 1.0, "AB CD", "AB", 2, 1, 0, 1, 0),
             (1, "u1", "", 0, 1.0, "XY", "XZ", 1, 1, 1, 0, 0)]
-    for name, cls in CSV_FILES.items():
-        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(_columns(cls))
-            if name == "transcripts":
-                w.writerows(r + (0,) for r in rows)
+    _write_records(tmp_path, rows)
     s = summarise(tmp_path, [{"position": 0}, {"position": 1}],
                   SimpleNamespace(wall_time=3.0, audio_time=2.0),
                   SimpleNamespace(counts={}, num_adapted=0), "x", "own", 0, {}, "cpu")
