@@ -40,6 +40,8 @@ def test_every_key_of_every_packaged_yaml_has_a_rule_and_its_default_passes(meth
                  id="seed-too-big-for-a-float"),      # was math.isfinite's OverflowError
     pytest.param("steps", -10 ** 400, "steps must be an integer >= 0", id="steps-huge-negative"),
     ("train_mode", 1, "train_mode must be true or false"),
+    ("cuda_graph_cache", 2.5, "cuda_graph_cache must be auto or an integer >= 1"),
+    ("lr", None, "lr must be a number > 0"),           # null is slow_lr's only (">0?")
 ])
 def test_a_bad_value_names_the_key_what_it_must_be_and_what_it_means(key, value, expected):
     method = next(m for m in hparams.available() if key in hparams.keys(m))
@@ -48,7 +50,8 @@ def test_a_bad_value_names_the_key_what_it_must_be_and_what_it_means(key, value,
     comment = dict((k, c) for k, _, c in hparams.describe(method))[key]
     assert comment and comment in str(err.value) and "\n" not in str(err.value)
     hparams.check(hparams.find(method), {"filter_K": -1, "popsize": 2, "reset_K": 4, "em_coef": 1,
-                                         "seed": 2 ** 32 - 1, "lr": 1e-9})    # edges allowed
+                                         "ema_decay": 0, "seed": 2 ** 32 - 1, "lr": 1e-9,
+                                         "slow_lr": None, "cuda_graph_cache": "auto"})  # edges
 
 
 def test_a_file_error_in_a_constructor_names_the_file():
@@ -109,6 +112,12 @@ def test_an_override_that_only_matters_under_another_value_is_refused():
         with pytest.raises(hparams.HparamsError, match=rf"{key} = {value} \(an override\) with "
                                                        r"reset = 'none': it is only used"):
             hparams.resolve("csuta", {**base, key: value})
+    with pytest.raises(hparams.HparamsError, match=r"reset_every = 3 \(an override\) with reset "
+                                                   r"= 'dynamic': it is only used with reset = fixed"):
+        hparams.resolve("csuta", {**base, "reset": "dynamic", "reset_every": 3})
+    with pytest.raises(hparams.HparamsError, match=r"lm_weight = 0.3 \(an override\) without "
+                                                   r"lm_path"):      # the yaml's lm_path: null
+        hparams.resolve("sgem", {**base, "lm_weight": 0.3})
     assert hparams.resolve("csuta", {**base, "reset": "dynamic",
                                      "reset_test_size": 5}).values["reset_test_size"] == 5
 
@@ -235,4 +244,8 @@ def test_the_dynamic_resets_K_must_reach_past_the_first_meta_update():
     with pytest.raises(hparams.HparamsError, match=r"reset_K = 9 with buffer_size = 5: .* use "
                                                    r"reset_K >= 10"):
         hparams.check(path, {"reset": "dynamic", "reset_K": 9, "buffer_size": 5})
+    hparams.check(path, {"reset": "dynamic", "reset_K": 5, "reset_lii_count": "official"})
+    with pytest.raises(hparams.HparamsError, match=r"reset_K = 4 with reset_lii_count = official "
+                                                   r"is not valid: .* use reset_K >= 5"):
+        hparams.check(path, {"reset": "dynamic", "reset_K": 4, "reset_lii_count": "official"})
     hparams.check(path, {"reset": "fixed", "reset_K": 9, "buffer_size": 5})    # K unread
