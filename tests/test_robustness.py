@@ -557,6 +557,8 @@ def test_overrides_that_replace_objects_select_nothing_or_change_nothing(tmp_pat
         msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, opt))
         assert want in msg, (opt, msg)
         assert "\n" not in msg.strip()
+    with pytest.raises(SystemExit, match="adapt_params is empty"):    # unbuilt: a grid's dry run
+        decode.plan(dsuta_args(tiny_model_dir, ok_stream, out, "--adapt_params=[]"))
     sgem = ["sgem", f"--source={tiny_model_dir}", f"--stream_csv={ok_stream}",
             f"--output_folder={out}", "--noprogressbar"]
     for opt in ("--lm_weight=2", "--word_bonus=0"):
@@ -802,7 +804,7 @@ def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir
     # given empty (an unset shell variable) or null: the run wrote its records into a folder
     # named None in the working directory, then stopped with a TypeError traceback
     monkeypatch.chdir(tmp_path)
-    for value in ("", "null", "~"):
+    for value in ("", "null", "~", '""'):
         argv = dsuta_args(tiny_model_dir, ok_stream, "x")
         argv[argv.index("--output_folder=x")] = f"--output_folder={value}"
         msg = _error(argv)
