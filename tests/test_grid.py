@@ -372,8 +372,9 @@ def test_a_stream_not_written_yet_is_one_line_unless_a_dry_run(data, tmp_path):
                                                    f"stream {tmp_path / 'no.csv'} not found; run "
                                                    f"the earlier stages first")):
         grid.plan_runs(grid.parse_args(argv))
-    runs = grid.plan_runs(grid.parse_args(argv + ["--dry_run"]))
-    assert [r.total for r in runs if r.name.startswith("t/")] == [0]
+    for extra in (["--dry_run"], ["--check"]):          # planned before the stages that write it
+        runs = grid.plan_runs(grid.parse_args(argv + extra))
+        assert [r.total for r in runs if r.name.startswith("t/")] == [0]
     # a folder (not a manifest): said as such, a dry run too (it said "not found")
     argv = grid_argv(data, tmp_path, "suta", "0") + ["--streams", f"d={tmp_path}"]
     for extra in ([], ["--dry_run"]):
