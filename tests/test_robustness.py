@@ -572,6 +572,41 @@ def test_overrides_that_replace_objects_select_nothing_or_change_nothing(tmp_pat
     assert (out / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("opt,want", [
+    ("--stage2_params=[]", "cea.yaml: stage2_params is empty: select at least one parameter "
+                           "group"),
+    ("--stage2_params=layernorm", "cea.yaml: stage2_params = 'layernorm' is not a list of "
+                                  "selector groups"),
+    ("--stage2_params=", "cea.yaml: stage2_params = None is not a list"),
+    ("--stage2_params=[{select: layernorm, lr_mult: -1}]",
+     "cea.yaml: Bad stage2_params entry {'select': 'layernorm', 'lr_mult': -1}: lr_mult -1 must "
+     "be a number >= 0"),
+    ("--stage2_params=[layernrom]", "cea.yaml: stage2_params: Unknown parameter selector "
+                                    "'layernrom'"),
+    # a plain value for the optimiser the yaml builds (!name:) was "'str' object is not callable
+    # (check the spelling of the keys passed to that class)" once the model had loaded; an
+    # empty one ran AdamW, eata's --eata_optimizer=sgd silently dropped
+    ("--optimizer=sgd", "--optimizer=sgd: 'optimizer' is an object the yaml builds"),
+    ("--optimizer=", "--optimizer=None: 'optimizer' is an object the yaml builds"),
+])
+def test_cea_stage2_params_and_the_optimizer_name_their_key(tmp_path, ok_stream, tiny_model_dir,
+                                                            opt, want):
+    """Probed: ``--stage2_params`` was not checked with the yaml: a bad one stopped the build,
+    once the model had loaded, with the message of ``adapt_params`` (``--stage2_params=[]``:
+    "adapt_params is empty", the key the user had not touched)."""
+    out = tmp_path / "exp"
+    cea = ["cea", f"--source={tiny_model_dir}", f"--stream_csv={ok_stream}",
+           f"--output_folder={out}", "--noprogressbar"]
+    msg = _error(cea + [opt])
+    assert want in msg and "\n" not in msg.strip(), msg
+    assert "adapt_params" not in msg
+    assert not out.exists()
+    # what stays allowed: another optimiser the yaml builds, other arguments of its own
+    assert decode.settings(cea + ["--optimizer=!name:torch.optim.SGD"])[1] is not None
+    hp = decode.settings(cea + ["--optimizer={weight_decay: 0.1}"])[1]
+    assert re.search(r"optimizer: (&\w+ )?!name:torch.optim.AdamW\n  weight_decay: 0.1\b", hp.text)
+
+
 def test_a_finished_run_asked_for_under_another_label_says_it_keeps_its_own(
         tmp_path, ok_stream, tiny_model_dir, capsys):
     """``--method_tag`` / ``--stream_name`` are labels, not settings: a finished run asked for

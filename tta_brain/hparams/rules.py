@@ -122,8 +122,9 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
         check_dynamic_reset(path, values)
     _check_reset_taken(path, values)
     _check_lm(path, values)
-    if "adapt_params" in values:
-        check_adapt_params(path, values["adapt_params"])
+    for key in ("adapt_params", "stage2_params"):      # (stage2_params: CEA's second stage)
+        if key in values:
+            check_adapt_params(path, values[key], key)
     if "device" in values:
         check_device(values["device"], here=device_here)
     if values.get("precision") == "fp16" and str(values.get("device", "cpu")) == "cpu":
@@ -173,15 +174,16 @@ def _check_lm(path, values: Dict) -> None:
                            f"beam_width > 1 or no lm_path")
 
 
-def check_adapt_params(path, groups) -> None:
-    """``adapt_params`` as the methods read it (:func:`tta_brain.methods.params.group_specs`):
-    an empty list adapted nothing and failed at the first step, a text was read letter by
-    letter; now one line naming the entry."""
+def check_adapt_params(path, groups, key: str = "adapt_params") -> None:
+    """``adapt_params`` (or another list of selector groups, ``key``) as the methods read it
+    (:func:`tta_brain.methods.params.group_specs`): an empty list adapted nothing and failed at
+    the first step, a text was read letter by letter; now one line naming the key and entry."""
     from tta_brain.methods.params import group_specs
     try:
-        group_specs(groups)
+        group_specs(groups, key)
     except ValueError as e:
-        raise HparamsError(f"{path}: {e}") from None
+        said = str(e) if key in str(e) else f"{key}: {e}"     # (an unknown selector's name)
+        raise HparamsError(f"{path}: {said}") from None
 
 
 #: Keys that only matter with another one set (a key name), or set to one of some values

@@ -115,43 +115,47 @@ def _selector(spec: str):
 GroupSpec = Union[str, Dict]
 
 
-def _collection(groups: Sequence[GroupSpec]) -> Tuple[List[GroupSpec], str]:
-    """The selector groups and the ``{param_collection: ...}`` entry's value (default clean)."""
+def _collection(groups: Sequence[GroupSpec], key: str = "adapt_params"
+                ) -> Tuple[List[GroupSpec], str]:
+    """The selector groups and the ``{param_collection: ...}`` entry's value (default clean);
+    ``key``: the yaml key they come from, in the messages."""
     rest, found = [], []
     for g in groups or ():
         if isinstance(g, dict) and "param_collection" in g:
             if set(g) != {"param_collection"} or g["param_collection"] not in COLLECTIONS:
-                raise ValueError(f"Bad adapt_params entry {g}: use {{param_collection: "
+                raise ValueError(f"Bad {key} entry {g}: use {{param_collection: "
                                  f"{' | '.join(COLLECTIONS)}}}")
             found.append(g["param_collection"])
         else:
             rest.append(g)
     if len(found) > 1:
-        raise ValueError(f"adapt_params sets param_collection {len(found)} times")
+        raise ValueError(f"{key} sets param_collection {len(found)} times")
     return rest, (found[0] if found else "clean")
 
 
-def group_specs(groups: Sequence[GroupSpec]) -> List[Tuple[str, object, float]]:
+def group_specs(groups: Sequence[GroupSpec], key: str = "adapt_params"
+                ) -> List[Tuple[str, object, float]]:
     """``[(selector spec, selector, lr_mult)]`` of ``adapt_params`` (its ``param_collection``
     entry left out), every entry checked: a ValueError saying which is wrong (the yaml check,
-    ``hparams.rules.check_adapt_params``, asks this before anything is built)."""
+    ``hparams.rules.check_adapt_params``, asks this before anything is built); ``key``: the yaml
+    key they come from (``adapt_params``, CEA's ``stage2_params``), in the messages."""
     if not isinstance(groups, (list, tuple)):
-        raise ValueError(f"adapt_params = {groups!r} is not a list of selector groups, e.g. "
+        raise ValueError(f"{key} = {groups!r} is not a list of selector groups, e.g. "
                          f"[layernorm, {{select: cnn, lr_mult: 2}}]")
-    groups, _ = _collection(groups)
+    groups, _ = _collection(groups, key)
     if not groups:
-        raise ValueError("adapt_params is empty: select at least one parameter group")
+        raise ValueError(f"{key} is empty: select at least one parameter group")
     specs = []
     for g in groups:
         g = {"select": g} if isinstance(g, str) else g
         if not isinstance(g, dict) or "select" not in g or set(g) - {"select", "lr_mult"} \
                 or not isinstance(g["select"], str):
-            raise ValueError(f"Bad adapt_params entry {g!r}: a selector name or {{select: "
+            raise ValueError(f"Bad {key} entry {g!r}: a selector name or {{select: "
                              f"<selector>, lr_mult: <float>}}")
         mult = g.get("lr_mult", 1.0)
         if isinstance(mult, bool) or not isinstance(mult, (int, float)) \
                 or not 0 <= mult < float("inf"):
-            raise ValueError(f"Bad adapt_params entry {dict(g)}: lr_mult {mult!r} must be a "
+            raise ValueError(f"Bad {key} entry {dict(g)}: lr_mult {mult!r} must be a "
                              f"number >= 0")
         specs.append((g["select"], _selector(g["select"]), float(mult)))
     return specs
