@@ -171,12 +171,17 @@ def check_required(resolved: "Resolved") -> None:
 #: ``!apply:`` / ``!ref`` value), not replace it by a plain value (``--method=foo`` failed
 #: half-way through opening the run folder, ``--model=x`` with "'str' object has no attribute").
 BUILT_KEYS = ("model", "method", "runtime")
+#: Objects a method yaml builds and passes to its method (``optimizer: !name:...``): the same
+#: (``--optimizer=sgd`` was "'str' object is not callable" once the model had loaded; an empty
+#: one ran plain AdamW, eata's ``eata_optimizer`` dropped), but not read by name; a mapping
+#: overrides its arguments (``--optimizer={weight_decay: 0.1}``).
+PASSED_OBJECTS = ("optimizer",)
 
 
 def _check_override_keys(path, values: Dict, overrides) -> List[str]:
     """Refuse an override of an internal key (``__set_seed``: replacing the yaml's seeding step
     left a run unseeded whose records said seed 0) or a plain value for one of
-    :data:`BUILT_KEYS`. Returns the overridden keys."""
+    :data:`BUILT_KEYS` or :data:`PASSED_OBJECTS`. Returns the overridden keys."""
     if not overrides:
         return []
     given = ruamel.yaml.YAML().load(overrides) if isinstance(overrides, str) else overrides
@@ -185,7 +190,9 @@ def _check_override_keys(path, values: Dict, overrides) -> List[str]:
             raise HparamsError(f"--{key}: an internal key of {path} (a step the yaml runs when "
                                f"it is built), not an option")
         tag = getattr(getattr(value, "tag", None), "value", None)
-        if key in BUILT_KEYS and not (isinstance(tag, str) and tag.startswith("!")):
+        built = isinstance(tag, str) and tag.startswith("!")
+        if not built and (key in BUILT_KEYS or (key in PASSED_OBJECTS    # (a mapping: new
+                                                and not isinstance(value, dict))):  # arguments)
             raise HparamsError(f"--{key}={value}: '{key}' is an object the yaml builds (see "
                                f"{path}), not a value; change its arguments (python -m "
                                f"tta_brain.decode <method> --help) or build another in a yaml "
