@@ -607,6 +607,33 @@ def test_cea_stage2_params_and_the_optimizer_name_their_key(tmp_path, ok_stream,
     assert re.search(r"optimizer: (&\w+ )?!name:torch.optim.AdamW\n  weight_decay: 0.1\b", hp.text)
 
 
+@pytest.mark.parametrize("opt,want", [
+    ("--adapt_params={select: layernorm}", "dsuta.yaml: adapt_params = {'select': 'layernorm'} "
+                                           "is not a list of selector groups"),
+    ("--lr={a: 1}", "dsuta.yaml: lr = {'a': 1} is not valid: lr must be a number > 0"),
+    ("--steps={}", "dsuta.yaml: steps = {} is not valid: steps must be an integer >= 0"),
+])
+def test_a_mapping_for_a_key_that_takes_none_names_the_key(tmp_path, ok_stream, tiny_model_dir,
+                                                           opt, want):
+    """Probed: ``--adapt_params={select: layernorm}`` (the list's brackets forgotten) was
+    hyperpyyaml's "The structure of the overrides doesn't match the structure of the document"
+    followed by every override of the command."""
+    out = tmp_path / "exp"
+    msg = _error(dsuta_args(tiny_model_dir, ok_stream, out, opt))
+    assert want in msg and "\n" not in msg.strip() and "structure" not in msg, msg
+    assert str(ok_stream) not in msg                  # not every override listed
+    assert not out.exists()
+
+
+def test_a_mapping_for_an_own_key_that_takes_none_names_the_key(tmp_path):
+    from tta_brain import hparams
+    own = tmp_path / "mine.yaml"
+    own.write_text(hparams.find("tent").read_text() + "groups: [1]\n")
+    with pytest.raises(hparams.HparamsError, match=r"mine.yaml: --groups=\{'a': 1\}: groups takes "
+                                                   r"no mapping"):
+        hparams.resolve(own, "source: m\nstream_csv: s\noutput_folder: o\ngroups: {a: 1}\n")
+
+
 def test_a_finished_run_asked_for_under_another_label_says_it_keeps_its_own(
         tmp_path, ok_stream, tiny_model_dir, capsys):
     """``--method_tag`` / ``--stream_name`` are labels, not settings: a finished run asked for

@@ -137,9 +137,10 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
         lines = composed_lines(path)
         composed = compose(path)
     try:                        # the file's own syntax first: its errors at its file:line
-        ruamel.yaml.YAML().load(composed)
+        preview = ruamel.yaml.YAML().load(composed)
     except ruamel.yaml.error.YAMLError as e:
         raise HparamsError(f"{path}: yaml syntax error: {_located(e, lines)}") from None
+    _check_mapping_overrides(path, preview, overrides)
     with _errors(path):
         try:
             text = resolve_references(composed, overrides, overrides_must_match=True).getvalue()
@@ -154,6 +155,21 @@ def resolve(name_or_path: PathLike, overrides: Optional[Union[Dict, str]] = None
     check(path, values, device_here)
     rules.check_overrides(path, values, given)       # (after the values: a bad one says so first)
     return Resolved(path, text, values)
+
+
+def _check_mapping_overrides(path, preview, overrides) -> None:
+    """A mapping (``--adapt_params={select: cnn}``) for a key whose yaml value is none was
+    hyperpyyaml's "The structure of the overrides doesn't match the structure of the document"
+    with every override listed: now the key's own message (its rule's, the selector groups'),
+    or one line naming it."""
+    if not overrides:
+        return
+    given = ruamel.yaml.YAML().load(overrides) if isinstance(overrides, str) else overrides
+    for key, value in (given or {}).items():
+        if isinstance(value, dict) and not isinstance((preview or {}).get(key, {}), dict):
+            check(path, {key: dict(value)})
+            raise HparamsError(f"{path}: --{key}={dict(value)}: {key} takes no mapping "
+                               f"({{...}} is key: value pairs)")
 
 
 def check_required(resolved: "Resolved") -> None:
