@@ -178,6 +178,9 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
                    clean, "--out", tmp_path / "x.pt", "--max_utts", "-3") == 1   # was: all but 3
     assert capsys.readouterr().err.strip() == ("ERROR: --max_utts -3: must be >= 0 "
                                                "(0: all utterances)")
+    assert run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv", "--data_root",
+                   clean, "--out", tmp_path / "x.pt", "--max_utts", "-1") == 1   # not all but one
+    assert "--max_utts -1: must be >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run_cli("--source", tiny_model_dir, "--manifest", clean / "stream.csv",
                 "--out", tmp_path / "x.pt", "--max_duration", "0")
@@ -212,6 +215,34 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
                 tmp_path / "x.pt", "--params")
     assert "unrecognized argument '--params' (kind options are --key=value)" in \
         capsys.readouterr().err
+
+
+def test_clean_rows_keep_an_utterance_exactly_max_duration_long(clean):
+    """--max_duration leaves out the longer utterances: one exactly that long is used."""
+    rows = read_manifest(clean / "stream.csv", replacements={"data_root": str(clean)})
+    limit = float(rows[0]["duration"])
+    kept = [r["ID"] for r in ss.clean_rows(str(clean / "stream.csv"), str(clean),
+                                           max_duration=limit)]
+    assert rows[0]["ID"] in kept
+    assert kept == [r["ID"] for r in rows if float(r["duration"]) <= limit] != \
+        [r["ID"] for r in rows]
+
+
+def test_reuse_recomputes_for_an_audio_file_rewritten_in_place(clean, tiny_model_dir, tmp_path,
+                                                               capsys):
+    """The same manifest, data root and paths, but a wav written again with another length (a
+    re-export): the file's statistics are of the old audio, so --reuse computes them again."""
+    root = tmp_path / "root"
+    shutil.copytree(clean, root)
+    out = tmp_path / "f.pt"
+    argv = ["--source", tiny_model_dir, "--manifest", root / "stream.csv", "--data_root", root,
+            "--out", out, "--max_utts", 1, "--reuse"]
+    assert run_cli(*argv) == 0 and "no file yet, computing" in capsys.readouterr().out
+    wav = root / read_manifest(root / "stream.csv")[0]["wav"].replace("$data_root/", "")
+    audio, sr = sf.read(wav)
+    sf.write(wav, audio[: len(audio) // 2], sr)
+    assert run_cli(*argv) == 0
+    assert "other audio files (--data_root, --max_duration)" in capsys.readouterr().out
 
 
 def test_paths_and_identity(tmp_path):
