@@ -260,12 +260,16 @@ def test_build_optimizer_official(arch_models):
     assert [g["lr"] for g in opt.param_groups] == [3e-3, 1e-3]
     assert sum(sum(g["repeats"]) for g in opt.param_groups) == len(sel.order) == 38
     assert opt.defaults["weight_decay"] == 0.0 and opt.defaults["decoupled_weight_decay"]
-    opt = build_optimizer(partial(torch.optim.AdamW, weight_decay=0.01, eps=1e-6), sel, 1e-3)
+    opt = build_optimizer(partial(torch.optim.AdamW, weight_decay=0.01, eps=1e-6,
+                                  betas=(0.8, 0.99)), sel, 1e-3)
     assert opt.defaults["weight_decay"] == 0.01 and opt.defaults["eps"] == 1e-6
+    assert all(g["betas"] == (0.8, 0.99) for g in opt.param_groups)     # the factory's, not Adam's
     with pytest.raises(ValueError, match="Adam/AdamW"):
         build_optimizer(partial(torch.optim.SGD), sel, 1e-3)
     with pytest.raises(ValueError, match="amsgrad"):
         build_optimizer(partial(torch.optim.AdamW, amsgrad=True), sel, 1e-3)
+    with pytest.raises(ValueError, match="one repeat count >= 1 per tensor"):   # never updated
+        RepeatedAdam([{"params": [nn.Parameter(torch.zeros(2))], "repeats": [0]}], lr=1e-3)
     # clean: unchanged (a plain AdamW, no repeats key)
     opt = build_optimizer(None, select_parameters(net, CLEAN), 1e-3)
     assert type(opt) is torch.optim.AdamW and "repeats" not in opt.param_groups[0]
