@@ -231,6 +231,27 @@ def test_repeated_adam_device_update_skips_on_found_inf(sequential):
     assert not hasattr(od, "found_inf")
 
 
+def test_repeated_adam_moves_every_param_group_to_the_device():
+    """``param_collection: official`` with an ``lr_mult`` is one RepeatedAdam group per lr: each
+    must run on the device (a group left on the host would take the step that found_inf skips)."""
+    from tta_brain.methods.optim import RepeatedAdam
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
+    opt = RepeatedAdam([{"params": [ps[0]], "repeats": [2], "lr": 1e-2},
+                        {"params": [ps[1]], "repeats": [1], "lr": 3e-2}], lr=1e-2)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    guard.to_device_optimizer(opt)
+    assert guard.is_device_optimizer(opt)
+    assert all(s["step"].dtype == torch.float32 for s in opt.state.values())
+    before = snapshot(ps), opt_tensors(opt, ps)
+    for p in ps:
+        p.grad = torch.full_like(p, math.nan)
+    guard.guarded_update(opt, torch.ones(()))
+    assert max_diff(before[0], ps) == 0.0 and max_diff(before[1], opt_tensors(opt, ps)) == 0.0
+
+
 # ------------------------------------------------------------------------------ fake graphs
 # feature cache off / on; the official collection (RepeatedAdam on the device)
 @pytest.mark.parametrize("adapt", ["layernorm,cnn", "layernorm", "official"])
