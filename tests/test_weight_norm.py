@@ -100,6 +100,23 @@ def test_the_cache_follows_changes(tiny_model_dir):
     assert norm.computed == 4
 
 
+def test_the_cache_follows_tensors_swapped_in(tiny_model_dir):
+    """load_state_dict(assign=True) puts new g and v tensors in (their versions may equal the old
+    ones'): the weight is theirs, not the cached one."""
+    lobe = HFCTCLobe(tiny_model_dir).requires_grad_(False)
+    conv, norm = pos_conv(lobe), cached_norms(lobe)[0]
+    before = conv.weight.clone()
+    state = {k: v.clone() for k, v in lobe.state_dict().items()}
+    key = next(k for k in state
+               if k.endswith("pos_conv_embed.conv.parametrizations.weight.original1"))
+    state[key] = state[key] * 1.5 + 0.01
+    lobe.load_state_dict(state, assign=True)
+    v = conv.parametrizations.weight.original1
+    assert v._version == 0 and not torch.equal(conv.weight, before)
+    assert torch.equal(conv.weight, torch._weight_norm(v, conv.parametrizations.weight.original0,
+                                                       norm.dim))
+
+
 def test_inside_a_capture_the_cache_is_read_but_never_filled(tiny_model_dir, monkeypatch):
     """CUDA capture records kernels without running them, so a weight norm first computed inside
     a capture must stay the graph's own (``tta_brain.lobes.weight_norm._capturing`` stands in for
