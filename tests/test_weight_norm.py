@@ -161,3 +161,32 @@ def test_a_refresh_writes_into_the_same_tensor():
     assert second.data_ptr() == ptr
     want = v * (g / v.norm(dim=(0, 1), keepdim=True))        # weight norm over all dims but 2
     assert torch.allclose(second, want, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_stacked_rows_under_vmap_are_computed_not_cached():
+    """A batched sweep's runs that adapt the layer stack g and v (``torch.func`` wrappers, no
+    requires_grad under an inference vmap): each row's weight norm, computed every time."""
+    from torch.func import vmap
+    wn = CachedWeightNorm(dim=2)
+    g, v = torch.rand(3, 1, 1, 4) + 0.5, torch.randn(3, 5, 2, 4)
+    for scale in (1.0, 2.0):
+        got = vmap(wn)(g * scale, v)
+        for r in range(3):
+            assert torch.equal(got[r], torch._weight_norm(v[r], g[r] * scale, 2))
+    assert wn.computed == 2 and wn._cached is None
+
+
+def test_a_norm_one_of_whose_inputs_adapts_is_differentiable():
+    """A selection that adapts g alone (or v alone) must get its gradient: the cache is for a
+    layer none of whose inputs needs one."""
+    wn = CachedWeightNorm(dim=2)
+    g, v = torch.rand(1, 1, 3) + 0.5, torch.randn(4, 2, 3)
+    wn(g, v)                                                   # both frozen: cached
+    for adapted in ("g", "v"):
+        gi, vi = g.clone().requires_grad_(adapted == "g"), v.clone().requires_grad_(adapted == "v")
+        out = wn(gi, vi)
+        want = torch._weight_norm(vi, gi, 2)
+        grad, = torch.autograd.grad(out.sum(), gi if adapted == "g" else vi)
+        assert torch.equal(out, want)
+        assert torch.equal(grad, torch.autograd.grad(want.sum(), gi if adapted == "g" else vi)[0])
