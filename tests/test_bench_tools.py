@@ -94,6 +94,10 @@ def test_bench_speed_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--slope_tolerance", "-1"], "argument --slope_tolerance: -1 is not >= 0"),
     (["--trim_every", "-5"], "argument --trim_every: -5 is not >= 0"),
     (["--prefetch", "-1"], "argument --prefetch: -1 is not >= 0"),
+    # the shell's space form: argparse said only "expected one argument" (as grid.py did)
+    (["--decode_opts", "--lr=1e-4"], "argument --decode_opts: expected one argument; a value "
+                                     "that starts with '-' goes after '=': "
+                                     "--decode_opts=\"--lr=1e-4\""),
 ] + ([] if CUDA_HERE else [(["--device", "cuda:0"], "--device=cuda:0: no CUDA device here")]))
 def test_bench_memory_refuses_bad_arguments_in_one_line(argv, named, capsys):
     import bench_memory

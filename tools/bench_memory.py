@@ -348,8 +348,14 @@ def tail_slope(trace, start=None):
     return 100 * sxy / sxx
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        from tta_brain.grid import option_list_hint      # only on the error path (grid is slow)
+        super().error(option_list_hint(message, ("--decode_opts",)))
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = _Parser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=positive(int), nargs="+", default=[50, 100, 200, 400])
     p.add_argument("--device", default="cpu", type=device)

@@ -718,14 +718,20 @@ def _progress(runs: List[Run], now: Optional[float] = None, pending=frozenset())
 OPTION_LISTS = ("--decode_opts", "--md_decode_opts", "--md_recipe_opts")
 
 
+def option_list_hint(message, names=OPTION_LISTS):
+    """argparse's ``message``, plus the ``=`` form where it read an option list ``names`` given
+    after a space (``--decode_opts --lr=1e-4``) as two options (tools/bench_memory.py too)."""
+    for name in names:
+        if message == f"argument {name}: expected one argument":
+            message += f"; a value that starts with '-' goes after '=': {name}=\"--lr=1e-4\""
+    return message
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """An option error is one line (argparse printed its whole usage above it)."""
 
     def error(self, message):
-        for name in OPTION_LISTS:       # argparse read "--decode_opts --lr=1e-4" as two options
-            if message == f"argument {name}: expected one argument":
-                message += f"; a value that starts with '-' goes after '=': {name}=\"--lr=1e-4\""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {option_list_hint(message)} (see --help)\n")
 
 
 def parse_args(argv=None):
