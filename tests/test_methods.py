@@ -1305,6 +1305,36 @@ def test_an_own_forward_and_adapt_without_gradients_is_one_line(tiny_lobe, monke
     assert isinstance(m.process(utterances[0]), str) and max_diff(before, m.params) > 0
 
 
+def test_an_own_backward_without_gradients_is_one_line(tiny_lobe, monkeypatch, utterances):
+    """The same method calling the backward helper itself (``self.backward(loss)``, as DSUTA
+    does) under ``@torch.no_grad()``: it did not pass by ``adapt_step``'s check and was torch's
+    "element 0 of tensors does not require grad" traceback; now one line naming the class and the
+    decorator (as ``adapt_step``'s), nothing counted and the model untouched."""
+    from tta_brain.methods import register
+    from tta_brain.methods.suta import SUTA
+    monkeypatch.setitem(METHODS, "nograd_own_suta", None)    # removed again after the test
+
+    @register("nograd_own_suta")
+    class NoGradOwnSUTA(SUTA):
+        @torch.no_grad()
+        def forward_and_adapt(self, x, info):
+            self.optimizer.zero_grad()
+            self.backward(self.loss(self.forward(x)))
+            self.optimizer.step()
+            return self.predict(x)
+    m = build_method("nograd_own_suta", model=tiny_lobe, steps=1)
+    before = [p.detach().clone() for p in m.params]
+    with pytest.raises(RuntimeError, match=r"^nograd_own_suta: NoGradOwnSUTA\.backward: the loss "
+                       r"has no gradient \(computed under torch\.no_grad\(\) or inference_mode, "
+                       r"or not from the adapted parameters\).*@torch\.enable_grad\(\)$"):
+        m.process(utterances[0])
+    assert m.counts["adapt_backward"] == 0 and max_diff(before, m.params) == 0
+    NoGradOwnSUTA.forward_and_adapt = torch.enable_grad()(
+        NoGradOwnSUTA.forward_and_adapt.__wrapped__)
+    assert isinstance(m.process(utterances[0]), str) and max_diff(before, m.params) > 0
+    assert m.counts["adapt_backward"] == 1
+
+
 def test_a_float64_default_dtype_is_one_line(tiny_model_dir, tiny_lobe, utterances):
     """torch.set_default_dtype(torch.float64) in the caller's script loaded a float64 model and
     made float64 buffers that float32 inputs then met: a traceback deep in a layer."""

@@ -187,6 +187,11 @@ class TTAMethod:
 
     def backward(self, loss: torch.Tensor) -> List[torch.Tensor]:
         """Counted backward of ``loss``; the adapted gradients (see ``Runtime.backward``)."""
+        if not loss.requires_grad:          # was torch's "does not require grad" traceback
+            raise RuntimeError(f"{self.name}: {type(self).__name__}.backward: the loss has no "
+                               f"gradient (computed under torch.no_grad() or inference_mode, or "
+                               f"not from the adapted parameters); decorate forward_and_adapt "
+                               f"with @torch.enable_grad()")
         grads = self.runtime.backward(loss, self.params, self.lobe.device)
         self.counts["adapt_backward"] += 1
         return grads
