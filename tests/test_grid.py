@@ -472,6 +472,27 @@ def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
     assert [a for a in runs[0].argv if a.startswith("--reset=")] == ["--reset=dynamic"] * 2
 
 
+def test_a_yaml_of_ones_own_is_labelled_by_the_reset_its_run_takes(data, tmp_path):
+    """``--reset`` given twice in a run's options (its option file, then an md option set): decode
+    takes the last one, and so does the label of a yaml of one's own (``mycsuta``), so its
+    multi-domain runs are not reported as the option file's reset."""
+    own, conf = tmp_path / "hp", tmp_path / "conf"
+    own.mkdir()
+    shutil.copy(hparams_find("csuta"), own / "mycsuta.yaml")
+    shutil.copytree(data["conf"], conf)
+    (conf / "mycsuta.opts").write_text("--reset=fixed\n--reset_every=4\n")
+    argv = grid_argv(data, tmp_path / "exp", "mycsuta", "0", "--hparams_dir", str(own),
+                     "--conf_dir", str(conf), "--streams", f"md={data['csv']}", "--md_streams",
+                     "md", "--md_recipe_opts=--reset=dynamic --reset_K=10")
+    runs = {r.name: r for r in grid.plan_runs(grid.parse_args(argv))}
+    for name, reset in (("s/mycsuta/seed0", "fixed"), ("md/mycsuta/seed0", "dynamic")):
+        run = runs[name]
+        assert [a for a in run.argv if a.startswith("--reset=")][-1] == f"--reset={reset}"
+        assert run.argv[-1] == f"--method_tag=mycsuta+{reset}"
+        _, hp = decode.settings(run.argv)
+        assert (hp.values["reset"], hp.values["method_tag"]) == (reset, f"mycsuta+{reset}")
+
+
 def test_an_option_ones_own_yaml_cannot_build_stops_the_grid_in_one_line(data, tmp_path,
                                                                           capsys):
     """A key of a yaml of one's own that its method does not take (``em_coeff`` under
