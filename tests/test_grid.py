@@ -466,6 +466,13 @@ def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
     with pytest.raises(SystemExit, match=r"ERROR: .*csuta\.opts:1: --reset=fixed, but the token "
                        r"csuta\+dynamic names its reset \(dynamic\).*the token csuta\+fixed$"):
         grid.plan_runs(grid.parse_args(argv + ["--conf_dir", str(conf)]))
+    # so beside --decode_opts or --sweep (dsuta+dynamic_resetfixed/ ran the fixed reset)
+    for extra, where in ((["--decode_opts=--reset=fixed"], "--decode_opts"),
+                         (["--sweep", "reset=fixed,dynamic"], "--sweep")):
+        with pytest.raises(SystemExit, match=rf"ERROR: {where}: --reset=fixed, but the token "
+                           r"dsuta\+dynamic names its reset \(dynamic\)"):
+            grid.plan_runs(grid.parse_args(grid_argv(data, tmp_path, "dsuta+dynamic", "0")
+                                           + extra))
     (conf / "dsuta.opts").write_text("--reset=dynamic\n")        # the same policy: no conflict
     runs = grid.plan_runs(grid.parse_args(grid_argv(data, tmp_path, "dsuta+dynamic", "0")
                                           + ["--conf_dir", str(conf)]))

@@ -349,10 +349,12 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
             md_lists = ((("--md_recipe_opts", rule.kept(token, "--md_recipe_opts", md_recipe)),
                          ("--md_decode_opts", rule.kept(token, "--md_decode_opts", md_opts)))
                         if kind else ())
-            _check_token_reset(token, reset, lines + [(w, a) for w, opts in md_lists for a in opts])
+            mine = rule.kept(token, "--decode_opts", user)
+            _check_token_reset(token, reset, lines + [(w, a) for w, opts in md_lists for a in opts]
+                               + [("--decode_opts", a) for a in mine]
+                               + [("--sweep", a) for point in points for a in point])
             for _, opts in md_lists:
                 recipe += opts
-            mine = rule.kept(token, "--decode_opts", user)
             for point in points:
                 point = rule.kept(token, "--sweep", point)
                 # (options its run would not read: reset_every with reset none, left out)
@@ -384,7 +386,9 @@ def plan_runs(args, cuda: bool = False) -> List[Run]:
 def _check_token_reset(token: str, reset: List[str], lines: List[Tuple[str, str]]) -> None:
     """A token's ``+<reset>`` is the reset its folder says: an option file (or md option set)
     giving another ``--reset`` came after it and won, so ``dsuta+dynamic/`` held fixed-reset runs
-    (labelled ``dsuta+fixed``, pooled with the real ones). One line before anything runs."""
+    (labelled ``dsuta+fixed``, pooled with the real ones); ``--decode_opts`` or ``--sweep`` giving
+    another made ``dsuta+dynamic_resetfixed/`` runs of the fixed reset. One line before anything
+    runs."""
     said = reset[0].partition("=")[2] if reset else None
     for where, a in lines:
         other = _keyvals([a]).get("reset")
