@@ -149,6 +149,18 @@ def test_target_lang_loads_the_languages_adapter_and_vocabulary(mms_dir):
     assert fra.alphabet() - eng.alphabet() == set("\u00c0\u00c7\u00c8\u00c9")
 
 
+def test_text_to_labels_spells_the_text_in_an_mms_languages_lower_case(mms_dir):
+    """MMS's vocabularies are lower case: text (a reference, upper case as the scoring writes
+    it, or lower case) is spelled in the language's letters; it was upper-cased into ``<unk>``
+    for every letter."""
+    from tta_brain.lobes.testing import MMS_VOCABS
+    fra = HFCTCLobe(mms_dir, target_lang="fra")
+    ids = {t: i for i, t in enumerate(MMS_VOCABS["fra"])}
+    want = [ids[c] for c in "\u00e7a|\u00e9t\u00e9"]
+    assert fra.text_to_labels("\u00c7A \u00c9T\u00c9") == fra.text_to_labels("\u00e7a \u00e9t\u00e9") == want
+    assert fra.labels_to_text(want) == "\u00e7a \u00e9t\u00e9"
+
+
 def test_target_lang_that_the_checkpoint_has_not_is_one_line(mms_dir, tmp_path):
     """A language without a vocabulary or an adapter, a checkpoint without adapters, and an MMS
     checkpoint whose tokenizer names no language (its vocab.json then loaded as one vocabulary:

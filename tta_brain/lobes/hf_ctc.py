@@ -794,6 +794,9 @@ class HFCTCLobe(nn.Module):
         return [self.labels_to_text(collapse(p, self.blank_id)) for p in labels]
 
     def text_to_labels(self, text: str) -> List[int]:
-        """Text -> label ids of the tokenizer (for pseudo-label checks and tests)."""
-        cased = text if self.word_pieces else text.upper()   # (the pieces' case is the model's)
+        """Text -> label ids of the tokenizer (for pseudo-label checks and tests), in the case of
+        the vocabulary's letters: upper, lower for one of mostly lower-case letters (MMS's)."""
+        letters = [t for t in self.id_to_token.values() if len(t) == 1 and t.isalpha()]
+        lower = sum(t.islower() for t in letters) > len(letters) / 2
+        cased = text if self.word_pieces else text.lower() if lower else text.upper()
         return self.tokenizer(cased).input_ids
