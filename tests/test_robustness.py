@@ -1081,6 +1081,21 @@ def test_a_cached_hub_model_loads_without_the_network_and_its_commit_is_recorded
     assert log.count(line) == 1 and (res.stdout + res.stderr).count(line) == 1
 
 
+def test_an_mms_adapter_that_the_cached_snapshot_lacks_is_asked_of_the_hub(tmp_path, ok_stream):
+    """A hub cache holds the files fetched so far: an MMS snapshot without the language's
+    adapter (``adapter.fra.safetensors``) asks the hub for it, not refused as a language the
+    checkpoint has no adapter for (that is said of a local folder, which holds all its files)."""
+    from tta_brain.lobes.testing import save_random_mms_model
+    mms = save_random_mms_model(str(tmp_path / "mms"))
+    hub = _CountingHub()
+    repo, _ = _hub_cache(tmp_path / "hf", mms, repo="org/mms-tiny",
+                         only={f for f in os.listdir(mms) if f != "adapter.fra.safetensors"})
+    res = _decode_with_hub(tmp_path, ok_stream, hub, repo, "--target_lang=fra")
+    assert res.returncode != 0 and hub.connections > 0
+    assert "adapter.fra.safetensors" in res.stderr and "has no adapter" not in res.stderr, \
+        res.stderr[-2000:]
+
+
 def test_what_a_build_logs_reaches_its_own_runs_log_only(tmp_path, ok_stream, tiny_model_dir,
                                                          monkeypatch):
     """Two decodes in one process (a sweep's fallback, a notebook): what the second logs while
