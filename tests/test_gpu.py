@@ -1308,6 +1308,18 @@ def test_grid_dry_run_says_the_gpu_each_run_starts_on(tmp_path, tiny_model_dir, 
                     "GPU 1: 1), each seeing its one GPU (CUDA_VISIBLE_DEVICES); the first start on "
                     + "; ".join(f"GPU {g}: {name}" for name, g in first)
                     + "; each of the other 1 on the slot that frees first"]
+    waiting, free = ["a", "b", "c"], [1, 0]      # (a finished job's slot goes to the end)
+    assert list(grid._starts(waiting, free)) == [("a", 1), ("b", 0)]
+    assert (waiting, free) == (["c"], [])
+    # --batch_runs: its jobs are the batches as asked (the sweep splits one it cannot batch when
+    # it starts; checking them here planned each run on a GPU this machine need not have)
+    assert grid.main(_grid_argv(tmp_path, tiny_model_dir, *extra, "--batch_runs", "2",
+                                "--dry_run")) == 0
+    plan = [x for x in capsys.readouterr().out.splitlines() if x.startswith("DRY-RUN: --gpus")]
+    assert plan == ["DRY-RUN: --gpus 0 1 (--per_gpu 2, --nj 3): 3 job(s) at a time (GPU 0: 2, "
+                    "GPU 1: 1), each seeing its one GPU (CUDA_VISIBLE_DEVICES); the first start on "
+                    "GPU 0: batch of 2 (s/source/seed0, s/source/seed1); GPU 1: batch of 2 "
+                    "(s/suta/seed0, s/suta/seed1)"]
     started = []
 
     class Workers:                  # submitit's LocalExecutor as the grid drives it

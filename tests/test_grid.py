@@ -527,6 +527,10 @@ def test_an_option_ones_own_yaml_cannot_build_stops_the_grid_in_one_line(data, t
     assert grid.main(argv + ["--dry_run"]) == 0
     (own / "mysuta.yaml").write_text(text)
     assert grid.main(argv + ["--dry_run"]) == 0
+    # a yaml it cannot read (a syntax error): each run's settings check says it, as before
+    (own / "mysuta.yaml").write_text(text + "a: [1\n")
+    assert grid.main(argv + ["--dry_run"]) == 1
+    assert capsys.readouterr().out.count("mysuta.yaml: yaml syntax error") == 2
 
 
 def test_a_dry_run_says_which_runs_will_not_run_and_fails(data, tmp_path, capsys):
