@@ -182,6 +182,11 @@ def test_target_lang_that_the_checkpoint_has_not_is_one_line(mms_dir, tmp_path):
     with pytest.raises(ValueError, match=r"^target_lang: .*no_fra has no adapter for 'fra' "
                                          r"\(adapter.fra.safetensors; its adapters: eng\)$"):
         HFCTCLobe(str(no_fra), target_lang="fra")
+    from safetensors.torch import load_file      # an adapter saved by torch (.bin) is one
+    as_bin = shutil.copytree(mms_dir, tmp_path / "as_bin")
+    torch.save(load_file(as_bin / "adapter.fra.safetensors"), as_bin / "adapter.fra.bin")
+    (as_bin / "adapter.fra.safetensors").unlink()
+    assert HFCTCLobe(str(as_bin), target_lang="fra").vocab_size == 36
     unnamed = save_random_mms_model(str(tmp_path / "unnamed"), default=None)
     with pytest.raises(ValueError, match=r"^target_lang: .*unnamed's vocab.json holds one "
                                          r"vocabulary per language \(eng, fra\) and "
