@@ -632,6 +632,12 @@ def test_a_mapping_for_an_own_key_that_takes_none_names_the_key(tmp_path):
     with pytest.raises(hparams.HparamsError, match=r"mine.yaml: --groups=\{'a': 1\}: groups takes "
                                                    r"no mapping"):
         hparams.resolve(own, "source: m\nstream_csv: s\noutput_folder: o\ngroups: {a: 1}\n")
+    # a misspelt key given a mapping is still a key this yaml has not (not one taking none)
+    with pytest.raises(hparams.HparamsError, match=r"Override 'adapt_parms' not found: "
+                                                   r"--adapt_parms is no key of this yaml \(did "
+                                                   r"you mean --adapt_params\?"):
+        hparams.resolve(own, "source: m\nstream_csv: s\noutput_folder: o\n"
+                             "adapt_parms: {select: cnn}\n")
 
 
 def test_a_finished_run_asked_for_under_another_label_says_it_keeps_its_own(
