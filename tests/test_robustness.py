@@ -583,6 +583,10 @@ def test_overrides_that_replace_objects_select_nothing_or_change_nothing(tmp_pat
      "be a number >= 0"),
     ("--stage2_params=[layernrom]", "cea.yaml: stage2_params: Unknown parameter selector "
                                     "'layernrom'"),
+    ("--stage2_params=[layernorm, {param_collection: bad}]",
+     "cea.yaml: Bad stage2_params entry {'param_collection': 'bad'}: use {param_collection: "),
+    ("--stage2_params=[layernorm, {param_collection: clean}, {param_collection: clean}]",
+     "cea.yaml: stage2_params sets param_collection 2 times"),
     # a plain value for the optimiser the yaml builds (!name:) was "'str' object is not callable
     # (check the spelling of the keys passed to that class)" once the model had loaded; an
     # empty one ran AdamW, eata's --eata_optimizer=sgd silently dropped
