@@ -15,7 +15,7 @@ import soundfile as sf
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_resumes_after_kill_9, max_diff
+from conftest import assert_resumes_after_kill_9, max_diff, save_ctc_model
 from fake_corpora import fake_speech, write_stream
 from tta_brain import decode, stats as stats_cli
 from tta_brain.lobes.hf_ctc import HFCTCLobe
@@ -501,6 +501,18 @@ def test_early_stop_as_the_reference():
 def test_missing_statistics_file_is_one_line_naming_the_command(setup, tmp_path):
     with pytest.raises(SourceStatsError, match=r"not found: .*nope.pt .*tta_brain.stats .*--kinds hidden,tokens") as e:
         build(setup, "ebats", source_stats=str(tmp_path / "nope.pt"))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,kinds", [("ebats", "hidden,tokens"), ("foa", "hidden")])
+def test_statistics_of_another_model_are_refused_naming_the_kinds(setup, tmp_path, name, kinds):
+    """Statistics made with another source model are refused in one line naming the file, and
+    the command to make them again asks for this method's kinds (not EATA's fisher)."""
+    other = save_ctc_model(str(tmp_path / "other"), seed=5)
+    path = hidden_token_stats(tmp_path, other)
+    with pytest.raises(SourceStatsError, match=rf"stats.pt: computed on another model .*--kinds "
+                                               rf"{kinds} --out ") as e:
+        build(setup, name, source_stats=str(path))
     assert "\n" not in str(e.value)
 
 

@@ -78,9 +78,9 @@ def load_stats(path: str, data_root: str, lobe, kinds) -> Dict[str, Dict[str, to
     path = expand_path(path, data_root)
     try:
         record = stats_file.load(path)
+        record.check_model(lobe.model, path)
     except stats_file.SourceStatsError as e:
         raise stats_file.SourceStatsError(str(e).replace("--kinds fisher", f"--kinds {','.join(kinds)}")) from None
-    record.check_model(lobe.model, path)
     return {k: {n: t.to(lobe.device) for n, t in record.kind(k, path).items()} for k in kinds}
 
 
