@@ -595,6 +595,27 @@ def test_ebats_says_when_its_step_size_diverges(setup, tmp_path, monkeypatch, ca
     assert "passed 100x its start" in (tmp_path / "exp" / "log.txt").read_text()
 
 
+def test_ebats_divergence_warning_survives_a_resume(setup, monkeypatch):
+    """The peak T-EMA sigma is part of the saved state: a run that diverged, came back below
+    SIGMA_GROWTH x and was then resumed from its checkpoint still ends with the warning."""
+    from tta_brain.methods import ebats as ebats_module
+    real = ebats_module.ema_update
+    m = build(setup, "ebats", popsize=6, generations=2)
+
+    def runaway(ema, es, decay):
+        real(ema, es, decay)
+        ema["sigma"] *= 1000.0
+    monkeypatch.setattr(ebats_module, "ema_update", runaway)
+    m.process(wavs(1)[0])
+    monkeypatch.setattr(ebats_module, "ema_update", real)
+    m.ema["sigma"] = m.sigma0                  # back at its start, as after a reset
+    m.process(wavs(2)[1])
+    assert m.ema["sigma"] < ebats_module.SIGMA_GROWTH * m.sigma0 and m.end_warnings()
+    resumed = build(setup, "ebats", popsize=6, generations=2)
+    resumed.load_state_dict(m.state_dict())
+    assert resumed.end_warnings() == m.end_warnings()
+
+
 def test_ebats_generation_of_nan_fitness_is_told_without_numpys_warning(setup, monkeypatch):
     """A step size that overflows its candidates (sigma 1e39: float32 biases of inf) makes every
     fitness of a generation NaN; pycma's tell then took numpy's median of no value, a
@@ -1019,6 +1040,7 @@ def test_ebats_transcript_is_the_last_generations_best_candidate(setup):
         assert len(batches) == 4                           # no early stop: every generation
         fit, logits = batches[-1]
         assert torch.equal(got[-1][0], logits[int(fit.argmin())])
+        assert m.best == float(fit.min())           # the early stop's (carried) best fitness
         later += min(float(f.min()) for f, _ in batches[:-1]) < float(fit.min())
     assert later, "the last generation was always the best: the test could not tell"
 
