@@ -223,6 +223,29 @@ def test_lame_against_slow_reference_and_converges():
     assert torch.allclose(out.sum(-1), torch.ones(40))
 
 
+def test_lame_bound_lambda_reaches_the_iterations_and_the_method_returns_log_posteriors(setup):
+    """``bound_lambda`` is the iterations' (0.5: the slow reference at 0.5, not LAME at 1), and
+    the method's output is the log of LAME's posteriors (what a beam search with an LM reads),
+    with the options it was built with."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(30, 6, generator=g) * 2
+    logits[:, 0] -= 6                            # no likely-blank frame: every frame in the graph
+    hidden = torch.randn(30, 5, generator=g)
+    prob = logits.softmax(-1)
+    ref = slow_lame(prob, F.normalize(hidden, dim=-1), 5, 0.5, 100, 1e-8)
+    out = lame.lame_posteriors(logits, hidden, blank_id=0, bound_lambda=0.5)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert float((out - lame.lame_posteriors(logits, hidden, blank_id=0)).abs().max()) > 1e-3
+    m = build(setup, "lame", bound_lambda=0.5)
+    got, adapt = [], m.adapt
+    m.adapt = lambda x, ctx: got.append((ctx, adapt(x, ctx))) or got[-1][1]
+    m.process(wavs(1)[0])
+    (logits, last), out = got[0]
+    assert m.opts["bound_lambda"] == 0.5
+    want = lame.lame_posteriors(logits[0], last[0], m.blank_id, **m.opts)
+    assert torch.allclose(out[0], want.clamp(min=1e-8).log(), atol=1e-6)
+
+
 def test_lame_leaves_blank_frames_out_and_restores_their_blank_probability():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(30, 6, generator=g)
