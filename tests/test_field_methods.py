@@ -932,7 +932,7 @@ def test_cea_stage_losses_by_hand():
     from types import SimpleNamespace
     from tta_brain.methods.cea import CEA
     g = torch.Generator().manual_seed(1)
-    F_, V, blank, T, a, tc = 9, 6, 0, 2.5, 0.7, 0.3
+    F_, V, blank, T, a, tc = 9, 6, 0, 1.5, 0.7, 0.3   # T != 2.5, the default
     logits = torch.randn(1, F_, V, generator=g)
     logits[0, ::3, blank] += 5                                 # a third of the frames blank
     feats = torch.randn(1, 4, F_, generator=g)
