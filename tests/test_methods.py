@@ -894,6 +894,15 @@ def test_api_defaults_are_the_packaged_yamls(tiny_model_dir, name):
         assert m.param_names == [n for n, _, _ in select_parameters(m.net, groups)]
 
 
+def test_csuta_yaml_gives_its_options_to_the_method(tiny_model_dir, tmp_path):
+    """csuta.yaml's own keys reach the method it builds (an option the yaml reads but does not
+    pass on ran at the Python default, silently)."""
+    from tta_brain import hparams
+    given = {"source": tiny_model_dir, "stream_csv": "s.csv", "output_folder": str(tmp_path)}
+    m = hparams.load("csuta", {**given, "steps": 2, "lr": 1e-3, "em_coef": 0.5,
+                               "temperature": 1.5})["method"]
+    assert (m.steps, m.lr, m.em_coef, m.temperature) == (2, 1e-3, 0.5, 1.5)
+
 # README "Concepts": the continual methods, the reset policy's methods and the paper's defaults
 README_CONTINUAL = {"dsuta", "csuta", "awmc", "eata", "sar", "cotta", "t3a", "foa", "ebats"}
 
