@@ -159,6 +159,25 @@ def test_a_stream_without_domains_has_no_per_domain_rates(tmp_path):
     assert read_summary(named).wer_per_domain == {"A": 0.0}     # a named domain is kept
 
 
+def test_a_stream_mixing_unnamed_and_named_domains_keeps_every_rate(tmp_path):
+    """A stream whose utterances are partly without a domain (``""``) and partly in a named one
+    keeps all its per-domain rates, the unnamed one's too: only a stream with no named domain at
+    all has none. By hand as in the test above: "": 1 of 2 words, 3 of 5 characters; A: 1 of 1
+    word, 1 of 2 characters."""
+    from types import SimpleNamespace
+    from tta_brain.run.summary import read_summary, summarise
+    rows = [(0, "u0", "", 0, 1.0, "AB CD", "AB", 2, 1, 0, 1, 0),
+            (1, "u1", "A", 0, 1.0, "XY", "XZ", 1, 1, 1, 0, 0)]
+    _write_records(tmp_path, rows)
+    s = summarise(tmp_path, [{"position": 0}, {"position": 1}],
+                  SimpleNamespace(wall_time=3.0, audio_time=2.0),
+                  SimpleNamespace(counts={}, num_adapted=0), "x", "own", 0, {}, "cpu")
+    assert (s.wer_per_domain, s.cer_per_domain) == ({"": 50.0, "A": 100.0}, {"": 60.0, "A": 50.0})
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["wer_per_domain"] == {"": 50.0, "A": 100.0}
+    assert read_summary(tmp_path) == s and load_run(tmp_path).summary == s
+
+
 def test_a_summary_of_another_version_is_read_or_named(tmp_path):
     """A summary.json with a key this version does not know (a newer tta_brain's) is read; one
     without a key it needs is a RecordError naming it (the folder is then damaged, not a
