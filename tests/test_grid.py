@@ -522,6 +522,14 @@ def test_an_option_ones_own_yaml_cannot_build_stops_the_grid_in_one_line(data, t
                                 "train_mode (every run of it would fail; none was started)")
         assert "DRY-RUN" not in capsys.readouterr().out
         assert not (tmp_path / "exp").exists()
+    # two keys it does not take: the line named is the first's, the message names both
+    worse = bad.replace("    temperature: !ref <temperature>", "    temperatur: !ref <temperature>")
+    assert line < worse.splitlines().index("    temperatur: !ref <temperature>") + 1
+    (own / "mysuta.yaml").write_text(worse)
+    with pytest.raises(SystemExit) as e:
+        grid.main(argv + ["--dry_run"])
+    assert str(e.value).startswith(f"ERROR: {own / 'mysuta.yaml'}:{line}: method 'suta' has no "
+                                   "option(s) em_coeff, temperatur; valid: ")
     # a method of one's own, registered when its yaml imports its module: the build tells
     (own / "mysuta.yaml").write_text(bad.replace("    name: suta", "    name: mine"))
     assert grid.main(argv + ["--dry_run"]) == 0
