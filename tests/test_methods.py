@@ -1344,6 +1344,32 @@ def test_an_own_backward_without_gradients_is_one_line(tiny_lobe, monkeypatch, u
     assert m.counts["adapt_backward"] == 1
 
 
+def test_an_own_loss_not_from_the_adapted_parameters_is_one_line(tiny_lobe, monkeypatch,
+                                                                   utterances):
+    """Gradients on, but the loss computed from a detached output (no path to the adapted
+    parameters): the same one line as under ``torch.no_grad()`` (not torch's "does not require
+    grad" traceback), nothing counted and the model untouched."""
+    from tta_brain.methods import register
+    from tta_brain.methods.suta import SUTA
+    monkeypatch.setitem(METHODS, "detached_own_suta", None)   # removed again after the test
+
+    @register("detached_own_suta")
+    class DetachedOwnSUTA(SUTA):
+        @torch.enable_grad()
+        def forward_and_adapt(self, x, info):
+            self.optimizer.zero_grad()
+            assert torch.is_grad_enabled()
+            self.backward(self.loss(self.forward(x).detach()))
+            self.optimizer.step()
+            return self.predict(x)
+    m = build_method("detached_own_suta", model=tiny_lobe, steps=1)
+    before = [p.detach().clone() for p in m.params]
+    with pytest.raises(RuntimeError, match=r"^detached_own_suta: DetachedOwnSUTA\.backward: the "
+                       r"loss has no gradient \(.*or not from the adapted parameters\)"):
+        m.process(utterances[0])
+    assert m.counts["adapt_backward"] == 0 and max_diff(before, m.params) == 0
+
+
 def test_a_float64_default_dtype_is_one_line(tiny_model_dir, tiny_lobe, utterances):
     """torch.set_default_dtype(torch.float64) in the caller's script loaded a float64 model and
     made float64 buffers that float32 inputs then met: a traceback deep in a layer."""
