@@ -671,6 +671,36 @@ def test_ebats_generation_of_nan_fitness_is_told_without_numpys_warning(setup, m
         np.testing.assert_array_equal(a, b)
 
 
+
+def test_foa_generation_of_nan_fitness_is_told_without_numpys_warning(setup, monkeypatch):
+    """FOA's generation goes through the same ``tell``: at sigma 1e39 every sampled candidate's
+    fitness is NaN (float32 prompts of inf), the first utterance's best is one of them (argmin
+    of NaN), and from the second utterance on every fitness, the kept best's too, is NaN: pycma's
+    own tell warned ("Mean of empty slice") in each such generation. Now none, and the run is the
+    same: transcripts, CMA-ES state, the kept best prompt and the activation-shift EMA."""
+    import warnings
+    from tta_brain.methods import foa as foa_module
+
+    def run():
+        m = build(setup, "foa", sigma=1e39, popsize=6)
+        hyps = [m.process(w) for w in wavs(3)]
+        return hyps, m
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hyps, m = run()
+
+    def pycmas(es, cands, fit):
+        es.tell(cands, fit.double().cpu().tolist())
+    monkeypatch.setattr(foa_module, "tell", pycmas)
+    with pytest.warns(RuntimeWarning) as said:
+        hyps_before, before = run()
+    assert "Mean of empty slice." in {str(w.message) for w in said}   # the case that warned
+    assert hyps == hyps_before
+    for a, b in ((m.es.mean, before.es.mean), (m.es.sm.C, before.es.sm.C),
+                 (m.best_prompt, before.best_prompt), (m.hist.numpy(), before.hist.numpy()),
+                 ([m.es.sigma, m.es.countiter], [before.es.sigma, before.es.countiter])):
+        np.testing.assert_array_equal(a, b)
+
 @pytest.mark.parametrize("cov_ratio", [1.0, 0.5])
 def test_ebats_next_generation_is_sampled_from_the_tema_state(setup, cov_ratio):
     """The restart before an utterance acts on what pycma samples the generation from: at the
