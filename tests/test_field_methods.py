@@ -71,6 +71,19 @@ def test_eata_drops_an_unreliable_utterance_and_counts_it(tiny_model_dir, uttera
     assert all("unreliable" in e.reason for e in filters)
 
 
+def test_eata_an_unreliable_utterance_is_unreliable_even_where_it_is_also_redundant(
+        tiny_model_dir, utterances):
+    """Reliability comes first: once the EMA has started (d_margin 0: every later utterance is
+    redundant), an utterance over E0 is counted, logged and recorded as unreliable, not as
+    redundant (nor as both)."""
+    m = build_on(tiny_model_dir, "eata", fisher_alpha=0.0, d_margin=0.0, **RELIABLE)
+    m.process(utterances[0], UttInfo(position=0))         # kept: starts the EMA
+    m.e_margin = 0.0                                      # every entropy is over it now
+    m.process(utterances[1], UttInfo(position=1))
+    assert m.counts["filtered_unreliable"] == 1 and m.counts["filtered_redundant"] == 0
+    assert [e.reason.split(":")[0] for e in m.events if e.kind == "filter"] == ["unreliable"]
+
+
 def test_eata_redundancy_filter_drops_what_matches_the_ema(tiny_model_dir, utterances):
     m = build_on(tiny_model_dir, "eata", fisher_alpha=0.0, d_margin=0.0, **RELIABLE)
     for i, w in enumerate(utterances[:3]):              # the first starts the EMA, the rest match
@@ -258,6 +271,14 @@ def test_eata_statistics_errors_name_the_file_and_the_command(tiny_model_dir, tm
     path = fisher_file(tmp_path / "other.pt", other)
     with pytest.raises(source_stats.SourceStatsError, match="computed on another model"):
         build_on(tiny_model_dir, "eata", source_stats=path)
+    partial = tmp_path / "partial.pt"                    # one adapted tensor left out
+    record = source_stats.load(fisher_file(partial, tiny_model_dir))
+    name = sorted(record.stats["fisher"])[0]
+    del record.stats["fisher"][name]
+    source_stats.save(record, partial)
+    with pytest.raises(source_stats.SourceStatsError,
+                       match=rf"partial\.pt: no Fisher information for 1 adapted tensor\(s\) \({name}"):
+        build_on(tiny_model_dir, "eata", source_stats=str(partial))
     assert build_on(tiny_model_dir, "eata", fisher_alpha=0.0).fisher is None   # no file needed
 
 
@@ -805,6 +826,13 @@ def test_packaged_defaults_are_the_references_settings_in_the_yaml_and_the_api(n
     assert {k: values[k] for k in want} == want
     if isinstance(values.get("optimizer"), dict):
         assert values["optimizer"] == {"weight_decay": 0.0}
+    if name == "eata":                               # its optimizer_factory's AdamW: a zero
+        from tta_brain.methods.eata import optimizer_factory    # gradient leaves theta as it is
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = optimizer_factory(values["eata_optimizer"], values["momentum"])([p], lr=0.5)
+        p.grad = torch.zeros(3)
+        opt.step()
+        assert torch.equal(p.detach(), torch.ones(3))
     cls = METHODS[name]
     api = {}
     for klass in reversed(cls.__mro__):              # the effective default of each option
