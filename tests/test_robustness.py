@@ -237,6 +237,13 @@ def test_a_model_of_another_sample_rate_gets_its_rate(tmp_path, monkeypatch):
                            f"--output_folder={tmp_path / 'packaged'}", "--noprogressbar"])
     assert rates == [8000, 8000] and summary.n_utts == 1
     assert "resampled from 16000 Hz to 8000 Hz" in (tmp_path / "packaged" / "log.txt").read_text()
+    # a live stream of it takes its rate too: 16 kHz samples are resampled to 8 kHz, as the
+    # loader resamples the file (mutation audit: a stream fixed at 16 kHz fed them as they were)
+    from tta_brain.stream import TTAStream
+    live = TTAStream.from_hparams("source", source=model)
+    assert live.sample_rate == 8000
+    assert live.transcribe(speech(0.4), sample_rate=SR) == \
+        live.transcribe(load_audio(tmp_path / "a.wav", 8000))
 
 
 def test_a_sample_rate_other_than_the_processors_is_refused(tmp_path):
@@ -1460,6 +1467,51 @@ def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_mod
             serial.load(path)
     with pytest.raises(StreamStateError, match="TTAStream.save: the path is empty"):
         serial.save("")
+
+
+def test_live_stream_saves_loads_resets_and_counts_between_utterances(tmp_path, tiny_model_dir,
+                                                                      utterances, monkeypatch):
+    """save, load, reset and counts take the stream's lock as transcribe does, so another
+    thread's utterance is never half in a saved state, half overwritten by a load or a reset, or
+    half counted (mutation audit: each without the lock passed every test). Another thread
+    probes the lock while the method's state is read or written."""
+    import threading
+    from tta_brain.stream import TTAStream
+    tta = TTAStream.from_hparams("dsuta", source=tiny_model_dir,
+                                 overrides={"steps": 1, "buffer_size": 1})
+    tta.transcribe(utterances[0])
+    free = []
+
+    def probe():
+        def other():
+            got = tta._lock.acquire(blocking=False)
+            if got:
+                tta._lock.release()
+            free.append(got)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+
+    for name in ("state_dict", "load_state_dict", "reset_meta"):
+        def probed(*a, _real=getattr(tta.method, name), **k):
+            probe()
+            return _real(*a, **k)
+        monkeypatch.setattr(tta.method, name, probed)
+
+    class Counts(dict):
+        def __iter__(self):
+            probe()
+            return super().__iter__()
+
+        def keys(self):
+            probe()
+            return super().keys()
+    monkeypatch.setattr(tta.method, "counts", Counts(tta.method.counts))
+    tta.save(tmp_path / "s.pt")
+    tta.load(tmp_path / "s.pt")
+    tta.reset()
+    assert tta.counts["adapt_backward"] == 1 and tta.resets == [1]
+    assert len(free) >= 4 and not any(free), free       # another thread found it taken each time
 
 
 def test_live_stream_oracle_reset_needs_the_segment(tiny_model_dir):
