@@ -75,6 +75,28 @@ def test_a_checkpoint_restores_every_random_generator(tmp_path):
     assert got == want
 
 
+def test_a_save_killed_mid_write_leaves_no_state_file(tmp_path, monkeypatch):
+    """The state file is what makes a checkpoint directory complete: a save interrupted while
+    writing (a kill, a full disk) leaves only its temporary file, never a partial stream.ckpt
+    that recover() would take for a complete checkpoint (mutation audit: written in place, it
+    passed every fast test)."""
+    from tta_brain.run import checkpoint
+    path = tmp_path / STATE_FILE
+    real = torch.save
+
+    def cut(obj, f):
+        real(obj, f)
+        f.truncate(100)                     # half written, then the process is gone
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint.torch, "save", cut)
+    with pytest.raises(KeyboardInterrupt):
+        StreamState(_Method(), fingerprint=None)._save(path)
+    assert not path.exists()
+    monkeypatch.setattr(checkpoint.torch, "save", real)
+    StreamState(_Method(), fingerprint=None)._save(path)       # the next save is whole
+    assert path.exists() and not path.with_name(STATE_FILE + ".tmp").exists()
+
+
 # ----------------------------------------------------------- RecordWriter reopened
 def transcript(position, n_err, n_words=5):
     return Transcript(position, f"u{position}", "A", 0, 1.0, "a b", "a", n_words, n_err,
