@@ -97,6 +97,23 @@ def test_a_save_killed_mid_write_leaves_no_state_file(tmp_path, monkeypatch):
     assert path.exists() and not path.with_name(STATE_FILE + ".tmp").exists()
 
 
+def test_the_saved_fingerprint_is_the_newest_complete_checkpoints(tmp_path):
+    """decode asks the folder's checkpoint for its fingerprint: the newest complete one (a save
+    keeps the older until the newer is whole), never a state file still being written
+    (mutation audit: the oldest, or a ``.tmp`` listed, passed every fast test)."""
+    from tta_brain.run.checkpoint import checkpoint_files, saved_fingerprint
+    for name, sha in (("CKPT+2024-01-01+00-00-00+00", "old"),
+                      ("CKPT+2024-01-02+00-00-00+00", "new")):
+        (tmp_path / "save" / name).mkdir(parents=True)
+        StreamState(_Method(), fingerprint={"stream_sha1": sha})._save(
+            tmp_path / "save" / name / STATE_FILE)
+    newest = tmp_path / "save" / "CKPT+2024-01-02+00-00-00+00" / STATE_FILE
+    newest.with_name(STATE_FILE + ".tmp").write_bytes(b"PK half a save")
+    assert [p.parent.name[5:15] for p in checkpoint_files(tmp_path)] == ["2024-01-01",
+                                                                         "2024-01-02"]
+    assert saved_fingerprint(tmp_path) == {"stream_sha1": "new"}
+
+
 # ----------------------------------------------------------- RecordWriter reopened
 def transcript(position, n_err, n_words=5):
     return Transcript(position, f"u{position}", "A", 0, 1.0, "a b", "a", n_words, n_err,
