@@ -134,18 +134,24 @@ def test_a_runs_summary_counts_its_records_per_domain(tmp_path):
     assert read_summary(tmp_path) == s
 
 
+def _summarise_own(folder, rows):
+    """``summarise`` of a run of two rows (``rows``, the transcripts) of a stream of one's own."""
+    from types import SimpleNamespace
+    from tta_brain.run.summary import summarise
+    _write_records(folder, rows)
+    return summarise(folder, [{"position": 0}, {"position": 1}],
+                     SimpleNamespace(wall_time=3.0, audio_time=2.0),
+                     SimpleNamespace(counts={}, num_adapted=0), "x", "own", 0, {}, "cpu")
+
+
 def test_a_stream_without_domains_has_no_per_domain_rates(tmp_path):
     """A manifest of one's own without a ``domain`` column (every transcript's domain ``""``):
     its summary has no per-domain WER or CER (was ``{"": rate}``, a domain named by nothing, which
     the report does not show either); one written so before is read the same way."""
-    from types import SimpleNamespace
-    from tta_brain.run.summary import read_summary, summarise
+    from tta_brain.run.summary import read_summary
     rows = [(0, "u0", "", 0, 1.0, "AB CD", "AB", 2, 1, 0, 1, 0),
             (1, "u1", "", 0, 1.0, "XY", "XZ", 1, 1, 1, 0, 0)]
-    _write_records(tmp_path, rows)
-    s = summarise(tmp_path, [{"position": 0}, {"position": 1}],
-                  SimpleNamespace(wall_time=3.0, audio_time=2.0),
-                  SimpleNamespace(counts={}, num_adapted=0), "x", "own", 0, {}, "cpu")
+    s = _summarise_own(tmp_path, rows)
     import pytest
     assert (s.wer, s.cer) == (pytest.approx(200 / 3), pytest.approx(400 / 7))
     assert s.wer_per_domain == s.cer_per_domain == {}
@@ -164,14 +170,10 @@ def test_a_stream_mixing_unnamed_and_named_domains_keeps_every_rate(tmp_path):
     keeps all its per-domain rates, the unnamed one's too: only a stream with no named domain at
     all has none. By hand as in the test above: "": 1 of 2 words, 3 of 5 characters; A: 1 of 1
     word, 1 of 2 characters."""
-    from types import SimpleNamespace
-    from tta_brain.run.summary import read_summary, summarise
+    from tta_brain.run.summary import read_summary
     rows = [(0, "u0", "", 0, 1.0, "AB CD", "AB", 2, 1, 0, 1, 0),
             (1, "u1", "A", 0, 1.0, "XY", "XZ", 1, 1, 1, 0, 0)]
-    _write_records(tmp_path, rows)
-    s = summarise(tmp_path, [{"position": 0}, {"position": 1}],
-                  SimpleNamespace(wall_time=3.0, audio_time=2.0),
-                  SimpleNamespace(counts={}, num_adapted=0), "x", "own", 0, {}, "cpu")
+    s = _summarise_own(tmp_path, rows)
     assert (s.wer_per_domain, s.cer_per_domain) == ({"": 50.0, "A": 100.0}, {"": 60.0, "A": 50.0})
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["wer_per_domain"] == {"": 50.0, "A": 100.0}
