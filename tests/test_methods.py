@@ -1287,24 +1287,30 @@ def test_build_method_takes_keyword_only_options_and_paths(tiny_lobe, monkeypatc
         build_method("kwonly_suta", model=tiny_lobe, beta=1.0)
 
 
+def _own_suta(name, cls_name, forward_and_adapt, model, monkeypatch):
+    """A method of one's own: SUTA (class ``cls_name``) with ``forward_and_adapt``, registered as
+    ``name`` for the test alone, built on ``model`` (1 step); and its parameters before it runs."""
+    from tta_brain.methods import register
+    from tta_brain.methods.suta import SUTA
+    monkeypatch.setitem(METHODS, name, None)                 # removed again after the test
+    register(name)(type(cls_name, (SUTA,), {"forward_and_adapt": forward_and_adapt,
+                                            "__module__": __name__}))
+    m = build_method(name, model=model, steps=1)
+    return m, [p.detach().clone() for p in m.params]
+
+
 def test_an_own_forward_and_adapt_without_gradients_is_one_line(tiny_lobe, monkeypatch,
                                                                  utterances):
     """A method of one's own whose ``forward_and_adapt`` is decorated with ``@torch.no_grad()``
     (the decorator ``predict`` has) instead of ``@torch.enable_grad()``: its step's backward was
     torch's "element 0 of tensors does not require grad" traceback. Now one line naming the class
     and the decorator, before its forward; the model is untouched."""
-    from tta_brain.methods import register
-    from tta_brain.methods.suta import SUTA
-    monkeypatch.setitem(METHODS, "nograd_suta", None)        # removed again after the test
-
-    @register("nograd_suta")
-    class NoGradSUTA(SUTA):
-        @torch.no_grad()
-        def forward_and_adapt(self, x, info):
-            self.adapt_step(x)
-            return self.predict(x)
-    m = build_method("nograd_suta", model=tiny_lobe, steps=1)
-    before = [p.detach().clone() for p in m.params]
+    @torch.no_grad()
+    def forward_and_adapt(self, x, info):
+        self.adapt_step(x)
+        return self.predict(x)
+    m, before = _own_suta("nograd_suta", "NoGradSUTA", forward_and_adapt, tiny_lobe, monkeypatch)
+    NoGradSUTA = type(m)
     with pytest.raises(RuntimeError, match=r"^nograd_suta: NoGradSUTA\.forward_and_adapt runs "
                        r"without gradients \(torch\.no_grad\(\) or inference_mode\).*"
                        r"@torch\.enable_grad\(\)$"):
@@ -1319,20 +1325,15 @@ def test_an_own_backward_without_gradients_is_one_line(tiny_lobe, monkeypatch, u
     does) under ``@torch.no_grad()``: it did not pass by ``adapt_step``'s check and was torch's
     "element 0 of tensors does not require grad" traceback; now one line naming the class and the
     decorator (as ``adapt_step``'s), nothing counted and the model untouched."""
-    from tta_brain.methods import register
-    from tta_brain.methods.suta import SUTA
-    monkeypatch.setitem(METHODS, "nograd_own_suta", None)    # removed again after the test
-
-    @register("nograd_own_suta")
-    class NoGradOwnSUTA(SUTA):
-        @torch.no_grad()
-        def forward_and_adapt(self, x, info):
-            self.optimizer.zero_grad()
-            self.backward(self.loss(self.forward(x)))
-            self.optimizer.step()
-            return self.predict(x)
-    m = build_method("nograd_own_suta", model=tiny_lobe, steps=1)
-    before = [p.detach().clone() for p in m.params]
+    @torch.no_grad()
+    def forward_and_adapt(self, x, info):
+        self.optimizer.zero_grad()
+        self.backward(self.loss(self.forward(x)))
+        self.optimizer.step()
+        return self.predict(x)
+    m, before = _own_suta("nograd_own_suta", "NoGradOwnSUTA", forward_and_adapt, tiny_lobe,
+                          monkeypatch)
+    NoGradOwnSUTA = type(m)
     with pytest.raises(RuntimeError, match=r"^nograd_own_suta: NoGradOwnSUTA\.backward: the loss "
                        r"has no gradient \(computed under torch\.no_grad\(\) or inference_mode, "
                        r"or not from the adapted parameters\).*@torch\.enable_grad\(\)$"):
@@ -1349,21 +1350,15 @@ def test_an_own_loss_not_from_the_adapted_parameters_is_one_line(tiny_lobe, monk
     """Gradients on, but the loss computed from a detached output (no path to the adapted
     parameters): the same one line as under ``torch.no_grad()`` (not torch's "does not require
     grad" traceback), nothing counted and the model untouched."""
-    from tta_brain.methods import register
-    from tta_brain.methods.suta import SUTA
-    monkeypatch.setitem(METHODS, "detached_own_suta", None)   # removed again after the test
-
-    @register("detached_own_suta")
-    class DetachedOwnSUTA(SUTA):
-        @torch.enable_grad()
-        def forward_and_adapt(self, x, info):
-            self.optimizer.zero_grad()
-            assert torch.is_grad_enabled()
-            self.backward(self.loss(self.forward(x).detach()))
-            self.optimizer.step()
-            return self.predict(x)
-    m = build_method("detached_own_suta", model=tiny_lobe, steps=1)
-    before = [p.detach().clone() for p in m.params]
+    @torch.enable_grad()
+    def forward_and_adapt(self, x, info):
+        self.optimizer.zero_grad()
+        assert torch.is_grad_enabled()
+        self.backward(self.loss(self.forward(x).detach()))
+        self.optimizer.step()
+        return self.predict(x)
+    m, before = _own_suta("detached_own_suta", "DetachedOwnSUTA", forward_and_adapt, tiny_lobe,
+                          monkeypatch)
     with pytest.raises(RuntimeError, match=r"^detached_own_suta: DetachedOwnSUTA\.backward: the "
                        r"loss has no gradient \(.*or not from the adapted parameters\)"):
         m.process(utterances[0])
