@@ -276,8 +276,8 @@ def test_eata_statistics_errors_name_the_file_and_the_command(tiny_model_dir, tm
     name = sorted(record.stats["fisher"])[0]
     del record.stats["fisher"][name]
     source_stats.save(record, partial)
-    with pytest.raises(source_stats.SourceStatsError,
-                       match=rf"partial\.pt: no Fisher information for 1 adapted tensor\(s\) \({name}"):
+    with pytest.raises(source_stats.SourceStatsError, match=rf"partial\.pt: no Fisher "
+                       rf"information for 1 adapted tensor\(s\) \({name}"):
         build_on(tiny_model_dir, "eata", source_stats=str(partial))
     assert build_on(tiny_model_dir, "eata", fisher_alpha=0.0).fisher is None   # no file needed
 

@@ -79,7 +79,8 @@ def wavs(n=6):
                                       ("wavlm", {"feat_extract_norm": "layer",
                                                  "do_stable_layer_norm": True}),
                                       ("unispeech-sat", {}),
-                                      ("wav2vec2", {"add_adapter": True, "output_hidden_size": 32})])
+                                      ("wav2vec2", {"add_adapter": True,
+                                                    "output_hidden_size": 32})])
 def test_partial_forward_is_the_models_forward(tmp_path, arch, cfg):
     lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 1, arch=arch, **dict(TINY, **cfg)))
     pf = PartialForward(lobe)

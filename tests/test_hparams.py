@@ -112,8 +112,8 @@ def test_an_override_that_only_matters_under_another_value_is_refused():
         with pytest.raises(hparams.HparamsError, match=rf"{key} = {value} \(an override\) with "
                                                        r"reset = 'none': it is only used"):
             hparams.resolve("csuta", {**base, key: value})
-    with pytest.raises(hparams.HparamsError, match=r"reset_every = 3 \(an override\) with reset "
-                                                   r"= 'dynamic': it is only used with reset = fixed"):
+    with pytest.raises(hparams.HparamsError, match=r"reset_every = 3 \(an override\) with "
+                       r"reset = 'dynamic': it is only used with reset = fixed"):
         hparams.resolve("csuta", {**base, "reset": "dynamic", "reset_every": 3})
     with pytest.raises(hparams.HparamsError, match=r"lm_weight = 0.3 \(an override\) without "
                                                    r"lm_path"):      # the yaml's lm_path: null

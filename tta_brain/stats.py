@@ -1,7 +1,8 @@
 """Compute source statistics (``tta_brain.methods.source_stats``) into one file::
 
     python -m tta_brain.stats --source <model> [--target_lang LANG] --manifest <clean csv> \\
-        [--data_root DIR] --kinds fisher --out <file> [--max_utts N] [--device cpu] [--key=value ...]
+        [--data_root DIR] --kinds fisher --out <file> [--max_utts N] [--device cpu] \\
+        [--key=value ...]
 
 Use clean speech that is in no test stream (the recipes render or name such a set). Extra
 ``--key=value`` options go to the kinds (``--params=layernorm,cnn``: the parameters whose Fisher

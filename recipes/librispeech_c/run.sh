@@ -58,7 +58,8 @@ fi
 check_grid_options
 # --stats_split: a LibriSpeech split other than the test split, refused before any stage runs
 # (it was refused at stage 3, after the data stages)
-stats_splits=" dev-clean dev-other test-clean test-other train-clean-100 train-clean-360 train-other-500 "
+stats_splits=" dev-clean dev-other test-clean test-other train-clean-100 train-clean-360"
+stats_splits+=" train-other-500 "
 stats_splits=${stats_splits/ ${split} / }
 if [ -n "${stats_split}" ] && [[ ${stats_splits} != *" ${stats_split} "* ]]; then
   echo "$0: --stats_split ${stats_split}: one of${stats_splits% } (a LibriSpeech split in no" \
