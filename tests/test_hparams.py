@@ -249,3 +249,14 @@ def test_the_dynamic_resets_K_must_reach_past_the_first_meta_update():
                                                    r"is not valid: .* use reset_K >= 5"):
         hparams.check(path, {"reset": "dynamic", "reset_K": 4, "reset_lii_count": "official"})
     hparams.check(path, {"reset": "fixed", "reset_K": 9, "buffer_size": 5})    # K unread
+
+
+def test_a_range_given_upside_down_is_refused():
+    """CoTTA's noise amplitude range with its ends swapped drew from the same range under
+    labels that said otherwise; now one line naming both keys (equal ends: one amplitude)."""
+    path = hparams.find("cotta")
+    with pytest.raises(hparams.HparamsError, match=r"cotta.yaml: noise_min = 0.02 is above "
+                                                   r"noise_max = 0.015: noise_min is the lower"):
+        hparams.resolve(path, {"source": "m", "stream_csv": "s.csv", "output_folder": "o",
+                               "noise_min": 0.02})
+    hparams.check(path, {"noise_min": 0.01, "noise_max": 0.01})

@@ -122,6 +122,7 @@ def check(path, values: Dict, meanings: Optional[Callable[[], Dict[str, str]]] =
         check_dynamic_reset(path, values)
     _check_reset_taken(path, values)
     _check_lm(path, values)
+    _check_order(path, values)
     for key in ("adapt_params", "stage2_params"):      # (stage2_params: CEA's second stage)
         if key in values:
             check_adapt_params(path, values[key], key)
@@ -172,6 +173,21 @@ def _check_lm(path, values: Dict) -> None:
         raise HparamsError(f"{path}: lm_path = {values['lm_path']!r} with beam_width = 1: a beam "
                            f"of 1 is the greedy path and the LM would not be used; use "
                            f"beam_width > 1 or no lm_path")
+
+
+#: Pairs of keys that bound one range, (low, high): CoTTA's noise amplitude is drawn as
+#: low + (high - low) * u, so a swapped pair drew from the same range under labels that said
+#: otherwise (the E-BATS reference's AddGaussianNoise refuses min_amplitude > max_amplitude).
+ORDERED = (("noise_min", "noise_max"),)
+
+
+def _check_order(path, values: Dict) -> None:
+    """Each :data:`ORDERED` pair set in ``values`` is low <= high."""
+    for low, high in ORDERED:
+        a, b = values.get(low), values.get(high)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > b:
+            raise HparamsError(f"{path}: {low} = {a!r} is above {high} = {b!r}: {low} is the "
+                               f"lower end of the range, {high} the upper")
 
 
 def check_adapt_params(path, groups, key: str = "adapt_params") -> None:
