@@ -652,9 +652,16 @@ def test_statistics_stage_uses_the_decodes_source_model(recipe, tmp_path):
     assert stats and stats[0][stats[0].index("--source") + 1] == env["W2V2"]
     decodes = [c for c in cmds if "tta_brain.decode" in c]
     assert decodes and all(f"--source={env['W2V2']}" in c for c in decodes)
+    assert "--target_lang" not in stats[0]
     env.pop("W2V2")
     res = run(*argv, env=env)
     assert res.returncode == 0 and "--source facebook/wav2vec2-base-960h" in res.stdout
+    # an MMS checkpoint's language (the last one given, as decode takes it): its adapter's stats
+    res = run(*argv, "--decode_opts", "--target_lang=deu --lr=1e-4 --target_lang=fra", env=env)
+    assert res.returncode == 0, res.stderr
+    stats = [shlex.split(x[len("DRY-RUN:"):]) for x in res.stdout.splitlines()
+             if x.startswith("DRY-RUN:") and "tta_brain.stats" in x]
+    assert stats and stats[0][stats[0].index("--target_lang") + 1] == "fra"
 
 
 @pytest.mark.parametrize("recipe", ["librispeech_c", "chime3"])

@@ -140,12 +140,13 @@ resolve_model() {
 }
 
 # source_stats_stage STAGE CSV DATA_ROOT DIR: the statistics of each listed method that needs
-# them, of ${model} on the first ${stats_utts} utterances of CSV (clean, in no stream) ->
-# DIR/source_stats_<method>.pt (conf/<method>.opts names it). One file per method, so a method's
+# them, of ${model} (in the language of a --target_lang=LANG in --decode_opts) on the first
+# ${stats_utts} utterances of CSV (clean, in no stream) -> DIR/source_stats_<method>.pt (conf/<method>.opts names it). One file per method, so a method's
 # file never changes when another method is added (its runs' fingerprints count the file's
 # content); a current file is kept.
 source_stats_stage() {
-  local m kinds out
+  local m kinds out lang
+  lang=$(target_lang_of "${decode_opts:-}")  # an MMS checkpoint's language: the decode's adapter
   for m in $(stats_methods); do
     kinds=$(method_stats_kinds "${m}") out=$4/source_stats_${m}.pt
     if [ -z "$2" ] && [ -f "${out}" ]; then
@@ -159,8 +160,19 @@ source_stats_stage() {
     resolve_model                      # the statistics are the source model's: the decode's
     log "Stage $1: source statistics of ${m} (${kinds}) of ${model} on ${stats_utts} utterances of $2 -> ${out}"
     run "${python}" -m tta_brain.stats --source "${model}" --manifest "$2" --data_root "$3" \
-      --kinds "${kinds}" --out "${out}" --max_utts "${stats_utts}" --reuse
+      --kinds "${kinds}" --out "${out}" --max_utts "${stats_utts}" --reuse \
+      ${lang:+--target_lang "${lang}"}
   done
+}
+
+# target_lang_of OPTS: the language the last --target_lang=LANG of a decode option string names
+# (decode takes the last one given), or nothing.
+target_lang_of() {
+  local o lang=""
+  for o in $1; do
+    case ${o} in --target_lang=*) lang=${o#*=} ;; esac
+  done
+  echo "${lang}"
 }
 
 # grid_streams DATA_DIR "SNRS" "STREAMS": stream_args (snr<S>/<name>=<csv>) and md_streams (the
