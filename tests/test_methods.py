@@ -275,6 +275,17 @@ def test_csuta_fixed_reset(make, utterances, source_values):
     assert not same(after[0], src) and not same(after[3], src) and not same(after[6], src)
 
 
+def test_fixed_reset_warns_on_a_stream_no_longer_than_its_period(make, utterances):
+    """every = 4 on a stream of 4: the reset falls after the last utterance (no utterance is
+    decoded from it): warned, as on 3; on 5 utterances the fifth starts from the source: no
+    warning."""
+    m = make("csuta", steps=1, lr=1e-3, reset_policy=FixedReset(every=4))
+    run(m, stream(utterances, 4))
+    assert [e.position for e in m.events if e.kind == "reset"] == [4]     # past the stream
+    assert m.warnings(4) and m.warnings(3) and "never fires" in m.warnings(4)[0]
+    assert m.warnings(5) == []
+
+
 def test_csuta_keeps_its_optimiser_state_across_utterances(make, utterances):
     """README: CSUTA is SUTA without reset, one step, the optimiser state kept: the second
     utterance's AdamW step continues the first's moments (step count 2), which a CSUTA whose
@@ -434,6 +445,17 @@ def test_dynamic_reset_gaussian_uses_sample_std_of_the_second_half():
     assert pol.sigma == pytest.approx(statistics.stdev(planted.values()), abs=1e-12)
     assert fit_gaussian([1.0, 3.0]) == pytest.approx((2.0, math.sqrt(2.0)))
     assert z_score([3.0, 5.0], 2.0, 2.0) == pytest.approx((4.0 - 2.0) / (2.0 / math.sqrt(2)))
+
+
+def test_dynamic_reset_on_constant_lii_values_tests_without_dividing_by_zero():
+    """Every construction LII the same (0: phi_D scores as the source does): sigma = 0; the same
+    mean is no detection, a rise above it is one, and neither stops the stream on a division
+    by zero."""
+    K, M = 8, 2
+    planted = {t: 0.0 for t in range(5, 13)}
+    assert drive(DynamicReset(K=K, patience=1), FakeMethod(dict(planted)), 12, M) == []
+    planted.update({11: 0.1, 12: 0.1})
+    assert drive(DynamicReset(K=K, patience=1), FakeMethod(planted), 12, M) == [12]
 
 
 @pytest.mark.parametrize("P", [1, 2, 3])
@@ -802,6 +824,26 @@ def test_dsuta_dynamic_state_dict_round_trip(make, utterances):
     assert [e for e in full.events if e.position >= 5] == resumed.events   # same LIIs, same resets
     for k in ("last", "counter", "mu", "sigma", "stats"):
         assert getattr(resumed.reset_policy, k) == getattr(full.reset_policy, k)
+
+
+def test_oracle_reset_resumed_just_before_a_boundary_still_resets_there(make, utterances):
+    """The oracle policy's last segment is part of the state: a run saved after the last
+    utterance of a segment and resumed resets at the next one's first utterance, as a run never
+    stopped does."""
+    items = stream(utterances, 4, [0, 0, 1, 1])
+    full = make("csuta", steps=1, lr=1e-3, reset_policy=OracleReset())
+    hyps_full = run(full, items)
+    first = make("csuta", steps=1, lr=1e-3, reset_policy=OracleReset())
+    hyps_first = run(first, items[:2])
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = make("csuta", steps=1, lr=1e-3, reset_policy=OracleReset())
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    assert hyps_first + run(resumed, items[2:]) == hyps_full
+    assert [e.position for e in full.events if e.kind == "reset"] == [2]
+    assert [e.position for e in resumed.events if e.kind == "reset"] == [2]
+    assert same(resumed.params, full.params)
 
 
 def test_csuta_fixed_state_dict_round_trip(make, utterances):
