@@ -798,6 +798,21 @@ def test_nan_utterance_in_dsuta_does_not_touch_meta(make, utterances, source_val
     assert same(m2.meta, src)
 
 
+def test_dsuta_buffer_of_only_skipped_steps_still_starts_a_new_buffer(make, utterances,
+                                                                      source_values):
+    """A buffer whose every step was skipped makes no slow update, and is emptied all the same:
+    the next update comes M utterances later (at 4 with M = 2), not after every utterance."""
+    m = make("dsuta", buffer_size=2, steps=1, lr=1e-3)
+    src = source_values(m.param_names)
+    for _ in range(2):
+        m.process(torch.full((8000,), float("nan")))
+    assert m.n_buffered == 0 and same(m.meta, src)
+    m.process(utterances[0])
+    assert m.n_buffered == 1 and same(m.meta, src)          # half a buffer: no update yet
+    m.process(utterances[1])
+    assert m.n_buffered == 0 and not same(m.meta, src)
+
+
 # ----------------------------------------------------------------------------- (i) resume
 def test_dsuta_dynamic_state_dict_round_trip(make, utterances):
     kw = dict(buffer_size=2, steps=2, lr=1e-3)
