@@ -554,6 +554,38 @@ def test_cotta_state_dict_carries_the_restore_generator(tiny_model_dir, utteranc
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_cotta_resumes_its_teacher_and_augmentation_noise(tiny_model_dir, utterances):
+    """A CoTTA resumed from a checkpoint mid-stream (a fresh build, its state loaded from a file)
+    goes on as the uninterrupted run: the same teacher (the EMA, not the source again), the same
+    augmented views (the noise generator where it was) and so the same student and transcript."""
+    import io
+    kw = dict(lr=1e-2, ap_threshold=1.0, n_augment=2, restore_prob=0.01, ema_decay=0.9)
+    full = build_on(tiny_model_dir, "cotta", **kw)
+    full.process(utterances[0], UttInfo(position=0))
+    buf = io.BytesIO()
+    torch.save(full.state_dict(), buf)
+    buf.seek(0)
+    resumed = build_on(tiny_model_dir, "cotta", **kw)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    assert dist(resumed.teacher, resumed.source) > 0
+    hyps = [m.process(utterances[1], UttInfo(position=1)) for m in (full, resumed)]
+    assert full.counts["augmented"] == 2 and hyps[0] == hyps[1]
+    assert dist(resumed.teacher, full.teacher) == 0 and dist(resumed.params, full.params) == 0
+
+
+def test_cotta_steps_0_is_the_teachers_transcript_without_an_update(tiny_model_dir, utterances):
+    """``steps: 0``: the teacher's transcript and nothing adapts (no backward; student and
+    teacher stay the source)."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    lobe = HFCTCLobe(tiny_model_dir)
+    with torch.no_grad():
+        want = lobe.decode(lobe(lobe.prepare(utterances[0])))[0]
+    m = build_on(tiny_model_dir, "cotta", steps=0, lr=1e-2, restore_prob=0.0, n_augment=0)
+    assert m.process(utterances[0]) == want
+    assert m.counts["adapt_backward"] == 0 and m.counts["infer_forward"] == 1
+    assert dist(m.params, m.source) == 0 and dist(m.teacher, m.source) == 0
+
+
 @pytest.mark.parametrize("mask,prob", [("fresh", 0.2), ("fixed", 0.2), ("fresh", 0.9),
                                        ("fresh", 1.0)])
 def test_cotta_stochastic_restore_rate_and_mask(tiny_model_dir, mask, prob):
@@ -638,7 +670,8 @@ def test_cotta_unsure_teacher_output_is_the_mean_of_its_augmented_views(tiny_mod
                                                                         utterances):
     """Below the anchor threshold the teacher's output is the mean of the teacher's logits on
     ``n_augment`` augmented views of the waveform (drawn as ``augmented_view`` draws from the
-    run's seed), not one view's, and the teacher's weights, not the student's."""
+    run's seed), not one view's, and the teacher's weights, not the student's. The generator
+    goes on: the next utterance's views are new draws, not the first utterance's noise again."""
     from tta_brain.methods.cotta import augmented_view
     m = build_on(tiny_model_dir, "cotta", ap_threshold=1.0, n_augment=3, noise_p=1.0,
                  noise_min=0.05, noise_max=0.1, seed=7)
@@ -648,18 +681,18 @@ def test_cotta_unsure_teacher_output_is_the_mean_of_its_augmented_views(tiny_mod
             t.add_(0.02 * torch.randn(t.shape, generator=g))
     wav = utterances[0]
     m._wav = wav
-    got = m.teacher_logits(m.lobe.prepare(wav))
+    got = [m.teacher_logits(m.lobe.prepare(wav)) for _ in range(2)]
     gen = torch.Generator().manual_seed(7)
     views = []
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(6):
             xa = m.lobe.prepare(augmented_view(wav.reshape(-1).float(), gen, (0.05, 0.1, 1.0)))
             views.append(m.logits(xa, m.teacher))
-    want = sum(views) / 3
+    want = [sum(views[:3]) / 3, sum(views[3:]) / 3]
     assert max_diff(views[:1], views[1:2]) > 1e-3               # the views differ
     x = m.lobe.prepare(wav)
     assert max_diff([m.logits(x, m.teacher)], [m.logits(x)]) > 1e-3    # teacher != student
-    assert max_diff([got], [want]) < 1e-5
+    assert max_diff(got, want) < 1e-5 and max_diff(got[:1], got[1:]) > 1e-4
 
 
 def test_cotta_augments_when_the_anchor_is_unsure(tiny_model_dir, utterances):
