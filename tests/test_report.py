@@ -413,6 +413,19 @@ def test_a_stream_without_domains_is_titled_by_its_name(tmp_path):
     assert rows[0] == ["Method", "AA", "own_clinic", "Avg"]             # was an empty title
 
 
+def test_columns_follow_the_domain_and_stream_names(tmp_path):
+    """Table 1's columns are in the order of their domains' names, not their streams' (b_AA's
+    AA before a_GS's GS), and the main table's in that of the stream names, whatever order the
+    runs come in (mutation audit)."""
+    for stream, e in (("a_GS", 1), ("b_AA", 2)):
+        make_run(tmp_path, "suta", stream, 0, e)
+    runs = report.collect_runs(tmp_path)
+    assert table_rows(tables.table_domains(runs)) == [["Method", "AA", "GS", "Avg"],
+                                                      ["suta", "20.0 (n=1)", "10.0 (n=1)", "15.0"]]
+    assert table_rows(tables.table_main(runs[::-1])) == [["Method", "a_GS", "b_AA"],
+                                                         ["suta", "10.0 (n=1)", "20.0 (n=1)"]]
+
+
 def test_single_domain_avg_is_the_mean_of_three_columns(tmp_path):
     """The Avg column is the mean of the domain columns (10, 20 and 60 %: 30.0, the median 20)."""
     for stream, e in (("lsc_AA", 1), ("lsc_GS", 2), ("lsc_NB", 6)):
