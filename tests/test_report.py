@@ -202,6 +202,11 @@ def test_runs_that_scored_different_utterances_are_named(tmp_path):
         "rejects.csv lists its skips)"]
     assert report.skip_warnings(runs)[0] in section(report.build_markdown(runs), "Warnings")
     assert report.skip_warnings([r for r in runs if r.method != "dsuta"]) == []
+    d = tmp_path / "md_easy" / "suta" / "0"                           # the same skips as dsuta's
+    summary.write_summary(d, dataclasses.replace(summary.read_summary(d), n_skipped=2,
+                                                 skipped=skips))
+    runs = report.collect_runs(tmp_path)
+    assert report.skip_warnings([r for r in runs if r.method != "source"]) == []
 
 
 def test_methods_decoded_on_different_files_of_one_stream_are_named(tmp_path, caplog):
