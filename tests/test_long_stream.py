@@ -382,14 +382,16 @@ def test_methods_keeps_the_source_run_for_the_comparison(decoded, tmp_path):
 
 
 def test_header_and_mean_curves_of_runs_of_other_lengths(decoded, tmp_path):
-    """A seed that skipped the stream's last utterance: the header counts the longest run's
-    utterances and the stream's runs only (not another stream's in the same list); the mean
-    curve of a method is the mean of its seeds' windowed WERs, cut to the shortest."""
+    """A seed that skipped the stream's last utterance (and made one more error on each of the
+    others): the header counts the longest run's utterances and the stream's runs only (not
+    another stream's in the same list); the mean curve of a method is the mean of its seeds'
+    windowed WERs, cut to the shortest (not the first seed's curve: mutation audit)."""
     import dataclasses
     from tta_brain.report.long import _mean_curves
     runs = collect_runs(decoded)
     dsuta = next(r for r in runs if r.method == "dsuta")
-    short = dataclasses.replace(dsuta, transcripts=dsuta.transcripts[:-1],
+    short = dataclasses.replace(dsuta, transcripts=[dataclasses.replace(t, n_err=t.n_err + 1)
+                                                    for t in dsuta.transcripts[:-1]],
                                 name="md_long/dsuta/seed1")
     short.summary = dataclasses.replace(dsuta.summary, seed=1)
     other = dataclasses.replace(dsuta, transcripts=dsuta.transcripts[:5])
