@@ -1,5 +1,8 @@
 """Manifest reading (BOM, truncated / malformed lines, quoted values), cache records and the
 file hash cache of the preparation steps."""
+import errno
+import hashlib
+import io
 import json
 import os
 import re
@@ -8,6 +11,7 @@ import time
 import pytest
 
 from tta_brain.data import cache
+from tta_brain.data import manifest as manifest_mod
 from tta_brain.data.cache import HashCache, file_sha1, load_record, save_record, why_redo
 from tta_brain.data.manifest import (STREAM_COLUMNS, UTT_COLUMNS, ManifestError, is_up_to_date,
                                      manifest_text, read_header, read_manifest, save_options,
@@ -72,6 +76,8 @@ def test_quoted_commas_and_newlines_are_one_value(tmp_path):
     rows = read_manifest(path)
     assert [r["wrd"] for r in rows] == ["WELL, YES", "TWO\nLINES", "C"]
     assert rows[0]["duration"] == 1.0
+    write_manifest(tmp_path / "w.csv", rows)      # written quoted: the same values read back
+    assert read_manifest(tmp_path / "w.csv") == rows
 
 
 def test_truncated_inside_quotes_and_other_malformed_files(tmp_path):
@@ -97,6 +103,33 @@ def test_truncated_inside_quotes_and_other_malformed_files(tmp_path):
         read_header(path)
 
 
+def test_snr_and_source_id_follow_the_stream_columns_in_this_order(tmp_path):
+    """The written header is the stream columns, then ``snr, source_id``, then the others (in
+    first-seen order), whatever the order of the row's keys."""
+    row = dict(stream_rows(1)[0], source_id="u0", extra="x", snr=5.0)
+    write_manifest(tmp_path / "s.csv", [row])
+    assert read_header(tmp_path / "s.csv") == [*STREAM_COLUMNS, "snr", "source_id", "extra"]
+
+
+def test_a_write_that_fails_keeps_the_manifest_it_would_replace(tmp_path, monkeypatch):
+    """A full disk half-way through a rewrite leaves the old manifest as it was (the text goes to
+    a temporary file, renamed over it only when complete)."""
+    path = write_manifest(tmp_path / "s.csv", stream_rows(3))
+    before = path.read_bytes()
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            super().write(data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(manifest_mod, "open", lambda f, mode="r", **kw: FullDisk(f, "w")
+                        if "w" in mode else open(f, mode, **kw), raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        write_manifest(path, stream_rows(9))
+    monkeypatch.undo()
+    assert path.read_bytes() == before and len(validate_manifest(path, STREAM_COLUMNS)) == 3
+
+
 # ----------------------------------------------------------------------------------------------
 # cache records and the hash cache
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +153,7 @@ def test_records_old_and_new_format(tmp_path):
     save_record(out, "demo", {"seed": 1}, inputs={})
     out.unlink()
     assert why_redo(out, {"seed": 1}, {}) == "x.csv is missing"
+    assert not is_up_to_date(out, {"seed": 1})           # a record without its file
     (tmp_path / "x.csv.opts.json").unlink()
     assert why_redo(out, {"seed": 1}, {}) == "not written yet"
 
@@ -163,6 +197,13 @@ def test_hash_cache_reuses_unchanged_files_and_sees_replacements(tmp_path, monke
     third = HashCache(store)
     assert third.sha1(files[2]) == file_sha1(files[2]) != digests[2]
     assert third.n_read == 1
+
+
+def test_file_sha1_reads_the_whole_file_block_by_block(tmp_path):
+    data = bytes(range(256)) * 5
+    (tmp_path / "f.bin").write_bytes(data)
+    for chunk in (7, 256, 1 << 20):                     # the last block short, exact, one block
+        assert file_sha1(tmp_path / "f.bin", chunk=chunk) == hashlib.sha1(data).hexdigest()
 
 
 @pytest.mark.parametrize("old_mtime", [False, True])
