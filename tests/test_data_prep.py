@@ -22,8 +22,8 @@ from tta_brain.data.audio import AudioError, load_audio, write_audio
 from tta_brain.data.prep.chime3 import clean_transcript, prepare_chime3
 from tta_brain.data.prep.librispeech import prepare_librispeech
 from tta_brain.data.manifest import (STREAM_COLUMNS, ManifestError, ManifestNotFoundError,
-                                     read_manifest, resolve_path, validate_manifest,
-                                     write_manifest)
+                                     audio_duration, read_manifest, resolve_path,
+                                     validate_manifest, write_manifest)
 from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
 from tta_brain.data.prep.ms_snsd import corrupt_manifest, manifest_path
 from tta_brain.data.prep.noise_table import LS_C_NOISES
@@ -107,6 +107,27 @@ def test_load_audio_errors_name_file_and_reason(tmp_path):
     assert issubclass(AudioError, ValueError)
 
 
+def test_a_write_that_fails_keeps_the_file_it_would_replace(tmp_path, monkeypatch):
+    """A full disk half-way through a rewrite leaves the old file as it was (written under a
+    temporary name, renamed over it only when complete)."""
+    path = tmp_path / "a.wav"
+    write_audio(path, fake_speech(0.3, seed=0))
+    before = path.read_bytes()
+    real = sf.write
+
+    def full_disk(file, data, *args, **kw):
+        real(file, data, *args, **kw)
+        with open(file, "r+b") as f:
+            f.truncate(100)
+        raise RuntimeError("Error : No space left on device")
+
+    monkeypatch.setattr(audio_mod.sf, "write", full_disk)
+    with pytest.raises(RuntimeError, match="No space left"):
+        write_audio(path, fake_speech(0.5, seed=1))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+
+
 # ----------------------------------------------------------------------------------------------
 # manifests
 # ----------------------------------------------------------------------------------------------
@@ -125,6 +146,14 @@ def test_manifest_roundtrip_placeholders_and_column_order(tmp_path):
     assert resolve_path("/abs/x.wav") == "/abs/x.wav"
 
 
+def test_audio_duration_is_the_headers_frames_at_its_rate(tmp_path):
+    sf.write(str(tmp_path / "a8k.flac"), np.zeros(4000, dtype=np.float32), 8000)
+    assert audio_duration(tmp_path / "a8k.flac") == 0.5
+    sf.write(str(tmp_path / "none.wav"), np.zeros(0, dtype=np.float32), SR)
+    with pytest.raises(ValueError, match=r"none\.wav: no audio in it \(0 frames\)"):
+        audio_duration(tmp_path / "none.wav")
+
+
 def test_validate_manifest_errors(tmp_path):
     with pytest.raises(ManifestNotFoundError, match="nope.csv"):
         validate_manifest(tmp_path / "nope.csv")
@@ -137,6 +166,9 @@ def test_validate_manifest_errors(tmp_path):
     p.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a,s,A\n\nu1,1,/b,s,B\n")
     with pytest.raises(ManifestError, match=r"bad\.csv:4: duplicate ID 'u1' \(first at line 2\)"):
         validate_manifest(p)               # errors name the file's line (a blank line counts)
+    p.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a,s,A\nu2,1,/b,s,B\nu1,1,/c,s,C\n")
+    with pytest.raises(ManifestError, match=r"bad\.csv:4: duplicate ID 'u1' \(first at line 2\)"):
+        validate_manifest(p)
     p.write_text("ID,duration,wav,spk_id,wrd\nu1,1,/a,s,A\n,1,/b,s,B\n")
     with pytest.raises(ManifestError, match=r"bad\.csv:3: empty ID"):
         validate_manifest(p)
