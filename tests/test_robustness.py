@@ -1586,6 +1586,27 @@ def test_save_removes_what_a_killed_save_left(tmp_path):
     assert torch.load(path) == {"x": 1}
 
 
+def test_a_failed_save_keeps_the_file_it_would_replace(tmp_path, monkeypatch):
+    """A save that fails half-way (a full disk: torch says RuntimeError) leaves the file it would
+    have replaced as it was, and no temporary file."""
+    from tta_brain.data.cache import save_torch
+    path = tmp_path / "state.pt"
+    save_torch({"x": 1}, path)
+    real = torch.save
+
+    def full_disk(obj, f):
+        real(obj, f)
+        with open(f, "r+b") as h:
+            h.truncate(20)
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match=re.escape("file write failed")):
+        save_torch({"x": 2}, path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["state.pt"] and torch.load(path) == {"x": 1}
+
+
 def test_a_live_stream_keeps_its_latest_lii_values(tmp_path, tiny_model_dir, utterances):
     """Every LII value of a stream was kept in memory and written by every save (a live stream
     runs for ever: O(n) memory and save time); ``lii_history`` keeps the latest, the detector's
