@@ -102,6 +102,7 @@ def test_md_long_refills_pool_only_when_exhausted():
     assert all(x != y for x, y in zip(names, names[1:]))  # two domains: strict alternation
 
 
+@pytest.mark.timeout(60)      # an empty domain would be drawn from for ever
 def test_md_long_stops_exactly_and_validates():
     stream = md_long(make_domains(n=50), total=123, min_len=20, max_len=30, seed=0)
     assert len(stream) == 123
@@ -109,6 +110,8 @@ def test_md_long_stops_exactly_and_validates():
         md_long(make_domains(n=5, domains=("A",)), total=10)
     with pytest.raises(ValueError, match="min_len"):
         md_long(make_domains(n=5), total=10, min_len=5, max_len=2)
+    with pytest.raises(streams.MissingDomain, match="no utterances for domain 'B'"):
+        md_long({"A": make_domains(n=5)["AC"], "B": []}, total=10, min_len=2, max_len=3)
     for total in (0, -5):             # was an empty stream, written as a manifest with no header
         with pytest.raises(ValueError, match=f"md_long: total must be >= 1, got {total}"):
             md_long(make_domains(n=5), total=total)
