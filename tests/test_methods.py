@@ -923,8 +923,8 @@ def _packaged_yaml(name):
     return yaml.load(path.read_text(), Loader=Loader)
 
 
-@pytest.mark.parametrize("name", ["tent", "eata", "sar", "cotta", "lame", "t3a", "sdpl", "awmc",
-                                  "csuta", "sgem"])
+@pytest.mark.parametrize("name", ["suta", "dsuta", "tent", "eata", "sar", "cotta", "cea", "lame",
+                                  "t3a", "foa", "ebats", "sdpl", "awmc", "csuta", "sgem"])
 def test_api_defaults_are_the_packaged_yamls(tiny_model_dir, name):
     """``build_method(name, model=...)`` without options runs what the method's yaml runs: every
     plain option of the yaml that the class takes has the yaml's value as its default (the
