@@ -109,7 +109,7 @@ def test_load_audio_errors_name_file_and_reason(tmp_path):
 
 def test_a_write_that_fails_keeps_the_file_it_would_replace(tmp_path, monkeypatch):
     """A full disk half-way through a rewrite leaves the old file as it was (written under a
-    temporary name, renamed over it only when complete)."""
+    temporary name, renamed over it only when complete) and no temporary file."""
     path = tmp_path / "a.wav"
     write_audio(path, fake_speech(0.3, seed=0))
     before = path.read_bytes()
@@ -125,7 +125,7 @@ def test_a_write_that_fails_keeps_the_file_it_would_replace(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="No space left"):
         write_audio(path, fake_speech(0.5, seed=1))
     monkeypatch.undo()
-    assert path.read_bytes() == before
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["a.wav"]
 
 
 # ----------------------------------------------------------------------------------------------

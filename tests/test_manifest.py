@@ -113,7 +113,7 @@ def test_snr_and_source_id_follow_the_stream_columns_in_this_order(tmp_path):
 
 def test_a_write_that_fails_keeps_the_manifest_it_would_replace(tmp_path, monkeypatch):
     """A full disk half-way through a rewrite leaves the old manifest as it was (the text goes to
-    a temporary file, renamed over it only when complete)."""
+    a temporary file, renamed over it only when complete) and no temporary file."""
     path = write_manifest(tmp_path / "s.csv", stream_rows(3))
     before = path.read_bytes()
 
@@ -128,6 +128,7 @@ def test_a_write_that_fails_keeps_the_manifest_it_would_replace(tmp_path, monkey
         write_manifest(path, stream_rows(9))
     monkeypatch.undo()
     assert path.read_bytes() == before and len(validate_manifest(path, STREAM_COLUMNS)) == 3
+    assert os.listdir(tmp_path) == ["s.csv"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,6 +198,23 @@ def test_hash_cache_reuses_unchanged_files_and_sees_replacements(tmp_path, monke
     third = HashCache(store)
     assert third.sha1(files[2]) == file_sha1(files[2]) != digests[2]
     assert third.n_read == 1
+
+
+def test_a_replacing_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    """The one atomic write of the data and run files (manifests, records, audio, fingerprints,
+    summaries, checkpoints): an error or an interrupt in the middle keeps the old file and
+    removes the half-written temporary one; a write that completes replaces the file."""
+    path = tmp_path / "f.json"
+    path.write_text("old")
+    for stop in (OSError("No space left on device"), KeyboardInterrupt()):
+        with pytest.raises(type(stop)):
+            with cache.replaced_when_written(path, tmp_path / ".f.json.tmp") as tmp:
+                tmp.write_text("half")
+                raise stop
+        assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.json"]
+    with cache.replaced_when_written(path, tmp_path / ".f.json.tmp") as tmp:
+        tmp.write_text("new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["f.json"]
 
 
 def test_file_sha1_reads_the_whole_file_block_by_block(tmp_path):

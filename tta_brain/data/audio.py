@@ -15,6 +15,8 @@ import numpy as np
 import soundfile as sf
 import torch
 
+from .cache import replaced_when_written
+
 logger = logging.getLogger(__name__)
 
 #: Subtype written for every file: 16-bit PCM, like the corpora this toolkit reads.
@@ -98,7 +100,6 @@ def write_audio(path, wav, sample_rate=16000):
                    f"{path}: peak {peak:.3f} > 1, samples clipped to [-1, 1]")
         data = np.clip(data, -1.0, 1.0)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    sf.write(str(tmp), data, sample_rate, subtype=PCM_SUBTYPE, format=fmt)
-    tmp.replace(path)
+    with replaced_when_written(path, path.with_name(f".{path.stem}.tmp{path.suffix}")) as tmp:
+        sf.write(str(tmp), data, sample_rate, subtype=PCM_SUBTYPE, format=fmt)
 

@@ -24,6 +24,7 @@ always noticed. Files changed less than :data:`RACY_MARGIN_NS` before they were 
 stored (their timestamps could coincide with a later change: git's "racily clean" problem); they
 are hashed again on the next run.
 """
+import contextlib
 import functools
 import hashlib
 import json
@@ -53,6 +54,20 @@ def file_sha1(path, chunk=1 << 20):
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def replaced_when_written(path, tmp):
+    """The atomic write of ``path``: the block writes the temporary file ``tmp`` (yielded), which
+    then replaces ``path`` in one rename (a reader sees the old file or the new one, never part
+    of one); a block that fails leaves ``path`` as it was and removes ``tmp``."""
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def save_torch(obj, path) -> None:
     """``torch.save`` to ``path`` atomically (a temporary file beside it, then a rename). A folder
     at ``path``, a missing parent or a failed write is an ``OSError`` naming ``path``, and the
@@ -68,11 +83,9 @@ def save_torch(obj, path) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     _remove_stale_temporaries(path)
     try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
+        with replaced_when_written(path, tmp):
+            torch.save(obj, tmp)
     except (OSError, RuntimeError) as e:      # not writable, a full disk (torch: RuntimeError)
-        if os.path.exists(tmp):
-            os.remove(tmp)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise OSError(getattr(e, "errno", None) or errno.EIO, why, path) from None
 
@@ -281,9 +294,9 @@ class HashCache:
         merged = {k: v for k, v in merged.items() if os.path.exists(k)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": HASH_CACHE_VERSION, "files": merged},
-                                  separators=(",", ":")), encoding="utf-8")
-        os.replace(tmp, self.path)
+        with replaced_when_written(self.path, tmp):
+            tmp.write_text(json.dumps({"version": HASH_CACHE_VERSION, "files": merged},
+                                      separators=(",", ":")), encoding="utf-8")
         self._dirty = False
 
     def stats(self):
@@ -329,9 +342,8 @@ def save_record(path, step, options, **content):
     data = dict(content, format=RECORD_FORMAT, step=step, options=options)
     data = json.loads(json.dumps(data))  # JSON types, as compared on the next run
     rec.parent.mkdir(parents=True, exist_ok=True)
-    tmp = rec.with_name(rec.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, rec)
+    with replaced_when_written(rec, rec.with_name(rec.name + ".tmp")) as tmp:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return data
 
 

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .cache import RECORD_FORMAT, record_path
+from .cache import RECORD_FORMAT, record_path, replaced_when_written
 
 UTT_COLUMNS = ("ID", "duration", "wav", "spk_id", "wrd")
 STREAM_COLUMNS = UTT_COLUMNS + ("domain", "segment", "position")
@@ -69,10 +69,9 @@ def write_manifest(path, rows, columns=None):
         raise ValueError(f"{path}: cannot write {bad!r} as UTF-8 text (a file or folder name in "
                          f"another encoding than UTF-8: rename it, e.g. with convmv)") from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    tmp.replace(path)
+    with replaced_when_written(path, path.with_name(f".{path.name}.tmp")) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
     return path
 
 
@@ -375,6 +374,5 @@ def save_options(path, options):
     """Record the options that produced ``path`` (an options-only record, format 1)."""
     opts = _opts_path(path)
     opts.parent.mkdir(parents=True, exist_ok=True)
-    tmp = opts.with_name(opts.name + ".tmp")
-    tmp.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, opts)
+    with replaced_when_written(opts, opts.with_name(opts.name + ".tmp")) as tmp:
+        tmp.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n", encoding="utf-8")

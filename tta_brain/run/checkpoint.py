@@ -19,7 +19,7 @@ from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torc
 from speechbrain.utils.checkpoints import (mark_as_loader, mark_as_saver,
                                           register_checkpoint_hooks)
 
-from tta_brain.data.cache import damaged_zip
+from tta_brain.data.cache import damaged_zip, replaced_when_written
 from tta_brain.run import identity
 from tta_brain.run.envinfo import numerics
 
@@ -84,12 +84,11 @@ class StreamState:
               "method": self.method.state_dict(), "rng": get_rng_state(),
               "numerics": list(self.numerics)}
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with replaced_when_written(path, path.with_name(path.name + ".tmp")) as tmp:
+            with open(tmp, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
 
     @mark_as_loader
     def _load(self, path, end_of_epoch=False):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from tta_brain.data.cache import (HASH_CACHE_NAME, HashCache, file_identity, file_sha1,
-                                  same_source, source_identity)
+                                  replaced_when_written, same_source, source_identity)
 from tta_brain.data.manifest import expand_path
 from tta_brain.hparams import rules
 
@@ -273,9 +273,8 @@ def read_fingerprint(folder) -> Optional[Dict]:
 
 def write_fingerprint(folder, fp: Dict) -> None:
     path = Path(folder) / FINGERPRINT_FILE
-    tmp = path.with_name(f".{FINGERPRINT_FILE}.tmp")
-    tmp.write_text(json.dumps(fp, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    with replaced_when_written(path, path.with_name(f".{FINGERPRINT_FILE}.tmp")) as tmp:
+        tmp.write_text(json.dumps(fp, indent=1, sort_keys=True), encoding="utf-8")
 
 
 class LockedError(RuntimeError):

@@ -9,6 +9,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from tta_brain.data.cache import replaced_when_written
 from tta_brain.data.loader import boundaries
 from tta_brain.data.manifest import ManifestError
 from tta_brain.run.envinfo import describe_device, versions
@@ -75,12 +76,11 @@ def write_summary(folder, summary: Summary) -> None:
     """``summary.json``, written atomically (temporary file, fsync, rename: as the checkpoints,
     so a power loss does not leave an empty summary that marks the run finished)."""
     path = Path(folder) / "summary.json"
-    tmp = path.with_name(".summary.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({k: _json_safe(v) for k, v in asdict(summary).items()}, indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with replaced_when_written(path, path.with_name(".summary.json.tmp")) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({k: _json_safe(v) for k, v in asdict(summary).items()}, indent=2))
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def read_summary(folder) -> Summary:
