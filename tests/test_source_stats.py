@@ -1,8 +1,10 @@
 """Source statistics: the file format with its provenance, the ``python -m tta_brain.stats``
 command, the kinds table, the Fisher kind against a direct computation, one-line errors."""
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -268,6 +270,12 @@ def test_an_input_file_is_hashed_once_a_process_until_it_changes(tmp_path, monke
     assert [file_identity(str(f)) for _ in range(5)] == [first] * 5 and len(reads) == 1
     f.write_bytes(b"abcd")                      # changed: hashed again
     assert file_identity(str(f)) == f"sha1:{real(f)}" != first and len(reads) == 2
+    st = f.stat()
+    time.sleep(0.05)                            # (the next write in another clock tick)
+    f.write_bytes(b"abce")                      # the same size, its old mtime put back (cp -p):
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))        # the change time still moved
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
+    assert file_identity(str(f)) == f"sha1:{real(f)}" and len(reads) == 3
     f.unlink()
     assert file_identity(str(f)) == f"missing:{f}"
     assert file_identity(str(tmp_path)) == f"missing:{tmp_path}"      # a folder: no input file
