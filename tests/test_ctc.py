@@ -143,6 +143,10 @@ def test_greedy_path_batch_and_single():
     x = torch.tensor([[[0.1, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 1.0]]])
     assert greedy_path(x).tolist() == [[1, 0, 2]]
     assert greedy_path(x[0]).tolist() == [1, 0, 2]
+    # not square (x's argmax over frames is the same): the argmax is over the labels, per frame
+    y = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(0))
+    want = [[max(range(3), key=lambda k: float(frame[k])) for frame in u] for u in y]
+    assert greedy_path(y).tolist() == want and greedy_path(y[1]).tolist() == want[1]
 
 
 @pytest.mark.parametrize("seed", range(5))
