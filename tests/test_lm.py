@@ -236,6 +236,9 @@ def test_tokens_as_id_to_token_dict_and_special_tokens(arpa):
     assert all(len(s) == 1 for s in specials) and len(set(specials)) == 3
     lp = emissions(spell("THE CAT"))
     assert search(lp)[0][0] == labels_of("THE CAT")
+    # an id the dict lacks is an unnamed token: the ids after it keep theirs (Z, the last, too)
+    gap = LMBeamSearch({i: t for i, t in enumerate(TOKENS) if t != "<unk>"}, arpa)
+    assert len(gap.labels) == len(TOKENS) and gap.labels[ID["Z"]] == "Z"
 
 
 @needs_lm
@@ -410,6 +413,57 @@ def test_a_letter_whose_upper_case_is_two_letters_keeps_its_own_label(tmp_path):
     lp[1, 0] = 0.99
     lp[1, -1] = 0.01 / (len(tokens) - 1)
     assert search(lp.log(), 5)[0][0] == [len(tokens) - 1, len(tokens) - 1]
+
+
+@needs_lm
+def test_a_letter_whose_case_is_another_tokens_keeps_its_own_label(arpa):
+    """Turkish dotless "ı" and "i" are both "I" in upper case: "i" meets the upper-case LM as "I",
+    "ı" keeps its own label (both were "I": "not unique"). Kills the ``label in
+    self._char_to_id`` guard dropped."""
+    lower = [t.lower() if len(t) == 1 else t for t in TOKENS] + ["\u0131"]
+    search = LMBeamSearch(lower, arpa)
+    assert search.labels[ID["I"]] == "I" and search.labels[-1] == "\u0131"
+
+
+@needs_lm
+def test_the_blank_need_not_be_label_0(arpa):
+    """``blank_id`` is pyctcdecode's blank wherever the vocabulary has it (here last, the
+    emissions' columns moved alike); the search's labels are the model's ids. Kills the blank
+    taken as label 0."""
+    order = list(range(1, len(TOKENS))) + [BLANK]                  # <pad> last
+    tokens = [TOKENS[i] for i in order]
+    new_id = {old: new for new, old in enumerate(order)}
+    search = LMBeamSearch(tokens, arpa, blank_id=len(tokens) - 1)
+    assert search.labels[-1] == "" and search.labels[new_id[DELIM]] == " "
+    lp = emissions(spell("THE CAT"))[:, order]
+    assert search(lp)[0][0] == [new_id[i] for i in labels_of("THE CAT")]
+
+
+@needs_lm
+def test_an_arpa_file_after_empty_lines_is_read_as_one(tmp_path):
+    """KenLM reads an ARPA file that begins with empty lines: its words, hence its case, are
+    read too (taken for a binary: the model's upper case against a lower-case LM). Kills the
+    ``lstrip`` of the ARPA check dropped."""
+    path = write_bigram_arpa(SENTENCES, tmp_path / "lower.arpa", lowercase=True)
+    padded = tmp_path / "padded.arpa"
+    padded.write_text("\n\n" + open(path).read())
+    assert LMBeamSearch(TOKENS, str(padded), show_progress=False).labels[ID["E"]] == "e"
+
+
+@needs_lm
+def test_closing_the_search_frees_its_lm(arpa):
+    """pyctcdecode keeps every decoder's LM in a class-level container until ``cleanup``:
+    ``close`` (and the search's deletion) gives it back, or each run of a process (a sweep, a
+    grid worker) would keep its LM. Kills ``close`` without the cleanup."""
+    from pyctcdecode.decoder import BeamSearchDecoderCTC
+    held = len(BeamSearchDecoderCTC.model_container)
+    search = LMBeamSearch(TOKENS, arpa, show_progress=False)
+    assert len(BeamSearchDecoderCTC.model_container) == held + 1
+    search.close()
+    assert len(BeamSearchDecoderCTC.model_container) == held and search._decoder is None
+    search = LMBeamSearch(TOKENS, arpa, show_progress=False)
+    del search
+    assert len(BeamSearchDecoderCTC.model_container) == held
 
 
 def pyctcdecode_beams(arpa, lp, alpha, beta, unk, beam_width, prune, token_min):
