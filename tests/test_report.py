@@ -1031,6 +1031,22 @@ def test_damaged_bytes_in_a_record_name_the_file_and_a_damaged_memory_csv_keeps_
     assert "samples in memory.csv): md_easy/source/0 (memory.csv unreadable)." in text
 
 
+def test_a_record_line_past_csvs_field_limit_names_its_own_line(tmp_path):
+    """A record file with a damaged line too long for csv (bytes without a line end, a block of
+    NULs left by a crash) is one line naming the file and that line: it named the line before it
+    (csv.DictReader's count, of the rows read before the bad one)."""
+    d = make_run(tmp_path, "suta", "md_easy", 0, 1)
+    path = d / "transcripts.csv"
+    with open(path, "ab") as f:
+        f.write(b"\0" * 200_000 + b"\n")
+    n = len(path.read_bytes().splitlines())
+    with pytest.raises(records.RecordError,
+                       match=f"transcripts.csv:{n}: malformed CSV: field larger than field limit"):
+        records.read_transcripts(d)
+    path.write_bytes(b"position,ID\n" + b"\0" * 200_000)           # right after the header
+    with pytest.raises(records.RecordError, match="transcripts.csv:2: malformed CSV"):
+        records.read_transcripts(d)
+
 def test_a_grids_steps_sweep_gets_its_steps_table_and_reference(tmp_path):
     """The grid names a steps sweep's runs suta_steps1 / suta_steps10: they were two methods, so
     RESULTS.md had no "WER vs adaptation steps" table and every efficiency ratio was '-'."""

@@ -152,8 +152,9 @@ def _read(folder, name: str) -> list:
     except UnicodeDecodeError:          # damaged bytes, or a file of another encoding
         raise RecordError(f"{path}:{first_non_utf8_line(path)}: not UTF-8 text "
                           f"(damaged?)") from None
-    except csv.Error as err:            # NUL bytes, a quote left open by a cut
-        raise RecordError(f"{path}:{reader.line_num}: malformed CSV: {err}") from None
+    except csv.Error as err:    # a line past csv's field limit (damaged bytes): the csv reader's
+        # line (DictReader.line_num, set after each row, is the row before's)
+        raise RecordError(f"{path}:{reader.reader.line_num}: malformed CSV: {err}") from None
 
 
 def read_transcripts(folder) -> List[Transcript]:
