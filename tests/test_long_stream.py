@@ -154,6 +154,9 @@ def test_memory_records_resume_and_old_checkpoints_start_them_anew(tmp_path):
     w.memory(records.Memory.sample(149))
     w.close()
     assert [m.position for m in records.read_memory(tmp_path)] == [149]
+    (tmp_path / "memory.csv").unlink()          # a run from before memory.csv: no file at all
+    records.RecordWriter(tmp_path, offsets, cursor=50).close()
+    assert (tmp_path / "memory.csv").is_file() and records.read_memory(tmp_path) == []
     assert records.read_memory(tmp_path / "nothing") == []
 
 
