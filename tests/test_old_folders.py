@@ -54,6 +54,7 @@ def test_resets_csv_and_its_summary_must_agree(tmp_path):
     removed = clear_run(folder)
     assert sorted(p.name for p in folder.iterdir()) == ["mine.txt"]
     assert "fingerprint.json" in removed and "save" in removed and "summary.json" in removed
+    assert clear_run(folder) == []      # what is not there is not said removed (--overwrite's line)
 
 
 def test_a_cea_run_fingerprinted_before_param_collection_is_the_same_run():
