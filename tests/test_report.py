@@ -1047,6 +1047,7 @@ def test_a_record_line_past_csvs_field_limit_names_its_own_line(tmp_path):
     with pytest.raises(records.RecordError, match="transcripts.csv:2: malformed CSV"):
         records.read_transcripts(d)
 
+
 def test_a_grids_steps_sweep_gets_its_steps_table_and_reference(tmp_path):
     """The grid names a steps sweep's runs suta_steps1 / suta_steps10: they were two methods, so
     RESULTS.md had no "WER vs adaptation steps" table and every efficiency ratio was '-'."""
