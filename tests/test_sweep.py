@@ -522,6 +522,43 @@ def test_refusals_are_one_line_and_write_nothing(data, tmp_path):
     assert res.stderr.strip().splitlines()[-1].startswith("ERROR: not batched: run 1")
 
 
+def test_a_folder_being_written_stops_the_sweep_naming_its_holder(data, tmp_path):
+    """One writer per folder: a run's folder locked by another writer (here this test process,
+    through its own descriptor) stops the sweep with one line naming the holder; nothing is
+    decoded into either folder, the folder the sweep made for run 1 is gone again and the
+    holder's lock stays its own."""
+    from tta_brain.run import identity
+    a, b = tmp_path / "a", tmp_path / "b"
+    held = identity.FolderLock(b).acquire("the other writer")
+    try:
+        with pytest.raises(SystemExit) as e:
+            sweep.main([*args(data, a, "--lr=1e-3"), "--", *args(data, b, "--lr=2e-3")])
+        assert str(e.value).startswith(f"ERROR: {b} is being written by pid {os.getpid()} ") \
+            and "\n" not in str(e.value), e.value
+        assert not a.exists() and os.listdir(b) == [identity.LOCK_FILE]
+        assert identity.FolderLock(b).busy().startswith(f"pid {os.getpid()} ")
+    finally:
+        held.release()
+
+
+def test_a_folder_of_other_settings_is_refused_unless_its_run_says_overwrite(data, tmp_path):
+    """A run's folder holding a run of other settings: the sweep stops before writing anything
+    (as that run's decode would); with ``--overwrite`` in that run's arguments its records are
+    deleted and it is decoded with its new settings, in the batch."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    decode.main(args(data, a, "--lr=1e-3"))
+    before = (a / "summary.json").read_bytes()
+    runs = [args(data, a, "--lr=2e-3"), args(data, b, "--lr=3e-3")]
+    with pytest.raises(SystemExit, match=rf"^ERROR: {a} holds a run with other settings "
+                                         r"\(hparams.lr: .*add --overwrite"):
+        sweep.run(runs)
+    assert (a / "summary.json").read_bytes() == before and not b.exists()
+    got = sweep.run([runs[0] + ["--overwrite"], runs[1]])
+    assert got[0] is not None and got[1] is not None
+    assert load_run(a).summary.fingerprint["hparams"]["lr"] == 2e-3
+    assert load_run(b).summary.fingerprint["hparams"]["lr"] == 3e-3
+
+
 def test_a_runs_error_is_said_in_its_own_log_naming_its_own_folder(data, tmp_path):
     """A stream whose audio is all missing: every run of the batch stops at its summary. Each
     run's log.txt said run 1's error (it names run 1's rejects.csv and folder to delete); now each
