@@ -559,6 +559,27 @@ def test_a_folder_of_other_settings_is_refused_unless_its_run_says_overwrite(dat
     assert load_run(b).summary.fingerprint["hparams"]["lr"] == 3e-3
 
 
+def test_runs_of_one_manifest_on_other_audio_are_refused_naming_the_data_root(data, tmp_path):
+    """Two runs of one manifest under other ``--data_root`` (a location key: they may differ)
+    read other audio files: run 2 would adapt on run 1's audio under its own fingerprint. It is
+    refused, naming the data roots (it named the one manifest twice: "s.csv vs s.csv")."""
+    import shutil
+    import soundfile as sf
+    other = tmp_path / "other_root"
+    shutil.copytree(data["root"] / "wav", other / "wav")
+    for wav in (other / "wav").glob("*.wav"):             # other audio under the same names
+        x, rate = sf.read(str(wav))
+        sf.write(str(wav), x[::-1], rate, subtype="PCM_16")
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_b = [x if not x.startswith("--data_root=") else f"--data_root={other}"
+             for x in args(data, b, "--lr=2e-3")]
+    with pytest.raises(sweep.Refused) as e:
+        sweep.run([args(data, a, "--lr=1e-3"), run_b])
+    assert str(e.value) == (f"run 2 ({b}): another stream than run 1's ({data['csv']} vs "
+                            f"{data['csv']}, --data_root {other} vs {data['root']})"), e.value
+    assert not a.exists() and not b.exists()
+
+
 def test_a_runs_error_is_said_in_its_own_log_naming_its_own_folder(data, tmp_path):
     """A stream whose audio is all missing: every run of the batch stops at its summary. Each
     run's log.txt said run 1's error (it names run 1's rejects.csv and folder to delete); now each

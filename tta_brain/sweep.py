@@ -113,7 +113,9 @@ def refusal(plans) -> Optional[str]:
         if p.hp.path != first.hp.path:
             return f"{who}: yaml {p.hp.path} != run 1's {first.hp.path}"
         if p.rows != first.rows or p.fingerprint["stream_sha1"] != first.fingerprint["stream_sha1"]:
-            return f"{who}: another stream than run 1's ({p.stream_csv} vs {first.stream_csv})"
+            roots = [str(q.resolved.get("data_root") or "") for q in (p, first)]
+            on = f", --data_root {roots[0]} vs {roots[1]}" if roots[0] != roots[1] else ""
+            return f"{who}: another stream than run 1's ({p.stream_csv} vs {first.stream_csv}{on})"
         sa, sb = (q.fingerprint.get("structure") or {} for q in (first, p))
         nested = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
         if nested:                  # one model, one parameter selection, one optimiser class
