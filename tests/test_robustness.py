@@ -894,6 +894,24 @@ def test_output_folder_problems_are_one_line(tmp_path, ok_stream, tiny_model_dir
     assert not (tmp_path / "None").exists() and not (tmp_path / "~").exists()
 
 
+def test_a_folder_being_written_is_one_line_naming_its_holder(tmp_path, ok_stream, tiny_model_dir):
+    """One writer per folder: a second writer (here this process, through its own descriptor,
+    as a second process would hold it) stops at once with one line naming the holder, writes
+    nothing and leaves the holder's lock its own."""
+    out = tmp_path / "exp"
+    held = decode.identity.FolderLock(out).acquire("the other writer")
+    try:
+        msg = _error(dsuta_args(tiny_model_dir, ok_stream, out))
+        assert msg.startswith(f"ERROR: {out} is being written by pid {os.getpid()} ") and \
+            "the other writer" in msg and "\n" not in msg, msg
+        assert os.listdir(out) == [decode.identity.LOCK_FILE]
+        assert decode.identity.FolderLock(out).busy().startswith(f"pid {os.getpid()} ")
+    finally:
+        held.release()
+    decode.main(dsuta_args(tiny_model_dir, ok_stream, out))      # released: the run goes on
+    assert (out / "summary.json").is_file()
+
+
 @pytest.mark.parametrize("name", ["save/CKPT+old/stream.ckpt", "transcripts.csv", "env.log"])
 def test_a_runs_files_without_its_fingerprint_are_refused(name, tmp_path, ok_stream,
                                                           tiny_model_dir):
