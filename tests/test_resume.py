@@ -49,6 +49,8 @@ def test_a_resumed_run_keeps_its_time_and_audio_seconds(tmp_path, tiny_model_dir
     assert got["counts"] == want["counts"]               # the method's passes before it too
     for name in ("transcripts.csv", "resets.csv", "wer.txt"):
         assert (out / name).read_text() == (ref / name).read_text(), name
+    env_log = (out / "env.log").read_text()     # both starts' environments (one was written over)
+    assert env_log.count("tta-brain run") == 2 and env_log.count("resumed: the environment") == 1
 
 
 class _Method:
