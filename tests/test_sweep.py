@@ -544,6 +544,19 @@ def test_a_folder_being_written_stops_the_sweep_naming_its_holder(data, tmp_path
         held.release()
 
 
+def test_an_output_folder_that_cannot_be_written_is_one_line_naming_the_option(data, tmp_path):
+    """A run's ``--output_folder`` that is a file: the sweep stopped with Python's bare "[Errno
+    17] File exists" (no option, no run); now as that run's decode says it, and run 1's folder
+    made for the batch is gone again."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    b.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        sweep.run([args(data, a, "--lr=1e-3"), args(data, b, "--lr=2e-3")])
+    assert str(e.value) == f"ERROR: cannot write the output folder {b} (--output_folder): it is " \
+        "a file", e.value
+    assert not a.exists() and b.read_text() == "x"
+
+
 def test_a_folder_of_other_settings_is_refused_unless_its_run_says_overwrite(data, tmp_path):
     """A run's folder holding a run of other settings: the sweep stops before writing anything
     (as that run's decode would); with ``--overwrite`` in that run's arguments its records are

@@ -275,16 +275,7 @@ def main(argv=None):
     if p.status in ("differs", "damaged") and not p.args.overwrite:
         _refuse(p.out, p.diffs, p.status)
     created = not os.path.exists(p.out)
-    if os.path.exists(p.out) and not os.path.isdir(p.out):
-        _fail(f"cannot write the output folder {p.out} (--output_folder): it is a file")
-    lock = identity.FolderLock(p.out)
-    try:
-        lock.acquire("python -m tta_brain.decode " + " ".join(argv))
-    except identity.LockedError as e:
-        _fail(str(e))
-    except OSError as e:      # not writable, a file in the way, a read-only file system
-        _fail(f"cannot write the output folder {p.out} (--output_folder): "
-              f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
+    lock = lock_folder(p.out, "python -m tta_brain.decode " + " ".join(argv))
     try:
         return _run(p, argv)
     except BaseException as e:   # a crash's traceback in log.txt: SpeechBrain's excepthook logs
@@ -298,6 +289,21 @@ def main(argv=None):
             os.remove(os.path.join(p.out, identity.LOCK_FILE))
             os.rmdir(p.out)
         free_run_memory()           # the run's model and graphs, before the process goes on
+
+
+def lock_folder(out, command) -> identity.FolderLock:
+    """``out``'s lock, held (one writer per folder), or one ``ERROR:`` line: another writer holds
+    it, or the folder cannot be written (a file, not writable, a read-only file system)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        _fail(f"cannot write the output folder {out} (--output_folder): it is a file")
+    lock = identity.FolderLock(out)
+    try:
+        return lock.acquire(command)
+    except identity.LockedError as e:
+        _fail(str(e))
+    except OSError as e:      # not writable, a file in the way, a read-only file system
+        _fail(f"cannot write the output folder {out} (--output_folder): "
+              f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
 
 
 def _skip(out, resolved=None):

@@ -226,13 +226,8 @@ def run(argvs: List[List[str]]):
     locks, created = [], [not os.path.exists(p.out) for p, _ in todo]
     try:
         for p, a in todo:
-            lock = identity.FolderLock(p.out)
-            try:
-                lock.acquire("python -m tta_brain.sweep: python -m tta_brain.decode "
-                             + " ".join(a))
-            except (identity.LockedError, OSError) as e:
-                decode._fail(str(e))
-            locks.append(lock)
+            locks.append(decode.lock_folder(p.out, "python -m tta_brain.sweep: python -m "
+                                            "tta_brain.decode " + " ".join(a)))
         summaries = _run(todo, [1 + next(i for i, q in enumerate(plans) if q is p)
                                 for p, _ in todo], len(plans))
     finally:
