@@ -689,6 +689,22 @@ def test_a_run_stopped_before_its_first_checkpoint_says_what_it_decodes_again(
     assert again.wer == first.wer and again.n_utts == 3
 
 
+def test_a_stream_whose_audio_changed_since_its_run_is_refused_saying_so(tmp_path, one_wav,
+                                                                        tiny_model_dir):
+    """The same manifest naming audio files mixed again (or replaced) since its finished run: the
+    run is refused as one of other settings, and the difference says the audio files changed
+    (the digests alone do not tell the user what to look at)."""
+    stream = write_manifest(tmp_path / "s.csv", [row(f"u{i}", one_wav, 0.4) for i in range(2)])
+    out = tmp_path / "exp"
+    decode.main(dsuta_args(tiny_model_dir, stream, out))
+    sf.write(one_wav, speech(0.4, seed=1), SR, subtype="PCM_16")        # mixed again
+    msg = _error(dsuta_args(tiny_model_dir, stream, out))
+    assert f"{out} holds a run with other settings (audio_sha1: " in msg and " != " in msg and \
+        "(the audio files the stream names changed since that run: mixed again or replaced)" \
+        in msg and "--overwrite" in msg, msg
+    assert read_summary(out).n_utts == 2
+
+
 def test_option_values_are_read_as_typed(tmp_path, ok_stream, tiny_model_dir):
     """Overrides become yaml lines: an output folder ``run #1`` was written to ``run`` (yaml read
     `` #1`` as a comment), a stream named ``2020`` was refused as no string (the grid names
