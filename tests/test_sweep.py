@@ -557,6 +557,20 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_naming_the_option(d
     assert not a.exists() and b.read_text() == "x"
 
 
+def test_a_batch_refused_once_locked_leaves_its_folders_to_its_separate_runs(data, tmp_path):
+    """A batch its constructor refuses (after the runs' folders are locked) releases its locks:
+    the grid then decodes those runs separately, in the same process; a folder made beforehand
+    keeps its lock file, so a lock left held said it was "being written by" this process."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    runs = [args(data, o, "--eata_optimizer=sgd", f"--lr={lr}", method="eata")
+            for o, lr in ((a, "1e-3"), (b, "2e-3"))]
+    with pytest.raises(sweep.Refused, match="optimizer SGD"):
+        sweep.run(runs)
+    decode.main(runs[0])                          # its separate run, as the grid goes on
+    assert (a / "summary.json").is_file()
+
+
 def test_a_folder_of_other_settings_is_refused_unless_its_run_says_overwrite(data, tmp_path):
     """A run's folder holding a run of other settings: the sweep stops before writing anything
     (as that run's decode would); with ``--overwrite`` in that run's arguments its records are
