@@ -886,7 +886,9 @@ def resumed_batch(build, batch_of, cfgs, wavs, info, cut):
 def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
     """A batched DSUTA run's state (mid-buffer, mid-construction of its dynamic reset) resumes a
     separate DSUTA, and a separate DSUTA's state resumes a batched run: both go on as the run
-    that was never stopped (the checkpoint format is the method's, both ways)."""
+    that was never stopped (the checkpoint format is the method's, both ways). Also a separate
+    run's state from before its first slow step (its slow optimiser's per-parameter states
+    empty), which stopped the batch with a KeyError ('exp_avg')."""
     import soundfile as sf
     from tta_brain.methods import UttInfo
     from tta_brain.methods.batched_dsuta import BatchedDSUTA
@@ -915,6 +917,9 @@ def test_dsuta_batch_state_is_the_methods_checkpoint(data, make):
     again = resumed_batch(build, batch_of, cfgs, wavs, info, cut)
     assert go(again, cut, len(wavs)) == [h[cut:] for h in full]
     assert [v.counts for v in again.views] == [v.counts for v in whole.views]
+    early = resumed_batch(build, batch_of, cfgs, wavs, info, 1)     # no slow step taken yet
+    assert early.slow.steps == [0, 0]
+    assert go(early, 1, len(wavs)) == [h[1:] for h in full]
     for r in range(len(cfgs)):
         assert max_diff(again.meta_values(r), whole.meta_values(r)) < PARAM_TOL
         assert again.n_buffered[r] == whole.n_buffered[r]

@@ -356,6 +356,8 @@ class AdamRows:
         step = 0
         _, order = template
         for i, s in ((opt or {}).get("state") or {}).items():
+            if not s:                   # never stepped (DSUTA's copied state): no moments
+                continue
             k = order[int(i)]
             off = sum(numels[:k])
             self.M[r, off:off + numels[k]] = s["exp_avg"].reshape(-1).to(self.M)
