@@ -1385,15 +1385,18 @@ def same_steps(batch, seps, wavs):
             assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
 
 
-def lockstep(batch, seps, wavs):
+def lockstep(batch, seps, wavs, after=None):
     """The batch and the separate runs ``seps`` over ``wavs`` side by side: the same transcripts,
-    then the same events (kind, position, reason) and counts per run."""
+    then the same events (kind, position, reason) and counts per run. ``after(i)``: called after
+    each utterance ``i``."""
     from tta_brain.methods import UttInfo
     for i, w in enumerate(wavs):
         info = UttInfo(position=i, segment="0")
         batch.process(list(range(len(seps))), w, info)
         for r, m in enumerate(seps):
             assert batch.views[r].process(w) == m.process(w, info)
+        if after is not None:
+            after(i)
     for r, m in enumerate(seps):
         v = batch.views[r]
         assert [(e.kind, e.position, e.reason) for e in v.events] == \
@@ -1821,7 +1824,9 @@ def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(dat
     of the buffer without a skip record; a run with a fast step skips that step, recorded. Both
     runs' losses get a NaN gradient (or are NaN) at utterances 1, 3, 4 and 5 (buffers of 3: the
     second one has no finite gradient, so no slow step): the batch records, counts, buffers and
-    takes its slow steps as the separate runs."""
+    takes its slow steps as the separate runs. After every utterance the batch's checkpoint holds
+    the separate runs' buffer counts (a buffer with a dropped gradient: fewer gradients than
+    utterances), and the separate runs' checkpoints resume the batch."""
     from tta_brain.methods.batched import BatchedSUTA
     from tta_brain.methods.dsuta import DSUTA
     poison = {1, 3, 4, 5}
@@ -1843,7 +1848,17 @@ def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(dat
         return out, drop, why
     monkeypatch.setattr(DSUTA, "loss", sep_loss)
     monkeypatch.setattr(BatchedSUTA, "losses", bat_losses)
-    lockstep(batch, seps, wavs[:7])
+    held = []
+
+    def checkpoints(i):
+        for r, m in enumerate(seps):
+            mine, theirs = batch.views[r].state_dict(), m.state_dict()
+            counts = (theirs["n_buffered"], theirs["n_grads"])
+            assert (mine["n_buffered"], mine["n_grads"]) == counts, (i, r)
+            held.append(counts)
+            batch.views[r].load_state_dict(theirs)
+    lockstep(batch, seps, wavs[:7], after=checkpoints)
+    assert (2, 1) in held                       # a checkpoint of a buffer with a dropped gradient
     assert not any(e.kind == "skip" for e in seps[0].events)
     assert [(e.kind, e.position, e.reason) for e in seps[1].events] == \
         [("skip", t, f"non-finite {'gradient' if nan == 'gradient' else 'loss nan'}")
