@@ -1872,6 +1872,21 @@ def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(dat
         assert max_diff(batch.meta_values(r), m.meta) < PARAM_TOL
 
 
+def test_batched_dsuta_fast_moments_are_each_runs(data):
+    """Batched DSUTA runs whose fast learner starts from fresh moments (``fast_moments: zero``)
+    and from the slow learner's (``slow``) go on as their separate runs: the same transcripts,
+    fast and slow weights; the setting moved the weights."""
+    cfgs = [(1e-2, 2, "none", dict(fast_moments="zero")),
+            (1e-2, 2, "none", dict(fast_moments="slow"))]
+    batch, wavs, build = _batch(data, "dsuta", cfgs, buffer_size=1)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:4])
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+        assert max_diff(batch.meta_values(r), m.meta) < PARAM_TOL, r
+    assert max_diff(seps[0].params, seps[1].params) > 10 * PARAM_TOL
+
+
 def test_batched_cotta_one_view_and_no_steps_as_separate_runs(data):
     """CoTTA edges, batched as their separate runs: ``n_augment: 1`` (an unsure anchor: the
     teacher's output is ONE augmented view, not the plain pass) and ``steps: 0`` (the teacher's
