@@ -1978,8 +1978,9 @@ def test_batched_cotta_teachers_noise_and_zero_losses_are_each_runs(data, monkey
     """Batched CoTTA runs, as their separate runs (the same transcripts, events, counts, students
     and teachers): two with plain teachers (each step's target its own teacher's output), two
     augmented ones of one seed that differ only in their noise (amplitude, probability: each run's
-    views its own); at one utterance every step's loss is 0, where no teacher follows its
-    student (a teacher moves only after a step with a loss > 0)."""
+    views its own); at one utterance every step's loss is 0, and at another every step's loss is
+    finite (> 0) with a NaN gradient (a skipped step), where no teacher follows its student (a
+    teacher moves only after a step that updated with a loss > 0)."""
     from tta_brain.methods import UttInfo, losses
     cfgs = [(3e-3, 2, "none", dict(ap_threshold=0.0)), (1e-2, 1, "none", dict(ap_threshold=0.0)),
             (3e-3, 1, "none", dict(noise_max=0.015, noise_p=0.5)),
@@ -1987,11 +1988,12 @@ def test_batched_cotta_teachers_noise_and_zero_losses_are_each_runs(data, monkey
     batch, wavs, build = _batch(data, "cotta", cfgs, n_augment=2, ap_threshold=0.9, seed=1,
                                 ema_decay=0.5)
     seps = [build(*c) for c in cfgs]
-    zero, sce = [False], losses.symmetric_cross_entropy_loss
-    monkeypatch.setattr(losses, "symmetric_cross_entropy_loss",
-                        lambda *a, **k: sce(*a, **k) * (0.0 if zero[0] else 1.0))
+    zero, nan, sce = [False], [False], losses.symmetric_cross_entropy_loss
+    nan_grad = lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0  # value 0, gradient NaN
+    monkeypatch.setattr(losses, "symmetric_cross_entropy_loss", lambda lg, *a, **k: sce(
+        lg, *a, **k) * (0.0 if zero[0] else 1.0) + (nan_grad(lg) if nan[0] else 0.0))
     for i, w in enumerate(wavs[:5]):
-        zero[0] = i == 2
+        zero[0], nan[0] = i == 2, i == 3
         before = [[t.clone() for t in m.teacher] for m in seps]
         info = UttInfo(position=i, segment="0")
         batch.process(list(range(len(cfgs))), w, info)
@@ -1999,10 +2001,11 @@ def test_batched_cotta_teachers_noise_and_zero_losses_are_each_runs(data, monkey
             assert batch.views[r].process(w) == m.process(w, info), (i, r)
             assert max_diff(batch.split(batch.teacher[r]), m.teacher) < PARAM_TOL, (i, r)
             assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
-            assert (max_diff(m.teacher, before[r]) == 0) == zero[0], (i, r)
+            assert (max_diff(m.teacher, before[r]) == 0) == (zero[0] or nan[0]), (i, r)
     for r, m in enumerate(seps):
         assert [(e.kind, e.position) for e in batch.views[r].events] == \
             [(e.kind, e.position) for e in m.events]
+        assert [e.position for e in m.events if e.kind == "skip"] == [3] * cfgs[r][1], r
         assert batch.views[r].counts == m.counts
     assert [m.counts["augmented"] for m in seps] == [0, 0, 5, 5]
     assert max_diff(seps[0].teacher, seps[1].teacher) > 10 * PARAM_TOL    # the runs' own
