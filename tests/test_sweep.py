@@ -2084,6 +2084,18 @@ def test_batched_sgem_lr_floor_and_negative_sampling_are_each_runs(data):
         assert max_diff(seps[a].params, seps[b].params) > 10 * PARAM_TOL, (a, b)
 
 
+def test_batched_sgem_run_stepping_alone_anneals_its_own_lr(data):
+    """A batched SGEM run with more steps than the run before it takes its later steps alone
+    (the batch's second row): each of them at its own annealed lr, as its separate run (the same
+    transcripts, counts and weights); the other run's lr and schedule are not its."""
+    cfgs = [(1e-2, 1, "none"), (3e-3, 3, "none")]
+    batch, wavs, build = _batch(data, "sgem", cfgs, beam_width=1, lr_min=1e-5)
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:3])
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+
+
 def test_batched_t3a_runs_test_their_own_lii(data):
     """Two batched T3A runs with their own dynamic reset (and their own filter, so their
     supports and phi_D differ) take the LII losses of each utterance from its one full pass,
