@@ -101,6 +101,8 @@ def test_rate_counts_working_time_only_and_durations_read_well():
     seen, rate = grid.rate_since(seen, 60, now=190.0)
     assert rate == 2.0
     assert [grid.fmt_duration(s) for s in (None, 42, 600, 3725)] == ["?", "42s", "10m", "1h02"]
+    # the unit changes at the minute and the hour; a duration is rounded, not cut
+    assert [grid.fmt_duration(s) for s in (59.6, 60, 3599.6, 3600)] == ["1m", "1m", "1h00", "1h00"]
 
 
 def _rows(folder, n, rejects=0):
@@ -136,6 +138,17 @@ def test_progress_line_says_how_far_each_long_run_is(tmp_path):
     assert head == ("grid: 0 done, 1 running, 1 pending on Slurm, 0 failed, 1 queued (3 runs, 0 "
                     "already finished)")
     assert per_run.startswith("md_long/m0/seed0 400/3000") and "m1" not in per_run
+    # ... but its rows are left: (2600 + 3000 + 3000) rows at m0's 300 rows in 200 s: 5733 s
+    assert total == "grid ETA 1h35"
+    # a run that ended since squeue was asked (its name still pending) is counted as it is
+    runs[2].status = "done"
+    head = grid._progress(runs, now=200.0, pending={"md_long/m1/seed0", "md_long/m2/seed0"})
+    assert head.split(" | ")[0] == ("grid: 1 done, 1 running, 1 pending on Slurm, 0 failed, 0 "
+                                    "queued (3 runs, 0 already finished)")
+    # a run of LONG_RUN rows is long (the README: "1,000 rows or more")
+    edge = [grid.Run("md_long/e/seed0", tmp_path / "e", [], status="running", total=grid.LONG_RUN)]
+    assert grid._progress(edge, now=5.0).endswith(
+        f" | md_long/e/seed0 0/{grid.LONG_RUN} ? left | grid ETA ?")
 
 
 # ------------------------------------------------------------------------- the memory record
