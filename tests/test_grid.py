@@ -1514,6 +1514,48 @@ def test_a_failed_jobs_line_says_why():
     assert grid.failure_line("", "UncompletedJobError") == "UncompletedJobError"
 
 
+def test_the_grid_follows_its_jobs_to_each_runs_own_end(tmp_path, monkeypatch, capsys):
+    """The loop that follows the jobs (local workers: a stand-in for submitit's executor): a
+    batch's job ends with one error or None per run, each run failed or done by its own; a
+    finished job frees its slot once (--nj 1: one job at a time); while long runs go on with
+    the same counts the line is printed again (at least every PROGRESS_EVERY s: here every
+    poll), or their ETA was the first one said for hours."""
+    from types import SimpleNamespace
+    runs = [grid_plan.Run(f"s/suta_lr{i}/seed0", tmp_path / str(i), [str(i)], total=2000)
+            for i in range(4)]
+    going, most = [], [0]
+
+    class Workers:
+        def update_parameters(self, visible_gpus, gpus_per_node):
+            pass
+
+        def submit(self, unit):
+            going.append(unit)
+            most[0] = max(most[0], len(going))
+            looks = []
+
+            def done():           # running at its first two looks, finished from its third on
+                looks.append(1)
+                if len(looks) == 3:
+                    going.remove(unit)
+                return len(looks) >= 3
+            errors = ["ERROR: --lr0: refused", None] if len(unit) > 1 else None
+            return SimpleNamespace(done=done, result=lambda: errors, paths=SimpleNamespace(
+                stdout=tmp_path / "o", stderr=tmp_path / "e"))
+    monkeypatch.setattr(grid, "PROGRESS_EVERY", 0.0)
+    args = argparse.Namespace(engine="local", gpus="", per_gpu=2, nj=1, poll=0.001)
+    grid._follow(runs, [runs[:2], runs[2:3], runs[3:]], args, Workers(), {},
+                 lambda unit, threads=0: unit)
+    assert [(r.status, r.message) for r in runs] == [("failed", "ERROR: --lr0: refused")] + \
+        [("done", "")] * 3
+    assert most == [1] and not going
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("grid: 0 done, 2 running, 0 failed, 2 queued (4 runs, 0 already finished) | "
+                      "s/suta_lr0/seed0 0/2000 ? left, s/suta_lr1/seed0 0/2000 ? left | grid ETA ?")
+    assert out[1] == out[0]                 # the same counts: said again
+    assert out[-1] == "grid: 3 done, 0 running, 1 failed, 0 queued (4 runs, 0 already finished)"
+
+
 @pytest.mark.slow
 def test_a_job_slurm_cannot_start_is_said_pending_with_its_reason(data, tmp_path, slurm_cluster):
     """More CPUs than the node has: sbatch takes the job, which stays pending for ever
