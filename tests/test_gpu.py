@@ -1261,6 +1261,7 @@ def test_grid_gpus_means_the_gpu(tmp_path, tiny_model_dir, capsys):
     # GPU by GPU in turn: --nj 4 on 4 GPUs ran 2 runs on each of GPUs 0 and 1, 2 and 3 idle
     assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--gpus", "0 1 2 3", "--nj", "4")) \
         == [0, 1, 2, 3]
+    assert grid._slots(_grid_args(tmp_path, tiny_model_dir, "--nj", "3")) == [None] * 3   # CPU
     for extra, why in ((["--gpus", "cuda:0"], "--gpus 'cuda:0': GPU ids are numbers"),
                        (["--gpus", "0 1", "--engine", "slurm"], "in --slurm_conf (gpus_per_node"),
                        (["--gpus", "0,1,0"], "--gpus '0,1,0': GPU 0 given twice (runs per GPU"),
@@ -1324,7 +1325,8 @@ def test_grid_dry_run_says_the_gpu_each_run_starts_on(tmp_path, tiny_model_dir, 
 
     class Workers:                  # submitit's LocalExecutor as the grid drives it
         def update_parameters(self, visible_gpus, gpus_per_node):
-            self.gpus = visible_gpus
+            # submitit's CUDA_VISIBLE_DEVICES: the first gpus_per_node of visible_gpus (0: none)
+            self.gpus = visible_gpus[:gpus_per_node]
 
         def submit(self, job):
             started.append((job.argv, *self.gpus))
