@@ -1207,6 +1207,9 @@ def test_a_dry_run_says_which_runs_the_grid_would_skip_or_refuse(data, tmp_path,
         assert f"grid: s/source/seed{seed} is finished with the same settings: the grid " \
             f"skips it" in out
     assert "seed2 is finished" not in out and "will not run" not in out
+    # --check prints only the runs that would not run: the skipped ones are not (silent, 0)
+    assert grid.main(dry[:-1] + ["--check"]) == 0
+    assert "grid: " not in capsys.readouterr().out
     summary = exp / "s" / "source" / "seed1" / "summary.json"
     summary.write_text(summary.read_text()[:40])
     cut = summary.read_bytes()
@@ -1722,5 +1725,6 @@ def test_local_workers_take_the_users_thread_count(monkeypatch):
     assert grid.local_threads(1) == cores and grid.local_threads(cores + 1) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert grid.local_threads(1) == 3 and grid.local_threads(8) == 3
-    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
-    assert grid.local_threads(1) == cores
+    for junk in ("junk", "0"):              # (0 threads: the job had set none, all cores each)
+        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+        assert grid.local_threads(1) == cores
