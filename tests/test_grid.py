@@ -1295,6 +1295,15 @@ def test_a_bad_slurm_conf_is_one_line_before_anything_runs(text, expected, tmp_p
     assert "Traceback" not in res.stderr and "DRY-RUN" not in res.stdout and not exp.exists()
 
 
+def test_a_slurm_time_limit_is_read_in_each_of_sbatchs_forms():
+    """The time limit the USR2 check reads (sbatch(1), --time): minutes, MM:SS, HH:MM:SS,
+    D-HH, D-HH:MM, D-HH:MM:SS; what is none of them (a bool: yaml's `yes`) is sbatch's to say."""
+    assert [grid.slurm_minutes(v) for v in (90, 2.5, "7", "05:30", "02:03:30", "1-02",
+                                            "1-02:03", "1-02:03:30")] == \
+        [90.0, 2.5, 7.0, 5.5, 123.5, 1560.0, 1563.0, 1563.5]
+    assert [grid.slurm_minutes(v) for v in (True, "abc", "1:2:3:4", "")] == [None] * 4
+
+
 def test_a_machine_without_slurm_checks_the_conf_on_a_dry_run_and_refuses_to_submit(
         tmp_path, data):
     """Without ``srun`` (a laptop, CI before its cluster starts) a Slurm grid's dry run still
