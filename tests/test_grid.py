@@ -1524,6 +1524,12 @@ def test_a_failed_jobs_line_says_why():
     assert grid.failure_line(own) == "ERROR: /x/stream.csv: missing (--stream_csv)"
     assert grid.failure_line("Traceback\n  ...\nValueError: bad\n") == "ValueError: bad"
     assert grid.failure_line("", "UncompletedJobError") == "UncompletedJobError"
+    # what a job raises: decode's one-line error as a failure; submitit's sys.exit(-1) after it
+    # requeued the job (Slurm's USR2) as it is, or the grid read the requeued job as failed
+    said = grid._failed(SystemExit("ERROR: /x/stream.csv: missing"))
+    assert isinstance(said, RuntimeError) and str(said) == "ERROR: /x/stream.csv: missing"
+    requeued = SystemExit(-1)
+    assert grid._failed(requeued) is requeued
 
 
 def test_the_grid_follows_its_jobs_to_each_runs_own_end(tmp_path, monkeypatch, capsys):
