@@ -785,6 +785,7 @@ def workers_of(grid_dir):
     (["--seeds", ""], "--seeds '': names no seed"),      # was a grid of 0 runs, exit 0
     (["--seeds", "0 x"], "--seeds '0 x': seeds are integers"),
     (["--seeds", "-1 0"], "--seeds '-1 0': seeds are integers from 0 to 4294967295"),  # ran seed 0
+    (["--seeds", "4294967296"], "--seeds '4294967296': seeds are integers from 0 to"),  # 2**32
     (["--methods", " "], "--methods ' ': names no method"),
     (["--streams", ""], "--streams 's.csv' '': an empty stream name"),  # was folders under /
     (["--conf_dir", "/no/conf"], "--conf_dir /no/conf: no such folder"),   # were silently
@@ -1523,6 +1524,9 @@ def test_a_failed_jobs_line_says_why():
     own = lost + "\nRuntimeError: ERROR: /x/stream.csv: missing (--stream_csv)"
     assert grid.failure_line(own) == "ERROR: /x/stream.csv: missing (--stream_csv)"
     assert grid.failure_line("Traceback\n  ...\nValueError: bad\n") == "ValueError: bad"
+    # the last of decode's lines (the one that ended it); submitit's header is no error line
+    assert grid.failure_line("ERROR: first\nRuntimeError: ERROR: last\n") == "ERROR: last"
+    assert grid.failure_line("ValueError: bad\nError stream produced:\n") == "ValueError: bad"
     assert grid.failure_line("", "UncompletedJobError") == "UncompletedJobError"
     # what a job raises: decode's one-line error as a failure; submitit's sys.exit(-1) after it
     # requeued the job (Slurm's USR2) as it is, or the grid read the requeued job as failed
