@@ -816,6 +816,18 @@ def test_grid_groups_runs_into_batches(data, tmp_path):
 
 
 
+def test_batches_are_at_most_the_size_asked_and_of_one_stream():
+    """grid.chunks: --batch_runs 2 over 3 runs of each of 2 streams is 2 + 1 runs a stream (a
+    batch of runs of two streams is one the sweep refuses: its runs all went separately)."""
+    from tta_brain.run.grid_plan import Run
+    runs = [Run(f"{s}/suta_lr{i}/seed0", Path(s) / str(i), ["suta.yaml", f"--stream_csv={s}.csv",
+                                                           "--source=m", "--data_root=d", f"--lr={i}"])
+            for s in ("a", "b") for i in range(3)]
+    assert [[r.name for r in c] for c in grid.chunks(runs, 2)] == [
+        ["a/suta_lr0/seed0", "a/suta_lr1/seed0"], ["a/suta_lr2/seed0"],
+        ["b/suta_lr0/seed0", "b/suta_lr1/seed0"], ["b/suta_lr2/seed0"]]
+
+
 def test_a_grid_dry_run_shows_its_batches(data, tmp_path, capsys):
     """--dry_run printed each run's decode and nothing of --batch_runs: which runs would share a
     process was not to be seen. Now each batch of more than one run is a line naming them."""
