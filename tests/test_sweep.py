@@ -815,13 +815,12 @@ def test_grid_groups_runs_into_batches(data, tmp_path):
     assert all(len(u) == 1 for u in grid.batches(runs, 3))
 
 
-
 def test_batches_are_at_most_the_size_asked_and_of_one_stream():
     """grid.chunks: --batch_runs 2 over 3 runs of each of 2 streams is 2 + 1 runs a stream (a
     batch of runs of two streams is one the sweep refuses: its runs all went separately)."""
     from tta_brain.run.grid_plan import Run
-    runs = [Run(f"{s}/suta_lr{i}/seed0", Path(s) / str(i), ["suta.yaml", f"--stream_csv={s}.csv",
-                                                           "--source=m", "--data_root=d", f"--lr={i}"])
+    runs = [Run(f"{s}/suta_lr{i}/seed0", Path(s) / str(i),
+                ["suta.yaml", f"--stream_csv={s}.csv", "--source=m", "--data_root=d", f"--lr={i}"])
             for s in ("a", "b") for i in range(3)]
     assert [[r.name for r in c] for c in grid.chunks(runs, 2)] == [
         ["a/suta_lr0/seed0", "a/suta_lr1/seed0"], ["a/suta_lr2/seed0"],

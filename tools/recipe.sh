@@ -141,9 +141,10 @@ resolve_model() {
 
 # source_stats_stage STAGE CSV DATA_ROOT DIR: the statistics of each listed method that needs
 # them, of ${model} (in the language of a --target_lang=LANG in --decode_opts) on the first
-# ${stats_utts} utterances of CSV (clean, in no stream) -> DIR/source_stats_<method>.pt (conf/<method>.opts names it). One file per method, so a method's
-# file never changes when another method is added (its runs' fingerprints count the file's
-# content); a current file is kept.
+# ${stats_utts} utterances of CSV (clean, in no stream) -> DIR/source_stats_<method>.pt
+# (conf/<method>.opts names it). One file per method, so a method's file never changes when
+# another method is added (its runs' fingerprints count the file's content); a current file is
+# kept.
 source_stats_stage() {
   local m kinds out lang
   lang=$(target_lang_of "${decode_opts:-}")  # an MMS checkpoint's language: the decode's adapter
