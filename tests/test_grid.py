@@ -1495,7 +1495,6 @@ def test_a_rerun_does_not_submit_again_what_an_earlier_grid_left_pending(data, t
         final.stdout[-3000:]
 
 
-@pytest.mark.slow
 def test_the_pending_line_names_jobs_that_never_start_and_counts_the_others():
     from tta_brain.run.grid_plan import Run
     runs = {j: [Run(f"s/{m}/seed0", Path(m), [])] for j, m in
