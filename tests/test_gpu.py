@@ -1130,6 +1130,8 @@ def test_device_optimizer_blocker():
     assert not guard.is_device_optimizer(opt)
     opt.param_groups[0].update(fused=True, capturable=True)
     assert not guard.is_device_optimizer(opt)
+    opt.param_groups[1].update(fused=True)          # fused, not capturable: not yet
+    assert not guard.is_device_optimizer(opt)
     guard.to_device_optimizer(opt)
     assert guard.is_device_optimizer(opt)
 
