@@ -403,6 +403,12 @@ def test_length_buckets_replay_one_graph_for_many_lengths(tiny_model_dir, uttera
     assert [e[:2] for e in events(plain)[0]] == [e[:2] for e in events(g)[0]]
     st = g.step
     assert st.buckets == 0.25 and g.features.enabled == (adapt == "layernorm")
+    # the graphs' inputs: padded to the 1 s and 1.25 s edges (20000 samples rounded up to the
+    # frame stride, 320), or their frames
+    edges = [16000, 20160]
+    if g.features.enabled:
+        edges = [int(g.lobe.output_lengths(torch.tensor(e))) for e in edges]
+    assert sorted({k[2][-1] for k in st.cache.keys()}) == edges
     # dsuta: a second graph per bucket for the first fast step, which adds the slow gradient
     # (its DeviceHook) and is replayed too
     dsuta = name.startswith("dsuta")
