@@ -423,6 +423,8 @@ def test_length_buckets_replay_one_graph_for_many_lengths(tiny_model_dir, uttera
     assert st.stats["eager"] == (3 + 2 if dsuta else 3 + 1)
     if name.startswith("dsuta"):
         assert max_diff(eager.meta, g.meta) == 0.0 and eager.n_grads == g.n_grads
+    st.release()                            # every graph goes, the forwards' too
+    assert len(st.cache) == len(st.forwards) == 0 and fake.released == fake.captures
 
 
 def test_one_step_method_is_captured_on_buckets(tiny_model_dir, utterances):
