@@ -367,11 +367,12 @@ class FakeMethod:
         return difficulty if values is None else difficulty + self.planted[self.t]
 
 
-def drive(policy, fake, n, M):
-    """Call the policy exactly as DSUTA does (Algorithm 2): the 'slow update' sets meta to t."""
+def drive(policy, fake, n, M, start=1):
+    """Call the policy exactly as DSUTA does (Algorithm 2): the 'slow update' sets meta to t
+    (``start``: the first t, after a resume at a meta-update)."""
     policy.bind(fake)
     resets, n_buf = [], 0
-    for t in range(1, n + 1):
+    for t in range(start, n + 1):
         fake.t = t
         info = UttInfo(position=t - 1)
         assert policy.before_utterance(info) is None
@@ -433,6 +434,27 @@ def test_dynamic_reset_timeline_phi_D_gaussian_patience(make):
     assert all(e.reason == "detection" for e in lii_events[4:14])
     assert [e.value for e in lii_events[:4]] == pytest.approx(list(stats.values()), abs=1e-12)
     assert pol.last == 18 and pol.counter == 0
+
+
+def test_dynamic_reset_resumed_between_two_detections_keeps_its_count():
+    """patience 2, a run saved after the first detection (t = 12) and resumed: the second
+    detection (t = 14) resets, as in a run never stopped, not a third one (t = 16)."""
+    K, M, P = 8, 2, 2
+    stats = {5: 0.10, 6: -0.05, 7: 0.02, 8: 0.07}
+    mu, sd = statistics.mean(stats.values()), statistics.stdev(stats.values())
+    planted = {**stats, **{t: mu for t in range(9, 21)}}
+    planted.update({t: mu + 10 * sd for t in range(11, 17)})        # detections from t = 12
+    assert drive(DynamicReset(K=K, patience=P), FakeMethod(planted), 20, M) == [14]
+    first = DynamicReset(K=K, patience=P)
+    assert drive(first, FakeMethod(planted), 12, M) == [] and first.counter == 1
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = DynamicReset(K=K, patience=P)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    fake = FakeMethod(planted)
+    fake.meta[0].fill_(12.0)                                        # meta after the update at 12
+    assert drive(resumed, fake, 20, M, start=13) == [14]
 
 
 def test_dynamic_reset_gaussian_uses_sample_std_of_the_second_half():
