@@ -173,6 +173,18 @@ def test_memory_records_resume_and_old_checkpoints_start_them_anew(tmp_path):
     assert records.read_memory(tmp_path / "nothing") == []
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="Linux /proc only")
+def test_a_memory_sample_is_the_processs_resident_set_in_mib():
+    """rss_mb is the kernel's VmRSS (kB) in MiB, as the report and the README read it."""
+    def vmrss_kb():
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+    before = vmrss_kb()
+    rss = records.Memory.sample(0).rss_mb
+    after = vmrss_kb()
+    assert min(before, after) / 1024 - 0.5 <= rss <= max(before, after) / 1024 + 0.5
+
+
 @pytest.fixture(scope="module")
 def decoded(tmp_path_factory, tiny_model_dir):
     """source and dsuta on a 20-utterance stream, memory sampled every 5 utterances."""
