@@ -148,6 +148,22 @@ def test_a_resumed_writer_counts_the_kept_records_and_keeps_a_pending_reset(tmp_
     assert records.rows_done(tmp_path) == 8
 
 
+def test_a_writer_without_offsets_starts_every_record_file_anew(tmp_path):
+    """A run stopped before its first checkpoint decodes its stream again: the records of the
+    first start are written over, not appended to (a second header, every row twice)."""
+    w = RecordWriter(tmp_path)
+    w.transcript(transcript(0, n_err=1))
+    w.reject(Reject(1, "u1", "x.wav", "too short"))
+    w.reset(Reset(2, "u2", "lii", 0))
+    w.close()
+    w = RecordWriter(tmp_path)
+    w.transcript(transcript(0, n_err=2))
+    w.close()
+    assert [(t.position, t.n_err) for t in records.read_transcripts(tmp_path)] == [(0, 2)]
+    assert records.read_rejects(tmp_path) == [] and records.read_resets(tmp_path) == []
+    assert records.rows_done(tmp_path) == 1
+
+
 # ----------------------------------------------------------- StreamState's check at load
 def test_a_checkpoint_of_another_stream_is_refused_at_load(tmp_path):
     mine = {"stream_sha1": "aaa", "n_rows": 20, "method": "suta"}
