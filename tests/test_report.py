@@ -1048,6 +1048,17 @@ def test_a_record_line_past_csvs_field_limit_names_its_own_line(tmp_path):
         records.read_transcripts(d)
 
 
+def test_a_record_line_cut_short_says_how_many_of_its_fields_it_has(tmp_path):
+    """A line that stops before the header's last column (a copy cut short mid-line) names the
+    fields it has, the header's count and the first one missing."""
+    (tmp_path / "memory.csv").write_text("position,rss_mb,cuda_mb\n4,512.0,0.0\n9,513.5\n",
+                                         encoding="utf-8")
+    with pytest.raises(records.RecordError,
+                       match=r"memory\.csv:3: 2 of the header's 3 fields, no 'cuda_mb' "
+                             r"\(the line is cut short\)"):
+        records.read_memory(tmp_path)
+
+
 def test_a_grids_steps_sweep_gets_its_steps_table_and_reference(tmp_path):
     """The grid names a steps sweep's runs suta_steps1 / suta_steps10: they were two methods, so
     RESULTS.md had no "WER vs adaptation steps" table and every efficiency ratio was '-'."""
