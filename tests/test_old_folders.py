@@ -57,6 +57,26 @@ def test_resets_csv_and_its_summary_must_agree(tmp_path):
     assert clear_run(folder) == []      # what is not there is not said removed (--overwrite's line)
 
 
+def test_records_changed_after_the_run_with_as_many_rows_are_refused(tmp_path):
+    """An edited transcripts.csv (same utterances, other errors) or resets.csv (as many resets,
+    at other rows) is not the run its summary counted: refused naming the file."""
+    import pytest
+    from tta_brain.run.records import RecordError
+    folder = _old_folder(tmp_path, [2, 3])
+    path = folder / "transcripts.csv"
+    path.write_text(path.read_text().replace("0,u0,A,0,1.0,A B,A B,2,0,0,0,0",
+                                             "0,u0,A,0,1.0,A B,A,2,1,0,1,0"))
+    with pytest.raises(RecordError, match=r"transcripts.csv: 4 utterances, 8 words, 1 errors, "
+                                          r"but summary.json says 4, 8, 0"):
+        load_run(folder)
+    folder = _old_folder(tmp_path, [2, 3])
+    path = folder / "resets.csv"
+    path.write_text(path.read_text().replace("\n3,u3,", "\n1,u1,"))
+    with pytest.raises(RecordError, match=r"resets.csv: 2 resets at 1, 2, but summary.json says 2 "
+                                          r"at 2, 3"):
+        load_run(folder)
+
+
 def test_a_cea_run_fingerprinted_before_param_collection_is_the_same_run():
     """cea.yaml gained ``param_collection: clean`` and the item ``- param_collection: !ref
     <param_collection>`` in its adapt_params (11691bf): a finished CEA run fingerprinted before
