@@ -134,6 +134,19 @@ def test_compare_runs_follows_run_folders_gathered_by_links(tmp_path):
             if "summary.json" in files] == ["s/suta"]
 
 
+def test_the_results_walk_leaves_out_checkpoint_plot_and_hidden_folders(tmp_path):
+    """A results root's walk does not descend into runs' checkpoints (``save/``: hundreds of
+    files a run, over a network file system), plots or hidden folders."""
+    from tta_brain.run.folder import walk
+    run = tmp_path / "s" / "suta" / "seed0"
+    for sub in ("save/CKPT+1", "plots", ".snapshot/old", "__pycache__"):
+        (run / sub).mkdir(parents=True)
+        (run / sub / "summary.json").write_text("{}")
+    (run / "summary.json").write_text("{}")
+    assert [os.path.relpath(d, tmp_path) for d, _ in walk(tmp_path)] == [
+        ".", "s", "s/suta", "s/suta/seed0"]
+
+
 def test_compare_runs_never_reads_nothing_as_the_same(tmp_path, capsys):
     """A mistyped or empty root used to print '0 same, 0 different' and exit 0."""
     a, b = tmp_path / "a", tmp_path / "b"
