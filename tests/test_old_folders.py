@@ -75,6 +75,10 @@ def test_records_changed_after_the_run_with_as_many_rows_are_refused(tmp_path):
     with pytest.raises(RecordError, match=r"resets.csv: 2 resets at 1, 2, but summary.json says 2 "
                                           r"at 2, 3"):
         load_run(folder)
+    path.write_text(path.read_text().splitlines()[0] + "\n")     # every reset row lost
+    with pytest.raises(RecordError, match=r"resets.csv: 0 resets, but summary.json says 2 at 2, "
+                                          r"3 \(cut short"):
+        load_run(folder)
 
 
 def test_a_cea_run_fingerprinted_before_param_collection_is_the_same_run():
