@@ -2,8 +2,10 @@
 import csv
 import json
 
+import pytest
+
 from tta_brain.run.folder import load_run
-from tta_brain.run.records import CSV_FILES, _columns
+from tta_brain.run.records import CSV_FILES, RecordError, _columns
 
 
 def _old_folder(tmp_path, resets):
@@ -60,8 +62,6 @@ def test_resets_csv_and_its_summary_must_agree(tmp_path):
 def test_records_changed_after_the_run_with_as_many_rows_are_refused(tmp_path):
     """An edited transcripts.csv (same utterances, other errors) or resets.csv (as many resets,
     at other rows) is not the run its summary counted: refused naming the file."""
-    import pytest
-    from tta_brain.run.records import RecordError
     folder = _old_folder(tmp_path, [2, 3])
     path = folder / "transcripts.csv"
     path.write_text(path.read_text().replace("0,u0,A,0,1.0,A B,A B,2,0,0,0,0",
