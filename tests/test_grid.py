@@ -171,6 +171,20 @@ def test_compare_runs_never_reads_nothing_as_the_same(tmp_path, capsys):
         capsys.readouterr().out)
 
 
+def test_compare_runs_shows_the_first_differing_row_of_each_side(tmp_path):
+    """The line for a record file that differs shows its first differing row as each side has
+    it, a row one side lacks as ``-`` (a run that wrote more rows than the other)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, text in ((a, "ID,hyp\nu1,A\nu2,B\n"), (b, "ID,hyp\nu1,A\nu2,C\nu3,D\n")):
+        root.mkdir()
+        (root / "transcripts.csv").write_text(text)
+    assert compare_runs.compare(a, b)[0] == ("transcripts.csv: 3 vs 4 rows, first difference at "
+                                             "row 2: ['u2', 'B'] != ['u2', 'C']")
+    (a / "transcripts.csv").write_text("ID,hyp\nu1,A\n")              # b has one row more
+    assert compare_runs.compare(a, b)[0] == ("transcripts.csv: 2 vs 4 rows, first difference at "
+                                             "row 2: - != ['u2', 'C']")
+
+
 def test_compare_runs_says_every_difference_of_two_real_runs(data, tmp_path, capsys):
     """compare_runs proves that a change decoded the same: a copy of a real run is "same"
     (exit 0); one changed row of any record file (the last row too) or one changed result field
