@@ -1050,6 +1050,30 @@ def test_a_model_without_its_ctc_head_is_refused_alone(tmp_path, ok_stream, tiny
     assert len(said) == 1 and "the checkpoint has no CTC output layer" in said[0], res.stderr
 
 
+def test_transformers_loading_warnings_of_a_model_it_takes_are_still_said(tmp_path,
+                                                                         tiny_model_dir):
+    """transformers' loading warnings are held while the lobe checks the head, and said once it
+    takes the model: a checkpoint with weights the model does not use (another architecture's)
+    is warned of, not loaded silently (mutation audit: the held records were dropped)."""
+    import logging
+    from safetensors.torch import load_file, save_file
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, src)
+    weights = load_file(src / "model.safetensors")
+    save_file(dict(weights, **{"extra.weight": torch.zeros(2)}), src / "model.safetensors",
+              metadata={"format": "pt"})
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)    # it does not propagate to root
+    try:
+        HFCTCLobe(str(src))
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert [m for m in said if "were not used when initializing" in m and "extra.weight" in m]
+
+
 def test_a_vocabulary_that_does_not_name_every_output_is_refused(tmp_path, ok_stream,
                                                                   tiny_model_dir):
     """vocab.json of another model (fewer tokens than the model's outputs): the frames of the
