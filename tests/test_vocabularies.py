@@ -114,6 +114,21 @@ def test_text_to_labels_spells_the_text_in_the_models_characters(tmp_path):
     assert lobe.labels_to_text(lobe.text_to_labels("it's a cab")) == "IT'S A CAB"
 
 
+def test_greedy_decoding_of_one_utterance_or_a_batch(tmp_path):
+    """``decode`` / ``decode_labels`` take one utterance (``[F, V]`` logits, ``[F]`` frame labels)
+    as a batch of one: repeats merge, a blank between two stays two, the word delimiter is a
+    space (mutation audit: a 1-D ``decode_labels`` was read as a batch of frames)."""
+    vocab = ("<pad>", "<s>", "</s>", "<unk>", "|") + tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZ'")
+    lobe = HFCTCLobe(_model(tmp_path / "m", vocab))
+    ids = {t: i for i, t in enumerate(vocab)}
+    frames = torch.tensor([0, ids["A"], ids["A"], 0, ids["|"], ids["C"], 0, ids["C"], ids["A"],
+                           ids["B"], ids["B"], 0])
+    assert lobe.decode_labels(frames) == lobe.decode_labels(frames[None]) == ["A CCAB"]
+    logits = torch.nn.functional.one_hot(frames, len(vocab)).float()
+    assert lobe.decode(logits) == lobe.decode(logits[None]) == ["A CCAB"]
+    assert lobe.decode(torch.stack([logits, logits.flip(0)])) == ["A CCAB", "BACC A"]
+
+
 # ------------------------------------------------------------- MMS: one adapter per language
 @pytest.fixture(scope="module")
 def mms_dir(tmp_path_factory):
