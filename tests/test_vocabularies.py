@@ -117,7 +117,8 @@ def test_text_to_labels_spells_the_text_in_the_models_characters(tmp_path):
 def test_greedy_decoding_of_one_utterance_or_a_batch(tmp_path):
     """``decode`` / ``decode_labels`` take one utterance (``[F, V]`` logits, ``[F]`` frame labels)
     as a batch of one: repeats merge, a blank between two stays two, the word delimiter is a
-    space (mutation audit: a 1-D ``decode_labels`` was read as a batch of frames)."""
+    space, one between words (mutation audit: a 1-D ``decode_labels`` was read as a batch of
+    frames; spaces were left as the delimiters fell)."""
     vocab = ("<pad>", "<s>", "</s>", "<unk>", "|") + tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZ'")
     lobe = HFCTCLobe(_model(tmp_path / "m", vocab))
     ids = {t: i for i, t in enumerate(vocab)}
@@ -127,6 +128,9 @@ def test_greedy_decoding_of_one_utterance_or_a_batch(tmp_path):
     logits = torch.nn.functional.one_hot(frames, len(vocab)).float()
     assert lobe.decode(logits) == lobe.decode(logits[None]) == ["A CCAB"]
     assert lobe.decode(torch.stack([logits, logits.flip(0)])) == ["A CCAB", "BACC A"]
+    # delimiters at either end, or two apart (a blank between): one space between words only
+    d = ids["|"]
+    assert lobe.decode_labels(torch.tensor([d, ids["A"], d, 0, d, ids["B"], d])) == ["A B"]
 
 
 # ------------------------------------------------------------- MMS: one adapter per language
