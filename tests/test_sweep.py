@@ -1447,14 +1447,17 @@ def test_batched_skips_a_non_finite_run_as_its_separate_run(data, base):
         assert not torch.equal(batch.teacher[0], before[0])     # a kept step moves it
 
 
-def test_batched_sar_skips_non_finite_gradients_as_sar(data, monkeypatch):
-    """SAR's run 2 gets a finite loss with a NaN gradient in pass 1 (utterance 1) and in pass 2
-    (utterance 3): as its separate run, the step is skipped there (no ascent after pass 1, no
-    update after pass 2, the skip records, the pass counts), and run 1 is not touched."""
+@pytest.mark.parametrize("bad", ["gradient", "loss"])
+def test_batched_sar_skips_non_finite_gradients_as_sar(data, monkeypatch, bad):
+    """SAR's run 2 gets a finite loss with a NaN gradient (or a NaN loss with a finite gradient)
+    in pass 1 (utterance 1) and in pass 2 (utterance 3): as its separate run, the step is skipped
+    there (no ascent after pass 1, no update after pass 2, the skip records, the pass counts), and
+    run 1 is not touched."""
     from tta_brain.methods.batched_sar import BatchedSAR
     from tta_brain.methods.sar import SAR
     poison_at = {1: 1, 3: 2}                        # utterance -> the pass whose gradient is NaN
-    nan_grad = lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0   # value 0, gradient NaN
+    nan_grad = {"gradient": lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0,  # value 0
+                "loss": lambda lg: (lg - lg.detach()).sum() * 0.0 + math.nan}[bad]  # gradient 0
     cfgs = [(1e-2, 2, "none"), (1e-2, 2, "none")]
     batch, wavs, build = _batch(data, "sar", cfgs, e_margin_factor=1.01)
     seps = [build(*c) for c in cfgs]
