@@ -2068,6 +2068,25 @@ def test_batched_cea_temporal_coherence_weight_is_each_runs(data):
     assert max_diff(alone.params, seps[1].params) > 10 * PARAM_TOL
 
 
+def test_a_cea_batch_names_a_run_of_other_stage2_params(data):
+    """A CEA batch (an API user's, past the sweep's own checks) refuses runs whose stage 2 adapts
+    other tensors than run 1's (its stage-2 AdamW rows are run 1's columns of every row), naming
+    the run; runs of other stage-2 learning rates it takes."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import build_method
+    from tta_brain.methods.batched_cea import BatchedCEA
+
+    def cea(**kw):
+        return build_method("cea", model=HFCTCLobe(data["layer_cnn"]), steps=1, steps2=1, **kw)
+    first = cea()
+    BatchedCEA(first.lobe, [first, cea(lr2=1e-2)])
+    other = cea(stage2_params=["layernorm", "feature_projection"])     # (run 1's and more)
+    assert other.param_names == first.param_names              # stage 1 alike
+    with pytest.raises(ValueError) as e:
+        BatchedCEA(first.lobe, [first, other])
+    assert str(e.value) == "run 2: stage2_params differ from run 1's"
+
+
 @pytest.mark.parametrize("arch", ["sew", "wav2vec2-bert", "parakeet"])
 def test_batched_cea_without_coherence_on_a_model_without_a_separable_cnn(data, tmp_path, arch):
     """``tc_coef: 0`` (CEA on a model without a separable CNN feature encoder, README): batched
