@@ -995,6 +995,11 @@ def test_field_batch_state_is_the_methods_checkpoint(data, make, base):
         if base == "awmc":
             assert max_diff(m.leader, whole.split(whole.leader[r])) < PARAM_TOL
     again = resumed_batch(build, batch_of, cfgs, wavs, info, cut)
+    if base == "sar":          # saved before its next step: the EMA it loaded (SAR's, to rounding)
+        for v, s in zip(again.views, states):
+            mine, theirs = v.state_dict()["ema"], s["ema"]
+            assert (mine is None) == (theirs is None), (mine, theirs)
+            assert mine is None or abs(mine - theirs) < 1e-6, (mine, theirs)
     hyps = go(again, cut, cut + 1)
     if base == "sar":                      # the loss EMA went on from the checkpoint's, as SAR's
         for v, (m, _) in zip(again.views, resumed_methods(build, cfgs, states, wavs[:cut + 1],
