@@ -748,6 +748,9 @@ def test_one_runs_search_warning_is_in_its_log_alone(data, tmp_path, monkeypatch
     logs = [(o / "log.txt").read_text() for o in outs]
     assert "Batched sweep of 2 runs" in logs[0]                  # (a batch it was)
     assert "the search is diverging" in logs[1] and "the search is diverging" not in logs[0]
+    # and its summary keeps the end warning its separate run's keeps (``FreeView.end_warnings``)
+    said = [[w for w in load_run(o).summary.warnings if "the search diverged" in w] for o in outs]
+    assert [len(w) for w in said] == [0, 1], said
 
 
 @pytest.mark.parametrize("method,cfgs", [("csuta", CSUTA[:3]), ("ebats", EBATS[:3])])
