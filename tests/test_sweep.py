@@ -407,11 +407,13 @@ def test_each_run_is_timed_with_its_share_of_the_batched_steps(data, tmp_path, m
             (o, s.wall_time_s, s.n_utts)
 
 
-def test_a_batched_runs_warnings_are_its_separate_runs(data, tmp_path):
+@pytest.mark.parametrize("method,own", [("csuta", ["--lr=1e-3", "--lr=3e-3"]),
+                                        ("t3a", ["--filter_K=2", "--filter_K=5"])])
+def test_a_batched_runs_warnings_are_its_separate_runs(data, tmp_path, method, own):
     """A reset policy that cannot act on the stream (a fixed reset every 50 utterances of 20; an
     oracle reset on a stream of one segment: it needs the stream's boundaries) warns in the run's
     log and summary; a batched run's view of its policy must say the same (``RunView.warnings``
-    returning nothing went unnoticed: no test compared them)."""
+    returning nothing went unnoticed: no test compared them; a backprop-free run's view too)."""
     import csv
     with open(data["csv"], newline="") as f:
         rows = list(csv.DictReader(f))
@@ -420,10 +422,10 @@ def test_a_batched_runs_warnings_are_its_separate_runs(data, tmp_path):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(dict(r, segment="0") for r in rows)
-    cfgs = [["--lr=1e-3", "--reset=fixed", "--reset_every=50"], ["--lr=3e-3", "--reset=oracle"]]
-    seps = separate(one, tmp_path, "csuta", cfgs)
+    cfgs = [[own[0], "--reset=fixed", "--reset_every=50"], [own[1], "--reset=oracle"]]
+    seps = separate(one, tmp_path, method, cfgs)
     outs = [tmp_path / f"bat{i}" for i in range(len(cfgs))]
-    sweep.run([args(one, o, *c, method="csuta") for o, c in zip(outs, cfgs)])
+    sweep.run([args(one, o, *c, method=method) for o, c in zip(outs, cfgs)])
     got = [load_run(o).summary.warnings for o in outs]
     assert got == [load_run(s).summary.warnings for s in seps]
     assert any("never fires" in w for w in got[0])
