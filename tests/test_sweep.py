@@ -1213,6 +1213,8 @@ def test_free_batch_on_the_device_gives_the_separate_transcripts(data, device, n
         for r, v in enumerate(batch.views):
             got[r].append(v.process(w))
     assert got == want
+    assert [v.describe() for v in batch.views] == \
+        [f"{m.describe()}; batched run {r + 1} of 3" for r, m in enumerate(seps)]
     for r, m in enumerate(seps):
         assert batch.views[r].counts == m.counts
         assert [(e.kind, e.position) for e in batch.views[r].events] == \
