@@ -1958,6 +1958,7 @@ def test_batched_eata_reset_restarts_the_filter(data):
     batch.reset([0])
     seps[0].reset()
     assert batch.views[0].state_dict()["model_probs"] is None is seps[0].model_probs
+    batch.views[0].load_state_dict(seps[0].state_dict())   # a resume there: not started either
     for i, w in enumerate(wavs[3:8], 3):
         info = UttInfo(position=i, segment="0")
         batch.process([0, 1], w, info)
