@@ -1954,7 +1954,11 @@ def test_batched_eata_reset_restarts_the_filter(data):
     batch, wavs, build = _batch(data, "eata", cfgs, **kw)
     seps = [build(*c) for c in cfgs]
     lockstep(batch, seps, wavs[:3])
-    assert batch.views[0].state_dict()["model_probs"] is not None
+    saved = batch.views[0].state_dict()["model_probs"]
+    kept = saved.clone()
+    # its own row, not a view of the batch's [R, V] table: the checkpoint holds one run's
+    # averages, and the next steps do not change a state taken before them
+    assert saved.untyped_storage().nbytes() == saved.nbytes
     batch.reset([0])
     seps[0].reset()
     assert batch.views[0].state_dict()["model_probs"] is None is seps[0].model_probs
@@ -1967,6 +1971,7 @@ def test_batched_eata_reset_restarts_the_filter(data):
     for r, m in enumerate(seps):
         assert batch.views[r].counts == m.counts
         assert torch.allclose(batch.probs[r], m.model_probs, atol=1e-6)
+    assert torch.equal(saved, kept)
 
 
 def test_batched_eata_filter_and_fisher_settings_are_each_runs(data):
