@@ -1500,6 +1500,53 @@ def test_batched_sar_skips_non_finite_gradients_as_sar(data, monkeypatch, bad):
     assert seps[1].counts["adapt_forward"] == 5 * 2 * 2 - 2      # no pass 2 after a NaN pass 1
 
 
+@pytest.mark.parametrize("bad", ["gradient", "loss"])
+def test_batched_cea_skips_non_finite_steps_of_either_stage_as_cea(data, monkeypatch, bad):
+    """CEA's run 2 gets a finite loss with a NaN gradient (or a NaN loss with a finite gradient)
+    at its second stage-1 step of utterance 1 and its second stage-2 step of utterance 3: as its
+    separate run, that step is skipped (its skip records and counts, no update of that stage's
+    AdamW: its step counts and weights), and run 1 is not touched."""
+    from tta_brain.methods.batched_cea import BatchedCEA
+    from tta_brain.methods.cea import CEA
+    poison_at = {(1, False): 1, (3, True): 1}      # (utterance, stage 2) -> the poisoned step
+    nan_grad = {"gradient": lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0,  # value 0
+                "loss": lambda lg: (lg - lg.detach()).sum() * 0.0 + math.nan}[bad]  # gradient 0
+    cfgs = [(3e-3, 1, "none", dict(steps2=3, lr2=3e-3)), (1e-2, 2, "none")]
+    batch, wavs, build = _batch(data, "cea", cfgs, steps2=2, lr2=1e-2)
+    seps = [build(*c) for c in cfgs]
+    calls = {"sep": {}, "bat": {}}
+    loss_of, batched_losses = CEA.loss, BatchedCEA.losses
+
+    def poisoned(side, t, stage2, loss, logits):
+        n = calls[side][t, stage2] = calls[side].get((t, stage2), -1) + 1
+        return loss + nan_grad(logits) if poison_at.get((t, stage2)) == n else loss
+
+    def sep_loss(self, logits):
+        loss = loss_of(self, logits)
+        return poisoned("sep", self.t, self._stage2, loss, logits) if self is seps[1] else loss
+
+    def bat_losses(self, runs, logits, leaf, lengths=None):
+        loss, drop, why = batched_losses(self, runs, logits, leaf, lengths)
+        if 1 not in runs:
+            return loss, drop, why
+        j = runs.index(1)
+        one = poisoned("bat", self.views[1].t, self.stage2, loss[j], logits[j])
+        return torch.cat([loss[:j], one[None], loss[j + 1:]]), drop, why
+    monkeypatch.setattr(CEA, "loss", sep_loss)
+    monkeypatch.setattr(BatchedCEA, "losses", bat_losses)
+    lockstep(batch, seps, wavs[:4])
+    assert calls["bat"] == calls["sep"] == {(t, s): 1 for t in range(4) for s in (False, True)}
+    for r, m in enumerate(seps):                    # utterance 3's stage 2 skipped its last step
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+        for rows, opt in ((batch.fast, m.optimizer), (batch.second, m.optimizer2)):
+            theirs = opt.state_dict()["state"][0]
+            assert rows.steps[r] == theirs["step"], r
+    assert [(e.kind, e.position) for e in seps[1].events] == [("skip", 1), ("skip", 3)]
+    assert not seps[0].events
+    assert [s["state"][0]["step"] for s in (seps[1].optimizer.state_dict(),
+                                            seps[1].optimizer2.state_dict())] == [2, 1]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("base,most", [("dsuta", 2), ("cotta", 3)])
 def test_batch_synchronises_once_an_utterance_on_cuda(data, base, most):
