@@ -961,7 +961,8 @@ def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
                                                        "sets it for every run (from --exp_dir)")):
         with pytest.raises(SystemExit, match=re.escape(f"ERROR: {expected}")):
             plan(*extra)
-    (conf / "suta.opts").write_text("--lr 2e-4\n")       # a recipe setting the sweep replaces
+    # a recipe setting the sweep replaces (an indented comment is one: it was read as options)
+    (conf / "suta.opts").write_text("  # mine\n--lr 2e-4\n")
     swept = plan("--conf_dir", str(conf), "--sweep", "lr=3e-4")
     a = swept[0].argv                                    # the later (the sweep's) one wins
     assert a.index("--lr=2e-4") < a.index("--lr=3e-4") and "lr3e-4" in swept[0].name
