@@ -971,7 +971,10 @@ def test_grid_option_lists_are_read_as_decode_reads_them(data, tmp_path):
     (conf / "suta.opts").write_text("# mine\n--steps=2\n--lrr=2e-4\n")
     for extra, where in ((["--conf_dir", str(conf)], f"(--lrr from {conf / 'suta.opts'}:3)"),
                          (["--sweep", "steps=1,x"], "(--steps from --sweep)"),
-                         (["--decode_opts=--lr=abc"], "(--lr from --decode_opts)")):
+                         (["--decode_opts=--lr=abc"], "(--lr from --decode_opts)"),
+                         # the later list wins the key, and is named
+                         (["--md_streams", "s", "--md_decode_opts=--lr=1",
+                           "--decode_opts=--lr=abc"], "(--lr from --decode_opts)")):
         bad = [r for r in plan(*extra) if "stepsx" in r.name or "--sweep" not in extra]
         with pytest.raises(SystemExit) as e:
             decode.settings(bad[0].argv)
