@@ -693,6 +693,11 @@ def test_one_rule_for_an_option_a_method_lacks(data, tmp_path, caplog):
                                       "s/suta_steps1_lr0.2/seed0", "s/suta_steps1_lr0.2/seed1"]
     assert not any(a.startswith(("--steps", "--lr")) for a in runs[0].argv)
     assert caplog.text.count("source: --decode_opts --steps=1 is not a key of its yaml") == 1
+    caplog.clear()                                      # once per method, not once per stream
+    args.streams = [f"s={data['csv']}", f"t={data['csv']}"]
+    with caplog.at_level(logging.INFO, logger="tta_brain.grid"):
+        grid.plan_runs(args)
+    assert caplog.text.count("source: --decode_opts --steps=1 is not a key of its yaml") == 1
     for opts, where in (("--stepz=1", "--decode_opts"), ("", "--sweep")):
         args.decode_opts = opts
         args.sweep = ["lrr=0.1"] if where == "--sweep" else []
@@ -855,7 +860,7 @@ def test_a_sweep_that_would_lose_values_is_refused(sweep, expected):
         ["--lr=3e-4", "--steps=1"], ["--lr=3e-4", "--steps=3"]]
 
 
-def test_options_a_run_would_not_read_are_left_out_of_it(data, tmp_path):
+def test_options_a_run_would_not_read_are_left_out_of_it(data, tmp_path, caplog):
     """``--reset_every`` without a fixed reset was accepted and read by nothing: a plain run
     named ``csuta_reset_every7``, and the recipe's K and period reached every multi-domain run.
     The grid leaves such an option out of the runs that would not read it (the log says so),
@@ -868,6 +873,10 @@ def test_options_a_run_would_not_read_are_left_out_of_it(data, tmp_path):
     assert not [a for a in plain.argv if a.startswith("--reset")]
     assert [a for a in fixed.argv if a.startswith("--reset")] == [
         "--reset=fixed", "--reset_every=5", "--reset_every=7"]        # (the last one wins)
+    with caplog.at_level(logging.INFO, logger="tta_brain.grid"):   # said once, not per stream
+        grid.plan_runs(grid.parse_args(argv + ["--decode_opts=--reset_every=7", "--streams",
+                                               f"t={data['csv']}"]))
+    assert caplog.text.count("csuta: --reset_every=7 is not read by its run") == 1
     with pytest.raises(SystemExit, match=re.escape(
             "ERROR: --decode_opts --reset_K: no run of this grid reads it (with reset = 'none': "
             "it is only used with reset = dynamic)")):
