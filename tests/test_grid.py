@@ -917,6 +917,9 @@ def test_option_files_and_sets_apply_in_their_order(data, tmp_path):
     assert (last("snr20/md/dsuta/seed0", "lr"), last("snr20/md/dsuta/seed0", "steps")) == \
         ("--lr=0.2", "--steps=4")
     assert last("snr20/md/dsuta+dynamic/seed0", "lr") == "--lr=0.3"
+    # a token's md stream reads its method's <method>_md.opts (dsuta_md.opts for dsuta+dynamic)
+    assert [a for a in runs["snr20/md/dsuta+dynamic/seed0"].argv if a.startswith("--lr=")] == [
+        "--lr=0.1", "--lr=0.2", "--lr=0.3"]
 
 
 def test_options_a_run_would_not_read_are_judged_on_the_values_its_yaml_reads(data, tmp_path):
