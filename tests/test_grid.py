@@ -898,8 +898,8 @@ def test_options_a_run_would_not_read_are_left_out_of_it(data, tmp_path, caplog)
 def test_option_files_and_sets_apply_in_their_order(data, tmp_path):
     """A run's options come from <method>.opts, <method>_md.opts (a --md_streams stream, named
     by its last part when the stream's name has folders: ``snr20/md``), <token>.opts, the md
-    option sets and --decode_opts, later ones winning: the last --lr of its argv is what decode
-    takes."""
+    option sets (the recipe's, then the user's) and --decode_opts, later ones winning: the last
+    --lr of its argv is what decode takes."""
     conf = tmp_path / "conf"
     conf.mkdir()
     (conf / "dsuta.opts").write_text("--lr=0.1\n--steps=1\n")
@@ -907,7 +907,7 @@ def test_option_files_and_sets_apply_in_their_order(data, tmp_path):
     (conf / "dsuta+dynamic.opts").write_text("--lr=0.3\n")
     argv = grid_argv(data, tmp_path / "exp", "dsuta dsuta+dynamic", "0") + [
         "--conf_dir", str(conf), "--streams", f"snr20/md={data['csv']}", "--md_streams", "md",
-        "--md_decode_opts=--steps=4"]
+        "--md_recipe_opts=--steps=3", "--md_decode_opts=--steps=4"]
     runs = {r.name: r for r in grid.plan_runs(grid.parse_args(argv))}
 
     def last(run, key):
