@@ -985,6 +985,23 @@ def test_a_mistyped_source_on_a_folder_of_another_run_is_said_missing(tmp_path, 
     assert decode.plan(argv, device_here=False).status == "differs"
 
 
+def test_a_relative_source_path_in_missing_folders_is_said_missing(tmp_path, monkeypatch):
+    """A relative ``--source`` with two slashes (``runs/ft/model``), or one under an existing
+    folder, is a local path said missing, not a hub name said uncached; ``org/name`` is a hub
+    name (mutation audit: a path of two slashes read as a hub name)."""
+    from huggingface_hub import constants
+    from tta_brain.lobes.hf_ctc import source_problem
+    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")    # never resolves
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exp").mkdir()
+    for typo in ("runs/ft/model", "exp/model"):
+        assert source_problem(typo).startswith(f"source model directory not found: {typo} ")
+    assert "it is not in the local Hugging Face cache" in source_problem("org/not-cached")
+
+
 @pytest.mark.parametrize("damage,expected", [
     # a missing file is named, without what transformers made of it (400 model types, protobuf)
     ("rm vocab.json", "its tokenizer (vocab.json, tokenizer_config.json): vocab.json missing in "
