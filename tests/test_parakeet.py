@@ -71,6 +71,20 @@ def test_parakeet_logits_are_the_processors_and_models(models):
         assert max_diff([got], [want]) < 1e-6
 
 
+def test_a_parakeet_extractor_with_an_odd_n_fft_is_refused_in_one_line(models, tmp_path):
+    """The mask of the last frame (:attr:`masked_tail`) holds for an even n_fft only: an odd one
+    is refused, not decoded with a wrong mask (mutation audit: the check was dropped)."""
+    import shutil
+    d = tmp_path / "odd"
+    shutil.copytree(models["parakeet"], d)
+    cfg = json.loads((d / "preprocessor_config.json").read_text())
+    cfg.update(n_fft=cfg["win_length"] + 1 - cfg["win_length"] % 2)
+    (d / "preprocessor_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"^{d}: a Parakeet feature extractor with an odd n_fft "
+                                         rf"\({cfg['n_fft']}\) masks frames by the audio's length"):
+        HFCTCLobe(str(d))
+
+
 def test_word_pieces_become_words_and_a_repeated_piece_stays_two(models):
     """The pieces join by the tokenizer's own decoder (``\u2581`` starts a word), not by a
     character delimiter; the labels are collapsed already, so two equal pieces in a row are two
