@@ -212,6 +212,8 @@ def test_a_waveform_models_input_is_its_processors(tmp_path, attention_mask):
     for w in wavs:
         want = processor(w.numpy(), sampling_rate=16000, return_tensors="pt").input_values
         assert max_diff(lobe.prepare(w), want) < 1e-5
+        # a float64 waveform (numpy's default) is the model's float32 input, as the processor's
+        assert lobe.prepare(w.double()).dtype == torch.float32 == want.dtype
         with torch.no_grad():
             logits = model(want).logits
         assert max_diff(lobe.logits(lobe.prepare(w)), logits) < 1e-4
