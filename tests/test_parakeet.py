@@ -274,6 +274,16 @@ def test_parakeets_dropout_is_named_among_its_train_mode_draws(tmp_path):
     assert not any("dropout" in x for x in HFCTCLobe(quiet).train_draws())
 
 
+def test_a_dropout_module_that_no_config_key_names_is_a_train_mode_draw(tmp_path):
+    """A dropout module with p > 0 whose rate no ``*dropout*`` key of config.json gives is still
+    named (mutation audit: only the config's keys were read)."""
+    lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 0, arch="wav2vec2",
+                                           **dict(TINY, **NO_DROPOUT)))
+    assert lobe.train_draws() == []
+    lobe.model.dropout.p = 0.1
+    assert lobe.train_draws() == ["dropout (p=0.1)"]
+
+
 @pytest.mark.parametrize("arch,cfg", [("sew", TINY), ("sew-d", TINY_SEWD)])
 def test_sews_cnn_runs_as_matrix_products(tmp_path, arch, cfg):
     """``convolutions: gemm`` takes SEW's and SEW-D's CNN convolutions (SEW-D's were not found:
