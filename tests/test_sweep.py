@@ -2229,6 +2229,33 @@ def test_batched_t3a_runs_test_their_own_lii(data):
     assert not np.allclose(liis[0], liis[1], rtol=0, atol=10 * LII_TOL)   # the runs' own
 
 
+def test_batched_foa_runs_test_their_own_lii(data):
+    """Two batched FOA runs with their own dynamic reset (their own CMA-ES seed and sigma, so
+    their phi_D differ), one candidate per run and forward (population_batch 1):
+    each utterance's LII losses are each run's phi_D and start, two candidates per run, and
+    their LII values those of their separate runs; a forward carries one candidate of each run
+    (a generation's, or an LII's), and the batch counts its candidates, forwards and LII losses
+    as the separate runs count theirs."""
+    cfgs = [(1e-3, 1, "dynamic", dict(cma_seed=1)),
+            (1e-3, 1, "dynamic", dict(cma_seed=2, sigma=1.0))]
+    batch, wavs, build = _batch(data, "foa", cfgs, popsize=4, population_batch=1,
+                                source_stats=str(data["stats"]))
+    seps = [build(*c) for c in cfgs]
+    lockstep(batch, seps, wavs[:7])
+    liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
+    for r, m in enumerate(seps):
+        mine = [e.value for e in batch.views[r].events if e.kind == "lii"]
+        assert len(mine) == len(liis[r]) > 2 and np.allclose(mine, liis[r], rtol=0,
+                                                             atol=LII_TOL), (r, mine, liis[r])
+    n = min(len(liis[0]), len(liis[1]))
+    assert not np.allclose(liis[0][:n], liis[1][:n], rtol=0, atol=LII_TOL), liis  # runs' own
+    evaluated = [m.counts["adapt_forward"] for m in seps]
+    tested = [m.counts["aux_forward"] for m in seps]
+    at = {e.position for m in seps for e in m.events if e.kind == "lii"}   # 2 forwards each
+    assert batch.stats == {"forwards": evaluated[0], "candidates": sum(evaluated),
+                           "lii_losses": sum(tested), "lii_forwards": 2 * len(at)}, batch.stats
+
+
 def test_batched_csuta_runs_test_their_own_lii(data):
     """Two batched CSUTA runs with their own dynamic reset (their own lr, loss weights and so
     phi_D), beside a run with none, take each utterance's LII losses from the one forward of
