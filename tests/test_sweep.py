@@ -2042,6 +2042,22 @@ def test_batched_eata_filter_and_fisher_settings_are_each_runs(data):
     assert max_diff(seps[0].params, seps[1].params) > 10 * PARAM_TOL
 
 
+def test_batched_eata_runs_take_one_fisher_file(data, tmp_path):
+    """The batch holds one Fisher information, the statistics file's: runs with the Fisher term
+    from two files are refused, both named; a run without the term (fisher_alpha 0) may name
+    another file, and the batch's Fisher is the first run's."""
+    from test_field_methods import fisher_file
+    other = fisher_file(tmp_path / "other.pt", data["model"], value=2.0)
+    cfgs = [(1e-3, 1, "none", dict(fisher_alpha=1.0, source_stats=data["fisher"])),
+            (1e-3, 1, "none", dict(fisher_alpha=1.0, source_stats=other))]
+    with pytest.raises(ValueError, match="the runs' Fisher statistics files differ: .*other.pt"):
+        _batch(data, "eata", cfgs)
+    batch = _batch(data, "eata", [cfgs[0], (1e-3, 1, "none", dict(fisher_alpha=0.0,
+                                                                   source_stats=other))])[0]
+    assert batch.fisher_alpha == [1.0, 0.0] and batch.fisher is not None
+    assert torch.all(batch.fisher == 0.5)                    # data["fisher"]'s value
+
+
 def test_batched_sar_temperature_and_loss_ema_are_each_runs(data):
     """Batched SAR runs with their own entropy temperature (the run with more steps takes its
     last step alone) go on as their separate runs; after every utterance each run's checkpoint
