@@ -273,6 +273,19 @@ def test_suta_alpha_extremes():
         assert close(mc[b], ref_mcc(x[b]))
 
 
+def test_suta_forwards_its_options_to_both_terms():
+    """Temperature, path, reweight and num_classes reach the term they belong to: the entropy
+    over the given path's non-blank frames, the MCC at the same temperature with its options."""
+    x = rand_logits(2, 10, 6, seed=23, blank_bias=1.0)
+    path = torch.tensor([[0, 1, 1, 0, 2, 0, 3, 0, 0, 4], [5, 0, 0, 2, 2, 0, 1, 0, 3, 0]])
+    assert not torch.equal(path != BLANK, x.argmax(-1) != BLANK)
+    got = losses.suta_loss(x, alpha=0.4, temperature=1.3, path=path, reweight=False, num_classes=32)
+    for b in range(2):
+        want = (0.4 * ref_entropy(x[b], T=1.3, path=path[b])
+                + 0.6 * ref_mcc(x[b], T=1.3, reweight=False, num_classes=32))
+        assert close(got[b], want)
+
+
 def test_suta_float32_close_to_reference():
     x = rand_logits(2, 50, 32, seed=10, blank_bias=2.0, dtype=torch.float32)
     got = losses.suta_loss(x)
@@ -348,6 +361,18 @@ def test_negative_sampling_threshold_uses_untempered_probs():
     assert (pt > 0.1).all()
 
 
+def test_negative_sampling_every_class_negative_is_finite():
+    """A flat frame under a threshold above 0.1 makes every class a negative (mass 1): the loss
+    stays finite (mass clamped below 1), with a finite gradient."""
+    x = torch.zeros(1, 3, 5, dtype=torch.float64)
+    x[0, 1] = rand_logits(1, 1, 5, seed=25)[0, 0]
+    x.requires_grad_(True)
+    got = losses.negative_sampling_loss(x, threshold=0.2)
+    assert torch.isfinite(got).all() and float(got[0]) > 1.0
+    got.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
 def test_negative_sampling_gradient_only_through_tempered_probs():
     x = rand_logits(1, 5, 6, seed=14).requires_grad_(True)
     losses.negative_sampling_loss(x)[0].backward()
@@ -396,6 +421,17 @@ def test_ctc_pseudo_label_tiny_case_by_enumeration():
     ref = -math.log(tot)
     assert close(ref, ref_ctc_nll(x[0], [1]), tol=1e-12)  # the reference itself is right
     assert close(losses.ctc_pseudo_label_loss(x, [torch.tensor([1])])[0], ref, tol=1e-5)
+
+
+def test_ctc_pseudo_label_blank_id_other_than_zero():
+    """A vocabulary whose blank is not label 0 (e.g. last): CTC's blank is ``blank_id``."""
+    x = rand_logits(2, 6, 4, seed=24)
+    targets = [torch.tensor([0, 2]), torch.tensor([1, 1])]
+    got = losses.ctc_pseudo_label_loss(x, targets, blank_id=3)
+    for b in range(2):
+        want = ref_ctc_nll(x[b], targets[b].tolist(), blank=3) / len(targets[b])
+        assert close(got[b], want, tol=1e-5)
+    assert not close(got[0], ref_ctc_nll(x[0], [1, 2]) / 2, tol=1e-3)
 
 
 def test_ctc_pseudo_label_empty_and_impossible_targets():
