@@ -93,6 +93,20 @@ def test_confidence_weighted_entropy_gradient_flows_through_the_weight():
     assert float(x.grad.abs().max()) > 1e-3                 # a gradient to compare at all
 
 
+def test_confidence_weighted_entropy_default_temperature_and_explicit_path():
+    """T defaults to 2.5; a given path (not the argmax) picks the non-blank frames."""
+    x = logits(seed=5)
+    assert abs(float(losses.confidence_weighted_entropy_loss(x)[0]) - ref_confidence_weighted(x)) < 1e-9
+    path = x[0].argmax(-1).clone()
+    path[:6] = torch.where(path[:6] == BLANK, torch.ones_like(path[:6]), torch.zeros_like(path[:6]))
+    kept = x[0, path != BLANK]
+    hs = [_entropy(_softmax(row, 2.5)) for row in kept]
+    want = sum(h / (1 + math.exp(-h)) for h in hs) / len(hs)
+    got = losses.confidence_weighted_entropy_loss(x, path=path[None])
+    assert abs(float(got[0]) - want) < 1e-9
+    assert abs(float(got[0]) - ref_confidence_weighted(x)) > 1e-6
+
+
 def test_confidence_weighted_entropy_all_blank_is_zero():
     x = logits(blank_bias=50.0)
     assert float(losses.confidence_weighted_entropy_loss(x)[0]) == 0.0
@@ -106,6 +120,16 @@ def test_symmetric_cross_entropy_matches_reference(seed):
     # identical distributions: the entropy of the student's non-blank frames
     same = losses.symmetric_cross_entropy_loss(x, x, blank_id=BLANK)
     assert abs(float(same[0]) - float(losses.entropy_loss(x, temperature=1.0)[0])) < 1e-9
+
+
+def test_symmetric_cross_entropy_ignores_padding():
+    """With ``lengths``, the padded frames (here non-blank garbage) are not averaged."""
+    x, teacher = logits(T=9, seed=6), logits(T=9, seed=16)
+    pad = 30 * torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(7), dtype=x.dtype)
+    pad[..., 1] += 100
+    px, pt = torch.cat([x, pad], 1), torch.cat([teacher, -pad], 1)
+    got = losses.symmetric_cross_entropy_loss(px, pt, lengths=torch.tensor([9]), blank_id=BLANK)
+    assert abs(float(got[0]) - ref_symmetric_ce(x, teacher)) < 1e-9
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -142,6 +166,7 @@ def test_fisher_penalty_matches_reference_and_gradient():
     got.backward()
     for p, a, f in zip(params, anchors, fisher):   # d/dtheta = 2 F (theta - theta0)
         assert torch.allclose(p.grad, 2 * f * (p.detach() - a))
+    assert float(losses.fisher_penalty([], [], [])) == 0.0      # no parameter: no penalty
 
 
 def test_mean_probability_and_entropy_margin():
