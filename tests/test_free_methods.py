@@ -481,6 +481,11 @@ def test_hidden_and_token_stats_against_slow_references(setup):
         s, m = torch.std_mean(torch.stack(zs), dim=0, unbiased=False)
         assert int(tok["count"][v]) == len(zs)
         assert torch.allclose(tok["mean"][v], m, atol=1e-5) and torch.allclose(tok["std"][v], s, atol=1e-4)
+    unseen = tok["count"] == 0                      # never predicted: zeros, not 0 / 0
+    assert unseen.any() and (tok["mean"][unseen] == 0).all() and (tok["std"][unseen] == 0).all()
+    for fn in (act.hidden_stats, act.token_stats):
+        with pytest.raises(ValueError, match=r"statistics: no utterances"):
+            fn(lobe, [])
 
 
 def test_statistic_losses_against_slow_references():
@@ -520,6 +525,13 @@ def test_early_stop_as_the_reference():
     # worse generation, then a gain on it, clears the count
     stop = EarlyStop(0.001, 2, previous=math.inf)
     assert [stop(b) for b in (1.0, 2.0, 1.5, 1.4, 1.4, 1.4)] == [False] * 5 + [True]
+
+
+@pytest.mark.parametrize("name", ["ebats", "foa"])
+def test_statistics_path_expands_data_root(setup, name):
+    """``--source_stats=$data_root/...`` reads the file under the run's data root."""
+    m = build(setup, name, source_stats="$data_root/stats.pt", data_root=str(setup["stats"].parent))
+    assert torch.equal(m.stats["hidden"]["cnn_mean"], build(setup, name).stats["hidden"]["cnn_mean"])
 
 
 def test_missing_statistics_file_is_one_line_naming_the_command(setup, tmp_path):
