@@ -96,7 +96,8 @@ def test_confidence_weighted_entropy_gradient_flows_through_the_weight():
 def test_confidence_weighted_entropy_default_temperature_and_explicit_path():
     """T defaults to 2.5; a given path (not the argmax) picks the non-blank frames."""
     x = logits(seed=5)
-    assert abs(float(losses.confidence_weighted_entropy_loss(x)[0]) - ref_confidence_weighted(x)) < 1e-9
+    default = float(losses.confidence_weighted_entropy_loss(x)[0])
+    assert abs(default - ref_confidence_weighted(x)) < 1e-9
     path = x[0].argmax(-1).clone()
     path[:6] = torch.where(path[:6] == BLANK, torch.ones_like(path[:6]), torch.zeros_like(path[:6]))
     kept = x[0, path != BLANK]

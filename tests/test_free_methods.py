@@ -531,7 +531,8 @@ def test_early_stop_as_the_reference():
 def test_statistics_path_expands_data_root(setup, name):
     """``--source_stats=$data_root/...`` reads the file under the run's data root."""
     m = build(setup, name, source_stats="$data_root/stats.pt", data_root=str(setup["stats"].parent))
-    assert torch.equal(m.stats["hidden"]["cnn_mean"], build(setup, name).stats["hidden"]["cnn_mean"])
+    plain = build(setup, name)
+    assert torch.equal(m.stats["hidden"]["cnn_mean"], plain.stats["hidden"]["cnn_mean"])
 
 
 def test_missing_statistics_file_is_one_line_naming_the_command(setup, tmp_path):
