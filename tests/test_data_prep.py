@@ -26,7 +26,7 @@ from tta_brain.data.manifest import (STREAM_COLUMNS, ManifestError, ManifestNotF
                                      validate_manifest, write_manifest)
 from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
 from tta_brain.data.prep.ms_snsd import corrupt_manifest, manifest_path
-from tta_brain.data.prep.noise_table import LS_C_NOISES
+from tta_brain.data.prep.noise_table import LS_C_NOISES, find_noise_dir
 
 SR = 16000
 
@@ -309,6 +309,7 @@ def test_corrupt_layout_manifest_and_measured_snr(clean_set, tmp_path):
             src = clean[r["source_id"]]
             assert r["ID"] == f"{r['source_id']}_{code}" and r["domain"] == code
             assert r["snr"] == str(snr) and r["wrd"] == src["wrd"]
+            assert r["spk_id"] == src["spk_id"] != ""
             wav = out / f"{snr}dB" / code / f"{r['source_id']}.wav"
             assert r["wav"] == f"$data_root/ls_c/{snr}dB/{code}/{r['source_id']}.wav"
             speech = load_audio(src["wav"]).numpy()
@@ -372,8 +373,45 @@ def test_corrupt_errors(clean_set, tmp_path):
     empty = tmp_path / "empty_snsd" / "noise_test"
     empty.mkdir(parents=True)
     sf.write(str(empty / "Other.wav"), np.ones(10, dtype=np.float32) * 0.1, SR)
-    with pytest.raises(FileNotFoundError, match="AirConditioner_6.wav"):
+    with pytest.raises(FileNotFoundError, match="AirConditioner_6.wav.*check MS_SNSD"):
         corrupt_manifest(manifest, tmp_path / "o", codes=["AC"], noise_dir=empty.parent)
+
+
+def test_noise_folder_is_noise_test_or_the_folder_itself(clean_set, tmp_path):
+    """An MS-SNSD clone's noise_test/ is used before noise files beside it, an empty noise_test/
+    is passed over, and a folder of .flac noises is one (the table names the .flac file)."""
+    _, _, manifest = clean_set
+    root = tmp_path / "noises"
+    (root / "noise_test").mkdir(parents=True)
+    sf.write(str(root / "hum.wav"), fake_noise(0.25, 3), SR)
+    assert find_noise_dir(root) == root            # noise_test/ is empty
+    sf.write(str(root / "noise_test" / "hum.wav"), fake_noise(0.25, 4), SR)
+    assert find_noise_dir(root) == root / "noise_test"
+    flac = tmp_path / "flac"
+    flac.mkdir()
+    sf.write(str(flac / "hum.flac"), fake_noise(0.25, 5), SR)
+    written = corrupt_manifest(manifest, tmp_path / "o", table={"HUM": "hum.flac"},
+                               noise_dir=flac)
+    assert len(read_manifest(written[("HUM", 5)])) == len(read_manifest(manifest))
+
+
+def test_corrupt_at_another_sample_rate(small_set, tmp_path):
+    """--sample_rate 8000: speech and noise are read at 8 kHz and the mixtures written at it."""
+    manifest, noise_dir = small_set
+    out = tmp_path / "c8"
+    assert prepare.main(["corrupt", "--manifest", str(manifest), "--out", str(out), "--domains",
+                         "AC", "GS", "--noise_dir", str(noise_dir), "--sample_rate", "8000"]) == 0
+    clean = {r["ID"]: r for r in read_manifest(manifest)}
+    for code in ("AC", "GS"):
+        for r in read_manifest(manifest_path(out, code, 5)):
+            assert sf.info(r["wav"]).samplerate == 8000
+            speech = load_audio(clean[r["source_id"]]["wav"], 8000).numpy()
+            mixed = load_audio(r["wav"], 8000).numpy()
+            assert mixed.size == speech.size
+            noise = gaussian_noise(speech.size, utterance_seed(666, r["source_id"])) \
+                if code == "GS" else tile_or_cut(load_audio(noise_dir / LS_C_NOISES[code],
+                                                            8000).numpy(), speech.size)
+            assert estimate_snr_db(mixed, speech, noise) == pytest.approx(5, abs=0.1)
 
 
 def test_corrupt_names_a_silent_utterance(small_set, tmp_path):
@@ -928,6 +966,22 @@ def test_corrupt_refuses_ids_that_are_no_file_names_and_missing_columns(small_se
     assert prepare.main(args + [str(bad)]) == 1
     assert "uses a placeholder; pass the folder it stands for (--source_data_root)" in \
         capsys.readouterr().err
+    root = manifest.parent / "ls"                 # the placeholder resolved: mixed as before
+    write_manifest(bad, [dict(r, wav="$data_root/" + str(Path(r["wav"]).relative_to(root)))
+                         for r in rows])
+    assert prepare.main(args + [str(bad), "--source_data_root", str(root), "--out",
+                                str(tmp_path / "placeholders")]) == 0
+    assert len(list((tmp_path / "placeholders" / "5dB" / "AC").glob("*.wav"))) == len(rows)
+    capsys.readouterr()
+    write_manifest(bad, rows + [dict(rows[0], wrd="ANOTHER TEXT")])
+    assert prepare.main(args + [str(bad)]) == 1   # two utterances, one mixture file
+    assert capsys.readouterr().err.strip() == (
+        f"ERROR: {bad}: duplicate ID {rows[0]['ID']!r} (mixtures are named by ID)")
+    gone = tmp_path / "gone.wav"
+    write_manifest(bad, [dict(rows[0], wav=str(gone))] + rows[1:])
+    assert prepare.main(args + [str(bad)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"ERROR: {bad}: audio of {rows[0]['ID']} not found: {gone}")
     for snr in ("1e6", "-7000", "151"):
         with pytest.raises(SystemExit):
             prepare.main(args + [str(manifest), "--snrs", snr])
