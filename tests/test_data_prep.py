@@ -348,6 +348,9 @@ def test_custom_domain_table_from_yaml(clean_set, tmp_path):
     assert (tmp_path / "syn" / "10dB" / "HUM").is_dir()
     with pytest.raises(ValueError, match="unknown domain code"):
         corrupt_manifest(manifest, tmp_path / "x", codes=["AC"], table=table, noise_dir=noise_dir)
+    table.write_text("1: gaussian\n")  # a numeric code, as --domains gives it (a string)
+    assert set(corrupt_manifest(manifest, tmp_path / "num", table=table, codes=["1"])) == \
+        {("1", 5)}
     table.write_text("{}\n")           # nothing to corrupt: said, not an empty success
     with pytest.raises(ValueError, match="a domain table must map domain codes to noise file"):
         corrupt_manifest(manifest, tmp_path / "x", table=table, noise_dir=noise_dir)
@@ -770,7 +773,7 @@ def test_cli_md_streams_follow_their_sizes_and_every_domain_they_draw_from(clean
                          "--domains", "GS", "AC", "--noise_dir", str(noise_dir)]) == 0
     args = ["streams", "--manifest_dir", str(tmp_path / "c" / "manifests"), "--out",
             str(tmp_path / "s"), "--names", "md_easy", "md_long", "--md_easy_order", "AC", "GS",
-            "--total", "6", "--min_len", "1", "--max_len", "3"]
+            "--total", "6", "--min_len", "1", "--max_len", "3", "--md_long_domains", "GS", "AC"]
     assert prepare.main(args + ["--per_domain", "2"]) == 0
     capsys.readouterr()
     assert prepare.main(args + ["--per_domain", "1"]) == 1
@@ -783,6 +786,27 @@ def test_cli_md_streams_follow_their_sizes_and_every_domain_they_draw_from(clean
     assert err.startswith(f"ERROR: 2 streams in {tmp_path / 's' / 'streams'} exist and a "
                           "rebuild differs from them (md_easy, md_long; e.g. md_easy.csv: "
                           f"input file {src.resolve()} changed (sha1"), err
+
+
+def test_cli_streams_default_names(tmp_path):
+    """Without --names: every domain's single-domain stream and all MD presets from
+    --manifest_dir, one 'random' stream from a --manifest (e.g. CHiME-3)."""
+    make_librispeech(tmp_path / "ls", speakers=(7, 8, 9, 10, 11), utts=5)  # 25: md_easy_s20
+    manifest = prepare_librispeech(tmp_path / "ls", tmp_path / "clean.csv")
+    table = tmp_path / "table.yaml"                # the LS-C codes, all Gaussian (fast)
+    table.write_text("".join(f"{code}: gaussian\n" for code in LS_C_NOISES))
+    assert prepare.main(["corrupt", "--manifest", str(manifest), "--out", str(tmp_path / "c"),
+                         "--domain_table", str(table)]) == 0
+    assert prepare.main(["streams", "--manifest_dir", str(tmp_path / "c" / "manifests"), "--out",
+                         str(tmp_path / "s"), "--per_domain", "25", "--total", "6", "--min_len",
+                         "1", "--max_len", "3"]) == 0
+    assert sorted(p.stem for p in (tmp_path / "s" / "streams").glob("*.csv")) == \
+        sorted(list(LS_C_NOISES) + list(prepare.DEFAULT_STREAMS))
+    one = tmp_path / "c" / "manifests" / "GS_5dB.csv"
+    assert prepare.main(["streams", "--manifest", str(one), "--out", str(tmp_path / "r")]) == 0
+    assert [p.name for p in (tmp_path / "r" / "streams").glob("*.csv")] == ["random.csv"]
+    assert len(read_manifest(tmp_path / "r" / "streams" / "random.csv")) == \
+        len(read_manifest(manifest))
 
 
 def test_cli_streams_refusal_names_every_differing_stream(clean_set, tmp_path, capsys):
