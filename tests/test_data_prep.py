@@ -788,7 +788,7 @@ def test_cli_md_streams_follow_their_sizes_and_every_domain_they_draw_from(clean
                           f"input file {src.resolve()} changed (sha1"), err
 
 
-def test_cli_streams_default_names(tmp_path):
+def test_cli_streams_default_names(tmp_path, caplog):
     """Without --names: every domain's single-domain stream and all MD presets from
     --manifest_dir, one 'random' stream from a --manifest (e.g. CHiME-3)."""
     make_librispeech(tmp_path / "ls", speakers=(7, 8, 9, 10, 11), utts=5)  # 25: md_easy_s20
@@ -802,6 +802,7 @@ def test_cli_streams_default_names(tmp_path):
                          "1", "--max_len", "3"]) == 0
     assert sorted(p.stem for p in (tmp_path / "s" / "streams").glob("*.csv")) == \
         sorted(list(LS_C_NOISES) + list(prepare.DEFAULT_STREAMS))
+    assert "no stream of" not in caplog.text      # every size option was taken by some stream
     one = tmp_path / "c" / "manifests" / "GS_5dB.csv"
     assert prepare.main(["streams", "--manifest", str(one), "--out", str(tmp_path / "r")]) == 0
     assert [p.name for p in (tmp_path / "r" / "streams").glob("*.csv")] == ["random.csv"]

@@ -245,6 +245,8 @@ def test_a_negative_stream_or_noise_seed_is_one_line_before_anything_is_written(
                       # every utterance left out: 'domain AC has 0 utterances'
                       (["streams", "--manifest", "m.csv", "--out", "o", "--max_duration", "-1"],
                        "streams --max_duration -1.0: must be a number of seconds >= 0"),
+                      (["streams", "--manifest", "m.csv", "--out", "o", "--max_duration", "nan"],
+                       "streams --max_duration nan: must be a number of seconds >= 0"),
                       (["corrupt", "--manifest", "m.csv", "--out", "o", "--snrs", "5", "nan"],
                        "corrupt --snrs nan: must be a number of dB from -150 to 150")):
         with pytest.raises(SystemExit):
