@@ -466,6 +466,33 @@ def test_kernel_caches_are_bounded_unless_the_user_sets_them(data, tmp_path):
     assert records(tmp_path / "bounded") == records(tmp_path / "user")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_freed_memory_returns_freed_heap_pages():
+    """The pages of freed heap blocks that glibc keeps (a block still in use above them: the heap
+    cannot shrink from its top) go back to the OS: the process's RSS falls by about their size
+    (TRIM_EVERY utterances in a long stream; tools/bench_memory.py)."""
+    import ctypes
+    from tta_brain.lobes.runtime import release_freed_memory
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    blocks = [libc.malloc(4096) for _ in range(10000)]       # 40 MB below the mmap threshold
+    for b in blocks:
+        ctypes.memset(b, 1, 4096)
+    top = libc.malloc(64)
+    for b in blocks:
+        libc.free(b)
+    try:
+        before = rss()
+        release_freed_memory()
+        assert before - rss() > 20e6
+    finally:
+        libc.free(top)
+
+
 def test_a_finished_run_leaves_nothing_alive_in_the_process(data, tmp_path):
     """A grid job's runs one after another, a sweep's fallback: after ``decode.main`` returns,
     the run's model is gone without waiting for Python's cyclic collector (the method and its

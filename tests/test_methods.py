@@ -1457,6 +1457,9 @@ def test_a_float64_default_dtype_is_one_line(tiny_model_dir, tiny_lobe, utteranc
             build_method("suta", model=tiny_lobe)
         with pytest.raises(ValueError, match="^suta.process: torch's default dtype"):
             m.process(utterances[0])
+        torch.set_default_dtype(torch.bfloat16)             # a narrower one is refused alike
+        with pytest.raises(ValueError, match="^suta: torch's default dtype is torch.bfloat16"):
+            build_method("suta", model=tiny_lobe)
     finally:
         torch.set_default_dtype(torch.float32)
     assert m.t == 0 and isinstance(m.process(utterances[0]), str)

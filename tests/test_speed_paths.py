@@ -163,6 +163,8 @@ def test_feature_cache_auto_off_when_the_cnn_adapts(make):
                     ).features.enabled                              # its CNN adapts
     with pytest.raises(ValueError, match="feature-encoder parameters are adapted"):
         make("suta", cache_features="on")
+    assert make("suta", cache_features="on",                              # on where it is exact
+                adapt_params=({"select": "feature_projection"},)).features.enabled
 
 
 def test_feature_cache_in_train_mode_where_the_cnn_draws_nothing(make, utterances):
@@ -249,6 +251,18 @@ def test_cpu_native_backward_matches_onednn(make, utterances):
     assert run(native, stream) == run(onednn, stream)
 
 
+def test_a_failed_backward_restores_onednn():
+    """oneDNN's process-wide flag comes back when the native-kernel backward raises (a method's
+    error, a second backward through a freed graph): the rest of the process keeps oneDNN."""
+    from tta_brain.lobes.runtime import Runtime
+    p = nn.Parameter(torch.randn(4))
+    loss = p.exp().sum()
+    Runtime().backward(loss, [p], torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        Runtime().backward(loss, [p], torch.device("cpu"))
+    assert torch.backends.mkldnn.enabled
+
+
 # ----------------------------------------------------------------------------- state copies
 def _loop_copy(src, src_params, dst, dst_params):
     """The per-tensor reference of copy_optimizer_state."""
@@ -323,6 +337,27 @@ def test_bf16_autocast_runs_and_fp16_scale_is_undone(make, utterances):
     scale = max(float(g.abs().max()) for g in grads[2])
     err_scaled, err_unscaled = max_diff(grads[0], grads[2]), max_diff(grads[1], grads[2])
     assert err_scaled < 0.01 * scale and 10 * err_scaled < err_unscaled
+
+
+def test_fp16_backward_skips_parameters_without_a_gradient():
+    """A selected parameter the loss does not reach (``masked_spec_embed`` in eval mode under
+    ``select: all``) has no gradient: the unscaled gradients are those of the others."""
+    from tta_brain.lobes.runtime import Runtime
+    used, unused = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2))
+    grads = Runtime(precision="fp16").backward((used ** 2).sum(), [used, unused],
+                                               torch.device("cpu"))
+    assert len(grads) == 1 and torch.allclose(grads[0], 2 * used.detach())
+
+
+def test_feature_cache_runs_in_the_forwards_precision(make, utterances):
+    """Under bf16 the cached CNN features are computed in the autocast of the passes they stand
+    for: a cached run equals the uncached one bit for bit."""
+    kw = dict(steps=2, lr=1e-3, precision="bf16", adapt_params=({"select": "feature_projection"},))
+    cached, off = make("suta", **kw), make("suta", cache_features="off", **kw)
+    assert cached.features.enabled and not off.features.enabled
+    stream = items(utterances, 3)
+    assert run(cached, stream) == run(off, stream)
+    assert max_diff(cached.params, off.params) == 0.0
 
 
 @pytest.mark.skipif(not os.environ.get("TTA_TEST_COMPILE"),
