@@ -258,9 +258,12 @@ def test_a_failed_backward_restores_onednn():
     p = nn.Parameter(torch.randn(4))
     loss = p.exp().sum()
     Runtime().backward(loss, [p], torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        Runtime().backward(loss, [p], torch.device("cpu"))
-    assert torch.backends.mkldnn.enabled
+    try:
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            Runtime().backward(loss, [p], torch.device("cpu"))
+        assert torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = True
 
 
 # ----------------------------------------------------------------------------- state copies

@@ -102,7 +102,7 @@ def test_the_cache_follows_changes(tiny_model_dir):
 
 def test_the_cache_follows_tensors_swapped_in(tiny_model_dir):
     """load_state_dict(assign=True) puts new g and v tensors in (their versions may equal the old
-    ones'): the weight is theirs, not the cached one."""
+    ones'), and so does assigning g alone: the weight is theirs, not the cached one."""
     lobe = HFCTCLobe(tiny_model_dir).requires_grad_(False)
     conv, norm = pos_conv(lobe), cached_norms(lobe)[0]
     before = conv.weight.clone()
@@ -115,6 +115,11 @@ def test_the_cache_follows_tensors_swapped_in(tiny_model_dir):
     assert v._version == 0 and not torch.equal(conv.weight, before)
     assert torch.equal(conv.weight, torch._weight_norm(v, conv.parametrizations.weight.original0,
                                                        norm.dim))
+    g = conv.parametrizations.weight.original0             # g alone, a new tensor of the same version
+    conv.parametrizations.weight.original0 = torch.nn.Parameter(g * 2.0, requires_grad=False)
+    new_g = conv.parametrizations.weight.original0
+    assert new_g._version == g._version and new_g.data_ptr() != g.data_ptr()
+    assert torch.equal(conv.weight, torch._weight_norm(v, new_g, norm.dim))
 
 
 def test_inside_a_capture_the_cache_is_read_but_never_filled(tiny_model_dir, monkeypatch):
