@@ -115,7 +115,7 @@ def test_the_cache_follows_tensors_swapped_in(tiny_model_dir):
     assert v._version == 0 and not torch.equal(conv.weight, before)
     assert torch.equal(conv.weight, torch._weight_norm(v, conv.parametrizations.weight.original0,
                                                        norm.dim))
-    g = conv.parametrizations.weight.original0             # g alone, a new tensor of the same version
+    g = conv.parametrizations.weight.original0       # g alone: a new tensor, the same version
     conv.parametrizations.weight.original0 = torch.nn.Parameter(g * 2.0, requires_grad=False)
     new_g = conv.parametrizations.weight.original0
     assert new_g._version == g._version and new_g.data_ptr() != g.data_ptr()
