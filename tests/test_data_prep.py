@@ -1048,6 +1048,9 @@ def test_streams_duration_problems_and_unused_size_options(clean_set, tmp_path, 
     assert prepare.main(["validate", "--stream", str(held)]) == 0
     assert prepare.main(["validate", "--stream", str(held), "--data_root", "/x"]) == 0
     capsys.readouterr()
+    with pytest.raises(SystemExit):               # without --stream it was read by nothing
+        prepare.main(["validate", str(held), "--data_root", "/x"])
+    assert "validate --data_root: read with --stream only" in capsys.readouterr().err
     assert prepare.main(["validate", str(tmp_path / "none.csv"), str(mine), str(manifest)]) == 1
     out, err = capsys.readouterr()
     assert out == f"{manifest}: OK, {len(rows)} rows\n"

@@ -331,6 +331,9 @@ def main(argv=None):
     if limit is not None and not 0 <= limit < float("inf"):   # -1 left out every utterance
         parser.error(f"{args.command} --max_duration {limit}: must be a number of seconds >= 0 "
                      f"(0 or left out: no limit)")
+    if args.command == "validate" and args.data_root is not None and not args.stream:
+        parser.error("validate --data_root: read with --stream only (a corpus manifest is checked "
+                     "with its placeholders kept)")      # it was silently not read
     if args.noprogressbar:
         from tta_brain.data.prep.progress import disable_progressbars
         disable_progressbars()
