@@ -250,6 +250,39 @@ def test_repeated_adam_is_torch_foreach_over_the_repeated_list(cls, wd):
     assert o2.param_groups[0]["repeats"] == ks
 
 
+@pytest.mark.parametrize("device", [False, True])
+def test_repeated_adam_groups_without_gradients_and_mixed_dtypes(device):
+    """Several groups (one per lr), a group whose tensors have no gradient in a step, a tensor
+    without one, float32 and float64 tensors in one group (host): torch's foreach Adam over the
+    list with the repeats, bit for bit, also on the device path (``to_device``; here on CPU)."""
+    g = torch.Generator().manual_seed(0)
+    other = torch.float32 if device else torch.float64   # the device's scalars are float32
+    start = [torch.randn(5, generator=g), torch.randn(3, 2, generator=g, dtype=other),
+             torch.randn(4, generator=g), torch.randn(2, generator=g, dtype=other)]
+    ks, lrs, group_of = [3, 2, 1, 2], [1e-2, 3e-2], [0, 0, 1, 1]
+    ref, ours = ([nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    groups = lambda ps, rep: [{"params": [p for p, k, i in zip(ps, ks, group_of) if i == j
+                                          for _ in range(k if rep else 1)], "lr": lr}
+                              for j, lr in enumerate(lrs)]
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        o_ref = torch.optim.AdamW(groups(ref, True), lr=1e-2, weight_decay=0.0, foreach=True)
+    o_ours = RepeatedAdam([dict(gr, repeats=[k for k, i in zip(ks, group_of) if i == j])
+                           for j, gr in enumerate(groups(ours, False))],
+                          lr=1e-2, weight_decay=0.0, decoupled_weight_decay=True)
+    if device:
+        o_ours.to_device()
+    # which tensors get a gradient: all; group 0 none; one of each group; all
+    for has in ([1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 0], [1, 1, 1, 1]):
+        for p_ref, p_ours, t, h in zip(ref, ours, start, has):
+            gr = torch.randn(t.shape, generator=g, dtype=t.dtype) if h else None
+            p_ref.grad, p_ours.grad = gr, None if gr is None else gr.clone()
+        o_ref.step(), o_ours.step()
+        assert all(torch.equal(a, b) for a, b in zip(ref, ours))
+    for a, b in zip(ref, ours):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(o_ref.state[a][key].cpu(), o_ours.state[b][key].cpu())
+
+
 def test_build_optimizer_official(arch_models):
     net = HFCTCLobe(arch_models["wav2vec2-group"]).model
     sel = select_parameters(net, [{"select": "layernorm", "lr_mult": 1.0},
@@ -270,6 +303,8 @@ def test_build_optimizer_official(arch_models):
         build_optimizer(partial(torch.optim.AdamW, amsgrad=True), sel, 1e-3)
     with pytest.raises(ValueError, match="one repeat count >= 1 per tensor"):   # never updated
         RepeatedAdam([{"params": [nn.Parameter(torch.zeros(2))], "repeats": [0]}], lr=1e-3)
+    with pytest.raises(ValueError, match="lr must be a float"):     # a group's, which torch lets by
+        RepeatedAdam([{"params": [nn.Parameter(torch.zeros(2))], "lr": torch.tensor(1e-3)}], lr=1e-3)
     # clean: unchanged (a plain AdamW, no repeats key)
     opt = build_optimizer(None, select_parameters(net, CLEAN), 1e-3)
     assert type(opt) is torch.optim.AdamW and "repeats" not in opt.param_groups[0]
@@ -277,6 +312,22 @@ def test_build_optimizer_official(arch_models):
     moved = sel.on([p.detach().clone() for _, p, _ in sel])
     assert moved.order == sel.order and moved.collection == "official"
     assert isinstance(moved, Selection)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_build_optimizer_runs_adam_and_adamw_foreach(arch_models, cls):
+    """A clean selection's Adam or AdamW built with foreach=None runs torch's foreach
+    implementation (its groups and its defaults, which a group added later takes); an explicit
+    foreach=False is kept."""
+    net = HFCTCLobe(arch_models["wav2vec2-group"]).model
+    sel = select_parameters(net, [{"select": "layernorm", "lr_mult": 2.0}, {"select": "cnn"}])
+    opt = build_optimizer(partial(cls), sel, 1e-3)
+    assert type(opt) is cls and sorted(g["lr"] for g in opt.param_groups) == [1e-3, 2e-3]
+    assert all(g["foreach"] is True for g in opt.param_groups) and opt.defaults["foreach"] is True
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    assert opt.param_groups[-1]["foreach"] is True
+    opt = build_optimizer(partial(cls, foreach=False), sel, 1e-3)
+    assert not any(g["foreach"] for g in opt.param_groups) and opt.defaults["foreach"] is False
 
 
 # ----------------------------------------------------------------------------- SUTA / DSUTA end to end
