@@ -304,7 +304,8 @@ def test_build_optimizer_official(arch_models):
     with pytest.raises(ValueError, match="one repeat count >= 1 per tensor"):   # never updated
         RepeatedAdam([{"params": [nn.Parameter(torch.zeros(2))], "repeats": [0]}], lr=1e-3)
     with pytest.raises(ValueError, match="lr must be a float"):     # a group's, which torch lets by
-        RepeatedAdam([{"params": [nn.Parameter(torch.zeros(2))], "lr": torch.tensor(1e-3)}], lr=1e-3)
+        RepeatedAdam([{"params": [nn.Parameter(torch.zeros(2))], "lr": torch.tensor(1e-3)}],
+                     lr=1e-3)
     # clean: unchanged (a plain AdamW, no repeats key)
     opt = build_optimizer(None, select_parameters(net, CLEAN), 1e-3)
     assert type(opt) is torch.optim.AdamW and "repeats" not in opt.param_groups[0]

@@ -34,14 +34,6 @@ def build_optimizer(factory: Optional[Callable], selected, lr: float):
     return opt
 
 
-def _scalar_dtype():
-    try:
-        from torch.optim.optimizer import _get_scalar_dtype
-        return _get_scalar_dtype()
-    except ImportError:                                   # pragma: no cover (older torch)
-        return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
 class RepeatedAdam(torch.optim.Adam):
     """Adam / AdamW over a parameter list in which a tensor may appear ``k`` times, computed
     exactly as ``torch.optim.Adam(W)(..., foreach=True)`` computes it on a list that really holds
