@@ -2229,6 +2229,16 @@ def test_batched_sgem_run_stepping_alone_anneals_its_own_lr(data):
         assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
 
 
+def batched_liis(batch, seps):
+    """Each run's LII values, the separate run's (to LII_TOL; as many)."""
+    liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
+    for r, m in enumerate(seps):
+        mine = [e.value for e in batch.views[r].events if e.kind == "lii"]
+        assert len(mine) == len(liis[r]) and np.allclose(mine, liis[r], rtol=0, atol=LII_TOL), \
+            (r, mine, liis[r])
+    return liis
+
+
 def test_batched_t3a_runs_test_their_own_lii(data):
     """Two batched T3A runs with their own dynamic reset (and their own filter, so their
     supports and phi_D differ) take the LII losses of each utterance from its one full pass,
@@ -2237,11 +2247,8 @@ def test_batched_t3a_runs_test_their_own_lii(data):
     batch, wavs, build = _batch(data, "t3a", cfgs)
     seps = [build(*c) for c in cfgs]
     lockstep(batch, seps, wavs[:8])
-    liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
-    for r, m in enumerate(seps):
-        mine = [e.value for e in batch.views[r].events if e.kind == "lii"]
-        assert len(mine) == len(liis[r]) > 2 and np.allclose(mine, liis[r], rtol=0,
-                                                             atol=LII_TOL), (r, mine, liis[r])
+    liis = batched_liis(batch, seps)
+    assert all(len(x) > 2 for x in liis), liis
     assert not np.allclose(liis[0], liis[1], rtol=0, atol=10 * LII_TOL)   # the runs' own
 
 
@@ -2258,11 +2265,8 @@ def test_batched_foa_runs_test_their_own_lii(data):
                                 source_stats=str(data["stats"]))
     seps = [build(*c) for c in cfgs]
     lockstep(batch, seps, wavs[:7])
-    liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
-    for r, m in enumerate(seps):
-        mine = [e.value for e in batch.views[r].events if e.kind == "lii"]
-        assert len(mine) == len(liis[r]) > 2 and np.allclose(mine, liis[r], rtol=0,
-                                                             atol=LII_TOL), (r, mine, liis[r])
+    liis = batched_liis(batch, seps)
+    assert all(len(x) > 2 for x in liis), liis
     n = min(len(liis[0]), len(liis[1]))
     assert not np.allclose(liis[0][:n], liis[1][:n], rtol=0, atol=LII_TOL), liis  # runs' own
     evaluated = [m.counts["adapt_forward"] for m in seps]
@@ -2282,11 +2286,7 @@ def test_batched_csuta_runs_test_their_own_lii(data):
     batch, wavs, build = _batch(data, "csuta", cfgs)
     seps = [build(*c) for c in cfgs]
     lockstep(batch, seps, wavs)
-    liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
-    for r, m in enumerate(seps):
-        mine = [e.value for e in batch.views[r].events if e.kind == "lii"]
-        assert len(mine) == len(liis[r]) and np.allclose(mine, liis[r], rtol=0, atol=LII_TOL), \
-            (r, mine, liis[r])
+    liis = batched_liis(batch, seps)
     assert len(liis[0]) > 2 and not liis[1] and len(liis[2]) > 2
     n = min(len(liis[0]), len(liis[2]))
     assert not np.allclose(liis[0][:n], liis[2][:n], rtol=0, atol=10 * LII_TOL)   # the runs' own
