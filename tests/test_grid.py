@@ -873,6 +873,7 @@ def test_options_a_run_would_not_read_are_left_out_of_it(data, tmp_path, caplog)
     assert not [a for a in plain.argv if a.startswith("--reset")]
     assert [a for a in fixed.argv if a.startswith("--reset")] == [
         "--reset=fixed", "--reset_every=5", "--reset_every=7"]        # (the last one wins)
+    caplog.clear()                  # (the plan above said it too where an earlier test set INFO)
     with caplog.at_level(logging.INFO, logger="tta_brain.grid"):   # said once, not per stream
         grid.plan_runs(grid.parse_args(argv + ["--decode_opts=--reset_every=7", "--streams",
                                                f"t={data['csv']}"]))
