@@ -306,6 +306,19 @@ def test_build_optimizer_official(arch_models):
     with pytest.raises(ValueError, match="lr must be a float"):     # a group's, which torch lets by
         RepeatedAdam([{"params": [nn.Parameter(torch.zeros(2))], "lr": torch.tensor(1e-3)}],
                      lr=1e-3)
+    # a group added later gets its repeats (1 per tensor) and the same checks; a refused group
+    # is not kept
+    p, q = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    opt = RepeatedAdam([{"params": [p], "repeats": [2]}], lr=1e-2)
+    opt.add_param_group({"params": [q]})
+    assert opt.param_groups[-1]["repeats"] == [1]
+    (p.sum() + q.sum()).backward()
+    opt.step()                                          # a group without "repeats" would fail here
+    assert torch.allclose(q, torch.full((3,), 1 - 1e-2)) and p[0] < q[0]    # p stepped twice
+    for bad, why in (({"repeats": [0]}, "one repeat count"), ({"lr": torch.tensor(1.)}, "float")):
+        with pytest.raises(ValueError, match=why):
+            opt.add_param_group(dict({"params": [nn.Parameter(torch.zeros(1))]}, **bad))
+        assert len(opt.param_groups) == 2
     # clean: unchanged (a plain AdamW, no repeats key)
     opt = build_optimizer(None, select_parameters(net, CLEAN), 1e-3)
     assert type(opt) is torch.optim.AdamW and "repeats" not in opt.param_groups[0]

@@ -76,13 +76,20 @@ class RepeatedAdam(torch.optim.Adam):
         kwargs.pop("fused", None)
         super().__init__(params, **kwargs)
         self.sequential = bool(sequential)
-        for group in self.param_groups:
-            reps = group.setdefault("repeats", [1] * len(group["params"]))
-            if len(reps) != len(group["params"]) or any(int(k) < 1 for k in reps):
-                raise ValueError("RepeatedAdam: every param group needs one repeat count >= 1 "
-                                 "per tensor")
-            if torch.is_tensor(group["lr"]):
-                raise ValueError("RepeatedAdam: the lr must be a float")
+
+    def add_param_group(self, param_group) -> None:
+        """torch's, plus the group's ``repeats`` (1 per tensor where it gives none) checked: also
+        for a group added after construction (torch's constructor adds its groups here)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        reps = group.setdefault("repeats", [1] * len(group["params"]))
+        if len(reps) != len(group["params"]) or any(int(k) < 1 for k in reps):
+            self.param_groups.pop()
+            raise ValueError("RepeatedAdam: every param group needs one repeat count >= 1 "
+                             "per tensor")
+        if torch.is_tensor(group["lr"]):
+            self.param_groups.pop()
+            raise ValueError("RepeatedAdam: the lr must be a float")
 
     @property
     def on_device(self) -> bool:
