@@ -22,7 +22,7 @@ from tta_brain.data.audio import AudioError, load_audio, write_audio
 from tta_brain.data.prep.chime3 import clean_transcript, prepare_chime3
 from tta_brain.data.prep.librispeech import prepare_librispeech
 from tta_brain.data.manifest import (STREAM_COLUMNS, ManifestError, ManifestNotFoundError,
-                                     audio_duration, read_manifest, resolve_path,
+                                     audio_duration, manifest_text, read_manifest, resolve_path,
                                      validate_manifest, write_manifest)
 from tta_brain.data.mixing import gaussian_noise, tile_or_cut, utterance_seed
 from tta_brain.data.prep.ms_snsd import corrupt_manifest, manifest_path
@@ -989,8 +989,9 @@ def test_corrupt_refuses_ids_that_are_no_file_names_and_missing_columns(small_se
         f"ERROR: {bad}: missing required column(s) wav (found: ID, duration, spk_id, wrd)")
     write_manifest(bad, [dict(r, wav="$data_root/" + Path(r["wav"]).name) for r in rows])
     assert prepare.main(args + [str(bad)]) == 1
-    assert "uses a placeholder; pass the folder it stands for (--source_data_root)" in \
-        capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (
+        f"ERROR: {bad}:2: '$data_root/{Path(rows[0]['wav']).name}' uses a placeholder; pass the "
+        "folder it stands for (--source_data_root)")
     root = manifest.parent / "ls"                 # the placeholder resolved: mixed as before
     write_manifest(bad, [dict(r, wav="$data_root/" + str(Path(r["wav"]).relative_to(root)))
                          for r in rows])
@@ -1001,7 +1002,13 @@ def test_corrupt_refuses_ids_that_are_no_file_names_and_missing_columns(small_se
     write_manifest(bad, rows + [dict(rows[0], wrd="ANOTHER TEXT")])
     assert prepare.main(args + [str(bad)]) == 1   # two utterances, one mixture file
     assert capsys.readouterr().err.strip() == (
-        f"ERROR: {bad}: duplicate ID {rows[0]['ID']!r} (mixtures are named by ID)")
+        f"ERROR: {bad}:{len(rows) + 2}: duplicate ID {rows[0]['ID']!r} (first at line 2; "
+        "mixtures are named by ID)")
+    # lines are the file's: a blank line counts (they were counted over the rows)
+    bad.write_text(manifest_text(rows[:1]) + "\n" + manifest_text([dict(rows[1], ID="a/b")])
+                   .split("\n", 1)[1], encoding="utf-8")
+    assert prepare.main(args + [str(bad)]) == 1
+    assert capsys.readouterr().err.strip().startswith(f"ERROR: {bad}:4: ID 'a/b': ")
     gone = tmp_path / "gone.wav"
     write_manifest(bad, [dict(rows[0], wav=str(gone))] + rows[1:])
     assert prepare.main(args + [str(bad)]) == 1

@@ -199,6 +199,57 @@ def _plan_domain(record, options, audio, speech, speech_paths, wav_of):
     return todo, reasons
 
 
+def _source_rows(manifest, source_data_root=None):
+    """The rows of the source ``manifest`` to mix (``$data_root`` resolved with
+    ``source_data_root``); a missing column, a path still holding a placeholder, a repeated ID
+    or an ID that is no plain file name (a mixture is ``<ID>.wav``) is one error naming
+    ``<file>:<line>``."""
+    header = read_header(manifest)
+    missing = [c for c in MIX_COLUMNS if c not in header]
+    if missing:
+        raise ManifestError(f"{manifest}: missing required column(s) {', '.join(missing)} "
+                            f"(found: {', '.join(header)})")
+    lines = []
+    rows = read_manifest(manifest, replacements={"data_root": source_data_root}
+                         if source_data_root else None, lines=lines)
+    first = {}
+    for line, row in zip(lines, rows):
+        if row["wav"].startswith("$"):
+            raise ValueError(f"{manifest}:{line}: {row['wav']!r} uses a placeholder; pass the "
+                             "folder it stands for (--source_data_root)")
+        if row["ID"] in first:
+            raise ValueError(f"{manifest}:{line}: duplicate ID {row['ID']!r} (first at line "
+                             f"{first[row['ID']]}; mixtures are named by ID)")
+        if not row["ID"] or row["ID"] in (".", "..") or "/" in row["ID"] or "\\" in row["ID"]:
+            raise ValueError(f"{manifest}:{line}: ID {row['ID']!r}: a mixture is the file "
+                             "<ID>.wav in its domain's folder, so an ID must be a plain file name "
+                             "(no / or \\, not . or ..)")
+        first[row["ID"]] = line
+    return rows
+
+
+def _content(manifest, rows, noise_files, out_dir):
+    """``({ID: sha1 of its speech}, {ID: speech path}, {code: sha1 of its noise file or None})``,
+    the hashes cached in ``<out_dir>/.sha1_cache.json``; a missing speech file is one
+    FileNotFoundError naming the manifest and the ID."""
+    started = time.perf_counter()
+    hashes = HashCache(Path(out_dir) / HASH_CACHE_NAME)
+    speech, speech_paths = {}, {}
+    for row in rows:
+        try:
+            speech[row["ID"]] = hashes.sha1(row["wav"])
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{manifest}: audio of {row['ID']} not found: "
+                                    f"{row['wav']}") from None
+        speech_paths[row["ID"]] = row["wav"]
+    noise_sha1 = {c: hashes.sha1(p) if p else None for c, p in noise_files.items()}
+    hashes.save()
+    logger.info("content check: %d speech and %d noise file(s) (%s) in %.2f s", len(speech),
+                len({p for p in noise_files.values() if p}), hashes.stats(),
+                time.perf_counter() - started)
+    return speech, speech_paths, noise_sha1
+
+
 def corrupt_manifest(manifest, out_dir, snrs=(5,), codes=None, noise_dir=None, table=None,
                      seed=DEFAULT_SEED, data_root=None, source_data_root=None, sample_rate=16000):
     """Corrupt every utterance of ``manifest`` with each domain in ``codes`` at each SNR.
@@ -230,46 +281,14 @@ def corrupt_manifest(manifest, out_dir, snrs=(5,), codes=None, noise_dir=None, t
     unknown = [c for c in codes if c not in table]
     if unknown:
         raise ValueError(f"unknown domain code(s) {unknown}; the table has {sorted(table)}")
-    header = read_header(manifest)
-    missing = [c for c in MIX_COLUMNS if c not in header]
-    if missing:
-        raise ManifestError(f"{manifest}: missing required column(s) {', '.join(missing)} "
-                            f"(found: {', '.join(header)})")
-    rows = read_manifest(manifest, replacements={"data_root": source_data_root}
-                         if source_data_root else None)
-    seen = set()
-    for line, row in enumerate(rows, 2):
-        if row["wav"].startswith("$"):
-            raise ValueError(f"{manifest}: {row['wav']!r} uses a placeholder; pass the folder it "
-                             "stands for (--source_data_root)")
-        if row["ID"] in seen:
-            raise ValueError(f"{manifest}: duplicate ID {row['ID']!r} (mixtures are named by ID)")
-        if not row["ID"] or row["ID"] in (".", "..") or "/" in row["ID"] or "\\" in row["ID"]:
-            raise ValueError(f"{manifest}:{line}: ID {row['ID']!r}: a mixture is the file "
-                             "<ID>.wav in its domain's folder, so an ID must be a plain file name "
-                             "(no / or \\, not . or ..)")
-        seen.add(row["ID"])
+    rows = _source_rows(manifest, source_data_root)
     needs_files = [c for c in codes if table[c] not in GAUSSIAN_NAMES]
     if needs_files:
         noise_dir = find_noise_dir(noise_dir)
     noise_files = {c: None if table[c] in GAUSSIAN_NAMES else noise_path(noise_dir, table[c])
                    for c in codes}
 
-    started = time.perf_counter()
-    hashes = HashCache(Path(out_dir) / HASH_CACHE_NAME)
-    speech, speech_paths = {}, {}
-    for row in rows:
-        try:
-            speech[row["ID"]] = hashes.sha1(row["wav"])
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{manifest}: audio of {row['ID']} not found: "
-                                    f"{row['wav']}") from None
-        speech_paths[row["ID"]] = row["wav"]
-    noise_sha1 = {c: hashes.sha1(p) if p else None for c, p in noise_files.items()}
-    hashes.save()
-    logger.info("content check: %d speech and %d noise file(s) (%s) in %.2f s", len(speech),
-                len({p for p in noise_files.values() if p}), hashes.stats(),
-                time.perf_counter() - started)
+    speech, speech_paths, noise_sha1 = _content(manifest, rows, noise_files, out_dir)
 
     written = {}
     noises = {}  # code -> loaded noise signal, on first need
