@@ -228,6 +228,18 @@ def read_header(path):
         records.close()
 
 
+def read_with_columns(path, required, replacements=None):
+    """``(rows, line numbers)`` of manifest ``path`` (:func:`read_manifest`), a column of
+    ``required`` that its header lacks being one :class:`ManifestError` naming them."""
+    header = read_header(path)
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise ManifestError(f"{path}: missing required column(s) {', '.join(missing)} "
+                            f"(found: {', '.join(header)})")
+    lines = []
+    return read_manifest(path, replacements=replacements, lines=lines), lines
+
+
 def validate_manifest(path, required=UTT_COLUMNS, stream: Optional[bool] = None):
     """Check a manifest and return its rows (placeholders kept).
 
@@ -239,16 +251,10 @@ def validate_manifest(path, required=UTT_COLUMNS, stream: Optional[bool] = None)
     Raises :class:`ManifestError` naming the file and the problem.
     """
     path = Path(path)
-    header = read_header(path)
-    missing = [c for c in required if c not in header]
-    if missing:
-        raise ManifestError(f"{path}: missing required column(s) {', '.join(missing)} "
-                            f"(found: {', '.join(header)})")
-    lines = []
-    rows = read_manifest(path, lines=lines)
+    rows, lines = read_with_columns(path, required)
     if not rows:
         raise ManifestError(f"{path}: manifest has a header but no rows")
-    ids = [r.get("ID", "") for r in rows] if "ID" in header else []
+    ids = [r.get("ID", "") for r in rows] if "ID" in rows[0] else []
     if any(not i for i in ids):
         raise ManifestError(f"{path}:{lines[ids.index('')]}: empty ID")
     is_stream = "position" in required if stream is None else stream

@@ -33,8 +33,7 @@ import numpy as np
 
 from ..cache import (HASH_CACHE_NAME, HashCache, as_stored, load_record, option_changes,
                     record_path, save_record, short)
-from ..manifest import (ManifestError, manifest_text, read_header, read_manifest, to_placeholder,
-                        write_manifest)
+from ..manifest import manifest_text, read_with_columns, to_placeholder, write_manifest
 from .noise_table import GAUSSIAN_NAMES, find_noise_dir, load_domain_table, noise_path, snr_tag
 
 logger = logging.getLogger(__name__)
@@ -204,14 +203,8 @@ def _source_rows(manifest, source_data_root=None):
     ``source_data_root``); a missing column, a path still holding a placeholder, a repeated ID
     or an ID that is no plain file name (a mixture is ``<ID>.wav``) is one error naming
     ``<file>:<line>``."""
-    header = read_header(manifest)
-    missing = [c for c in MIX_COLUMNS if c not in header]
-    if missing:
-        raise ManifestError(f"{manifest}: missing required column(s) {', '.join(missing)} "
-                            f"(found: {', '.join(header)})")
-    lines = []
-    rows = read_manifest(manifest, replacements={"data_root": source_data_root}
-                         if source_data_root else None, lines=lines)
+    rows, lines = read_with_columns(manifest, MIX_COLUMNS, replacements={
+        "data_root": source_data_root} if source_data_root else None)
     first = {}
     for line, row in zip(lines, rows):
         if row["wav"].startswith("$"):
