@@ -1739,6 +1739,9 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     assert whole.lii, "no LII value: the detector's state was not exercised"
 
     other_model = save_ctc_model(tmp_path / "other_model", seed=1)
+    # the file's adapted tensors, counted from the saving stream's own parameters
+    adapted = (f"adapted {len(part.method.params)} tensors of "
+               f"{sum(p.numel() for p in part.method.params)} values (file) != ")
     for name, over, why in (
             ("suta", {"steps": 2}, "method 'dsuta' (file) != 'suta' (this stream)"),
             ("dsuta", {"steps": 2, "buffer_size": 2, "lr": 1e-3, "reset": "fixed"},
@@ -1746,7 +1749,7 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
             # another K: the construction stage's fit position was passed, no test ever again
             ("dsuta", {**ov, "reset_K": 6}, "reset_schedule 'K 4, lii_count paper' (file) != "
                                             "'K 6, lii_count paper' (this stream)"),
-            ("tent", {}, "!= 'none' (this stream); adapted "),
+            ("tent", {}, f"!= 'none' (this stream); {adapted}"),
             ("dsuta", {**ov, "source": str(other_model)}, "source 'sha1:")):
         stream = TTAStream.from_hparams(name, source=tiny_model_dir, overrides=over)
         before = [p.detach().clone() for p in stream.method.params]
@@ -1792,7 +1795,10 @@ def test_live_stream_state_resumes_exactly_and_refuses_another_streams(tmp_path,
     params = [p.detach().clone() for p in fresh.method.params]
     for field, value, why in (("resets", None, "resets None is not a list of positions"),
                               ("resets", [2, "x"], "resets [2, 'x'] is not a list of positions"),
+                              ("resets", [2, True], "resets [2, True] is not a list of positions"),
                               ("position", "x", "position 'x' is not a count of utterances"),
+                              ("position", -1, "position -1 is not a count of utterances"),
+                              ("position", True, "position True is not a count of utterances"),
                               ("lii", 5, "lii int is not a list"),
                               ("settings", None, "no settings recorded")):
         odd = tmp_path / f"odd_{field}.pt"
