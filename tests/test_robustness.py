@@ -670,6 +670,11 @@ def test_a_finished_run_asked_for_under_another_label_says_it_keeps_its_own(
     assert (out / "summary.json").read_bytes() == before
     decode.main(argv + ["--method_tag=dsuta"])
     assert capsys.readouterr().out.strip().endswith("), skipping")
+    # a new run takes them: its summary's method and stream (the reports' columns), not the
+    # method's name and the manifest's file name (mutation audit: either dropped passed)
+    new = decode.main(dsuta_args(tiny_model_dir, ok_stream, tmp_path / "new",
+                                 "--method_tag=renamed", "--stream_name=other"))
+    assert (new.method, new.stream) == ("renamed", "other")
 
 
 def test_a_run_stopped_before_its_first_checkpoint_says_what_it_decodes_again(
