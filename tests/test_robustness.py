@@ -1526,6 +1526,11 @@ def test_live_stream_is_one_sequence_whatever_the_caller_does(tmp_path, tiny_mod
     continual.reset()                                   # the user's, as a policy's is listed
     continual.reset()                                   # twice at one position: listed once
     assert continual.resets == [1]
+    episodic = TTAStream.from_hparams("suta", source=tiny_model_dir, overrides={"steps": 1})
+    episodic.transcribe(utterances[0])
+    episodic.reset()                                    # an episodic method's is listed alike
+    episodic.reset()                                    # (mutation audit: unlisted, it passed)
+    assert episodic.resets == [1]
     fixed = TTAStream.from_hparams("csuta", source=tiny_model_dir, overrides={
         "steps": 1, "reset": "fixed", "reset_every": 3})  # the policy counts from the user's reset
     for w in utterances[:2]:
