@@ -104,6 +104,28 @@ def test_references_with_characters_the_model_cannot_write_are_a_warning(tmp_pat
     assert want in (out / "log.txt").read_text()
 
 
+def test_a_warning_of_unwritable_characters_shows_twelve_and_counts_the_rest():
+    """TTABrain's warning lists the first 12 characters the model cannot write and counts the
+    rest (a vocabulary of another script misses hundreds: one line, not all of them); twelve
+    are listed whole; a lobe without an alphabet (byte fallback) is not checked (mutation
+    audit: the cut at 13 passed)."""
+    from types import SimpleNamespace
+    from tta_brain.run.brain import TTABrain
+
+    def warned(alphabet, *refs):
+        brain = SimpleNamespace(method=SimpleNamespace(lobe=SimpleNamespace(
+            alphabet=lambda: alphabet)))
+        return TTABrain._unwritable(brain, [{"wrd": r} for r in refs])
+    tail = ": each word that holds one is an error whatever the method"
+    assert warned(set("ABC"), "ab cdefghijklmnop", "cab") == [
+        "1 of 2 references hold characters the model cannot write (D E F G H I J K L M N O and 1 "
+        "more)" + tail]
+    assert warned(set("ABC"), "ab cdefghijklmno", "cab") == [
+        "1 of 2 references hold characters the model cannot write (D E F G H I J K L M N O)"
+        + tail]
+    assert warned(set("ABC"), "cab") == [] and warned(None, "ab cdefghijklmnop") == []
+
+
 def test_text_to_labels_spells_the_text_in_the_models_characters(tmp_path):
     """A character vocabulary of upper-case letters: lower-case text is spelled in them (its
     case is not the model's), a space is the word delimiter."""
