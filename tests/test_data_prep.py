@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -935,6 +936,67 @@ def test_librispeech_one_utterance_twice_is_refused_naming_both(tmp_path, capsys
     trans.write_text(trans.read_bytes().decode("latin-1").replace("CAF\xe9 ", ""))
     assert prepare.main(["librispeech", "--root", str(tmp_path / "ls"), "--out", str(out)]) == 0
     assert len(read_manifest(out)) == 4
+
+
+def test_librispeech_blank_lines_extra_spaces_and_an_id_without_text(tmp_path):
+    """Blank lines and extra spaces of a .trans.txt are no part of the text (scoring splits on
+    spaces); an ID without its text is refused naming the file and line (it was written as an
+    empty reference), with a hint when a tab separates them."""
+    utts = make_librispeech(tmp_path / "ls", speakers=(11,), utts=2)
+    trans = next((tmp_path / "ls").rglob("*.trans.txt"))
+    (a, (_, ta)), (b, (_, tb)) = sorted(utts.items())
+    trans.write_text(f"\n  {a}  {ta.replace(' ', '   ')}  \n\n{b} {tb}\n")
+    rows = read_manifest(prepare_librispeech(tmp_path / "ls", tmp_path / "o.csv"))
+    assert [(r["ID"], r["wrd"]) for r in rows] == [(a, ta), (b, tb)]
+    trans.write_text(f"{a} {ta}\n{b}\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(trans))}:2: no transcript for {b}$"):
+        prepare_librispeech(tmp_path / "ls", tmp_path / "o.csv")
+    trans.write_text(f"{a} {ta}\n{b}\tALPHA\tBRAVO\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"{trans}:2: no transcript for {b}\tALPHA\tBRAVO (the ID and its text are separated "
+            "by one space)")):
+        prepare_librispeech(tmp_path / "ls", tmp_path / "o.csv")
+
+
+def test_librispeech_where_it_looked_a_split_without_audio_and_a_copied_split(tmp_path,
+                                                                            monkeypatch):
+    """An unset location says so (the working folder, here holding a split, is not searched); a
+    missing split names both folders looked at; a split of transcripts only says it has no
+    .flac (not 'N transcripts without audio'); the first three unmatched IDs are listed; another
+    split of the same files is its own manifest, not the first one's 'up to date'."""
+    monkeypatch.chdir(tmp_path)
+    utts = make_librispeech(tmp_path, speakers=(11,), utts=5)
+    with pytest.raises(FileNotFoundError, match="^LibriSpeech location not set: set LIBRISPEECH="):
+        prepare_librispeech("", tmp_path / "o.csv")
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"split 'dev-clean' not found (looked for {tmp_path}/LibriSpeech/dev-clean and "
+            f"{tmp_path}/dev-clean); set LIBRISPEECH=")):
+        prepare_librispeech(tmp_path, tmp_path / "o.csv", split="dev-clean")
+    split_dir = tmp_path / "LibriSpeech" / "test-other"
+    shutil.copytree(split_dir, tmp_path / "LibriSpeech" / "dev-other")
+    out = prepare_librispeech(tmp_path, tmp_path / "o.csv")
+    prepare_librispeech(tmp_path, out, split="dev-other")
+    assert [r["wav"] for r in read_manifest(out)] == [
+        str(tmp_path / "LibriSpeech" / "dev-other" / p.relative_to(split_dir))
+        for p, _ in (utts[u] for u in sorted(utts))]
+    ids = sorted(utts)
+    trans = next(split_dir.rglob("*.trans.txt"))
+    lines = trans.read_text().splitlines(keepends=True)
+    trans.write_text(lines[-1])
+    with pytest.raises(ValueError, match=re.escape(
+            f"4 audio file(s) without transcript {ids[:3]} and 0 transcript(s) without audio []")):
+        prepare_librispeech(tmp_path, tmp_path / "o2.csv")
+    trans.write_text("".join(lines))
+    for utt in ids[:4]:
+        utts[utt][0].unlink()
+    with pytest.raises(ValueError, match=re.escape(
+            f"{split_dir}: 0 audio file(s) without transcript [] and 4 transcript(s) without "
+            f"audio {ids[:3]}; is the split completely unpacked?")):
+        prepare_librispeech(tmp_path, tmp_path / "o2.csv")
+    utts[ids[4]][0].unlink()
+    where = re.escape(str(split_dir))
+    with pytest.raises(FileNotFoundError, match=f"^no .flac files under {where}$"):
+        prepare_librispeech(tmp_path, tmp_path / "o2.csv")
 
 
 def test_chime3_damaged_text_two_files_of_one_id_and_empty_transcripts(tmp_path, caplog):
