@@ -1175,3 +1175,58 @@ def test_prepare_chime3_logs_the_tokens_clean_text_removes(tmp_path, caplog):
         prepare_chime3(tmp_path / "c", tmp_path / "raw.csv", splits=["bus_real", "bus_simu"],
                        clean_text=False)
     assert not [r for r in caplog.records if "removed" in r.getMessage()]
+
+
+def test_chime3_root_its_parent_odd_transcripts_and_what_the_errors_name(tmp_path, monkeypatch,
+                                                                         caplog):
+    """An unset location says so (the working folder, here a CHiME-3 root, is not used); the
+    parent of CHiME3/ is accepted; data_root alone changes the manifest; an empty .trn is an
+    empty reference with a warning (no StopIteration), a raw line loses the spaces after its ID;
+    durations are the header's to 0.1 ms; errors name the folder, the .trn and the .trn_all
+    looked in, and a misspelt split lists only the splits that have audio."""
+    make_chime3(tmp_path / "cwd", splits=("bus_real",))
+    monkeypatch.chdir(tmp_path / "cwd")
+    with pytest.raises(FileNotFoundError, match="^CHiME-3 location not set: set CHIME3="):
+        prepare_chime3("", tmp_path / "m.csv", splits=["bus_real"])
+    root = tmp_path / "p" / "CHiME3"
+    make_chime3(root, splits=("bus_real",), per_split=6)
+    out = prepare_chime3(tmp_path / "p", tmp_path / "m.csv", splits=["bus_real"], data_root=root)
+    assert all(r["wav"].startswith("$data_root/") for r in read_manifest(out))
+    prepare_chime3(tmp_path / "p", out, splits=["bus_real"])
+    assert all(r["wav"].startswith(str(root)) for r in read_manifest(out))
+    trn_dir = root / "data" / "transcriptions" / "et05_bus_real"
+    wav_dir = root / "data" / "audio" / "16kHz" / "enhanced" / "et05_bus_real"
+    trns = sorted(trn_dir.glob("*.trn"))
+    for trn in trns:
+        trn.write_text("")
+    trns[0].write_text(f"{trns[0].stem}  TWO SPACES\n")
+    sf.write(str(wav_dir / f"{trns[0].stem}.wav"), fake_speech(0.4567, seed=0), SR)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tta_brain.data.prep.chime3"):
+        rows = read_manifest(prepare_chime3(tmp_path / "p", out, splits=["bus_real"],
+                                            clean_text=False))
+    assert [(r["wrd"], r["duration"]) for r in rows][0] == ("TWO SPACES", 0.4567)
+    empty = [f"{t.stem}_REAL" for t in trns[1:]]
+    assert [r["wrd"] for r in rows[1:]] == [""] * 5
+    assert "5 utterance(s) with an empty transcript (decode skips them, listed in its " \
+        f"rejects.csv): {', '.join(empty)}" in caplog.text
+    trns[0].write_text("")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tta_brain.data.prep.chime3"):
+        prepare_chime3(tmp_path / "p", out, splits=["bus_real"])
+    assert f"6 utterance(s) with an empty transcript once markers are dropped (decode skips " \
+        f"them, listed in its rejects.csv): {trns[0].stem}_REAL, {', '.join(empty[:4])} ...\n" \
+        in caplog.text
+    trns[1].unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"no transcript for {wav_dir / trns[1].stem}.wav: neither {trns[1]} nor an entry "
+            f"'{trns[1].stem}' in {root}/data/transcriptions/*.trn_all")):
+        prepare_chime3(root, out, splits=["bus_real"])
+    (wav_dir.parent / "et05_caf_real").mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"no .wav files in {wav_dir.parent / 'et05_caf_real'}; is CHIME3 the CHiME-3 root")):
+        prepare_chime3(root, out, splits=["caf_real"])
+    with pytest.raises(FileNotFoundError, match="no split 'bus_rael': .*enhanced has bus_real$"):
+        prepare_chime3(root, out, splits=["bus_rael"])
+    # tokens that start with a digit or an apostrophe are words
+    assert clean_transcript("'EM 3RD <NOISE> .PERIOD ROSE") == "'EM 3RD ROSE"
