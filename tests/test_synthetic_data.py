@@ -83,6 +83,24 @@ def test_tts_audio_is_fixed_by_its_seed():
     assert not np.array_equal(a[: len(c)], c[: len(a)])
 
 
+def _fresh_engine(rate):
+    from tta_brain.data.prep import tts as tts_module
+    inherited = tts_module._ENGINE_PID
+    audio = EspeakTTS(rate).synthesize("every happy child danced quietly", voice="en+f2")
+    return inherited, os.getpid(), len(audio)
+
+
+def test_fresh_processes_are_spawned_and_render_at_the_engines_rate(tts):
+    """Each task starts in a new interpreter, its own process (a forked child inherited the
+    parent's engine, which this module holds); ``EspeakTTS(rate)`` renders at that rate."""
+    from tta_brain.data.prep import tts as tts_module
+    from tta_brain.data.prep.tts import in_fresh_processes
+    assert tts_module._ENGINE_PID == os.getpid()
+    (inh16, pid16, n16), (inh22, pid22, n22) = in_fresh_processes(_fresh_engine, [16000, 22050])
+    assert inh16 is None and inh22 is None and len({pid16, pid22, os.getpid()}) == 3
+    assert abs(n22 / n16 - 22050 / SR) < 0.01
+
+
 def test_sentences_are_disjoint_seeded_and_in_vocabulary():
     train, test = synthetic.make_sentence_sets(300, 50, seed=3)
     assert len(set(train)) == 300 and len(set(test)) == 50
