@@ -282,7 +282,7 @@ def test_replayed_steps_equal_eager_device_steps(tiny_model_dir, utterances, nam
         assert max_diff(e.meta, g.meta) == 0.0 and e.n_grads == g.n_grads
 
 
-def test_warmup_and_capture_schedule(tiny_model_dir, utterances):
+def test_warmup_and_capture_schedule(tiny_model_dir, utterances, caplog):
     """3 eager steps in all before the first capture, then ``cuda_graph_warmup`` per new length,
     a capture only while >= 2 steps remain, a cached length replays all its steps."""
     m = build(tiny_model_dir, "suta", "graph", steps=4, runtime={"cuda_graph_warmup": 1})
@@ -297,6 +297,24 @@ def test_warmup_and_capture_schedule(tiny_model_dir, utterances):
     assert (st.stats["eager"], st.stats["replays"]) == (5, 7)
     assert st.cache.stats["hits"] == 1 and st.backend.captures == 1
     assert m.counts["adapt_backward"] == 12
+    # the run's log says so at the end of its stream (a cache that never hits: a capture per
+    # utterance); graphs turned off are said to be; an eager device step has no such line
+    from types import SimpleNamespace
+    from tta_brain.run.brain import TTABrain
+    counts = ("1 step captures, 1 cache hits, 0 evictions, 7 replayed and 5 eager steps, "
+              f"{st.forwards.stats['captures']} forward captures, "
+              f"{st.stats['forward_replays']} forward replays")
+    assert st.describe() == counts
+    with caplog.at_level(logging.INFO, logger="tta_brain.run.brain"):
+        caplog.clear()
+        TTABrain.end_stream(SimpleNamespace(method=m, checkpointer=None))
+    assert [r.getMessage() for r in caplog.records] == [f"CUDA graphs: {counts}"]
+    st.disable_graphs("a test")
+    assert st.describe() == counts + "; turned off during the run"
+    eager = build(tiny_model_dir, "suta", "device", steps=2)
+    eager.process(a, UttInfo(id="a"))
+    assert eager.step.stats["eager"] == 2 and eager.step.describe() is None
+    assert build(tiny_model_dir, "suta", "graph").step.describe() is None   # nothing ran yet
 
 
 def test_a_replayed_step_returns_its_own_loss(tiny_model_dir, utterances):

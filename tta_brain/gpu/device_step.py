@@ -9,6 +9,7 @@ device-agnostic: the tests run it on CPU tensors, with a fake graph backend.
 """
 import logging
 from contextlib import nullcontext
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,19 @@ class DeviceStep:
                            self.m.name, why)
         self.release()
         self.backend = None
+
+    def describe(self) -> Optional[str]:
+        """The run's graph counts in one line (its log, at the end of the stream: a cache that
+        never hits means a capture per utterance), None where no step ran with graphs on."""
+        s, f = self.cache.stats, self.forwards.stats
+        if not ((self.backend is not None or s["captures"])
+                and (self.stats["eager"] or self.stats["replays"])):
+            return None
+        off = "; turned off during the run" if self.backend is None else ""
+        return (f"{s['captures']} step captures, {s['hits']} cache hits, {s['evictions']} "
+                f"evictions, {self.stats['replays']} replayed and {self.stats['eager']} eager "
+                f"steps, {f['captures']} forward captures, {self.stats['forward_replays']} "
+                f"forward replays{off}")
 
     def release(self) -> None:
         """Drop the captured graphs (their pool goes back to the allocator)."""

@@ -178,7 +178,12 @@ class TTABrain(sb.Brain):
             checkpoint.save(self.checkpointer, self.state, self._writer)
 
     def end_stream(self) -> None:
-        """The stream is done: the last checkpoint."""
+        """The stream is done: the CUDA graphs' counts logged (where the step had graphs), the
+        last checkpoint."""
+        counts = getattr(getattr(self.method, "step", None), "describe", None)
+        counts = counts() if callable(counts) else None
+        if counts:
+            logger.info("CUDA graphs: %s", counts)
         if self.checkpointer is not None:
             checkpoint.save(self.checkpointer, self.state, self._writer)
 
