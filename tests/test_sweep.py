@@ -1838,7 +1838,9 @@ def test_a_suta_batch_names_the_runs_its_rows_cannot_run(data):
             ([suta(optimizer=partial(torch.optim.AdamW, weight_decay=0.1))],
              "run 2: optimizer weight_decay differs from run 1's"),
             ([suta(optimizer=partial(torch.optim.AdamW, weight_decay=0.0, eps=1e-6))],
-             "run 2: optimizer eps differs from run 1's")]:
+             "run 2: optimizer eps differs from run 1's"),
+            ([suta(optimizer=partial(torch.optim.AdamW, weight_decay=0.0, betas=(0.8, 0.999)))],
+             "run 2: optimizer betas differs from run 1's")]:
         with pytest.raises(ValueError) as e:
             BatchedSUTA(first.lobe, [first, *others])
         assert str(e.value).startswith(why), str(e.value)
