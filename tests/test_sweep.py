@@ -1720,7 +1720,7 @@ def test_captured_batch_on_cuda_gives_the_eager_batchs_results(data, base, bucke
 
 
 @pytest.mark.parametrize("base", ["suta", "dsuta", "eata", "sar"])
-def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch):
+def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch, caplog):
     """With length buckets (``cuda_graph_buckets``; the stand-in backend on CPU) every pass of a
     batch's utterance (the steps, the LII forward, the prediction) runs on the input padded to its
     bucket with the padding masked, and gives the separate (unpadded) runs' transcripts, events
@@ -1728,7 +1728,7 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
     of its bucket (cache hits across utterances of distinct lengths, replays from their first
     step; the prediction's and the LII's forwards replayed too); replays read nothing on the
     host. CEA, whose
-    losses do not mask padding, gets none."""
+    losses do not mask padding, gets none (asked for: a warning that says why)."""
     from tta_brain.gpu.batch_graphs import BatchGraphs
     from tta_brain.methods import UttInfo
     extra = {"dsuta": dict(buffer_size=2),
@@ -1769,7 +1769,12 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
     cea, _, _ = _batch(data, "cea", [(1e-3, 2, "none")], steps2=2)
     cea.graphs = BatchGraphs(cea, ReplayChecks(cea, DeviceReads(monkeypatch)))
     from tta_brain.lobes.runtime import Runtime
-    assert cea._buckets(Runtime(cuda_graph_buckets=0.1)) == 0.0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tta_brain"):
+        assert cea._buckets(Runtime(cuda_graph_buckets=0.1)) == 0.0
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "BatchedCEA: no length buckets (its losses do not mask padded frames); "
+                    "every new length is captured")]
 
 
 def test_a_batch_names_the_runs_it_cannot_take(data):
