@@ -2299,6 +2299,39 @@ def test_batched_csuta_runs_test_their_own_lii(data):
     assert not np.allclose(liis[0][:n], liis[2][:n], rtol=0, atol=10 * LII_TOL)   # the runs' own
 
 
+def test_a_batch_steps_the_runs_at_the_utterance_alone(data):
+    """A sweep's batch takes each utterance for the runs whose cursor is there (a run resumed
+    further on joins later), so a subset of its rows: each run of the subset gets its own
+    transcript, steps, LII values and resets as its separate run over the same utterances; the
+    runs left out keep their weights, and a checkpoint taken before an utterance keeps the
+    weights it holds (a copy, not a view of the rows the steps move)."""
+    from tta_brain.methods import UttInfo
+    cfgs = [(1e-2, 2, "dynamic"), (1e-3, 1, "none"), (3e-3, 3, "fixed")]
+    batch, wavs, build = _batch(data, "csuta", cfgs)
+    seps = [build(*c) for c in cfgs]
+    start = [0, 5, 2]                                 # the utterance each run joins at
+    for i, w in enumerate(wavs):
+        now = [r for r in range(len(cfgs)) if i >= start[r]]
+        held = [batch.views[r].state_dict()["params"] for r in range(len(cfgs))]
+        kept = [[t.clone() for t in h] for h in held]
+        info = UttInfo(position=i, segment="0")
+        batch.process(now, w, info)
+        assert [batch.views[r].process(w) for r in now] == [seps[r].process(w, info)
+                                                            for r in now], i
+        assert all(max_diff(h, k) == 0 for h, k in zip(held, kept)), i
+        for r in range(len(cfgs)):                    # the runs left out: untouched
+            assert (max_diff(batch.values(r), kept[r]) == 0) == (r not in now), (i, r)
+    liis = batched_liis(batch, seps)
+    assert len(liis[0]) > 2
+    for r, m in enumerate(seps):
+        v = batch.views[r]
+        assert v.counts == m.counts, r
+        assert [(e.kind, e.position) for e in v.events] == [(e.kind, e.position) for e in m.events]
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+    assert [v.t for v in batch.views] == [12, 7, 10]
+    assert {e.kind for v in batch.views for e in v.events} >= {"lii", "reset"}
+
+
 def test_batched_cotta_fixed_and_fresh_restore_masks_are_each_runs(data):
     """A batch whose first run restores a fixed mask and whose second draws a fresh one every
     step: the second's masks are its own draws, not cached as the first's fixed one is (the
