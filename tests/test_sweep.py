@@ -1777,6 +1777,31 @@ def test_batch_on_length_buckets_gives_the_separate_runs(data, base, monkeypatch
                     "every new length is captured")]
 
 
+def test_batch_on_length_buckets_tests_every_runs_lii(data, monkeypatch):
+    """On length buckets the LII forward of a batch whose every run has a dynamic reset carries
+    all its phi_D rows and the source (R + 1 rows of the staging tensor its graph reads, the most
+    it makes room for): each run's LII values and decisions are its separate run's."""
+    from tta_brain.gpu.batch_graphs import BatchGraphs
+    from tta_brain.methods import UttInfo
+    cfgs = [(1e-2, 1, "dynamic"), (3e-3, 2, "dynamic", dict(em_coef=0.5, temperature=1.0))]
+    batch, wavs, build = _batch(data, "csuta", cfgs)
+    seps = [build(*c) for c in cfgs]
+    batch.graphs = BatchGraphs(batch, ReplayChecks(batch, DeviceReads(monkeypatch)),
+                               capacity=16, warmup=1)
+    batch.buckets = 0.1
+    for i, w in enumerate(wavs):
+        info = UttInfo(position=i, segment="0")
+        batch.process([0, 1], w, info)
+        assert [v.process(w) for v in batch.views] == [m.process(w, info) for m in seps], i
+    for v, m in zip(batch.views, seps):
+        assert [(e.kind, e.position) for e in v.events] == [(e.kind, e.position) for e in m.events]
+        assert v.counts == m.counts
+    liis = batched_liis(batch, seps)
+    assert all(len(x) > 2 for x in liis), liis
+    assert batch.lii_rows.shape[0] == 3 and batch.graphs.stats["lii_replays"] >= 3, \
+        batch.graphs.describe()
+
+
 def test_a_batch_names_the_runs_it_cannot_take(data):
     """Each batch's blocker names the method, reset or setting it refuses (before any state)."""
     from tta_brain.lobes.hf_ctc import HFCTCLobe
