@@ -1459,6 +1459,41 @@ def test_batched_skips_a_non_finite_run_as_its_separate_run(data, base):
         assert not torch.equal(batch.teacher[0], before[0])     # a kept step moves it
 
 
+def test_batched_skips_a_gradient_non_finite_in_one_weight_as_suta(data, monkeypatch):
+    """A finite loss whose gradient is NaN in one weight alone (the others finite) skips the
+    run's step as its separate run skips it: a step needs every weight's gradient finite (the
+    same "non-finite gradient" records and counts, its update left out: no AdamW step); the
+    other run steps."""
+    from tta_brain.methods.batched import BatchedSUTA
+    from tta_brain.methods.suta import SUTA
+    poison = {1, 4}
+    nan_at = lambda w: (w - w.detach()).abs().sqrt() * 0.0    # value 0, gradient NaN at w alone
+    cfgs = [(1e-3, 2, "none"), (1e-2, 2, "none")]
+    batch, wavs, build = _batch(data, "suta", cfgs)
+    seps = [build(*c) for c in cfgs]
+    loss, batched_losses = SUTA.loss, BatchedSUTA.losses
+
+    def sep_loss(self, logits, *a, **k):
+        out = loss(self, logits, *a, **k)
+        bad = self is seps[1] and self.t in poison
+        return out + nan_at(self.params[0].view(-1)[0]) if bad else out
+
+    def bat_losses(self, runs, logits, leaf, lengths=None):
+        out, drop, why = batched_losses(self, runs, logits, leaf, lengths)
+        bad = [r == 1 and self.views[1].t in poison for r in runs]
+        return torch.stack([o + nan_at(leaf[j, 0]) if b else o
+                            for j, (o, b) in enumerate(zip(out, bad))]), drop, why
+    monkeypatch.setattr(SUTA, "loss", sep_loss)
+    monkeypatch.setattr(BatchedSUTA, "losses", bat_losses)
+    lockstep(batch, seps, wavs[:5])
+    assert [(e.kind, e.position, e.reason) for e in seps[1].events] == \
+        [("skip", t, "non-finite gradient") for t in sorted(poison) for _ in range(2)]
+    assert not seps[0].events and seps[1].counts["adapt_backward"] == 10
+    assert batch.fast.steps == [2, 0]                 # the last utterance's: run 2 took none
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+
+
 @pytest.mark.parametrize("bad", ["gradient", "loss"])
 def test_batched_sar_skips_non_finite_gradients_as_sar(data, monkeypatch, bad):
     """SAR's run 2 gets a finite loss with a NaN gradient (or a NaN loss with a finite gradient)
