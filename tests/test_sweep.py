@@ -2392,6 +2392,30 @@ def test_a_batch_steps_the_runs_at_the_utterance_alone(data):
     assert {e.kind for v in batch.views for e in v.events} >= {"lii", "reset"}
 
 
+def test_a_batch_loads_each_runs_whole_checkpoint(data):
+    """A batch loads a run's checkpoint whole: its weights and its AdamW moments and step count
+    (a resumed run goes on with its own moments, not fresh ones), and its checkpoint gives them
+    back as its method's, exactly."""
+    from tta_brain.methods import UttInfo
+    cfgs = [(1e-2, 2, "none"), (3e-3, 1, "fixed")]
+    batch, wavs, build = _batch(data, "csuta", cfgs)
+    seps = [build(*c) for c in cfgs]
+    for i, w in enumerate(wavs[:2]):
+        for m in seps:
+            m.process(w, UttInfo(position=i, segment="0"))
+    for v, m in zip(batch.views, seps):
+        v.load_state_dict(m.state_dict())
+    for v, m in zip(batch.views, seps):
+        mine, theirs = v.state_dict(), m.state_dict()
+        assert max_diff(mine["params"], theirs["params"]) == 0, v.r
+        st, want = mine["optimizer"]["state"], theirs["optimizer"]["state"]
+        assert st.keys() == want.keys() and want, v.r
+        for i, s in want.items():
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[i][k], s[k]), (v.r, i, k)
+        assert int(want[0]["step"]) == 2 * m.steps, v.r
+
+
 def test_batched_cotta_fixed_and_fresh_restore_masks_are_each_runs(data):
     """A batch whose first run restores a fixed mask and whose second draws a fresh one every
     step: the second's masks are its own draws, not cached as the first's fixed one is (the
