@@ -1229,12 +1229,13 @@ def test_free_batch_on_the_device_gives_the_separate_transcripts(data, device, n
 
 
 @pytest.mark.parametrize("cls,wd", [(torch.optim.AdamW, 0.0), (torch.optim.AdamW, 0.1),
-                                    (torch.optim.Adam, 0.1)])
+                                    (torch.optim.Adam, 0.1),
+                                    (partial(torch.optim.Adam, decoupled_weight_decay=True), 0.1)])
 def test_adam_rows_step_as_torchs_adam(cls, wd):
     """AdamRows: each row is one run's flat parameters with its own learning rates; updating a
     subset of rows, or the rows of a device mask (the others keep parameters, moments and step
     counts, whatever their gradient), is torch's foreach Adam(W) on that run's tensors, bit for
-    bit."""
+    bit. Adam's weight decay is in the gradient, unless ``decoupled_weight_decay`` (AdamW's)."""
     from tta_brain.methods.batched import AdamRows, optimizer_template, tensor_lrs
     g = torch.Generator().manual_seed(0)
     shapes, lrs = [(4, 3), (5,)], [(1e-2, 3e-3), (2e-2, 2e-2), (5e-3, 1e-3)]
