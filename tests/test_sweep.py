@@ -1274,6 +1274,110 @@ def test_adam_rows_step_as_torchs_adam(cls, wd):
                 assert torch.equal(mine["state"][i][k], st[k]), (r, i, k)
 
 
+def test_adam_rows_reset_take_and_load_as_torchs_adam():
+    """AdamRows' row operations other than a step, each as the run's own AdamW sees it (torch's
+    foreach AdamW, weight decay 0.1, its tensors listed in the other order than along a row),
+    bit for bit: ``reset`` (the row's init, fresh moments), ``zero_moments`` (the parameters
+    kept), ``take`` (DSUTA's fast rows from the slow ones: parameters, moments only where asked,
+    the rows not given untouched) and the checkpoint (each run's ``state_dict`` loaded into rows
+    that had stepped, an empty one included, going on as the run). Steps go past the first
+    bias-correction table (1024 steps) by stepping, by ``take`` and by ``load``: a row's step
+    bound follows its step count."""
+    import copy
+    from tta_brain.methods.batched import AdamRows, optimizer_template, tensor_lrs
+    g = torch.Generator().manual_seed(1)
+    shapes = [(2, 3), (4,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    numels = [t.numel() for t in init]
+    flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])
+    split = lambda f: [t.view(s) for t, s in zip(f.split(numels), shapes)]
+
+    def runs_of(lrs):
+        runs = []
+        for lr_a, lr_b in lrs:
+            ps = [torch.nn.Parameter(t.clone()) for t in init]
+            runs.append((ps, torch.optim.AdamW([{"params": [ps[1]], "lr": lr_b},
+                                                {"params": [ps[0]], "lr": lr_a}],
+                                               weight_decay=0.1, foreach=True)))
+        return runs, AdamRows(flat(init), torch.stack([tensor_lrs(o, ps) for ps, o in runs]),
+                              numels, runs[0][1])
+
+    def step(runs, rows, todo, mask=None):
+        grads = {r: [torch.randn(s, generator=g) for s in shapes] for r in todo}
+        for j, r in enumerate(todo):
+            if mask is None or mask[j]:
+                ps, opt = runs[r]
+                for p, gr in zip(ps, grads[r]):
+                    p.grad = gr.clone()
+                opt.step()
+            else:                                   # what a masked row gets must not matter
+                grads[r][0][0, 0] = float("nan")
+        rows.update(todo, torch.stack([flat(grads[r]) for r in todo]),
+                    None if mask is None else torch.tensor(mask))
+
+    def same(runs, rows):
+        for r, (ps, opt) in enumerate(runs):
+            assert torch.equal(rows.P[r], flat(ps)), r
+            mine, theirs = rows.state(r, optimizer_template(opt, ps), split), opt.state_dict()
+            assert mine["param_groups"] == theirs["param_groups"]
+            for i, st in mine["state"].items():
+                ref = theirs["state"].get(i) or dict(step=torch.tensor(0.0), exp_avg=0 * st[
+                    "exp_avg"], exp_avg_sq=0 * st["exp_avg_sq"])    # never stepped: zeros
+                for k in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(st[k], ref[k]) and st[k].dtype == ref[k].dtype, \
+                        (r, i, k)
+
+    def fresh(run):                                 # a run reset: its init, fresh moments
+        for p, t in zip(run[0], init):
+            p.data.copy_(t)
+        run[1].state.clear()
+
+    odd = 0.045160948098812506     # 1 - lr wd (torch's double) rounds otherwise in float32
+    fast, rows = runs_of([(1e-2, 3e-3), (odd, 5e-3), (5e-3, 1e-2)])
+    slow, slow_rows = runs_of([(3e-3, 1e-3), (1e-3, 2e-3), (2e-3, 3e-3)])
+    for _ in range(2):
+        step(slow, slow_rows, [0, 1, 2])
+    for _ in range(1020):                           # row 1 alone, then past the table with all
+        step(slow, slow_rows, [1])
+    for _ in range(5):
+        step(slow, slow_rows, [0, 1, 2], [True, True, False])
+    same(slow, slow_rows)
+    assert slow_rows.steps == [7, 1027, 2]
+    for todo, mask in [([0, 1, 2], None), ([0, 2], [True, False]), ([1, 2], None)]:
+        step(fast, rows, todo, mask)
+    rows.reset([0])
+    fresh(fast[0])
+    rows.zero_moments([2])
+    fast[2][1].state.clear()
+    same(fast, rows)
+    step(fast, rows, [0, 1, 2])
+    rows.take(slow_rows, [1, 2], [1])               # run 1 with its moments, run 2 without
+    for r in (1, 2):
+        ps, opt = fast[r]
+        for p, q in zip(ps, slow[r][0]):
+            p.data.copy_(q)
+        if r == 1:
+            lrs = [gr["lr"] for gr in opt.param_groups]
+            opt.load_state_dict(copy.deepcopy(slow[r][1].state_dict()))
+            for gr, lr in zip(opt.param_groups, lrs):
+                gr["lr"] = lr
+        else:
+            opt.state.clear()
+    same(fast, rows)
+    assert rows.steps == [1, 1027, 0]
+    step(fast, rows, [0, 1, 2])
+    rows.reset([0])
+    fresh(fast[0])
+    _, again = runs_of([(1e-2, 3e-3), (odd, 5e-3), (5e-3, 1e-2)])
+    again.update([0, 1, 2], torch.randn(3, sum(numels), generator=g))   # (load replaces all)
+    for r, (ps, opt) in enumerate(fast):
+        again.load(r, ps, copy.deepcopy(opt.state_dict()), optimizer_template(opt, ps), numels)
+    same(fast, again)
+    for _ in range(2):
+        step(fast, again, [0, 1, 2])
+    same(fast, again)
+
+
 def _batch(data, base, cfgs, device="cpu", runtime=None, **extra):
     """A batch of ``base`` runs on the tiny model, one per ``(lr, steps, reset)`` of ``cfgs``
     (fixed: every 3; dynamic: K = 4, patience 1), a 4th item the run's own settings over
