@@ -31,6 +31,19 @@ def test_tts_renders_speech_whose_length_follows_the_text(tts):
     assert np.abs(long).max() <= 1.1
 
 
+def test_tts_audio_has_the_loud_and_quiet_frames_of_speech(tts):
+    """espeak hands the audio over in ~60 ms chunks of one reused buffer, each copied when it
+    arrives: kept as views, every chunk shows the last buffer and the 50 ms loudness is flat."""
+    audio = tts.synthesize("the cat slept. the old farmer carried a heavy basket across the "
+                           "wooden bridge today", voice="en-us+m3")
+    frames = audio[: len(audio) // 800 * 800].reshape(-1, 800)
+    rms = np.sqrt(np.mean(frames ** 2, axis=1))
+    assert len(rms) > 40
+    assert rms.max() > 0.1                      # stressed vowels
+    assert np.min(rms[1:-1]) < 0.02             # the pauses and closures between words
+    assert rms.max() > 8 * np.min(rms[1:-1])
+
+
 def test_tts_rate_voice_and_errors(tts):
     text = "every happy child danced quietly"
     slow = tts.synthesize(text, voice="en+f2", rate=120)
