@@ -38,6 +38,7 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--two_lengths", "abc"], "argument --two_lengths: 'abc' is not a float"),
     (["--two_lengths", "3"], "argument --two_lengths: '3': 2 values, comma-separated"),
     (["--two_lengths", "3,8,9"], "argument --two_lengths: '3,8,9': 2 values, comma-separated"),
+    (["--two_lengths", "0,8"], "argument --two_lengths: 0 is not > 0"),     # each length > 0
     # these ran: a fixed cost of 10^8 s from a slope over max(A - B, 1e-9); --repeats unused
     (["--two_lengths", "8,3"], "--two_lengths 8,3: A must be shorter than B"),
     (["--two_lengths", "3,3"], "--two_lengths 3,3: A must be shorter than B"),
@@ -65,6 +66,7 @@ def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     (["--cuda_graph_buckets", "-0.5"], "argument --cuda_graph_buckets: -0.5 is not >= 0"),
     (["--cuda_graph_cache", "-2"], "argument --cuda_graph_cache: -2 is not > 0"),
     (["--cuda_graph_cache", "x"], "argument --cuda_graph_cache: 'x' is not a int"),
+    (["--cuda_graph_cache", "autos"], "argument --cuda_graph_cache: 'autos' is not a int"),
     # these failed only after the model was built (a seed numpy refuses, a profile of no entry)
     # or were silently unused (--lengths and --profile with a mode that times otherwise)
     (["--seed", str(2 ** 64)], f"argument --seed: {2 ** 64} is not between 0 and 4294967295"),
@@ -104,10 +106,13 @@ def test_bench_memory_refuses_bad_arguments_in_one_line(argv, named, capsys):
     assert named in _refused(bench_memory.main, argv, capsys)
 
 
-def test_bench_speed_takes_the_values_the_runs_take():
+def test_bench_speed_takes_the_values_the_runs_take(tmp_path, monkeypatch):
     """The refusals above stop at what the runs refuse: K only against dsuta+dynamic's buffer,
-    auto or a number for the graph options, any finite reset threshold."""
+    auto or a number for the graph options, any finite reset threshold, a --json file named
+    without a folder (the current one's, kept as given)."""
     import bench_speed
+    monkeypatch.chdir(tmp_path)
+    assert bench_speed.parse_args(["--json", "figures.json"]).json == "figures.json"
     a = bench_speed.parse_args(["--reset_K", "8", "--methods", "source,suta+dynamic",
                                 "--cuda_graph_cache", "auto", "--cuda_graph_buckets", "0",
                                 "--cuda_graph_warmup", "0", "--reset_threshold", "-1.5"])
