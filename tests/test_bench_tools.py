@@ -26,6 +26,7 @@ def _refused(main, argv, capsys):
     # was accepted, recorded as "dynamic" in the JSON, and run without a reset policy
     (["--method", "suta", "--reset", "dynamic"], "--reset dynamic: suta runs without a reset "
                                                  "policy here"),
+    (["--method", "lame", "--reset", "fixed"], "--reset fixed: lame runs without a reset policy"),
 ])
 def test_bench_sweep_refuses_bad_arguments_in_one_line(argv, named, capsys):
     import bench_sweep
@@ -451,9 +452,9 @@ def test_bench_sweep_oracle_resets_fire_at_its_blocks():
                                            / res["batched_s_per_audio_s"])
 
 
-def test_bench_sweep_says_when_a_batched_run_differs(monkeypatch):
+def test_bench_sweep_says_when_a_batched_run_differs(monkeypatch, capsys):
     """The comparison says so when one batched run's transcripts differ from its separate run's
-    (here the last view's, altered)."""
+    (here the last view's, altered); a method without a policy is labelled and printed so."""
     import bench_sweep
     from tta_brain import sweep
     orig = sweep.batch_for
@@ -470,6 +471,45 @@ def test_bench_sweep_says_when_a_batched_run_differs(monkeypatch):
         return make
     monkeypatch.setattr(sweep, "batch_for", batch_for)
     assert bench_sweep.cpu_bench(2, 2, 1, 0.6, method="suta")["same_transcripts"] is False
+    out = capsys.readouterr().out
+    assert out.startswith("2 suta runs x 2 utterances") and "resets per run" not in out
+
+
+def test_bench_sweep_runs_differ_in_their_own_setting():
+    """Each run of a sweep has its own setting: lr 1e-4 x (r + 1) for the gradient methods, its
+    own CMA-ES seed, LAME k or T3A filter for the backprop-free ones."""
+    from bench_sweep import FREE, run_setting
+    for method in ("suta",) + FREE:
+        settings = [run_setting(method, r) for r in range(4)]
+        assert len({k for k, _ in settings}) == 1 and len({v for _, v in settings}) == 4
+    assert [run_setting("tent", r)[1] for r in range(3)] == pytest.approx([1e-4, 2e-4, 3e-4])
+
+
+def test_bench_sweep_main_runs_the_options_given(tmp_path, monkeypatch, capsys):
+    """main's options reach the runs (R runs of --method, each --steps and lr 1e-4 x (r + 1), the
+    fixed reset every max(2, n_utts // 3) utterances) and the figures returned are the JSON's."""
+    import json
+    import bench_sweep
+    from bench_memory import speech_like_wavs
+    from tta_brain import methods
+    built, orig = [], methods.build_method
+
+    def build_method(name, **kw):
+        built.append((name, kw))
+        return orig(name, **kw)
+    monkeypatch.setattr(methods, "build_method", build_method)
+    js = tmp_path / "figures.json"
+    res = bench_sweep.main(["--runs", "2", "--n_utts", "3", "--steps", "2", "--seconds", "0.6",
+                            "--method", "csuta", "--reset", "fixed", "--json", str(js)])
+    assert json.loads(js.read_text()) == res
+    assert [res[k] for k in ("runs", "n_utts", "steps", "method", "reset")] == [
+        2, 3, 2, "csuta", "fixed"]
+    wavs = speech_like_wavs(3, 0.9 * 0.6, 1.1 * 0.6, seed=3)
+    assert res["audio_s"] == pytest.approx(sum(w.numel() for w in wavs) / 16000)
+    assert len(built) == 5 and {name for name, _ in built} == {"csuta"}   # warm-up, 2 + 2
+    assert all(kw["steps"] == 2 and kw["reset_policy"].every == 2 for _, kw in built)
+    assert [kw["lr"] for _, kw in built[1:]] == pytest.approx([1e-4, 2e-4, 1e-4, 2e-4])
+    assert capsys.readouterr().out.startswith("2 csuta+fixed runs x 3 utterances (")
 
 
 def test_bench_sweep_counts_the_batched_runs_own_resets(monkeypatch, capsys):
