@@ -375,6 +375,8 @@ def test_bucket_length_edges():
     assert len(edges) == 39                                             # 1 s .. 35 s at 10 %
     with pytest.raises(ValueError):
         graphs.bucket_length(100, 0.0)
+    # a smallest edge or a stride under 1 is taken as 1
+    assert graphs.bucket_length(5, 0.5, 0, 0) == graphs.bucket_length(5, 0.5) == 6
 
 
 def test_frame_stride_is_the_samples_of_one_more_frame(tiny_lobe):
@@ -1214,6 +1216,25 @@ def test_graph_cache_lru_bookkeeping():
     assert c.stats == {"captures": 4, "hits": 1, "evictions": 1, "clears": 1}
     with pytest.raises(ValueError):
         graphs.GraphCache(0)
+
+
+def test_graph_cache_keeps_an_entry_put_again_and_shares_the_newest_pool():
+    """Putting the cached entry again under its key releases nothing (only a replaced entry is
+    released); ``pool()`` is the pool of the most recently used entry that has one (an entry
+    without a graph has none), None once the cache is empty."""
+    log = []
+    c = graphs.GraphCache(capacity=3)
+    a = FakeEntry("a", log, pool="Pa")
+    c.put("a", a)
+    c.put("a", a)
+    assert log == [] and c.keys() == ["a"] and c.get("a") is a
+    c.put("b", FakeEntry("b", log, pool="Pb"))
+    c.put("n", FakeEntry("n", log))                     # no graph yet: no pool
+    assert c.pool() == "Pb"
+    c.get("a")
+    assert c.pool() == "Pa"
+    c.clear()
+    assert c.pool() is None and log == ["b", "n", "a"]
 
 
 def test_captured_step_loads_its_input_once_per_utterance():
