@@ -1248,6 +1248,17 @@ def test_captured_step_loads_its_input_once_per_utterance():
     assert e.static.tolist() == [2.0] * 4
     e.release()
     assert e.static is None and e.graph is None
+    # length buckets: the valid samples travel with the input, once per utterance too
+    b = graphs.CapturedStep("b", torch.zeros(4), False, None, torch.zeros((), dtype=torch.int64))
+    b.load(x, torch.tensor(3))
+    assert b.static.tolist() == [1.0] * 4 and int(b.samples) == 3
+    b.load(y, torch.tensor(2))
+    assert b.static.tolist() == [2.0] * 4 and int(b.samples) == 2
+    fake = FakeBackend()
+    b.graph = fake.capture(lambda: None, pool="P")
+    assert b.pool() == "P"
+    b.release()                          # its graph is released with it
+    assert b.samples is None and b.pool() is None and fake.released == 1
 
 
 def test_runtime_options_and_run_block():
