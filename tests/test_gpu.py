@@ -1119,6 +1119,22 @@ def test_fused_step_with_found_inf_leaves_the_optimiser_unchanged():
     assert float(opt.state[p[0]]["step"]) == 2.0 and max_diff(before[0], p) > 0
 
 
+def test_to_device_optimizer_keeps_float32_step_counts():
+    """The fused kernels keep the step counts as float32 on the parameters' device: a count of
+    another dtype on that device is converted too (not only one on another device), its value
+    kept, and the optimiser's defaults say fused and capturable (groups added later run so)."""
+    p = [torch.nn.Parameter(torch.randn(3))]
+    opt = torch.optim.Adam(p, lr=1e-2)
+    p[0].grad = torch.randn(3)
+    opt.step()
+    opt.state[p[0]]["step"] = torch.tensor(7.0, dtype=torch.float64)
+    guard.to_device_optimizer(opt)
+    step = opt.state[p[0]]["step"]
+    assert step.dtype == torch.float32 and float(step) == 7.0
+    assert (opt.defaults["fused"], opt.defaults["foreach"], opt.defaults["capturable"]) == (
+        True, False, True)
+
+
 def test_backward_guarded_flags_a_nonfinite_loss_even_with_finite_gradients():
     """The device check looks at the loss as well as the gradients: an infinite loss whose
     gradients are finite (a constant inf term) sets found_inf; a finite step resets it to 0 and
