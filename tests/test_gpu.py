@@ -1202,6 +1202,21 @@ def test_step_flags_count_and_fetch_once():
     assert f.fetch()[1] == [1, 0, 0]
 
 
+def test_step_flags_leave_a_filtered_step_uncounted_and_name_the_skips():
+    """A step the method's filter drops (``keep`` 0) is neither a skip nor a non-finite loss,
+    its loss recorded all the same; ``skipped`` names each skip (non-finite loss first, the
+    rest non-finite gradients) and says how many had run their hook."""
+    f = guard.StepFlags("cpu")
+    f.note_loss(torch.tensor(math.inf), keep=torch.tensor(0.0))
+    f.found.fill_(1.0)
+    f.note_step(hooked=True, keep=torch.tensor(0.0))
+    assert f.fetch()[1] == [0, 0, 0] and float(f.loss) == math.inf
+    f.note_loss(torch.tensor(math.nan), keep=torch.tensor(1.0))
+    f.note_step(hooked=True, keep=torch.tensor(1.0))
+    assert f.fetch()[1] == [1, 1, 1]
+    assert guard.skipped([3, 1, 2]) == (["non-finite loss"] + ["non-finite gradient"] * 2, 2)
+
+
 class FakeEntry:
     def __init__(self, name, log, pool=None):
         self.name, self.log, self._pool = name, log, pool
