@@ -2135,6 +2135,25 @@ def test_batched_dsuta_fast_moments_are_each_runs(data):
     assert max_diff(seps[0].params, seps[1].params) > 10 * PARAM_TOL
 
 
+def test_a_dsuta_batch_names_the_runs_its_slow_rows_cannot_run(data):
+    """DSUTA's slow rows are one AdamW as its fast rows: a slow optimiser other than Adam(W) is
+    a run's blocker, named as the slow one, and a run whose slow optimiser has other
+    hyperparameters than run 1's (its fast optimiser the same) is refused, naming the run."""
+    from tta_brain.methods.batched_dsuta import BatchedDSUTA
+    _, _, build = _batch(data, "dsuta", [(1e-3, 1, "none")], buffer_size=2)
+    first = build(1e-3, 1, "none")
+    assert BatchedDSUTA.blocker(first) is None
+    assert BatchedDSUTA.blocker(build(1e-3, 1, "none", dict(slow_optimizer=torch.optim.SGD))) \
+        == "slow optimizer SGD (batched: AdamW, Adam)"
+    other = build(1e-3, 1, "none", dict(slow_optimizer=partial(torch.optim.AdamW,
+                                                               weight_decay=0.1)))
+    assert BatchedDSUTA.blocker(other) is None
+    with pytest.raises(ValueError) as e:
+        BatchedDSUTA(first.lobe, [first, build(1e-2, 2, "none"), other])
+    assert str(e.value).startswith("run 3: slow optimizer weight_decay differs from run 1's"), \
+        str(e.value)
+
+
 def test_batched_cotta_one_view_and_no_steps_as_separate_runs(data):
     """CoTTA edges, batched as their separate runs: ``n_augment: 1`` (an unsure anchor: the
     teacher's output is ONE augmented view, not the plain pass) and ``steps: 0`` (the teacher's
