@@ -2184,6 +2184,30 @@ def test_batched_cotta_reset_and_ema_decay_are_each_runs(data):
     assert max_diff([batch.teacher[1]], [batch.source]) > 10 * PARAM_TOL
 
 
+def test_batched_cotta_runs_draw_their_generators_as_separate_runs(data):
+    """Each batched CoTTA run draws exactly its separate run's numbers: after every utterance its
+    augmentation and restore generators are in the separate run's states (bit for bit: a view too
+    many or too few, or a run's draws from another's generator, shows here where the transcripts
+    and weights, to PARAM_TOL, need not); two augmented runs with 2 and 3 views and two steps
+    beside a plain one (its augmentation generator never drawn)."""
+    cfgs = [(3e-3, 1, "none", dict(n_augment=2, seed=1)),
+            (1e-3, 2, "none", dict(n_augment=3, seed=2, restore_prob=0.2)),
+            (3e-3, 2, "none", dict(ap_threshold=0.0, seed=3))]
+    batch, wavs, build = _batch(data, "cotta", cfgs, ap_threshold=0.9)
+    seps = [build(*c) for c in cfgs]
+    start = [m.aug_gen.get_state() for m in seps]
+
+    def generators(i):
+        for r, m in enumerate(seps):
+            for mine, theirs in ((batch.aug_gen[r], m.aug_gen),
+                                 (batch.restorers[r].restore_gen, m.restore_gen)):
+                assert torch.equal(mine.get_state(), theirs.get_state()), (i, r)
+    lockstep(batch, seps, wavs[:3], after=generators)
+    assert [m.counts["augmented"] for m in seps] == [3, 6, 0]        # a view set a step
+    assert [torch.equal(m.aug_gen.get_state(), s) for m, s in zip(seps, start)] == \
+        [False, False, True]
+
+
 def test_batched_eata_reset_restarts_the_filter(data):
     """A reset of a batched EATA run starts its filter again, as EATA's reset: no EMA of the
     mean posteriors (``model_probs`` None in its checkpoint), and the steps after it as the
