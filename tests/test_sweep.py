@@ -2208,6 +2208,21 @@ def test_batched_cotta_runs_draw_their_generators_as_separate_runs(data):
         [False, False, True]
 
 
+def test_batched_cotta_anchor_at_its_threshold_takes_the_plain_teacher(data):
+    """CoTTA's anchor test is ``confidence >= ap_threshold``: a batched run whose threshold is
+    the source's confidence on the utterance itself (as the batch computes it) takes its plain
+    teacher, and a run whose threshold is the next float above it its augmented views."""
+    from tta_brain.methods import UttInfo
+    probe, wavs, _ = _batch(data, "cotta", [(1e-3, 1, "none")])
+    x = probe.pad(probe.lobe.prepare(wavs[0]))
+    conf = float(probe.logits(probe.source[None], x)[0].softmax(-1).max(-1).values.mean())
+    cfgs = [(1e-3, 1, "none", dict(ap_threshold=conf)),
+            (1e-3, 1, "none", dict(ap_threshold=math.nextafter(conf, 1.0)))]
+    batch, _, _ = _batch(data, "cotta", cfgs, n_augment=2)
+    batch.process([0, 1], wavs[0], UttInfo(position=0, segment="0"))
+    assert [v.counts["augmented"] for v in batch.views] == [0, 1]
+
+
 def test_batched_eata_reset_restarts_the_filter(data):
     """A reset of a batched EATA run starts its filter again, as EATA's reset: no EMA of the
     mean posteriors (``model_probs`` None in its checkpoint), and the steps after it as the
