@@ -2154,6 +2154,24 @@ def test_a_dsuta_batch_names_the_runs_its_slow_rows_cannot_run(data):
         str(e.value)
 
 
+def test_a_dsuta_batch_refuses_a_checkpoint_with_buffered_inputs(data):
+    """A batched DSUTA run keeps gradient sums, not inputs: a checkpoint of ``slow_grad:
+    recompute`` whose buffer holds inputs is refused, saying so, its weights and buffer not
+    loaded."""
+    from tta_brain.methods import UttInfo
+    batch, wavs, build = _batch(data, "dsuta", [(1e-3, 1, "none")], buffer_size=3)
+    m = build(1e-2, 1, "none", dict(slow_grad="recompute"))
+    m.process(wavs[0], UttInfo(position=0, segment="0"))
+    sd = m.state_dict()
+    assert len(sd["buffer_x"]) == 1 and sd["n_buffered"] == 1
+    before = [t.clone() for t in batch.values(0)]
+    with pytest.raises(ValueError, match=r"^a checkpoint of slow_grad: recompute \(buffered "
+                                         r"inputs\) cannot resume in a batch$"):
+        batch.views[0].load_state_dict(sd)
+    assert max_diff(batch.values(0), before) == 0 and batch.n_buffered == [0]
+    assert max_diff(m.params, before) > PARAM_TOL                     # (it had moved)
+
+
 def test_batched_cotta_one_view_and_no_steps_as_separate_runs(data):
     """CoTTA edges, batched as their separate runs: ``n_augment: 1`` (an unsure anchor: the
     teacher's output is ONE augmented view, not the plain pass) and ``steps: 0`` (the teacher's
