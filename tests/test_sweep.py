@@ -1984,6 +1984,7 @@ def test_a_suta_batch_names_the_runs_its_rows_cannot_run(data):
     from tta_brain.lobes.runtime import Runtime
     from tta_brain.methods import build_method
     from tta_brain.methods.batched import BatchedSUTA
+    from tta_brain.methods.resets import FixedReset
 
     def suta(name="suta", runtime=None, **kw):
         lobe = HFCTCLobe(data["model"], runtime=Runtime(**(runtime or {})))
@@ -2000,6 +2001,11 @@ def test_a_suta_batch_names_the_runs_its_rows_cannot_run(data):
     compiled = suta()
     compiled.runtime.compile = True
     assert BatchedSUTA.blocker(compiled) == "compile"
+
+    class EveryOther(FixedReset):                # an API user's policy: not one the batch knows
+        name = "every_other"
+    assert BatchedSUTA.blocker(suta("csuta", reset_policy=EveryOther(2))) == \
+        "reset every_other (batched: none, fixed, oracle, dynamic)"
     for others, why in [
             ([suta(), suta(runtime=dict(precision="bf16"))], "run 3: precision bf16"),
             ([suta("tent")], "run 2: method tent, run 1's is suta"),
@@ -2028,6 +2034,52 @@ def test_a_suta_batch_names_the_runs_its_rows_cannot_run(data):
     assert [v.process(wav) for v in batch.views] == [first.process(wav), second.process(wav)]
     with pytest.raises(RuntimeError, match="^batched run 2: no transcript computed"):
         batch.views[1].process(wav)
+
+
+def test_a_suta_batch_refuses_a_model_vmap_cannot_map(tmp_path):
+    """A run on SEW-D (its attention's autograd Functions have no ``setup_context``: no vmap of
+    them) is refused by the batch, which names the model and why (the run goes separately)."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.testing import TINY_SEWD, save_random_ctc_model
+    from tta_brain.methods import build_method
+    from tta_brain.methods.batched import BatchedSUTA
+    lobe = HFCTCLobe(save_random_ctc_model(str(tmp_path), 0, arch="sew-d", **TINY_SEWD))
+    why = BatchedSUTA.blocker(build_method("suta", model=lobe))
+    assert why is not None and why.startswith("the model (SEW-D's attention applies"), why
+
+
+def test_eager_attention_is_the_models_meanwhile_alone(data, monkeypatch):
+    """``eager_attention``: meanwhile the lobe's model attends by matmul + softmax (no SDPA call:
+    its fused kernels are what the batch's vmap cannot map), and afterwards, the body having
+    raised too, by its own attention again (the lobe's separate passes are unchanged)."""
+    import soundfile as sf
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods.batched import eager_attention
+    lobe = HFCTCLobe(data["model"])
+    own = lobe.model.config._attn_implementation
+    assert own != "eager"
+    x = lobe.prepare(torch.from_numpy(sf.read(sorted((data["root"] / "wav").glob("*.wav"))[0],
+                                              dtype="float32")[0]))
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return sdpa(*a, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+
+    def sdpa_calls():
+        calls.clear()
+        with torch.no_grad():
+            lobe.logits(x)
+        return len(calls)
+    assert sdpa_calls() > 0
+    with eager_attention(lobe):
+        assert sdpa_calls() == 0
+    assert sdpa_calls() > 0 and lobe.model.config._attn_implementation == own
+    with pytest.raises(RuntimeError, match="^in the body$"):
+        with eager_attention(lobe):
+            raise RuntimeError("in the body")
+    assert sdpa_calls() > 0 and lobe.model.config._attn_implementation == own
 
 
 @pytest.mark.parametrize("arch,cfg,draws", [
