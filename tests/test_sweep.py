@@ -1502,6 +1502,22 @@ def test_batched_utterance_reads_the_device_once(data, base, monkeypatch):
                           "aten.lift_fresh.default"]
 
 
+def test_row_index_uploads_each_row_set_once_all_and_single_rows_at_the_start(monkeypatch):
+    """``RowIndex``: all rows and each row alone (a run's reset) are uploaded when it is made,
+    so the first reset of a run reads nothing; any other set of rows is uploaded the first time
+    it is asked, then the same tensor is given back without another upload."""
+    from tta_brain.methods.batched import RowIndex
+    watch = DeviceReads(monkeypatch)
+    rows = RowIndex("cpu", 3)
+    with watch:
+        got = [rows(r) for r in ([0, 1, 2], [0], [1], [2])]
+    assert watch.seen == [] and [t.tolist() for t in got] == [[0, 1, 2], [0], [1], [2]]
+    with watch:
+        pair = rows([2, 0])
+        assert rows([2, 0]) is pair and rows([1]) is got[2]
+    assert watch.seen == ["aten.lift_fresh.default"] and pair.tolist() == [2, 0]
+
+
 def same_steps(batch, seps, wavs):
     """The batch of runs ``seps`` over ``wavs`` side by side with them: the same transcripts and,
     after every utterance, each run's weights those of its separate run (to rounding)."""
