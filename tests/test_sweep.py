@@ -2596,7 +2596,7 @@ def test_batched_csuta_runs_test_their_own_lii(data):
     """Two batched CSUTA runs with their own dynamic reset (their own lr, loss weights and so
     phi_D), beside a run with none, take each utterance's LII losses from the one forward of
     their phi_D rows and the source, each run its own rows and its own loss: the same LII values
-    and decisions as their separate runs'."""
+    and decisions as their separate runs'; each loss taken once, and no other values' loss."""
     cfgs = [(1e-2, 1, "dynamic"), (1e-3, 2, "none"),
             (3e-3, 2, "dynamic", dict(em_coef=0.5, temperature=1.0))]
     batch, wavs, build = _batch(data, "csuta", cfgs)
@@ -2606,6 +2606,11 @@ def test_batched_csuta_runs_test_their_own_lii(data):
     assert len(liis[0]) > 2 and not liis[1] and len(liis[2]) > 2
     n = min(len(liis[0]), len(liis[2]))
     assert not np.allclose(liis[0][:n], liis[2][:n], rtol=0, atol=10 * LII_TOL)   # the runs' own
+    # each LII loss the batch computed was taken once (none left over for a later utterance),
+    # and a run's policy asking for the loss under other values than its phi_D is an error
+    assert [v.early_losses for v in batch.views] == [{}, {}, {}]
+    with pytest.raises(RuntimeError, match="^batched run 3: loss_with only knows phi_D and the"):
+        batch.views[2].loss_with(batch.values(2), wavs[0])
 
 
 def test_a_batch_steps_the_runs_at_the_utterance_alone(data):
