@@ -1530,13 +1530,13 @@ def same_steps(batch, seps, wavs):
             assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
 
 
-def lockstep(batch, seps, wavs, after=None):
+def lockstep(batch, seps, wavs, after=None, segments=None):
     """The batch and the separate runs ``seps`` over ``wavs`` side by side: the same transcripts,
     then the same events (kind, position, reason) and counts per run. ``after(i)``: called after
-    each utterance ``i``."""
+    each utterance ``i``; ``segments``: each utterance's domain block (default: one block)."""
     from tta_brain.methods import UttInfo
     for i, w in enumerate(wavs):
-        info = UttInfo(position=i, segment="0")
+        info = UttInfo(position=i, segment="0" if segments is None else segments[i])
         batch.process(list(range(len(seps))), w, info)
         for r, m in enumerate(seps):
             assert batch.views[r].process(w) == m.process(w, info)
@@ -2611,6 +2611,28 @@ def test_batched_csuta_runs_test_their_own_lii(data):
     assert [v.early_losses for v in batch.views] == [{}, {}, {}]
     with pytest.raises(RuntimeError, match="^batched run 3: loss_with only knows phi_D and the"):
         batch.views[2].loss_with(batch.values(2), wavs[0])
+
+
+def test_batched_csuta_oracle_runs_reset_at_the_streams_boundaries(data):
+    """Two batched CSUTA runs with the oracle reset (their own lr and loss weights) reset before
+    the first utterance of each new domain block (``segment`` changes), beside a fixed reset
+    (its count restarted at each of its resets, ``on_reset``): the same transcripts, reset
+    events (positions, reasons), counts and, after every utterance, weights and policy states
+    as their separate runs'."""
+    cfgs = [(3e-3, 1, "oracle"), (1e-2, 2, "fixed"),
+            (1e-2, 1, "oracle", dict(em_coef=0.5, temperature=1.0))]
+    batch, wavs, build = _batch(data, "csuta", cfgs)
+    seps = [build(*c) for c in cfgs]
+    segments = [0] * 4 + [1] * 3 + [2] * 4 + [3]
+
+    def same(i):
+        for r, m in enumerate(seps):
+            assert max_diff(batch.values(r), m.params) < PARAM_TOL, (i, r)
+            assert batch.views[r].state_dict()["reset_policy"] == \
+                m.state_dict()["reset_policy"], (i, r)
+    lockstep(batch, seps, wavs, after=same, segments=segments)
+    assert [[e.position for e in m.events if e.kind == "reset"] for m in seps] == \
+        [[4, 7, 11], [3, 6, 9, 12], [4, 7, 11]]
 
 
 def test_a_batch_steps_the_runs_at_the_utterance_alone(data):
