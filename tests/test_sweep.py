@@ -2132,6 +2132,31 @@ def test_train_mode_is_batched_only_where_it_draws_nothing(tmp_path, arch, cfg, 
 
 
 # ----------------------------------------- batched edges: DSUTA's slow gradient, CoTTA, EATA's reset
+def nan_dsuta_losses(monkeypatch, nan, poison, seps, hit):
+    """DSUTA's loss (the separate runs ``seps``) and the batch's losses made to give the runs
+    ``hit`` (indices) a NaN gradient of a finite loss (``nan == "gradient"``: value 0) or a NaN
+    loss (``"loss"``) at the utterances ``poison``; the other runs' losses are left alone."""
+    from tta_brain.methods.batched import BatchedSUTA
+    from tta_brain.methods.dsuta import DSUTA
+    nan_grad = ((lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0)  # value 0, gradient NaN
+                if nan == "gradient" else lambda lg: lg.sum() * float("nan"))        # NaN loss
+    loss, batched_losses = DSUTA.loss, BatchedSUTA.losses
+    hit_seps = [seps[r] for r in hit]
+
+    def sep_loss(self, logits, *a, **k):
+        out = loss(self, logits, *a, **k)
+        hurt = self.t in poison and any(self is m for m in hit_seps)
+        return out + nan_grad(logits) if hurt else out
+
+    def bat_losses(self, runs, logits, leaf, lengths=None):
+        out, drop, why = batched_losses(self, runs, logits, leaf, lengths)
+        out = torch.stack([o + nan_grad(logits[j]) if r in hit and self.views[r].t in poison
+                           else o for j, (r, o) in enumerate(zip(runs, out))])
+        return out, drop, why
+    monkeypatch.setattr(DSUTA, "loss", sep_loss)
+    monkeypatch.setattr(BatchedSUTA, "losses", bat_losses)
+
+
 @pytest.mark.parametrize("nan", ["gradient", "loss"])
 def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(data, monkeypatch,
                                                                               nan):
@@ -2143,27 +2168,10 @@ def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(dat
     takes its slow steps as the separate runs. After every utterance the batch's checkpoint holds
     the separate runs' buffer counts (a buffer with a dropped gradient: fewer gradients than
     utterances), and the separate runs' checkpoints resume the batch."""
-    from tta_brain.methods.batched import BatchedSUTA
-    from tta_brain.methods.dsuta import DSUTA
-    poison = {1, 3, 4, 5}
-    nan_grad = ((lambda lg: (lg - lg.detach()).sum().abs().sqrt() * 0.0)  # value 0, gradient NaN
-                if nan == "gradient" else lambda lg: lg.sum() * float("nan"))        # NaN loss
     cfgs = [(1e-3, 0, "none"), (1e-3, 1, "none")]
     batch, wavs, build = _batch(data, "dsuta", cfgs, buffer_size=3)
     seps = [build(*c) for c in cfgs]
-    loss, batched_losses = DSUTA.loss, BatchedSUTA.losses
-
-    def sep_loss(self, logits, *a, **k):
-        out = loss(self, logits, *a, **k)
-        return out + nan_grad(logits) if self.t in poison else out
-
-    def bat_losses(self, runs, logits, leaf, lengths=None):
-        out, drop, why = batched_losses(self, runs, logits, leaf, lengths)
-        if self.views[runs[0]].t in poison:
-            out = torch.stack([o + nan_grad(logits[j]) for j, o in enumerate(out)])
-        return out, drop, why
-    monkeypatch.setattr(DSUTA, "loss", sep_loss)
-    monkeypatch.setattr(BatchedSUTA, "losses", bat_losses)
+    nan_dsuta_losses(monkeypatch, nan, {1, 3, 4, 5}, seps, hit=[0, 1])
     held = []
 
     def checkpoints(i):
@@ -2186,6 +2194,34 @@ def test_batched_dsuta_without_fast_steps_drops_a_nan_slow_gradient_silently(dat
         assert [float(s["step"]) for s in m.slow_optimizer.state_dict()["state"].values()][0] == 1
         assert batch.slow.steps[r] == 1
         assert max_diff(batch.meta_values(r), m.meta) < PARAM_TOL
+
+
+def test_batched_dsuta_run_with_no_finite_gradient_in_its_buffer_takes_no_slow_step(
+        data, monkeypatch):
+    """A batched DSUTA run whose whole buffer holds only non-finite gradients (buffers of 2,
+    NaN gradients at utterances 2 and 3: N = 0 and N = 1) takes no slow step when the runs due
+    step together: its slow step count and meta-parameters stay as after the first buffer, as in
+    its separate run, while the clean run steps. Catches a mask of the runs with ``n >= 0``
+    finite gradients (a zero-gradient AdamW step would still move them)."""
+    cfgs = [(1e-3, 0, "none"), (1e-3, 1, "none"), (1e-2, 1, "none")]
+    batch, wavs, build = _batch(data, "dsuta", cfgs, buffer_size=2)
+    seps = [build(*c) for c in cfgs]
+    nan_dsuta_losses(monkeypatch, "gradient", {2, 3}, seps, hit=[0, 2])
+    first = {}
+
+    def after(i):
+        if i == 1:
+            assert batch.slow.steps == [1, 1, 1]
+            first.update((r, batch.meta_values(r)) for r in range(len(seps)))
+    lockstep(batch, seps, wavs[:4], after=after)
+    assert batch.slow.steps == [1, 2, 1]
+    for r, m in enumerate(seps):
+        steps = [float(s["step"]) for s in m.slow_optimizer.state_dict()["state"].values()]
+        assert steps[0] == batch.slow.steps[r], r
+        assert max_diff(batch.meta_values(r), m.meta) < PARAM_TOL, r
+    for r in (0, 2):
+        assert max_diff(batch.meta_values(r), first[r]) == 0, r
+    assert max_diff(batch.meta_values(1), first[1]) > 0             # (the clean run stepped)
 
 
 def test_batched_dsuta_fast_moments_are_each_runs(data):
