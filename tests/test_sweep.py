@@ -2581,6 +2581,39 @@ def test_batched_sgem_run_stepping_alone_anneals_its_own_lr(data):
         assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
 
 
+def test_batched_sgem_runs_stepping_together_anneal_over_their_own_steps(data, monkeypatch):
+    """Batched SGEM runs of 3 and 2 steps take their first two steps together: each run's lr of
+    every step (every tensor's) is ``annealed_lr`` over its own step count, as its separate
+    run's, so the two runs' lrs of the second step differ (0.75 and 0.5 of the way from lr_min
+    to lr); the same weights. Catches a schedule over the most steps of the runs stepping."""
+    from tta_brain.methods.batched import tensor_lrs
+    from tta_brain.methods.batched_pseudo import BatchedSGEM
+    from tta_brain.methods.sgem import SGEM, annealed_lr
+    cfgs = [(1e-2, 3, "none"), (1e-2, 2, "none")]
+    batch, wavs, build = _batch(data, "sgem", cfgs, beam_width=1, lr_min=1e-4)
+    seps = [build(*c) for c in cfgs]
+    sep_lrs, bat_lrs = {id(m): [] for m in seps}, {r: [] for r in range(len(cfgs))}
+    sep_before, bat_before = SGEM.before_step, BatchedSGEM.before_step
+
+    def sep_step(self, step):
+        sep_before(self, step)
+        sep_lrs[id(self)].append(tensor_lrs(self.optimizer, self.params).tolist())
+
+    def bat_step(self, runs, n):
+        bat_before(self, runs, n)
+        for r in runs:
+            bat_lrs[r].append(self.fast.lr[r].tolist())
+    monkeypatch.setattr(SGEM, "before_step", sep_step)
+    monkeypatch.setattr(BatchedSGEM, "before_step", bat_step)
+    lockstep(batch, seps, wavs[:2])
+    for r, (m, (lr, steps, _)) in enumerate(zip(seps, cfgs)):
+        own = [annealed_lr(lr, lr, 1e-4, n, steps) for n in range(steps)] * 2
+        assert [set(x) for x in sep_lrs[id(m)]] == [{x} for x in own], r
+        assert np.allclose(bat_lrs[r], sep_lrs[id(m)], rtol=1e-12, atol=0), (r, bat_lrs[r])
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+    assert not np.allclose(bat_lrs[0][1], bat_lrs[1][1], rtol=0.1, atol=0)
+
+
 def batched_liis(batch, seps):
     """Each run's LII values, the separate run's (to LII_TOL; as many)."""
     liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
