@@ -1228,6 +1228,19 @@ def test_free_batch_on_the_device_gives_the_separate_transcripts(data, device, n
         assert states[0].shape != states[1].shape or not np.allclose(states[0], states[1])
 
 
+def _step_runs_and_rows(runs, rows, todo, grads, mask=None):
+    """Runs ``todo`` (``(params, optimiser)`` of ``runs``) step with their gradients ``grads[r]``
+    where ``mask`` (None: all) lets them; AdamRows ``rows`` update the same rows under the mask."""
+    for j, r in enumerate(todo):
+        if mask is None or mask[j]:
+            ps, opt = runs[r]
+            for p, gr in zip(ps, grads[r]):
+                p.grad = gr.clone()
+            opt.step()
+    rows.update(todo, torch.stack([torch.cat([t.reshape(-1) for t in grads[r]]) for r in todo]),
+                None if mask is None else torch.tensor(mask))
+
+
 @pytest.mark.parametrize("cls,wd", [(torch.optim.AdamW, 0.0), (torch.optim.AdamW, 0.1),
                                     (torch.optim.Adam, 0.1),
                                     (partial(torch.optim.Adam, decoupled_weight_decay=True), 0.1)])
@@ -1255,15 +1268,7 @@ def test_adam_rows_step_as_torchs_adam(cls, wd):
         grads = [[torch.randn(s, generator=g) for s in shapes] for _ in runs]
         if mask is not None:                    # what a masked row gets must not matter
             grads[todo[mask.index(False)]][0][0] = float("nan")
-        for j, r in enumerate(todo):
-            if mask is None or mask[j]:
-                ps, opt = runs[r]
-                for p, gr in zip(ps, grads[r]):
-                    p.grad = gr.clone()
-                opt.step()
-        rows.update(todo, torch.stack([torch.cat([t.reshape(-1) for t in grads[r]])
-                                       for r in todo]),
-                    None if mask is None else torch.tensor(mask))
+        _step_runs_and_rows(runs, rows, todo, grads, mask)
     for r, (ps, opt) in enumerate(runs):
         assert torch.equal(rows.P[r], torch.cat([p.detach().reshape(-1) for p in ps])), r
         split = lambda flat: list(flat.split(numels))
@@ -1305,15 +1310,9 @@ def test_adam_rows_reset_take_and_load_as_torchs_adam():
     def step(runs, rows, todo, mask=None):
         grads = {r: [torch.randn(s, generator=g) for s in shapes] for r in todo}
         for j, r in enumerate(todo):
-            if mask is None or mask[j]:
-                ps, opt = runs[r]
-                for p, gr in zip(ps, grads[r]):
-                    p.grad = gr.clone()
-                opt.step()
-            else:                                   # what a masked row gets must not matter
+            if mask is not None and not mask[j]:    # what a masked row gets must not matter
                 grads[r][0][0, 0] = float("nan")
-        rows.update(todo, torch.stack([flat(grads[r]) for r in todo]),
-                    None if mask is None else torch.tensor(mask))
+        _step_runs_and_rows(runs, rows, todo, grads, mask)
 
     def same(runs, rows):
         for r, (ps, opt) in enumerate(runs):
