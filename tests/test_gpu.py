@@ -1180,6 +1180,23 @@ def test_device_optimizer_blocker():
     assert guard.is_device_optimizer(opt)
 
 
+def test_only_an_optimiser_with_to_device_and_on_device_runs_its_own_device_update():
+    """``RepeatedAdam`` is told by both its ``to_device`` and its ``on_device``: another
+    optimiser with one of them only is not run on the device (the blocker names it)."""
+    p = [torch.nn.Parameter(torch.randn(3))]
+
+    class Moves(torch.optim.SGD):
+        def to_device(self):
+            pass
+
+    class Says(torch.optim.SGD):
+        on_device = True
+
+    for cls in (Moves, Says):
+        assert guard.device_optimizer_blocker(cls(p, lr=0.1)) == (
+            f"the optimiser is {cls.__name__}, not torch's Adam/AdamW")
+
+
 def test_step_flags_count_and_fetch_once():
     f = guard.StepFlags("cpu", scale=4.0)
     assert float(f.inv_scale) == 0.25
