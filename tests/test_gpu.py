@@ -955,6 +955,17 @@ def test_train_mode_is_captured_only_where_it_draws_nothing(tiny_model_dir, tmp_
         in caplog.text
 
 
+def test_a_model_that_cannot_say_what_its_train_mode_draws_is_taken_to_draw(tiny_model_dir):
+    """``train_draws``: nothing with ``train_mode`` off; the lobe's own answer with it on; a
+    lobe without ``train_draws`` is taken to draw (its steps stay eager, a batch refuses it)."""
+    from types import SimpleNamespace
+    from tta_brain.gpu import train_draws
+    lobe = HFCTCLobe(tiny_model_dir)
+    assert train_draws(SimpleNamespace(train_mode=False, lobe=object())) == []
+    assert train_draws(SimpleNamespace(train_mode=True, lobe=lobe)) == lobe.train_draws() != []
+    assert train_draws(SimpleNamespace(train_mode=True, lobe=object())) == ["unknown"]
+
+
 @pytest.mark.parametrize("runtime,kind,graphs_on", [
     ({}, DeviceStep, True),                                          # auto: captured
     ({"precision": "bf16"}, HostStep, False),                        # auto, not exact: host
