@@ -1009,6 +1009,20 @@ def test_host_step_skips_an_infinite_loss_before_its_backward(tiny_model_dir, ut
     assert max_diff(before, m.params) == 0.0
 
 
+def test_step_loss_zeroes_the_gradients_in_place(tiny_model_dir, utterances):
+    """``step_loss`` zeroes the last step's gradients, keeping their tensors (not None): the
+    device step's captured backward writes the same memory on every replay, and the host step
+    shares this half of the step."""
+    from tta_brain.gpu.host_step import step_loss
+    m = build(tiny_model_dir, "suta", "host")
+    x = m.lobe.prepare(utterances[0])
+    assert math.isfinite(m.step(x, m.optimizer))
+    kept = [p.grad for p in m.params]
+    assert all(g is not None for g in kept) and any(bool(g.any()) for g in kept)
+    assert torch.isfinite(step_loss(m, x, m.optimizer))
+    assert all(p.grad is g and not bool(g.any()) for p, g in zip(m.params, kept))
+
+
 def test_a_step_with_another_optimizer_takes_the_host_step(tiny_model_dir, utterances):
     """The device step runs the method's optimisers (``optimizer``, ``device_optimizers``) only:
     a step with another one takes the host step, as on the host path: its non-finite loss is
