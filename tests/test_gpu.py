@@ -1023,6 +1023,20 @@ def test_step_loss_zeroes_the_gradients_in_place(tiny_model_dir, utterances):
     assert all(p.grad is g and not bool(g.any()) for p, g in zip(m.params, kept))
 
 
+def test_host_step_decides_on_its_own_filter_row(tiny_model_dir, utterances):
+    """The host step reads every row its method's filter noted since the last read (all go to
+    ``step_notes``) and drops the step on the last row only, its own loss's verdict: an older
+    row (here a dropped one) is recorded, and the step it did not decide still updates."""
+    from tta_brain.methods.eata import REDUNDANT
+    m = build(tiny_model_dir, "eata", "host", fisher_alpha=0.0, e_margin_factor=1.0)
+    x = m.lobe.prepare(utterances[0])
+    m.step_filter.note(torch.tensor(True), torch.tensor([float(REDUNDANT), 1.0, 1.0]))
+    before = snapshot(m.params)
+    assert math.isfinite(m.step(x, m.optimizer))               # its own row: kept
+    assert m.counts["filtered_redundant"] == 1 and m.counts["adapt_backward"] == 1
+    assert max_diff(before, m.params) > 0.0
+
+
 def test_a_step_with_another_optimizer_takes_the_host_step(tiny_model_dir, utterances):
     """The device step runs the method's optimisers (``optimizer``, ``device_optimizers``) only:
     a step with another one takes the host step, as on the host path: its non-finite loss is
