@@ -1026,7 +1026,8 @@ def test_step_loss_zeroes_the_gradients_in_place(tiny_model_dir, utterances):
 def test_host_step_decides_on_its_own_filter_row(tiny_model_dir, utterances):
     """The host step reads every row its method's filter noted since the last read (all go to
     ``step_notes``) and drops the step on the last row only, its own loss's verdict: an older
-    row (here a dropped one) is recorded, and the step it did not decide still updates."""
+    row (here a dropped one) is recorded, and the step it did not decide still updates; no row:
+    nothing to drop."""
     from tta_brain.methods.eata import REDUNDANT
     m = build(tiny_model_dir, "eata", "host", fisher_alpha=0.0, e_margin_factor=1.0)
     x = m.lobe.prepare(utterances[0])
@@ -1035,6 +1036,9 @@ def test_host_step_decides_on_its_own_filter_row(tiny_model_dir, utterances):
     assert math.isfinite(m.step(x, m.optimizer))               # its own row: kept
     assert m.counts["filtered_redundant"] == 1 and m.counts["adapt_backward"] == 1
     assert max_diff(before, m.params) > 0.0
+    # a loss that notes no row (another ``loss_fn`` on a filtered method): nothing drops it
+    assert math.isfinite(m.step(x, m.optimizer, lambda logits: logits.logsumexp(-1).mean()))
+    assert m.counts["adapt_backward"] == 2 and m.counts["filtered_redundant"] == 1
 
 
 def test_a_step_with_another_optimizer_takes_the_host_step(tiny_model_dir, utterances):
