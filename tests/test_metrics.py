@@ -147,6 +147,36 @@ print(before == settings(), before, settings())
     assert out.stdout.split()[0] == "True", out.stdout
 
 
+def test_the_grid_and_hparams_import_without_torch_and_a_yaml_built_keeps_torchs_settings(
+        tmp_path):
+    """The grid's module (its --help, its argument errors) and the yaml reader start without
+    torch or SpeechBrain (seconds a process); a yaml that imports SpeechBrain, built by
+    hparams alone, leaves the user's torch settings as they were."""
+    import subprocess
+    import sys
+    code = """
+import sys
+import tta_brain.grid, tta_brain.hparams, tta_brain.run.identity
+print(sorted(m for m in ("torch", "speechbrain") if m in sys.modules))
+import torch
+torch.backends.cudnn.allow_tf32 = False
+torch.set_float32_matmul_precision("medium")
+before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+          torch.get_float32_matmul_precision())
+from tta_brain import hparams
+built = hparams.Resolved("x.yaml", "s: !name:speechbrain.utils.metric_stats.ErrorRateStats",
+                         {}).build()
+import speechbrain.utils.quirks as q
+assert "allow_tf32" in q.applied_quirks and built["s"].__name__ == "ErrorRateStats"
+print(before == (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                 torch.get_float32_matmul_precision()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout
+
+
 def test_corpus_error_rate_normalises_both_sides():
     """Pairs are scored after normalize_text: case, punctuation and curly apostrophes are no
     errors; pooled over the pairs (1 substitution in 10 reference words: 10 %)."""

@@ -18,8 +18,6 @@ import ruamel.yaml.error
 import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
 
-from tta_brain import quirks  # noqa: F401  (yamls import speechbrain: without its torch quirks)
-
 from tta_brain.hparams import rules
 from tta_brain.hparams.rules import RULES, HparamsError, check_device
 
@@ -123,6 +121,8 @@ class Resolved:
 
     def build(self) -> Dict:
         """The yaml's objects (model, method, reset policy)."""
+        # (first: the yamls import SpeechBrain, which without this changes torch's settings)
+        from tta_brain import quirks  # noqa: F401
         with _errors(self.path):
             return load_hyperpyyaml(self.text)
 
