@@ -17,7 +17,7 @@
 # device minutes, after the machine's start (about 40 s there), room to rerun a section or two
 # (e.g. --sections memory --budget_s 100 --tests_s 0: no tests; --tests_k cotta: only the CUDA
 # tests whose names match it too). --smoke: on this machine's
-# CPU (the check's --cpu_smoke on two sections, the CUDA tests collected, not run; no .site).
+# CPU (the check's --cpu_smoke on its first section, the CUDA tests collected, not run; no .site).
 # tools/gpu_twin.sh: a CPU twin of the image's Python to rehearse the whole call.
 set -uo pipefail
 
@@ -81,7 +81,7 @@ fi
 cat "$out/machine.txt"
 
 check=(tools/gpu_check.py --out "$out/check" --budget_s "$budget")
-((smoke)) && check+=(--cpu_smoke --sections transcripts,sweep)
+((smoke)) && check+=(--cpu_smoke --sections transcripts)   # (test_gpu runs every section)
 log "check: ${check[*]} ${check_opts[*]}"
 timeout $((${budget%.*} + 120)) "${py[@]}" "${check[@]}" "${check_opts[@]}" \
   > "$out/check.log" 2>&1
