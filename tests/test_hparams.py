@@ -260,3 +260,11 @@ def test_a_range_given_upside_down_is_refused():
         hparams.resolve(path, {"source": "m", "stream_csv": "s.csv", "output_folder": "o",
                                "noise_min": 0.02})
     hparams.check(path, {"noise_min": 0.01, "noise_max": 0.01})
+    # SGEM's cosine schedule anneals lr towards lr_min: an lr under the default lr_min (2e-5)
+    # climbed over the steps instead (equal: a constant lr)
+    sgem = {"source": "m", "stream_csv": "s.csv", "output_folder": "o"}
+    with pytest.raises(hparams.HparamsError, match=r"sgem.yaml: lr_min = 2e-05 is above "
+                                                   r"lr = 1e-05: lr_min is the lower end"):
+        hparams.resolve("sgem", dict(sgem, lr=1e-5))
+    assert hparams.resolve("sgem", dict(sgem, lr=2e-5)).values["lr_min"] == 2e-5
+    assert hparams.resolve("sgem", dict(sgem, lr=1e-5, lr_min=1e-6)).values["lr"] == 1e-5

@@ -178,7 +178,9 @@ def _check_lm(path, values: Dict) -> None:
 #: Pairs of keys that bound one range, (low, high): CoTTA's noise amplitude is drawn as
 #: low + (high - low) * u, so a swapped pair drew from the same range under labels that said
 #: otherwise (the E-BATS reference's AddGaussianNoise refuses min_amplitude > max_amplitude).
-ORDERED = (("noise_min", "noise_max"),)
+#: SGEM's lr is annealed towards lr_min: an lr below it (a sweep of lr under the default lr_min
+#: 2e-5) raised the lr over the steps instead, under a label that said the lr asked for.
+ORDERED = (("noise_min", "noise_max"), ("lr_min", "lr"))
 
 
 def _check_order(path, values: Dict) -> None:
