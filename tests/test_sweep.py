@@ -1957,6 +1957,95 @@ def test_batch_on_length_buckets_tests_every_runs_lii(data, monkeypatch):
         batch.graphs.describe()
 
 
+def test_batch_graphs_capture_a_run_sets_step_when_warm(data, monkeypatch):
+    """When a batch's step is captured (the stand-in backend): never in the first 3 eager steps
+    (all lengths); then a length's step after ``cuda_graph_warmup`` eager steps of the
+    utterance where 2 or more steps of the set are left (warm-up 0: its first), replayed for the
+    rest of it and, from the cache, for the utterance's later inputs of that length; on length
+    buckets after ``warmup`` eager steps of the bucket (not of the utterance), a last step too."""
+    from tta_brain.gpu.batch_graphs import BatchGraphs
+    batch, wavs, _ = _batch(data, "suta", [(1e-3, 3, "none"), (1e-2, 3, "none")])
+    runs = [0, 1]
+
+    def graphed(warmup, buckets=0.0):
+        batch.buckets = buckets
+        backend = ReplayChecks(batch, DeviceReads(monkeypatch))
+        batch.graphs = BatchGraphs(batch, backend, capacity=8, warmup=warmup)
+
+        def utterance(wav, n):
+            x, seen = batch.pad(batch.lobe.prepare(wav)), []
+            for left in range(n, 0, -1):
+                replays, captures = backend.replays, backend.captures
+                batch.step(runs, x, grads=False, left=left)
+                seen.append("E" if backend.replays == replays else
+                            "R" if backend.captures == captures else "C")
+            return "".join(seen)
+        return utterance
+    a, b, c = wavs[:3]
+    utterance = graphed(warmup=0)
+    assert [utterance(a, 3), utterance(b, 3), utterance(c, 1), utterance(b, 3),
+            utterance(c, 2)] == ["EEE", "CRR", "E", "RRR", "CR"]
+    utterance = graphed(warmup=1)
+    assert [utterance(a, 3), utterance(b, 3), utterance(b, 3), utterance(c, 2),
+            utterance(c, 3)] == ["EEE", "ECR", "RRR", "EE", "ECR"]
+    # buckets: two lengths of the first bucket (shorter than a second) share its graph
+    a, a2, b = wavs[0], wavs[1], torch.cat(wavs[:3])
+    utterance = graphed(warmup=1, buckets=0.1)
+    assert [utterance(a, 3), utterance(b, 1), utterance(b, 1), utterance(a2, 1),
+            utterance(a, 2)] == ["EEE", "E", "C", "C", "RR"]
+    utterance = graphed(warmup=2, buckets=0.1)
+    assert [utterance(a, 2), utterance(b, 1), utterance(a2, 1), utterance(b, 2),
+            utterance(a, 1)] == ["EE", "E", "C", "EC", "R"]
+
+
+def test_batch_graphs_are_made_on_cuda_for_a_capturable_batch_only(monkeypatch, caplog):
+    """``batch_graphs`` from the runs' runtime options (a batch as it sees one: its rows'
+    device, ``capturable``; the stand-in backend): none where ``cuda_graphs`` is off, on CPU or
+    for a batch whose step is not captured (it says why, with its class and device: a warning
+    where the graphs were asked for, ``on``; else info); a capturable batch's graphs keep the
+    cache its buckets ask for (``auto``: on buckets, the buckets' cache) and its warm-up."""
+    from types import SimpleNamespace
+    from tta_brain.gpu import batch_graphs as module
+    from tta_brain.lobes.runtime import AUTO_BUCKET_CACHE, Runtime
+    from tta_brain.methods.batched import BatchedSUTA
+    from tta_brain.methods.batched_cotta import BatchedCoTTA
+    made = []
+    monkeypatch.setattr(module, "CudaGraphBackend",
+                        lambda device: made.append(device) or FakeBackend())
+
+    def batch(cls, device="cuda", **attrs):       # the class's name and capture attributes
+        own = {k: getattr(cls, k) for k in ("capturable", "not_captured") if hasattr(cls, k)}
+        rows = SimpleNamespace(device=torch.device(device))
+        return type(cls.__name__, (), dict(own, P=rows, **attrs))()
+
+    def made_by(b, **runtime):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tta_brain"):
+            graphs = module.batch_graphs(b, Runtime(**runtime))
+        return graphs, [(r.levelname, r.getMessage()) for r in caplog.records]
+    suta = batch(BatchedSUTA)
+    assert made_by(batch(BatchedSUTA, "cpu"), cuda_graphs="on") == (None, [])
+    assert made_by(suta, cuda_graphs="off") == (None, [])
+    assert made == []
+    graphs, said = made_by(suta, cuda_graph_warmup=2)
+    assert isinstance(graphs, module.BatchGraphs) and graphs.batch is suta
+    assert made == [torch.device("cuda")]
+    assert said == [("INFO", "BatchedSUTA: the batched steps are captured as CUDA graphs on cuda")]
+    assert graphs.warmup == 2
+    assert graphs.cache.capacity == graphs.forwards.capacity == AUTO_BUCKET_CACHE
+    graphs, _ = made_by(suta, cuda_graph_buckets=0.0)
+    assert graphs.warmup == 1 and graphs.cache.capacity == graphs.forwards.capacity == 1
+    why = ("BatchedCoTTA: its steps are not captured (each utterance's teacher outputs are new "
+           "tensors); they run eagerly on cuda")
+    assert made_by(batch(BatchedCoTTA), cuda_graphs="on") == (None, [("WARNING", why)])
+    assert made_by(batch(BatchedCoTTA)) == (None, [("INFO", why)])
+    assert made_by(batch(BatchedSUTA, capturable=False)) == (None, [(
+        "INFO", "BatchedSUTA: its steps are not captured (not capturable); they run eagerly on "
+                "cuda")])
+    assert made_by(batch(object))[0] is None                     # nor says it is capturable
+    assert len(made) == 2
+
+
 def test_a_batch_names_the_runs_it_cannot_take(data):
     """Each batch's blocker names the method, reset or setting it refuses (before any state)."""
     from tta_brain.lobes.hf_ctc import HFCTCLobe
