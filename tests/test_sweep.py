@@ -1983,11 +1983,15 @@ def test_batch_graphs_capture_a_run_sets_step_when_warm(data, monkeypatch):
         return utterance
     a, b, c = wavs[:3]
     utterance = graphed(warmup=0)
+    batch.graphs.set_capacity(0)                           # (at least one graph kept)
     assert [utterance(a, 3), utterance(b, 3), utterance(c, 1), utterance(b, 3),
-            utterance(c, 2)] == ["EEE", "CRR", "E", "RRR", "CR"]
+            utterance(c, 2), utterance(b, 2)] == ["EEE", "CRR", "E", "RRR", "CR", "CR"]
     utterance = graphed(warmup=1)
     assert [utterance(a, 3), utterance(b, 3), utterance(b, 3), utterance(c, 2),
             utterance(c, 3)] == ["EEE", "ECR", "RRR", "EE", "ECR"]
+    assert batch.graphs.describe() == ("2 captures, 7 replays, 7 eager steps, 1 cache hits, "
+                                       "0 forward captures, 0 prediction and 0 LII forward "
+                                       "replays")
     # buckets: two lengths of the first bucket (shorter than a second) share its graph
     a, a2, b = wavs[0], wavs[1], torch.cat(wavs[:3])
     utterance = graphed(warmup=1, buckets=0.1)
@@ -1996,6 +2000,49 @@ def test_batch_graphs_capture_a_run_sets_step_when_warm(data, monkeypatch):
     utterance = graphed(warmup=2, buckets=0.1)
     assert [utterance(a, 2), utterance(b, 1), utterance(a2, 1), utterance(b, 2),
             utterance(a, 1)] == ["EE", "E", "C", "EC", "R"]
+
+
+def test_batch_graphs_replay_the_bucketed_forwards_and_fall_back_to_eager(data, monkeypatch,
+                                                                          caplog):
+    """On length buckets a forward (the prediction, the LII's) is captured per kind and bucket
+    at its second pass (``warmup`` 1) and its replays give its eager logits, counted as its
+    kind's replays; a one-graph cache keeps the newest forward. A capture that fails (here a
+    forward's) counts, says which and why, drops every graph and leaves the batch eager: its
+    forward is run eagerly instead."""
+    from tta_brain.gpu.batch_graphs import BatchGraphs
+    batch, wavs, _ = _batch(data, "suta", [(1e-3, 1, "none"), (1e-2, 1, "none")])
+    backend = ReplayChecks(batch, DeviceReads(monkeypatch))
+    g = batch.graphs = BatchGraphs(batch, backend, capacity=8, warmup=1)
+    batch.buckets, runs = 0.1, [0, 1]
+    (a, sa), (b, sb) = ((batch.pad(batch.lobe.prepare(w)), batch.samples)
+                        for w in (wavs[0], torch.cat(wavs[:3])))       # two buckets
+
+    def eager(x, samples):
+        with torch.no_grad():
+            return batch.logits(batch.fast.rows(runs), x, samples)
+
+    def lii(x, samples):
+        return g.forward(("lii", 2), lambda: batch.fast.rows(runs), x, samples,
+                         "the LII forward", "lii_replays")
+    for _ in range(3):
+        assert torch.equal(g.predict(runs, a, sa), eager(a, sa))
+    assert torch.equal(lii(a, sa), eager(a, sa)) and torch.equal(lii(a, sa), eager(a, sa))
+    assert backend.captures == 2 and (g.stats["forward_replays"], g.stats["lii_replays"]) == (2, 1)
+    g.set_capacity(1)
+    for x, s in ((b, sb), (b, sb), (a, sa)):                  # b's captured: a's dropped
+        assert torch.equal(g.predict(runs, x, s), eager(x, s))
+    assert backend.captures == 4 and len(g.forwards) == 1
+    assert (g.stats["forward_replays"], g.stats["failed"]) == (4, 0)
+    backend.fail = True
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tta_brain"):
+        assert torch.equal(lii(b, sb), eager(b, sb))          # warming
+        assert torch.equal(lii(b, sb), eager(b, sb))          # its capture fails
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [(
+        "WARNING", "BatchedSUTA: capture of the LII forward failed (RuntimeError: operation not "
+                   "permitted when stream is capturing); the batch runs eagerly from now on")]
+    assert batch.graphs is None and g.stats["failed"] == 1 and len(g.forwards) == 0
+    assert backend.released == 4 and g.stats["lii_replays"] == 1
 
 
 def test_batch_graphs_are_made_on_cuda_for_a_capturable_batch_only(monkeypatch, caplog):
