@@ -2005,8 +2005,9 @@ def test_batch_graphs_capture_a_run_sets_step_when_warm(data, monkeypatch):
 def test_batch_graphs_replay_the_bucketed_forwards_and_fall_back_to_eager(data, monkeypatch,
                                                                           caplog):
     """On length buckets a forward (the prediction, the LII's) is captured per kind and bucket
-    at its second pass (``warmup`` 1) and its replays give its eager logits, counted as its
-    kind's replays; a one-graph cache keeps the newest forward. A capture that fails (here a
+    at its second pass (``warmup`` 1) and its replays give its eager logits (float32; for the
+    bucket's other lengths too), counted as its kind's replays; another run set is another
+    graph; a moved state tensor drops them; a one-graph cache keeps the newest forward. A capture that fails (here a
     forward's) counts, says which and why, drops every graph and leaves the batch eager: its
     forward is run eagerly instead."""
     from tta_brain.gpu.batch_graphs import BatchGraphs
@@ -2017,22 +2018,28 @@ def test_batch_graphs_replay_the_bucketed_forwards_and_fall_back_to_eager(data, 
     (a, sa), (b, sb) = ((batch.pad(batch.lobe.prepare(w)), batch.samples)
                         for w in (wavs[0], torch.cat(wavs[:3])))       # two buckets
 
-    def eager(x, samples):
+    def eager(x, samples, rows=runs):
         with torch.no_grad():
-            return batch.logits(batch.fast.rows(runs), x, samples)
+            return batch.logits(batch.fast.rows(rows), x, samples)
 
     def lii(x, samples):
         return g.forward(("lii", 2), lambda: batch.fast.rows(runs), x, samples,
                          "the LII forward", "lii_replays")
     for _ in range(3):
-        assert torch.equal(g.predict(runs, a, sa), eager(a, sa))
+        out = g.predict(runs, a, sa)
+        assert torch.equal(out, eager(a, sa)) and out.dtype == torch.float32
+    a2 = batch.pad(batch.lobe.prepare(wavs[1]))                # bucket a's, another length
+    assert torch.equal(g.predict(runs, a2, batch.samples), eager(a2, batch.samples))
+    assert torch.equal(g.predict([0], a, sa), eager(a, sa, [0]))   # another run set: warming
     assert torch.equal(lii(a, sa), eager(a, sa)) and torch.equal(lii(a, sa), eager(a, sa))
-    assert backend.captures == 2 and (g.stats["forward_replays"], g.stats["lii_replays"]) == (2, 1)
+    assert backend.captures == 2 and (g.stats["forward_replays"], g.stats["lii_replays"]) == (3, 1)
+    batch.fast._corrections(len(batch.fast.bc1))     # a grown table moves a state tensor
+    assert torch.equal(lii(a, sa), eager(a, sa)) and backend.captures == 3   # captured again
     g.set_capacity(1)
     for x, s in ((b, sb), (b, sb), (a, sa)):                  # b's captured: a's dropped
         assert torch.equal(g.predict(runs, x, s), eager(x, s))
-    assert backend.captures == 4 and len(g.forwards) == 1
-    assert (g.stats["forward_replays"], g.stats["failed"]) == (4, 0)
+    assert backend.captures == 5 and len(g.forwards) == 1
+    assert (g.stats["forward_replays"], g.stats["failed"]) == (5, 0)
     backend.fail = True
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tta_brain"):
@@ -2042,7 +2049,7 @@ def test_batch_graphs_replay_the_bucketed_forwards_and_fall_back_to_eager(data, 
         "WARNING", "BatchedSUTA: capture of the LII forward failed (RuntimeError: operation not "
                    "permitted when stream is capturing); the batch runs eagerly from now on")]
     assert batch.graphs is None and g.stats["failed"] == 1 and len(g.forwards) == 0
-    assert backend.released == 4 and g.stats["lii_replays"] == 1
+    assert backend.released == 5 and g.stats["lii_replays"] == 2
 
 
 def test_batch_graphs_are_made_on_cuda_for_a_capturable_batch_only(monkeypatch, caplog):
