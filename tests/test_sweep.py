@@ -2007,9 +2007,10 @@ def test_batch_graphs_replay_the_bucketed_forwards_and_fall_back_to_eager(data, 
     """On length buckets a forward (the prediction, the LII's) is captured per kind and bucket
     at its second pass (``warmup`` 1) and its replays give its eager logits (float32; for the
     bucket's other lengths too), counted as its kind's replays; another run set is another
-    graph; a moved state tensor drops them; a one-graph cache keeps the newest forward. A capture that fails (here a
-    forward's) counts, says which and why, drops every graph and leaves the batch eager: its
-    forward is run eagerly instead."""
+    graph; a moved state tensor drops them; a one-graph cache keeps the newest forward. A
+    capture that fails (here a forward's) counts, says which and why, drops every graph and
+    leaves the batch eager: its forward is run eagerly instead. Without a warm-up (``warmup``
+    0) the first pass still runs eagerly: it gives the output's shape the capture needs."""
     from tta_brain.gpu.batch_graphs import BatchGraphs
     batch, wavs, _ = _batch(data, "suta", [(1e-3, 1, "none"), (1e-2, 1, "none")])
     backend = ReplayChecks(batch, DeviceReads(monkeypatch))
@@ -2050,6 +2051,11 @@ def test_batch_graphs_replay_the_bucketed_forwards_and_fall_back_to_eager(data, 
                    "permitted when stream is capturing); the batch runs eagerly from now on")]
     assert batch.graphs is None and g.stats["failed"] == 1 and len(g.forwards) == 0
     assert backend.released == 5 and g.stats["lii_replays"] == 2
+    backend.fail, captures = False, backend.captures
+    g = batch.graphs = BatchGraphs(batch, backend, capacity=8, warmup=0)
+    assert torch.equal(g.predict(runs, a, sa), eager(a, sa)) and backend.captures == captures
+    assert torch.equal(g.predict(runs, a, sa), eager(a, sa)) and backend.captures == captures + 1
+    assert g.stats["forward_replays"] == 1
 
 
 def test_batch_graphs_are_made_on_cuda_for_a_capturable_batch_only(monkeypatch, caplog):
