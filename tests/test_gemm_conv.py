@@ -126,8 +126,13 @@ def test_a_model_without_a_cnn_is_refused_in_one_line(tmp_path, tiny_model_dir):
                                          r"convolution .*no CNN feature encoder.*use "
                                          r"convolutions: native$"):
         HFCTCLobe(bert, runtime=Runtime(convolutions="gemm"))
+    with pytest.raises(ValueError, match=r"^Runtime\(convolutions='GEMM'\): convolutions must "
+                                         r"be one of native, gemm$"):
+        Runtime(convolutions="GEMM")                  # the Python API: the runtime refuses it
+    rt = Runtime()
+    rt.convolutions = "GEMM"                          # changed after it was built: the lobe
     with pytest.raises(ValueError, match=r"^convolutions: 'GEMM' is not one of native, gemm$"):
-        HFCTCLobe(tiny_model_dir, runtime=Runtime(convolutions="GEMM"))   # the Python API
+        HFCTCLobe(tiny_model_dir, runtime=rt)
 
 
 def test_padded_grouped_or_dilated_convolutions_are_left_native():

@@ -19,10 +19,12 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -830,6 +832,25 @@ def test_auto_buckets_are_a_cuda_default(tiny_model_dir, caplog):
     m = build(tiny_model_dir, "suta", "graph", runtime={"cuda_graph_buckets": "auto",
                                                         "cuda_graph_cache": "auto"})
     assert m.step.buckets == 0.0 and m.step.cache.capacity == 1
+
+
+def test_a_runtime_built_in_python_checks_its_values_as_the_yaml_rules_do():
+    """``Runtime(...)`` from Python (not through a yaml, whose rules refuse these first) is one
+    ValueError naming the option: ``cuda_graph_cache=0`` had been taken and failed later, on
+    CUDA only, inside the graph cache; a numpy scalar is its number, as ``build_method`` takes."""
+    for bad, said in [(dict(cuda_graph_cache=0), "cuda_graph_cache=0): cuda_graph_cache must be "
+                       "auto or an integer >= 1"),
+                      (dict(cuda_graph_buckets=-0.1), "cuda_graph_buckets must be auto or a "
+                       "number >= 0"),
+                      (dict(cuda_graph_warmup=1.5), "cuda_graph_warmup must be an integer >= 0"),
+                      (dict(precision="fp8"), "precision must be one of fp32, bf16, fp16"),
+                      (dict(compile="no"), "compile must be true or false")]:
+        with pytest.raises(ValueError, match=re.escape(said)) as e:
+            Runtime(**bad)
+        assert str(e.value).startswith("Runtime(") and "\n" not in str(e.value)
+    rt = Runtime(cuda_graph_cache=np.int64(4), cuda_graph_buckets=np.float32(0.25))
+    assert (rt.cuda_graph_cache, rt.graph_cache(0.25)) == (4, 4)
+    assert type(rt.cuda_graph_cache) is int and rt.bucket_ratio("cuda") == 0.25
 
 
 def test_graph_settings_given_on_cpu_are_said_to_do_nothing(tiny_model_dir, caplog):

@@ -1,7 +1,8 @@
 """The one validation source of the yamls' values: every key's type and range (:data:`RULES`), the
 keys that constrain each other (the dynamic reset's K), and the device. Checked by
 :func:`tta_brain.hparams.resolve` before anything is built, so a bad value is one line naming the
-file, the key, what it must be and what the key means; the constructors do not check again."""
+file, the key, what it must be and what the key means; the constructors do not check again
+(``build_method`` and ``Runtime``, built from Python without a yaml, check theirs here)."""
 import math
 import re
 from typing import Callable, Dict, Optional

@@ -119,8 +119,10 @@ class Runtime:
         transcripts, weights within 1.4e-5; README, GPU). Give ``cuda_graph_cache``
         room for the buckets a stream visits (about ``ln(longest / 1 s) / ln(1 + r)``).
 
-    The values are checked where they are read, by the yaml rules (``tta_brain.hparams.RULES``);
-    the constructor does not check them again.
+    The values follow the yaml rules (``tta_brain.hparams.RULES``), which check a yaml's before
+    anything is built; a ``Runtime`` built in Python checks its own against the same rules (one
+    ValueError naming the option: ``cuda_graph_cache=0`` had failed later, on CUDA only, in the
+    graph cache).
     """
 
     precision: str = "fp32"
@@ -136,6 +138,16 @@ class Runtime:
     convolutions: str = "native"
 
     def __post_init__(self):
+        from tta_brain.hparams import rules     # (the yamls' rules: torch-free, read here)
+        for key in self.__dataclass_fields__:
+            value = getattr(self, key)
+            if hasattr(value, "item") and getattr(value, "shape", None) == ():
+                value = value.item()          # a numpy or torch scalar, as build_method takes
+                setattr(self, key, value)
+            kind, rng = rules.RULES.get(key, (None, None))
+            if kind is not None and not rules.valid_value(value, kind, rng):
+                raise ValueError(f"Runtime({key}={value!r}): {key} must be "
+                                 f"{rules.expected(kind, rng)}")
         self.dtype = PRECISIONS[self.precision]
         self.scale = float(self.loss_scale if self.loss_scale is not None
                            else 2.0 ** 12 if self.precision == "fp16" else 1.0)
