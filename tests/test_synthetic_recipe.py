@@ -4,9 +4,9 @@ Runs ``recipes/synthetic/run.sh`` stages 0-5 with the recipe's defaults on one s
 speech, noises, noisy sets at 20 dB, the MD-Hard-like stream of 5 x 80 utterances, source / SUTA /
 DSUTA + dynamic reset with the committed source model, two decodes at a time, report) and asserts
 the paper's orderings with margins measured over seeds 0-2 by ``recipes/synthetic/regression.py``
-(about 4 minutes on 2 idle CPU cores); then, on the same data, the collapse regression of long
-streams (issue #21): DSUTA without a reset collapses at a raised learning rate and the dynamic
-reset brings it back (``regression.STRESS``). The fast tests at the end check the margins and
+(4 to 8 minutes on 2 idle CPU cores: recipes/synthetic/README.md); then, on the same data, the
+collapse regression of long streams (issue #21): DSUTA without a reset collapses at a raised
+learning rate and the dynamic reset brings it back (``regression.STRESS``). The fast tests at the end check the margins and
 boundary matching of ``regression.py`` and train ``recipes/synthetic/train_source.py`` for an
 epoch or two on a tiny fake corpus.
 """
