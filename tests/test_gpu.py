@@ -1030,6 +1030,25 @@ def test_host_step_skips_an_infinite_loss_before_its_backward(tiny_model_dir, ut
     assert max_diff(before, m.params) == 0.0
 
 
+def test_host_step_without_any_adapted_gradient_updates_nothing_and_skips_nothing(
+        tiny_model_dir, utterances):
+    """A loss with a gradient that reaches no adapted tensor (every ``p.grad`` None: the
+    method's backward returns no gradients) is no non-finite step: the finiteness check is
+    left out (``grads_finite`` of none stacks an empty list: torch's RuntimeError), nothing is
+    recorded as skipped, the hook runs, the loss is returned, and no parameter moves."""
+    m = build(tiny_model_dir, "suta", "host")
+    x = m.lobe.prepare(utterances[0])
+    before = snapshot(m.params)
+    outside = torch.tensor(1.5, requires_grad=True)        # no adapted tensor of the model
+    hooked = []
+    value = m.step(x, m.optimizer, lambda logits: outside * 2.0,
+                   after_backward=lambda: hooked.append([p.grad for p in m.params]))
+    assert value == 3.0 and outside.grad is not None
+    assert hooked == [[None] * len(m.params)]
+    assert m.events == [] and m.counts["skipped_steps"] == 0
+    assert m.counts["adapt_backward"] == 1 and max_diff(before, m.params) == 0.0
+
+
 def test_step_loss_zeroes_the_gradients_in_place(tiny_model_dir, utterances):
     """``step_loss`` zeroes the last step's gradients, keeping their tensors (not None): the
     device step's captured backward writes the same memory on every replay, and the host step
