@@ -512,6 +512,39 @@ def test_bench_sweep_main_runs_the_options_given(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("2 csuta+fixed runs x 3 utterances (")
 
 
+def test_bench_sweep_dynamic_reset_and_threads_reach_the_runs(monkeypatch, capsys):
+    """--reset dynamic builds every run's policy with K = max(4, n_utts // 3) (here 4 of 5
+    utterances: phi_D at 2, the LII of utterances 2 and 3 make its Gaussian, 4 is tested) and
+    --threads sets torch's CPU threads before the first run is built (both printed; the test
+    then runs on one thread: two are slow on a busy machine)."""
+    import torch
+    import bench_sweep
+    from tta_brain import methods
+    built, orig = [], methods.build_method
+
+    def build_method(name, **kw):
+        built.append((orig(name, **kw), torch.get_num_threads()))
+        torch.set_num_threads(1)
+        return built[-1][0]
+    monkeypatch.setattr(methods, "build_method", build_method)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = bench_sweep.main(["--runs", "2", "--n_utts", "5", "--steps", "1", "--seconds",
+                                "0.3", "--method", "csuta", "--reset", "dynamic",
+                                "--threads", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert len(built) == 5 and built[0][1] == 2                    # warm-up, 2 + 2
+    assert all(m.reset_policy.name == "dynamic" and m.reset_policy.K == 4 for m, _ in built)
+    for m, _ in built[1:3]:                                         # the separate runs
+        assert [(e.kind, e.position, e.reason) for e in m.events] == [
+            ("lii", 2, "construction"), ("lii", 3, "construction"), ("lii", 4, "detection")]
+    assert res["reset"] == "dynamic" and res["resets_separate"] == res["resets_batched"]
+    out = capsys.readouterr().out
+    assert out.startswith("2 csuta+dynamic runs x 5 utterances (") and " 2 thread(s): " in out
+
+
 def test_bench_sweep_counts_the_batched_runs_own_resets(monkeypatch, capsys):
     """The batched runs' resets are counted from the batch's views, not copied from the separate
     runs: here the last view's oracle policy is dropped, so it never resets."""
