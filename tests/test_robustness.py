@@ -1194,6 +1194,65 @@ def test_an_mms_adapter_that_the_cached_snapshot_lacks_is_asked_of_the_hub(tmp_p
         res.stderr[-2000:]
 
 
+def _cached_mms(tmp_path, repo="org/mms-tiny", **kw):
+    """A tiny MMS checkpoint (``save_random_mms_model(**kw)``) as hub model ``repo`` in a HF
+    cache; (its ``cache_dir``, the snapshot folder)."""
+    from tta_brain.lobes.testing import save_random_mms_model
+    mms = save_random_mms_model(str(tmp_path / repo.split("/")[1]), **kw)
+    _, commit = _hub_cache(tmp_path / "hf", mms, repo=repo)
+    hub = tmp_path / "hf" / "hub"
+    return str(hub), str(hub / ("models--" + repo.replace("/", "--")) / "snapshots" / commit)
+
+
+def test_a_cached_mms_snapshot_loads_the_target_lang_or_refuses_it_without_the_hub(
+        tmp_path, caplog):
+    """A hub name whose MMS snapshot is cached: ``target_lang`` loads that language's adapter and
+    vocabulary from the snapshot; a language its vocab.json has not, or no language where its
+    tokenizer names none, is the one-line ValueError of a local folder, said at once (not taken
+    for an unreadable snapshot: no "asking the hub" warning, no RuntimeError of the hub)."""
+    import logging
+    from safetensors.torch import load_file
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.testing import MMS_VOCABS
+    hub, snap = _cached_mms(tmp_path)
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="tta_brain.lobes.hf_ctc")
+    fra = HFCTCLobe("org/mms-tiny", savedir=hub, target_lang="fra")
+    assert (fra.target_lang, fra.vocab_size) == ("fra", len(MMS_VOCABS["fra"]))
+    assert fra.id_to_token == dict(enumerate(MMS_VOCABS["fra"]))
+    state = fra.model.state_dict()
+    assert all(torch.equal(state[k], v)
+               for k, v in load_file(f"{snap}/adapter.fra.safetensors").items())
+    assert caplog.text.count("org/mms-tiny: loaded from the local Hugging Face cache") == 1
+    with pytest.raises(ValueError, match=rf"^target_lang: 'deu' is not a language of "
+                                         rf"{re.escape(snap)}'s vocab.json \(eng, fra\)$"):
+        HFCTCLobe("org/mms-tiny", savedir=hub, target_lang="deu")
+    hub, snap = _cached_mms(tmp_path, repo="org/mms-unnamed", default=None)
+    with pytest.raises(ValueError, match=r"^target_lang: .*mms-unnamed.*'s vocab.json holds one "
+                                         r"vocabulary per language \(eng, fra\) and "
+                                         r"tokenizer_config.json names none: set target_lang$"):
+        HFCTCLobe("org/mms-unnamed", savedir=hub)
+    assert HFCTCLobe("org/mms-unnamed", savedir=hub, target_lang="fra").vocab_size == 36
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_mms_hub_name_asked_of_the_offline_hub_loads_the_target_lang(tmp_path, monkeypatch):
+    """``local_files_only=False`` asks the hub (here in offline mode: its cache answers): the
+    source is a hub name, no folder whose vocab.json could be read first, so the language is
+    handed to the tokenizer as it is (else its default, eng: 32 tokens for fra's 36 outputs),
+    and a language without an adapter is the one RuntimeError naming the adapter's file."""
+    from huggingface_hub import constants
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.lobes.testing import MMS_VOCABS
+    hub, _ = _cached_mms(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    fra = HFCTCLobe("org/mms-tiny", savedir=hub, local_files_only=False, target_lang="fra")
+    assert (fra.target_lang, fra.id_to_token) == ("fra", dict(enumerate(MMS_VOCABS["fra"])))
+    with pytest.raises(RuntimeError, match=r"^Cannot load the CTC source model 'org/mms-tiny': "
+                                           r"its adapter of 'deu' \(adapter.deu.safetensors\): "):
+        HFCTCLobe("org/mms-tiny", savedir=hub, local_files_only=False, target_lang="deu")
+
+
 def test_what_a_build_logs_reaches_its_own_runs_log_only(tmp_path, ok_stream, tiny_model_dir,
                                                          monkeypatch):
     """Two decodes in one process (a sweep's fallback, a notebook): what the second logs while
