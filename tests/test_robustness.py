@@ -1240,17 +1240,38 @@ def test_an_mms_hub_name_asked_of_the_offline_hub_loads_the_target_lang(tmp_path
     """``local_files_only=False`` asks the hub (here in offline mode: its cache answers): the
     source is a hub name, no folder whose vocab.json could be read first, so the language is
     handed to the tokenizer as it is (else its default, eng: 32 tokens for fra's 36 outputs),
-    and a language without an adapter is the one RuntimeError naming the adapter's file."""
+    and a language of its vocab.json whose adapter the hub has not is the one RuntimeError
+    naming the adapter's file."""
     from huggingface_hub import constants
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.lobes.testing import MMS_VOCABS
-    hub, _ = _cached_mms(tmp_path)
+    hub, snap = _cached_mms(tmp_path)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     fra = HFCTCLobe("org/mms-tiny", savedir=hub, local_files_only=False, target_lang="fra")
     assert (fra.target_lang, fra.id_to_token) == ("fra", dict(enumerate(MMS_VOCABS["fra"])))
+    os.remove(os.path.join(snap, "adapter.fra.safetensors"))
     with pytest.raises(RuntimeError, match=r"^Cannot load the CTC source model 'org/mms-tiny': "
-                                           r"its adapter of 'deu' \(adapter.deu.safetensors\): "):
+                                           r"its adapter of 'fra' \(adapter.fra.safetensors\): "):
+        HFCTCLobe("org/mms-tiny", savedir=hub, local_files_only=False, target_lang="fra")
+
+
+def test_an_mms_hub_name_asked_of_the_hub_has_its_language_checked(tmp_path, monkeypatch):
+    """Asked of the hub (offline mode here), a hub name's vocab.json was never read before the
+    load: a language it has not loaded the model and failed on the adapter's file, and a
+    checkpoint whose tokenizer names no language failed in the tokenizer ("requires the
+    protobuf library"); now both are the one-line ValueError of a local folder."""
+    from huggingface_hub import constants
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub, snap = _cached_mms(tmp_path)
+    with pytest.raises(ValueError, match=rf"^target_lang: 'deu' is not a language of "
+                                         rf"{re.escape(snap)}'s vocab.json \(eng, fra\)$"):
         HFCTCLobe("org/mms-tiny", savedir=hub, local_files_only=False, target_lang="deu")
+    hub, _ = _cached_mms(tmp_path, repo="org/mms-unnamed", default=None)
+    with pytest.raises(ValueError, match=r"^target_lang: .*mms-unnamed.*'s vocab.json holds one "
+                                         r"vocabulary per language \(eng, fra\) and "
+                                         r"tokenizer_config.json names none: set target_lang$"):
+        HFCTCLobe("org/mms-unnamed", savedir=hub, local_files_only=False)
 
 
 def test_what_a_build_logs_reaches_its_own_runs_log_only(tmp_path, ok_stream, tiny_model_dir,

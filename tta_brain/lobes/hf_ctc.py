@@ -262,6 +262,19 @@ def _check_language(source: str, target_lang: Optional[str]):
                          f"vocab.json ({_some(languages)})")
 
 
+def _hub_folder(name: str, kwargs: dict) -> str:
+    """The folder of hub model ``name``'s vocab.json, fetched as its tokenizer would be
+    (``from_pretrained``'s ``kwargs``), for :func:`_check_language` to read; ``name`` where it
+    cannot be had (then nothing is checked: the loading says what failed)."""
+    try:
+        from transformers.utils.hub import cached_file
+        path = cached_file(name, "vocab.json", _raise_exceptions_for_missing_entries=False,
+                           **kwargs)
+    except Exception:        # no network, no such repository: the model's loading says so
+        return name
+    return os.path.dirname(path) if path else name
+
+
 def _load_checkpoint(source: str, kwargs: dict, target_lang: Optional[str] = None,
                      listed: bool = True):
     """The model, feature extractor and tokenizer of a CTC checkpoint (``from_pretrained(source,
@@ -306,7 +319,8 @@ def _load_checkpoint(source: str, kwargs: dict, target_lang: Optional[str] = Non
             loading.handle(record)
         return loaded
 
-    _check_language(source, target_lang)
+    _check_language(source if os.path.isdir(source) else _hub_folder(source, kwargs),
+                    target_lang)
     loaded = _load_part(source, "model", ("config.json",), "config.json, the weights", model)
     if target_lang:
         if getattr(loaded.config, "adapter_attn_dim", None) is None:
