@@ -544,6 +544,16 @@ def test_bench_sweep_dynamic_reset_and_threads_reach_the_runs(monkeypatch, capsy
     out = capsys.readouterr().out
     assert out.startswith("2 csuta+dynamic runs x 5 utterances (") and " 2 thread(s): " in out
 
+    class Built(Exception):
+        """Stops the benchmark at its first build (15 utterances: K = 5, not 4)."""
+
+    def first_build(name, **kw):
+        raise Built(kw["reset_policy"].K)
+    monkeypatch.setattr(methods, "build_method", first_build)
+    with pytest.raises(Built) as e:
+        bench_sweep.main(["--n_utts", "15", "--method", "csuta", "--reset", "dynamic"])
+    assert e.value.args == (5,)
+
 
 def test_bench_sweep_counts_the_batched_runs_own_resets(monkeypatch, capsys):
     """The batched runs' resets are counted from the batch's views, not copied from the separate
