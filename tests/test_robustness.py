@@ -1238,8 +1238,9 @@ def test_a_cached_mms_snapshot_loads_the_target_lang_or_refuses_it_without_the_h
 
 def test_an_mms_hub_name_asked_of_the_offline_hub_loads_the_target_lang(tmp_path, monkeypatch):
     """``local_files_only=False`` asks the hub (here in offline mode: its cache answers): the
-    source is a hub name, no folder whose vocab.json could be read first, so the language is
-    handed to the tokenizer as it is (else its default, eng: 32 tokens for fra's 36 outputs),
+    source is a hub name, whose vocab.json is fetched first as its tokenizer would be
+    (``_hub_folder``), and the language is handed to the tokenizer (else its default, eng: 32
+    tokens for fra's 36 outputs),
     and a language of its vocab.json whose adapter the hub has not is the one RuntimeError
     naming the adapter's file."""
     from huggingface_hub import constants
