@@ -2493,6 +2493,47 @@ def test_batched_cotta_anchor_at_its_threshold_takes_the_plain_teacher(data):
     assert [v.counts["augmented"] for v in batch.views] == [0, 1]
 
 
+def test_batched_cotta_says_its_row_by_row_weight_norm_once_in_its_log(data, caplog):
+    """Batched CoTTA runs adapting every parameter (``select: all``: the positional convolution's
+    weight norm too, which torch's vmap runs row by row) say so once, in the log, when the batch
+    is made; its passes (the plain and the augmented teachers', the steps') warn nothing."""
+    import warnings
+    from tta_brain.methods import UttInfo
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="tta_brain.methods.batched_cotta")
+    cfgs = [(1e-3, 1, "none"), (3e-3, 1, "none", dict(ap_threshold=0.0))]
+    batch, wavs, _ = _batch(data, "cotta", cfgs, n_augment=2, ap_threshold=0.9,
+                            adapt_params=({"select": "all"},))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        batch.process([0, 1], wavs[0], UttInfo(position=0, segment="0"))
+    assert [v.counts["augmented"] for v in batch.views] == [1, 0]
+    assert [str(w.message) for w in seen if "_weight_norm" in str(w.message)] == []
+    said = [r.getMessage() for r in caplog.records if "weight-normed" in r.getMessage()]
+    assert len(said) == 1 and "no vmap batching rule for _weight_norm" in said[0], said
+
+
+def test_batched_cotta_anchor_is_the_source_not_a_teacher(data):
+    """CoTTA's anchor is the source model's confidence, whatever the teachers have become: after
+    an utterance that moved the teachers (EMA 0.5), a run whose threshold is the source's
+    confidence on the next utterance takes its plain teacher, a run whose threshold is the next
+    float above it its augmented views (a teacher's confidence, another, sends both one way)."""
+    from tta_brain.methods import UttInfo
+    probe, wavs, _ = _batch(data, "cotta", [(1e-3, 1, "none")])
+    x = probe.pad(probe.lobe.prepare(wavs[1]))
+    conf = float(probe.logits(probe.source[None], x)[0].softmax(-1).max(-1).values.mean())
+    cfgs = [(1e-2, 1, "none", dict(ap_threshold=conf)),
+            (1e-2, 1, "none", dict(ap_threshold=math.nextafter(conf, 1.0)))]
+    batch, _, _ = _batch(data, "cotta", cfgs, n_augment=2, ema_decay=0.5)
+    batch.process([0, 1], wavs[0], UttInfo(position=0, segment="0"))
+    before = [v.counts["augmented"] for v in batch.views]
+    moved = [float(batch.logits(batch.teacher[r:r + 1], x)[0].softmax(-1).max(-1).values.mean())
+             for r in range(2)]
+    assert conf not in moved, (conf, moved)
+    batch.process([0, 1], wavs[1], UttInfo(position=1, segment="0"))
+    assert [v.counts["augmented"] - b for v, b in zip(batch.views, before)] == [0, 1]
+
+
 def test_batched_eata_reset_restarts_the_filter(data):
     """A reset of a batched EATA run starts its filter again, as EATA's reset: no EMA of the
     mean posteriors (``model_probs`` None in its checkpoint), and the steps after it as the
