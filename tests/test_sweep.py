@@ -2803,6 +2803,30 @@ def test_batched_sgem_runs_stepping_together_anneal_over_their_own_steps(data, m
     assert not np.allclose(bat_lrs[0][1], bat_lrs[1][1], rtol=0.1, atol=0)
 
 
+@pytest.mark.parametrize("base", ["sdpl", "sgem", "awmc"])
+def test_batched_pseudo_labels_take_the_models_blank(data, base):
+    """Batched SDPL, SGEM and AWMC runs make their labels with the model's blank, whatever its
+    id (Parakeet's is its last class; here the tiny model's class 4 taken as its blank): their
+    separate runs' transcripts, counts and weights."""
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import build_method
+    from tta_brain.sweep import batch_for
+    own = {"sgem": dict(beam_width=2), "awmc": dict(train_mode=False)}.get(base, {})
+    cfgs = [(1e-2, 2), (3e-2, 1)]
+    _, wavs, _ = _batch(data, base, [(1e-2, 1, "none")], **own)
+
+    def build(lr, steps):
+        lobe = HFCTCLobe(data["model"])
+        lobe.blank_id = 4
+        return build_method(base, model=lobe, lr=lr, steps=steps, **own)
+    seps, ms = [build(*c) for c in cfgs], [build(*c) for c in cfgs]
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    assert batch.blank_id == 4
+    lockstep(batch, seps, wavs[:3])
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+
+
 def batched_liis(batch, seps):
     """Each run's LII values, the separate run's (to LII_TOL; as many)."""
     liis = [[e.value for e in m.events if e.kind == "lii"] for m in seps]
