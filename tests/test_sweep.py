@@ -2974,6 +2974,23 @@ def test_a_batch_loads_each_runs_whole_checkpoint(data):
         assert int(want[0]["step"]) == 2 * m.steps, v.r
 
 
+@pytest.mark.parametrize("base,key", [("cotta", "teacher"), ("awmc", "leader")])
+def test_a_batched_checkpoint_keeps_the_teacher_it_holds(data, base, key):
+    """A batched CoTTA run's checkpoint keeps the teacher it holds, and an AWMC run's its leader
+    (copies, as its weights: not views of the rows the next utterance's EMA moves)."""
+    from tta_brain.methods import UttInfo
+    own = dict(ap_threshold=0.0) if base == "cotta" else dict(train_mode=False)
+    batch, wavs, _ = _batch(data, base, [(1e-2, 1, "none"), (3e-3, 2, "none")], ema_decay=0.5,
+                            **own)
+    for i, w in enumerate(wavs[:2]):
+        held = [v.state_dict()[key] for v in batch.views]
+        kept = [[t.clone() for t in h] for h in held]
+        batch.process([0, 1], w, UttInfo(position=i, segment="0"))
+        assert [max_diff(h, k) for h, k in zip(held, kept)] == [0, 0], i
+        for r in range(2):                           # the rows moved meanwhile
+            assert max_diff(batch.split(getattr(batch, key)[r]), kept[r]) > 0, (i, r)
+
+
 def test_batched_cotta_fixed_and_fresh_restore_masks_are_each_runs(data):
     """A batch whose first run restores a fixed mask and whose second draws a fresh one every
     step: the second's masks are its own draws, not cached as the first's fixed one is (the
