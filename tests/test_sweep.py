@@ -2740,6 +2740,35 @@ def test_batched_cea_without_coherence_on_a_model_without_a_separable_cnn(data, 
     same_steps(batch, seps, wavs)
 
 
+@pytest.mark.parametrize("base", ["suta", "sdpl"])
+def test_batched_runs_on_parakeet_are_their_separate_runs(tmp_path, base):
+    """Parakeet masks the padded output frames of its subsampling as whole query rows (one at
+    0.8 s, an unpadded utterance): the batch's eager attention made them NaN and every run's
+    every step was skipped with empty transcripts, while the separate runs adapted. Now its
+    attention stays SDPA (``batched.SDPA_MODELS``): the separate runs' transcripts, events,
+    counts and weights, and the weights moved."""
+    pytest.importorskip("librosa", reason="Parakeet's feature extractor needs librosa")
+    from fake_corpora import fake_speech
+    from tta_brain.lobes import testing
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import build_method
+    from tta_brain.sweep import batch_for
+    model = testing.save_random_ctc_model(str(tmp_path), 0, arch="parakeet",
+                                          **testing.TINY_PARAKEET)
+    wavs = [torch.from_numpy(fake_speech(0.8, seed=i)) for i in range(2)]
+
+    def build(lr, steps):
+        return build_method(base, model=HFCTCLobe(model), lr=lr, steps=steps)
+    cfgs = [(1e-2, 2), (3e-2, 1)]
+    seps, ms = [build(*c) for c in cfgs], [build(*c) for c in cfgs]
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    lockstep(batch, seps, wavs)
+    for r, m in enumerate(seps):
+        assert not m.events and m.counts["adapt_backward"] == 2 * cfgs[r][1], m.counts
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+        assert max_diff(batch.values(r), m.source) > 10 * PARAM_TOL, r
+
+
 def test_batched_sgem_lr_floor_and_negative_sampling_are_each_runs(data):
     """Batched SGEM runs that differ in their lr floor (``lr_min``: one as high as the lr, no
     annealing) and their negative sampling (weight, threshold: at SGEM's default threshold the

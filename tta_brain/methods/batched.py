@@ -87,16 +87,24 @@ def settings_loss(m):
                                                  blank_id=m.blank_id))
 
 
+#: Models whose attention mask masks whole query rows (the padded output frames of Parakeet's
+#: subsampling: one at some lengths, an unpadded utterance too): there transformers' eager
+#: softmax gives NaN, which the convolution module spreads to every frame (each step skipped,
+#: empty transcripts), while SDPA gives such a row zeros, as the model's own forward runs it.
+#: They keep SDPA, on its math kernel (which vmaps).
+SDPA_MODELS = ("parakeet_ctc",)
+
+
 @contextmanager
 def eager_attention(lobe):
     """The lobe's model with transformers' eager attention (matmul + softmax) meanwhile: the
     fused SDPA kernels have no vmap batching rule on CPU (a per-row loop) and failed in the
-    backward on CUDA."""
+    backward on CUDA. :data:`SDPA_MODELS` keep SDPA on its math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     config = lobe.model.config
     attn = getattr(config, "_attn_implementation", None)
     try:
-        if attn is not None:
+        if attn is not None and getattr(config, "model_type", None) not in SDPA_MODELS:
             config._attn_implementation = "eager"
         # WavLM calls SDPA whatever the setting, its relative position bias as the mask: the
         # fused CPU kernel has no gradient for the mask, the math one does (and vmaps)
