@@ -2424,6 +2424,30 @@ def test_a_dsuta_batch_refuses_a_checkpoint_with_buffered_inputs(data):
     assert max_diff(m.params, before) > PARAM_TOL                     # (it had moved)
 
 
+def test_a_batched_dsuta_checkpoint_holds_its_own_slow_weights_and_gradient_sum(data):
+    """A batched DSUTA run's checkpoint taken mid-buffer holds its own copies of its slow weights
+    (``meta``) and gradient sum (``grad_sum``), not views of the batch's ``[R, N]`` rows: the next
+    utterances (the slow step, the buffer cleared and filled again) do not change a state taken
+    before them."""
+    from tta_brain.methods import UttInfo
+    batch, wavs, _ = _batch(data, "dsuta", [(1e-2, 1, "none"), (3e-3, 0, "none")],
+                            buffer_size=3)
+    for i, w in enumerate(wavs[:4]):
+        batch.process([0, 1], w, UttInfo(position=i, segment="0"))
+        if i == 1:                                   # two gradients buffered, no slow step yet
+            sds = [v.state_dict() for v in batch.views]
+            kept = [[t.clone() for t in sd["meta"] + sd["grad_sum"]] for sd in sds]
+    assert [sd["n_buffered"] for sd in sds] == [2, 2] and batch.n_buffered == [1, 1]
+    assert batch.slow.steps == [1, 1]
+    for r, (sd, before) in enumerate(zip(sds, kept)):
+        held = sd["meta"] + sd["grad_sum"]
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in held), r
+        assert max_diff(held, before) == 0, r
+        # (the batch's rows moved on meanwhile: its slow step, another gradient sum)
+        assert max_diff(batch.meta_values(r), sd["meta"]) > 0, r
+        assert max_diff(batch.split(batch.G[r]), sd["grad_sum"]) > 0, r
+
+
 def test_batched_cotta_one_view_and_no_steps_as_separate_runs(data):
     """CoTTA edges, batched as their separate runs: ``n_augment: 1`` (an unsure anchor: the
     teacher's output is ONE augmented view, not the plain pass) and ``steps: 0`` (the teacher's
