@@ -2448,6 +2448,36 @@ def test_a_batched_dsuta_checkpoint_holds_its_own_slow_weights_and_gradient_sum(
         assert max_diff(batch.split(batch.G[r]), sd["grad_sum"]) > 0, r
 
 
+def test_a_dsuta_batch_loads_each_runs_whole_checkpoint(data):
+    """A batch loads a DSUTA run's checkpoint whole and gives it back as the method's, exactly:
+    fast and slow weights, both optimisers' moments, step counts and learning rates (the runs'
+    own slow lrs), the gradient sum and its counts (a buffer mid-way, after a slow step)."""
+    from tta_brain.methods import UttInfo
+    cfgs = [(1e-2, 2, "none"), (3e-3, 1, "none", dict(slow_lr=3e-2))]
+    batch, wavs, build = _batch(data, "dsuta", cfgs, buffer_size=2)
+    seps = [build(*c) for c in cfgs]
+    for i, w in enumerate(wavs[:3]):
+        for m in seps:
+            m.process(w, UttInfo(position=i, segment="0"))
+    for v, m in zip(batch.views, seps):
+        v.load_state_dict(m.state_dict())
+    for v, m in zip(batch.views, seps):
+        mine, theirs = v.state_dict(), m.state_dict()
+        counts = (theirs["n_buffered"], theirs["n_grads"])
+        assert (mine["n_buffered"], mine["n_grads"]) == counts == (1, 1), v.r
+        for k in ("params", "meta", "grad_sum"):
+            assert max_diff(mine[k], theirs[k]) == 0, (v.r, k)
+        for k in ("optimizer", "slow_optimizer"):
+            st, want = mine[k]["state"], theirs[k]["state"]
+            assert st.keys() == want.keys() and want, (v.r, k)
+            for i, s in want.items():
+                for a in ("step", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(st[i][a], s[a]), (v.r, k, i, a)
+            assert mine[k]["param_groups"] == theirs[k]["param_groups"], (v.r, k)
+    assert [seps[1].state_dict()[k]["param_groups"][0]["lr"]
+            for k in ("optimizer", "slow_optimizer")] == [3e-3, 3e-2]
+
+
 def test_batched_cotta_one_view_and_no_steps_as_separate_runs(data):
     """CoTTA edges, batched as their separate runs: ``n_augment: 1`` (an unsure anchor: the
     teacher's output is ONE augmented view, not the plain pass) and ``steps: 0`` (the teacher's
