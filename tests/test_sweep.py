@@ -2372,6 +2372,23 @@ def test_batched_dsuta_run_with_no_finite_gradient_in_its_buffer_takes_no_slow_s
     assert max_diff(batch.meta_values(1), first[1]) > 0             # (the clean run stepped)
 
 
+def test_batched_dsuta_slow_step_is_the_mean_of_the_finite_gradients_of_its_buffer(
+        data, monkeypatch):
+    """A batched DSUTA buffer of 3 whose middle gradient is NaN (N = 0 and N = 1) takes its slow
+    step with the mean of its two finite gradients, as its separate run: finite slow weights, one
+    slow step. The batch runs on its own state (no checkpoint reloaded in between, which would
+    wash a NaN out of its sum). Catches a NaN gradient summed into the buffer."""
+    cfgs = [(1e-3, 0, "none"), (1e-3, 1, "none")]
+    batch, wavs, build = _batch(data, "dsuta", cfgs, buffer_size=3)
+    seps = [build(*c) for c in cfgs]
+    nan_dsuta_losses(monkeypatch, "gradient", {1}, seps, hit=[0, 1])
+    lockstep(batch, seps, wavs[:3])
+    assert batch.slow.steps == [1, 1] and batch.n_buffered == [0, 0]
+    for r, m in enumerate(seps):
+        assert all(torch.isfinite(t).all() for t in batch.meta_values(r)), r
+        assert max_diff(batch.meta_values(r), m.meta) < PARAM_TOL, r
+
+
 def test_batched_dsuta_fast_moments_are_each_runs(data):
     """Batched DSUTA runs whose fast learner starts from fresh moments (``fast_moments: zero``)
     and from the slow learner's (``slow``) go on as their separate runs: the same transcripts,
