@@ -6,9 +6,9 @@ DSUTA + dynamic reset with the committed source model, two decodes at a time, re
 the paper's orderings with margins measured over seeds 0-2 by ``recipes/synthetic/regression.py``
 (4 to 8 minutes on 2 idle CPU cores: recipes/synthetic/README.md); then, on the same data, the
 collapse regression of long streams (issue #21): DSUTA without a reset collapses at a raised
-learning rate and the dynamic reset brings it back (``regression.STRESS``). The fast tests at the end check the margins and
-boundary matching of ``regression.py`` and train ``recipes/synthetic/train_source.py`` for an
-epoch or two on a tiny fake corpus.
+learning rate and the dynamic reset brings it back (``regression.STRESS``). The fast tests at
+the end check the margins and boundary matching of ``regression.py`` and train
+``recipes/synthetic/train_source.py`` for an epoch or two on a tiny fake corpus.
 """
 
 import importlib.util
