@@ -1052,3 +1052,23 @@ def test_cea_without_coherence_runs_stage_2_through_the_models_own_forward(tmp_p
     assert isinstance(m.process(utterances[0]), str)
     assert m.counts["adapt_forward"] == 1
     assert any(not torch.equal(p, s) for p, s in zip(m.params, m.source))
+
+
+def test_cea_coherence_on_a_model_whose_adapter_subsamples_its_cnn_frames_is_refused(
+        tmp_path, utterances):
+    """A wav2vec 2.0 with a strided adapter (``add_adapter``) has a separable CNN, but its logits
+    have half its CNN's frames: the coherence term's non-blank mask (of the logits' frames) no
+    longer fits the CNN features, and CEA stopped with a RuntimeError at the first utterance's
+    second stage. Now refused when built, naming the model, as on models without a separable
+    CNN; ``tc_coef: 0`` adapts (the model's own forward)."""
+    from tta_brain.lobes import testing
+    d = testing.save_random_ctc_model(str(tmp_path), 0, **dict(
+        testing.TINY, add_adapter=True, output_hidden_size=32, adapter_stride=2,
+        adapter_kernel_size=3, num_adapter_layers=1))
+    with pytest.raises(ValueError, match="tc_coef > 0 needs .*Wav2Vec2ForCTC.*adapter") as e:
+        build_on(d, "cea")
+    assert "\n" not in str(e.value)
+    m = build_on(d, "cea", tc_coef=0.0, steps=1, steps2=1, lr2=1e-2)
+    assert isinstance(m.process(utterances[0]), str)
+    assert m.counts["adapt_forward"] == 2
+    assert any(not torch.equal(p, s) for p, s in zip(m.params, m.source))

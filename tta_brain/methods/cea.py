@@ -42,6 +42,10 @@ class CEA(TTAMethod):
             raise ValueError(f"cea: tc_coef > 0 needs a model with a separable CNN feature encoder "
                              f"({type(self.net).__name__} has none; tc_coef 0 leaves the "
                              f"temporal coherence term out)")
+        if self.tc_coef and getattr(self.net.base_model, "adapter", None) is not None:
+            raise ValueError(f"cea: tc_coef > 0 needs the logits' frames to be the CNN's "
+                             f"({type(self.net).__name__}'s adapter subsamples them; tc_coef 0 "
+                             f"leaves the temporal coherence term out)")
         self.optimizer2 = build_optimizer(kwargs.get("optimizer"), stage2, float(lr2))
         self._stage2, self._feats = False, None
 
