@@ -1145,11 +1145,14 @@ def test_batch_on_the_device_gives_the_separate_transcripts(data, device, name):
         assert sum(e.kind == "lii" for e in seps[0].events) >= 6
 
 
-@pytest.mark.parametrize("arch", ["wavlm", "unispeech-sat", "hubert"])
+@pytest.mark.parametrize("arch", ["wavlm", "unispeech-sat", "hubert", "data2vec-audio", "sew",
+                                  "wav2vec2-conformer"])
 def test_batch_of_other_model_families_gives_the_separate_transcripts(data, tmp_path, arch):
     """The batched sweep on other encoders: WavLM's attention calls SDPA with its relative
     position bias as the mask whatever the attention setting, and the fused CPU kernel has no
-    gradient for a mask (the batch stopped with a traceback)."""
+    gradient for a mask (the batch stopped with a traceback). Data2Vec-Audio (a stack of
+    positional convolutions), SEW (pooling and upsampling around its encoder) and the
+    Conformer (relative attention, batch norm in eval mode) under the batch's vmap too."""
     import soundfile as sf
     from tta_brain.lobes.hf_ctc import HFCTCLobe
     from tta_brain.lobes.testing import TINY, save_random_ctc_model
