@@ -43,9 +43,9 @@ def setup(tmp_path_factory, tiny_model_dir):
             "clean": [str(clean / f"c{i}.wav") for i in range(6)]}
 
 
-def hidden_token_stats(clean, model_dir):
-    """The ``hidden`` and ``tokens`` statistics of six clean utterances written to folder
-    ``clean`` (c0.wav .. c5.wav), made with the statistics command; the file's path."""
+def hidden_token_stats(clean, model_dir, kinds="hidden,tokens"):
+    """The ``hidden`` and ``tokens`` statistics (``kinds``) of six clean utterances written to
+    folder ``clean`` (c0.wav .. c5.wav), made with the statistics command; the file's path."""
     rows = []
     for i in range(6):
         sig = fake_speech(0.6 + 0.1 * i, seed=500 + i)
@@ -58,7 +58,7 @@ def hidden_token_stats(clean, model_dir):
         w.writerows(rows)
     stats = clean / "stats.pt"
     assert stats_cli.main(["--source", model_dir, "--manifest", str(clean / "clean.csv"),
-                           "--kinds", "hidden,tokens", "--out", str(stats)]) == 0
+                           "--kinds", kinds, "--out", str(stats)]) == 0
     return stats
 
 
@@ -142,6 +142,31 @@ def test_models_the_partial_forward_would_get_wrong_are_refused(tmp_path, arch, 
         assert lobe.supports_features
         with torch.no_grad():
             assert torch.equal(lobe(None, features=lobe.features(x)), lobe.model(x).logits)
+
+
+def test_token_statistics_of_a_model_whose_adapter_subsamples_its_frames_are_refused(
+        tmp_path, capsys):
+    """A wav2vec 2.0 with a strided adapter (``add_adapter``): its logits have half the
+    encoder's frames, so a frame's label is no encoder state's. The ``tokens`` statistics said
+    ``ERROR: mat1 and mat2 shapes cannot be multiplied`` (and E-BATS, refused for want of them,
+    pointed at that command); now both are refused in one line naming the model and its adapter.
+    FOA's ``hidden`` statistics (time means) are made as before."""
+    d = save_random_ctc_model(str(tmp_path / "model"), 1, **dict(
+        TINY, add_adapter=True, output_hidden_size=32, adapter_stride=2, adapter_kernel_size=3,
+        num_adapter_layers=1))
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    hidden_token_stats(clean, d, kinds="hidden")
+    capsys.readouterr()
+    out = clean / "tokens.pt"
+    assert stats_cli.main(["--source", d, "--manifest", str(clean / "clean.csv"),
+                           "--kinds", "tokens", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("ERROR: ") and not out.exists(), err
+    assert "Wav2Vec2ForCTC" in err and "adapter" in err, err
+    with pytest.raises(ValueError, match="Wav2Vec2ForCTC.*adapter") as e:
+        build_method("ebats", model=HFCTCLobe(d), source_stats=str(clean / "stats.pt"))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("arch,cfg", [

@@ -11,7 +11,7 @@ Two kinds of statistics, computed from source (never test) speech with the sourc
 
 The losses take a population of candidates ``[P, ...]`` of one utterance and return ``[P]``.
 """
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import torch
 
@@ -19,8 +19,8 @@ from tta_brain.data.manifest import expand_path
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods import source_stats as stats_file
 
-__all__ = ["hidden_stats", "token_stats", "load_stats", "layer_means", "mean_alignment",
-           "token_alignment", "confidence_weight"]
+__all__ = ["hidden_stats", "token_stats", "token_frames_blocker", "load_stats", "layer_means",
+           "mean_alignment", "token_alignment", "confidence_weight"]
 
 
 def layer_means(states) -> torch.Tensor:
@@ -45,12 +45,24 @@ def hidden_stats(lobe, inputs: Iterable[torch.Tensor], options=None) -> Dict[str
             "layers_std": std.cpu(), "n_utts": torch.tensor(len(cnn))}
 
 
+def token_frames_blocker(lobe) -> Optional[str]:
+    """Why ``lobe``'s frame labels (its logits' frames) are not its encoder states' frames, which
+    the token-level statistics pair (None: they are)."""
+    if getattr(lobe.model.base_model, "adapter", None) is not None:
+        return (f"{type(lobe.model).__name__}: its adapter subsamples the encoder's frames, so "
+                f"a frame's label is no encoder state's (token-level statistics)")
+    return None
+
+
 @stats_file.register_kind("tokens", partial_forward=True)
 @torch.no_grad()
 def token_stats(lobe, inputs: Iterable[torch.Tensor], options=None) -> Dict[str, torch.Tensor]:
     """The ``tokens`` statistics of ``inputs``: per-label mean/std of all-layer states (running
     sums of x and x^2 in float64)."""
     pf, V = PartialForward(lobe), lobe.vocab_size
+    why = token_frames_blocker(lobe)
+    if why:
+        raise ValueError(why)
     s1 = s2 = None
     count = torch.zeros(V, dtype=torch.float64)
     for x in inputs:

@@ -20,7 +20,8 @@ import torch
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods import losses
 from tta_brain.methods.activation_stats import (confidence_weight, layer_means, load_stats,
-                                                mean_alignment, token_alignment)
+                                                mean_alignment, token_alignment,
+                                                token_frames_blocker)
 from tta_brain.methods.free import EarlyStop, FreeMethod, make_es, tell
 from tta_brain.methods.registry import register
 
@@ -59,6 +60,9 @@ class EBATS(FreeMethod):
                  tokenwise: bool = True, loss_max: float = 5.0, ema_decay: float = 0.9,
                  cov_ratio: float = 1.0, cma_seed: int = 2024, **kwargs):
         PartialForward(model)          # a model it cannot run: said before asking for statistics
+        why = token_frames_blocker(model)
+        if why:
+            raise ValueError(why)
         self.stats = load_stats(source_stats, data_root, model, ("hidden", "tokens"))
         self.popsize, self.sigma0 = int(popsize), float(sigma)
         self.generations, self.patience = int(generations), int(patience)
