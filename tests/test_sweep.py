@@ -2472,15 +2472,8 @@ def test_a_dsuta_batch_loads_each_runs_whole_checkpoint(data):
     """A batch loads a DSUTA run's checkpoint whole and gives it back as the method's, exactly:
     fast and slow weights, both optimisers' moments, step counts and learning rates (the runs'
     own slow lrs), the gradient sum and its counts (a buffer mid-way, after a slow step)."""
-    from tta_brain.methods import UttInfo
     cfgs = [(1e-2, 2, "none"), (3e-3, 1, "none", dict(slow_lr=3e-2))]
-    batch, wavs, build = _batch(data, "dsuta", cfgs, buffer_size=2)
-    seps = [build(*c) for c in cfgs]
-    for i, w in enumerate(wavs[:3]):
-        for m in seps:
-            m.process(w, UttInfo(position=i, segment="0"))
-    for v, m in zip(batch.views, seps):
-        v.load_state_dict(m.state_dict())
+    batch, seps = _loaded_from_separate_runs(data, "dsuta", cfgs, 3, buffer_size=2)
     for v, m in zip(batch.views, seps):
         mine, theirs = v.state_dict(), m.state_dict()
         counts = (theirs["n_buffered"], theirs["n_grads"])
@@ -3053,19 +3046,26 @@ def test_a_batch_steps_the_runs_at_the_utterance_alone(data):
     assert {e.kind for v in batch.views for e in v.events} >= {"lii", "reset"}
 
 
-def test_a_batch_loads_each_runs_whole_checkpoint(data):
-    """A batch loads a run's checkpoint whole: its weights and its AdamW moments and step count
-    (a resumed run goes on with its own moments, not fresh ones), and its checkpoint gives them
-    back as its method's, exactly."""
+def _loaded_from_separate_runs(data, base, cfgs, n, **kw):
+    """A batch of ``base`` runs ``cfgs`` whose views loaded the checkpoints of their separate
+    runs after ``n`` utterances; (the batch, the separate runs)."""
     from tta_brain.methods import UttInfo
-    cfgs = [(1e-2, 2, "none"), (3e-3, 1, "fixed")]
-    batch, wavs, build = _batch(data, "csuta", cfgs)
+    batch, wavs, build = _batch(data, base, cfgs, **kw)
     seps = [build(*c) for c in cfgs]
-    for i, w in enumerate(wavs[:2]):
+    for i, w in enumerate(wavs[:n]):
         for m in seps:
             m.process(w, UttInfo(position=i, segment="0"))
     for v, m in zip(batch.views, seps):
         v.load_state_dict(m.state_dict())
+    return batch, seps
+
+
+def test_a_batch_loads_each_runs_whole_checkpoint(data):
+    """A batch loads a run's checkpoint whole: its weights and its AdamW moments and step count
+    (a resumed run goes on with its own moments, not fresh ones), and its checkpoint gives them
+    back as its method's, exactly."""
+    cfgs = [(1e-2, 2, "none"), (3e-3, 1, "fixed")]
+    batch, seps = _loaded_from_separate_runs(data, "csuta", cfgs, 2)
     for v, m in zip(batch.views, seps):
         mine, theirs = v.state_dict(), m.state_dict()
         assert max_diff(mine["params"], theirs["params"]) == 0, v.r
