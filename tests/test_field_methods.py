@@ -1062,9 +1062,7 @@ def test_cea_coherence_on_a_model_whose_adapter_subsamples_its_cnn_frames_is_ref
     second stage. Now refused when built, naming the model, as on models without a separable
     CNN; ``tc_coef: 0`` adapts (the model's own forward)."""
     from tta_brain.lobes import testing
-    d = testing.save_random_ctc_model(str(tmp_path), 0, **dict(
-        testing.TINY, add_adapter=True, output_hidden_size=32, adapter_stride=2,
-        adapter_kernel_size=3, num_adapter_layers=1))
+    d = testing.save_random_ctc_model(str(tmp_path), 0, **testing.TINY_ADAPTER)
     with pytest.raises(ValueError, match="tc_coef > 0 needs .*Wav2Vec2ForCTC.*adapter") as e:
         build_on(d, "cea")
     assert "\n" not in str(e.value)

@@ -20,7 +20,7 @@ from fake_corpora import fake_speech, write_stream
 from tta_brain import decode, stats as stats_cli
 from tta_brain.lobes.hf_ctc import HFCTCLobe
 from tta_brain.lobes.partial import PartialForward
-from tta_brain.lobes.testing import (TINY, TINY_BERT, TINY_PARAKEET, TINY_SEWD,
+from tta_brain.lobes.testing import (TINY, TINY_ADAPTER, TINY_BERT, TINY_PARAKEET, TINY_SEWD,
                                      save_random_ctc_model)
 from tta_brain.methods import activation_stats as act, build_method, lame, t3a
 from tta_brain.methods.base import TTAMethod
@@ -151,9 +151,7 @@ def test_token_statistics_of_a_model_whose_adapter_subsamples_its_frames_are_ref
     ``ERROR: mat1 and mat2 shapes cannot be multiplied`` (and E-BATS, refused for want of them,
     pointed at that command); now both are refused in one line naming the model and its adapter.
     FOA's ``hidden`` statistics (time means) are made as before."""
-    d = save_random_ctc_model(str(tmp_path / "model"), 1, **dict(
-        TINY, add_adapter=True, output_hidden_size=32, adapter_stride=2, adapter_kernel_size=3,
-        num_adapter_layers=1))
+    d = save_random_ctc_model(str(tmp_path / "model"), 1, **TINY_ADAPTER)
     clean = tmp_path / "clean"
     clean.mkdir()
     hidden_token_stats(clean, d, kinds="hidden")
@@ -171,8 +169,7 @@ def test_token_statistics_of_a_model_whose_adapter_subsamples_its_frames_are_ref
 
 @pytest.mark.parametrize("arch,cfg", [
     ("sew", TINY), ("sew-d", TINY_SEWD), ("wav2vec2-conformer", TINY),
-    ("wav2vec2", dict(TINY, add_adapter=True, output_hidden_size=32, adapter_stride=2,
-                      adapter_kernel_size=3, num_adapter_layers=1)),
+    ("wav2vec2", TINY_ADAPTER),
     ("wav2vec2-bert", dict(TINY_BERT, add_adapter=True))])
 def test_lame_and_t3a_read_what_the_head_reads_on_any_ctc_model(tmp_path, arch, cfg):
     """LAME and T3A need only the frozen model's logits and the last hidden state its CTC head

@@ -2836,6 +2836,37 @@ def test_batched_runs_on_parakeet_are_their_separate_runs(tmp_path, base):
         assert max_diff(batch.values(r), m.source) > 10 * PARAM_TOL, r
 
 
+def test_batched_cotta_on_one_frame_behind_a_strided_adapter(tmp_path):
+    """CoTTA adapts every weight, the adapter's convolution too, whose input is the encoder's
+    states transposed: on a 40 ms utterance (one frame) PyTorch's own CPU kernels stopped the
+    batch's backward ("slow_conv2d: grad_weight must be contiguous"), and a grid fell back to
+    separate runs. Now the batch gives its separate runs' transcripts, events, counts and
+    weights there and on a longer utterance, and every run's adapter weight moved."""
+    from fake_corpora import fake_speech
+    from tta_brain.lobes import testing
+    from tta_brain.lobes.hf_ctc import HFCTCLobe
+    from tta_brain.methods import build_method
+    from tta_brain.sweep import batch_for
+    model = testing.save_random_ctc_model(str(tmp_path), 0, **testing.TINY_ADAPTER)
+    wavs = [torch.from_numpy(fake_speech(s, seed=i)) for i, s in enumerate((0.04, 0.8))]
+
+    def build(lr, steps):
+        return build_method("cotta", model=HFCTCLobe(model), lr=lr, steps=steps, n_augment=2,
+                            ap_threshold=0.9)
+    cfgs = [(1e-2, 2), (3e-2, 1)]
+    seps, ms = [build(*c) for c in cfgs], [build(*c) for c in cfgs]
+    assert ms[0].lobe.model.wav2vec2.adapter is not None
+    batch = batch_for(ms[0])(ms[0].lobe, ms)
+    lockstep(batch, seps, wavs[:1])
+    conv = ms[0].param_names.index("wav2vec2.adapter.layers.0.conv.weight")
+    for r, m in enumerate(seps):
+        assert m.counts["adapt_backward"] == cfgs[r][1], m.counts
+        assert max_diff([batch.values(r)[conv]], [m.source[conv]]) > 10 * PARAM_TOL, r
+    lockstep(batch, seps, wavs[1:])
+    for r, m in enumerate(seps):
+        assert max_diff(batch.values(r), m.params) < PARAM_TOL, r
+
+
 def test_batched_sgem_lr_floor_and_negative_sampling_are_each_runs(data):
     """Batched SGEM runs that differ in their lr floor (``lr_min``: one as high as the lr, no
     annealing) and their negative sampling (weight, threshold: at SGEM's default threshold the

@@ -14,6 +14,10 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermed
             conv_dim=(16, 16, 16), conv_kernel=(10, 8, 8), conv_stride=(5, 8, 8),
             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, layerdrop=0.0,
             mask_time_prob=0.0)
+#: :data:`TINY` with one strided adapter layer after the encoder (``add_adapter``): the CTC head
+#: reads half the encoder's frames.
+TINY_ADAPTER = dict(TINY, add_adapter=True, output_hidden_size=32, adapter_stride=2,
+                    adapter_kernel_size=3, num_adapter_layers=1)
 #: facebook/wav2vec2-base-960h's config.json (architecture fields): 94.4 M parameters.
 BASE_960H = dict(
     hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,

@@ -115,6 +115,35 @@ def eager_attention(lobe):
             config._attn_implementation = attn
 
 
+@contextmanager
+def one_frame_convolutions(lobe):
+    """Meanwhile, a 1-D convolution of the lobe's model given one frame gets its input in the
+    standard strides. A transposed ``[1, C, 1]`` input (wav2vec2's strided adapter, on a
+    ~40 ms utterance) counts as both layouts, and under ``vmap`` PyTorch's own CPU kernels
+    (``cpu_native_backward``) then stopped the backward: "slow_conv2d: grad_weight must be
+    contiguous" (torch 2.11). The copy changes no value."""
+    def restride(module, args):
+        x = args[0]
+        if x.shape[-1] == 1:
+            return (x.clone(memory_format=torch.contiguous_format),) + tuple(args[1:])
+        return None
+    hooks = [m.register_forward_pre_hook(restride) for m in lobe.modules()
+             if isinstance(m, torch.nn.Conv1d)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextmanager
+def vmap_ready(lobe):
+    """The lobe's model ready for a ``vmap`` over parameter rows: :func:`eager_attention` and
+    :func:`one_frame_convolutions`."""
+    with eager_attention(lobe), one_frame_convolutions(lobe):
+        yield
+
+
 def upload(values, dtype, device) -> torch.Tensor:
     """A tensor of host ``values`` on ``device`` (:func:`to_device`)."""
     return to_device(torch.tensor(values, dtype=dtype), device)
@@ -592,7 +621,7 @@ class BatchedSUTA:
         def one(row, inputs):
             return functional_call(self.lobe, dict(zip(self.names, self.split(row))), (inputs,),
                                    kwargs)
-        with eager_attention(self.lobe):
+        with vmap_ready(self.lobe):
             return vmap(one, in_dims=(0, x_dim), randomness="same")(flat, x)
 
     def frames_of(self, samples: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -14,8 +14,8 @@ from typing import List
 import torch
 from torch.func import functional_call, vmap
 
-from tta_brain.methods.batched import (AdamRows, BatchedSUTA, eager_attention, optimizer_blocker,
-                                       tensor_lrs)
+from tta_brain.methods.batched import (AdamRows, BatchedSUTA, optimizer_blocker, tensor_lrs,
+                                       vmap_ready)
 from tta_brain.methods.cea import CEA
 
 __all__ = ["BatchedCEA"]
@@ -72,7 +72,7 @@ class BatchedCEA(BatchedSUTA):
                    if n.startswith(self.cnn_prefix)}
             feats = functional_call(self.cnn, cnn, (x,))
             return functional_call(self.lobe, params, (x,), {"features": feats}), feats
-        with eager_attention(self.lobe):
+        with vmap_ready(self.lobe):
             logits, self.feats = vmap(one, randomness="same")(flat)
         return logits
 
