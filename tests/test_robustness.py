@@ -1385,6 +1385,22 @@ def test_help_of_a_method_that_is_not_there_is_one_line(method, expected, tmp_pa
     assert str(e.value).startswith("ERROR: ") and expected in str(e.value)
 
 
+def test_the_stream_module_run_as_a_command_says_it_is_an_api():
+    """``python -m tta_brain.stream`` printed nothing and exited 0. The module is a Python API:
+    ``--help`` prints its use (the module's docstring); anything else is one line naming the
+    API and the command that decodes a manifest, exit 2."""
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "tta_brain.stream", *a], text=True,
+                              capture_output=True, timeout=120)
+    res = run("--help")
+    assert res.returncode == 0 and "TTAStream.from_hparams(" in res.stdout, res
+    for args in ((), ("--source", "x")):
+        res = run(*args)
+        err = res.stderr.strip()
+        assert res.returncode == 2 and not res.stdout and "\n" not in err, res
+        assert "Python API" in err and "python -m tta_brain.decode" in err, err
+
+
 def test_run_options_do_what_they_say_and_help_lists_the_keys(tmp_path, ok_stream, tiny_model_dir,
                                                                capsys):
     decode.main(["dsuta", "--help"])

@@ -22,6 +22,7 @@ import array
 import logging
 import os
 import re
+import sys
 import threading
 from collections import deque
 from typing import Dict, List, Optional, Union
@@ -428,3 +429,20 @@ def as_mono_float(waveform) -> torch.Tensor:
         raise ValueError(f"transcribe: expected a non-empty 1-D waveform, got shape {shape}")
     return wav
 
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m tta_brain.stream``: this module is a Python API, not a command. ``--help``
+    prints how to use it; anything else says so in one line (exit 2)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    print("tta_brain.stream is a Python API (TTAStream, in your own loop), not a command: "
+          "`python -m tta_brain.stream --help` shows its use; to decode a stream's manifest, "
+          "run `python -m tta_brain.decode`", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
