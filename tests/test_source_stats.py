@@ -219,6 +219,28 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
         capsys.readouterr().err
 
 
+def test_an_utterance_too_short_for_the_model_is_named(clean, tiny_model_dir, tmp_path,
+                                                      capsys):
+    """A clean manifest holding a file too short for the model (10 ms: no output frame) names
+    the manifest, the utterance and the file; it was the convolution's own error, which named
+    none of them ("Kernel size can't be greater than actual input size")."""
+    rows = (clean / "stream.csv").read_text().splitlines()
+    first = read_manifest(clean / "stream.csv", replacements={"data_root": str(clean)})[0]
+    sf.write(tmp_path / "short.wav", load_audio(first["wav"]).numpy()[:160], 16000)
+    short = tmp_path / "short.csv"
+    short_id, _, _, *rest = rows[2].split(",")
+    cut = ",".join([short_id, "0.01", str(tmp_path / "short.wav"), *rest])
+    short.write_text("\n".join(rows[:2] + [cut]) + "\n")
+    for kinds in ("fisher", "hidden"):
+        assert run_cli("--source", tiny_model_dir, "--manifest", short, "--data_root", clean,
+                       "--kinds", kinds, "--out", tmp_path / "x.pt") == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"ERROR: {short}: utterance {short_id}: {tmp_path / 'short.wav'}: "
+                              f"too short for the model (160 samples give no output frame)"), err
+        assert len(err.splitlines()) == 1
+    assert not (tmp_path / "x.pt").exists()
+
+
 def test_clean_rows_keep_an_utterance_exactly_max_duration_long(clean):
     """--max_duration leaves out the longer utterances: one exactly that long is used."""
     rows = read_manifest(clean / "stream.csv", replacements={"data_root": str(clean)})

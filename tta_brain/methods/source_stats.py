@@ -211,9 +211,14 @@ def compute(source: str, manifest: str, kinds: Sequence[str], data_root: str = "
     inputs = []
     for r in rows:
         try:
-            inputs.append(lobe.prepare(load_audio(r["wav"], lobe.sample_rate)))
+            wav = load_audio(r["wav"], lobe.sample_rate)
         except AudioError as e:                 # which row of which manifest, not only the file
             raise SourceStatsError(f"{manifest}: utterance {r['ID']}: {e} (--manifest)") from None
+        if int(lobe.output_lengths(torch.tensor(wav.numel()))) < 1:    # was conv1d's own error
+            raise SourceStatsError(f"{manifest}: utterance {r['ID']}: {r['wav']}: too short for "
+                                   f"the model ({wav.numel()} samples give no output frame) "
+                                   f"(--manifest)")
+        inputs.append(lobe.prepare(wav))
     options = dict(options or {})
     partial = [k for k in kinds if k in PARTIAL_KINDS]
     if partial:                 # said before any kind is computed, with the kinds it can give
