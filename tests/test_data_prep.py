@@ -1177,6 +1177,21 @@ def test_prepare_chime3_logs_the_tokens_clean_text_removes(tmp_path, caplog):
     assert not [r for r in caplog.records if "removed" in r.getMessage()]
 
 
+def test_chime3_transcripts_with_a_tab_after_the_id_keep_their_first_word(tmp_path):
+    """``<ID><TAB><TEXT>`` (a transcript saved by a spreadsheet or an editor): the ID was split
+    off at the first space, so a .trn's reference silently lost its first word and a .trn_all's
+    line was an entry for no utterance ("no transcript for ...")."""
+    for transcripts in ("trn", "trn_all"):
+        root = tmp_path / transcripts
+        refs = make_chime3(root, splits=("bus_real",), transcripts=transcripts)
+        for trn in (root / "data" / "transcriptions").rglob("*.trn*"):
+            trn.write_text("\n".join(line.replace(" ", "\t", 1)
+                                     for line in trn.read_text().splitlines()) + "\n")
+        rows = read_manifest(prepare_chime3(root, tmp_path / f"{transcripts}.csv",
+                                            splits=["bus_real"]))
+        assert {r["ID"]: r["wrd"] for r in rows} == refs
+
+
 def test_chime3_root_its_parent_odd_transcripts_and_what_the_errors_name(tmp_path, monkeypatch,
                                                                          caplog):
     """An unset location says so (the working folder, here a CHiME-3 root, is not used); the

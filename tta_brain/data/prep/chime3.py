@@ -88,8 +88,8 @@ def _read_id_text(path):
         raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); the "
                          "CHiME-3 transcripts are ASCII: is the file damaged?") from None
     for line in text.splitlines():
-        utt, _, text = line.strip().partition(" ")
-        if utt:
+        utt, text = (line.split(None, 1) + ["", ""])[:2]   # a tab after the ID too (was: the
+        if utt:                                             # ID and the first word, one key)
             out[utt] = text.strip()
     return out
 
