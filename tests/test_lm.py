@@ -130,6 +130,17 @@ def test_word_lists_and_gzipped_arpa_files_are_read_or_named(tmp_path):
         read_word_list(str(tmp_path / "no.txt"))
 
 
+def test_a_word_list_saved_with_a_byte_order_mark_reads_its_first_word(tmp_path):
+    """A word list from an editor that writes a UTF-8 BOM (Windows' Notepad), CRLF line ends:
+    its first word was read as '\\ufeffTHE', a word no hypothesis spells, so the LM scored THE
+    as out of vocabulary, silently."""
+    (tmp_path / "words.txt").write_bytes("\ufeffTHE CAT\r\nSAT\r\n".encode("utf-8"))
+    assert read_word_list(str(tmp_path / "words.txt")) == ["THE", "CAT", "SAT"]
+    with gzip.open(tmp_path / "words.txt.gz", "wb") as g:
+        g.write("\ufeffTHE\n".encode("utf-8"))
+    assert read_word_list(str(tmp_path / "words.txt.gz")) == ["THE"]
+
+
 @pytest.mark.parametrize("values,expected", [
     ({"lm_unigrams": "w.txt", "lm_path": None}, "lm_unigrams = 'w.txt' without lm_path: the word "
      "list belongs to a KenLM binary given as lm_path"),

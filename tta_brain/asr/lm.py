@@ -41,9 +41,10 @@ def _gzipped(path: str) -> bool:
 
 
 def _open_text(path: str):
-    """A text file, read through gzip when it is one (KenLM reads ``.arpa.gz`` as it is)."""
-    return (gzip.open(path, "rt", encoding="utf-8") if _gzipped(path)
-            else open(path, encoding="utf-8"))
+    """A text file, read through gzip when it is one (KenLM reads ``.arpa.gz`` as it is); a
+    UTF-8 byte order mark is no part of its first word."""
+    return (gzip.open(path, "rt", encoding="utf-8-sig") if _gzipped(path)
+            else open(path, encoding="utf-8-sig"))
 
 
 def read_word_list(path: str) -> List[str]:
