@@ -357,6 +357,29 @@ def test_custom_domain_table_from_yaml(clean_set, tmp_path):
         corrupt_manifest(manifest, tmp_path / "x", table=table, noise_dir=noise_dir)
 
 
+@pytest.mark.parametrize("text,expected", [
+    ("HUM: Typing_2\n  - bad: [\n", r": not a YAML domain table \(mapping values are not allowed "
+                                     r"here, line 2, column 8\)$"),
+    ("NO: Typing_2\n", r": domain code NO reads as the YAML boolean False: quote it "
+                       r"\('NO': \.\.\.\)$"),
+    ("HUM: 5\n", r": domain HUM: 5 is no noise file name \(a file name, or gaussian\)$"),
+    ("HUM: [Typing_2]\n", r": domain HUM: \['Typing_2'\] is no noise file name"),
+])
+def test_a_domain_table_yaml_mistake_is_one_line_naming_the_file(clean_set, tmp_path, text,
+                                                                 expected, capsys):
+    """A YAML syntax error and a file name that is no string were tracebacks (ScannerError at
+    "<unicode string>", TypeError of a path / 5); a code YAML 1.1 reads as a boolean (NO, ON,
+    YES, OFF) silently became the domain "False" / "True", folders and manifests named so."""
+    root, noise_dir, manifest = clean_set
+    table = tmp_path / "table.yaml"
+    table.write_text(text)
+    assert prepare.main(["corrupt", "--manifest", str(manifest), "--out", str(tmp_path / "c"),
+                         "--noise_dir", str(noise_dir), "--domain_table", str(table)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert re.match("^ERROR: " + re.escape(str(table)) + expected, err), err
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_fractional_snr_has_its_own_files(clean_set, tmp_path):
     """2 and 2.5 dB are two sets: neither overwrites the other's manifest or mixtures (and 2.0,
     as the command line gives it, is tagged 2)."""

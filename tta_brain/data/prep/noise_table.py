@@ -31,9 +31,24 @@ def load_domain_table(spec=None):
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"domain table not found: {path}")
-    table = yaml.safe_load(path.read_text(encoding="utf-8"))
+    text = path.read_text(encoding="utf-8")
+    try:
+        table = yaml.safe_load(text)
+    except yaml.YAMLError as e:             # was a traceback at "<unicode string>"
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        why = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ValueError(f"{path}: not a YAML domain table ({why}{where})") from None
     if not isinstance(table, dict) or not table:
         raise ValueError(f"{path}: a domain table must map domain codes to noise file names")
+    if any(isinstance(k, bool) for k in table):     # NO: ... was the domain "False"
+        code = next(k.value for k, _ in yaml.compose(text).value if k.tag.endswith(":bool"))
+        raise ValueError(f"{path}: domain code {code} reads as the YAML boolean "
+                         f"{yaml.safe_load(code)}: quote it ('{code}': ...)")
+    for code, name in table.items():
+        if name is not None and not isinstance(name, str):      # was a TypeError of a path
+            raise ValueError(f"{path}: domain {code}: {name!r} is no noise file name (a file "
+                             f"name, or gaussian)")
     return {str(k): v for k, v in table.items()}
 
 
