@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tta_brain.data.prep import synthetic
+from tta_brain.data.prep import synthetic, synthetic_noise
 from tta_brain.data.prep.tts import EspeakTTS
 
 SR = 16000
@@ -351,6 +351,25 @@ def test_noises_are_distinct_and_deterministic(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_stamp_cut_short_is_rendered_again_not_a_traceback(tmp_path):
+    """A run killed while it wrote a stamp (``json.dump`` into the stamp itself) left it cut
+    short; every rerun was then a JSONDecodeError naming no file. Such a stamp stamps nothing:
+    the noises and the corpus are rendered again, and stamped (the long test split reads its
+    stamp with the same ``read_stamp``)."""
+    noises = synthetic.make_noises(str(tmp_path / "n"), seed=5, seconds=0.5)
+    corpus = synthetic.make_corpus(str(tmp_path), n_train=0, n_test=1, seed=2,
+                                   n_train_speakers=1, n_test_speakers=1, num_workers=1)
+    base = tmp_path / "LibriSpeech"
+    stamps = [tmp_path / "n" / synthetic_noise.STAMP_NAME, base / synthetic.STAMP_NAME]
+    for stamp in stamps:
+        stamp.write_text(stamp.read_text()[:7])
+    assert synthetic.make_noises(str(tmp_path / "n"), seed=5, seconds=0.5) == noises
+    assert synthetic.make_corpus(str(tmp_path), n_train=0, n_test=1, seed=2, n_train_speakers=1,
+                                 n_test_speakers=1, num_workers=1) == json.loads(json.dumps(corpus))
+    for stamp in stamps:
+        assert json.loads(stamp.read_text())["options"]
+
+
 def test_corpus_command_renders_with_its_options_on_two_workers(tmp_path, capsys):
     synthetic.main(["corpus", "--root", str(tmp_path), "--n_train", "0", "--n_test", "4",
                     "--n_train_speakers", "3", "--n_test_speakers", "2", "--seed", "3",

@@ -34,7 +34,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import soundfile as sf
 
-from .synthetic_noise import NOISE_FILES, make_noises  # noqa: F401  (re-exported)
+from .synthetic_noise import NOISE_FILES, make_noises, read_stamp  # noqa: F401  (re-exported)
 from .synthetic_text import (VOCABULARY, SentenceGenerator, held_out_sentences,  # noqa: F401
                              make_sentence_sets)
 from .tts import in_fresh_processes
@@ -187,12 +187,9 @@ def make_corpus(root: str, n_train: int = 10000, n_test: int = 400, seed: int = 
                    train_split=train_split, test_split=test_split, num_workers=num_workers)
     base = os.path.join(root, "LibriSpeech")
     stamp_path = os.path.join(base, STAMP_NAME)
-    old = {}
-    if os.path.isfile(stamp_path):
-        with open(stamp_path) as f:
-            old = json.load(f)
-        if old.get("options") == options:
-            return old
+    old = read_stamp(stamp_path)
+    if old.get("options") == options:
+        return old
     old_options, old_stats = old.get("options") or {}, old.get("stats") or {}
     if n_train == 0 and train_split in old_stats and \
             _split_options({**old_options, "n_train": 0})[train_split] == \
@@ -251,11 +248,9 @@ def make_long_test(root: str, n_test: int = 1000, seed: int = 1, n_speakers: int
                    num_workers=num_workers)
     base = os.path.join(root, "LibriSpeech")
     stamp_path = os.path.join(base, f".{split}_stamp.json")
-    if os.path.isfile(stamp_path):
-        with open(stamp_path) as f:
-            stamp = json.load(f)
-        if stamp.get("options") == options:
-            return stamp
+    stamp = read_stamp(stamp_path)
+    if stamp.get("options") == options:
+        return stamp
     split_dir = os.path.join(base, split)
     if os.path.isdir(split_dir):
         import shutil

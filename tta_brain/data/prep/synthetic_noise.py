@@ -205,6 +205,18 @@ _NOISE_MAKERS = {
 }
 
 
+def read_stamp(path: str) -> Dict:
+    """The stamp (a JSON object) at ``path``; ``{}`` where there is none or it cannot be read
+    (cut short by a run killed while writing it: every rerun was a JSONDecodeError traceback,
+    naming no file), so that the work it stamps is done again."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            stamp = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
 def make_noises(noise_dir: str, seed: int = 1, sample_rate: int = SAMPLE_RATE,
                 seconds: float = 60.0) -> Dict[str, str]:
     """Write the synthetic noises as ``noise_dir/<file>.wav`` (float, mono) and return
@@ -215,10 +227,9 @@ def make_noises(noise_dir: str, seed: int = 1, sample_rate: int = SAMPLE_RATE,
                    files=NOISE_FILES)
     paths = {code: os.path.join(noise_dir, name) for code, name in NOISE_FILES.items()}
     stamp_path = os.path.join(noise_dir, STAMP_NAME)
-    if os.path.isfile(stamp_path) and all(os.path.isfile(p) for p in paths.values()):
-        with open(stamp_path) as f:
-            if json.load(f).get("options") == options:
-                return paths
+    if all(os.path.isfile(p) for p in paths.values()) and \
+            read_stamp(stamp_path).get("options") == options:
+        return paths
     for i, (code, maker) in enumerate(_NOISE_MAKERS.items()):
         rng = np.random.default_rng([seed, i])
         sf.write(paths[code], _normalise(maker(rng, n, sample_rate)), sample_rate,
