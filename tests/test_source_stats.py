@@ -197,6 +197,13 @@ def test_errors_are_one_line_naming_the_file(tmp_path, clean, tiny_model_dir, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"ERROR: {broken}: utterance {gone_id}: ") and "file not found" in err
     assert not (tmp_path / "x.pt").exists()
+    # a manifest without a wav column was a KeyError traceback
+    nowav = tmp_path / "nowav.csv"
+    nowav.write_text("\n".join([rows[0].replace(",wav,", ",path,")] + rows[1:3]) + "\n")
+    assert run_cli("--source", tiny_model_dir, "--manifest", nowav, "--data_root", clean,
+                   "--out", tmp_path / "x.pt") == 1
+    assert capsys.readouterr().err.strip().startswith(
+        f"ERROR: {nowav}: missing required column(s) wav (found: ID, duration, path, ")
     folder = tmp_path / "stats"          # was computed, then '[Errno 21]' and a .tmp file left
     folder.mkdir()
     with pytest.raises(SystemExit):

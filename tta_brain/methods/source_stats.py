@@ -163,10 +163,11 @@ def load(path) -> SourceStats:
 def clean_rows(manifest: str, data_root: str = "", max_utts: int = 0,
                max_duration: float = 20.0) -> List[Dict]:
     """The manifest rows :func:`compute` uses: the first ``max_utts`` (0: all) not longer than
-    ``max_duration`` seconds, in manifest order, their ``$data_root`` replaced."""
-    from tta_brain.data.manifest import read_manifest
-    rows = [r for r in read_manifest(manifest, replacements={"data_root": data_root or ""})
-            if float(r.get("duration") or 0) <= max_duration]
+    ``max_duration`` seconds, in manifest order, their ``$data_root`` replaced. A manifest
+    without a ``wav`` column is a :class:`ManifestError` naming it (it was a KeyError)."""
+    from tta_brain.data.manifest import read_with_columns
+    rows, _ = read_with_columns(manifest, ("wav",), replacements={"data_root": data_root or ""})
+    rows = [r for r in rows if float(r.get("duration") or 0) <= max_duration]
     return rows[:max_utts] if max_utts else rows
 
 
