@@ -1118,9 +1118,14 @@ def test_streams_duration_problems_and_unused_size_options(clean_set, tmp_path, 
                               domain="A" if i % 2 else "B") for i, r in enumerate(rows)])
     base = ["streams", "--manifest", str(own), "--out", str(tmp_path / "s")]
     assert prepare.main(base + ["--max_duration", "20"]) == 1
-    assert capsys.readouterr().err.strip() == (
-        f"ERROR: utterance {rows[0]['ID']}: duration '' is no number of seconds, which "
+    assert capsys.readouterr().err.strip() == (    # the manifest named (it was not)
+        f"ERROR: {own}: utterance {rows[0]['ID']}: duration '' is no number of seconds, which "
         "max_duration needs (a manifest without durations: leave max_duration out)")
+    empty = tmp_path / "empty.csv"
+    empty.write_text(own.read_text().splitlines()[0] + "\n")
+    assert prepare.main(["streams", "--manifest", str(empty), "--out", str(tmp_path / "e")]) == 1
+    assert capsys.readouterr().err.strip() == (f"ERROR: {empty}: a header but no rows (no "
+                                               f"utterance to build a stream of)")
     with caplog.at_level(logging.WARNING, logger="tta_brain.data.prep.prepare"):
         assert prepare.main(base + ["--names", "A", "B", "--per_domain", "3"]) == 0
     assert "--per_domain: no stream of A B takes it (per_domain: md_easy/md_hard streams" in \

@@ -66,7 +66,10 @@ def _load_domains(args):
     sources = {}
     if args.manifest:
         rows = read_manifest(args.manifest)
-        if rows and "domain" not in rows[0]:
+        if not rows:             # was "stream random: random_order: no utterances", no file
+            raise ValueError(f"{args.manifest}: a header but no rows (no utterance to build a "
+                             f"stream of)")
+        if "domain" not in rows[0]:
             raise ValueError(f"{args.manifest}: needs a 'domain' column for stream building")
         domain_rows = group_by_domain(rows)
         sources = {d: str(Path(args.manifest).resolve()) for d in domain_rows}
@@ -80,7 +83,12 @@ def _load_domains(args):
         for f in files:
             domain_rows[f.name[:-len(suffix)]] = read_manifest(f)
             sources[f.name[:-len(suffix)]] = str(f.resolve())
-    kept = {d: filter_by_duration(r, args.max_duration) for d, r in domain_rows.items()}
+    kept = {}
+    for d, r in domain_rows.items():
+        try:
+            kept[d] = filter_by_duration(r, args.max_duration)
+        except ValueError as e:           # which manifest (the utterance alone was named)
+            raise ValueError(f"{sources[d]}: {e}") from None
     for d in kept:
         if len(kept[d]) < len(domain_rows[d]):
             logger.info("%s: %d of %d utterances longer than %g s left out", d,
