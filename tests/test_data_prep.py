@@ -364,12 +364,15 @@ def test_custom_domain_table_from_yaml(clean_set, tmp_path):
                        r"\('NO': \.\.\.\)$"),
     ("HUM: 5\n", r": domain HUM: 5 is no noise file name \(a file name, or gaussian\)$"),
     ("HUM: [Typing_2]\n", r": domain HUM: \['Typing_2'\] is no noise file name"),
+    ("HUM: Typing_2\nWN: gaussian\nHUM: Typing_3\n", r": domain code HUM given twice$"),
+    ("1: Typing_2\n'1': Typing_3\n", r": domain code 1 given twice$"),
 ])
 def test_a_domain_table_yaml_mistake_is_one_line_naming_the_file(clean_set, tmp_path, text,
                                                                  expected, capsys):
     """A YAML syntax error and a file name that is no string were tracebacks (ScannerError at
     "<unicode string>", TypeError of a path / 5); a code YAML 1.1 reads as a boolean (NO, ON,
-    YES, OFF) silently became the domain "False" / "True", folders and manifests named so."""
+    YES, OFF) silently became the domain "False" / "True", folders and manifests named so; a
+    code given twice silently kept its last file name."""
     root, noise_dir, manifest = clean_set
     table = tmp_path / "table.yaml"
     table.write_text(text)

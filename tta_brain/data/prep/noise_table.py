@@ -41,8 +41,13 @@ def load_domain_table(spec=None):
         raise ValueError(f"{path}: not a YAML domain table ({why}{where})") from None
     if not isinstance(table, dict) or not table:
         raise ValueError(f"{path}: a domain table must map domain codes to noise file names")
+    keys = [k for k, _ in yaml.compose(text).value]
+    codes = [k.value for k in keys]
+    twice = next((c for i, c in enumerate(codes) if c in codes[:i]), None)
+    if twice is not None:                   # YAML keeps the last one, silently
+        raise ValueError(f"{path}: domain code {twice} given twice")
     if any(isinstance(k, bool) for k in table):     # NO: ... was the domain "False"
-        code = next(k.value for k, _ in yaml.compose(text).value if k.tag.endswith(":bool"))
+        code = next(k.value for k in keys if k.tag.endswith(":bool"))
         raise ValueError(f"{path}: domain code {code} reads as the YAML boolean "
                          f"{yaml.safe_load(code)}: quote it ('{code}': ...)")
     for code, name in table.items():
