@@ -938,6 +938,43 @@ def test_the_steps_plot_shows_means_and_stds_over_seeds(tmp_path, monkeypatch):
     assert [list(ln.get_ydata()) for ln in ax.lines if ln.get_linestyle() == ":"] == [[50.0, 50.0]]
 
 
+def test_curves_of_one_colour_are_told_apart_by_their_line_styles(tmp_path, monkeypatch):
+    """A tag's colour is hashed from its letters: a grid's tent_lr0.1_steps1 and
+    tent_lr0.1_steps10 (a '0' more: 48, a multiple of the 8 colours) and tent_lr0.01_steps1 get
+    one colour, and a tag run at two step counts (suta (N=1), suta (N=10)) one too; the
+    WER-difference, long-stream and steps plots drew such curves in one colour and one line
+    style, the same figure whichever was which. Pinned: each curve has its own (colour, line
+    style); the first of a colour stays solid."""
+    hashed = ["tent_lr0.1_steps1", "tent_lr0.1_steps10", "tent_lr0.01_steps1",
+              "tent_lr0.01_steps10"]
+    assert len({tags.color(t) for t in hashed}) == 1                      # the premise
+    assert tags.color("tent_lr0.1") == tags.color("tent_lr0.01")
+    make_run(tmp_path, "source", "lsc_AA", 0, 6)
+    for steps, e in ((1, 5), (10, 3)):
+        make_run(tmp_path / f"n{steps}", "suta", "lsc_AA", 1, e, hparams={"steps": steps})
+    for i, tag in enumerate(hashed):
+        make_run(tmp_path, tag, "lsc_AA", 1, i + 1, hparams={"steps": int(tag.split("steps")[1])})
+    runs = report.collect_runs(tmp_path)
+    figs = _figures(monkeypatch)
+
+    def styles(lines, labels=None):
+        lines = list(lines)
+        return {name: (ln.get_color(), ln.get_linestyle())
+                for name, ln in zip(labels or [ln.get_label() for ln in lines], lines)}
+    plots.plot_wer_difference(runs, "lsc_AA", tmp_path / "d.png", window=4)
+    drawn = styles(ln for ln in figs[-1].axes[0].lines if ln.get_label().endswith("(n=1)"))
+    assert len(drawn) == 6 and len(set(drawn.values())) == 6, drawn
+    assert drawn["suta (N=1) (n=1)"][1] == drawn["tent_lr0.01_steps1 (n=1)"][1] == "-"
+    long.plot_long(runs, "lsc_AA", tmp_path / "l.png", window=4)
+    drawn = styles(ln for ln in figs[-1].axes[0].lines if ln.get_label().endswith("(n=1)"))
+    assert len(drawn) == 7 and len(set(drawn.values())) == 7, drawn
+    plots.plot_wer_vs_steps(runs, "lsc_AA", tmp_path / "s.png")
+    bars = figs[-1].axes[0].containers                      # (errorbar: its line is unnamed)
+    drawn = styles([c.lines[0] for c in bars], [c.get_label() for c in bars])
+    assert sorted(drawn) == ["suta", "tent_lr0.01", "tent_lr0.1"]
+    assert len(set(drawn.values())) == 3, drawn
+
+
 def test_cli_prints_main_table(results, tmp_path, capsys):
     out = tmp_path / "R.md"
     rc = report.main(["--exp_dir", str(results), "--out", str(out), "--no_plots"])

@@ -247,7 +247,7 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
               metric: str = "wer") -> Optional[str]:
     """Windowed WER over position per method with shaded, labelled domain blocks and reset
     markers; RSS per run below."""
-    from tta_brain.report.plots import _save, _segments, colormap, subplots
+    from tta_brain.report.plots import _save, _segments, colormap, line_style, subplots
     sruns = [r for r in runs if r.stream == stream and r.transcripts]
     if not sruns:
         return None
@@ -267,12 +267,11 @@ def plot_long(runs: Sequence[Run], stream: str, out_png, window: int = WINDOW,
         if stop - start >= end / 60:
             ax.text((start + stop) / 2, 1.01, domain, transform=ax.get_xaxis_transform(),
                     ha="center", va="bottom", fontsize=7)
-    variants: Dict[str, int] = {}         # a method's step counts: one colour, other dashes
+    used: Dict[str, int] = {}     # a method's step counts, tags of one colour: other dashes
     for label, (curve, lruns) in _mean_curves(sruns, window).items():
         method = lruns[0].method
-        k = variants[method] = variants.get(method, -1) + 1
         ax.plot(np.arange(len(curve)), curve, color=tags.color(method), linewidth=1.2,
-                linestyle=("-", "--", ":", "-.")[k % 4], label=f"{label} (n={len(lruns)})")
+                linestyle=line_style(tags.color(method), used), label=f"{label} (n={len(lruns)})")
         if method != "source" and not method.endswith(("+fixed", "+oracle")):
             resets = sorted({p for r in lruns for p in r.resets if 0 <= p < len(curve)})
             ok = [p for p in resets if np.isfinite(curve[p])]

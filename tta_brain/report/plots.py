@@ -75,6 +75,18 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
+#: line styles of the curves of one colour in one plot, in turn: a tag's step counts, and tags
+#: whose hashed colours are one (``suta_steps1`` and ``suta_steps10``: a '0' more, 48 = 6 * 8)
+STYLES = ("-", "--", ":", "-.")
+
+
+def line_style(color: str, used: Dict[str, int]) -> str:
+    """The line style of a plot's next curve of ``color``: solid for the first of a colour, then
+    dashed, dotted, dash-dotted (``used``: the plot's curves per colour so far, updated)."""
+    k = used[color] = used.get(color, 0) + 1
+    return STYLES[(k - 1) % len(STYLES)]
+
+
 def _draw_boundaries(ax, boundaries: Sequence[int]) -> None:
     for i, b in enumerate(boundaries):
         ax.axvline(b, color="0.4", linestyle="--", linewidth=1, label="true boundary" if i == 0 else None)
@@ -142,10 +154,11 @@ def plot_wer_difference(runs: Sequence[Run], stream: str, out_png, window: int =
     sruns = [r for r in runs if r.stream == stream and r.transcripts]
     base, curves = difference_curves(sruns, stream, window, baseline)
     fig, ax = subplots(figsize=(10, 4.5))
-    drawn = 0
+    drawn, used = 0, {}
     for label, curve, group in curves:
         method = label[0]
         ax.plot(np.arange(len(curve)), curve, color=tags.color(method), linewidth=1.3,
+                linestyle=line_style(tags.color(method), used),
                 label=f"{label_text(label)} (n={len(group)})")
         drawn += 1
         if "dynamic" in method:
@@ -286,11 +299,13 @@ def plot_wer_vs_steps(runs: Sequence[Run], stream: str, out_png, baseline: str =
     if not by_method:
         return None
     fig, ax = subplots(figsize=(6.5, 4.5))
+    used: Dict[str, int] = {}
     for method in sorted(by_method, key=tags.sort_key):
         steps = sorted(by_method[method])
         stats = [aggregate(run_wer(r) for r in by_method[method][s]) for s in steps]
         ax.errorbar(steps, [m for m, _, _ in stats], yerr=[0.0 if np.isnan(sd) else sd for _, sd, _ in stats],
-                    marker="o", capsize=3, color=tags.color(method), label=method)
+                    marker="o", capsize=3, color=tags.color(method),
+                    linestyle=line_style(tags.color(method), used), label=method)
     base = [run_wer(r) for r in runs if r.stream == stream and r.method == baseline]
     if base:
         ax.axhline(aggregate(base)[0], color="0.3", linestyle=":", label=f"{baseline} (no adaptation)")
