@@ -418,6 +418,22 @@ def test_a_stream_without_domains_is_titled_by_its_name(tmp_path):
     assert rows[0] == ["Method", "AA", "own_clinic", "Avg"]             # was an empty title
 
 
+def test_a_stream_without_domains_in_segments_has_no_per_domain_table(tmp_path):
+    """One's own manifest with a segment column and no domain column: true boundaries, and every
+    domain "" (none: summary.json's per-domain rates are none for it). Its "Per-domain" table was
+    one column with an empty title beside "all", the same numbers; pinned: no such table, the
+    stream in the main table only."""
+    make_run(tmp_path, "suta", "own", 0, lambda p, dom: 2 if p < 50 else 6)
+    runs = report.collect_runs(tmp_path)
+    runs[0].transcripts = [dataclasses.replace(t, segment=t.position // 50)
+                           for t in runs[0].transcripts]
+    runs[0].summary = dataclasses.replace(runs[0].summary, boundaries=[50])
+    text = report.build_markdown(runs)
+    assert "Per-domain" not in text and "single-domain streams" not in text
+    assert table_rows(section(text, "WER (%) per method and stream")) == [
+        ["Method", "own"], ["suta", "40.0 (n=1)"]]
+
+
 def test_columns_follow_the_domain_and_stream_names(tmp_path):
     """Table 1's columns are in the order of their domains' names, not their streams' (b_AA's
     AA before a_GS's GS), and the main table's in that of the stream names, whatever order the

@@ -283,7 +283,10 @@ def build_markdown(runs: Sequence[Run], plots: Sequence[str] = (), out_dir=None,
     if domains:
         parts += [f"## {M} (%) on single-domain streams", domains]
     for s in tables.streams_of(runs):
-        if not all(tables.is_single_domain(r) for r in runs if r.stream == s):
+        sruns = [r for r in runs if r.stream == s]
+        # (a stream without domains, in segments: its one domain "" was a column without title)
+        if not all(map(tables.is_single_domain, sruns)) and \
+                any(d for r in sruns for d in tables.run_domain_wer(r)):
             parts += [f"## Per-domain {M} (%) on {s}", tables.table_breakdown(runs, s, digits)]
     resets = [(s, tables.table_resets(runs, s, window)) for s in tables.streams_of(runs)]
     if any(t for _, t in resets):
