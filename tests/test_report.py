@@ -527,6 +527,26 @@ def test_reset_table_has_a_reset_run_that_never_reset_and_cuts_long_lists(tmp_pa
     assert rows["dsuta+oracle"][2:4] == [first20, "20"]
 
 
+def test_reset_rows_of_a_method_at_two_step_counts_say_which(tmp_path, monkeypatch):
+    """dsuta+dynamic run at N=1 and N=10 with one seed: the reset table and the reset timeline
+    named both rows "dsuta+dynamic" seed 1 (the tables above say "dsuta+dynamic (N=1)"), so
+    whose resets were whose could not be read. Pinned: each row has its RESULTS.md label."""
+    for steps, resets in ((1, [205]), (10, [230, 450])):
+        make_run(tmp_path / f"n{steps}", "dsuta+dynamic", "md_easy", 1, 1, resets=resets,
+                 hparams={"steps": steps})
+    runs = report.collect_runs(tmp_path)
+    rows = table_rows(tables.table_resets(runs, "md_easy"))
+    assert [r[:3] for r in rows[1:]] == [["dsuta+dynamic (N=1)", "1", "205"],
+                                        ["dsuta+dynamic (N=10)", "1", "230, 450"]]
+    figs = _figures(monkeypatch)
+    assert plots.plot_reset_timeline(runs, "md_easy", tmp_path / "r.png")
+    ax = figs[-1].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "dsuta+dynamic (N=1) seed 1", "dsuta+dynamic (N=10) seed 1"]
+    assert [list(ln.get_xdata()) for ln in ax.lines if ln.get_marker() == "|"] == [
+        [205], [230, 450]]
+
+
 def test_espnet_table(results, written):
     _, text = written
     sec = text[text.index("### md_easy/source/0"):]

@@ -21,7 +21,8 @@ import numpy as np
 from tta_brain.report import tags  # noqa: E402
 from tta_brain.run.folder import Run  # noqa: E402
 from tta_brain.report.tables import (Label, label as metric_label, aggregate, group_runs, has_resets, label_text,  # noqa: E402
-                                     common_positions, position_counts, run_wer, steps_groups,
+                                     common_positions, method_labels, position_counts,
+                                     run_wer, steps_groups,
                                      streams_of)
 
 logger = logging.getLogger(__name__)
@@ -208,9 +209,9 @@ def plot_reset_timeline(runs: Sequence[Run], stream: str, out_png) -> Optional[s
     if not sruns:
         return None
     fig, ax = subplots(figsize=(10, 1.2 + 0.45 * len(sruns)))
-    labels = []
+    labels, names = [], method_labels(runs)     # (dsuta+dynamic (N=1): as RESULTS.md)
     for y, r in enumerate(sruns):
-        labels.append(f"{r.method} seed {r.seed}")
+        labels.append(f"{label_text(names[id(r)])} seed {r.seed}")
         ax.plot(r.resets, [y] * len(r.resets), linestyle="none", marker="|", markersize=14,
                 markeredgewidth=2, color=tags.color(r.method))
     _draw_boundaries(ax, sruns[0].boundaries)

@@ -258,11 +258,12 @@ def table_resets(runs: Sequence[Run], stream: str, window: int = 100) -> Optiona
     sruns = [r for r in runs if r.stream == stream and has_resets(r)]
     if not sruns:
         return None
-    rows = []
+    rows, labels = [], method_labels(runs)      # (dsuta+dynamic (N=1): as the tables above)
     for r in sruns:
         det = detect_boundaries(r.resets, r.boundaries, window)
         delays = list(det["detected"].values())
-        rows.append([r.method, str(r.seed), fmt_positions(r.resets), str(len(r.resets)),
+        rows.append([label_text(labels[id(r)]), str(r.seed), fmt_positions(r.resets),
+                     str(len(r.resets)),
                      f"{len(det['detected'])}/{len(r.boundaries)}", str(len(det["false"])),
                      fmt(statistics.fmean(delays), 1) if delays else "-"])
     head = (f"True boundaries (first position of a new segment): "
