@@ -547,6 +547,28 @@ def test_reset_rows_of_a_method_at_two_step_counts_say_which(tmp_path, monkeypat
         [205], [230, 450]]
 
 
+def test_lii_histograms_of_a_method_at_two_step_counts_are_apart(tmp_path, monkeypatch):
+    """dsuta+dynamic at N=1 and N=10: one LII histogram pooled both step counts' values under
+    "LII of dsuta+dynamic (n=2 runs)", where every table keeps them apart. Pinned: one
+    histogram per label, of its own run's values."""
+    for steps, value in ((1, 0.5), (10, 3.0)):
+        make_run(tmp_path / f"n{steps}", "dsuta+dynamic", "md_easy", 1, 1, resets=[300],
+                 lii=[[p, value, "construction"] for p in range(50, 100)],
+                 hparams={"steps": steps})
+    figs = _figures(monkeypatch)
+    written = plots.make_all_plots(report.collect_runs(tmp_path), tmp_path / "plots")
+    assert sorted(Path(p).name for p in written if Path(p).name.startswith("lii_")) == [
+        "lii_md_easy_dsuta_dynamic_N_1.png", "lii_md_easy_dsuta_dynamic_N_10.png"]
+    hists = {f.axes[0].get_title(): f.axes[0] for f in figs if "LII of" in f.axes[0].get_title()}
+    assert sorted(hists) == [
+        f"md_easy: LII of dsuta+dynamic (N={n}) (n=1 runs), in- vs out-of-domain" for n in (1, 10)]
+    for n, value in ((1, 0.5), (10, 3.0)):
+        [bars] = hists[f"md_easy: LII of dsuta+dynamic (N={n}) (n=1 runs), in- vs "
+                       f"out-of-domain"].containers
+        [full] = [p for p in bars.patches if p.get_height() > 0]
+        assert full.get_x() <= value <= full.get_x() + full.get_width()
+
+
 def test_espnet_table(results, written):
     _, text = written
     sec = text[text.index("### md_easy/source/0"):]

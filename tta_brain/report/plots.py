@@ -330,7 +330,7 @@ def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: 
         logger.warning("No plots: cannot create %s (%s; --plots_dir)", plots_dir,
                        e.strerror or e)
         return []
-    jobs = []
+    jobs, labels = [], method_labels(runs)
     stream_names = file_names(streams_of(runs))
     for s in streams_of(runs):
         name = stream_names[s]
@@ -339,10 +339,10 @@ def make_all_plots(runs: Sequence[Run], plots_dir, smooth: int = 100, baseline: 
         jobs.append((plot_reset_timeline, (runs, s, plots_dir / f"resets_{name}.png")))
         jobs.append((plot_wer_vs_steps, (runs, s, plots_dir / f"{metric}_vs_steps_{name}.png",
                                          baseline, metric)))
-        lii_runs: Dict[str, List[Run]] = {}
+        lii_runs: Dict[str, List[Run]] = {}     # by label: a method's step counts apart
         for r in runs:
             if r.stream == s and r.lii:
-                lii_runs.setdefault(r.method, []).append(r)
+                lii_runs.setdefault(label_text(labels[id(r)]), []).append(r)
         method_names = file_names(lii_runs)
         for method, group in sorted(lii_runs.items()):
             title = f"{s}: LII of {method} (n={len(group)} runs), in- vs out-of-domain"
