@@ -569,6 +569,24 @@ def test_lii_histograms_of_a_method_at_two_step_counts_are_apart(tmp_path, monke
         assert full.get_x() <= value <= full.get_x() + full.get_width()
 
 
+def test_every_table_labels_a_method_at_two_step_counts_alike(tmp_path):
+    """suta at N=1 on lsc_AA and at N=10 on md_easy: the main table's rows are "suta (N=1)" and
+    "suta (N=10)", but the single-domain, per-domain and efficiency tables, grouped over their
+    own streams' runs, labelled either "suta", as if no other step count had run. Pinned: the
+    labels of the main table in every table of RESULTS.md."""
+    make_run(tmp_path / "n1", "suta", "lsc_AA", 1, 3, hparams={"steps": 1})
+    make_run(tmp_path / "n10", "suta", "md_easy", 1, 2, hparams={"steps": 10})
+    runs = report.collect_runs(tmp_path)
+    text = report.build_markdown(runs)
+    assert [r[0] for r in table_rows(section(text, "WER (%) per method and stream"))] == [
+        "Method", "suta (N=1)", "suta (N=10)"]
+    assert table_rows(section(text, "WER (%) on single-domain streams"))[1] == [
+        "suta (N=1)", "30.0 (n=1)", "30.0"]
+    assert table_rows(section(text, "Per-domain WER (%) on md_easy"))[1][0] == "suta (N=10)"
+    eff = section(text, "Efficiency")
+    assert [r[0] for r in table_rows(eff) if r[0] != "Method"] == ["suta (N=1)", "suta (N=10)"]
+
+
 def test_espnet_table(results, written):
     _, text = written
     sec = text[text.index("### md_easy/source/0"):]

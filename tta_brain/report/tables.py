@@ -111,9 +111,12 @@ def _label_key(label: Label):
     return tags.sort_key(label[0]), -1 if label[1] is None else label[1]
 
 
-def group_runs(runs: Sequence[Run]) -> "OrderedDict[Label, Dict[str, List[Run]]]":
-    """label -> stream -> runs, labels in method order."""
-    labels = method_labels(runs)
+def group_runs(runs: Sequence[Run], labels: Optional[Dict[int, Label]] = None
+               ) -> "OrderedDict[Label, Dict[str, List[Run]]]":
+    """label -> stream -> runs, labels in method order; ``labels``: those of all the report's
+    runs (:func:`method_labels`), so a table of some streams labels a method as the main table
+    does (``suta (N=1)``, not ``suta``, where N=10 ran on another stream)."""
+    labels = labels or method_labels(runs)
     table = defaultdict(lambda: defaultdict(list))
     for r in runs:
         table[labels[id(r)]][r.stream].append(r)
@@ -204,7 +207,8 @@ def table_domains(runs: Sequence[Run], digits: int = 1) -> Optional[str]:
     if not columns:
         return None
     rows = []
-    for label, by in group_runs([r for r in runs if r.stream in columns]).items():
+    for label, by in group_runs([r for r in runs if r.stream in columns],
+                                method_labels(runs)).items():
         means = [aggregate(run_wer(r) for r in by.get(s, []))[0] for s in columns]
         avg = statistics.fmean(means) if all(not math.isnan(m) for m in means) else float("nan")
         rows.append([label_text(label)] + [fmt_stat([run_wer(r) for r in by.get(s, [])], digits)
@@ -219,7 +223,7 @@ def table_breakdown(runs: Sequence[Run], stream: str, digits: int = 1) -> str:
     for r in sruns:
         domains += [d for d in run_domain_wer(r) if d not in domains]
     rows = []
-    for label, by in group_runs(sruns).items():
+    for label, by in group_runs(sruns, method_labels(runs)).items():
         group = by[stream]
         cells = [fmt_stat([run_domain_wer(r).get(d, float("nan")) for r in group], digits)
                  for d in domains]
@@ -315,15 +319,14 @@ def table_efficiency(runs: Sequence[Run], stream: str, reference: str = "suta") 
     sruns = [r for r in runs if r.stream == stream]
     if not sruns:
         return None
-    stats = OrderedDict((label, efficiency_stats(by[stream]))
-                        for label, by in group_runs(sruns).items())
+    by_label = group_runs(sruns, method_labels(runs))
+    stats = OrderedDict((label, efficiency_stats(by[stream])) for label, by in by_label.items())
     # the reference's runs: its tag, else its one tagged variant (a grid's suta_steps1); of
     # several step counts, its packaged default (SUTA's N=10)
     refs = [(k, s) for k, s in stats.items() if k[0] == reference] or \
         [(k, s) for k, s in stats.items() if k[0].startswith(reference + "_")]
     if len(refs) > 1:             # the variant that ran the packaged step count, by its runs
         steps = packaged_steps(reference)
-        by_label = group_runs(sruns)
         refs = [(k, s) for k, s in refs
                 if {r.steps for r in by_label[k][stream]} == {steps} and steps is not None
                 and (k[0] == reference or tags.without_steps(k[0]) == reference)]
