@@ -184,6 +184,31 @@ def test_runs_pooled_as_seeds_that_are_not_are_named(tmp_path, caplog):
     assert "## Warnings" not in report.build_markdown(report.collect_runs(tmp_path / "snr5"))
 
 
+def test_one_experiment_under_two_labels_is_named(tmp_path):
+    """A plain decode's suta and a grid's suta_steps2 of the same settings, or two --method_tag
+    values, make one fingerprint (method, settings, seed, stream file and model alike): the same
+    run, shown as two methods' rows without a word. Now one warning names the labels and runs;
+    another seed or setting is no twin, nor a fingerprint that records no method (no
+    "structure")."""
+    for tag, seed, lr in (("suta", 0, 0.1), ("suta", 1, 0.1), ("suta_steps2", 0, 0.1),
+                          ("suta_steps2", 1, 0.1), ("suta_lr0.2", 0, 0.2)):
+        d = make_run(tmp_path, tag, "md_easy", seed, 1)
+        summary.write_summary(d, dataclasses.replace(summary.read_summary(d), fingerprint={
+            "stream_sha1": "ab", "structure": {"method": "5a"},
+            "hparams": {"seed": seed, "lr": lr, "steps": 2}}))
+    runs = report.collect_runs(tmp_path)
+    said = ("suta and suta_steps2 on md_easy: one experiment under 2 labels (runs of one "
+            "fingerprint: method, settings, seed, stream file and model: {}), shown as other "
+            "methods' rows: report it once (move the other folders out of --exp_dir)")
+    assert report.pooling_warnings(runs) == [said.format(
+        "md_easy/suta/0, md_easy/suta_steps2/0, md_easy/suta/1, md_easy/suta_steps2/1")]
+    assert report.pooling_warnings([r for r in runs if r.seed == 1 or r.method == "suta"]) == [
+        said.format("md_easy/suta/1, md_easy/suta_steps2/1")]
+    for r in runs:
+        del r.summary.fingerprint["structure"]
+    assert report.pooling_warnings(runs) == []
+
+
 def test_runs_that_scored_different_utterances_are_named(tmp_path):
     """A run that skipped utterances the others decoded (too long for its max_duration) sat in
     the stream table beside them without a word (its WER over other utterances); now a warning

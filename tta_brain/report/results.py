@@ -95,8 +95,29 @@ def pooling_warnings(runs: Sequence[Run]) -> List[str]:
     pool them as such: a seed given twice (a copy, or another SNR's folder of the same stream
     name) or fingerprints that differ in more than the seed (another stream file, model or
     setting). One line each, naming the differing keys and the runs. Then
-    :func:`stream_warnings`."""
-    return _cell_warnings(runs) + stream_warnings(runs)
+    :func:`stream_warnings`, then :func:`twin_warnings`."""
+    return _cell_warnings(runs) + stream_warnings(runs) + twin_warnings(runs)
+
+
+def twin_warnings(runs: Sequence[Run]) -> List[str]:
+    """Runs of one fingerprint (method, settings, seed, stream file and model alike: one
+    experiment) under several labels, e.g. a plain decode's ``suta`` and a grid's
+    ``suta_steps2`` of the same settings: shown as other methods' rows. One line per set of
+    labels and stream, naming the runs."""
+    labels, twins = tables.method_labels(runs), OrderedDict()
+    for r in runs:      # (one without its yaml's digests, "structure", does not say the method)
+        if (r.summary.fingerprint or {}).get("structure"):
+            key = (r.stream, json.dumps(r.summary.fingerprint, sort_keys=True))
+            twins.setdefault(key, []).append(r)
+    found = OrderedDict()
+    for (stream, _), group in twins.items():
+        names = tuple(OrderedDict((tables.label_text(labels[id(r)]), None) for r in group))
+        if len(names) > 1:
+            found.setdefault((names, stream), []).extend(group)
+    return [f"{' and '.join(names)} on {stream}: one experiment under {len(names)} labels (runs "
+            f"of one fingerprint: method, settings, seed, stream file and model: "
+            f"{_names(group)}), shown as other methods' rows: report it once (move the other "
+            f"folders out of --exp_dir)" for (names, stream), group in found.items()]
 
 
 def stream_warnings(runs: Sequence[Run]) -> List[str]:
