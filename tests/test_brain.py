@@ -372,6 +372,40 @@ def test_a_checkpoint_cut_short_is_one_line_and_the_records_are_kept(data, refer
         decode.main(run)
 
 
+def test_a_full_disk_during_a_checkpoint_save_resumes_from_the_one_before(data, reference,
+                                                                          tmp_path, monkeypatch):
+    """A save that fails part way (the disk full from the second save on: here a file size
+    limit, EFBIG, under the tiny model's ~230 kB state) stops the run; the checkpoint it was
+    writing stays incomplete (its state file is written beside it and renamed), so once there is
+    room again the rerun resumes from the complete one before it and gives the uninterrupted
+    run's records."""
+    import resource
+    from tta_brain.run import checkpoint
+    out = tmp_path / "exp"
+    run = args(data, out, *DSUTA, "--ckpt_every=3")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    real, calls = checkpoint.save, []
+
+    def save(*a):
+        calls.append(1)
+        if len(calls) == 2:          # (Python ignores SIGXFSZ: a write past it is an OSError)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, limit[1]))
+        real(*a)
+    monkeypatch.setattr(checkpoint, "save", save)
+    try:
+        with pytest.raises(OSError, match="File too large"):
+            decode.main(run)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    monkeypatch.setattr(checkpoint, "save", real)
+    saves = sorted((out / "save").glob("CKPT+*"), key=lambda d: d.stat().st_mtime)
+    assert len(saves) == 2 and not (saves[-1] / "stream.ckpt").exists()   # the one being written
+    assert not (out / "summary.json").exists()
+    decode.main(run)
+    assert "Resuming" in (out / "log.txt").read_text()
+    assert records(out) == records(reference) and summary(out) == summary(reference)
+
+
 def test_same_seed_same_transcripts_awmc_with_dropout(data, tmp_path):
     """AWMC adapts in train mode (dropout on): the seed decides the dropout masks."""
     common = ["--steps=2", "--lr=0.05", "--ckpt_every=0", "--train_mode=true"]
