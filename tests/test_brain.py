@@ -378,7 +378,8 @@ def test_a_full_disk_during_a_checkpoint_save_resumes_from_the_one_before(data, 
     limit, EFBIG, under the tiny model's ~230 kB state) stops the run; the checkpoint it was
     writing stays incomplete (its state file is written beside it and renamed), so once there is
     room again the rerun resumes from the complete one before it and gives the uninterrupted
-    run's records."""
+    run's records. The stop is one line naming the run and the file (torch.save said only
+    "unexpected pos"; a traceback)."""
     import resource
     from tta_brain.run import checkpoint
     out = tmp_path / "exp"
@@ -393,12 +394,15 @@ def test_a_full_disk_during_a_checkpoint_save_resumes_from_the_one_before(data, 
         real(*a)
     monkeypatch.setattr(checkpoint, "save", save)
     try:
-        with pytest.raises(OSError, match="File too large"):
+        with pytest.raises(SystemExit) as e:
             decode.main(run)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-    monkeypatch.setattr(checkpoint, "save", real)
     saves = sorted((out / "save").glob("CKPT+*"), key=lambda d: d.stat().st_mtime)
+    assert str(e.value) == (f"ERROR: {out}: File too large ({saves[-1] / 'stream.ckpt.tmp'}): "
+                            f"the run stopped; once there is room, the same command resumes it "
+                            f"from its last complete checkpoint")
+    monkeypatch.setattr(checkpoint, "save", real)
     assert len(saves) == 2 and not (saves[-1] / "stream.ckpt").exists()   # the one being written
     assert not (out / "summary.json").exists()
     decode.main(run)

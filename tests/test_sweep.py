@@ -775,6 +775,43 @@ def test_killed_sweep_resumes(data, tmp_path, method, cfgs):
             assert (b / name).read_text() == (s / name).read_text(), (b, name)
 
 
+def test_a_full_disk_stops_a_sweep_in_one_line_and_the_rerun_finishes_it(data, tmp_path,
+                                                                          monkeypatch):
+    """A file size limit (EFBIG, as a full disk) from the second checkpoint save on stops the
+    sweep in one line naming the file and its run (a traceback: torch.save said "unexpected
+    pos"); with room again the same command resumes it to the separate runs' records."""
+    import resource
+    from tta_brain.run import checkpoint
+    cfgs = CSUTA[:2]
+    seps = separate(data, tmp_path, "csuta", cfgs)
+    outs = [tmp_path / f"bat{i}" for i in range(2)]
+    argvs = [args(data, o, *c, "--ckpt_every=2") for o, c in zip(outs, cfgs)]
+    limit, real, calls = resource.getrlimit(resource.RLIMIT_FSIZE), checkpoint.save, []
+
+    def save(*a):
+        calls.append(1)
+        if len(calls) == 2:          # the second run's first save (its state: ~98 kB)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, limit[1]))
+        real(*a)
+    monkeypatch.setattr(checkpoint, "save", save)
+    try:
+        with pytest.raises(SystemExit) as e:
+            sweep.main([*argvs[0], "--", *argvs[1]])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    monkeypatch.setattr(checkpoint, "save", real)
+    msg = str(e.value)
+    assert re.fullmatch(r"ERROR: File too large \(" + re.escape(str(outs[1] / "save")) +
+                        r"/CKPT\+[^/]+/stream\.ckpt\.tmp\) \(run 2 of 2\): the sweep stopped; "
+                        r"once there is room, the same command resumes its runs from their "
+                        r"last complete checkpoints", msg), msg
+    assert sweep.main([*argvs[0], "--", *argvs[1]]) == 0
+    assert "Resuming" in (outs[0] / "log.txt").read_text()
+    for b, s in zip(outs, seps):
+        for name in RECORDS:
+            assert (b / name).read_text() == (s / name).read_text(), (b, name)
+
+
 def grid_args(data, exp, *extra):
     return ["--exp_dir", str(exp), "--source", data["model"], "--data_root", str(data["root"]),
             "--streams", f"s={data['csv']}", "--methods", "suta csuta+fixed", "--seeds", "0",

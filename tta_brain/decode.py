@@ -19,6 +19,7 @@ process on the same folder stops at once naming the holder. The run's fingerprin
 skipped, an interrupted one resumed; a folder holding a run with another fingerprint is refused
 (the message lists the keys that differ) unless ``--overwrite`` is given.
 """
+import errno
 import json
 import logging
 import os
@@ -50,6 +51,10 @@ logger = logging.getLogger("tta_brain.decode")     # one name, imported or run w
 # torch.compile's kernel cache takes a file lock per kernel: its DEBUG lines (hundreds for a tiny
 # model) filled log.txt, which SpeechBrain writes at DEBUG
 logging.getLogger("filelock").setLevel(logging.WARNING)
+
+
+#: the errors of a full disk, a file size limit and a full quota
+NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def _fail(message):
@@ -281,6 +286,10 @@ def main(argv=None):
     except BaseException as e:   # a crash's traceback in log.txt: SpeechBrain's excepthook logs
         if not isinstance(e, SystemExit):   # it there only while the run's handler is attached
             log_to_files("Exception:", sys.exc_info())
+        if isinstance(e, OSError) and e.errno in NO_ROOM:
+            _fail(f"{p.out}: {e.strerror}{f' ({e.filename})' if e.filename else ''}: the run "
+                  f"stopped; once there is room, the same command resumes it from its last "
+                  f"complete checkpoint")
         raise
     finally:
         close_run_log(p.out)

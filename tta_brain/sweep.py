@@ -288,6 +288,11 @@ def _run(todo, numbers, total):
         if not isinstance(e, SystemExit):   # runs' outside one), before the handlers close
             with logs.run(logs.failed):
                 decode.log_to_files("Exception:", sys.exc_info())
+        if isinstance(e, OSError) and e.errno in decode.NO_ROOM:
+            run = "" if logs.failed is None else _which(numbers[logs.failed], total)
+            decode._fail(f"{e.strerror}{f' ({e.filename})' if e.filename else ''}{run}: the "
+                         f"sweep stopped; once there is room, the same command resumes its runs "
+                         f"from their last complete checkpoints")
         raise
     finally:
         logs.close()

@@ -85,10 +85,13 @@ class StreamState:
               "numerics": list(self.numerics)}
         path = Path(path)
         with replaced_when_written(path, path.with_name(path.name + ".tmp")) as tmp:
-            with open(tmp, "wb") as f:
-                torch.save(sd, f)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(tmp, "wb") as f:
+                    save_to(sd, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:            # (the close's flush may fail again: name the file)
+                raise OSError(e.errno, e.strerror, str(tmp)) from None
 
     @mark_as_loader
     def _load(self, path, end_of_epoch=False):
@@ -161,6 +164,35 @@ def checkpoint_files(folder) -> List[Path]:
     """The state files of ``folder``'s complete checkpoints (``save/CKPT+*/stream.ckpt``; one
     being written has its ``.tmp`` name), oldest first."""
     return sorted(Path(folder).glob(f"save/CKPT+*/{STATE_FILE}"))
+
+
+class _KeptError:
+    """File ``f``'s writes, the OSError of a failed one kept (for :func:`save_to`)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
+def save_to(obj, f) -> None:
+    """``torch.save(obj, f)`` into open file ``f``. A failed write (a full disk, a file size
+    limit) is its OSError: torch.save says only "unexpected pos" (a RuntimeError)."""
+    writes = _KeptError(f)
+    try:
+        torch.save(obj, writes)
+    except RuntimeError:
+        if writes.error is None:
+            raise
+        raise writes.error from None
 
 
 def saved_fingerprint(folder) -> Optional[Dict]:
