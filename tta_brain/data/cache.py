@@ -68,6 +68,37 @@ def replaced_when_written(path, tmp):
         raise
 
 
+class _KeptError:
+    """File ``f``'s writes, the OSError of a failed one kept (for :func:`save_to`)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
+def save_to(obj, f) -> None:
+    """``torch.save(obj, f)`` into open file ``f`` (the run checkpoints). A failed write (a full
+    disk, a file size limit) is its OSError: torch.save says only "unexpected pos" (a
+    RuntimeError)."""
+    import torch
+    writes = _KeptError(f)
+    try:
+        torch.save(obj, writes)
+    except RuntimeError:
+        if writes.error is None:
+            raise
+        raise writes.error from None
+
+
 def save_torch(obj, path) -> None:
     """``torch.save`` to ``path`` atomically (a temporary file beside it, then a rename). A folder
     at ``path``, a missing parent or a failed write is an ``OSError`` naming ``path``, and the
@@ -84,7 +115,8 @@ def save_torch(obj, path) -> None:
     _remove_stale_temporaries(path)
     try:
         with replaced_when_written(path, tmp):
-            torch.save(obj, tmp)
+            torch.save(obj, tmp)    # (a path, not save_to: its zip names its members after
+            #                         the file, so the bytes, and the sha1 fingerprints, stay)
     except (OSError, RuntimeError) as e:      # not writable, a full disk (torch: RuntimeError)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise OSError(getattr(e, "errno", None) or errno.EIO, why, path) from None

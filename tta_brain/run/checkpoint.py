@@ -19,7 +19,7 @@ from tta_brain import quirks  # noqa: F401  (first: SpeechBrain without its torc
 from speechbrain.utils.checkpoints import (mark_as_loader, mark_as_saver,
                                           register_checkpoint_hooks)
 
-from tta_brain.data.cache import damaged_zip, replaced_when_written
+from tta_brain.data.cache import damaged_zip, replaced_when_written, save_to
 from tta_brain.run import identity
 from tta_brain.run.envinfo import numerics
 
@@ -164,35 +164,6 @@ def checkpoint_files(folder) -> List[Path]:
     """The state files of ``folder``'s complete checkpoints (``save/CKPT+*/stream.ckpt``; one
     being written has its ``.tmp`` name), oldest first."""
     return sorted(Path(folder).glob(f"save/CKPT+*/{STATE_FILE}"))
-
-
-class _KeptError:
-    """File ``f``'s writes, the OSError of a failed one kept (for :func:`save_to`)."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return self.f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self):
-        self.f.flush()
-
-
-def save_to(obj, f) -> None:
-    """``torch.save(obj, f)`` into open file ``f``. A failed write (a full disk, a file size
-    limit) is its OSError: torch.save says only "unexpected pos" (a RuntimeError)."""
-    writes = _KeptError(f)
-    try:
-        torch.save(obj, writes)
-    except RuntimeError:
-        if writes.error is None:
-            raise
-        raise writes.error from None
 
 
 def saved_fingerprint(folder) -> Optional[Dict]:
