@@ -158,8 +158,11 @@ def test_compare_runs_never_reads_nothing_as_the_same(tmp_path, capsys):
     assert "nothing to compare" in capsys.readouterr().err
     (a / "s" / "suta" / "summary.json").write_text("{}")
     assert compare_runs.main([str(a), str(b)]) == 1                # one side only: missing
-    assert f"s/suta: only under {a}" in capsys.readouterr().out
-    (b / "s" / "suta").mkdir(parents=True)                        # was json's traceback
+    assert f"s/suta: only under {a}\n" in capsys.readouterr().out
+    (b / "s" / "suta").mkdir(parents=True)     # unfinished there (was said as if missing)
+    assert compare_runs.main([str(a), str(b)]) == 1
+    assert f"s/suta: only under {a} (under {b}: unfinished, no summary.json)\n" in (
+        capsys.readouterr().out)                                    # was json's traceback
     (b / "s" / "suta" / "summary.json").write_text('{"method": "su')
     assert compare_runs.main([str(a), str(b)]) == 1
     out = capsys.readouterr().out

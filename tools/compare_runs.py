@@ -7,9 +7,9 @@ Used to check that a refactoring changed no result (bit for bit on CPU)::
 
     python tools/compare_runs.py /tmp/exp_before /tmp/exp_after
 
-Prints one line per folder (``same`` or what differs, with the first differing row) and exits
-with 1 if anything differs or a folder is missing on one side, 2 if a root is not a directory
-or neither holds a run folder.
+Prints one line per folder (``same``, what differs, with the first differing row, or on which
+side alone it finished) and exits with 1 if anything differs or a folder is missing or
+unfinished on one side, 2 if a root is not a directory or neither holds a run folder.
 """
 import argparse
 import csv
@@ -56,9 +56,11 @@ def compare(a: Path, b: Path):
             if ra is None or rb is None:
                 diffs.append(f"{name}: missing on one side")
                 continue
-            first = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+            first = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y),
+                         min(len(ra), len(rb)))
             diffs.append(f"{name}: {len(ra)} vs {len(rb)} rows, first difference at row {first}: "
-                         f"{ra[first] if first < len(ra) else '-'} != {rb[first] if first < len(rb) else '-'}")
+                         f"{ra[first] if first < len(ra) else '-'} != "
+                         f"{rb[first] if first < len(rb) else '-'}")
     try:                      # through the module that owns the file (an unreadable one: a line)
         sa, sb = read_summary(a), read_summary(b)
     except RecordError as e:
@@ -86,7 +88,11 @@ def main(argv=None) -> int:
     bad = 0
     for name in sorted(set(ra) | set(rb)):
         if name not in ra or name not in rb:
-            print(f"{name}: only under {args.root_a if name in ra else args.root_b}")
+            has, lacks = ((args.root_a, args.root_b) if name in ra else
+                          (args.root_b, args.root_a))
+            unfinished = (lacks / name).is_dir()     # a run killed, or still running, there
+            print(f"{name}: only under {has}" + (f" (under {lacks}: unfinished, no summary.json)"
+                                                 if unfinished else ""))
             bad += 1
             continue
         diffs = compare(ra[name], rb[name])
