@@ -268,3 +268,20 @@ def test_a_range_given_upside_down_is_refused():
         hparams.resolve("sgem", dict(sgem, lr=1e-5))
     assert hparams.resolve("sgem", dict(sgem, lr=2e-5)).values["lr_min"] == 2e-5
     assert hparams.resolve("sgem", dict(sgem, lr=1e-5, lr_min=1e-6)).values["lr"] == 1e-5
+
+
+def test_a_packaged_method_included_without_its_blocks_names_them(tmp_path):
+    """``include: [suta]`` (a method yaml, to override a key of it) took suta.yaml without the
+    ``run`` block its own include line names (includes are not followed), and was refused as
+    ``Override 'source' not found``; now one line naming the block to list. ``[run, suta]``
+    composes as before, suta's own ``include`` line left inert."""
+    own = tmp_path / "own.yaml"
+    own.write_text("include: [suta]\nsteps: 1\n")
+    with pytest.raises(hparams.HparamsError, match=re.escape(
+            "own.yaml: include 'suta' (suta.yaml) includes run itself; includes are not "
+            "followed: list it in this file's include line (include: [run, suta])")):
+        hparams.resolve(own, {"source": "m", "stream_csv": "s.csv", "output_folder": "o"})
+    own.write_text("include: [run, suta]\nsteps: 1\n")
+    values = hparams.resolve(own, {"source": "m", "stream_csv": "s.csv",
+                                   "output_folder": "o"}).values
+    assert values["steps"] == 1 and values["seed"] == 0

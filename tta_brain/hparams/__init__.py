@@ -90,7 +90,17 @@ def composed_lines(path: PathLike) -> List[Tuple[str, Path, int]]:
         if not block.is_file():
             raise HparamsError(f"{path}: include '{name}' not found (blocks: {', '.join(BLOCKS)}, "
                                f"or a .yaml path relative to {path.parent})")
-        lines = block.read_text(encoding="utf-8").splitlines()
+        block_text = block.read_text(encoding="utf-8")
+        inner = _INCLUDE.search(block_text)         # (not followed: its blocks must be listed)
+        missing = [n.strip() for n in (inner.group(1).strip("[]").split(",") if inner else [])
+                   if n.strip() and n.strip() not in names]
+        if missing:
+            listed = ", ".join(missing + names)
+            raise HparamsError(f"{path}: include '{name}' ({block.name}) includes "
+                               f"{', '.join(missing)} itself; includes are not followed: list "
+                               f"{'it' if len(missing) == 1 else 'them'} in this file's include "
+                               f"line (include: [{listed}])")
+        lines = block_text.splitlines()
         out += [("", block, 0)] if out else []                  # a blank line between blocks
         out.append((f"# ---- {name} (from {block.name})", block, 0))
         out += [(lines[i], block, i + 1) for key, idx in _entries(lines) if key not in mine
