@@ -274,7 +274,7 @@ def test_a_packaged_method_included_without_its_blocks_names_them(tmp_path):
     """``include: [suta]`` (a method yaml, to override a key of it) took suta.yaml without the
     ``run`` block its own include line names (includes are not followed), and was refused as
     ``Override 'source' not found``; now one line naming the block to list. ``[run, suta]``
-    composes as before, suta's own ``include`` line left inert."""
+    composes as before, suta's own ``include`` line left inert and out of ``--help``."""
     own = tmp_path / "own.yaml"
     own.write_text("include: [suta]\nsteps: 1\n")
     with pytest.raises(hparams.HparamsError, match=re.escape(
@@ -285,3 +285,7 @@ def test_a_packaged_method_included_without_its_blocks_names_them(tmp_path):
     values = hparams.resolve(own, {"source": "m", "stream_csv": "s.csv",
                                    "output_folder": "o"}).values
     assert values["steps"] == 1 and values["seed"] == 0
+    # suta's own include line, left in, is no key: --help listed --include (an override of it
+    # is refused: nothing reads it)
+    described = [k for k, _, _ in hparams.describe(own)]
+    assert "steps" in described and "seed" in described and "include" not in described

@@ -328,8 +328,8 @@ def describe(name_or_path: PathLike) -> List[Tuple[str, str, str]]:
     out = []
     for line in compose(path).splitlines():
         m = re.match(r"^([A-Za-z_]\w*):[ \t]*([^#\n]*?)[ \t]*(?:#[ \t]*(.*))?$", line)
-        if not m or m.group(1).startswith("__"):
-            continue
+        if not m or m.group(1).startswith("__") or m.group(1) == "include":
+            continue            # (include: an included method yaml's own line, no key to set)
         if m.group(2).startswith("!"):
             if m.group(2) == "!PLACEHOLDER":
                 out.append((m.group(1), "(required)", m.group(3) or ""))
