@@ -1021,6 +1021,34 @@ def test_every_free_method_runs_through_the_stream_api(setup, tmp_path, name):
     assert stream.counts["adapt_backward"] == 0
 
 
+
+@pytest.mark.parametrize("name,saved,other", [("foa", {"n_prompts": 3}, {"n_prompts": 2}),
+                                              ("foa", {"popsize": 6}, {"popsize": 8}),
+                                              ("ebats", {"popsize": 6}, {"popsize": 9})])
+def test_a_stream_state_of_another_search_is_refused(setup, tmp_path, name, saved, other):
+    """A CMA-ES method adapts no tensor, so a live stream's identity could not tell a state
+    searched with other ``n_prompts`` or ``popsize`` from its own: the load was taken, said
+    "continuing with this stream's: popsize 6 -> 8" and went on with the file's population (or,
+    for another prompt count, stopped the next transcribe with a reshape RuntimeError). Now one
+    line names the difference and the stream is left as it was."""
+    from tta_brain.stream import StreamStateError, TTAStream
+    small = {"source_stats": str(setup["stats"]), "generations": 2} if name == "ebats" else {
+        "source_stats": str(setup["stats"]), "popsize": 6}
+    stream = TTAStream.from_hparams(name, source=setup["model"], overrides={**small, **saved})
+    stream.transcribe(wavs(1)[0])
+    stream.save(tmp_path / "state.pt")
+    fresh = TTAStream.from_hparams(name, source=setup["model"], overrides={**small, **other})
+    es = fresh.method.es
+    with pytest.raises(StreamStateError, match=re.escape(
+            f"{tmp_path / 'state.pt'}: does not fit this stream's {name} (ValueError: {name}: "
+            f"the state's CMA-ES search has dimension {stream.method.dim} and population "
+            f"{stream.method.popsize}, this method's {fresh.method.dim} and "
+            f"{fresh.method.popsize})")):
+        fresh.load(tmp_path / "state.pt")
+    assert fresh.method.es is es and fresh.position == 0 and fresh.method.t == 0
+    assert fresh.transcribe(wavs(1)[0]) == TTAStream.from_hparams(
+        name, source=setup["model"], overrides={**small, **other}).transcribe(wavs(1)[0])
+
 @pytest.mark.slow
 def test_speed_benchmark_population_modes_agree():
     import bench_speed

@@ -22,7 +22,7 @@ from tta_brain.methods import losses
 from tta_brain.methods.activation_stats import (confidence_weight, layer_means, load_stats,
                                                 mean_alignment, token_alignment,
                                                 token_frames_blocker)
-from tta_brain.methods.free import EarlyStop, FreeMethod, make_es, tell
+from tta_brain.methods.free import EarlyStop, FreeMethod, check_search, make_es, tell
 from tta_brain.methods.registry import register
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class EBATS(FreeMethod):
         return {"es": self.es, "ema": self.ema, "best": self.best}
 
     def load_free_state(self, state):
+        check_search(self.name, state["es"], self.dim, self.popsize)
         self.es, self.ema, self.best = state["es"], state["ema"], state["best"]
 
     def center(self):

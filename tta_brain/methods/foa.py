@@ -20,7 +20,7 @@ import torch
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods import losses
 from tta_brain.methods.activation_stats import layer_means, load_stats, mean_alignment
-from tta_brain.methods.free import FreeMethod, make_es, tell
+from tta_brain.methods.free import FreeMethod, check_search, make_es, tell
 from tta_brain.methods.registry import register
 
 
@@ -55,6 +55,7 @@ class FOA(FreeMethod):
         return {"es": self.es, "best": self.best_prompt, "hist": self.hist}
 
     def load_free_state(self, state):
+        check_search(self.name, state["es"], self.dim, self.popsize)
         self.es, self.best_prompt, self.hist = state["es"], state["best"], state["hist"]
 
     def center(self):

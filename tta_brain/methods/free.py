@@ -38,7 +38,7 @@ import torch
 from tta_brain.lobes.partial import PartialForward
 from tta_brain.methods.base import TTAMethod
 
-__all__ = ["FreeMethod", "make_es", "tell", "EarlyStop", "drive"]
+__all__ = ["FreeMethod", "make_es", "check_search", "tell", "EarlyStop", "drive"]
 
 
 def make_es(x0, sigma0: float, popsize: int, seed: int):
@@ -48,6 +48,15 @@ def make_es(x0, sigma0: float, popsize: int, seed: int):
     opts = {"seed": np.nan, "randn": np.random.RandomState(int(seed)).randn, "popsize": int(popsize),
             "maxiter": float("inf"), "verbose": -9, "CMA_diagonal": False}
     return cma.CMAEvolutionStrategy(np.asarray(x0, dtype=float), float(sigma0), opts)
+
+
+def check_search(name: str, es, dim: int, popsize: int) -> None:
+    """A loaded CMA-ES search ``es`` must be the method's: ``dim`` values, ``popsize`` candidates
+    (a ValueError saying both; a stream state of other ``n_prompts`` or ``popsize`` was taken, as
+    adapted tensors there are none to tell them apart)."""
+    if (es.N, es.popsize) != (dim, popsize):
+        raise ValueError(f"{name}: the state's CMA-ES search has dimension {es.N} and population "
+                         f"{es.popsize}, this method's {dim} and {popsize}")
 
 
 def tell(es, candidates, fitness: torch.Tensor) -> None:
