@@ -1989,6 +1989,37 @@ def test_live_stream_state_of_a_hub_model_matches_by_commit(tmp_path, tiny_model
     assert stream.position == 1
 
 
+
+def test_live_stream_state_names_the_model_it_loaded(tmp_path, tiny_model_dir, utterances):
+    """A local source counts by the files the stream loaded its model from: the directory's
+    files replaced by another checkpoint (a deployment updating ``models/current``) while the
+    stream ran on the loaded weights made save record the new model (a fresh stream on it took
+    the state adapted from the old one) and load refuse the stream's own state; the directory
+    moved away made it a hub name. Now both name the loaded model."""
+    import shutil
+    from conftest import save_ctc_model
+    from tta_brain.stream import StreamStateError, TTAStream
+    current = tmp_path / "current"
+    shutil.copytree(tiny_model_dir, current)
+    stream = TTAStream.from_hparams("suta", source=current, overrides={"steps": 1})
+    stream.transcribe(utterances[0])
+    loaded = stream.identity()["source"]
+    assert loaded.startswith("sha1:")
+    stream.save(tmp_path / "before.pt")
+    save_ctc_model(current, seed=1)                      # another checkpoint in its place
+    stream.transcribe(utterances[1])
+    stream.save(tmp_path / "after.pt")
+    assert torch.load(tmp_path / "after.pt", weights_only=False)["identity"]["source"] == loaded
+    stream.load(tmp_path / "before.pt")
+    assert stream.position == 1
+    other = TTAStream.from_hparams("suta", source=current, overrides={"steps": 1})
+    with pytest.raises(StreamStateError, match=re.escape(f"source '{loaded}' (file) != 'sha1:")):
+        other.load(tmp_path / "after.pt")
+    shutil.move(current, tmp_path / "moved")
+    assert stream.identity()["source"] == loaded
+    stream.load(tmp_path / "after.pt")
+    assert stream.position == 2
+
 # ----------------------------------------------------------------------------- one's own manifest
 def _without(src, dst, column, **set_values):
     with open(src, newline="") as f:

@@ -83,6 +83,13 @@ class TTAStream:
                              f"{lii_history!r}")
         self._lii = deque(maxlen=lii_history)
         self._lock = threading.RLock()      # one utterance at a time: the state is one sequence
+        # a local model directory's identity is that of the files the model was loaded from: a
+        # directory moved, or its files replaced by another checkpoint while the stream runs on
+        # the loaded weights, made save record (and load check) what was there at that time
+        self._loaded_source = None
+        if source and os.path.isdir(source):
+            from tta_brain.data.cache import source_identity
+            self._loaded_source = (source, source_identity(source))
 
     # _NORMAL_TENSORS: building, loading and resetting under the caller's torch.inference_mode()
     # made the weights, optimiser moments or loaded state inference tensors, which the next
@@ -218,9 +225,9 @@ class TTAStream:
         dynamic one's schedule too: its construction stage, K utterances, fits the Gaussian at
         one position; a state saved before that position with a larger K, loaded with a smaller
         one, had passed it and never tested again), the source model (by content, ``None`` when
-        unknown), its language (``target_lang``: the adapter and vocabulary of an MMS
-        checkpoint; ``None`` for a model without language adapters) and the adapted tensors'
-        shapes."""
+        unknown; a local directory's as the stream loaded it), its language (``target_lang``:
+        the adapter and vocabulary of an MMS checkpoint; ``None`` for a model without language
+        adapters) and the adapted tensors' shapes."""
         from tta_brain.data.cache import source_identity
         policy = getattr(self.method, "reset_policy", None)
         schedule = (f"K {policy.K}, lii_count {policy.lii_count}"
@@ -228,7 +235,9 @@ class TTAStream:
         return {"method": getattr(self.method, "name", type(self.method).__name__),
                 "reset": getattr(policy, "name", "none") if policy is not None else "none",
                 "reset_schedule": schedule,
-                "source": source_identity(self.source) if self.source else None,
+                "source": (self._loaded_source[1] if self._loaded_source is not None
+                           and self._loaded_source[0] == self.source
+                           else source_identity(self.source) if self.source else None),
                 "target_lang": getattr(getattr(self.method, "lobe", None), "target_lang", None),
                 "adapted": [list(p.shape) for p in getattr(self.method, "params", None) or []]}
 
