@@ -455,6 +455,21 @@ def test_a_reset_tag_is_checked_before_anything_runs(data, tmp_path):
     assert runs[0].argv[-1] == "--method_tag=suta+mine"       # its yaml says suta: see below
 
 
+def test_an_own_yaml_with_a_bad_include_line_is_one_line(data, tmp_path):
+    """An own yaml (``--hparams_dir``) whose include line names no block stopped the grid with
+    the HparamsError's traceback (the grid reads every yaml's keys as it plans); now the one
+    line decode gives, before any folder is written."""
+    own = tmp_path / "hp"
+    own.mkdir()
+    (own / "suta.yaml").write_text("include: [nosuch]\nsteps: 1\n")
+    exp = tmp_path / "exp"
+    with pytest.raises(SystemExit) as e:
+        grid.main(grid_argv(data, exp, "suta", "0", "--hparams_dir", str(own), "--dry_run"))
+    assert str(e.value) == (f"ERROR: {own / 'suta.yaml'}: include 'nosuch' not found (blocks: "
+                            f"run, reset, or a .yaml path relative to {own})")
+    assert not exp.exists()
+
+
 def test_a_yaml_of_ones_own_is_reported_by_its_token(data, tmp_path):
     """A copy of a packaged yaml under another name (``mycsuta.yaml``: its method_tag says
     csuta) had its folder named ``mycsuta`` while its runs were labelled csuta: the report pooled

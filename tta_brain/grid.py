@@ -848,7 +848,11 @@ def main(argv=None) -> int:
         logging.getLogger("tta_brain.grid").info(
             "%s asks for GPUs: the runs decode on cuda (a slurm.yaml without GPUs for the CPU)",
             args.slurm_conf)
-    runs = plan_runs(args, cuda=cuda)
+    from tta_brain import hparams
+    try:
+        runs = plan_runs(args, cuda=cuda)
+    except hparams.HparamsError as e:     # an own yaml's include line (its keys are read here)
+        raise SystemExit(f"ERROR: {e}") from None
     for yaml in dict.fromkeys(r.argv[0] for r in runs):   # once a yaml, not a failure per run
         why = yaml_method_problem(yaml)
         if why:
