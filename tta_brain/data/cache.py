@@ -84,6 +84,9 @@ class _KeptError:
     def flush(self):
         self.f.flush()
 
+    def __getattr__(self, name):            # the rest is the file's (seek, tell, truncate, ...)
+        return getattr(self.f, name)
+
 
 def save_to(obj, f) -> None:
     """``torch.save(obj, f)`` into open file ``f`` (the run checkpoints). A failed write (a full
